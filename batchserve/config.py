@@ -1,0 +1,164 @@
+"""Configuration dataclasses. Validated once, at the edge; the rest of the engine trusts them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict", "static")
+SCHEDULING_ORDERS = ("fcfs", "priority", "shortest_first")
+PREEMPTION_MODES = ("recompute", "swap")
+TRUNCATIONS = ("error", "left", "right")
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_size: int = 64  # sequences in one forward pass
+    max_num_tokens: int = 2048  # tokens in one forward pass (prefill chunks + decode tokens)
+    scheduler_policy: str = "max_utilization"
+    scheduling_order: str = "fcfs"
+    max_wait_s: float = 10.0  # shortest_first: a request older than this is served ahead of newer ones
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    max_model_len: int | None = None  # None: the model's context length
+    max_input_len: int | None = None  # None: max_model_len - 1
+    truncation: str = "error"  # what to do with a prompt over max_input_len
+    max_waiting_requests: int | None = None  # None: unbounded waiting queue
+
+    def validate(self) -> None:
+        _require(self.max_batch_size >= 1, "max_batch_size must be >= 1")
+        _require(self.max_num_tokens >= 1, "max_num_tokens must be >= 1")
+        _require(self.scheduler_policy in SCHEDULER_POLICIES, f"scheduler_policy must be one of {SCHEDULER_POLICIES}")
+        _require(self.scheduling_order in SCHEDULING_ORDERS, f"scheduling_order must be one of {SCHEDULING_ORDERS}")
+        _require(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode must be one of {PREEMPTION_MODES}")
+        _require(self.truncation in TRUNCATIONS, f"truncation must be one of {TRUNCATIONS}")
+        _require(self.max_wait_s >= 0, "max_wait_s must be >= 0")
+        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        _require(self.max_input_len is None or self.max_input_len >= 1, "max_input_len must be >= 1")
+        _require(
+            self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"
+        )
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            _require(
+                self.max_num_tokens >= self.max_model_len,
+                "without chunked prefill max_num_tokens must hold a whole prompt (>= max_model_len)",
+            )
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_fraction
+    kv_cache_memory_fraction: float | None = None  # of memory free after the weights; None: 0.9 GPU, 0.25 CPU
+    enable_prefix_caching: bool = True
+    swap_space_gb: float = 1.0  # host memory for swapped-out blocks (preemption_mode="swap")
+    num_swap_blocks: int | None = None  # None: sized from swap_space_gb
+
+    def validate(self) -> None:
+        _require(8 <= self.block_size <= 128, "block_size must be in [8, 128]")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
+        _require(
+            self.kv_cache_memory_fraction is None or 0.0 < self.kv_cache_memory_fraction <= 1.0,
+            "kv_cache_memory_fraction must be in (0, 1]",
+        )
+        _require(self.swap_space_gb >= 0, "swap_space_gb must be >= 0")
+        _require(self.num_swap_blocks is None or self.num_swap_blocks >= 0, "num_swap_blocks must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    """Shapes of a Llama-family decoder, read from a HF config.json or GGUF metadata."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # HF's rope_scaling dict (llama3 / linear), None for plain RoPE
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has a bias on q/k/v
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    architecture: str = "llama"
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory, .gguf file, or None for the default SmolLM2
+    tokenizer: str | None = None  # None: from the model
+    dtype: str = "float32"
+    device: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def validate(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
+        _require(self.device in DEVICES, f"device must be one of {DEVICES}")
+        self.scheduler.validate()
+        self.cache.validate()
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Build from flat keyword options (LLM(...), CLI flags, a JSON config file); unknown keys are an error."""
+        options = {ALIASES.get(key, key): value for key, value in options.items()}
+        engine_keys = {f.name for f in dataclasses.fields(cls)} - {"scheduler", "cache"}
+        scheduler_keys = {f.name for f in dataclasses.fields(SchedulerConfig)}
+        cache_keys = {f.name for f in dataclasses.fields(CacheConfig)}
+        unknown = set(options) - engine_keys - scheduler_keys - cache_keys
+        _require(not unknown, f"unknown option(s): {', '.join(sorted(unknown))}")
+        config = cls(
+            **{k: v for k, v in options.items() if k in engine_keys},
+            scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in scheduler_keys}),
+            cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_keys}),
+        )
+        config.validate()
+        return config
+
+    @classmethod
+    def from_json_file(cls, path: str | Path, **overrides: Any) -> EngineConfig:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        _require(isinstance(data, dict), f"config file {path} must hold a JSON object")
+        data = {ALIASES.get(key, key): value for key, value in data.items()}
+        data.update({ALIASES.get(key, key): value for key, value in overrides.items()})
+        return cls.from_options(**data)
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        flat = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("scheduler", "cache")}
+        flat.update(dataclasses.asdict(self.scheduler))
+        flat.update(dataclasses.asdict(self.cache))
+        return flat
+
+
+# Names TensorRT-LLM users know, mapped onto ours.
+ALIASES = {
+    "kv_cache_free_gpu_memory_fraction": "kv_cache_memory_fraction",
+    "enable_kv_cache_reuse": "enable_prefix_caching",
+    "kv_cache_reuse": "enable_prefix_caching",
+    "tokens_per_block": "block_size",
+    "max_num_seqs": "max_batch_size",
+    "max_num_batched_tokens": "max_num_tokens",
+}

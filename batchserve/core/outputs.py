@@ -1,0 +1,81 @@
+"""The only contract between the scheduler and the worker: plain dataclasses, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchserve.request import FinishReason
+from batchserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has no state for: first admission, or resumed after a recompute preemption."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + tokens generated before a preemption
+    num_prompt_tokens: int  # token_ids[:num_prompt_tokens] is the prompt (penalties tell the two apart)
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table
+    num_computed_tokens: int  # K/V already in the cache (prefix-cache hit or swapped-in)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the worker already holds: only what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]  # appended to its block table
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # req_id -> tokens to compute this step, in batch order (new requests first, then cached)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # the worker forgets these (finished, aborted, preempted since the last step)
+    finished_req_ids: set[str] = field(default_factory=set)
+    # (device block id, host block id) pairs to copy before the forward pass
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class Logprobs:
+    """Log-probability of the sampled token and the top-k alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: dict[int, float]  # token id -> logprob of the top-k tokens
+
+
+@dataclass
+class ModelOutput:
+    """What one forward pass produced: one sampled token per request that completed its known tokens."""
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs | None] | None = None  # parallel to req_ids when any request asked for them
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress after a step: the tokens it gained, and whether it is done."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[Logprobs] = field(default_factory=list)
