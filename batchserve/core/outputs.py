@@ -79,3 +79,45 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     new_logprobs: list[Logprobs] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot the scheduler takes after deciding a step: what a dashboard or a trace shows."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0  # waiting requests whose KV sits in host memory
+    num_preempted_this_step: int = 0
+    num_preemptions_total: int = 0
+    num_prefill_tokens: int = 0  # prompt (or recompute) tokens computed this step
+    num_decode_tokens: int = 0  # generated-token positions computed this step
+    num_scheduled_seqs: int = 0
+    max_batch_size: int = 1
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0  # owned by at least one request
+    kv_blocks_cached_free: int = 0  # free but still holding reusable prefix content
+    kv_blocks_free: int = 0  # free, cached or not
+    kv_slots_allocated: int = 0  # token slots in the blocks of running requests
+    kv_slots_filled: int = 0  # of which hold a computed token
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of which were found, since start
+    # req_id -> (tokens scheduled, is a prefill chunk) for this step, in batch order
+    scheduled: dict[str, tuple[int, bool]] = field(default_factory=dict)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def batch_occupancy(self) -> float:
+        return self.num_scheduled_seqs / self.max_batch_size
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def internal_fragmentation(self) -> float:
+        """Share of allocated token slots that hold nothing yet (the tail of each sequence's last block)."""
+        return 1.0 - self.kv_slots_filled / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
