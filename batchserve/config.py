@@ -109,6 +109,7 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    record_steps: bool = False  # keep a StepRecord per engine step (for traces and timelines)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
