@@ -28,7 +28,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # ignored when sampling_params.ignore_eos
     priority: int = 0  # lower is served first under scheduling_order="priority"
     arrival_time: float = field(default_factory=time.monotonic)
 

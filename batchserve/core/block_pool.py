@@ -1,0 +1,172 @@
+"""Physical KV blocks: reference counts, an LRU free queue with O(1) removal, and the prefix-cache map.
+
+A block is free when no request owns it (ref_count == 0). A free block may still hold the K/V of a full block
+of tokens and stay findable by its hash: it is reused as-is on a prefix hit, and only overwritten when the pool
+runs out of never-used blocks and evicts it from the head of the free queue (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+class BlockAccountingError(RuntimeError):
+    """A block freed more often than it was taken: a bug in the caller, never silently ignored."""
+
+
+@dataclass(frozen=True)
+class BlockKey:
+    """What a full block holds: its parent's key hash and its own tokens. Compared in full on a hit."""
+
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+
+    @property
+    def hash(self) -> int:
+        return hash((self.parent_hash, self.token_ids))
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    key: BlockKey | None = None  # set once the block is full and registered in the prefix cache
+    prev_free: KVBlock | None = field(default=None, repr=False)
+    next_free: KVBlock | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """Doubly linked list threaded through the blocks: popleft, append and remove-from-middle are O(1)."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels: no special cases at the ends
+        self._tail = KVBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise BlockAccountingError(f"block {block.block_id} is not in the free queue")
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def popleft(self) -> KVBlock:
+        first = self._head.next_free
+        if first is self._tail or first is None:
+            raise BlockAccountingError("no free blocks")
+        self.remove(first)
+        return first
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail and block is not None:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("a block pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVBlock] = {}  # key hash -> block holding that content
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.cached.values() if b.ref_count == 0)
+
+    def take_new(self, count: int) -> list[KVBlock]:
+        """Blocks with fresh (writable) content, each owned once. The caller checks num_free_blocks first."""
+        if count > self.num_free_blocks:
+            raise BlockAccountingError(f"asked for {count} blocks, {self.num_free_blocks} free")
+        blocks = [self.free_queue.popleft() for _ in range(count)]
+        for block in blocks:
+            self._evict(block)
+            block.ref_count = 1
+        return blocks
+
+    def lookup(self, key: BlockKey) -> KVBlock | None:
+        block = self.cached.get(key.hash)
+        return block if block is not None and block.key == key else None
+
+    def take_cached(self, blocks: Sequence[KVBlock]) -> None:
+        """Share blocks found by lookup(); a free one leaves the free queue."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def release(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop one reference from each; the ones that become free join the queue in this order (evicted first)."""
+        for block in blocks:
+            if block.ref_count <= 0:
+                raise BlockAccountingError(f"double free of block {block.block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue.append(block)
+
+    def register(self, block: KVBlock, key: BlockKey) -> None:
+        """Make a full block findable by its content. A duplicate of cached content stays private."""
+        if not self.enable_caching or block.key is not None:
+            return
+        if key.hash in self.cached:
+            return
+        block.key = key
+        self.cached[key.hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.key is not None:
+            del self.cached[block.key.hash]
+            block.key = None
+            self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.cached.values()):
+            self._evict(block)
+
+
+class HostBlockPool:
+    """Host-memory blocks for swapped-out requests: a plain free list, no sharing, no caching."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def take(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise BlockAccountingError(f"asked for {count} host blocks, {len(self._free)} free")
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        for block_id in block_ids:
+            if block_id in self._free:
+                raise BlockAccountingError(f"double free of host block {block_id}")
+            self._free.append(block_id)

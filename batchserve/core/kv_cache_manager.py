@@ -1,0 +1,154 @@
+"""Per-request block tables over a BlockPool: prefix-cache lookup, on-demand allocation, free, swap bookkeeping."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from batchserve.core.block_pool import BlockKey, BlockPool, HostBlockPool, KVBlock
+from batchserve.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def token_range(request: Request, start: int, end: int) -> tuple[int, ...]:
+    """request.all_token_ids[start:end] without concatenating the whole sequence."""
+    prompt, n_prompt = request.prompt_token_ids, request.num_prompt_tokens
+    if end <= n_prompt:
+        return tuple(prompt[start:end])
+    output = request.output_token_ids
+    if start >= n_prompt:
+        return tuple(output[start - n_prompt : end - n_prompt])
+    return tuple(prompt[start:]) + tuple(output[: end - n_prompt])
+
+
+@dataclass
+class PrefixHit:
+    """The longest run of cached full blocks at the start of a request, not yet owned by it."""
+
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+@dataclass
+class SwapInPlan:
+    new_block_ids: list[int]
+    pairs: list[tuple[int, int]]  # (device block, host block)
+
+
+class KVCacheManager:
+    def __init__(self, block_pool: BlockPool, block_size: int, host_pool: HostBlockPool | None = None) -> None:
+        self.pool = block_pool
+        self.block_size = block_size
+        self.host_pool = host_pool or HostBlockPool(0)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_keys: dict[str, list[BlockKey]] = {}  # keys of its full blocks, in order
+        self.req_host_blocks: dict[str, list[int]] = {}  # swapped-out requests
+        self.prefix_queries = 0  # prompt tokens looked up, since start
+        self.prefix_hits = 0  # prompt tokens found
+
+    # ---- lookup -------------------------------------------------------------------------------------------
+    def find_prefix_hit(self, request: Request) -> PrefixHit:
+        """Cached blocks covering the request's known tokens, leaving at least one token to compute
+        (the forward pass must produce logits at the last position)."""
+        if not self.pool.enable_caching:
+            return PrefixHit([], 0)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVBlock] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            key = BlockKey(parent, token_range(request, i * self.block_size, (i + 1) * self.block_size))
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            blocks.append(block)
+            parent = key.hash
+        return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def record_prefix_query(self, request: Request, hit: PrefixHit) -> None:
+        self.prefix_queries += request.num_prompt_tokens
+        self.prefix_hits += min(hit.num_tokens, request.num_prompt_tokens)
+
+    # ---- allocation -----------------------------------------------------------------------------------------
+    def blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
+        """Free blocks consumed by allocate(): new blocks plus hit blocks that must leave the free queue."""
+        held = len(self.req_blocks.get(request.request_id, ()))
+        hit_blocks = hit.blocks if hit else []
+        computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
+        new = max(0, cdiv(computed + num_new_tokens, self.block_size) - held - len(hit_blocks))
+        return new + sum(1 for b in hit_blocks if b.ref_count == 0)
+
+    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
+        """Room for num_new_tokens more tokens (after taking the hit blocks). None, changing nothing, if it can't."""
+        if self.blocks_needed(request, num_new_tokens, hit) > self.pool.num_free_blocks:
+            return None
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        added: list[KVBlock] = []
+        if hit and hit.blocks:
+            self.pool.take_cached(hit.blocks)
+            added += hit.blocks
+            request.num_computed_tokens += hit.num_tokens
+        blocks += added
+        total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        fresh = self.pool.take_new(max(0, total - len(blocks)))
+        blocks += fresh
+        self._register_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        return [b.block_id for b in added + fresh]
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Blocks that will be full once this step runs become findable by content. Their tokens are known now:
+        a step computes only tokens that are already in the request."""
+        if not self.pool.enable_caching:
+            return
+        keys = self.req_keys.setdefault(request.request_id, [])
+        blocks = self.req_blocks[request.request_id]
+        for i in range(len(keys), num_tokens // self.block_size):
+            parent = keys[-1].hash if keys else None
+            key = BlockKey(parent, token_range(request, i * self.block_size, (i + 1) * self.block_size))
+            keys.append(key)
+            self.pool.register(blocks[i], key)
+
+    def free(self, request: Request) -> None:
+        """Return its blocks; the tail of the sequence is freed first so it is evicted first."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.release(blocks[::-1])
+        self.req_keys.pop(request.request_id, None)
+        self.host_pool.release(self.req_host_blocks.pop(request.request_id, []))
+
+    # ---- swap -----------------------------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self.req_blocks.get(request.request_id, ())) <= self.host_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Park the request's blocks in host memory; its device blocks return to the pool."""
+        blocks = self.req_blocks.pop(request.request_id)
+        host = self.host_pool.take(len(blocks))
+        self.req_host_blocks[request.request_id] = host
+        self.pool.release(blocks[::-1])
+        return [(b.block_id, h) for b, h in zip(blocks, host)]
+
+    def plan_swap_in(self, request: Request, num_new_tokens: int) -> SwapInPlan | None:
+        host = self.req_host_blocks[request.request_id]
+        total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        if total > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.take_new(total)
+        self.req_blocks[request.request_id] = blocks
+        self.host_pool.release(self.req_host_blocks.pop(request.request_id))
+        self._register_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        return SwapInPlan([b.block_id for b in blocks], [(b.block_id, h) for b, h in zip(blocks, host)])
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self.req_host_blocks
+
+    # ---- accounting -------------------------------------------------------------------------------------------
+    def num_blocks_of(self, request: Request) -> int:
+        return len(self.req_blocks.get(request.request_id, ()))
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request.request_id, ())]
+
+    def owned_block_ids(self) -> Sequence[int]:
+        return [b.block_id for blocks in self.req_blocks.values() for b in blocks]

@@ -1,0 +1,145 @@
+"""Waiting queues behind one small interface: FCFS, priority, and shortest-first with aging."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from batchserve.request import Request
+
+
+class RequestQueue(Protocol):
+    def push(self, request: Request) -> None: ...
+    def push_front(self, request: Request) -> None: ...  # a preempted request goes back ahead of its peers
+    def peek(self) -> Request: ...
+    def pop(self) -> Request: ...
+    def remove(self, request: Request) -> None: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Request]: ...
+
+
+class FCFSQueue:
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def push(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def push_front(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)  # aborts only: O(n) is fine off the hot path
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class _LazyHeap:
+    """A heap whose removals are marks, skipped when they reach the top."""
+
+    def __init__(self, key: Callable[[Request], tuple]) -> None:
+        self._key = key
+        self._heap: list[tuple[tuple, int, Request]] = []
+        self._counter = itertools.count()
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (self._key(request), next(self._counter), request))
+
+    def top(self, live: set[int]) -> Request:
+        while id(self._heap[0][2]) not in live:
+            heapq.heappop(self._heap)
+        return self._heap[0][2]
+
+
+class PriorityQueue:
+    """Lower priority value first; FCFS (by arrival) within a level."""
+
+    def __init__(self) -> None:
+        self._heap = _LazyHeap(lambda r: (r.priority, r.arrival_time))
+        self._live: dict[int, Request] = {}
+
+    def push(self, request: Request) -> None:
+        self._live[id(request)] = request
+        self._heap.push(request)
+
+    push_front = push  # a preempted request keeps its arrival time, so it sorts ahead of later arrivals anyway
+
+    def peek(self) -> Request:
+        return self._heap.top(self._live.keys())
+
+    def pop(self) -> Request:
+        request = self.peek()
+        self.remove(request)
+        return request
+
+    def remove(self, request: Request) -> None:
+        del self._live[id(request)]
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(sorted(self._live.values(), key=lambda r: (r.priority, r.arrival_time)))
+
+
+class ShortestFirstQueue:
+    """Smallest worst-case length (prompt + max_tokens) first, so short requests are not stuck behind long ones.
+    Aging: a request that has waited longer than max_wait_s is served first, oldest first."""
+
+    def __init__(self, max_wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_wait_s = max_wait_s
+        self._clock = clock
+        self._by_length = _LazyHeap(lambda r: (r.max_total_tokens, r.arrival_time))
+        self._by_arrival = _LazyHeap(lambda r: (r.arrival_time,))
+        self._live: dict[int, Request] = {}
+
+    def push(self, request: Request) -> None:
+        self._live[id(request)] = request
+        self._by_length.push(request)
+        self._by_arrival.push(request)
+
+    push_front = push
+
+    def peek(self) -> Request:
+        oldest = self._by_arrival.top(self._live.keys())
+        if self._clock() - oldest.arrival_time > self.max_wait_s:
+            return oldest
+        return self._by_length.top(self._live.keys())
+
+    def pop(self) -> Request:
+        request = self.peek()
+        self.remove(request)
+        return request
+
+    def remove(self, request: Request) -> None:
+        del self._live[id(request)]
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(sorted(self._live.values(), key=lambda r: (r.max_total_tokens, r.arrival_time)))
+
+
+def make_request_queue(order: str, max_wait_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+    if order == "fcfs":
+        return FCFSQueue()
+    if order == "priority":
+        return PriorityQueue()
+    if order == "shortest_first":
+        return ShortestFirstQueue(max_wait_s, clock)
+    raise ValueError(f"unknown scheduling order {order!r}")

@@ -1,0 +1,378 @@
+"""Iteration-level scheduler.
+
+There is no prefill or decode phase here. Each request has num_tokens (prompt + generated) and num_computed_tokens
+(K/V in the cache); every step hands out tokens within max_num_tokens and max_batch_size so that computed counts
+catch up. Chunked prefill, prefix hits, recompute after preemption and mixed batches all follow from that rule.
+
+Policies (scheduler_policy):
+- max_utilization: admit while budgets and free blocks allow; when a running request needs a block and none is
+  free, preempt the lowest-ranked running request (recompute or swap).
+- guaranteed_no_evict: admit only when the worst case (prompt + max_tokens) of the newcomer fits on top of the
+  worst case of everything running; nothing is ever preempted.
+- static: form a batch from the waiting queue when the previous one has fully finished; no one joins mid-batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable
+
+from batchserve.config import SchedulerConfig
+from batchserve.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
+from batchserve.core.outputs import (
+    CachedRequestData,
+    ModelOutput,
+    NewRequestData,
+    RequestOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from batchserve.core.request_queue import make_request_queue
+from batchserve.request import FinishReason, Request, RequestStatus
+
+
+class _StepBuilder:
+    """Accumulates one step's decisions."""
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget
+        self.output = SchedulerOutput()
+        self.num_preempted = 0
+        self.num_prefill_tokens = 0
+        self.scheduled: dict[str, tuple[int, bool]] = {}
+
+    def add(self, request: Request, num_tokens: int, new_block_ids: list[int], resumed: bool) -> None:
+        if resumed:
+            self.output.new_requests.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    token_ids=request.all_token_ids,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=new_block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+        else:
+            self.output.cached_requests.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+        self.output.num_scheduled_tokens[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+        # a chunk is prefill while it computes known tokens beyond the one most recently sampled
+        is_prefill = request.num_tokens - request.num_computed_tokens > 1
+        if is_prefill:
+            self.num_prefill_tokens += num_tokens
+        self.scheduled[request.request_id] = (num_tokens, is_prefill)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.output.num_scheduled_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.kv = kv_cache
+        self.max_model_len = max_model_len or config.max_model_len or 1 << 30
+        self.clock = clock
+        self.waiting = make_request_queue(config.scheduling_order, config.max_wait_s, clock)
+        self.running: list[Request] = []  # in rank order: the tail is preempted first
+        self.requests: dict[str, Request] = {}
+        self._forget: set[str] = set()  # ids the worker must drop at the next step
+        self.num_preemptions_total = 0
+        self._last_step: _StepBuilder | None = None
+
+    # ---- requests in and out -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        return self.finish_requests(request_ids, FinishReason.ABORT)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> list[RequestOutput]:
+        """End requests from outside the step (abort, a stop string found by the detokenizer)."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, reason)
+            outputs.append(RequestOutput(request_id, [], True, reason, request.stop_reason))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        step = _StepBuilder(self.config.max_num_tokens)
+        step.output.finished_req_ids, self._forget = self._forget, set()
+        policy = self.config.scheduler_policy
+        if policy == "static" and not self.running:
+            self._form_static_batch()
+        if policy == "max_utilization" and self.config.scheduling_order == "priority":
+            self._preempt_for_higher_priority(step)
+        self._schedule_running(step)
+        if policy != "static" and step.num_preempted == 0:
+            self._admit_waiting(step)
+        step.output.finished_req_ids |= self._forget  # preempted this step
+        self._forget = set()
+        self._last_step = step
+        return step.output
+
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        # decodes behind a long prefill keep one token of the budget each, so a prompt never stalls them
+        pending_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        index = 0
+        while index < len(self.running) and step.token_budget > 0 and step.num_seqs < self.config.max_batch_size:
+            request = self.running[index]
+            index += 1
+            resumed = request.request_id not in self.kv.req_blocks
+            hit = self._first_hit(request)
+            is_decode = request.num_tokens - request.num_computed_tokens == 1
+            pending_decodes -= is_decode
+            budget = step.token_budget if is_decode else step.token_budget - pending_decodes
+            num_tokens = self._tokens_to_schedule(request, hit, budget)
+            if num_tokens == 0:
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_tokens, hit, step)
+            if new_blocks is None:
+                if request.status != RequestStatus.RUNNING:
+                    return  # it preempted itself: nothing behind it is left
+                continue
+            self._on_scheduled(request)
+            step.add(request, num_tokens, self.kv.block_ids(request) if resumed else new_blocks, resumed)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_tokens: int, hit: PrefixHit | None, step: _StepBuilder
+    ) -> list[int] | None:
+        new_blocks = self.kv.allocate(request, num_tokens, hit)
+        if self.config.scheduler_policy != "max_utilization":
+            return new_blocks  # reservations make failure impossible; never preempt under these policies
+        while new_blocks is None:
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is request:
+                return None
+            new_blocks = self.kv.allocate(request, num_tokens, hit)
+        return new_blocks
+
+    def _first_hit(self, request: Request) -> PrefixHit | None:
+        """A prefix lookup for a request that holds no blocks yet (static batch members start that way)."""
+        if self.kv.num_blocks_of(request) or request.num_computed_tokens:
+            return None
+        hit = self.kv.find_prefix_hit(request)
+        if request.status == RequestStatus.RUNNING and request.first_scheduled_time is None:
+            self.kv.record_prefix_query(request, hit)
+            request.num_cached_prompt_tokens = hit.num_tokens
+        return hit
+
+    def _tokens_to_schedule(self, request: Request, hit: PrefixHit | None, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens - (hit.num_tokens if hit else 0)
+        if budget <= 0 or (not self.config.enable_chunked_prefill and remaining > budget):
+            return 0
+        return min(remaining, budget)
+
+    def _admit_waiting(self, step: _StepBuilder) -> None:
+        while len(self.waiting) and step.token_budget > 0 and len(self.running) < self.config.max_batch_size:
+            request = self.waiting.peek()
+            if self.kv.is_swapped(request):
+                if not self._swap_in(request, step):
+                    return
+                continue
+            hit = self.kv.find_prefix_hit(request)
+            num_tokens = self._tokens_to_schedule(request, hit, step.token_budget)
+            if num_tokens == 0 or not self._reservation_fits(request, hit):
+                return
+            new_blocks = self.kv.allocate(request, num_tokens, hit)
+            if new_blocks is None:
+                return
+            self.waiting.pop()
+            if request.status == RequestStatus.WAITING:
+                self.kv.record_prefix_query(request, hit)
+                request.num_cached_prompt_tokens = hit.num_tokens
+            self._on_scheduled(request)
+            self._insert_running(request)
+            step.add(request, num_tokens, self.kv.block_ids(request), resumed=True)
+
+    def _on_scheduled(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
+
+    def _insert_running(self, request: Request) -> None:
+        if self.config.scheduling_order == "priority":
+            keys = [(r.priority, r.arrival_time) for r in self.running]
+            self.running.insert(bisect.bisect_right(keys, (request.priority, request.arrival_time)), request)
+        else:
+            self.running.append(request)
+
+    # ---- capacity policies ------------------------------------------------------------------------------------
+    def _worst_case_blocks(self, request: Request) -> int:
+        return cdiv(min(request.max_total_tokens, self.max_model_len), self.kv.block_size)
+
+    def _reservation_fits(self, request: Request, hit: PrefixHit) -> bool:
+        """guaranteed_no_evict and static: the newcomer's worst case plus every running request's remaining
+        worst case must fit in the free blocks, so no running request can ever run out."""
+        if self.config.scheduler_policy == "max_utilization":
+            return True
+        reserved = sum(self._worst_case_blocks(r) - self.kv.num_blocks_of(r) for r in self.running)
+        shared = sum(1 for b in hit.blocks if b.ref_count > 0)  # already owned: costs no free block
+        return self._worst_case_blocks(request) - shared + reserved <= self.kv.pool.num_free_blocks
+
+    def _form_static_batch(self) -> None:
+        """Static batching: the next batch is up to max_batch_size waiting requests whose worst case fits."""
+        while len(self.waiting) and len(self.running) < self.config.max_batch_size:
+            request = self.waiting.peek()
+            hit = self.kv.find_prefix_hit(request)
+            if not self._reservation_fits(request, hit):
+                break
+            # hold the worst case now, as classic static batching does, so members never wait for blocks
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+
+    def _preempt_for_higher_priority(self, step: _StepBuilder) -> None:
+        """A waiting request of higher priority (lower value) than the lowest running one takes its place when
+        it could not otherwise be admitted."""
+        while len(self.waiting) and self.running:
+            candidate, victim = self.waiting.peek(), self.running[-1]
+            if candidate.priority >= victim.priority:
+                return
+            hit = self.kv.find_prefix_hit(candidate)
+            first_chunk = min(candidate.num_tokens - hit.num_tokens, self.config.max_num_tokens)
+            room = self.kv.blocks_needed(candidate, first_chunk, hit) <= self.kv.pool.num_free_blocks
+            if room and len(self.running) < self.config.max_batch_size:
+                return
+            self._preempt(victim, step)
+
+    def _preempt(self, request: Request, step: _StepBuilder) -> None:
+        self.running.remove(request)
+        swapped = self.config.preemption_mode == "swap" and self.kv.can_swap_out(request)
+        if swapped:
+            step.output.blocks_to_swap_out += self.kv.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        step.num_preempted += 1
+        self._forget.add(request.request_id)
+        self.waiting.push_front(request)
+
+    def _swap_in(self, request: Request, step: _StepBuilder) -> bool:
+        # never in a step that swaps out: a host block freed here could be overwritten before it is read
+        if step.output.blocks_to_swap_out:
+            return False
+        num_tokens = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
+        if not self._reservation_fits(request, PrefixHit([], 0)):
+            return False
+        plan = self.kv.plan_swap_in(request, num_tokens)
+        if plan is None:
+            return False
+        self.waiting.pop()
+        step.output.blocks_to_swap_in += plan.pairs
+        self._on_scheduled(request)
+        self._insert_running(request)
+        step.add(request, num_tokens, plan.new_block_ids, resumed=True)
+        return True
+
+    # ---- after the forward pass -------------------------------------------------------------------------------
+    def update_from_output(self, scheduled: SchedulerOutput, model_output: ModelOutput) -> list[RequestOutput]:
+        for request_id, num_tokens in scheduled.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens += num_tokens
+        outputs = []
+        logprobs = model_output.logprobs or [None] * len(model_output.req_ids)
+        for request_id, token_id, logprob in zip(model_output.req_ids, model_output.sampled_token_ids, logprobs):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            outputs.append(self._append_token(request, token_id, logprob))
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int, logprob) -> RequestOutput:
+        request.output_token_ids.append(token_id)
+        if request.first_token_time is None:
+            request.first_token_time = self.clock()
+        reason = self._stop_reason(request, token_id)
+        if reason is not None:
+            self.running.remove(request)
+            self._finish(request, reason)
+        return RequestOutput(
+            request.request_id,
+            [token_id],
+            reason is not None,
+            reason,
+            request.stop_reason,
+            [logprob] if logprob is not None else [],
+        )
+
+    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finished_time = self.clock()
+        self.kv.free(request)
+        self._forget.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ---- statistics ------------------------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        step = self._last_step
+        pool = self.kv.pool
+        scheduled = step.scheduled if step else {}
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=sum(1 for r in self.waiting if r.status == RequestStatus.SWAPPED),
+            num_preempted_this_step=step.num_preempted if step else 0,
+            num_preemptions_total=self.num_preemptions_total,
+            num_prefill_tokens=step.num_prefill_tokens if step else 0,
+            num_decode_tokens=sum(n for n, prefill in scheduled.values() if not prefill),
+            num_scheduled_seqs=len(scheduled),
+            max_batch_size=self.config.max_batch_size,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_cached_free=pool.num_cached_free_blocks,
+            kv_blocks_free=pool.num_free_blocks,
+            kv_slots_allocated=sum(self.kv.num_blocks_of(r) for r in self.running) * self.kv.block_size,
+            kv_slots_filled=sum(r.num_computed_tokens for r in self.running),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            scheduled=dict(scheduled),
+        )

@@ -1,0 +1,270 @@
+"""The engine: input checks, then schedule -> execute -> update, one forward pass per step()."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from batchserve.config import EngineConfig, ModelConfig
+from batchserve.core.block_pool import BlockPool, HostBlockPool
+from batchserve.core.kv_cache_manager import KVCacheManager
+from batchserve.core.outputs import Logprobs, ModelOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from batchserve.core.scheduler import Scheduler
+from batchserve.engine.detokenizer import IncrementalDetokenizer
+from batchserve.request import FinishReason, Request
+from batchserve.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue (max_waiting_requests) is full: retry later."""
+
+
+class Runner(Protocol):
+    num_kv_blocks: int
+    num_swap_blocks: int
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput: ...
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[Logprobs] | None
+    metrics: RequestMetrics
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM shape: result.outputs[0].text."""
+        return [self]
+
+
+@dataclass
+class StepRecord:
+    index: int
+    start_time: float
+    end_time: float
+    stats: SchedulerStats
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[Logprobs] | None
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner | None = None,
+        tokenizer: Any = None,
+        model_config: ModelConfig | None = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        if runner is None:
+            from batchserve.worker.model_runner import build_runner
+
+            runner, model_config, tokenizer = build_runner(config)
+        assert model_config is not None and tokenizer is not None
+        self.runner, self.model_config, self.tokenizer = runner, model_config, tokenizer
+        self.max_model_len = min(config.scheduler.max_model_len or 1 << 30, model_config.max_position_embeddings)
+        self.max_input_len = min(config.scheduler.max_input_len or self.max_model_len - 1, self.max_model_len - 1)
+        pool = BlockPool(runner.num_kv_blocks, config.cache.enable_prefix_caching)
+        kv = KVCacheManager(pool, config.cache.block_size, HostBlockPool(runner.num_swap_blocks))
+        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending: list[RequestOutput] = []  # finished outside a step (aborts), reported at the next step
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.last_stats: SchedulerStats | None = None
+        self.last_step_time_s = 0.0
+        self.step_records: list[StepRecord] | None = [] if config.record_steps else None
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d",
+            runner.num_kv_blocks,
+            config.cache.block_size,
+            runner.num_kv_blocks * config.cache.block_size,
+            self.max_model_len,
+        )
+
+    @classmethod
+    def from_options(cls, **options: Any) -> LLMEngine:
+        return cls(EngineConfig.from_options(**options))
+
+    # ---- requests in ------------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        limit = self.config.scheduler.max_waiting_requests
+        if limit is not None and self.scheduler.num_waiting >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
+        params = sampling_params or SamplingParams()
+        params.validate()
+        text, token_ids = self._tokenize(prompt)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=self._check_length(token_ids),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(request, text, detokenizer, [] if params.logprobs is not None else None)
+        return request_id
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, list | tuple) or not prompt:
+            raise InvalidRequestError("the prompt is empty" if not prompt else "a prompt is a string or token ids")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab})")
+        return None, list(prompt)
+
+    def _check_length(self, token_ids: list[int]) -> list[int]:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        limit = self.max_input_len
+        if len(token_ids) <= limit:
+            return token_ids
+        truncation = self.config.scheduler.truncation
+        if truncation == "left":
+            return token_ids[-limit:]
+        if truncation == "right":
+            return token_ids[:limit]
+        raise InvalidRequestError(
+            f"the prompt has {len(token_ids)} tokens, more than the {limit} allowed "
+            f"(max_input_len; the model's context is {self.max_model_len} tokens)"
+        )
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self._pending += self.scheduler.abort_requests(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._tracked)
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+    def step(self) -> list[CompletionOutput]:
+        start = time.monotonic()
+        scheduled = self.scheduler.schedule()
+        model_output = self.runner.execute(scheduled)
+        request_outputs = self._pending + self.scheduler.update_from_output(scheduled, model_output)
+        self._pending = []
+        results = self._process(request_outputs)
+        end = time.monotonic()
+        self.last_stats = self.scheduler.stats()
+        self.last_step_time_s = end - start
+        if self.step_records is not None and not scheduled.is_empty:
+            self.step_records.append(StepRecord(self.num_steps, start, end, self.last_stats))
+        self.num_steps += 1
+        return results
+
+    def _process(self, request_outputs: list[RequestOutput]) -> list[CompletionOutput]:
+        stopped = []
+        for out in request_outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            for token_id in out.new_token_ids:
+                tracked.detokenizer.add_token(token_id)
+            tracked.new_token_ids += out.new_token_ids
+            if tracked.logprobs is not None:
+                tracked.logprobs += out.new_logprobs
+            if tracked.detokenizer.stopped_by is not None and not out.finished:
+                stopped.append(out.request_id)
+        if stopped:  # a stop string ends the request as EOS would
+            for out in self.scheduler.finish_requests(stopped, FinishReason.STOP):
+                out.stop_reason = self._tracked[out.request_id].detokenizer.stopped_by
+                request_outputs.append(out)
+        finals: dict[str, RequestOutput] = {}
+        for out in request_outputs:
+            if out.request_id in self._tracked and (out.finished or out.request_id not in finals):
+                finals[out.request_id] = out
+        return [self._completion(rid, out) for rid, out in finals.items()]
+
+    def _completion(self, request_id: str, out: RequestOutput) -> CompletionOutput:
+        tracked = self._tracked[request_id]
+        request = tracked.request
+        if out.finished:
+            del self._tracked[request_id]
+        stop_reason = tracked.detokenizer.stopped_by or out.stop_reason
+        delta_ids, tracked.new_token_ids = tracked.new_token_ids, []
+        return CompletionOutput(
+            request_id=request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=tracked.detokenizer.text,
+            delta_text=tracked.detokenizer.take_delta(out.finished),
+            delta_token_ids=delta_ids,
+            finished=out.finished,
+            finish_reason=out.finish_reason.value if out.finish_reason else None,
+            stop_reason=stop_reason,
+            logprobs=tracked.logprobs,
+            metrics=RequestMetrics(
+                arrival_time=request.arrival_time,
+                first_scheduled_time=request.first_scheduled_time,
+                first_token_time=request.first_token_time,
+                finished_time=request.finished_time,
+                num_cached_tokens=request.num_cached_prompt_tokens,
+                num_preemptions=request.num_preemptions,
+            ),
+        )
