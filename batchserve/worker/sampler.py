@@ -1,0 +1,225 @@
+"""Batched sampling: every request's SamplingParams applied to one [N, V] logits tensor in a few vectorized ops.
+
+Order (as vLLM v1): min_tokens mask -> penalties -> greedy argmax, or temperature -> min_p -> top_k/top_p -> draw.
+Logprobs come from the raw model logits (vLLM's default "raw_logprobs"), so they never depend on the knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from batchserve.core.outputs import Logprobs
+from batchserve.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+def _step_seed(seed: int, num_output_tokens: int) -> int:
+    """Generator seed for one (request seed, position): a pure function of the two, so a request draws the same token
+    at the same position whatever else is in the batch and after a preemption recomputes it."""
+    return (seed * 1_000_003 + num_output_tokens) % 2**64
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[N, V] float count of each token id per row. Rows are padded with the id `vocab_size`, which lands in a
+    scratch column that is dropped, so one scatter_add counts every token with no per-token Python."""
+    width = max((len(r) for r in rows), default=0)
+    padded = torch.tensor([r + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    padded = padded.view(len(rows), width)  # keeps the shape when every row is empty
+    counts = torch.zeros(len(rows), vocab_size + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+@dataclass
+class SamplingMetadata:
+    """One step's sampling state as device tensors, built once. A None field means no row uses that feature, which
+    is what lets the sampler skip it (all-greedy without penalties is a bare argmax)."""
+
+    all_greedy: bool
+    greedy_mask: torch.Tensor | None  # [N] bool; None when no row is greedy
+    temperature: torch.Tensor | None  # [N, 1]; 1.0 on greedy rows so the division is always safe
+    top_k: torch.Tensor | None  # [N, 1] long; vocab_size where off
+    top_p: torch.Tensor | None  # [N, 1]; 1.0 where off
+    min_p: torch.Tensor | None  # [N, 1]; 0.0 where off
+    repetition_penalty: torch.Tensor | None  # [N, 1]
+    seen_mask: torch.Tensor | None  # [N, V] bool: token occurs in prompt or output
+    presence_penalty: torch.Tensor | None  # [N, 1]
+    frequency_penalty: torch.Tensor | None  # [N, 1]
+    output_counts: torch.Tensor | None  # [N, V] float: occurrences in the output so far
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
+    seeds: list[tuple[int, int]]  # (row, generator seed for this step) of random rows with a seed
+    has_unseeded_random: bool
+    num_logprobs: list[int | None]
+    max_num_logprobs: int | None
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        token_ids: list[list[int]],
+        num_prompt_tokens: list[int],
+        eos_token_ids: list[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        num_outputs = [len(ids) - n for ids, n in zip(token_ids, num_prompt_tokens, strict=True)]
+
+        def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+        def if_any(values: list, off, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+            return column(values, dtype) if any(v != off for v in values) else None
+
+        # Sampling knobs only matter on random rows: a greedy row's top_k must not force the sort path.
+        top_k = [vocab_size if p.greedy or not 0 < p.top_k < vocab_size else p.top_k for p in params]
+        top_p = [1.0 if p.greedy else p.top_p for p in params]
+        min_p = [0.0 if p.greedy else p.min_p for p in params]
+
+        # Penalties apply to greedy rows too. Rows that don't use one contribute no tokens to its counts.
+        seen_mask = output_counts = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            rows = [ids if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, token_ids, strict=True)]
+            seen_mask = _token_counts(rows, vocab_size, device) > 0
+        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            rows = [
+                ids[n:] if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 else []
+                for p, ids, n in zip(params, token_ids, num_prompt_tokens, strict=True)
+            ]
+            output_counts = _token_counts(rows, vocab_size, device)
+
+        # min_tokens: EOS (even with ignore_eos) and the request's stop tokens can't be sampled yet.
+        mask_rows, mask_ids = [], []
+        for i, (p, n_out) in enumerate(zip(params, num_outputs, strict=True)):
+            if n_out < p.min_tokens:
+                ids = sorted({t for t in (*eos_token_ids, *p.stop_token_ids) if t < vocab_size})
+                mask_rows += [i] * len(ids)
+                mask_ids += ids
+        min_tokens_mask = None
+        if mask_rows:
+            min_tokens_mask = (torch.tensor(mask_rows, device=device), torch.tensor(mask_ids, device=device))
+
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        all_greedy, any_greedy = all(p.greedy for p in params), any(p.greedy for p in params)
+        return cls(
+            all_greedy=all_greedy,
+            greedy_mask=torch.tensor([p.greedy for p in params], device=device) if any_greedy else None,
+            temperature=None if all_greedy else column([1.0 if p.greedy else p.temperature for p in params]),
+            top_k=if_any(top_k, vocab_size, torch.long),
+            top_p=if_any(top_p, 1.0),
+            min_p=if_any(min_p, 0.0),
+            repetition_penalty=column([p.repetition_penalty for p in params]) if seen_mask is not None else None,
+            seen_mask=seen_mask,
+            presence_penalty=column([p.presence_penalty for p in params]) if output_counts is not None else None,
+            frequency_penalty=column([p.frequency_penalty for p in params]) if output_counts is not None else None,
+            output_counts=output_counts,
+            min_tokens_mask=min_tokens_mask,
+            seeds=[
+                (i, _step_seed(p.seed, n_out))
+                for i, (p, n_out) in enumerate(zip(params, num_outputs, strict=True))
+                if not p.greedy and p.seed is not None
+            ],
+            has_unseeded_random=any(not p.greedy and p.seed is None for p in params),
+            num_logprobs=[p.logprobs for p in params],
+            max_num_logprobs=max(asked) if asked else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] long
+    logprobs: list[Logprobs | None] | None  # per row; None when no row asked
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """HF repetition penalty over prompt + output (divide a seen token's positive logit, multiply a negative one),
+    then OpenAI frequency/presence penalties over output tokens only. Out of place: raw logits stay for logprobs."""
+    if meta.seen_mask is not None:
+        penalty = meta.repetition_penalty
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(meta.seen_mask, penalized, logits)
+    if meta.output_counts is not None:
+        counts = meta.output_counts
+        logits = logits - meta.frequency_penalty * counts - meta.presence_penalty * (counts > 0)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens with prob < min_p * max prob. In log space that's logit < max logit + log(min_p), so no softmax
+    is needed, and min_p = 0 gives -inf: nothing dropped."""
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """One descending sort for the whole batch. top_k keeps the first k sorted positions; top_p then keeps the
+    smallest prefix whose mass reaches p (a token stays while the mass before it is < p, so the top one always
+    stays). The stable sort breaks ties by lower id, as argmax does, so top_k=1 and tiny top_p equal greedy."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        positions = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(positions >= top_k, _NEG_INF)
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # rows with p = 1 are skipped outright: rounding could otherwise make the mass before a tail token >= 1
+        sorted_logits = sorted_logits.masked_fill((mass_before >= top_p) & (top_p < 1.0), _NEG_INF)
+    # Back to vocab order, so a seeded row's draw doesn't depend on whether some other row needed the sort.
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    logits = logits / meta.temperature
+    if meta.min_p is not None:
+        logits = apply_min_p(logits, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    probs = logits.softmax(dim=-1)
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p. Unseeded rows share one RNG call;
+    # each seeded row fills its own row from its own generator.
+    noise = torch.empty_like(probs)
+    if meta.has_unseeded_random:
+        noise.exponential_()
+    for row, seed in meta.seeds:
+        generator = torch.Generator(device=probs.device).manual_seed(seed)
+        noise[row].exponential_(generator=generator)
+    # A zero draw would make 0/0 = nan on a masked token, and argmax treats nan as the largest.
+    return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, meta: SamplingMetadata) -> list[Logprobs | None]:
+    rows = [i for i, k in enumerate(meta.num_logprobs) if k is not None]
+    logprobs = raw_logits[rows].log_softmax(dim=-1)
+    sampled = token_ids[rows].unsqueeze(1)
+    sampled_logprob = logprobs.gather(1, sampled)
+    rank = (logprobs > sampled_logprob).sum(dim=-1) + 1
+    top_logprob, top_id = logprobs.topk(meta.max_num_logprobs, dim=-1)
+    # One device->host copy per tensor, then plain Python to build the records.
+    sampled, sampled_logprob, rank = sampled.squeeze(1).tolist(), sampled_logprob.squeeze(1).tolist(), rank.tolist()
+    top_logprob, top_id = top_logprob.tolist(), top_id.tolist()
+    out: list[Logprobs | None] = [None] * len(meta.num_logprobs)
+    for j, row in enumerate(rows):
+        k = meta.num_logprobs[row]
+        top = dict(zip(top_id[j][:k], top_logprob[j][:k], strict=True))
+        out[row] = Logprobs(token_id=sampled[j], logprob=sampled_logprob[j], rank=rank[j], top=top)
+    return out
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw_logits = logits = logits.float()
+        if meta.min_tokens_mask is not None:
+            logits = logits.index_put(meta.min_tokens_mask, torch.tensor(_NEG_INF, device=logits.device))
+        logits = apply_penalties(logits, meta)
+        greedy = logits.argmax(dim=-1) if meta.greedy_mask is not None else None
+        if meta.all_greedy:
+            token_ids = greedy
+        else:
+            token_ids = _sample_random(logits, meta)
+            if greedy is not None:
+                token_ids = torch.where(meta.greedy_mask, greedy, token_ids)
+        logprobs = _logprobs(raw_logits, token_ids, meta) if meta.max_num_logprobs is not None else None
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
