@@ -1,0 +1,117 @@
+import pytest
+
+from batchserve.engine.llm_engine import QueueFullError
+from batchserve.entrypoints.llm import LLM
+from batchserve.sampling_params import InvalidRequestError, SamplingParams
+from tests.fake_runner import reference_generation
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def run_all(engine):
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def words(ids):
+    return " ".join(f"w{i}" for i in ids)
+
+
+def test_outputs_in_input_order_with_text_and_timings(make_engine):
+    llm = LLM.from_engine(make_engine(max_batch_size=3))
+    prompts = [words(range(1, 2 + i * 3)) for i in range(7)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = [int(w[1:]) for w in prompt.split()]
+        assert out.prompt_token_ids == ids
+        assert out.token_ids == reference_generation(ids, 5, 1000)
+        assert out.text == words(out.token_ids)
+        assert out.finish_reason == "length"
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_stop_string_cuts_text_and_finishes(make_engine):
+    engine = make_engine()
+    expected = reference_generation([5, 6, 7], 10, 1000)
+    stop = words(expected[2:4])
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=10, stop=[stop], **GREEDY))
+    out = run_all(engine)["a"]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == words(expected[:2]) + " "
+    assert engine.scheduler.kv.pool.num_free_blocks == 64
+
+
+def test_streamed_deltas_concatenate_to_the_text(make_engine):
+    engine = make_engine()
+    engine.add_request("a", [3, 4], SamplingParams(max_tokens=12, **GREEDY))
+    pieces, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.append(out.delta_text)
+            final = out
+    assert "".join(pieces) == final.text == words(final.token_ids)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ("", {}, "empty"),
+        ([], {}, "empty"),
+        ([1] * 300, {}, "more than"),
+        ([1, 2], {"max_tokens": 0}, "max_tokens"),
+        ([1, 2], {"temperature": -1.0}, "temperature"),
+        ([1, 2], {"top_p": 0.0}, "top_p"),
+        ([1, 2], {"top_p": 1.5}, "top_p"),
+        ([1, 5000], {}, "token ids"),
+    ],
+)
+def test_bad_input_is_rejected_and_engine_keeps_serving(make_engine, prompt, params, message):
+    engine = make_engine()
+    engine.add_request("good", [1, 2, 3], SamplingParams(max_tokens=3, **GREEDY))
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.add_request("bad", prompt, SamplingParams(**params))
+    assert run_all(engine)["good"].token_ids == reference_generation([1, 2, 3], 3, 1000)
+
+
+@pytest.mark.parametrize("truncation, expected", [("left", list(range(11, 21))), ("right", list(range(1, 11)))])
+def test_truncation(make_engine, truncation, expected):
+    engine = make_engine(max_input_len=10, truncation=truncation)
+    engine.add_request("a", list(range(1, 21)), SamplingParams(max_tokens=2, **GREEDY))
+    assert run_all(engine)["a"].prompt_token_ids == expected
+
+
+def test_abort_reports_and_frees(make_engine):
+    engine = make_engine()
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50, **GREEDY))
+    engine.add_request("b", [1, 2, 3], SamplingParams(max_tokens=5, **GREEDY))
+    engine.step()
+    engine.abort_request("a")
+    done = run_all(engine)
+    assert done["a"].finish_reason == "abort" and done["b"].finish_reason == "length"
+    assert engine.scheduler.kv.pool.num_free_blocks == 64
+
+
+def test_bounded_waiting_queue(make_engine):
+    engine = make_engine(max_waiting_requests=2)
+    engine.add_request("a", [1], SamplingParams(max_tokens=2, **GREEDY))
+    engine.add_request("b", [1], SamplingParams(max_tokens=2, **GREEDY))
+    with pytest.raises(QueueFullError):
+        engine.add_request("c", [1], SamplingParams(max_tokens=2, **GREEDY))
+    run_all(engine)
+    engine.add_request("c", [1], SamplingParams(max_tokens=2, **GREEDY))
+
+
+def test_step_records_and_stats(make_engine):
+    engine = make_engine(record_steps=True, max_batch_size=4)
+    for i in range(6):
+        engine.add_request(None, list(range(1, 10 + i)), SamplingParams(max_tokens=4, **GREEDY))
+    run_all(engine)
+    records = engine.step_records
+    assert records and all(r.stats.num_scheduled_seqs <= 4 for r in records)
+    assert sum(r.stats.num_decode_tokens for r in records) == 6 * 3
+    assert engine.last_stats.kv_blocks_used == 0
