@@ -92,9 +92,9 @@ class LLMEngine:
         config.validate()
         self.config = config
         if runner is None:
-            from batchserve.worker.model_runner import build_runner
+            from batchserve.worker.model_runner import ModelRunner  # torch only when a real model is asked for
 
-            runner, model_config, tokenizer = build_runner(config)
+            runner, model_config, tokenizer = ModelRunner.from_config(config)
         assert model_config is not None and tokenizer is not None
         self.runner, self.model_config, self.tokenizer = runner, model_config, tokenizer
         self.max_model_len = min(config.scheduler.max_model_len or 1 << 30, model_config.max_position_embeddings)
