@@ -1,0 +1,242 @@
+"""One Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over packed tokens and a paged KV cache.
+
+RMSNorm, RoPE (HF rotate_half convention, llama3 / linear scaling), GQA, SwiGLU. Q/K/V are one Linear and gate/up
+are one Linear: the loader concatenates the checkpoint's separate weights into them (`load_weights`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchserve.config import ModelConfig
+from batchserve.worker.attention import AttentionMetadata, KVCache, paged_attention
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, with HF's linear / llama3 scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type != "default":
+        raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported (only {SUPPORTED_ROPE_TYPES})")
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def reset(self, device: torch.device) -> None:
+        """Recompute the (non-loaded) frequencies once the module lives on its real device."""
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        # Qwen2: bias on q/k/v only; Llama's attention_bias also puts one on o_proj.
+        o_bias = config.attention_bias and config.architecture != "qwen2"
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache, attn_metadata, scale=self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, x, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(config)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Packed tokens [T] at positions [T] -> final hidden states [T, H] (normed)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, attn_metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] (in the model dtype)."""
+        return F.linear(hidden, self.output_weight)
+
+    # --- weight loading -------------------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), fusing q/k/v and gate/up.
+
+        Raises if a parameter of the model received nothing.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._map_name(name)
+            if target is None:
+                continue
+            param_name, offset = target
+            if param_name not in params:
+                raise KeyError(f"checkpoint tensor {name} maps to unknown parameter {param_name}")
+            param = params[param_name]
+            with torch.no_grad():
+                if offset is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                    param.copy_(tensor)
+                    loaded.add(param_name)
+                else:
+                    part = param.narrow(0, offset, tensor.shape[0])
+                    if part.shape != tensor.shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(part.shape)}")
+                    part.copy_(tensor)
+                    loaded.add(f"{param_name}[{offset}]")
+        self._check_complete(params, loaded)
+
+    def _fused_sizes(self) -> tuple[int, int, int]:
+        c = self.config
+        return c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+
+    def _map_name(self, name: str) -> tuple[str, int | None] | None:
+        """HF checkpoint name -> (our parameter name, row offset into a fused parameter or None)."""
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        if "rotary_emb" in name:
+            return None
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied: the embedding is the output matrix
+        q, kv, inter = self._fused_sizes()
+        fused = {
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", 0),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", q),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", q + kv),
+            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+            ".mlp.up_proj.": (".mlp.gate_up_proj.", inter),
+        }
+        for part, (replacement, offset) in fused.items():
+            if part in name:
+                return name.replace(part, replacement), offset
+        return name, None
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        q, kv, inter = self._fused_sizes()
+        missing = []
+        for name in params:
+            if ".qkv_proj." in name:
+                expected = [f"{name}[0]", f"{name}[{q}]", f"{name}[{q + kv}]"]
+            elif ".gate_up_proj." in name:
+                expected = [f"{name}[0]", f"{name}[{inter}]"]
+            else:
+                expected = [name]
+            missing.extend(e for e in expected if e not in loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")

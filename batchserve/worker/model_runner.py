@@ -1,0 +1,104 @@
+"""execute(SchedulerOutput) -> ModelOutput: swaps, one packed forward pass, logits at the sampled rows, sampling."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from batchserve.config import EngineConfig, ModelConfig
+from batchserve.core.outputs import ModelOutput, SchedulerOutput
+from batchserve.worker.device import resolve_device, resolve_dtype
+from batchserve.worker.input_batch import InputBatch, RequestState, build_input_batch, update_states
+from batchserve.worker.kv_cache import KVCache, num_blocks_for_budget, num_swap_blocks_for_budget
+from batchserve.worker.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        model_config: ModelConfig,
+        model: nn.Module,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        self.engine_config = engine_config
+        self.model_config = model_config
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        cache = engine_config.cache
+        self.block_size = cache.block_size
+        swap_enabled = engine_config.scheduler.preemption_mode == "swap"
+        self.num_kv_blocks = num_blocks_for_budget(cache, model_config, dtype, device)
+        self.num_swap_blocks = num_swap_blocks_for_budget(cache, model_config, dtype, enabled=swap_enabled)
+        self.kv_cache = KVCache.allocate(
+            model_config, self.num_kv_blocks, self.num_swap_blocks, self.block_size, dtype, device
+        )
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+
+    @classmethod
+    def from_config(cls, engine_config: EngineConfig) -> tuple[ModelRunner, ModelConfig, object]:
+        """Resolve the model, load config, weights and tokenizer, pick device/dtype -> (runner, model_config, tokenizer)."""
+        from batchserve.models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path
+
+        if engine_config.num_threads:
+            torch.set_num_threads(engine_config.num_threads)
+        torch.manual_seed(engine_config.seed)
+        device = resolve_device(engine_config.device)
+        dtype = resolve_dtype(engine_config.dtype)
+        path = resolve_model_path(engine_config.model)
+        model_config = load_model_config(path)
+        logger.info("loading %s (%s) on %s as %s", path, model_config.architecture, device, dtype)
+        model = load_model(path, model_config, dtype, device)
+        tokenizer = load_tokenizer(path, engine_config.tokenizer)
+        return cls(engine_config, model_config, model, device, dtype), model_config, tokenizer
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.kv_cache.device_caches
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
+        self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
+        update_states(self.requests, scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelOutput()
+        batch = build_input_batch(scheduler_output, self.requests, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        self._advance_computed(scheduler_output)
+        if not batch.sample_req_ids:
+            return ModelOutput()
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).float()
+        return self._sample(batch, logits)
+
+    def _advance_computed(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+
+    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> ModelOutput:
+        states = [self.requests[r] for r in batch.sample_req_ids]
+        meta = SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            token_ids=[s.token_ids for s in states],
+            num_prompt_tokens=[s.num_prompt_tokens for s in states],
+            eos_token_ids=self.model_config.eos_token_ids,
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        out = self.sampler(logits, meta)
+        sampled = out.token_ids.tolist()  # the step's one device -> host transfer
+        for state, token in zip(states, sampled, strict=True):
+            state.token_ids.append(token)
+        return ModelOutput(req_ids=list(batch.sample_req_ids), sampled_token_ids=sampled, logprobs=out.logprobs)
+
+
+def build_runner(engine_config: EngineConfig) -> tuple[ModelRunner, ModelConfig, object]:
+    """The engine's entry point: (runner, model_config, tokenizer) for an EngineConfig."""
+    return ModelRunner.from_config(engine_config)
