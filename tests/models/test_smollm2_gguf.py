@@ -1,0 +1,125 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers' own GGUF loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchserve.config import CacheConfig, EngineConfig
+from batchserve.core.outputs import NewRequestData, SchedulerOutput
+from batchserve.models.loader import gguf_reader, load_model_config, resolve_model_path
+from batchserve.sampling_params import SamplingParams
+from batchserve.worker.model_runner import ModelRunner
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+
+
+@pytest.fixture(scope="module")
+def path():
+    try:
+        return resolve_model_path(None)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"default model not installed: {exc}")
+
+
+@pytest.fixture(scope="module")
+def ours(path):
+    engine_config = EngineConfig(device="cpu", cache=CacheConfig(block_size=16, num_kv_blocks=64))
+    return ModelRunner.from_config(engine_config)
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    """transformers' GGUF path (dequantize + reverse q/k permutation) into its LlamaForCausalLM."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    model = LlamaForCausalLM(config).eval()
+    result = model.load_state_dict(tensors, strict=False)
+    assert result.unexpected_keys == [] and set(result.missing_keys) <= {"lm_head.weight"}
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tokenizer
+
+
+def chat_ids(tokenizer) -> list[int]:
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+
+
+def test_config(path, reference):
+    config = load_model_config(path)
+    hf = reference[0].config
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        hf.num_hidden_layers,
+        hf.hidden_size,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        64,
+    )
+    assert config.tie_word_embeddings and config.vocab_size == 49152 and config.rope_theta == 100000.0
+    assert config.eos_token_ids == [2] and config.bos_token_id == 1
+
+
+def test_tokenizer_and_chat_template_match(path, ours, reference):
+    _, _, tokenizer = ours
+    ref_tokenizer = reference[1]
+    assert tokenizer.chat_template == gguf_reader(path).fields["tokenizer.chat_template"].contents()
+    assert chat_ids(tokenizer) == chat_ids(ref_tokenizer)
+    text = "Continuous batching, paged KV caches & <|im_end|> tokens: ünïcödé 12345."
+    assert tokenizer.encode(text) == ref_tokenizer.encode(text)
+    assert tokenizer.decode(chat_ids(tokenizer)).startswith("<|im_start|>system")
+
+
+def test_logits_match_transformers(ours, reference):
+    runner, config, tokenizer = ours
+    model, _ = reference
+    ids = chat_ids(tokenizer)
+    from batchserve.worker.input_batch import build_input_batch, update_states
+
+    step = SchedulerOutput(
+        new_requests=[NewRequestData("x", ids, len(ids), SamplingParams(temperature=0.0), list(range(8, 12)), 0)],
+        num_scheduled_tokens={"x": len(ids)},
+    )
+    states = {}
+    update_states(states, step)
+    batch = build_input_batch(step, states, runner.block_size, runner.device)
+    with torch.inference_mode():
+        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn_metadata)
+        logits = runner.model.compute_logits(hidden)
+        expected = model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_chat_reply_matches_transformers(ours, reference):
+    runner, _, tokenizer = ours
+    model, _ = reference
+    ids = chat_ids(tokenizer)
+    max_new = 8
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=None)
+    expected = expected[0, len(ids) :].tolist()
+
+    blocks = [40, 3, 17, 9]
+    out = runner.execute(
+        SchedulerOutput(
+            new_requests=[NewRequestData("y", ids, len(ids), SamplingParams(temperature=0.0), blocks, 0)],
+            num_scheduled_tokens={"y": len(ids)},
+        )
+    )
+    got = list(out.sampled_token_ids)
+    from batchserve.core.outputs import CachedRequestData
+
+    for _ in range(max_new - 1):
+        computed = len(ids) + len(got) - 1
+        out = runner.execute(
+            SchedulerOutput(cached_requests=[CachedRequestData("y", [], computed)], num_scheduled_tokens={"y": 1})
+        )
+        got += out.sampled_token_ids
+    assert got == expected
+    assert "Paris" in tokenizer.decode(got)

@@ -1,0 +1,81 @@
+"""SchedulerOutput -> packed tensors, and the worker's request state across steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchserve.config import ConfigError
+from batchserve.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from batchserve.sampling_params import SamplingParams
+from batchserve.worker.device import resolve_device, resolve_dtype
+from batchserve.worker.input_batch import build_input_batch, update_states
+
+P = SamplingParams()
+
+
+def test_packing_a_mixed_batch():
+    states = {}
+    step = SchedulerOutput(
+        new_requests=[
+            NewRequestData("new", [10, 11, 12, 13, 14], 5, P, [7], 0),  # first chunk of a prompt
+            NewRequestData("hit", list(range(20, 30)), 10, P, [2, 5], 8),  # prefix-cache hit: 8 tokens cached
+        ],
+        num_scheduled_tokens={"new": 3, "hit": 2},
+    )
+    update_states(states, step)
+    batch = build_input_batch(step, states, 8, torch.device("cpu"))
+    assert batch.input_ids.tolist() == [10, 11, 12, 28, 29]
+    assert batch.positions.tolist() == [0, 1, 2, 8, 9]
+    assert batch.attn_metadata.slot_mapping.tolist() == [56, 57, 58, 40, 41]
+    assert batch.attn_metadata.block_tables.tolist() == [[7, 0], [2, 5]]
+    assert batch.attn_metadata.seq_lens.tolist() == [3, 10]
+    assert batch.attn_metadata.query_start_loc.tolist() == [0, 3, 5]
+    assert batch.attn_metadata.max_query_len == 3 and batch.attn_metadata.max_seq_len == 10
+    assert batch.attn_metadata.query_pad_index.tolist() == [0, 1, 2, 3, 4]
+    # only "hit" has computed all its known tokens
+    assert batch.sample_req_ids == ["hit"] and batch.logits_indices.tolist() == [4]
+
+    # next step: "new" finishes its prompt and "hit" decodes its sampled token
+    states["hit"].token_ids.append(99)
+    step = SchedulerOutput(
+        cached_requests=[CachedRequestData("new", [], 3), CachedRequestData("hit", [], 10)],
+        num_scheduled_tokens={"new": 2, "hit": 1},
+    )
+    update_states(states, step)
+    batch = build_input_batch(step, states, 8, torch.device("cpu"))
+    assert batch.input_ids.tolist() == [13, 14, 99]
+    assert batch.positions.tolist() == [3, 4, 10]
+    assert batch.attn_metadata.slot_mapping.tolist() == [59, 60, 42]
+    assert batch.sample_req_ids == ["new", "hit"] and batch.logits_indices.tolist() == [1, 2]
+    assert batch.attn_metadata.query_pad_index.tolist() == [0, 1, 2]
+
+
+def test_state_follows_new_cached_and_finished():
+    states = {}
+    update_states(states, SchedulerOutput(new_requests=[NewRequestData("a", [1, 2], 2, P, [0], 0)]))
+    update_states(states, SchedulerOutput(cached_requests=[CachedRequestData("a", [3, 4], 2)]))
+    assert states["a"].block_ids == [0, 3, 4] and states["a"].num_computed_tokens == 2
+    update_states(states, SchedulerOutput(finished_req_ids={"a", "unknown"}))
+    assert states == {}
+
+
+def test_too_few_blocks_is_an_error():
+    states = {}
+    step = SchedulerOutput(
+        new_requests=[NewRequestData("a", list(range(9)), 9, P, [0], 0)], num_scheduled_tokens={"a": 9}
+    )
+    update_states(states, step)
+    with pytest.raises(ValueError, match="blocks"):
+        build_input_batch(step, states, 8, torch.device("cpu"))
+
+
+def test_device_and_dtype_names():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type in ("cpu", "cuda")
+    assert resolve_dtype("bfloat16") is torch.bfloat16 and resolve_dtype("float32") is torch.float32
+    with pytest.raises(ConfigError):
+        resolve_dtype("int8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError):
+            resolve_device("cuda")
