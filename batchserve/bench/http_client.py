@@ -1,0 +1,144 @@
+"""Drive any OpenAI-compatible server (batchserve, vLLM, llama.cpp) over HTTP: streaming /v1/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from batchserve.bench.arrivals import ArrivalProcess
+from batchserve.bench.metrics import RequestResult
+from batchserve.bench.trace import RunTrace
+from batchserve.bench.workloads import BenchRequest
+
+PROMPT_FORMATS = ("tokens", "text")
+
+
+def completion_body(req: BenchRequest, model: str, prompt_format: str = "tokens", tokenizer: Any = None) -> dict:
+    if prompt_format == "tokens":
+        prompt: Any = req.prompt_token_ids
+    elif req.prompt_text is not None:
+        prompt = req.prompt_text
+    elif tokenizer is not None:
+        prompt = tokenizer.decode(req.prompt_token_ids)
+    else:
+        raise ValueError("prompt_format='text' needs a tokenizer to decode synthetic prompts")
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _first_model(client: httpx.AsyncClient) -> str:
+    resp = await client.get("/v1/models")
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+async def stream_one(client: httpx.AsyncClient, body: dict, result: RequestResult) -> RequestResult:
+    """POST one streaming completion, time every chunk that carries text; usage (if sent) gives the token count."""
+    chunks, usage_tokens = 0, None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                raise RuntimeError(f"HTTP {resp.status_code}: {text[:200]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                now = time.monotonic()
+                if chunk.get("error"):
+                    raise RuntimeError(str(chunk["error"]))
+                if (chunk.get("usage") or {}).get("completion_tokens") is not None:
+                    usage_tokens = chunk["usage"]["completion_tokens"]
+                choices = chunk.get("choices") or []
+                if choices and choices[0].get("text"):
+                    chunks += 1
+                    result.token_times.append(now)
+                    if result.first_token_time is None:
+                        result.first_token_time = now
+        result.finish_time = time.monotonic()
+        result.output_len = usage_tokens if usage_tokens is not None else chunks
+        if result.first_token_time is None:
+            raise RuntimeError("the stream carried no tokens")
+    except Exception as exc:  # noqa: BLE001 - a benchmark records the failure and goes on
+        result.success, result.error = False, f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def _run(
+    base_url: str,
+    requests: list[BenchRequest],
+    arrivals: ArrivalProcess,
+    seed: int,
+    model: str | None,
+    prompt_format: str,
+    tokenizer: Any,
+    label: str,
+    progress: bool,
+    timeout_s: float,
+    api_key: str | None,
+    transport: httpx.AsyncBaseTransport | None,
+) -> RunTrace:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers, limits=limits, transport=transport
+    ) as client:
+        model = model or await _first_model(client)
+        bodies = [completion_body(r, model, prompt_format, tokenizer) for r in requests]
+        offsets = arrivals.offsets(len(requests), seed)
+        gate = asyncio.Semaphore(arrivals.max_concurrency or len(requests))
+        bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False)
+        t0 = time.monotonic()
+
+        async def send(req: BenchRequest, body: dict, offset: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
+            async with gate:
+                arrival = max(time.monotonic(), t0 + offset) if arrivals.max_concurrency else t0 + offset
+                result = RequestResult(req.request_id, req.prompt_len, 0, arrival, category=req.category)
+                await stream_one(client, body, result)
+            bar.update(1)
+            return result
+
+        results = await asyncio.gather(*(send(r, b, o) for r, b, o in zip(requests, bodies, offsets, strict=True)))
+        bar.close()
+        duration = time.monotonic() - t0
+    meta = {"duration_s": duration, "target": base_url, "model": model, "arrivals": arrivals.describe()}
+    return RunTrace(label, t0, 1, [], list(results), meta)
+
+
+def run_http(
+    base_url: str,
+    requests: list[BenchRequest],
+    arrivals: ArrivalProcess | None = None,
+    seed: int = 0,
+    model: str | None = None,
+    prompt_format: str = "tokens",
+    tokenizer: Any = None,
+    label: str = "http",
+    progress: bool = True,
+    timeout_s: float = 600.0,
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> RunTrace:
+    """Send the workload to base_url (e.g. http://localhost:8000) and return the trace (requests only, no steps)."""
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}")
+    return asyncio.run(
+        _run(base_url, requests, arrivals or ArrivalProcess(), seed, model, prompt_format, tokenizer, label,
+             progress, timeout_s, api_key, transport)
+    )  # fmt: skip

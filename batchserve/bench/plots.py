@@ -1,0 +1,142 @@
+"""PNG pictures of a run (matplotlib, Agg backend): batch timeline, KV blocks over time, throughput vs latency."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from batchserve.bench.trace import RunTrace, assign_lanes  # noqa: E402
+
+IDLE = (0.94, 0.94, 0.94)
+
+
+def _request_colour(index: int) -> np.ndarray:
+    cmap = plt.get_cmap("tab20")
+    return np.array(cmap((index * 7) % 20)[:3])  # stride so neighbours differ
+
+
+def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int = 600) -> Path:
+    """One lane per batch slot (rows) over iterations (columns), coloured by request.
+
+    Decode cells are the request's colour; prefill cells the same colour, darker and hatched with dots; idle slots are
+    light grey. A green triangle marks where a request enters the batch, a black cross where it finishes.
+    The bottom panel shows the batch occupancy and the waiting queue per iteration.
+    """
+    steps = trace.steps[:max_steps]
+    lanes = assign_lanes(steps, trace.max_batch_size)
+    num_lanes = max(trace.max_batch_size, max((max(r, default=-1) + 1 for r in lanes), default=0))
+    img = np.ones((num_lanes, max(len(steps), 1), 3)) * np.array(IDLE)
+    order = {r.request_id: i for i, r in enumerate(trace.requests)}
+    inserts, exits, prefills = [], [], []
+    for x, (step, row) in enumerate(zip(steps, lanes, strict=True)):
+        for lane, (rid, _ntok, prefill) in row.items():
+            colour = _request_colour(order.setdefault(rid, len(order)))
+            img[lane, x] = colour * 0.55 if prefill else colour
+            if prefill:
+                prefills.append((x, lane))
+            if x == 0 or lanes[x - 1].get(lane, ("",))[0] != rid:
+                inserts.append((x, lane))
+            if rid in step.finished:
+                exits.append((x, lane))
+
+    height = min(3 + num_lanes * 0.18, 14)
+    fig, (ax, ax2) = plt.subplots(
+        2, 1, figsize=(min(6 + len(steps) * 0.03, 22), height + 2), sharex=True,
+        gridspec_kw={"height_ratios": [height, 2]},
+    )  # fmt: skip
+    ax.imshow(img, aspect="auto", interpolation="nearest", origin="lower",
+              extent=(-0.5, max(len(steps), 1) - 0.5, -0.5, num_lanes - 0.5))  # fmt: skip
+    size = max(4, min(30, 3000 / max(len(steps), 1)))
+    if prefills:
+        px, py = zip(*prefills, strict=True)
+        ax.scatter(px, py, s=size * 0.3, c="white", marker=".", linewidths=0)
+    if inserts:
+        ix, iy = zip(*inserts, strict=True)
+        ax.scatter(np.array(ix) - 0.35, iy, s=size, c="green", marker=">", linewidths=0)
+    if exits:
+        ex, ey = zip(*exits, strict=True)
+        ax.scatter(np.array(ex) + 0.35, ey, s=size, c="black", marker="x", linewidths=1)
+    ax.set_ylabel("batch slot")
+    shown = f"first {len(steps)} of {len(trace.steps)} steps" if len(trace.steps) > len(steps) else "all steps"
+    ax.set_title(f"Batch timeline: {trace.label} ({shown}, max_batch_size={trace.max_batch_size})")
+    ax.legend(
+        handles=[
+            Patch(color=_request_colour(3), label="decode (colour = request)"),
+            Patch(color=_request_colour(3) * 0.55, label="prefill (darker, dotted)"),
+            Patch(color=IDLE, label="idle slot"),
+            plt.Line2D([], [], color="green", marker=">", ls="", label="enters batch"),
+            plt.Line2D([], [], color="black", marker="x", ls="", label="finishes"),
+        ],
+        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+    )  # fmt: skip
+    xs = np.arange(len(steps))
+    ax2.plot(xs, [100 * s.num_scheduled_seqs / s.max_batch_size for s in steps], color="tab:blue", label="occupancy %")
+    ax2.set_ylabel("occupancy %")
+    ax2.set_ylim(0, 105)
+    ax2.set_xlabel("iteration (engine step)")
+    ax3 = ax2.twinx()
+    ax3.plot(xs, [s.num_waiting for s in steps], color="tab:orange", label="waiting")
+    ax3.set_ylabel("waiting requests", color="tab:orange")
+    return _save(fig, path)
+
+
+def plot_kv_usage(trace: RunTrace, path: str | Path) -> Path:
+    """KV blocks over time, stacked: in use by requests, free but holding cached prefixes, free and empty."""
+    steps = trace.steps
+    t = [s.start - trace.t0 for s in steps]
+    used = [s.kv_blocks_used for s in steps]
+    cached = [s.kv_blocks_cached_free for s in steps]
+    empty = [max(s.kv_blocks_free - s.kv_blocks_cached_free, 0) for s in steps]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.stackplot(t, used, cached, empty, labels=["in use", "cached (free, reusable)", "free"],
+                 colors=["tab:red", "tab:olive", "0.85"], step="post")  # fmt: skip
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("KV blocks")
+    ax.set_title(f"KV cache blocks: {trace.label}")
+    ax.legend(loc="upper right", fontsize=8)
+    if steps:
+        ax.set_ylim(0, max(s.kv_blocks_total for s in steps) or 1)
+    return _save(fig, path)
+
+
+def plot_throughput_latency(points: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """A rate sweep: each point is a summary dict (metrics.summarize) with 'request_rate' and optional 'label'.
+
+    Left: output tokens/s vs TTFT (p50, p99); right: vs TPOT (p50, p99). Each point is annotated with its rate.
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = sorted({p.get("label", "") for p in points})
+    for label, colour in zip(labels, plt.get_cmap("tab10").colors, strict=False):
+        series = sorted((p for p in points if p.get("label", "") == label), key=lambda p: p["output_throughput"])
+        x = [p["output_throughput"] for p in series]
+        for ax, key in zip(axes, ("ttft_ms", "tpot_ms"), strict=True):
+            for q, style in (("p50", "-o"), ("p99", "--^")):
+                ax.plot(x, [p[key][q] for p in series], style, color=colour, label=f"{label} {q}".strip())
+            for p in series:
+                ax.annotate(f"{p['request_rate']:g}/s", (p["output_throughput"], p[key]["p50"]), fontsize=7,
+                            textcoords="offset points", xytext=(3, 3))  # fmt: skip
+    for ax, key in zip(axes, ("TTFT (ms)", "TPOT (ms)"), strict=True):
+        ax.set_xlabel("output throughput (tokens/s)")
+        ax.set_ylabel(key)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Throughput vs latency over a sweep of request rates")
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
