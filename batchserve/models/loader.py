@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,7 +79,46 @@ def is_gguf(path: Path) -> bool:
 
 
 def load_model_config(path: Path) -> ModelConfig:
-    return _gguf_config(path) if is_gguf(path) else _hf_config(path)
+    if is_gguf(path):
+        cached = gguf_cache_dir(path) / "model_config.json"
+        return ModelConfig(**json.loads(cached.read_text())) if cached.is_file() else _gguf_config(path)
+    return _hf_config(path)
+
+
+# --- GGUF conversion cache ------------------------------------------------------------------------------------------
+# Parsing and dequantizing a GGUF file and converting its tokenizer takes ~30 s; the result is kept on disk as an HF-named
+# safetensors file plus a saved tokenizer, so every later start takes about a second.
+
+
+def gguf_cache_dir(path: Path) -> Path:
+    root = Path(os.environ.get("BATCHSERVE_CACHE_DIR", Path.home() / ".cache" / "batchserve"))
+    stat = path.stat()
+    return root / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def ensure_gguf_cache(path: Path) -> Path:
+    """Convert the GGUF file once into the cache (atomically: a half-written cache is never used)."""
+    target = gguf_cache_dir(path)
+    if (target / "model_config.json").is_file():
+        return target
+    from safetensors.torch import save_file
+
+    logger.info("converting %s once into %s", path.name, target)
+    config = _gguf_config(path)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=_mkdir(target.parent)))
+    save_file({name: t.contiguous() for name, t in iter_gguf_weights(path, config)}, str(tmp / "model.safetensors"))
+    _load_gguf_tokenizer(path).save_pretrained(str(tmp))
+    (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(config)))  # last: marks it complete
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -206,7 +249,7 @@ def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device
         model = LlamaForCausalLM(model_config, dtype=dtype)
     model.to_empty(device=device)
     model.rotary.reset(device)
-    weights = iter_gguf_weights(path, model_config) if is_gguf(path) else iter_hf_weights(path)
+    weights = iter_hf_weights(ensure_gguf_cache(path)) if is_gguf(path) else iter_hf_weights(path)
     model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
     model.eval()
     model.requires_grad_(False)
@@ -282,6 +325,17 @@ def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, to
         yield name, torch.tensor(weights)
 
 
+def _load_gguf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if not tok.chat_template:
+        field = gguf_reader(path).fields.get("tokenizer.chat_template")
+        if field is not None:
+            tok.chat_template = field.contents()
+    return tok
+
+
 # --- tokenizer --------------------------------------------------------------------------------------------------------
 
 
@@ -292,11 +346,7 @@ def load_tokenizer(path: Path, tokenizer: str | Path | None = None):
     if tokenizer is not None:
         tok = AutoTokenizer.from_pretrained(str(tokenizer))
     elif is_gguf(path):
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        if not tok.chat_template:
-            field = gguf_reader(path).fields.get("tokenizer.chat_template")
-            if field is not None:
-                tok.chat_template = field.contents()
+        tok = AutoTokenizer.from_pretrained(str(ensure_gguf_cache(path)))
     else:
         tok = AutoTokenizer.from_pretrained(str(path))
     if not tok.chat_template:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
 from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -16,63 +15,7 @@ from batchserve.core.outputs import CachedRequestData, ModelOutput, NewRequestDa
 from batchserve.models.loader import load_model, load_model_config
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.model_runner import ModelRunner
-
-VOCAB = 96
-
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,  # large weights: decisive logits, so greedy decoding has no near-ties
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-
-KINDS = {
-    "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False),
-    "llama_tied": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=True),
-    "llama3_rope": lambda: transformers.LlamaConfig(
-        **COMMON,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 4.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-    ),
-    "llama_linear_rope": lambda: transformers.LlamaConfig(
-        **COMMON, rope_scaling={"rope_type": "linear", "factor": 2.0}
-    ),
-    "llama_attn_bias_mha": lambda: transformers.LlamaConfig(
-        **{**COMMON, "num_key_value_heads": 4}, attention_bias=True, head_dim=8
-    ),
-    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=False),
-    "qwen2_tied": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
-    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
-}
-
-
-def build_hf_model(kind: str, directory: Path) -> nn.Module:
-    """Build, randomise (biases and norms too, which HF initialises to constants) and save a tiny model."""
-    torch.manual_seed(sum(map(ord, kind)))
-    config = KINDS[kind]()
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.5)
-            elif "norm" in name:
-                param.uniform_(0.5, 1.5)
-    model.generation_config.eos_token_id = None  # never stop early: compare a fixed number of tokens
-    model.save_pretrained(directory)
-    return model
+from tests.tiny_models import VOCAB, build_hf_model, hf_greedy  # noqa: F401  (re-exported to tests)
 
 
 @pytest.fixture(scope="session")
@@ -103,13 +46,6 @@ def make_runner(directory: Path, block_size: int = 16, num_kv_blocks: int = 64, 
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, num_swap_blocks=num_swap_blocks),
     )
     return ModelRunner(engine_config, model_config, model, torch.device("cpu"), torch.float32)
-
-
-def hf_greedy(model: nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, attention_mask=None
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 class MiniScheduler:

@@ -1,0 +1,103 @@
+"""The whole engine on a real (tiny, random) Llama checkpoint: greedy output equals transformers' token for token,
+whatever the batch composition, chunking, preemption, prefix-cache hits, policy or order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from batchserve.engine.llm_engine import LLMEngine
+from batchserve.sampling_params import SamplingParams
+from tests.tiny_models import VOCAB, build_hf_model, hf_greedy
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_llama")
+    hf_model = build_hf_model("llama", directory)
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    return hf_model, directory
+
+
+def workload(count=32, seed=0, shared_prefix=0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(shared_prefix)]
+    lengths = [rng.choice([1, 2, 5, 17, 40, 90, 150]) for _ in range(count)]
+    return [(prefix + [rng.randrange(3, VOCAB) for _ in range(n)], rng.randrange(4, 24)) for n in lengths]
+
+
+def run(directory, requests, arrive_every=1, **options):
+    """Request i is added before step i * arrive_every; returns outputs in request order and the engine."""
+    engine = LLMEngine.from_options(model=str(directory), device="cpu", **({"num_kv_blocks": 256} | options))
+    outputs, step = {}, 0
+    while len(outputs) < len(requests):
+        for i in range(len(requests)):
+            if i * arrive_every == step:
+                prompt, max_tokens = requests[i]
+                engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+        for out in engine.step():
+            if out.finished:
+                outputs[int(out.request_id)] = out.token_ids
+        step += 1
+    assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.pool.num_blocks
+    return [outputs[i] for i in range(len(requests))], engine
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """Each request of the workload alone in the engine (max_batch_size=1, no cache reuse)."""
+    hf_model, directory = tiny
+    requests = workload()
+    alone = [run(directory, [r], max_batch_size=1, enable_prefix_caching=False)[0][0] for r in requests]
+    return requests, alone
+
+
+def test_greedy_equals_transformers(tiny, reference):
+    hf_model, _ = tiny
+    requests, alone = reference
+    for (prompt, max_tokens), ours in list(zip(requests, alone))[:8]:
+        assert ours == hf_greedy(hf_model, prompt, max_tokens)
+
+
+def test_same_tokens_alone_and_in_a_staggered_batch_of_32(tiny, reference):
+    requests, alone = reference
+    mixed, engine = run(tiny[1], requests, arrive_every=2, max_batch_size=32, max_num_tokens=48)
+    assert mixed == alone
+    assert engine.num_steps > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_identical_with_a_pool_so_small_that_preemption_happens_often(tiny, reference, mode):
+    requests, alone = reference
+    mixed, engine = run(tiny[1], requests, num_kv_blocks=36, block_size=8, max_batch_size=32, max_num_tokens=64,
+                        preemption_mode=mode, num_swap_blocks=64)
+    assert mixed == alone
+    assert engine.scheduler.num_preemptions_total >= 5
+
+
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict", "static"])
+@pytest.mark.parametrize("order", ["fcfs", "priority", "shortest_first"])
+def test_identical_under_every_policy_and_order(tiny, reference, policy, order):
+    requests, alone = reference
+    mixed, _ = run(tiny[1], requests, arrive_every=0, scheduler_policy=policy, scheduling_order=order,
+                   max_batch_size=12, max_num_tokens=64, num_kv_blocks=120, block_size=8)
+    assert mixed == alone
+
+
+def test_prefix_caching_on_and_off_identical_and_hits(tiny):
+    hf_model, directory = tiny
+    requests = workload(count=12, seed=1, shared_prefix=40)
+    on, engine_on = run(directory, requests, enable_prefix_caching=True, block_size=8)
+    off, engine_off = run(directory, requests, enable_prefix_caching=False, block_size=8)
+    assert on == off
+    assert engine_on.last_stats.prefix_cache_hit_rate > 0.3 and engine_off.last_stats.prefix_cache_hits == 0
+    assert on[3] == hf_greedy(hf_model, *requests[3])
