@@ -1,0 +1,283 @@
+"""The engine loop in its own thread, and an asyncio front door to it.
+
+``LLMEngine`` is not thread safe, so exactly one thread — the loop thread started here — ever calls its
+``add_request`` / ``abort_request`` / ``step``. Other threads (the asyncio event loop of the HTTP server) hand in
+commands through a deque guarded by a Condition; the loop sleeps on that Condition when there is nothing to do.
+Outputs go back through one ``asyncio.Queue`` per request, fed with ``loop.call_soon_threadsafe`` as soon as a step
+has produced them, so each token can be streamed the moment it is sampled.
+
+    async_engine = AsyncLLMEngine(engine).start()
+    async for out in async_engine.generate("Hello", SamplingParams(max_tokens=8)):
+        print(out.delta_text, end="")
+    async_engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+StepListener = Callable[[Any, list[Any]], None]  # (engine, outputs of the step) -> None, on the loop thread
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (crashed or shut down); no request can be served."""
+
+
+class RequestStream:
+    """Outputs of one request, delivered to the event loop that asked for it."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+
+    # loop thread
+    def put(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    # event loop
+    async def get(self) -> Any:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.finished:
+            raise StopAsyncIteration
+        return await self.get()
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    stream: RequestStream
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class AsyncLLMEngine:
+    """Runs ``engine.step()`` in a background thread whenever there is work; asyncio callers submit and stream."""
+
+    def __init__(self, engine: Any, step_listeners: list[StepListener] | None = None) -> None:
+        self.engine = engine
+        self.step_listeners: list[StepListener] = list(step_listeners or [])
+        self._cond = threading.Condition()
+        self._commands: deque[_Add | _Abort] = deque()
+        self._streams: dict[str, RequestStream] = {}  # loop thread only
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._drain = True
+        self._idle = threading.Event()
+        self._idle.set()
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ pass-through, read-only
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def config(self) -> Any:
+        return self.engine.config
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> AsyncLLMEngine:
+        with self._cond:
+            if self._thread is None:
+                self._stop = False
+                self._thread = threading.Thread(target=self._run, name="batchserve-engine-loop", daemon=True)
+                self._thread.start()
+        return self
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop the loop. ``drain``: finish the requests in flight first; otherwise abort them."""
+        with self._cond:
+            self._stop = True
+            self._drain = drain
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is in flight (for tests and draining)."""
+        return self._idle.wait(timeout)
+
+    # ------------------------------------------------------------------ any thread
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Drop requests (unknown or finished ids are ignored); their KV blocks return to the pool next step."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if ids:
+            self._submit(_Abort(ids))
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._cond:
+            if isinstance(command, _Abort) and (self.error is not None or self._thread is None):
+                return  # nothing runs, nothing to abort
+            if self.error is not None or (self._stop and isinstance(command, _Add)):
+                raise EngineDeadError(f"engine is not running: {self.error or 'shut down'}")
+            self._commands.append(command)
+            self._idle.clear()
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ event loop
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
+        """Hand a request to the loop; raises what ``engine.add_request`` raises (InvalidRequestError,
+        QueueFullError) or EngineDeadError. Returns the stream of its outputs."""
+        if self._thread is None:
+            self.start()
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        command = _Add(request_id, prompt, params, priority, stream)
+        self._submit(command)
+        try:
+            await asyncio.wrap_future(command.done)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # FIFO: lands after the add, whatever its outcome
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[Any]:
+        """Yields a CompletionOutput per step in which the request progressed; aborts it if the caller stops early."""
+        request_id = request_id or uuid.uuid4().hex
+        stream = await self.add_request(request_id, prompt, params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    # ------------------------------------------------------------------ loop thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._has_work() and not self._stop:
+                        self._idle.set()
+                        self._cond.wait()
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    stop, drain = self._stop, self._drain
+                stepped_abort = self._apply(commands)
+                if stop and not drain and self._streams:
+                    self._apply([_Abort(list(self._streams))])
+                    stepped_abort = True
+                if self._has_work() or stepped_abort:
+                    self._step()
+                elif stop:
+                    break
+        except BaseException as exc:  # noqa: BLE001 - the loop must report every failure to its waiters
+            logger.exception("engine loop died")
+            self._die(exc)
+            return
+        self._die(EngineDeadError("engine shut down"), crashed=False)
+
+    def _has_work(self) -> bool:
+        return bool(self.engine.has_unfinished_requests())
+
+    def _apply(self, commands: list[_Add | _Abort]) -> bool:
+        """Run queued commands on the engine; True if something was aborted (a step returns its blocks)."""
+        aborted = False
+        for command in commands:
+            if isinstance(command, _Add):
+                if not command.done.set_running_or_notify_cancel():
+                    continue  # the caller gave up before the loop got to it
+                try:
+                    self.engine.add_request(
+                        command.request_id, command.prompt, command.params, priority=command.priority
+                    )
+                except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                    command.done.set_exception(exc)
+                    continue
+                self._streams[command.request_id] = command.stream
+                command.done.set_result(None)
+            else:
+                live = [rid for rid in command.request_ids if rid in self._streams]
+                if live:
+                    self.engine.abort_request(live)
+                    aborted = True
+                    for rid in live:
+                        # The engine may or may not emit a final "abort" output; the caller is gone either way.
+                        self._streams.pop(rid).put(EngineDeadError(f"request {rid} aborted"))
+        return aborted
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        for listener in self.step_listeners:
+            try:
+                listener(self.engine, outputs)
+            except Exception:  # noqa: BLE001 - a broken metrics hook must not stop serving
+                logger.exception("step listener failed")
+
+    def _die(self, exc: BaseException, crashed: bool = True) -> None:
+        with self._cond:
+            if crashed:
+                self.error = exc
+            self._stop = True
+            pending = list(self._commands)
+            self._commands.clear()
+        dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine loop died: {exc!r}")
+        for command in pending:
+            if isinstance(command, _Add) and not command.done.done():
+                command.done.set_exception(dead)
+        for stream in self._streams.values():
+            stream.put(dead)
+        self._streams.clear()
+        self._idle.set()

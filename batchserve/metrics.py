@@ -1,0 +1,174 @@
+"""Prometheus export of the engine's per-step and per-request stats, named like vLLM's (prefix ``batchserve:``).
+
+Every metric lives in the CollectorRegistry given to (or made by) one ``EngineMetrics``: there is no global
+registry, so several servers can live in one process. ``observe_step`` is called from the engine loop thread after
+each step; prometheus-client's metric objects are thread safe, and ``render`` may run on any thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "batchserve:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Buckets as vLLM uses them (seconds / tokens).
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+ITERATION_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# fmt: on
+
+
+class EngineMetrics:
+    """The Prometheus view of one engine. Labels: ``model_name`` (as vLLM)."""
+
+    def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Any:
+            return Histogram(PREFIX + name, doc, labels, buckets=tuple(buckets), registry=reg).labels(model_name)
+
+        # Scheduler state (of the latest step).
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_requests_swapped = gauge("num_requests_swapped", "Waiting requests whose KV sits in host memory.")
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "KV-cache usage: share of blocks owned by requests (0-1)."
+        )
+        self.kv_cache_blocks_used = gauge("kv_cache_blocks_used", "KV blocks owned by at least one request.")
+        self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool.")
+        self.prefix_cache_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over prompt tokens (0-1).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        # Tokens.
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests admitted.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
+        self.iteration_time = histogram(
+            "iteration_time_seconds", "Wall time of one engine step.", ITERATION_TIME_BUCKETS
+        )
+        # Requests.
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Mean time between output tokens of a request.", TPOT_BUCKETS
+        )
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
+        )
+        self._last_preemptions_total = 0
+        self._last_prefix_queries = 0
+        self._last_prefix_hits = 0
+        self._seen_first_output: set[str] = set()
+
+    # ------------------------------------------------------------------ engine loop thread
+    def observe_stats(self, stats: Any) -> None:
+        """Gauges and cumulative counters from a SchedulerStats snapshot."""
+        if stats is None:
+            return
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.num_requests_swapped.set(stats.num_swapped)
+        self.kv_cache_usage_perc.set(stats.kv_usage)
+        self.kv_cache_blocks_used.set(stats.kv_blocks_used)
+        self.kv_cache_blocks_total.set(stats.kv_blocks_total)
+        self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
+        self._last_preemptions_total = _advance(
+            self.num_preemptions, stats.num_preemptions_total, self._last_preemptions_total
+        )
+        self._last_prefix_queries = _advance(
+            self.prefix_cache_queries, stats.prefix_cache_queries, self._last_prefix_queries
+        )
+        self._last_prefix_hits = _advance(self.prefix_cache_hits, stats.prefix_cache_hits, self._last_prefix_hits)
+
+    def observe_step(self, stats: Any, step_time_s: float | None, outputs: Iterable[Any]) -> None:
+        """After one engine step: its stats, its wall time, and the CompletionOutputs it produced."""
+        self.observe_stats(stats)
+        if stats is not None:
+            self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
+        if step_time_s is not None:
+            self.iteration_time.observe(step_time_s)
+        for out in outputs:
+            self.observe_output(out)
+
+    def observe_output(self, out: Any) -> None:
+        if out.delta_token_ids:
+            self.generation_tokens.inc(len(out.delta_token_ids))
+        if out.request_id not in self._seen_first_output:
+            self._seen_first_output.add(out.request_id)
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+        if out.finished:
+            self._seen_first_output.discard(out.request_id)
+            self.observe_finished(out)
+
+    def observe_finished(self, out: Any) -> None:
+        self.request_success.labels(self.model_name, str(out.finish_reason or "abort")).inc()
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(len(out.token_ids))
+        m = getattr(out, "metrics", None)
+        if m is None:
+            return
+        if m.first_scheduled_time is not None:
+            self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.first_token_time is not None:
+            self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
+            if m.finished_time is not None and len(out.token_ids) > 1:
+                self.time_per_output_token.observe(
+                    max(0.0, m.finished_time - m.first_token_time) / (len(out.token_ids) - 1)
+                )
+        if m.finished_time is not None:
+            self.e2e_request_latency.observe(max(0.0, m.finished_time - m.arrival_time))
+
+    # ------------------------------------------------------------------ any thread
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _advance(counter: Any, total: int, last: int) -> int:
+    """Feed a cumulative total into a Prometheus counter; returns the new 'last seen' total."""
+    if total > last:
+        counter.inc(total - last)
+    return max(total, last)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """A small reader for tests and tools: ``{'batchserve:num_requests_running': 3.0, ...}`` (labels dropped; for
+    labelled series that repeat, the values are summed)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value = line.rpartition(" ")
+        name = name_part.split("{", 1)[0]
+        try:
+            values[name] = values.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return values

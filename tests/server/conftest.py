@@ -1,0 +1,18 @@
+"""Fixtures of the server tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.live import start_server
+
+
+@pytest.fixture(scope="session")
+def real_server():
+    """SmolLM2-135M-Instruct (the default model) with small settings; loading it takes ~30 s on 2 cores."""
+    from batchserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_options(num_kv_blocks=512, max_batch_size=32, dtype="float32", max_model_len=512)
+    server = start_server(engine, max_body_bytes=256 * 1024)
+    yield server
+    server.stop()

@@ -1,0 +1,49 @@
+"""A live server on loopback for tests: uvicorn in a thread, on a free port picked by the OS."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from batchserve.entrypoints.openai.api_server import build_app
+from batchserve.metrics import parse_metrics
+
+
+class LiveServer:
+    def __init__(self, app, engine=None) -> None:
+        self.app = app
+        self.engine = engine
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+
+    @property
+    def async_engine(self):
+        return self.app.state.async_engine
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        assert self.async_engine.wait_idle(timeout), "engine did not go idle"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def start_server(engine, **kwargs) -> LiveServer:
+    return LiveServer(build_app(engine, **kwargs), engine)
