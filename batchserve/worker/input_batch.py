@@ -1,7 +1,13 @@
-"""SchedulerOutput -> the packed tensors of one forward pass, plus the worker's per-request state across steps."""
+"""The worker's request state, kept in preallocated arrays across steps, and SchedulerOutput -> packed tensors.
+
+Each live request owns one row of a token buffer and of a block-table buffer. A step only writes what changed (new
+requests, new block ids, sampled tokens) and gathers the batch with a handful of vectorized numpy ops: no Python loop
+over the sequences of a step.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,18 +19,6 @@ from batchserve.worker.attention import AttentionMetadata
 
 
 @dataclass
-class RequestState:
-    """What the worker remembers about a request between steps."""
-
-    req_id: str
-    token_ids: list[int]  # prompt + every token sampled so far (the worker appends its own samples)
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
 class InputBatch:
     input_ids: torch.Tensor  # [T] int64, packed over the batch
     positions: torch.Tensor  # [T] int64
@@ -32,108 +26,178 @@ class InputBatch:
     logits_indices: torch.Tensor  # [S] int64: rows of the hidden states to sample (last token of each sampled seq)
     req_ids: list[str]  # batch order
     sample_req_ids: list[str]  # the requests sampled this step, in batch order (parallel to logits_indices)
+    rows: np.ndarray  # [B] the table row of each request, batch order
+    query_lens: np.ndarray  # [B] tokens computed this step
+    sample_rows: np.ndarray  # [S] the table row of each sampled request
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
 
-def update_states(states: dict[str, RequestState], scheduler_output: SchedulerOutput) -> None:
-    """Apply one step's request changes: forget finished/preempted, add new, extend cached."""
-    for req_id in scheduler_output.finished_req_ids:
-        states.pop(req_id, None)
-    for new in scheduler_output.new_requests:
-        states[new.req_id] = RequestState(
-            req_id=new.req_id,
-            token_ids=list(new.token_ids),
-            num_prompt_tokens=new.num_prompt_tokens,
-            sampling_params=new.sampling_params,
-            block_ids=list(new.block_ids),
-            num_computed_tokens=new.num_computed_tokens,
+class RowTokens(Sequence):
+    """A request's token ids (prompt + output so far) as a read-only view of its row."""
+
+    def __init__(self, row: np.ndarray, length: int) -> None:
+        self._row, self._length = row, length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._row[: self._length][index].tolist()
+        if not -self._length <= index < self._length:
+            raise IndexError(index)
+        return int(self._row[index % self._length])
+
+
+class RequestTable:
+    """Per-request state in arrays indexed by row. Rows and token capacity grow on demand."""
+
+    def __init__(self, block_size: int, rows: int = 64, max_tokens: int = 1024) -> None:
+        self.block_size = block_size
+        self.token_ids = np.zeros((rows, max_tokens), np.int64)
+        self.num_tokens = np.zeros(rows, np.int64)
+        self.num_computed = np.zeros(rows, np.int64)
+        self.block_table = np.zeros((rows, -(-max_tokens // block_size)), np.int64)
+        self.num_blocks = np.zeros(rows, np.int64)
+        self.num_prompt = np.zeros(rows, np.int64)
+        self.params: list[SamplingParams | None] = [None] * rows
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.row_of
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    # ---- state changes -------------------------------------------------------------------------------------------
+    def apply(self, scheduler_output: SchedulerOutput) -> None:
+        """Forget finished/preempted requests, add new ones, extend the block tables of continuing ones."""
+        for req_id in scheduler_output.finished_req_ids:
+            row = self.row_of.pop(req_id, None)
+            if row is not None:
+                self.params[row] = None
+                self._free_rows.append(row)
+        for new in scheduler_output.new_requests:
+            row = self._take_row()
+            self.row_of[new.req_id] = row
+            self._ensure_tokens(len(new.token_ids) + 1)
+            self.token_ids[row, : len(new.token_ids)] = new.token_ids
+            self.num_tokens[row] = len(new.token_ids)
+            self.num_computed[row] = new.num_computed_tokens
+            self.num_prompt[row] = new.num_prompt_tokens
+            self.params[row] = new.sampling_params
+            self.num_blocks[row] = 0
+            self._append_blocks(row, new.block_ids)
+        for cached in scheduler_output.cached_requests:
+            row = self.row_of[cached.req_id]
+            self.num_computed[row] = cached.num_computed_tokens
+            if cached.new_block_ids:
+                self._append_blocks(row, cached.new_block_ids)
+
+    def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        if not len(rows):
+            return
+        if int(self.num_tokens[rows].max()) >= self.token_ids.shape[1]:
+            self._ensure_tokens(int(self.num_tokens[rows].max()) + 1)
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    def tokens(self, row: int) -> RowTokens:
+        return RowTokens(self.token_ids[row], int(self.num_tokens[row]))
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start, end = int(self.num_blocks[row]), int(self.num_blocks[row]) + len(block_ids)
+        if end > self.block_table.shape[1]:
+            self.block_table = _grow(self.block_table, 1, end)
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            old = len(self.num_tokens)
+            for name in ("token_ids", "num_tokens", "num_computed", "block_table", "num_blocks", "num_prompt"):
+                setattr(self, name, _grow(getattr(self, name), 0, 2 * old))
+            self.params += [None] * old
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    def _ensure_tokens(self, width: int) -> None:
+        if width > self.token_ids.shape[1]:
+            self.token_ids = _grow(self.token_ids, 1, width)
+
+    # ---- one step's batch ------------------------------------------------------------------------------------------
+    def build(self, scheduler_output: SchedulerOutput, device: torch.device) -> InputBatch:
+        """Pack the scheduled tokens of every request (in batch order) into flat tensors, with one host->device copy."""
+        bs = self.block_size
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        num_seqs = len(req_ids)
+        rows = np.fromiter((self.row_of[r] for r in req_ids), np.int64, num_seqs)
+        query_lens = np.fromiter(scheduler_output.num_scheduled_tokens.values(), np.int64, num_seqs)
+        starts = self.num_computed[rows]
+        seq_lens = starts + query_lens
+        self._check(req_ids, rows, seq_lens)
+        query_start_loc = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        max_query_len, max_seq_len = int(query_lens.max()), int(seq_lens.max())
+
+        # token t belongs to sequence seq_index[t] and sits at offset[t] in this step's chunk
+        seq_index = np.repeat(np.arange(num_seqs), query_lens)
+        offset = np.arange(num_tokens) - query_start_loc[seq_index]
+        positions = starts[seq_index] + offset
+        token_rows = rows[seq_index]
+        input_ids = self.token_ids[token_rows, positions]
+        slot_mapping = self.block_table[token_rows, positions // bs] * bs + positions % bs
+        block_tables = self.block_table[rows, : -(-max_seq_len // bs)]
+        sampled = np.flatnonzero(seq_lens == self.num_tokens[rows])
+        logits_indices = query_start_loc[1:][sampled] - 1
+        query_pad_index = seq_index * max_query_len + offset
+
+        parts = [input_ids, positions, slot_mapping, query_pad_index, seq_lens, query_start_loc, logits_indices,
+                 block_tables.reshape(-1)]  # fmt: skip
+        flat = torch.from_numpy(np.concatenate(parts)).to(device)
+        t_ids, t_pos, t_slots, t_pad, t_seq_lens, t_qsl, t_logits, t_tables = torch.split(flat, [len(p) for p in parts])
+        metadata = AttentionMetadata(
+            slot_mapping=t_slots,
+            positions=t_pos,
+            block_tables=t_tables.view(num_seqs, block_tables.shape[1]),
+            seq_lens=t_seq_lens,
+            query_start_loc=t_qsl,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_pad_index=t_pad,
         )
-    for cached in scheduler_output.cached_requests:
-        state = states[cached.req_id]
-        state.block_ids.extend(cached.new_block_ids)
-        state.num_computed_tokens = cached.num_computed_tokens
+        return InputBatch(
+            input_ids=t_ids,
+            positions=t_pos,
+            attn_metadata=metadata,
+            logits_indices=t_logits,
+            req_ids=req_ids,
+            sample_req_ids=[req_ids[i] for i in sampled],
+            rows=rows,
+            query_lens=query_lens,
+            sample_rows=rows[sampled],
+        )
+
+    def _check(self, req_ids: list[str], rows: np.ndarray, seq_lens: np.ndarray) -> None:
+        past_known = seq_lens > self.num_tokens[rows]
+        short_of_blocks = -(-seq_lens // self.block_size) > self.num_blocks[rows]
+        for bad, what in ((past_known, "more tokens than it knows"), (short_of_blocks, "more blocks than it holds")):
+            if bad.any():
+                raise ValueError(f"request {req_ids[int(np.flatnonzero(bad)[0])]}: scheduled {what}")
+
+    def advance(self, batch: InputBatch) -> None:
+        self.num_computed[batch.rows] += batch.query_lens
 
 
-def build_input_batch(
-    scheduler_output: SchedulerOutput,
-    states: dict[str, RequestState],
-    block_size: int,
-    device: torch.device,
-) -> InputBatch:
-    """Pack the scheduled tokens of every request (in batch order) into flat tensors, with one host->device copy."""
-    req_ids = list(scheduler_output.num_scheduled_tokens)
-    num_seqs = len(req_ids)
-    query_lens = np.fromiter((scheduler_output.num_scheduled_tokens[r] for r in req_ids), np.int64, num_seqs)
-    starts = np.fromiter((states[r].num_computed_tokens for r in req_ids), np.int64, num_seqs)
-    seq_lens = starts + query_lens
-    query_start_loc = np.zeros(num_seqs + 1, np.int64)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    max_query_len = int(query_lens.max())
-    max_seq_len = int(seq_lens.max())
-    max_blocks = -(-max_seq_len // block_size)
-    num_tokens = int(query_start_loc[-1])
-
-    input_ids = np.empty(num_tokens, np.int64)
-    positions = np.empty(num_tokens, np.int64)
-    slot_mapping = np.empty(num_tokens, np.int64)
-    block_tables = np.zeros((num_seqs, max_blocks), np.int64)
-    sample_req_ids, logits_indices = [], []
-    for i, req_id in enumerate(req_ids):
-        state = states[req_id]
-        start, end = int(starts[i]), int(seq_lens[i])
-        lo, hi = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        if end > len(state.token_ids):
-            raise ValueError(
-                f"request {req_id}: {end - start} tokens scheduled from {start}, only {len(state.token_ids)} known"
-            )
-        num_blocks = -(-end // block_size)
-        if num_blocks > len(state.block_ids):
-            raise ValueError(f"request {req_id}: {end} tokens need {num_blocks} blocks, has {len(state.block_ids)}")
-        table = np.asarray(state.block_ids[:num_blocks], np.int64)
-        block_tables[i, :num_blocks] = table
-        pos = np.arange(start, end, dtype=np.int64)
-        positions[lo:hi] = pos
-        input_ids[lo:hi] = state.token_ids[start:end]
-        slot_mapping[lo:hi] = table[pos // block_size] * block_size + pos % block_size
-        if end == len(state.token_ids):
-            sample_req_ids.append(req_id)
-            logits_indices.append(hi - 1)
-
-    # The padded [B, max_query_len] layout used by the general attention path.
-    seq_index = np.repeat(np.arange(num_seqs, dtype=np.int64), query_lens)
-    query_pad_index = seq_index * max_query_len + (np.arange(num_tokens, dtype=np.int64) - query_start_loc[seq_index])
-
-    parts = [
-        input_ids,
-        positions,
-        slot_mapping,
-        query_pad_index,
-        seq_lens,
-        query_start_loc,
-        np.asarray(logits_indices, np.int64),
-        block_tables.reshape(-1),
-    ]
-    # One small host -> device copy for the whole step (pinning it would cost more than the copy).
-    flat = torch.from_numpy(np.concatenate(parts)).to(device)
-    (t_ids, t_pos, t_slots, t_pad, t_seq_lens, t_qsl, t_logits, t_tables) = torch.split(flat, [len(p) for p in parts])
-    metadata = AttentionMetadata(
-        slot_mapping=t_slots,
-        positions=t_pos,
-        block_tables=t_tables.view(num_seqs, max_blocks),
-        seq_lens=t_seq_lens,
-        query_start_loc=t_qsl,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        query_pad_index=t_pad,
-    )
-    return InputBatch(
-        input_ids=t_ids,
-        positions=t_pos,
-        attn_metadata=metadata,
-        logits_indices=t_logits,
-        req_ids=req_ids,
-        sample_req_ids=sample_req_ids,
-    )
+def _grow(array: np.ndarray, axis: int, size: int) -> np.ndarray:
+    """A copy of array with dimension `axis` enlarged to at least `size` (doubling), zero-filled."""
+    shape = list(array.shape)
+    shape[axis] = max(size, 2 * shape[axis])
+    grown = np.zeros(shape, array.dtype)
+    grown[tuple(slice(0, n) for n in array.shape)] = array
+    return grown

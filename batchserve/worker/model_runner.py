@@ -10,7 +10,7 @@ from torch import nn
 from batchserve.config import EngineConfig, ModelConfig
 from batchserve.core.outputs import ModelOutput, SchedulerOutput
 from batchserve.worker.device import resolve_device, resolve_dtype
-from batchserve.worker.input_batch import InputBatch, RequestState, build_input_batch, update_states
+from batchserve.worker.input_batch import InputBatch, RequestTable
 from batchserve.worker.kv_cache import KVCache, num_blocks_for_budget, num_swap_blocks_for_budget
 from batchserve.worker.sampler import Sampler, SamplingMetadata
 
@@ -40,7 +40,7 @@ class ModelRunner:
             model_config, self.num_kv_blocks, self.num_swap_blocks, self.block_size, dtype, device
         )
         self.sampler = Sampler()
-        self.requests: dict[str, RequestState] = {}
+        self.requests = RequestTable(self.block_size)
 
     @classmethod
     def from_config(cls, engine_config: EngineConfig) -> tuple[ModelRunner, ModelConfig, object]:
@@ -67,38 +67,28 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
         self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
-        update_states(self.requests, scheduler_output)
+        self.requests.apply(scheduler_output)
         if scheduler_output.is_empty:
             return ModelOutput()
-        batch = build_input_batch(scheduler_output, self.requests, self.block_size, self.device)
+        batch = self.requests.build(scheduler_output, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
-        self._advance_computed(scheduler_output)
+        self.requests.advance(batch)
         if not batch.sample_req_ids:
             return ModelOutput()
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).float()
         return self._sample(batch, logits)
 
-    def _advance_computed(self, scheduler_output: SchedulerOutput) -> None:
-        for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
-
     def _sample(self, batch: InputBatch, logits: torch.Tensor) -> ModelOutput:
-        states = [self.requests[r] for r in batch.sample_req_ids]
+        table, rows = self.requests, batch.sample_rows.tolist()
         meta = SamplingMetadata.build(
-            params=[s.sampling_params for s in states],
-            token_ids=[s.token_ids for s in states],
-            num_prompt_tokens=[s.num_prompt_tokens for s in states],
+            params=[table.params[r] for r in rows],
+            token_ids=[table.tokens(r) for r in rows],
+            num_prompt_tokens=table.num_prompt[batch.sample_rows].tolist(),
             eos_token_ids=self.model_config.eos_token_ids,
             vocab_size=logits.shape[-1],
             device=self.device,
         )
         out = self.sampler(logits, meta)
         sampled = out.token_ids.tolist()  # the step's one device -> host transfer
-        for state, token in zip(states, sampled, strict=True):
-            state.token_ids.append(token)
+        table.append_sampled(batch.sample_rows, sampled)
         return ModelOutput(req_ids=list(batch.sample_req_ids), sampled_token_ids=sampled, logprobs=out.logprobs)
-
-
-def build_runner(engine_config: EngineConfig) -> tuple[ModelRunner, ModelConfig, object]:
-    """The engine's entry point: (runner, model_config, tokenizer) for an EngineConfig."""
-    return ModelRunner.from_config(engine_config)

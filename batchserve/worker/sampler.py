@@ -6,6 +6,7 @@ Logprobs come from the raw model logits (vLLM's default "raw_logprobs"), so they
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,7 @@ class SamplingMetadata:
     def build(
         cls,
         params: list[SamplingParams],
-        token_ids: list[list[int]],
+        token_ids: Sequence[Sequence[int]],
         num_prompt_tokens: list[int],
         eos_token_ids: list[int],
         vocab_size: int,
@@ -82,11 +83,11 @@ class SamplingMetadata:
         # Penalties apply to greedy rows too. Rows that don't use one contribute no tokens to its counts.
         seen_mask = output_counts = None
         if any(p.repetition_penalty != 1.0 for p in params):
-            rows = [ids if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, token_ids, strict=True)]
+            rows = [list(ids) if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, token_ids, strict=True)]
             seen_mask = _token_counts(rows, vocab_size, device) > 0
         if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
             rows = [
-                ids[n:] if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 else []
+                list(ids[n:]) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 else []
                 for p, ids, n in zip(params, token_ids, num_prompt_tokens, strict=True)
             ]
             output_counts = _token_counts(rows, vocab_size, device)

@@ -8,7 +8,7 @@ from conftest import KINDS, VOCAB, MiniScheduler, hf_greedy, load_ours, make_run
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.sampling_params import SamplingParams
-from batchserve.worker.input_batch import build_input_batch, update_states
+from batchserve.worker.input_batch import RequestTable
 
 
 def prompt_ids(seed: int, length: int) -> list[int]:
@@ -26,9 +26,9 @@ def our_prefill_logits(model, config, tokens: list[int], block_size: int = 16) -
         new_requests=[NewRequestData("r", tokens, len(tokens), SamplingParams(temperature=0.0), blocks, 0)],
         num_scheduled_tokens={"r": len(tokens)},
     )
-    states = {}
-    update_states(states, out)
-    batch = build_input_batch(out, states, block_size, torch.device("cpu"))
+    states = RequestTable(block_size)
+    states.apply(out)
+    batch = states.build(out, torch.device("cpu"))
     with torch.inference_mode():
         hidden = model(batch.input_ids, batch.positions, kv, batch.attn_metadata)
         return model.compute_logits(hidden)
@@ -149,4 +149,4 @@ def test_no_sampling_for_a_partial_prefill(tiny_models):
         )
     )
     assert out.req_ids == [] and out.sampled_token_ids == []
-    assert runner.requests["r"].num_computed_tokens == 8
+    assert runner.requests.num_computed[runner.requests.row_of["r"]] == 8

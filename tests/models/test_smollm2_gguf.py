@@ -81,15 +81,15 @@ def test_logits_match_transformers(ours, reference):
     runner, config, tokenizer = ours
     model, _ = reference
     ids = chat_ids(tokenizer)
-    from batchserve.worker.input_batch import build_input_batch, update_states
+    from batchserve.worker.input_batch import RequestTable
 
     step = SchedulerOutput(
         new_requests=[NewRequestData("x", ids, len(ids), SamplingParams(temperature=0.0), list(range(8, 12)), 0)],
         num_scheduled_tokens={"x": len(ids)},
     )
-    states = {}
-    update_states(states, step)
-    batch = build_input_batch(step, states, runner.block_size, runner.device)
+    states = RequestTable(runner.block_size)
+    states.apply(step)
+    batch = states.build(step, runner.device)
     with torch.inference_mode():
         hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn_metadata)
         logits = runner.model.compute_logits(hidden)

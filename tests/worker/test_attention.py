@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.attention import paged_attention
-from batchserve.worker.input_batch import build_input_batch, update_states
+from batchserve.worker.input_batch import RequestTable
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
 
@@ -51,7 +51,7 @@ def run_batch(seqs: list[tuple[int, int]], block_size: int, seed: int = 0, stale
         for t in kv_cache:
             t.normal_(0.0, 100.0)
     # Write the cached part as an earlier step would have.
-    states = {}
+    states = RequestTable(block_size)
     prefill = SchedulerOutput(
         new_requests=[
             NewRequestData(r.req_id, r.token_ids, r.num_prompt_tokens, r.sampling_params, r.block_ids, 0)
@@ -59,9 +59,9 @@ def run_batch(seqs: list[tuple[int, int]], block_size: int, seed: int = 0, stale
         ],
         num_scheduled_tokens={r.req_id: c for r, (c, _) in zip(new_reqs, seqs, strict=True) if c > 0},
     )
-    update_states(states, prefill)
+    states.apply(prefill)
     if prefill.num_scheduled_tokens:
-        batch = build_input_batch(prefill, states, block_size, torch.device("cpu"))
+        batch = states.build(prefill, torch.device("cpu"))
         ids = [i for i, (c, _) in enumerate(seqs) if c > 0]
         q = torch.cat([full[i][0][: seqs[i][0]] for i in ids])
         k = torch.cat([full[i][1][: seqs[i][0]] for i in ids])
@@ -69,9 +69,9 @@ def run_batch(seqs: list[tuple[int, int]], block_size: int, seed: int = 0, stale
         paged_attention(q, k, v, kv_cache, batch.attn_metadata)
     # The step under test.
     step = SchedulerOutput(new_requests=new_reqs, num_scheduled_tokens=scheduled)
-    states = {}
-    update_states(states, step)
-    batch = build_input_batch(step, states, block_size, torch.device("cpu"))
+    states = RequestTable(block_size)
+    states.apply(step)
+    batch = states.build(step, torch.device("cpu"))
     q = torch.cat([f[0][c:] for f, (c, _) in zip(full, seqs, strict=True)])
     k = torch.cat([f[1][c:] for f, (c, _) in zip(full, seqs, strict=True)])
     v = torch.cat([f[2][c:] for f, (c, _) in zip(full, seqs, strict=True)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,13 +10,13 @@ from batchserve.config import ConfigError
 from batchserve.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.device import resolve_device, resolve_dtype
-from batchserve.worker.input_batch import build_input_batch, update_states
+from batchserve.worker.input_batch import RequestTable
 
 P = SamplingParams()
 
 
 def test_packing_a_mixed_batch():
-    states = {}
+    states = RequestTable(8)
     step = SchedulerOutput(
         new_requests=[
             NewRequestData("new", [10, 11, 12, 13, 14], 5, P, [7], 0),  # first chunk of a prompt
@@ -23,8 +24,8 @@ def test_packing_a_mixed_batch():
         ],
         num_scheduled_tokens={"new": 3, "hit": 2},
     )
-    update_states(states, step)
-    batch = build_input_batch(step, states, 8, torch.device("cpu"))
+    states.apply(step)
+    batch = states.build(step, torch.device("cpu"))
     assert batch.input_ids.tolist() == [10, 11, 12, 28, 29]
     assert batch.positions.tolist() == [0, 1, 2, 8, 9]
     assert batch.attn_metadata.slot_mapping.tolist() == [56, 57, 58, 40, 41]
@@ -37,13 +38,13 @@ def test_packing_a_mixed_batch():
     assert batch.sample_req_ids == ["hit"] and batch.logits_indices.tolist() == [4]
 
     # next step: "new" finishes its prompt and "hit" decodes its sampled token
-    states["hit"].token_ids.append(99)
+    states.append_sampled(np.array([states.row_of["hit"]]), [99])
     step = SchedulerOutput(
         cached_requests=[CachedRequestData("new", [], 3), CachedRequestData("hit", [], 10)],
         num_scheduled_tokens={"new": 2, "hit": 1},
     )
-    update_states(states, step)
-    batch = build_input_batch(step, states, 8, torch.device("cpu"))
+    states.apply(step)
+    batch = states.build(step, torch.device("cpu"))
     assert batch.input_ids.tolist() == [13, 14, 99]
     assert batch.positions.tolist() == [3, 4, 10]
     assert batch.attn_metadata.slot_mapping.tolist() == [59, 60, 42]
@@ -52,22 +53,39 @@ def test_packing_a_mixed_batch():
 
 
 def test_state_follows_new_cached_and_finished():
-    states = {}
-    update_states(states, SchedulerOutput(new_requests=[NewRequestData("a", [1, 2], 2, P, [0], 0)]))
-    update_states(states, SchedulerOutput(cached_requests=[CachedRequestData("a", [3, 4], 2)]))
-    assert states["a"].block_ids == [0, 3, 4] and states["a"].num_computed_tokens == 2
-    update_states(states, SchedulerOutput(finished_req_ids={"a", "unknown"}))
-    assert states == {}
+    states = RequestTable(8)
+    states.apply(SchedulerOutput(new_requests=[NewRequestData("a", [1, 2], 2, P, [0], 0)]))
+    states.apply(SchedulerOutput(cached_requests=[CachedRequestData("a", [3, 4], 2)]))
+    row = states.row_of["a"]
+    assert states.block_table[row, :3].tolist() == [0, 3, 4] and states.num_blocks[row] == 3
+    assert states.num_computed[row] == 2 and list(states.tokens(row)) == [1, 2]
+    states.apply(SchedulerOutput(finished_req_ids={"a", "unknown"}))
+    assert len(states) == 0
+
+
+def test_rows_and_token_capacity_grow():
+    states = RequestTable(4, rows=2, max_tokens=4)
+    step = SchedulerOutput(
+        new_requests=[NewRequestData(f"r{i}", list(range(1, 10)), 9, P, [i * 3, i * 3 + 1, i * 3 + 2], 0)
+                      for i in range(5)],
+        num_scheduled_tokens={f"r{i}": 9 for i in range(5)},
+    )
+    states.apply(step)
+    batch = states.build(step, torch.device("cpu"))
+    assert batch.input_ids.tolist() == list(range(1, 10)) * 5
+    assert batch.attn_metadata.slot_mapping.tolist()[9:18] == [12, 13, 14, 15, 16, 17, 18, 19, 20]
+    states.append_sampled(batch.sample_rows, [50, 51, 52, 53, 54])
+    assert list(states.tokens(states.row_of["r4"]))[-2:] == [9, 54]
 
 
 def test_too_few_blocks_is_an_error():
-    states = {}
+    states = RequestTable(8)
     step = SchedulerOutput(
         new_requests=[NewRequestData("a", list(range(9)), 9, P, [0], 0)], num_scheduled_tokens={"a": 9}
     )
-    update_states(states, step)
+    states.apply(step)
     with pytest.raises(ValueError, match="blocks"):
-        build_input_batch(step, states, 8, torch.device("cpu"))
+        states.build(step, torch.device("cpu"))
 
 
 def test_device_and_dtype_names():
