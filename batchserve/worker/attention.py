@@ -1,9 +1,11 @@
-"""Paged attention in plain torch.
+"""Paged attention.
 
-Each step's K/V are written into the block pool at `slot_mapping`; each sequence then attends over its whole context
-(cached tokens + this step's chunk), read back from the pool through its block table. A batch may mix prefill chunks
-(query length > 1) and decodes. Two paths: pure-decode steps (one query per sequence, GQA folded into the query dim,
-no per-row mask) and the general path (queries padded per sequence, causal mask from absolute positions).
+Each step's K/V are first written into the block pool at `slot_mapping` (for every layer, before any sequence reads,
+so a prefix block computed in this very step is visible to the requests that share it). Then the batch splits in two:
+- decode sequences (one query each) read their context in place through their block tables: the native CPU kernel
+  when it is available, else a torch path (gather into a padded copy + SDPA, GQA folded into the query dim);
+- prefill chunks (query length > 1, context = cached tokens + this chunk) pad only their own queries and run SDPA
+  with a causal mask from absolute positions.
 """
 
 from __future__ import annotations
@@ -13,7 +15,46 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from batchserve.worker import kernels
+
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+@dataclass
+class SeqGroup:
+    """The sequences of a step that take one attention path."""
+
+    token_index: torch.Tensor | None  # [Tg] their tokens' rows in the packed batch; None: every token, in order
+    block_tables: torch.Tensor  # [Bg, max_blocks] int64, padded with 0 (never read beyond seq_len)
+    seq_lens: torch.Tensor  # [Bg] context length after this step
+    positions: torch.Tensor  # [Tg] absolute positions of their tokens
+    max_query_len: int
+    query_pad_index: torch.Tensor | None = None  # [Tg] rows in the [Bg * max_query_len] padded layout (prefill)
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def decode_mask(self, num_keys: int) -> torch.Tensor:
+        """[B, 1, 1, num_keys] bool: key j is visible iff j < seq_len."""
+        if num_keys not in self._masks:
+            arange = torch.arange(num_keys, device=self.seq_lens.device)
+            self._masks[num_keys] = (arange[None, :] < self.seq_lens[:, None])[:, None, None, :]
+        return self._masks[num_keys]
+
+    def prefill_mask(self, num_keys: int) -> torch.Tensor:
+        """[B, 1, max_q, num_keys] bool: query at position p sees keys 0..p of its own sequence.
+
+        Padding rows get position 0, so they see key 0 and stay finite; their output is dropped.
+        """
+        if num_keys not in self._masks:
+            pos = self.positions.new_zeros(self.num_seqs * self.max_query_len)
+            pos[self.query_pad_index] = self.positions
+            arange = torch.arange(num_keys, device=pos.device)
+            mask = arange[None, None, :] <= pos.view(self.num_seqs, self.max_query_len, 1)
+            self._masks[num_keys] = mask[:, None]
+        return self._masks[num_keys]
 
 
 @dataclass
@@ -22,45 +63,18 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64: pool slot of each scheduled token
     positions: torch.Tensor  # [T] int64: absolute position of each scheduled token in its sequence
-    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0 (never read beyond seq_len)
-    seq_lens: torch.Tensor  # [B] int64: context length after this step (computed + scheduled)
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (whole batch)
+    seq_lens: torch.Tensor  # [B] int64: context length after this step
     query_start_loc: torch.Tensor  # [B + 1] int64: cu_seqlens of the packed queries
     max_query_len: int
     max_seq_len: int
-    # [T] int64: index of each packed token in the [B * max_query_len] padded layout (general path only)
-    query_pad_index: torch.Tensor | None = None
-    _cache: dict = field(default_factory=dict, repr=False)
+    query_pad_index: torch.Tensor | None = None  # [T] rows in the whole batch's padded layout
+    decode: SeqGroup | None = None
+    prefill: SeqGroup | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
-
-    @property
-    def decode_only(self) -> bool:
-        return self.max_query_len == 1
-
-    def decode_mask(self, num_keys: int) -> torch.Tensor:
-        """[B, 1, 1, num_keys] bool: key j is visible iff j < seq_len."""
-        key = ("decode", num_keys)
-        if key not in self._cache:
-            arange = torch.arange(num_keys, device=self.seq_lens.device)
-            self._cache[key] = (arange[None, :] < self.seq_lens[:, None])[:, None, None, :]
-        return self._cache[key]
-
-    def prefill_mask(self, num_keys: int) -> torch.Tensor:
-        """[B, 1, max_q, num_keys] bool: query at position p sees keys 0..p of its own sequence.
-
-        Padding rows get position 0, so they see key 0 and stay finite; their output is dropped.
-        """
-        key = ("prefill", num_keys)
-        if key not in self._cache:
-            assert self.query_pad_index is not None, "general attention path needs query_pad_index"
-            pos = self.positions.new_zeros(self.num_seqs * self.max_query_len)
-            pos[self.query_pad_index] = self.positions
-            arange = torch.arange(num_keys, device=pos.device)
-            mask = arange[None, None, :] <= pos.view(self.num_seqs, self.max_query_len, 1)
-            self._cache[key] = mask[:, None]
-        return self._cache[key]
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
@@ -92,35 +106,48 @@ def paged_attention(
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, Hkv, D] (this step's tokens, packed) -> output [T, H, D]."""
     write_kv(key, value, kv_cache, metadata.slot_mapping)
-    keys, values = gather_kv(kv_cache, metadata.block_tables)
-    if metadata.decode_only:
-        return _decode_attention(query, keys, values, metadata, scale)
-    return _general_attention(query, keys, values, metadata, scale)
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    groups = [(g, path) for g, path in ((metadata.decode, decode_attention), (metadata.prefill, prefill_attention)) if g]
+    if len(groups) == 1 and groups[0][0].token_index is None:
+        group, path = groups[0]
+        return path(query, kv_cache, group, scale)
+    out = torch.empty_like(query)
+    for group, path in groups:
+        out[group.token_index] = path(query.index_select(0, group.token_index), kv_cache, group, scale)
+    return out
 
 
-def _decode_attention(query, keys, values, metadata: AttentionMetadata, scale):
-    # One query per sequence: fold the query heads sharing a KV head into SDPA's query-length dim (GQA, no copy).
+def decode_attention(query: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float) -> torch.Tensor:
+    native = kernels.load() if query.device.type == "cpu" else None
+    if native is not None:
+        out = native.paged_decode_attention(
+            query.float().contiguous(), kv_cache[0], kv_cache[1], group.block_tables, group.seq_lens, scale
+        )
+        return out.to(query.dtype)
+    # Torch path: one query per sequence; fold the query heads sharing a KV head into SDPA's query-length dim.
+    keys, values = gather_kv(kv_cache, group.block_tables)
     num_seqs, num_kv_heads, num_keys, head_dim = keys.shape
     num_heads = query.shape[1]
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=metadata.decode_mask(num_keys), scale=scale)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.decode_mask(num_keys), scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _general_attention(query, keys, values, metadata: AttentionMetadata, scale):
+def prefill_attention(query: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float) -> torch.Tensor:
+    keys, values = gather_kv(kv_cache, group.block_tables)
     num_seqs, num_kv_heads, num_keys, head_dim = keys.shape
     num_tokens, num_heads, _ = query.shape
-    max_q = metadata.max_query_len
+    max_q = group.max_query_len
     padded = query.new_zeros(num_seqs * max_q, num_heads, head_dim)
-    padded[metadata.query_pad_index] = query
+    padded[group.query_pad_index] = query
     q = padded.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q,
         keys,
         values,
-        attn_mask=metadata.prefill_mask(num_keys),
+        attn_mask=group.prefill_mask(num_keys),
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
-    return out[metadata.query_pad_index]
+    return out[group.query_pad_index]

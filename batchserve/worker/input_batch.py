@@ -15,7 +15,7 @@ import torch
 
 from batchserve.core.outputs import SchedulerOutput
 from batchserve.sampling_params import SamplingParams
-from batchserve.worker.attention import AttentionMetadata
+from batchserve.worker.attention import AttentionMetadata, SeqGroup
 
 
 @dataclass
@@ -157,31 +157,68 @@ class RequestTable:
         logits_indices = query_start_loc[1:][sampled] - 1
         query_pad_index = seq_index * max_query_len + offset
 
-        parts = [input_ids, positions, slot_mapping, query_pad_index, seq_lens, query_start_loc, logits_indices,
-                 block_tables.reshape(-1)]  # fmt: skip
-        flat = torch.from_numpy(np.concatenate(parts)).to(device)
-        t_ids, t_pos, t_slots, t_pad, t_seq_lens, t_qsl, t_logits, t_tables = torch.split(flat, [len(p) for p in parts])
+        host = _HostArrays()
+        t = host.add  # every array rides in one host -> device copy
+        t("input_ids", input_ids), t("positions", positions), t("slot_mapping", slot_mapping)
+        t("query_pad_index", query_pad_index), t("seq_lens", seq_lens), t("query_start_loc", query_start_loc)
+        t("logits_indices", logits_indices), t("block_tables", block_tables)
+        is_decode = query_lens == 1
+        decode = self._group(host, "decode", is_decode, rows, seq_index, offset, positions, query_lens, seq_lens)
+        prefill = self._group(host, "prefill", ~is_decode, rows, seq_index, offset, positions, query_lens, seq_lens)
+        dev = host.to(device)
         metadata = AttentionMetadata(
-            slot_mapping=t_slots,
-            positions=t_pos,
-            block_tables=t_tables.view(num_seqs, block_tables.shape[1]),
-            seq_lens=t_seq_lens,
-            query_start_loc=t_qsl,
+            slot_mapping=dev["slot_mapping"],
+            positions=dev["positions"],
+            block_tables=dev["block_tables"],
+            seq_lens=dev["seq_lens"],
+            query_start_loc=dev["query_start_loc"],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
-            query_pad_index=t_pad,
+            query_pad_index=dev["query_pad_index"],
+            decode=decode and decode(dev),
+            prefill=prefill and prefill(dev),
         )
         return InputBatch(
-            input_ids=t_ids,
-            positions=t_pos,
+            input_ids=dev["input_ids"],
+            positions=dev["positions"],
             attn_metadata=metadata,
-            logits_indices=t_logits,
+            logits_indices=dev["logits_indices"],
             req_ids=req_ids,
             sample_req_ids=[req_ids[i] for i in sampled],
             rows=rows,
             query_lens=query_lens,
             sample_rows=rows[sampled],
         )
+
+    def _group(self, host, name, selected, rows, seq_index, offset, positions, query_lens, seq_lens):
+        """Arrays of the sequences taking one attention path; returns a SeqGroup factory over device tensors."""
+        if not selected.any():
+            return None
+        seqs = np.flatnonzero(selected)
+        whole = len(seqs) == len(rows)
+        tokens = None if whole else np.flatnonzero(selected[seq_index])
+        group_lens = seq_lens[seqs]
+        max_q = int(query_lens[seqs].max())
+        host.add(f"{name}.seq_lens", group_lens)
+        host.add(f"{name}.block_tables", self.block_table[rows[seqs], : -(-int(group_lens.max()) // self.block_size)])
+        if not whole:
+            host.add(f"{name}.token_index", tokens)
+            host.add(f"{name}.positions", positions[tokens])
+        if max_q > 1:
+            local = np.repeat(np.arange(len(seqs)), query_lens[seqs])
+            host.add(f"{name}.query_pad_index", local * max_q + (offset if whole else offset[tokens]))
+
+        def build(dev: dict[str, torch.Tensor]) -> SeqGroup:
+            return SeqGroup(
+                token_index=dev.get(f"{name}.token_index"),
+                block_tables=dev[f"{name}.block_tables"],
+                seq_lens=dev[f"{name}.seq_lens"],
+                positions=dev.get(f"{name}.positions", dev["positions"]),
+                max_query_len=max_q,
+                query_pad_index=dev.get(f"{name}.query_pad_index"),
+            )
+
+        return build
 
     def _check(self, req_ids: list[str], rows: np.ndarray, seq_lens: np.ndarray) -> None:
         past_known = seq_lens > self.num_tokens[rows]
@@ -192,6 +229,22 @@ class RequestTable:
 
     def advance(self, batch: InputBatch) -> None:
         self.num_computed[batch.rows] += batch.query_lens
+
+
+class _HostArrays:
+    """int64 numpy arrays gathered into one buffer, so a step makes a single host -> device copy."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        self._arrays[name] = np.ascontiguousarray(array, np.int64)
+
+    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
+        arrays = list(self._arrays.values())
+        flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays])).to(device)
+        pieces = torch.split(flat, [a.size for a in arrays])
+        return {name: p.view(a.shape) for (name, a), p in zip(self._arrays.items(), pieces)}
 
 
 def _grow(array: np.ndarray, axis: int, size: int) -> np.ndarray:

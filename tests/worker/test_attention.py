@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.sampling_params import SamplingParams
+from batchserve.worker import kernels
 from batchserve.worker.attention import paged_attention
 from batchserve.worker.input_batch import RequestTable
 
@@ -90,9 +91,15 @@ def run_batch(seqs: list[tuple[int, int]], block_size: int, seed: int = 0, stale
         [(20, 7), (11, 1), (0, 9), (16, 1), (3, 16)],  # prefill chunks with cached context mixed with decodes
     ],
 )
-def test_paged_attention_matches_causal_sdpa(seqs, block_size):
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch-path"])
+def test_paged_attention_matches_causal_sdpa(seqs, block_size, native, monkeypatch):
+    if not native:
+        monkeypatch.setattr(kernels, "load", lambda: None)
+    elif kernels.load() is None:
+        pytest.skip("native kernel not built here")
     out, expected, batch = run_batch(seqs, block_size)
-    assert batch.attn_metadata.decode_only == all(n == 1 for _, n in seqs)
+    assert (batch.attn_metadata.prefill is None) == all(n == 1 for _, n in seqs)
+    assert (batch.attn_metadata.decode is None) == all(n > 1 for _, n in seqs)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -1,0 +1,47 @@
+"""Optional native CPU kernels, compiled on first use (torch.utils.cpp_extension, cached on disk).
+
+Never required for correctness: when the compiler or ninja is missing, or BATCHSERVE_NATIVE_KERNELS=0, `load()`
+returns None and the torch reference path runs instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_decode.cpp")
+
+
+def _machine_tag() -> str:
+    """-march=native code is only valid on the CPU it was built for: key the build on the CPU's flags."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha1((flags + _SOURCE.read_text()).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def load():
+    """The compiled module, or None when native kernels are off or cannot be built here."""
+    if os.environ.get("BATCHSERVE_NATIVE_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        return load_extension(
+            name=f"batchserve_paged_decode_{_machine_tag()}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # a missing compiler must not stop the engine
+        logger.warning("native CPU kernels unavailable (%s); using the torch attention path", exc)
+        return None

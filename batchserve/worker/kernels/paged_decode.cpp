@@ -1,0 +1,103 @@
+// Paged decode attention for CPU: one query token per sequence attends over its context, read in place through
+// its block table (no gather into a padded copy). Online softmax one block at a time; parallel over
+// (sequence, kv head) pairs; the query heads that share a kv head are done together so K/V are read once.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename scalar_t>
+void decode_attention_impl(const float* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* tables,
+                           const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                           float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * token_stride;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(group * head_dim), m(group), l(group), scores(group * block_size), kv(head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const float* q_seq = q + (seq * num_heads + kv_head * group) * head_dim;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -1e30f);  // finite: exp(m - max) must be 0, not NaN
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t len = seq_lens[seq];
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t n = std::min(block_size, len - start);
+        const scalar_t* k_block = k_cache + tables[seq * max_blocks + start / block_size] * block_stride +
+                                  kv_head * head_dim;
+        const scalar_t* v_block = v_cache + (k_block - k_cache);
+        for (int64_t t = 0; t < n; ++t) {
+          const scalar_t* k = k_block + t * token_stride;
+          for (int64_t d = 0; d < head_dim; ++d) kv[d] = static_cast<float>(k[d]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q_seq + g * head_dim;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * kv[d];
+            scores[g * block_size + t] = s * scale;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * block_size;
+          float block_max = m[g];
+          for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, sg[t]);
+          const float correction = std::exp(m[g] - block_max);
+          float* ag = acc.data() + g * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] *= correction;
+          l[g] *= correction;
+          m[g] = block_max;
+          for (int64_t t = 0; t < n; ++t) {
+            sg[t] = std::exp(sg[t] - block_max);
+            l[g] += sg[t];
+          }
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const scalar_t* v = v_block + t * token_stride;
+          for (int64_t d = 0; d < head_dim; ++d) kv[d] = static_cast<float>(v[d]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * block_size + t];
+            float* ag = acc.data() + g * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * kv[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = out + (seq * num_heads + kv_head * group + g) * head_dim;
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// query [B, H, D] float32 contiguous; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int64;
+// seq_lens [B] int64 -> [B, H, D] float32
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.is_contiguous(), "query: contiguous float32");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64, "int64 indices");
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = torch::empty_like(query);
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_impl<scalar_t>(query.data_ptr<float>(), key_cache.data_ptr<scalar_t>(),
+                                    value_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
+                                    lens.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs, num_heads,
+                                    num_kv_heads, head_dim, block_size, tables.size(1), static_cast<float>(scale));
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+}
