@@ -224,15 +224,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare_line(summaries: dict[str, dict], keys: list[tuple]) -> str:
+    """The static-vs-dynamic verdict: measured throughput, and output tokens per step (the same ratio with the
+    hardware's speed taken out: what batching alone gained), with both occupancies."""
     lines = []
     for rate in dict.fromkeys(k[2] for k in keys):
         s, d = summaries[_label("static", rate)], summaries[_label("max_utilization", rate)]
-        ratio = d["output_throughput"] / s["output_throughput"] if s["output_throughput"] else math.nan
-        occ = f"occupancy static {100 * s.get('batch_occupancy', math.nan):.1f}% vs dynamic "
-        occ += f"{100 * d.get('batch_occupancy', math.nan):.1f}%"
         where = "" if rate is None else f" at {rate:g} req/s"
-        lines.append(f"dynamic/static output throughput{where}: {ratio:.3f}x ({100 * (ratio - 1):+.1f}%); {occ}")
+        lines.append(
+            f"dynamic vs static{where}: output throughput {_ratio(d, s, 'output_throughput')}, "
+            f"output tokens/step {_ratio(d, s, 'output_tokens_per_step')}; batch occupancy "
+            f"{100 * s.get('batch_occupancy', math.nan):.1f}% static vs {100 * d.get('batch_occupancy', math.nan):.1f}% "
+            f"dynamic (while requests waited: {100 * s.get('batch_occupancy_saturated', math.nan):.1f}% vs "
+            f"{100 * d.get('batch_occupancy_saturated', math.nan):.1f}%)"
+        )
     return "\n".join(lines)
+
+
+def _ratio(a: dict, b: dict, key: str) -> str:
+    x, y = a.get(key), b.get(key)
+    if not x or not y:
+        return "n/a"
+    return f"{x / y:.3f}x ({100 * (x / y - 1):+.1f}%)"
 
 
 if __name__ == "__main__":

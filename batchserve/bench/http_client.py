@@ -62,8 +62,12 @@ async def stream_one(client: httpx.AsyncClient, body: dict, result: RequestResul
                 now = time.monotonic()
                 if chunk.get("error"):
                     raise RuntimeError(str(chunk["error"]))
-                if (chunk.get("usage") or {}).get("completion_tokens") is not None:
-                    usage_tokens = chunk["usage"]["completion_tokens"]
+                usage = chunk.get("usage") or {}
+                if usage.get("completion_tokens") is not None:
+                    usage_tokens = usage["completion_tokens"]
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                if cached is not None:  # vLLM (with --enable-prompt-tokens-details) and others report it
+                    result.num_cached_tokens = cached
                 choices = chunk.get("choices") or []
                 if choices and choices[0].get("text"):
                     chunks += 1

@@ -31,8 +31,8 @@ class RequestResult:
     success: bool = True
     error: str = ""
     category: str = ""
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # None: the target did not say (HTTP)
+    num_preemptions: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -164,17 +164,21 @@ def summarize(
         "tpot_ms": distribution([r.tpot for r in ok if r.tpot is not None], 1000),
         "itl_ms": distribution([g for r in ok for g in r.itls], 1000),
         "e2e_ms": distribution([r.e2e for r in ok if r.e2e is not None], 1000),
-        "num_preemptions": sum(r.num_preemptions for r in results),
-        "prefix_cache_hit_rate": _request_hit_rate(ok),
     }
+    if any(r.num_preemptions is not None for r in results):
+        summary["num_preemptions"] = sum(r.num_preemptions or 0 for r in results)
+    if any(r.num_cached_tokens is not None for r in ok):
+        summary["prefix_cache_hit_rate"] = _request_hit_rate(ok)
     if steps:
         summary.update(step_summary(steps))
+        # tokens generated per forward pass: batching efficiency, whatever the speed of the hardware (or a busy host)
+        summary["output_tokens_per_step"] = out_tokens / len(steps)
     return summary
 
 
 def _request_hit_rate(results: Sequence[RequestResult]) -> float:
     prompt = sum(r.prompt_len for r in results)
-    return sum(r.num_cached_tokens for r in results) / prompt if prompt else math.nan
+    return sum(r.num_cached_tokens or 0 for r in results) / prompt if prompt else math.nan
 
 
 def step_summary(steps: Sequence[StepSample]) -> dict[str, Any]:

@@ -12,15 +12,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from batchserve.bench.trace import RunTrace, assign_lanes  # noqa: E402
 
 IDLE = (0.94, 0.94, 0.94)
 
 
+_PALETTE = [plt.get_cmap("tab20")(i)[:3] for i in range(20) if i not in (14, 15)]  # no greys: grey means idle
+
+
 def _request_colour(index: int) -> np.ndarray:
-    cmap = plt.get_cmap("tab20")
-    return np.array(cmap((index * 7) % 20)[:3])  # stride so neighbours differ
+    return np.array(_PALETTE[(index * 7) % len(_PALETTE)])  # stride so neighbours differ
 
 
 def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int = 600) -> Path:
@@ -60,10 +63,12 @@ def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int = 600)
         ax.scatter(px, py, s=size * 0.3, c="white", marker=".", linewidths=0)
     if inserts:
         ix, iy = zip(*inserts, strict=True)
-        ax.scatter(np.array(ix) - 0.35, iy, s=size, c="green", marker=">", linewidths=0)
+        ax.scatter(np.array(ix) - 0.2, iy, s=size, c="lime", marker=">", edgecolors="darkgreen", linewidths=0.5,
+                   zorder=3)  # fmt: skip
     if exits:
         ex, ey = zip(*exits, strict=True)
-        ax.scatter(np.array(ex) + 0.35, ey, s=size, c="black", marker="x", linewidths=1)
+        ax.scatter(ex, ey, s=size, c="black", marker="x", linewidths=1, zorder=4)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(num_lanes, 16)))
     ax.set_ylabel("batch slot")
     shown = f"first {len(steps)} of {len(trace.steps)} steps" if len(trace.steps) > len(steps) else "all steps"
     ax.set_title(f"Batch timeline: {trace.label} ({shown}, max_batch_size={trace.max_batch_size})")
@@ -72,7 +77,7 @@ def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int = 600)
             Patch(color=_request_colour(3), label="decode (colour = request)"),
             Patch(color=_request_colour(3) * 0.55, label="prefill (darker, dotted)"),
             Patch(color=IDLE, label="idle slot"),
-            plt.Line2D([], [], color="green", marker=">", ls="", label="enters batch"),
+            plt.Line2D([], [], color="lime", markeredgecolor="darkgreen", marker=">", ls="", label="enters batch"),
             plt.Line2D([], [], color="black", marker="x", ls="", label="finishes"),
         ],
         loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,

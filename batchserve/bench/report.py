@@ -26,6 +26,7 @@ ROWS += [
     ("  while requests waited (%)", "batch_occupancy_saturated", "{:.1f}", 100),
     ("Mean sequences / step", "mean_seqs_per_step", "{:.2f}", 1),
     ("Mean tokens / step", "mean_tokens_per_step", "{:.1f}", 1),
+    ("Output tokens / step", "output_tokens_per_step", "{:.2f}", 1),
     ("Mean step time (ms)", "mean_step_ms", "{:.2f}", 1),
     ("KV usage mean (%)", "kv_usage_mean", "{:.1f}", 100),
     ("KV usage max (%)", "kv_usage_max", "{:.1f}", 100),

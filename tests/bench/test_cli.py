@@ -41,7 +41,7 @@ def test_bench_compare_static_end_to_end(fake_build, tmp_path, capsys):
     )
     assert rc == 0
     out = capsys.readouterr().out
-    assert "static" in out and "max_utilization" in out and "dynamic/static output throughput" in out
+    assert "static" in out and "max_utilization" in out and "dynamic vs static" in out
     (run_dir,) = tmp_path.iterdir()
     names = {p.name for p in run_dir.iterdir()}
     for label in ("static", "max_utilization"):

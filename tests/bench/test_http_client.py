@@ -4,6 +4,7 @@ import httpx
 
 from batchserve.bench.arrivals import ArrivalProcess
 from batchserve.bench.http_client import completion_body, run_http
+from batchserve.bench.metrics import summarize
 from batchserve.bench.workloads import WorkloadOptions, make_workload
 
 
@@ -24,7 +25,8 @@ def test_streaming_run_against_a_mock_server(tokenizer):
         n = body["max_tokens"]
         chunks = [{"choices": [{"text": f" t{i}", "index": 0}]} for i in range(n)]
         chunks.append({"choices": [{"text": "", "finish_reason": "length"}]})
-        chunks.append({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n}})
+        details = {"prompt_tokens_details": {"cached_tokens": 3}} if body["prompt"] == reqs[0].prompt_token_ids else {}
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": n, **details}})
         return httpx.Response(200, text=_sse(chunks), headers={"content-type": "text/event-stream"})
 
     reqs = make_workload("uniform", tokenizer, 5, options=WorkloadOptions(input_len=6, output_len=4, spread=0))
@@ -39,6 +41,9 @@ def test_streaming_run_against_a_mock_server(tokenizer):
     assert all(r.arrival_time <= r.first_token_time <= r.finish_time for r in ok)
     assert not bad.success and "400" in bad.error
     assert trace.meta["model"] == "mock-model"
+    assert ok[0].num_cached_tokens == 3 and ok[1].num_cached_tokens is None
+    summary = summarize(trace.requests, 1.0)
+    assert summary["prefix_cache_hit_rate"] == 3 / 24 and "num_preemptions" not in summary  # unknown over HTTP
 
 
 def test_text_prompt_body(tokenizer):
