@@ -22,6 +22,8 @@ def build_engine(config: Any, like: Any = None) -> Any:
     from batchserve.engine.llm_engine import LLMEngine
 
     if like is not None and same_runner(like.config, config):
+        if not like.has_unfinished_requests():
+            like.step()  # an empty step tells the runner which requests finished last, so it frees their state
         return LLMEngine(config, runner=like.runner, tokenizer=like.tokenizer, model_config=like.model_config)
     return LLMEngine(config)
 
