@@ -258,7 +258,7 @@ class LLMEngine:
             finished=out.finished,
             finish_reason=out.finish_reason.value if out.finish_reason else None,
             stop_reason=stop_reason,
-            logprobs=tracked.logprobs,
+            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,  # a snapshot per output
             metrics=RequestMetrics(
                 arrival_time=request.arrival_time,
                 first_scheduled_time=request.first_scheduled_time,
