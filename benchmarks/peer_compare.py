@@ -1,0 +1,391 @@
+"""Run one fixed workload through batchserve and its peers, side by side, and print one table of ratios.
+
+    .venv/bin/python benchmarks/peer_compare.py --dtype float32 --threads 2            # the full 64 requests
+    .venv/bin/python benchmarks/peer_compare.py --limit 8 --engines transformers,vllm  # a quick check
+
+Engines (each in its own subprocess, so they share neither memory nor threads, and one runs at a time):
+  batchserve     offline LLM(dtype, num_threads).generate over all requests (continuous batching)
+  hf-static      transformers `generate`, static batches of 16 in workload order, left padding; each batch runs to
+                 its longest request, only each request's wanted tokens count as output
+  hf-stream      transformers `generate`, one request at a time, on the first --stream-requests requests (tok/s of a
+                 single stream; its ratio is not comparable to the batched engines' and is shown for scale)
+  vllm           vLLM's CPU build, offline vllm.LLM(...).generate with prompt_token_ids, run by the Python of
+                 --vllm-python (its own venv; see docs/BENCHMARKS.md); skipped when that interpreter is missing
+
+Every engine: greedy (temperature 0), ignore_eos, exactly max_tokens output tokens per request, the same dtype and
+thread count, one warm-up request before the clock starts (load and warm-up time are reported apart). Greedy outputs
+are compared token by token with hf-static's (the reference), as a check that everyone computed the same thing.
+The model: batchserve runs its default (the SmolLM2-135M-Instruct Q4_1 GGUF, dequantized at load); transformers and
+vLLM run the same weights dequantized once into a Hugging Face directory (benchmarks/export_hf.py, made on first use).
+
+Only the standard library is imported at module level: the same file is the worker in every venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKLOAD = HERE / "workloads" / "peer64.json"
+RESULTS = REPO / "bench_results"
+HF_DIR = Path(os.environ.get("BATCHSERVE_HF_EXPORT", "/work/smollm2-hf"))
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python")
+ENGINES = ("batchserve", "hf-static", "hf-stream", "vllm")
+REFERENCE = "hf-static"
+
+
+# --- workers: each runs in its own process and writes one JSON result --------------------------------------------------
+
+
+def _requests(args) -> list[dict]:
+    requests = json.loads(Path(args.workload).read_text())["requests"]
+    return requests[: args.limit] if args.limit else requests
+
+
+def _torch_setup(args):
+    import torch
+
+    torch.set_num_threads(args.threads)
+    return torch, {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+
+
+def run_batchserve(args, requests: list[dict]) -> dict:
+    from batchserve.entrypoints.llm import LLM
+    from batchserve.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    options = dict(kv.split("=", 1) for kv in args.engine_option)
+    llm = LLM(
+        args.batchserve_model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        **{k: _literal(v) for k, v in options.items()},
+    )
+    warm = requests[0]
+    llm.generate([{"prompt_token_ids": warm["prompt_token_ids"]}], _bs_params(SamplingParams, 4), use_tqdm=False)
+    load_s = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
+    params = [_bs_params(SamplingParams, r["max_tokens"]) for r in requests]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall_s = time.perf_counter() - t0
+    return {"load_s": load_s, "wall_s": wall_s, "outputs": [list(o.token_ids) for o in outputs]}
+
+
+def _bs_params(SamplingParams, n: int):
+    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
+
+
+def _literal(value: str):
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _hf_model(args):
+    torch, dtype = _torch_setup(args)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(args.hf_dir), dtype=dtype).eval()
+    config = model.generation_config
+    config.eos_token_id = None  # ignore_eos: run every request to its max_new_tokens
+    config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    config.do_sample, config.temperature, config.top_p, config.top_k = False, None, None, None
+    return torch, model, config
+
+
+def _hf_generate(torch, model, config, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy generate for one static batch, left padded; returns each row's generated ids."""
+    width = max(len(p) for p in prompts)
+    pad = config.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            max_new_tokens=max_new_tokens,
+        )
+    return out[:, width:].tolist()
+
+
+def run_hf_static(args, requests: list[dict]) -> dict:
+    t0 = time.perf_counter()
+    torch, model, config = _hf_model(args)
+    _hf_generate(torch, model, config, [requests[0]["prompt_token_ids"]], 4)
+    load_s = time.perf_counter() - t0
+    outputs: list[list[int]] = []
+    computed = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(requests), args.hf_batch_size):
+        batch = requests[start : start + args.hf_batch_size]
+        longest = max(r["max_tokens"] for r in batch)
+        rows = _hf_generate(torch, model, config, [r["prompt_token_ids"] for r in batch], longest)
+        outputs += [row[: r["max_tokens"]] for row, r in zip(rows, batch, strict=True)]
+        computed += longest * len(batch)
+    wall_s = time.perf_counter() - t0
+    return {"load_s": load_s, "wall_s": wall_s, "outputs": outputs, "tokens_generated_incl_padding": computed}
+
+
+def run_hf_stream(args, requests: list[dict]) -> dict:
+    t0 = time.perf_counter()
+    torch, model, config = _hf_model(args)
+    _hf_generate(torch, model, config, [requests[0]["prompt_token_ids"]], 4)
+    load_s = time.perf_counter() - t0
+    outputs = []
+    t0 = time.perf_counter()
+    for r in requests:
+        outputs += _hf_generate(torch, model, config, [r["prompt_token_ids"]], r["max_tokens"])
+    wall_s = time.perf_counter() - t0
+    return {"load_s": load_s, "wall_s": wall_s, "outputs": outputs}
+
+
+def run_vllm(args, requests: list[dict]) -> dict:
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    longest = max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in requests)
+    llm = LLM(
+        model=str(args.hf_dir),
+        dtype=args.dtype,
+        max_model_len=max(2048, longest),
+        seed=0,
+        **json.loads(args.vllm_options),
+    )
+
+    def params(n: int):
+        return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
+
+    llm.generate([TokensPrompt(prompt_token_ids=requests[0]["prompt_token_ids"])], params(4), use_tqdm=False)
+    load_s = time.perf_counter() - t0
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, [params(r["max_tokens"]) for r in requests], use_tqdm=False)
+    wall_s = time.perf_counter() - t0
+    return {"load_s": load_s, "wall_s": wall_s, "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
+
+
+RUNNERS = {"batchserve": run_batchserve, "hf-static": run_hf_static, "hf-stream": run_hf_stream, "vllm": run_vllm}
+
+
+def worker_main(args) -> None:
+    requests = _requests(args)
+    if args.worker == "hf-stream":
+        requests = requests[: args.stream_requests]
+    result = RUNNERS[args.worker](args, requests)
+    result.update(
+        engine=args.worker,
+        num_requests=len(requests),
+        prompt_tokens=sum(len(r["prompt_token_ids"]) for r in requests),
+        output_tokens=sum(r["max_tokens"] for r in requests),
+        output_lengths_ok=all(len(o) == r["max_tokens"] for o, r in zip(result["outputs"], requests, strict=False)),
+    )
+    Path(args.result_file).write_text(json.dumps(result))
+
+
+# --- the driver -----------------------------------------------------------------------------------------------------
+
+
+def ensure_hf_export(hf_dir: Path) -> None:
+    if (hf_dir / "config.json").is_file() and (hf_dir / "model.safetensors").is_file():
+        return
+    print(f"exporting the dequantized model to {hf_dir} (once)", flush=True)
+    subprocess.run([sys.executable, str(HERE / "export_hf.py"), "--out", str(hf_dir)], check=True, cwd=HERE)
+
+
+def engine_env(engine: str, threads: int) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    if engine == "vllm":
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB
+        env.pop("PYTHONPATH")  # batchserve's repo is not vLLM's business
+    return env
+
+
+def run_engine(engine: str, args, forward: list[str]) -> dict:
+    python = VLLM_PYTHON if engine == "vllm" else sys.executable
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "result.json"
+        log_file = RESULTS / f"peer_{engine}.log"
+        cmd = [python, str(Path(__file__).resolve()), "--worker", engine, "--result-file", str(result_file), *forward]
+        load_start = os.getloadavg()[0]
+        print(f"[{engine}] running (log: {log_file}; load average {load_start:.2f})", flush=True)
+        t0 = time.perf_counter()
+        with open(log_file, "w") as log:
+            proc = subprocess.run(
+                cmd,
+                env=engine_env(engine, args.threads),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=args.timeout,
+                cwd=tempfile.gettempdir(),
+            )
+        if proc.returncode != 0 or not result_file.is_file():
+            tail = log_file.read_text().splitlines()[-15:]
+            print(f"[{engine}] FAILED (exit {proc.returncode}):\n  " + "\n  ".join(tail), flush=True)
+            return {"engine": engine, "error": f"exit {proc.returncode}", "log_tail": tail}
+        result = json.loads(result_file.read_text())
+        result["process_s"] = time.perf_counter() - t0
+        result["loadavg_1min_start_end"] = [load_start, os.getloadavg()[0]]
+        print(
+            f"[{engine}] {result['output_tokens'] / result['wall_s']:.1f} output tok/s, wall {result['wall_s']:.1f} s,"
+            f" load+warm-up {result['load_s']:.1f} s",
+            flush=True,
+        )
+        return result
+
+
+def agreement(result: dict, reference: dict | None) -> str:
+    """Requests whose greedy output equals the reference's, and the mean share of leading tokens in common."""
+    if "outputs" not in result or reference is None or "outputs" not in reference:
+        return "-"
+    pairs = list(zip(result["outputs"], reference["outputs"], strict=False))
+    same = sum(a == b for a, b in pairs)
+    prefix = [
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))) / max(len(b), 1)
+        for a, b in pairs
+    ]
+    return f"{same}/{len(pairs)} same, {100 * sum(prefix) / len(prefix):.0f}% prefix"
+
+
+def table(results: list[dict]) -> list[str]:
+    base = next((r for r in results if r["engine"] == "batchserve" and "wall_s" in r), None)
+    reference = next((r for r in results if r["engine"] == REFERENCE and "outputs" in r), None)
+    head = (
+        f"{'engine':<11} {'reqs':>4} {'out tok/s':>10} {'total tok/s':>11} {'wall s':>8} {'start s':>7} "
+        f"{'out x bs':>8} {'total x bs':>10} {'loadavg':>10}  greedy vs {REFERENCE}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if "wall_s" not in r:
+            lines.append(f"{r['engine']:<11} failed: {r.get('error')}")
+            continue
+        out_tps = r["output_tokens"] / r["wall_s"]
+        total_tps = (r["prompt_tokens"] + r["output_tokens"]) / r["wall_s"]
+        r.update(output_tok_s=out_tps, total_tok_s=total_tps)
+        if base:
+            r["ratio_output_vs_batchserve"] = out_tps / (base["output_tokens"] / base["wall_s"])
+            r["ratio_total_vs_batchserve"] = total_tps / (
+                (base["prompt_tokens"] + base["output_tokens"]) / base["wall_s"]
+            )
+        ratio = (
+            f"{r['ratio_output_vs_batchserve']:>8.2f} {r['ratio_total_vs_batchserve']:>10.2f}"
+            if base
+            else f"{'-':>8} {'-':>10}"
+        )
+        lines.append(
+            f"{r['engine']:<11} {r['num_requests']:>4} {out_tps:>10.1f} {total_tps:>11.1f} {r['wall_s']:>8.1f} "
+            f"{r['load_s']:>7.1f} {ratio} {'{:.1f}->{:.1f}'.format(*r['loadavg_1min_start_end']):>10}  "
+            f"{agreement(r, reference)}"
+        )
+    return lines
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "cpu_count": os.cpu_count(), "platform": platform.platform()}
+    try:
+        model = next(line for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        info["cpu"] = model.split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        pass
+    return info
+
+
+def driver_main(args, forward: list[str]) -> None:
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        raise SystemExit(f"unknown engine(s) {sorted(unknown)}; choose from {ENGINES}")
+    if "vllm" in engines and not Path(VLLM_PYTHON).exists():
+        print(f"[vllm] skipped: {VLLM_PYTHON} not found (set VLLM_PYTHON; see docs/BENCHMARKS.md)")
+        engines.remove("vllm")
+    RESULTS.mkdir(exist_ok=True)
+    if set(engines) & {"hf-static", "hf-stream", "vllm"}:
+        ensure_hf_export(args.hf_dir)
+    # The reference runs first so every later line can be compared with it.
+    engines.sort(key=lambda e: (e != REFERENCE, ENGINES.index(e)))
+    load_before = os.getloadavg()
+    print(
+        f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} "
+        f"({os.cpu_count()} CPUs); dtype {args.dtype}, threads {args.threads}",
+        flush=True,
+    )
+    results = [run_engine(e, args, forward) for e in engines]
+    load_after = os.getloadavg()
+    order = {e: i for i, e in enumerate(ENGINES)}
+    results.sort(key=lambda r: order[r["engine"]])
+    lines = table(results)
+    print()
+    print("\n".join(lines))
+    print(
+        f"\nload average before {load_before[0]:.2f} / after {load_after[0]:.2f} (1-min); "
+        f"ratios are engine / batchserve; start s = load + warm-up (not timed); loadavg = 1-min load when the "
+        f"engine's process started -> ended; hf-stream runs only {args.stream_requests} requests one at a time"
+    )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = RESULTS / f"peer_compare-{args.dtype}-{stamp}.json"
+    record = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": machine(),
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "table": lines,
+        "results": [{k: v for k, v in r.items() if k != "outputs"} for r in results],
+        "outputs": {r["engine"]: r["outputs"] for r in results if "outputs" in r},
+    }
+    out.write_text(json.dumps(record, indent=1))
+    print(f"saved {out}")
+
+
+def parse_args(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads for every engine (default 2)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
+    ap.add_argument("--limit", type=int, default=0, help="only the first N requests of the workload (0: all)")
+    ap.add_argument("--workload", type=Path, default=WORKLOAD)
+    ap.add_argument("--hf-dir", type=Path, default=HF_DIR, help="dequantized HF export for transformers and vLLM")
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--stream-requests", type=int, default=4, help="requests for hf-stream (one at a time)")
+    ap.add_argument("--batchserve-model", default=None, help="model for batchserve (default: its default GGUF)")
+    ap.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra batchserve engine option (repeatable), e.g. max_batch_size=64",
+    )
+    ap.add_argument("--vllm-options", default="{}", help="JSON of extra vllm.LLM(...) keyword arguments")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per engine")
+    ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker_main(args)
+        return
+    forward = [a for a in sys.argv[1:] if a not in ("--worker",)]
+    args.workload, args.hf_dir = args.workload.resolve(), args.hf_dir.resolve()
+    forward += ["--workload", str(args.workload), "--hf-dir", str(args.hf_dir)]
+    driver_main(args, forward)
+
+
+if __name__ == "__main__":
+    main()

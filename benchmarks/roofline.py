@@ -1,0 +1,178 @@
+"""What this machine's matmuls allow: the best possible decode tok/s of SmolLM2-135M at batch sizes M.
+
+    .venv/bin/python benchmarks/roofline.py                    # float32 and bfloat16, 2 threads, M in 1 16 64 128 256
+    .venv/bin/python benchmarks/roofline.py --dtypes float32 --ms 1,64 --threads 2
+
+Times torch.matmul for each linear layer shape of the model (as nn.Linear computes it: x @ W.T) at M tokens, over
+30 distinct weight copies per shape (as in the real model, so a layer's weights are not still in cache from the run
+before), plus the lm_head. One decode step of M sequences = the sum over the 30 layers of their matmuls at M + the
+lm_head at M, so the best decode tok/s at M = M / that time. Attention, norms, RoPE, sampling and Python overhead
+are left out: a real engine can only be slower. FLOPs per token = 2 * params touched per token (incl. lm_head).
+Prints a table and saves JSON and a PNG (matplotlib) to bench_results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench_results"
+
+# SmolLM2-135M: hidden 576, intermediate 1536, 9 heads / 3 KV heads of dim 64, 30 layers, vocab 49152 (tied).
+HIDDEN, INTERMEDIATE, HEAD_DIM, HEADS, KV_HEADS, LAYERS, VOCAB = 576, 1536, 64, 9, 3, 30, 49152
+LAYER_SHAPES = {  # name: (in K, out N), applied once per layer per token
+    "qkv": (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM),  # 576 -> 960
+    "o": (HEADS * HEAD_DIM, HIDDEN),  # 576 -> 576
+    "gate_up": (HIDDEN, 2 * INTERMEDIATE),  # 576 -> 3072
+    "down": (INTERMEDIATE, HIDDEN),  # 1536 -> 576
+}
+LM_HEAD = (HIDDEN, VOCAB)  # 576 -> 49152, once per token
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def params_per_token() -> int:
+    return LAYERS * sum(k * n for k, n in LAYER_SHAPES.values()) + LM_HEAD[0] * LM_HEAD[1]
+
+
+def time_matmuls(m: int, shape: tuple[int, int], copies: int, dtype: torch.dtype, min_time: float) -> float:
+    """Median seconds for one x @ W.T of (m, K) x (K, N), cycling through `copies` distinct weights."""
+    k, n = shape
+    weights = [torch.randn(n, k, dtype=dtype) * 0.02 for _ in range(copies)]
+    x = torch.randn(m, k, dtype=dtype)
+    with torch.inference_mode():
+        for w in weights:  # warm-up: first touch, kernel selection
+            torch.matmul(x, w.t())
+        samples: list[float] = []
+        start = time.perf_counter()
+        while len(samples) < 3 or (time.perf_counter() - start < min_time and len(samples) < 200):
+            t0 = time.perf_counter()
+            for w in weights:
+                torch.matmul(x, w.t())
+            samples.append((time.perf_counter() - t0) / copies)
+    return statistics.median(samples)
+
+
+def measure(dtype_name: str, ms: list[int], min_time: float) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    flops_per_token = 2 * params_per_token()
+    rows = []
+    for m in ms:
+        per_shape = {}
+        for name, shape in LAYER_SHAPES.items():
+            per_shape[name] = time_matmuls(m, shape, LAYERS, dtype, min_time)
+        per_shape["lm_head"] = time_matmuls(m, LM_HEAD, 1, dtype, min_time)
+        step_s = LAYERS * sum(per_shape[name] for name in LAYER_SHAPES) + per_shape["lm_head"]
+        gflops = {
+            name: 2 * m * k * n / per_shape[name] / 1e9
+            for name, (k, n) in [*LAYER_SHAPES.items(), ("lm_head", LM_HEAD)]
+        }
+        rows.append(
+            {
+                "dtype": dtype_name,
+                "M": m,
+                "matmul_s": per_shape,
+                "gflops": gflops,
+                "step_s": step_s,
+                "model_gflops": flops_per_token * m / step_s / 1e9,
+                "best_decode_tok_s": m / step_s,
+            }
+        )
+        print(
+            f"{dtype_name:<9} M={m:<4} step {1e3 * step_s:8.2f} ms  {rows[-1]['model_gflops']:7.1f} GFLOP/s  "
+            f"best decode {rows[-1]['best_decode_tok_s']:8.1f} tok/s",
+            flush=True,
+        )
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    names = [*LAYER_SHAPES, "lm_head"]
+    head = f"{'dtype':<9} {'M':>4} " + " ".join(f"{n:>8}" for n in names) + f" {'model':>8} {'step ms':>8} {'tok/s':>9}"
+    lines = ["GFLOP/s per matmul shape, whole-model GFLOP/s, time of one decode step, best decode tok/s", head]
+    lines.append("-" * len(head))
+    for r in rows:
+        lines.append(
+            f"{r['dtype']:<9} {r['M']:>4} "
+            + " ".join(f"{r['gflops'][n]:>8.1f}" for n in names)
+            + f" {r['model_gflops']:>8.1f} {1e3 * r['step_s']:>8.2f} {r['best_decode_tok_s']:>9.1f}"
+        )
+    return lines
+
+
+def plot(rows: list[dict], path: Path, threads: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        mine = [r for r in rows if r["dtype"] == dtype]
+        ms = [r["M"] for r in mine]
+        left.plot(ms, [r["best_decode_tok_s"] for r in mine], marker="o", label=dtype)
+        for name in [*LAYER_SHAPES, "lm_head"]:
+            style = "-" if dtype == "float32" else "--"
+            right.plot(ms, [r["gflops"][name] for r in mine], style, marker=".", label=f"{name} {dtype}")
+    left.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequences per decode step (M)",
+        ylabel="best decode tok/s",
+        title=f"SmolLM2-135M decode bound from matmul time ({threads} threads)",
+    )
+    right.set(xscale="log", xlabel="tokens per matmul (M)", ylabel="GFLOP/s", title="torch.matmul GFLOP/s per shape")
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+    left.legend()
+    right.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--ms", default="1,16,64,128,256", help="comma-separated token counts per step")
+    ap.add_argument("--min-time", type=float, default=0.3, help="seconds of samples per measurement (at least 3)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ms = [int(m) for m in args.ms.split(",")]
+    dtypes = [d.strip() for d in args.dtypes.split(",")]
+    load_before = os.getloadavg()
+    print(
+        f"{params_per_token() / 1e6:.1f} M params touched per token, {2 * params_per_token() / 1e6:.0f} MFLOP/token; "
+        f"threads {torch.get_num_threads()}; load average before {load_before[0]:.2f}",
+        flush=True,
+    )
+    rows = [row for d in dtypes for row in measure(d, ms, args.min_time)]
+    load_after = os.getloadavg()
+    lines = table(rows)
+    print("\n" + "\n".join(lines))
+    print(f"load average before {load_before[0]:.2f} / after {load_after[0]:.2f} (1-min)")
+    RESULTS.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    record = {
+        "threads": args.threads,
+        "params_per_token": params_per_token(),
+        "flops_per_token": 2 * params_per_token(),
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "torch": torch.__version__,
+        "table": lines,
+        "rows": rows,
+    }
+    (RESULTS / f"roofline-{stamp}.json").write_text(json.dumps(record, indent=1))
+    png = RESULTS / f"roofline-{stamp}.png"
+    plot(rows, png, args.threads)
+    print(f"saved {RESULTS / f'roofline-{stamp}.json'} and {png}")
+
+
+if __name__ == "__main__":
+    main()
