@@ -253,6 +253,8 @@ def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device
     model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
     model.eval()
     model.requires_grad_(False)
+    if device.type == "cpu":
+        model.use_dual_layout_weights()
     return model
 
 

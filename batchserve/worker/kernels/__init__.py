@@ -18,13 +18,16 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("paged_decode.cpp")
 
 
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
+
+
 def _machine_tag() -> str:
-    """-march=native code is only valid on the CPU it was built for: key the build on the CPU's flags."""
+    """-march=native code is only valid on the CPU it was built for: key the build on the CPU's flags (and ours)."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha1((flags + _SOURCE.read_text()).encode()).hexdigest()[:12]
+    return hashlib.sha1((flags + " ".join(CFLAGS) + _SOURCE.read_text()).encode()).hexdigest()[:12]
 
 
 @functools.cache
@@ -38,7 +41,7 @@ def load():
         return load_extension(
             name=f"batchserve_paged_decode_{_machine_tag()}",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

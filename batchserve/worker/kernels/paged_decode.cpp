@@ -49,12 +49,14 @@ void decode_attention_impl(const float* q, const scalar_t* k_cache, const scalar
           const float correction = std::exp(m[g] - block_max);
           float* ag = acc.data() + g * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) ag[d] *= correction;
-          l[g] *= correction;
           m[g] = block_max;
-          for (int64_t t = 0; t < n; ++t) {
+          float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+          for (int64_t t = 0; t < n; ++t) {  // vectorized exp (libmvec): the kernel's hottest loop otherwise
             sg[t] = std::exp(sg[t] - block_max);
-            l[g] += sg[t];
+            block_sum += sg[t];
           }
+          l[g] = l[g] * correction + block_sum;
         }
         for (int64_t t = 0; t < n; ++t) {
           const scalar_t* v = v_block + t * token_stride;
