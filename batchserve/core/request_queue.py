@@ -65,21 +65,24 @@ class _LazyHeap:
         return self._heap[0][2]
 
 
-class PriorityQueue:
-    """Lower priority value first; FCFS (by arrival) within a level."""
+class _HeapQueue:
+    """Live requests in a dict, ordered by lazy heaps; subclasses say which heap top is served next."""
 
     def __init__(self) -> None:
-        self._heap = _LazyHeap(lambda r: (r.priority, r.arrival_time))
         self._live: dict[int, Request] = {}
+
+    def _heaps(self) -> list[_LazyHeap]:
+        raise NotImplementedError
 
     def push(self, request: Request) -> None:
         self._live[id(request)] = request
-        self._heap.push(request)
+        for heap in self._heaps():
+            heap.push(request)
 
     push_front = push  # a preempted request keeps its arrival time, so it sorts ahead of later arrivals anyway
 
     def peek(self) -> Request:
-        return self._heap.top(self._live.keys())
+        raise NotImplementedError
 
     def pop(self) -> Request:
         request = self.peek()
@@ -93,46 +96,54 @@ class PriorityQueue:
         return len(self._live)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(sorted(self._live.values(), key=lambda r: (r.priority, r.arrival_time)))
+        return iter(sorted(self._live.values(), key=self._sort_key))
+
+    @staticmethod
+    def _sort_key(request: Request) -> tuple:
+        raise NotImplementedError
 
 
-class ShortestFirstQueue:
+class PriorityQueue(_HeapQueue):
+    """Lower priority value first; FCFS (by arrival) within a level."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._heap = _LazyHeap(self._sort_key)
+
+    def _heaps(self) -> list[_LazyHeap]:
+        return [self._heap]
+
+    @staticmethod
+    def _sort_key(request: Request) -> tuple:
+        return (request.priority, request.arrival_time)
+
+    def peek(self) -> Request:
+        return self._heap.top(self._live.keys())
+
+
+class ShortestFirstQueue(_HeapQueue):
     """Smallest worst-case length (prompt + max_tokens) first, so short requests are not stuck behind long ones.
     Aging: a request that has waited longer than max_wait_s is served first, oldest first."""
 
     def __init__(self, max_wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
         self.max_wait_s = max_wait_s
         self._clock = clock
-        self._by_length = _LazyHeap(lambda r: (r.max_total_tokens, r.arrival_time))
+        self._by_length = _LazyHeap(self._sort_key)
         self._by_arrival = _LazyHeap(lambda r: (r.arrival_time,))
-        self._live: dict[int, Request] = {}
 
-    def push(self, request: Request) -> None:
-        self._live[id(request)] = request
-        self._by_length.push(request)
-        self._by_arrival.push(request)
+    def _heaps(self) -> list[_LazyHeap]:
+        return [self._by_length, self._by_arrival]
 
-    push_front = push
+    @staticmethod
+    def _sort_key(request: Request) -> tuple:
+        return (request.max_total_tokens, request.arrival_time)
 
     def peek(self) -> Request:
         oldest = self._by_arrival.top(self._live.keys())
         if self._clock() - oldest.arrival_time > self.max_wait_s:
             return oldest
         return self._by_length.top(self._live.keys())
-
-    def pop(self) -> Request:
-        request = self.peek()
-        self.remove(request)
-        return request
-
-    def remove(self, request: Request) -> None:
-        del self._live[id(request)]
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(sorted(self._live.values(), key=lambda r: (r.max_total_tokens, r.arrival_time)))
 
 
 def make_request_queue(order: str, max_wait_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
