@@ -72,28 +72,45 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class DualLayoutLinear(nn.Module):
-    """A Linear that keeps its weight in both layouts and picks per call. On CPU, torch's float32 GEMM is about twice
-    as fast with an [in, out] weight (x @ W) for the few rows of a decode step (M < 64), and as fast or faster with
-    the usual [out, in] one (F.linear) for more rows. Costs a second copy of the weights."""
+class CpuLinear(nn.Module):
+    """A Linear laid out for torch's CPU GEMMs, picked per call by the number of rows M (measured on this machine's
+    kind, see benchmarks/roofline.py): oneDNN with a pre-packed weight is fastest for the M of decode steps on the
+    wide projections (gate/up, down, lm_head: up to 1.7x over F.linear), a plain [in, out] weight (x @ W) for the
+    narrow ones at M < 64 and for prefill-sized M. Costs a second copy of the weights."""
 
-    SMALL_M = 64
+    PACKED_MAX_M = 512  # from here on (prefill chunks) x @ W is as fast
+    NARROW_OUT = 1024  # qkv and o: x @ W beats the packed kernel at M < 64
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        self.register_buffer("weight", weight.detach())
+        self.out_features = weight.shape[0]
         self.register_buffer("weight_t", weight.detach().t().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach())
+        self.register_buffer("packed", _mkldnn_pack(weight.detach()))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> DualLayoutLinear:
+    def from_linear(cls, linear: nn.Linear) -> CpuLinear:
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= self.SMALL_M:
-            return F.linear(x, self.weight, self.bias)
+        m = x.shape[0]
+        use_packed = (
+            self.packed is not None and m < self.PACKED_MAX_M and (m >= 64 or self.out_features > self.NARROW_OUT)
+        )
+        if use_packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         out = torch.matmul(x, self.weight_t)
         return out if self.bias is None else out + self.bias
+
+
+def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a float32 weight, or None where this torch build has no oneDNN linear."""
+    if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class RMSNorm(nn.Module):
@@ -103,6 +120,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; same math as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -127,9 +146,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads rotate together: one RoPE pass instead of two
+        qk = apply_rope(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, attn_metadata, scale=self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -172,26 +192,26 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        self.output_proj: DualLayoutLinear | None = None  # set by use_dual_layout_weights
+        self.output_proj: CpuLinear | None = None  # set by use_cpu_linear_layouts
 
     @property
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def use_dual_layout_weights(self) -> None:
-        """After loading, on CPU: every projection (and the output matrix) becomes a DualLayoutLinear."""
+    def use_cpu_linear_layouts(self) -> None:
+        """After loading, on CPU: every projection (and the output matrix) becomes a CpuLinear."""
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_proj, attn.o_proj = (
-                DualLayoutLinear.from_linear(attn.qkv_proj),
-                DualLayoutLinear.from_linear(attn.o_proj),
+                CpuLinear.from_linear(attn.qkv_proj),
+                CpuLinear.from_linear(attn.o_proj),
             )
             mlp.gate_up_proj, mlp.down_proj = (
-                DualLayoutLinear.from_linear(mlp.gate_up_proj),
-                DualLayoutLinear.from_linear(mlp.down_proj),
+                CpuLinear.from_linear(mlp.gate_up_proj),
+                CpuLinear.from_linear(mlp.down_proj),
             )
         # tied embeddings: the output projection is a transposed copy, the embedding table stays for lookups
-        self.output_proj = DualLayoutLinear(self.output_weight)
+        self.output_proj = CpuLinear(self.output_weight)
         self.lm_head = None
 
     def forward(

@@ -254,7 +254,7 @@ def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device
     model.eval()
     model.requires_grad_(False)
     if device.type == "cpu":
-        model.use_dual_layout_weights()
+        model.use_cpu_linear_layouts()
     return model
 
 
