@@ -78,6 +78,7 @@ class CpuLinear(nn.Module):
     wide projections (gate/up, down, lm_head: up to 1.7x over F.linear), a plain [in, out] weight (x @ W) for the
     narrow ones at M < 64 and for prefill-sized M. Costs a second copy of the weights."""
 
+    PACKED_MIN_M = 8  # below, one sequence's worth of rows: x @ W streams the weight fastest
     PACKED_MAX_M = 512  # from here on (prefill chunks) x @ W is as fast
     NARROW_OUT = 1024  # qkv and o: x @ W beats the packed kernel at M < 64
 
