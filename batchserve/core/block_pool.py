@@ -86,6 +86,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # key hash -> block holding that content
         self.num_evictions = 0
+        self._num_cached_free = 0  # kept incrementally: stats read it every step
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,7 +98,7 @@ class BlockPool:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.cached.values() if b.ref_count == 0)
+        return self._num_cached_free
 
     def take_new(self, count: int) -> list[KVBlock]:
         """Blocks with fresh (writable) content, each owned once. The caller checks num_free_blocks first."""
@@ -118,6 +119,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
+                self._num_cached_free -= 1
             block.ref_count += 1
 
     def release(self, blocks: Sequence[KVBlock]) -> None:
@@ -128,6 +130,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
+                self._num_cached_free += block.key is not None
 
     def register(self, block: KVBlock, key: BlockKey) -> None:
         """Make a full block findable by its content. A duplicate of cached content stays private."""
@@ -143,6 +146,7 @@ class BlockPool:
             del self.cached[block.key.hash]
             block.key = None
             self.num_evictions += 1
+            self._num_cached_free -= block.ref_count == 0
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.cached.values()):

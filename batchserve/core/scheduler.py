@@ -359,7 +359,7 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_swapped=sum(1 for r in self.waiting if r.status == RequestStatus.SWAPPED),
+            num_swapped=len(self.kv.req_host_blocks),
             num_preempted_this_step=step.num_preempted if step else 0,
             num_preemptions_total=self.num_preemptions_total,
             num_prefill_tokens=step.num_prefill_tokens if step else 0,

@@ -26,6 +26,8 @@ def check_invariants(scheduler):
         assert b.ref_count == owners.get(b.block_id, 0), "ref count differs from the number of owners"
         assert (b.ref_count == 0) == (b.prev_free is not None), "free queue membership differs from ref count"
     assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_count == 0)
+    assert pool.num_cached_free_blocks == sum(1 for b in pool.cached.values() if b.ref_count == 0)
+    assert scheduler.stats().num_swapped == sum(1 for r in scheduler.waiting if r.status.value == "swapped")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
