@@ -19,11 +19,7 @@ commands:
 """
 
 
-def generate_main(argv: list[str]) -> int:
-    from batchserve.engine.llm_engine import LLMEngine
-    from batchserve.entrypoints.llm import LLM
-    from batchserve.sampling_params import SamplingParams
-
+def build_generate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchserve generate", description="Generate text with the default model.")
     parser.add_argument("prompts", nargs="*", help="prompts (chat-formatted unless --raw); default: a few examples")
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -31,10 +27,17 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    add_engine_arguments(parser, include_model=False)
-    args = parser.parse_args(argv)
+    add_engine_arguments(parser, include_model=False)  # its --seed also seeds sampling
+    return parser
+
+
+def generate_main(argv: list[str]) -> int:
+    from batchserve.engine.llm_engine import LLMEngine
+    from batchserve.entrypoints.llm import LLM
+    from batchserve.sampling_params import SamplingParams
+
+    args = build_generate_parser().parse_args(argv)
     prompts = args.prompts or ["What is continuous batching?", "Write a haiku about the sea.", "Name three planets."]
     config = engine_config_from_args(args, model=args.model)
     llm = LLM.from_engine(LLMEngine(config))
