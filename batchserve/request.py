@@ -68,7 +68,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
-
-    @property
-    def is_prefill_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens

@@ -148,10 +148,6 @@ class BlockPool:
             self.num_evictions += 1
             self._num_cached_free -= block.ref_count == 0
 
-    def reset_prefix_cache(self) -> None:
-        for block in list(self.cached.values()):
-            self._evict(block)
-
 
 class HostBlockPool:
     """Host-memory blocks for swapped-out requests: a plain free list, no sharing, no caching."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from batchserve.core.block_pool import BlockKey, BlockPool, HostBlockPool, KVBlock
@@ -149,6 +148,3 @@ class KVCacheManager:
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request.request_id, ())]
-
-    def owned_block_ids(self) -> Sequence[int]:
-        return [b.block_id for blocks in self.req_blocks.values() for b in blocks]

@@ -197,10 +197,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._tracked)
-
     # ---- one step -----------------------------------------------------------------------------------------------
     def step(self) -> list[CompletionOutput]:
         start = time.monotonic()

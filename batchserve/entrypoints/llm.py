@@ -60,7 +60,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     @staticmethod

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -56,21 +57,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 OPEN_PATHS = ("/health", "/metrics")
 RETRY_AFTER_S = 1
-_SAMPLING_FIELDS = {
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "n",
-    "logprobs",
-    "min_tokens",
-    "stop",
-    "stop_token_ids",
-}
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}  # error messages start with the field
 
 
 # ---------------------------------------------------------------------------------------------------- errors
