@@ -19,19 +19,28 @@ HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
 
 def reference(q_full, k_full, v_full, query_len):
     """Causal attention over the whole sequence [L, H, D]; the last query_len rows."""
+    group = q_full.shape[1] // k_full.shape[1]
     q = q_full.transpose(0, 1)[None]
-    k = k_full.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1)[None]
-    v = v_full.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1)[None]
+    k = k_full.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    v = v_full.repeat_interleave(group, dim=1).transpose(0, 1)[None]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
     return out[-query_len:]
 
 
-def run_batch(seqs: list[tuple[int, int]], block_size: int, seed: int = 0, stale: bool = False):
-    """seqs: (already cached tokens, tokens this step). Cached K/V are written by an earlier 'step' first."""
+def run_batch(
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    seed: int = 0,
+    stale: bool = False,
+    heads: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
+):
+    """seqs: (already cached tokens, tokens this step). Cached K/V are written by an earlier 'step' first.
+    heads: (query heads, kv heads, head dim)."""
+    num_heads, num_kv_heads, head_dim = heads
     torch.manual_seed(seed)
     rng = random.Random(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
-    shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     kv_cache = (torch.zeros(shape), torch.zeros(shape))
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -41,9 +50,9 @@ def run_batch(seqs: list[tuple[int, int]], block_size: int, seed: int = 0, stale
         length = cached + n
         blocks = [free.pop() for _ in range(-(-length // block_size))]
         q, k, v = (
-            torch.randn(length, HEADS, HEAD_DIM),
-            torch.randn(length, KV_HEADS, HEAD_DIM),
-            torch.randn(length, KV_HEADS, HEAD_DIM),
+            torch.randn(length, num_heads, head_dim),
+            torch.randn(length, num_kv_heads, head_dim),
+            torch.randn(length, num_kv_heads, head_dim),
         )
         full.append((q, k, v))
         new_reqs.append(NewRequestData(f"r{i}", list(range(length)), length, SamplingParams(), blocks, cached))
@@ -51,6 +60,7 @@ def run_batch(seqs: list[tuple[int, int]], block_size: int, seed: int = 0, stale
     if stale:  # leftovers of earlier requests in unwritten slots must never reach the output
         for t in kv_cache:
             t.normal_(0.0, 100.0)
+            t.view(-1)[::7] = float("nan")  # even NaN garbage
     # Write the cached part as an earlier step would have.
     states = RequestTable(block_size)
     prefill = SchedulerOutput(
@@ -116,3 +126,16 @@ def test_random_mixed_batches():
         seqs = [(rng.randrange(0, 40), rng.choice([1, 1, rng.randrange(1, 20)])) for _ in range(rng.randrange(1, 6))]
         out, expected, _ = run_batch(seqs, rng.choice([8, 16]), seed=seed)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 128), (2, 2, 32), (4, 2, 48)], ids=str)
+@pytest.mark.parametrize("block_size", [8, 16, 24, 32])
+def test_decode_kernel_model_shapes(heads, block_size):
+    # The native kernel's vectorized path (head_dim 32/64/128) and its portable loop (48): long contexts that span
+    # many 16-token tiles and partial blocks, with stale garbage (NaN included) in every unwritten slot.
+    if kernels.load() is None:
+        pytest.skip("native kernel not built here")
+    seqs = [(0, 1), (15, 1), (16, 1), (47, 1), (130, 1), (255, 1)]
+    out, expected, batch = run_batch(seqs, block_size, stale=True, heads=heads)
+    assert batch.attn_metadata.prefill is None
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
