@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchserve.config import ModelConfig
+from batchserve.worker import kernels
 from batchserve.worker.attention import AttentionMetadata, KVCache, paged_attention
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -60,16 +61,28 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D/2]: the two halves of a head share their angles."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous()
+
+
+def _native_ops(x: torch.Tensor):
+    """The fused native kernels when they apply to x (float32 on CPU, built), else None: the torch code runs."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    return kernels.load()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D]."""
+    """x [T, heads, D]; cos/sin [T, D/2]. HF rotate_half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+    The native kernel rotates x in place (its heads must be contiguous within a token)."""
+    native = _native_ops(x)
+    if native is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        native.rope_(x, cos, sin)
+        return x
     cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class CpuLinear(nn.Module):
@@ -120,8 +133,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused kernel; same math as below
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual: (norm(x + residual), x + residual), the sum being the next residual stream.
+        The native kernel does either in one pass (the sum in place in `residual`)."""
+        native = _native_ops(x)
+        if native is not None and x.dim() == 2 and x.stride(1) == 1:
+            out = native.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
@@ -164,7 +189,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        native = _native_ops(gate_up)
+        if native is not None and gate_up.stride(1) == 1:
+            return self.down_proj(native.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -176,9 +205,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, x, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata):
+        """(x, residual) -> (x, residual) of the next layer: the residual stream is x + residual (None at layer 0),
+        so each residual add is fused into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, attn_metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -225,9 +261,10 @@ class LlamaForCausalLM(nn.Module):
         """Packed tokens [T] at positions [T] -> final hidden states [T, H] (normed)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] (in the model dtype)."""

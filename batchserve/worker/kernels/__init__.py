@@ -15,7 +15,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode.cpp")
+_SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 
 
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
@@ -27,7 +27,8 @@ def _machine_tag() -> str:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha1((flags + " ".join(CFLAGS) + _SOURCE.read_text()).encode()).hexdigest()[:12]
+    sources = "".join(p.read_text() for p in _SOURCES)
+    return hashlib.sha1((flags + " ".join(CFLAGS) + sources).encode()).hexdigest()[:12]
 
 
 @functools.cache
@@ -39,8 +40,8 @@ def load():
         from torch.utils.cpp_extension import load as load_extension
 
         return load_extension(
-            name=f"batchserve_paged_decode_{_machine_tag()}",
-            sources=[str(_SOURCE)],
+            name=f"batchserve_cpu_kernels_{_machine_tag()}",
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -244,7 +244,3 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-}

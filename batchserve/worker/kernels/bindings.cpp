@@ -1,0 +1,16 @@
+// The Python module of the native CPU kernels (one extension built from every .cpp in this folder).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of x, or of residual += x (in place)", pybind11::arg("x"),
+        pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] projection");
+  m.def("rope_", &rope_, "rotary embedding in place on [T, heads, D] (rotate_half convention)");
+}

@@ -1,0 +1,66 @@
+"""The native fused ops against the torch code they replace (the model's fallback path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchserve.models import llama
+from batchserve.worker import kernels
+
+native = kernels.load()
+pytestmark = pytest.mark.skipif(native is None, reason="native kernels not built here")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_rms_norm_with_and_without_residual(rows):
+    torch.manual_seed(rows)
+    x, residual, weight = torch.randn(rows, 576) * 3, torch.randn(rows, 576), torch.rand(576) + 0.5
+    torch.testing.assert_close(native.rms_norm(x, None, weight, 1e-5), F.rms_norm(x, (576,), weight, 1e-5))
+    expected_sum = x + residual
+    out = native.rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(residual, expected_sum)  # the residual stream, updated in place
+    torch.testing.assert_close(out, F.rms_norm(expected_sum, (576,), weight, 1e-5))
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (64, 1536), (129, 40)])
+def test_silu_and_mul(rows, inter):
+    gate_up = torch.randn(rows, 2 * inter) * 6  # wide range: exp's clamps and both silu tails
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])
+    expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(native.silu_and_mul(gate_up), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rope_in_place_on_a_strided_view():
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim = 37, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)  # rows strided as in the model
+    angles = torch.rand(tokens, dim // 2) * 100
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = qk.clone().chunk(2, dim=-1)
+    expected = torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]), dim=-1)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    native.rope_(qk, cos, sin)
+    torch.testing.assert_close(qk, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # V untouched
+
+
+def test_model_layers_take_the_same_values_either_way(monkeypatch):
+    # RMSNorm / MLP / RoPE helpers: native and torch paths agree.
+    torch.manual_seed(1)
+    norm = llama.RMSNorm(64, 1e-6)
+    norm.weight.data = torch.rand(64) + 0.5
+    x, residual = torch.randn(5, 64), torch.randn(5, 64)
+    fast_out, fast_res = norm(x, residual.clone())
+    fast_plain = norm(x)
+    angles = torch.rand(5, 8)
+    rot_in = torch.randn(5, 2, 16)
+    fast_rope = llama.apply_rope(rot_in.clone(), angles.cos(), angles.sin())
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    slow_out, slow_res = norm(x, residual.clone())
+    torch.testing.assert_close(fast_out, slow_out)
+    torch.testing.assert_close(fast_res, slow_res)
+    torch.testing.assert_close(fast_plain, norm(x))
+    torch.testing.assert_close(fast_rope, llama.apply_rope(rot_in.clone(), angles.cos(), angles.sin()))
