@@ -128,28 +128,39 @@ def _label(policy: str, rate: float | None) -> str:
 
 
 def run_offline_runs(args: argparse.Namespace) -> tuple[list[BenchRequest], dict[str, RunTrace], list[tuple]]:
-    """Every (policy, rate) run. One engine per policy (sharing the loaded model), reused across a sweep's rates; the
-    k-th rate of a sweep gets the workload of seed + k so that no run finds the previous one's prompts cached."""
+    """Every (policy, rate) run, one engine per policy sharing the loaded weights; the k-th rate of a sweep gets the
+    workload of seed + k so that no run finds the previous one's prompts cached. With --compare-static the two
+    policies' runs of a rate step alternately (run_lockstep), each timed by its own busy clock."""
     config = engine_config_from_args(args)
     policies = ["static", "max_utilization"] if args.compare_static else [config.scheduler.scheduler_policy]
-    workloads: dict[int, list[BenchRequest]] = {}
+    engines: list[Any] = []
+    for policy in policies:
+        like = engines[0] if engines else None
+        engine = offline.build_engine(_policy_config(config, policy), like=like, share_runner=False)
+        warm_up(engine, engine.tokenizer, args.warmup_requests)
+        engines.append(engine)
+    tokenizer = engines[0].tokenizer
     traces: dict[str, RunTrace] = {}
     keys: list[tuple] = []  # (label, policy, rate)
-    engine = None
-    for policy in policies:
-        engine = offline.build_engine(_policy_config(config, policy), like=engine)
-        warm_up(engine, engine.tokenizer, args.warmup_requests)
-        for k, rate in enumerate(_rates(args)):
-            seed = (args.seed or 0) + k
-            if k not in workloads:
-                workloads[k] = make_workload(args.workload, engine.tokenizer, args.num_requests, seed,
-                                             workload_options(args))  # fmt: skip
+    first: list[BenchRequest] = []
+    for k, rate in enumerate(_rates(args)):
+        seed = (args.seed or 0) + k
+        workload = make_workload(args.workload, tokenizer, args.num_requests, seed, workload_options(args))
+        first = first or workload
+        arrivals = arrivals_from_args(args, rate)
+        lockstep = len(engines) > 1
+        runs = []
+        for policy, engine in zip(policies, engines, strict=True):
+            clock = offline.BusyClock() if lockstep else time.monotonic
+            sleep = clock.sleep if lockstep else time.sleep
             label = _label(policy, rate)
-            arrivals = arrivals_from_args(args, rate)
-            traces[label] = offline.run_offline(engine, workloads[k], arrivals, seed, label, not args.no_progress)
-            traces[label].meta.update(policy=policy, request_rate=arrivals.request_rate, seed=seed)
+            runs.append(offline.OfflineRun(engine, workload, arrivals, seed, label, not args.no_progress, clock, sleep))
             keys.append((label, policy, rate))
-    return workloads[0], traces, keys
+        done = offline.run_lockstep(runs) if lockstep else [offline.drive(runs[0])]
+        for policy, trace in zip(policies, done, strict=True):
+            trace.meta.update(policy=policy, request_rate=arrivals.request_rate, seed=seed, lockstep=lockstep)
+            traces[trace.label] = trace
+    return first, traces, keys
 
 
 def run_http_runs(args: argparse.Namespace) -> tuple[list[BenchRequest], dict[str, RunTrace], list[tuple]]:

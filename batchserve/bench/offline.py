@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tqdm import tqdm
@@ -16,15 +17,22 @@ from batchserve.bench.trace import RunTrace
 from batchserve.bench.workloads import BenchRequest
 
 
-def build_engine(config: Any, like: Any = None) -> Any:
-    """A new LLMEngine; given `like`, an engine whose model and KV cache fit `config`, it reuses that engine's runner
-    (weights and KV tensors) so that runs differing only in scheduler options skip reloading the model."""
+def build_engine(config: Any, like: Any = None, share_runner: bool = True) -> Any:
+    """A new LLMEngine; given `like`, an engine whose model and KV cache fit `config`, it reuses that engine's model
+    so that runs differing only in scheduler options skip reloading it: its whole runner (weights and KV tensors) when
+    `share_runner` (the runs then take turns), else a runner of its own (own KV pool) around the same weights (runs
+    that step alternately)."""
     from batchserve.engine.llm_engine import LLMEngine
 
     if like is not None and same_runner(like.config, config):
-        if not like.has_unfinished_requests():
-            like.step()  # an empty step tells the runner which requests finished last, so it frees their state
-        return LLMEngine(config, runner=like.runner, tokenizer=like.tokenizer, model_config=like.model_config)
+        if not share_runner:
+            r = like.runner
+            runner = type(r)(config, like.model_config, r.model, r.device, r.dtype)
+        else:
+            if not like.has_unfinished_requests():
+                like.step()  # an empty step tells the runner which requests finished last, so it frees their state
+            runner = like.runner
+        return LLMEngine(config, runner=runner, tokenizer=like.tokenizer, model_config=like.model_config)
     return LLMEngine(config)
 
 
@@ -50,6 +58,115 @@ def _engine_max_batch_size(engine: Any) -> int:
         return int(getattr(engine.last_stats, "max_batch_size", 1) or 1)
 
 
+class BusyClock:
+    """A clock that runs only while its run works (inside `busy()`) or idles on purpose (`sleep`, which returns at
+    once). Runs stepped alternately in one process (`run_lockstep`) each see only their own steps' time, so a change
+    of the host's load affects them alike instead of whichever ran second."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._elapsed = 0.0
+        self._since: float | None = None
+
+    def __call__(self) -> float:
+        return self._elapsed + (0.0 if self._since is None else self._clock() - self._since)
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        self._since = self._clock()
+        try:
+            yield
+        finally:
+            self._elapsed += self._clock() - self._since
+            self._since = None
+
+    def sleep(self, seconds: float) -> None:
+        self._elapsed += max(0.0, seconds)
+
+
+class OfflineRun:
+    """One workload on one engine: `advance()` admits the requests that are due and runs one engine step."""
+
+    def __init__(
+        self,
+        engine: Any,
+        requests: list[BenchRequest],
+        arrivals: ArrivalProcess | None = None,
+        seed: int = 0,
+        label: str = "offline",
+        progress: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.engine, self.requests, self.label = engine, requests, label
+        self.arrivals = arrivals or ArrivalProcess()
+        self.clock, self.sleep = clock, sleep
+        # a busy clock is not the engine's clock: the engine then stamps arrivals itself
+        self._arrival_to_engine = not isinstance(clock, BusyClock)
+        self.pending = deque(
+            sorted(zip(self.arrivals.offsets(len(requests), seed), requests, strict=True), key=lambda p: p[0])
+        )
+        base = engine.last_stats
+        self._base_q = getattr(base, "prefix_cache_queries", 0)
+        self._base_h = getattr(base, "prefix_cache_hits", 0)
+        self._prev_stats = base
+        self.live: dict[str, RequestResult] = {}
+        self.done: list[RequestResult] = []
+        self.steps: list[StepSample] = []
+        self.bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False)
+        self.t0 = clock()
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and not self.live
+
+    def advance(self) -> None:
+        cap = self.arrivals.max_concurrency
+        now = self.clock()
+        while self.pending and self.pending[0][0] <= now - self.t0 and (cap is None or len(self.live) < cap):
+            offset, req = self.pending.popleft()
+            result = self._add(req, self.t0 + offset if cap is None else max(self.t0 + offset, now))
+            if result.success:
+                self.live[req.request_id] = result
+            else:
+                self.done.append(result)
+                self.bar.update(1)
+        if not self.live:
+            if self.pending:
+                self.sleep(max(0.0, self.pending[0][0] - (self.clock() - self.t0)))
+            return
+        start = self.clock()
+        outputs = self.engine.step()
+        end = self.clock()
+        finished = _record_outputs(outputs, self.live, self.done, end, self.bar)
+        stats = self.engine.last_stats
+        if stats is not None and stats is not self._prev_stats and getattr(stats, "num_scheduled_seqs", 1):
+            sample = StepSample.from_stats(start, end, stats, finished)
+            sample.prefix_cache_queries -= self._base_q
+            sample.prefix_cache_hits -= self._base_h
+            self.steps.append(sample)
+        self._prev_stats = stats
+
+    def _add(self, req: BenchRequest, arrival: float) -> RequestResult:
+        result = RequestResult(req.request_id, req.prompt_len, 0, arrival, category=req.category)
+        try:
+            self.engine.add_request(
+                req.request_id, req.prompt_token_ids, _sampling_params(req),
+                arrival_time=arrival if self._arrival_to_engine else None,
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - InvalidRequestError, QueueFullError: record the failure, go on
+            result.success, result.error = False, f"{type(exc).__name__}: {exc}"
+        return result
+
+    def trace(self) -> RunTrace:
+        self.bar.close()
+        duration = self.clock() - self.t0
+        order = {r.request_id: i for i, r in enumerate(self.requests)}
+        self.done.sort(key=lambda r: order[r.request_id])
+        meta = {"duration_s": duration, "target": "offline", "arrivals": self.arrivals.describe()}
+        return RunTrace(self.label, self.t0, _engine_max_batch_size(self.engine), self.steps, self.done, meta)
+
+
 def run_offline(
     engine: Any,
     requests: list[BenchRequest],
@@ -61,57 +178,27 @@ def run_offline(
     sleep: Callable[[float], None] = time.sleep,
 ) -> RunTrace:
     """Run the workload to completion on `engine` (anything with the LLMEngine API) and return its trace."""
-    arrivals = arrivals or ArrivalProcess()
-    cap = arrivals.max_concurrency
-    pending = deque(sorted(zip(arrivals.offsets(len(requests), seed), requests, strict=True), key=lambda p: p[0]))
-    base = engine.last_stats
-    base_q, base_h = getattr(base, "prefix_cache_queries", 0), getattr(base, "prefix_cache_hits", 0)
-    live: dict[str, RequestResult] = {}
-    done: list[RequestResult] = []
-    steps: list[StepSample] = []
-    bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False)
-    t0 = clock()
-    prev_stats = base
-    while pending or live:
-        now = clock()
-        while pending and pending[0][0] <= now - t0 and (cap is None or len(live) < cap):
-            offset, req = pending.popleft()
-            result = _add(engine, req, t0 + offset if cap is None else max(t0 + offset, now))
-            if result.success:
-                live[req.request_id] = result
-            else:
-                done.append(result)
-                bar.update(1)
-        if not live:
-            if pending:
-                sleep(max(0.0, pending[0][0] - (clock() - t0)))
-            continue
-        start = clock()
-        outputs = engine.step()
-        end = clock()
-        finished = _record_outputs(outputs, live, done, end, bar)
-        stats = engine.last_stats
-        if stats is not None and stats is not prev_stats and getattr(stats, "num_scheduled_seqs", 1):
-            sample = StepSample.from_stats(start, end, stats, finished)
-            sample.prefix_cache_queries -= base_q
-            sample.prefix_cache_hits -= base_h
-            steps.append(sample)
-        prev_stats = stats
-    bar.close()
-    duration = clock() - t0
-    order = {r.request_id: i for i, r in enumerate(requests)}
-    done.sort(key=lambda r: order[r.request_id])
-    meta = {"duration_s": duration, "target": "offline", "arrivals": arrivals.describe()}
-    return RunTrace(label, t0, _engine_max_batch_size(engine), steps, done, meta)
+    return drive(OfflineRun(engine, requests, arrivals, seed, label, progress, clock, sleep))
 
 
-def _add(engine: Any, req: BenchRequest, arrival: float) -> RequestResult:
-    result = RequestResult(req.request_id, req.prompt_len, 0, arrival, category=req.category)
-    try:
-        engine.add_request(req.request_id, req.prompt_token_ids, _sampling_params(req), arrival_time=arrival)
-    except Exception as exc:  # noqa: BLE001 - InvalidRequestError, QueueFullError: record the failure, go on
-        result.success, result.error = False, f"{type(exc).__name__}: {exc}"
-    return result
+def drive(run: OfflineRun) -> RunTrace:
+    while not run.finished:
+        run.advance()
+    return run.trace()
+
+
+def run_lockstep(runs: list[OfflineRun]) -> list[RunTrace]:
+    """Step the runs alternately (one engine step each in turn) until all are done. Give each its own BusyClock:
+    every run's durations and latencies then count only its own steps."""
+    clocks = [run.clock for run in runs]
+    if not all(isinstance(c, BusyClock) for c in clocks) or len({id(c) for c in clocks}) != len(clocks):
+        raise ValueError("run_lockstep needs one BusyClock per run")
+    while not all(run.finished for run in runs):
+        for run in runs:
+            if not run.finished:
+                with run.clock.busy():
+                    run.advance()
+    return [run.trace() for run in runs]
 
 
 def _record_outputs(outputs: list[Any], live: dict[str, RequestResult], done: list, now: float, bar: Any) -> list[str]:
@@ -126,8 +213,9 @@ def _record_outputs(outputs: list[Any], live: dict[str, RequestResult], done: li
             continue
         m = out.metrics
         result.output_len = len(out.token_ids)
-        result.first_token_time = getattr(m, "first_token_time", None) or (result.token_times or [None])[0]
-        result.finish_time = getattr(m, "finished_time", None) or now
+        # the driver's clock, not the engine's (a lockstep run's clock is not the engine's)
+        result.first_token_time = (result.token_times or [now])[0]
+        result.finish_time = now
         result.num_cached_tokens = getattr(m, "num_cached_tokens", 0) or 0
         result.num_preemptions = getattr(m, "num_preemptions", 0) or 0
         if str(getattr(out.finish_reason, "value", out.finish_reason)) == "abort":

@@ -86,21 +86,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CpuLinear(nn.Module):
-    """A Linear laid out for torch's CPU GEMMs, picked per call by the number of rows M (measured on this machine's
-    kind, see benchmarks/roofline.py): oneDNN with a pre-packed weight is fastest for the M of decode steps on the
-    wide projections (gate/up, down, lm_head: up to 1.7x over F.linear), a plain [in, out] weight (x @ W) for the
-    narrow ones at M < 64 and for prefill-sized M. Costs a second copy of the weights."""
+    """A Linear laid out for this CPU's GEMMs, picked per call by the number of rows M (measured, see
+    benchmarks/roofline.py): the native small-M kernel (weight packed in 32-column panels) for decode-sized M, oneDNN
+    with a pre-packed weight for the wide projections (gate/up, lm_head) up to prefill-sized M, a plain [in, out]
+    weight (x @ W) otherwise. Each layout is a copy of the weight: memory traded for speed."""
 
-    PACKED_MIN_M = 8  # below, one sequence's worth of rows: x @ W streams the weight fastest
+    SMALL_MIN_M, SMALL_MAX_M = 2, 48  # the native kernel's range (one row streams the weight fastest as x @ W)
     PACKED_MAX_M = 512  # from here on (prefill chunks) x @ W is as fast
-    NARROW_OUT = 1024  # qkv and o: x @ W beats the packed kernel at M < 64
+    NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features = weight.shape[0]
-        self.register_buffer("weight_t", weight.detach().t().contiguous())
+        weight = weight.detach()
+        self.register_buffer("weight_t", weight.t().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach())
-        self.register_buffer("packed", _mkldnn_pack(weight.detach()))
+        self.register_buffer("packed", _mkldnn_pack(weight) if self.out_features > self.NARROW_OUT else None)
+        native = _native_ops(weight)
+        small = native is not None and native.small_gemm_available()
+        self.register_buffer("small_packed", native.small_gemm_pack(weight) if small else None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> CpuLinear:
@@ -108,12 +112,14 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        use_packed = (
-            self.packed is not None and m < self.PACKED_MAX_M and (m >= 64 or self.out_features > self.NARROW_OUT)
-        )
-        if use_packed:
+        if m < self.SMALL_MIN_M:
+            out = torch.matmul(x, self.weight_t)
+        elif self.small_packed is not None and m <= self.SMALL_MAX_M:
+            out = kernels.load().small_gemm(x, self.small_packed, self.out_features)
+        elif self.packed is not None and m < self.PACKED_MAX_M:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        out = torch.matmul(x, self.weight_t)
+        else:
+            out = torch.matmul(x, self.weight_t)
         return out if self.bias is None else out + self.bias
 
 

@@ -10,7 +10,7 @@ from batchserve.config import EngineConfig
 def fake_build(monkeypatch, fake_engine_cls):
     built = []
 
-    def build(config, like=None):
+    def build(config, like=None, share_runner=True):
         engine = fake_engine_cls(config, step_s=0.0005)
         built.append(engine)
         return engine

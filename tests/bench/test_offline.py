@@ -2,7 +2,7 @@ import pytest
 
 from batchserve.bench.arrivals import ArrivalProcess
 from batchserve.bench.metrics import summarize
-from batchserve.bench.offline import run_offline
+from batchserve.bench.offline import BusyClock, OfflineRun, run_lockstep, run_offline
 from batchserve.bench.workloads import WorkloadOptions, make_workload
 from batchserve.config import EngineConfig
 
@@ -62,3 +62,36 @@ def test_failed_add_is_recorded(fake_engine_cls):
     trace = run_offline(engine, reqs, progress=False)
     assert [r.success for r in trace.requests] == [False] * 3
     assert "queue full" in trace.requests[0].error
+
+
+def test_busy_clock_counts_only_busy_time_and_virtual_sleep():
+    real = [0.0]
+    clock = BusyClock(lambda: real[0])
+    real[0] = 5.0  # idle: not counted
+    with clock.busy():
+        real[0] = 7.0
+        assert clock() == pytest.approx(2.0)
+    real[0] = 100.0
+    clock.sleep(0.5)  # a run idling until its next arrival: counted, without waiting
+    assert clock() == pytest.approx(2.5)
+
+
+def test_lockstep_runs_time_only_their_own_steps(fake_engine_cls):
+    # Two engines stepped alternately: a slow one (20 ms steps) and a fast one (2 ms steps). Each run's duration
+    # holds its own steps only, not the other's.
+    reqs = make_workload("uniform", fake_engine_cls(EngineConfig()).tokenizer, 6,
+                         options=WorkloadOptions(input_len=4, output_len=5, spread=0))  # fmt: skip
+    slow = fake_engine_cls(EngineConfig.from_options(max_batch_size=8), step_s=0.02)
+    fast = fake_engine_cls(EngineConfig.from_options(max_batch_size=8), step_s=0.002)
+    runs = [OfflineRun(e, reqs, label=n, progress=False, clock=(c := BusyClock()), sleep=c.sleep)
+            for n, e in (("slow", slow), ("fast", fast))]  # fmt: skip
+    slow_trace, fast_trace = run_lockstep(runs)
+    n_slow, n_fast = len(slow_trace.steps), len(fast_trace.steps)
+    assert n_slow == n_fast == 5
+    assert 0.02 * n_slow <= slow_trace.meta["duration_s"] < 0.02 * n_slow + 0.05
+    assert 0.002 * n_fast <= fast_trace.meta["duration_s"] < 0.02 * n_fast  # the slow engine's steps not counted
+    for trace in (slow_trace, fast_trace):
+        assert all(r.success and r.output_len == 5 for r in trace.requests)
+        assert all(r.arrival_time <= r.first_token_time <= r.finish_time <= trace.meta["duration_s"] for r in trace.requests)
+    with pytest.raises(ValueError, match="BusyClock"):
+        run_lockstep([OfflineRun(slow, reqs, progress=False)])

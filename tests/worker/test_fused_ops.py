@@ -64,3 +64,26 @@ def test_model_layers_take_the_same_values_either_way(monkeypatch):
     torch.testing.assert_close(fast_res, slow_res)
     torch.testing.assert_close(fast_plain, norm(x))
     torch.testing.assert_close(fast_rope, llama.apply_rope(rot_in.clone(), angles.cos(), angles.sin()))
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 12, 13, 25, 48])
+@pytest.mark.parametrize("n, k", [(960, 576), (70, 33)])  # 70: a padded last panel; 33: odd K
+def test_small_gemm_matches_matmul(m, n, k):
+    if not native.small_gemm_available():
+        pytest.skip("small_gemm needs AVX-512")
+    torch.manual_seed(m)
+    w, x = torch.randn(n, k), torch.randn(m, k)
+    out = native.small_gemm(x, native.small_gemm_pack(w), n)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out, x @ w.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_linear_layouts_agree_at_every_m():
+    # Whatever kernel CpuLinear picks for M, the result is the Linear's.
+    torch.manual_seed(3)
+    for out_features in (96, 2048):  # a narrow and a wide projection
+        linear = torch.nn.Linear(64, out_features, bias=True)
+        cpu = llama.CpuLinear.from_linear(linear)
+        for m in (1, 2, 8, 48, 49, 64, 511, 512, 600):
+            x = torch.randn(m, 64)
+            torch.testing.assert_close(cpu(x), linear(x), rtol=1e-4, atol=1e-4)

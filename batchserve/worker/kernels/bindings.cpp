@@ -6,6 +6,9 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+bool small_gemm_available();
+torch::Tensor small_gemm_pack(torch::Tensor weight);
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
@@ -13,4 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] projection");
   m.def("rope_", &rope_, "rotary embedding in place on [T, heads, D] (rotate_half convention)");
+  m.def("small_gemm_available", &small_gemm_available, "whether small_gemm was built (AVX-512)");
+  m.def("small_gemm_pack", &small_gemm_pack, "[N, K] weight -> [N/32, K, 32] panels for small_gemm");
+  m.def("small_gemm", &small_gemm, "x [M, K] @ packed weight -> [M, n], for small M");
 }
