@@ -179,16 +179,21 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     if meta.top_k is not None or meta.top_p is not None:
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     probs = logits.softmax(dim=-1)
-    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p. Unseeded rows share one RNG call;
-    # each seeded row fills its own row from its own generator.
-    noise = torch.empty_like(probs)
+    # Inverse CDF: one uniform draw per row, located in the row's cumulative distribution (float64, so the tail of a
+    # 50k-token vocabulary keeps its mass). One random number per row instead of one per token: torch's per-element
+    # exponential draws cost ~40% of a 64-sequence step. Unseeded rows share one RNG call; each seeded row draws from
+    # its own generator, so its choice does not depend on the rest of the batch.
+    uniform = torch.empty(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
     if meta.has_unseeded_random:
-        noise.exponential_()
+        uniform.uniform_()
     for row, seed in meta.seeds:
         generator = torch.Generator(device=probs.device).manual_seed(seed)
-        noise[row].exponential_(generator=generator)
-    # A zero draw would make 0/0 = nan on a masked token, and argmax treats nan as the largest.
-    return probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        uniform[row] = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    # right=True: the first token whose cumulative mass exceeds the draw; a zero-probability (masked) token adds no
+    # mass, so it can never be that token.
+    chosen = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)
+    return chosen.clamp_max_(probs.shape[-1] - 1).squeeze(1)
 
 
 def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, meta: SamplingMetadata) -> list[Logprobs | None]:
