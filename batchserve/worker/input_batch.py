@@ -133,10 +133,13 @@ class RequestTable:
     def build(self, scheduler_output: SchedulerOutput, device: torch.device) -> InputBatch:
         """Pack the scheduled tokens of every request (in batch order) into flat tensors, with one host->device copy."""
         bs = self.block_size
-        req_ids = list(scheduler_output.num_scheduled_tokens)
+        scheduled = scheduler_output.num_scheduled_tokens
+        # decodes first, then prefill chunks: each attention path then takes a contiguous range of the batch's
+        # tokens (a view), not an index gather and scatter per layer
+        req_ids = sorted(scheduled, key=lambda r: scheduled[r] != 1)
         num_seqs = len(req_ids)
         rows = np.fromiter((self.row_of[r] for r in req_ids), np.int64, num_seqs)
-        query_lens = np.fromiter(scheduler_output.num_scheduled_tokens.values(), np.int64, num_seqs)
+        query_lens = np.fromiter((scheduled[r] for r in req_ids), np.int64, num_seqs)
         starts = self.num_computed[rows]
         seq_lens = starts + query_lens
         self._check(req_ids, rows, seq_lens)
@@ -197,12 +200,16 @@ class RequestTable:
         seqs = np.flatnonzero(selected)
         whole = len(seqs) == len(rows)
         tokens = None if whole else np.flatnonzero(selected[seq_index])
+        contiguous = tokens is not None and int(tokens[-1]) - int(tokens[0]) + 1 == len(tokens)
+        token_range = (int(tokens[0]), int(tokens[-1]) + 1) if contiguous else None
         group_lens = seq_lens[seqs]
         max_q = int(query_lens[seqs].max())
+        fresh = bool((query_lens[seqs] == group_lens).all())
         host.add(f"{name}.seq_lens", group_lens)
         host.add(f"{name}.block_tables", self.block_table[rows[seqs], : -(-int(group_lens.max()) // self.block_size)])
         if not whole:
-            host.add(f"{name}.token_index", tokens)
+            if not contiguous:
+                host.add(f"{name}.token_index", tokens)
             host.add(f"{name}.positions", positions[tokens])
         if max_q > 1:
             local = np.repeat(np.arange(len(seqs)), query_lens[seqs])
@@ -211,11 +218,13 @@ class RequestTable:
         def build(dev: dict[str, torch.Tensor]) -> SeqGroup:
             return SeqGroup(
                 token_index=dev.get(f"{name}.token_index"),
+                token_range=token_range,
                 block_tables=dev[f"{name}.block_tables"],
                 seq_lens=dev[f"{name}.seq_lens"],
                 positions=dev.get(f"{name}.positions", dev["positions"]),
                 max_query_len=max_q,
                 query_pad_index=dev.get(f"{name}.query_pad_index"),
+                fresh=fresh,
             )
 
         return build

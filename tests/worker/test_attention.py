@@ -73,7 +73,7 @@ def run_batch(
     states.apply(prefill)
     if prefill.num_scheduled_tokens:
         batch = states.build(prefill, torch.device("cpu"))
-        ids = [i for i, (c, _) in enumerate(seqs) if c > 0]
+        ids = [int(r[1:]) for r in batch.req_ids]  # in the batch's packing order
         q = torch.cat([full[i][0][: seqs[i][0]] for i in ids])
         k = torch.cat([full[i][1][: seqs[i][0]] for i in ids])
         v = torch.cat([full[i][2][: seqs[i][0]] for i in ids])
@@ -83,11 +83,13 @@ def run_batch(
     states = RequestTable(block_size)
     states.apply(step)
     batch = states.build(step, torch.device("cpu"))
-    q = torch.cat([f[0][c:] for f, (c, _) in zip(full, seqs, strict=True)])
-    k = torch.cat([f[1][c:] for f, (c, _) in zip(full, seqs, strict=True)])
-    v = torch.cat([f[2][c:] for f, (c, _) in zip(full, seqs, strict=True)])
+    # the batch packs its sequences in its own order (decodes first)
+    order = [int(r[1:]) for r in batch.req_ids]
+    q = torch.cat([full[i][0][seqs[i][0] :] for i in order])
+    k = torch.cat([full[i][1][seqs[i][0] :] for i in order])
+    v = torch.cat([full[i][2][seqs[i][0] :] for i in order])
     out = paged_attention(q, k, v, kv_cache, batch.attn_metadata)
-    expected = torch.cat([reference(*f, n) for f, (_, n) in zip(full, seqs, strict=True)])
+    expected = torch.cat([reference(*full[i], seqs[i][1]) for i in order])
     return out, expected, batch
 
 

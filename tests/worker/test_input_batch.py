@@ -45,11 +45,15 @@ def test_packing_a_mixed_batch():
     )
     states.apply(step)
     batch = states.build(step, torch.device("cpu"))
-    assert batch.input_ids.tolist() == [13, 14, 99]
-    assert batch.positions.tolist() == [3, 4, 10]
-    assert batch.attn_metadata.slot_mapping.tolist() == [59, 60, 42]
-    assert batch.sample_req_ids == ["new", "hit"] and batch.logits_indices.tolist() == [1, 2]
-    assert batch.attn_metadata.query_pad_index.tolist() == [0, 1, 2]
+    assert batch.req_ids == ["hit", "new"]  # decodes packed first: each attention path takes a contiguous range
+    assert batch.input_ids.tolist() == [99, 13, 14]
+    assert batch.positions.tolist() == [10, 3, 4]
+    assert batch.attn_metadata.slot_mapping.tolist() == [42, 59, 60]
+    assert batch.sample_req_ids == ["hit", "new"] and batch.logits_indices.tolist() == [0, 2]
+    assert batch.attn_metadata.query_pad_index.tolist() == [0, 2, 3]
+    decode, prefill = batch.attn_metadata.decode, batch.attn_metadata.prefill
+    assert decode.token_range == (0, 1) and prefill.token_range == (1, 3)
+    assert decode.token_index is None and prefill.token_index is None
 
 
 def test_state_follows_new_cached_and_finished():

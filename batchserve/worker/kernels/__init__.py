@@ -27,7 +27,7 @@ def _machine_tag() -> str:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    sources = "".join(p.read_text() for p in _SOURCES)
+    sources = "".join(p.read_text() for p in (*_SOURCES, *sorted(Path(__file__).parent.glob("*.h"))))
     return hashlib.sha1((flags + " ".join(CFLAGS) + sources).encode()).hexdigest()[:12]
 
 

@@ -6,9 +6,7 @@
 
 #include <cmath>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace {
 
@@ -46,23 +44,6 @@ void rms_norm_rows(const float* x, int64_t x_stride, float* residual, int64_t re
   });
 }
 
-#if defined(__AVX512F__)
-inline __m512 exp512_any(__m512 x) {  // exp over the float range (clamped to [-87, 88])
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, k);
-}
-#endif
-
 // out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]
 void silu_and_mul_rows(const float* gate_up, int64_t stride, float* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, grain(2 * inter), [&](int64_t begin, int64_t end) {
@@ -75,7 +56,7 @@ void silu_and_mul_rows(const float* gate_up, int64_t stride, float* out, int64_t
       const __m512 one = _mm512_set1_ps(1.f);
       for (; i + 16 <= inter; i += 16) {
         const __m512 gv = _mm512_loadu_ps(g + i);
-        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp512_any(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
         _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
       }
 #endif

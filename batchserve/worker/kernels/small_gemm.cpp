@@ -24,8 +24,8 @@ inline void panel_block(const float* x, int64_t K, const float* panel, float* ou
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     if (ahead != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel + 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel + 16), _MM_HINT_T1);
     }
     const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel);
     const __m512 w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
