@@ -91,7 +91,8 @@ class CpuLinear(nn.Module):
     with a pre-packed weight for the wide projections (gate/up, lm_head) up to prefill-sized M, a plain [in, out]
     weight (x @ W) otherwise. Each layout is a copy of the weight: memory traded for speed."""
 
-    SMALL_MIN_M, SMALL_MAX_M = 2, 48  # the native kernel's range (one row streams the weight fastest as x @ W)
+    SMALL_MIN_M = 2  # one row streams the weight fastest as x @ W
+    SMALL_MAX_M = {False: 48, True: 64}  # up to where the native kernel wins: {narrow projection?: M}
     PACKED_MAX_M = 512  # from here on (prefill chunks) x @ W is as fast
     NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
 
@@ -101,7 +102,9 @@ class CpuLinear(nn.Module):
         weight = weight.detach()
         self.register_buffer("weight_t", weight.t().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach())
-        self.register_buffer("packed", _mkldnn_pack(weight) if self.out_features > self.NARROW_OUT else None)
+        narrow = self.out_features <= self.NARROW_OUT
+        self.register_buffer("packed", None if narrow else _mkldnn_pack(weight))
+        self.small_max_m = self.SMALL_MAX_M[narrow]
         native = _native_ops(weight)
         small = native is not None and native.small_gemm_available()
         self.register_buffer("small_packed", native.small_gemm_pack(weight) if small else None)
@@ -114,7 +117,7 @@ class CpuLinear(nn.Module):
         m = x.shape[0]
         if m < self.SMALL_MIN_M:
             out = torch.matmul(x, self.weight_t)
-        elif self.small_packed is not None and m <= self.SMALL_MAX_M:
+        elif self.small_packed is not None and m <= self.small_max_m:
             out = kernels.load().small_gemm(x, self.small_packed, self.out_features)
         elif self.packed is not None and m < self.PACKED_MAX_M:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

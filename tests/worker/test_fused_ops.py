@@ -84,6 +84,6 @@ def test_cpu_linear_layouts_agree_at_every_m():
     for out_features in (96, 2048):  # a narrow and a wide projection
         linear = torch.nn.Linear(64, out_features, bias=True)
         cpu = llama.CpuLinear.from_linear(linear)
-        for m in (1, 2, 8, 48, 49, 64, 511, 512, 600):
+        for m in (1, 2, 8, 48, 49, 64, 65, 511, 512, 600):
             x = torch.randn(m, 64)
             torch.testing.assert_close(cpu(x), linear(x), rtol=1e-4, atol=1e-4)
