@@ -32,6 +32,7 @@ class SeqGroup:
     query_pad_index: torch.Tensor | None = None  # [Tg] rows in the [Bg * max_query_len] padded layout (prefill)
     token_range: tuple[int, int] | None = None  # instead of token_index when those rows are start..stop-1
     fresh: bool = False  # no sequence has context before this step's tokens (whole prompts, or first chunks)
+    seq_bounds: list[tuple[int, int]] | None = None  # fresh prefill: each sequence's rows within the group
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -112,18 +113,22 @@ def paged_attention(
     groups = [(g, path) for g, path in ((metadata.decode, decode_attention), (metadata.prefill, prefill_attention)) if g]
     if len(groups) == 1 and groups[0][0].token_index is None and groups[0][0].token_range is None:
         group, path = groups[0]
-        return path(query, kv_cache, group, scale)
+        return path(query, key, value, kv_cache, group, scale)
     out = torch.empty_like(query)
     for group, path in groups:
         if group.token_range is not None:
-            start, stop = group.token_range
-            out[start:stop] = path(query[start:stop], kv_cache, group, scale)
+            rows = slice(*group.token_range)
+            out[rows] = path(query[rows], key[rows], value[rows], kv_cache, group, scale)
         else:
-            out[group.token_index] = path(query.index_select(0, group.token_index), kv_cache, group, scale)
+            index = group.token_index
+            out[index] = path(query[index], key[index], value[index], kv_cache, group, scale)
     return out
 
 
-def decode_attention(query: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float
+) -> torch.Tensor:
+    """One query per sequence over its whole context in the pool (this step's key/value are already there)."""
     native = kernels.load() if query.device.type == "cpu" else None
     if native is not None:
         out = native.paged_decode_attention(
@@ -139,7 +144,11 @@ def decode_attention(query: torch.Tensor, kv_cache: KVCache, group: SeqGroup, sc
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def prefill_attention(query: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float) -> torch.Tensor:
+def prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float
+) -> torch.Tensor:
+    if group.seq_bounds is not None:
+        return _fresh_prefill_attention(query, key, value, group.seq_bounds, scale)
     keys, values = gather_kv(kv_cache, group.block_tables)
     num_seqs, num_kv_heads, num_keys, head_dim = keys.shape
     num_tokens, num_heads, _ = query.shape
@@ -147,17 +156,28 @@ def prefill_attention(query: torch.Tensor, kv_cache: KVCache, group: SeqGroup, s
     padded = query.new_zeros(num_seqs * max_q, num_heads, head_dim)
     padded[group.query_pad_index] = query
     q = padded.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
-    # Fresh sequences: query i is at position i, so SDPA's own causal mask (query i sees keys 0..i) is the right one,
-    # and its flash kernel then skips the blocks above the diagonal (about half the work) instead of masking them.
-    mask = None if group.fresh else group.prefill_mask(num_keys)
     out = F.scaled_dot_product_attention(
         q,
         keys,
         values,
-        attn_mask=mask,
-        is_causal=group.fresh,
+        attn_mask=group.prefill_mask(num_keys),
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
     return out[group.query_pad_index]
+
+
+def _fresh_prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[tuple[int, int]], scale: float
+) -> torch.Tensor:
+    """Sequences with no earlier context attend only to this step's own K/V: one causal SDPA per sequence on its
+    rows, with no gather from the pool, no padding to the longest prompt, and the flash kernel skipping the blocks
+    above the diagonal."""
+    out = torch.empty_like(query)
+    gqa = query.shape[1] != key.shape[1]
+    for start, stop in bounds:
+        q, k, v = (t[start:stop].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        out[start:stop] = o[0].transpose(0, 1)
+    return out

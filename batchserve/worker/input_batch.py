@@ -205,6 +205,7 @@ class RequestTable:
         group_lens = seq_lens[seqs]
         max_q = int(query_lens[seqs].max())
         fresh = bool((query_lens[seqs] == group_lens).all())
+        bounds = np.concatenate([[0], np.cumsum(query_lens[seqs])]).tolist() if fresh and max_q > 1 else None
         host.add(f"{name}.seq_lens", group_lens)
         host.add(f"{name}.block_tables", self.block_table[rows[seqs], : -(-int(group_lens.max()) // self.block_size)])
         if not whole:
@@ -225,6 +226,7 @@ class RequestTable:
                 max_query_len=max_q,
                 query_pad_index=dev.get(f"{name}.query_pad_index"),
                 fresh=fresh,
+                seq_bounds=None if bounds is None else list(zip(bounds[:-1], bounds[1:], strict=True)),
             )
 
         return build
