@@ -152,9 +152,8 @@ def run_offline_runs(args: argparse.Namespace) -> tuple[list[BenchRequest], dict
         runs = []
         for policy, engine in zip(policies, engines, strict=True):
             clock = offline.BusyClock() if lockstep else time.monotonic
-            sleep = clock.sleep if lockstep else time.sleep
             label = _label(policy, rate)
-            runs.append(offline.OfflineRun(engine, workload, arrivals, seed, label, not args.no_progress, clock, sleep))
+            runs.append(offline.OfflineRun(engine, workload, arrivals, seed, label, not args.no_progress, clock))
             keys.append((label, policy, rate))
         done = offline.run_lockstep(runs) if lockstep else [offline.drive(runs[0])]
         for policy, trace in zip(policies, done, strict=True):

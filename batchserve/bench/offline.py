@@ -96,13 +96,15 @@ class OfflineRun:
         label: str = "offline",
         progress: bool = True,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
+        """sleep: how to wait for the next arrival; default time.sleep, or a BusyClock's own (virtual) sleep."""
         self.engine, self.requests, self.label = engine, requests, label
         self.arrivals = arrivals or ArrivalProcess()
-        self.clock, self.sleep = clock, sleep
-        # a busy clock is not the engine's clock: the engine then stamps arrivals itself
-        self._arrival_to_engine = not isinstance(clock, BusyClock)
+        busy = isinstance(clock, BusyClock)
+        self.clock = clock
+        self.sleep = sleep or (clock.sleep if busy else time.sleep)
+        self._arrival_to_engine = not busy  # a busy clock is not the engine's: the engine then stamps arrivals
         self.pending = deque(
             sorted(zip(self.arrivals.offsets(len(requests), seed), requests, strict=True), key=lambda p: p[0])
         )
@@ -167,18 +169,10 @@ class OfflineRun:
         return RunTrace(self.label, self.t0, _engine_max_batch_size(self.engine), self.steps, self.done, meta)
 
 
-def run_offline(
-    engine: Any,
-    requests: list[BenchRequest],
-    arrivals: ArrivalProcess | None = None,
-    seed: int = 0,
-    label: str = "offline",
-    progress: bool = True,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> RunTrace:
-    """Run the workload to completion on `engine` (anything with the LLMEngine API) and return its trace."""
-    return drive(OfflineRun(engine, requests, arrivals, seed, label, progress, clock, sleep))
+def run_offline(engine: Any, requests: list[BenchRequest], *args: Any, **kwargs: Any) -> RunTrace:
+    """Run the workload to completion on `engine` (anything with the LLMEngine API) and return its trace; further
+    arguments as OfflineRun's."""
+    return drive(OfflineRun(engine, requests, *args, **kwargs))
 
 
 def drive(run: OfflineRun) -> RunTrace:

@@ -24,15 +24,14 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_
 class SeqGroup:
     """The sequences of a step that take one attention path."""
 
-    token_index: torch.Tensor | None  # [Tg] their tokens' rows in the packed batch; None: every token, in order
+    token_range: tuple[int, int]  # their tokens are rows start..stop-1 of the packed batch
     block_tables: torch.Tensor  # [Bg, max_blocks] int64, padded with 0 (never read beyond seq_len)
     seq_lens: torch.Tensor  # [Bg] context length after this step
     positions: torch.Tensor  # [Tg] absolute positions of their tokens
     max_query_len: int
     query_pad_index: torch.Tensor | None = None  # [Tg] rows in the [Bg * max_query_len] padded layout (prefill)
-    token_range: tuple[int, int] | None = None  # instead of token_index when those rows are start..stop-1
-    fresh: bool = False  # no sequence has context before this step's tokens (whole prompts, or first chunks)
-    seq_bounds: list[tuple[int, int]] | None = None  # fresh prefill: each sequence's rows within the group
+    # prompts with no earlier context (whole, or first chunks): each sequence's rows within the group
+    seq_bounds: list[tuple[int, int]] | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -111,17 +110,13 @@ def paged_attention(
     write_kv(key, value, kv_cache, metadata.slot_mapping)
     scale = scale if scale is not None else query.shape[-1] ** -0.5
     groups = [(g, path) for g, path in ((metadata.decode, decode_attention), (metadata.prefill, prefill_attention)) if g]
-    if len(groups) == 1 and groups[0][0].token_index is None and groups[0][0].token_range is None:
+    if len(groups) == 1:
         group, path = groups[0]
         return path(query, key, value, kv_cache, group, scale)
     out = torch.empty_like(query)
     for group, path in groups:
-        if group.token_range is not None:
-            rows = slice(*group.token_range)
-            out[rows] = path(query[rows], key[rows], value[rows], kv_cache, group, scale)
-        else:
-            index = group.token_index
-            out[index] = path(query[index], key[index], value[index], kv_cache, group, scale)
+        rows = slice(*group.token_range)
+        out[rows] = path(query[rows], key[rows], value[rows], kv_cache, group, scale)
     return out
 
 

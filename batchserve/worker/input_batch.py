@@ -166,8 +166,8 @@ class RequestTable:
         t("query_pad_index", query_pad_index), t("seq_lens", seq_lens), t("query_start_loc", query_start_loc)
         t("logits_indices", logits_indices), t("block_tables", block_tables)
         is_decode = query_lens == 1
-        decode = self._group(host, "decode", is_decode, rows, seq_index, offset, positions, query_lens, seq_lens)
-        prefill = self._group(host, "prefill", ~is_decode, rows, seq_index, offset, positions, query_lens, seq_lens)
+        decode = self._group(host, "decode", is_decode, rows, query_start_loc, offset, query_lens, seq_lens)
+        prefill = self._group(host, "prefill", ~is_decode, rows, query_start_loc, offset, query_lens, seq_lens)
         dev = host.to(device)
         metadata = AttentionMetadata(
             slot_mapping=dev["slot_mapping"],
@@ -193,39 +193,31 @@ class RequestTable:
             sample_rows=rows[sampled],
         )
 
-    def _group(self, host, name, selected, rows, seq_index, offset, positions, query_lens, seq_lens):
-        """Arrays of the sequences taking one attention path; returns a SeqGroup factory over device tensors."""
+    def _group(self, host, name, selected, rows, query_start_loc, offset, query_lens, seq_lens):
+        """Arrays of the sequences taking one attention path (a contiguous run of the batch: decodes are packed
+        first); returns a SeqGroup factory over device tensors."""
         if not selected.any():
             return None
         seqs = np.flatnonzero(selected)
-        whole = len(seqs) == len(rows)
-        tokens = None if whole else np.flatnonzero(selected[seq_index])
-        contiguous = tokens is not None and int(tokens[-1]) - int(tokens[0]) + 1 == len(tokens)
-        token_range = (int(tokens[0]), int(tokens[-1]) + 1) if contiguous else None
-        group_lens = seq_lens[seqs]
-        max_q = int(query_lens[seqs].max())
-        fresh = bool((query_lens[seqs] == group_lens).all())
-        bounds = np.concatenate([[0], np.cumsum(query_lens[seqs])]).tolist() if fresh and max_q > 1 else None
+        start, stop = int(query_start_loc[seqs[0]]), int(query_start_loc[seqs[-1] + 1])
+        group_lens, group_query_lens = seq_lens[seqs], query_lens[seqs]
+        max_q = int(group_query_lens.max())
+        fresh = max_q > 1 and bool((group_query_lens == group_lens).all())  # prompts with no earlier context
         host.add(f"{name}.seq_lens", group_lens)
         host.add(f"{name}.block_tables", self.block_table[rows[seqs], : -(-int(group_lens.max()) // self.block_size)])
-        if not whole:
-            if not contiguous:
-                host.add(f"{name}.token_index", tokens)
-            host.add(f"{name}.positions", positions[tokens])
         if max_q > 1:
-            local = np.repeat(np.arange(len(seqs)), query_lens[seqs])
-            host.add(f"{name}.query_pad_index", local * max_q + (offset if whole else offset[tokens]))
+            local = np.repeat(np.arange(len(seqs)), group_query_lens)
+            host.add(f"{name}.query_pad_index", local * max_q + offset[start:stop])
+        bounds = (query_start_loc[seqs[0] : seqs[-1] + 2] - start).tolist() if fresh else None
 
         def build(dev: dict[str, torch.Tensor]) -> SeqGroup:
             return SeqGroup(
-                token_index=dev.get(f"{name}.token_index"),
-                token_range=token_range,
+                token_range=(start, stop),
                 block_tables=dev[f"{name}.block_tables"],
                 seq_lens=dev[f"{name}.seq_lens"],
-                positions=dev.get(f"{name}.positions", dev["positions"]),
+                positions=dev["positions"][start:stop],
                 max_query_len=max_q,
                 query_pad_index=dev.get(f"{name}.query_pad_index"),
-                fresh=fresh,
                 seq_bounds=None if bounds is None else list(zip(bounds[:-1], bounds[1:], strict=True)),
             )
 

@@ -83,8 +83,7 @@ def test_lockstep_runs_time_only_their_own_steps(fake_engine_cls):
                          options=WorkloadOptions(input_len=4, output_len=5, spread=0))  # fmt: skip
     slow = fake_engine_cls(EngineConfig.from_options(max_batch_size=8), step_s=0.02)
     fast = fake_engine_cls(EngineConfig.from_options(max_batch_size=8), step_s=0.002)
-    runs = [OfflineRun(e, reqs, label=n, progress=False, clock=(c := BusyClock()), sleep=c.sleep)
-            for n, e in (("slow", slow), ("fast", fast))]  # fmt: skip
+    runs = [OfflineRun(e, reqs, label=n, progress=False, clock=BusyClock()) for n, e in (("slow", slow), ("fast", fast))]
     slow_trace, fast_trace = run_lockstep(runs)
     n_slow, n_fast = len(slow_trace.steps), len(fast_trace.steps)
     assert n_slow == n_fast == 5

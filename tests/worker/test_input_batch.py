@@ -53,7 +53,6 @@ def test_packing_a_mixed_batch():
     assert batch.attn_metadata.query_pad_index.tolist() == [0, 2, 3]
     decode, prefill = batch.attn_metadata.decode, batch.attn_metadata.prefill
     assert decode.token_range == (0, 1) and prefill.token_range == (1, 3)
-    assert decode.token_index is None and prefill.token_index is None
 
 
 def test_state_follows_new_cached_and_finished():
