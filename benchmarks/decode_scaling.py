@@ -1,0 +1,59 @@
+"""Decode step time against the number of running sequences, with host drift cancelled.
+
+    .venv/bin/python benchmarks/decode_scaling.py                       # B = 1 8 16 32 64, 180-token prompts
+    .venv/bin/python benchmarks/decode_scaling.py --batch-sizes 32,64 --rounds 16
+
+One engine per batch size, all sharing the loaded weights (each with its own KV pool). Each is filled with B requests
+of random prompt tokens and prefilled; then the engines take one decode step each in turn, round after round, so a
+change of the host's load hits every batch size alike. Prints the median step time, tok/s and ms per sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from batchserve.bench.offline import build_engine
+from batchserve.config import EngineConfig
+from batchserve.sampling_params import SamplingParams
+
+
+def filled_engine(batch_size: int, max_batch: int, prompt_len: int, like, rng: random.Random, threads: int):
+    config = EngineConfig.from_options(max_batch_size=max_batch, max_num_tokens=4096, num_threads=threads)
+    engine = build_engine(config, like=like, share_runner=False)
+    params = SamplingParams(max_tokens=4096, ignore_eos=True, temperature=0.0)
+    for i in range(batch_size):
+        engine.add_request(f"{batch_size}-{i}", [rng.randrange(100, 40000) for _ in range(prompt_len)], params)
+    while engine.last_stats is None or engine.last_stats.num_prefill_tokens or engine.scheduler.waiting:
+        engine.step()
+    return engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", default="1,8,16,32,64")
+    ap.add_argument("--prompt-len", type=int, default=180)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rng = random.Random(0)
+    engines = []
+    for b in sizes:
+        like = engines[0] if engines else None
+        engines.append(filled_engine(b, max(sizes), args.prompt_len, like, rng, args.threads))
+    times: dict[int, list[float]] = {b: [] for b in sizes}
+    for _ in range(args.rounds):
+        for b, engine in zip(sizes, engines, strict=True):
+            start = time.perf_counter()
+            engine.step()
+            times[b].append(time.perf_counter() - start)
+    for b in sizes:
+        step = statistics.median(times[b])
+        print(f"B={b:4d}  step {step * 1e3:7.1f} ms  {b / step:7.1f} tok/s  {step / b * 1e3:6.2f} ms/seq")
+
+
+if __name__ == "__main__":
+    main()
