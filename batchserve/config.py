@@ -38,6 +38,9 @@ class SchedulerConfig:
     max_input_len: int | None = None  # None: max_model_len - 1
     truncation: str = "error"  # what to do with a prompt over max_input_len
     max_waiting_requests: int | None = None  # None: unbounded waiting queue
+    # static policy: a member that finishes keeps its slot, computed as padding, until the whole batch is done (as
+    # a padded batch tensor does in classic static batching); False frees the slot's compute at once
+    static_padding: bool = True
 
     def validate(self) -> None:
         _require(self.max_batch_size >= 1, "max_batch_size must be >= 1")

@@ -2,10 +2,13 @@
 
     .venv/bin/python benchmarks/decode_scaling.py                       # B = 1 8 16 32 64, 180-token prompts
     .venv/bin/python benchmarks/decode_scaling.py --batch-sizes 32,64 --rounds 16
+    .venv/bin/python benchmarks/decode_scaling.py --batch-sizes 64,256 --prompt-len 64   # the host-overhead split
 
 One engine per batch size, all sharing the loaded weights (each with its own KV pool). Each is filled with B requests
 of random prompt tokens and prefilled; then the engines take one decode step each in turn, round after round, so a
-change of the host's load hits every batch size alike. Prints the median step time, tok/s and ms per sequence.
+change of the host's load hits every batch size alike. Prints the median step time, tok/s and ms per sequence, and
+where the step went (medians of the engine's StepTimings): the scheduler, input preparation, the forward pass (model
+and logits), sampling, and the outputs (scheduler update, detokenization); "host" is everything but the forward pass.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import time
 
 from batchserve.bench.offline import build_engine
 from batchserve.config import EngineConfig
+from batchserve.engine.llm_engine import StepTimings
 from batchserve.sampling_params import SamplingParams
 
 
 def filled_engine(batch_size: int, max_batch: int, prompt_len: int, like, rng: random.Random, threads: int):
-    config = EngineConfig.from_options(max_batch_size=max_batch, max_num_tokens=4096, num_threads=threads)
+    config = EngineConfig.from_options(max_batch_size=max_batch, max_num_tokens=8192, num_threads=threads)
     engine = build_engine(config, like=like, share_runner=False)
     params = SamplingParams(max_tokens=4096, ignore_eos=True, temperature=0.0)
     for i in range(batch_size):
@@ -45,14 +49,24 @@ def main() -> None:
         like = engines[0] if engines else None
         engines.append(filled_engine(b, max(sizes), args.prompt_len, like, rng, args.threads))
     times: dict[int, list[float]] = {b: [] for b in sizes}
+    splits: dict[int, list[StepTimings]] = {b: [] for b in sizes}
     for _ in range(args.rounds):
         for b, engine in zip(sizes, engines, strict=True):
             start = time.perf_counter()
             engine.step()
             times[b].append(time.perf_counter() - start)
+            splits[b].append(engine.last_timings)
+    phases = ("schedule", "prepare", "forward", "sample", "output")
+    print(f"{'':6s} {'step ms':>8s} {'tok/s':>7s} {'ms/seq':>6s} | " + " ".join(f"{p:>8s}" for p in phases) + "  host")
     for b in sizes:
         step = statistics.median(times[b])
-        print(f"B={b:4d}  step {step * 1e3:7.1f} ms  {b / step:7.1f} tok/s  {step / b * 1e3:6.2f} ms/seq")
+        parts = [statistics.median(getattr(t, f"{p}_s") for t in splits[b]) for p in phases]
+        host = sum(parts) - parts[2]
+        print(
+            f"B={b:4d} {step * 1e3:8.1f} {b / step:7.1f} {step / b * 1e3:6.2f} | "
+            + " ".join(f"{x * 1e3:8.2f}" for x in parts)
+            + f"  {host / sum(parts):5.1%}"
+        )
 
 
 if __name__ == "__main__":

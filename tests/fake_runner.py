@@ -52,6 +52,9 @@ class FakeRunner:
         for rid, n in out.num_scheduled_tokens.items():
             table, start = self.tables[rid], computed[rid]
             assert start + n <= len(self.tokens[rid]), "scheduled past the known tokens"
+            if rid in out.padding_req_ids:
+                assert n == 1 and start + n < len(self.tokens[rid]), "padding recomputes a known position"
+                continue  # as the real runner: padding K/V goes to a scratch slot
             for pos in range(start, start + n):
                 self.cache[table[pos // bs] * bs + pos % bs] = self.tokens[rid][pos]
         result = ModelOutput()

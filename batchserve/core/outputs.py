@@ -40,6 +40,9 @@ class SchedulerOutput:
     # (device block id, host block id) pairs to copy before the forward pass
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # static batching's padding: finished batch members recomputing their last position; the worker runs them as
+    # decodes over their context, writes their K/V nowhere and samples nothing for them
+    padding_req_ids: set[str] = field(default_factory=set)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -121,3 +124,13 @@ class SchedulerStats:
     def internal_fragmentation(self) -> float:
         """Share of allocated token slots that hold nothing yet (the tail of each sequence's last block)."""
         return 1.0 - self.kv_slots_filled / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
+
+
+@dataclass
+class RunnerTimings:
+    """Host wall time of one execute() by phase, in seconds. On an accelerator `forward_s` is the launch time and the
+    wait for the results lands in `sample_s` (its .tolist() is the step's one synchronisation)."""
+
+    prepare_s: float = 0.0  # swaps, request table updates, building the packed batch
+    forward_s: float = 0.0  # the model and the logits
+    sample_s: float = 0.0  # sampling metadata, the sampler, the sampled ids back to the host

@@ -10,6 +10,9 @@ Policies (scheduler_policy):
 - guaranteed_no_evict: admit only when the worst case (prompt + max_tokens) of the newcomer fits on top of the
   worst case of everything running; nothing is ever preempted.
 - static: form a batch from the waiting queue when the previous one has fully finished; no one joins mid-batch.
+  With static_padding (the default) a member that finishes stays in the batch as padding until the last one is
+  done: its slot keeps being computed, its blocks stay held, as with the padded batch tensor of classic static
+  batching; its result is returned when it finishes.
 """
 
 from __future__ import annotations
@@ -66,6 +69,13 @@ class _StepBuilder:
             self.num_prefill_tokens += num_tokens
         self.scheduled[request.request_id] = (num_tokens, is_prefill)
 
+    def add_padding(self, request: Request) -> None:
+        """One token of wasted compute: the finished request's last computed position again."""
+        self.output.cached_requests.append(CachedRequestData(request.request_id, [], request.num_computed_tokens - 1))
+        self.output.num_scheduled_tokens[request.request_id] = 1
+        self.output.padding_req_ids.add(request.request_id)
+        self.token_budget -= 1
+
     @property
     def num_seqs(self) -> int:
         return len(self.output.num_scheduled_tokens)
@@ -88,6 +98,7 @@ class Scheduler:
         self.running: list[Request] = []  # in rank order: the tail is preempted first
         self.requests: dict[str, Request] = {}
         self._forget: set[str] = set()  # ids the worker must drop at the next step
+        self._padding: list[Request] = []  # static_padding: finished members of the current static batch
         self.num_preemptions_total = 0
         self._last_step: _StepBuilder | None = None
 
@@ -133,6 +144,8 @@ class Scheduler:
         if policy == "max_utilization" and self.config.scheduling_order == "priority":
             self._preempt_for_higher_priority(step)
         self._schedule_running(step)
+        for request in self._padding:
+            step.add_padding(request)
         if policy != "static" and step.num_preempted == 0:
             self._admit_waiting(step)
         step.output.finished_req_ids |= self._forget  # preempted this step
@@ -344,12 +357,24 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        batch_member = request.status == RequestStatus.RUNNING and request.num_computed_tokens > 0
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_time = self.clock()
+        del self.requests[request.request_id]
+        static = self.config.scheduler_policy == "static"
+        if static and self.config.static_padding and batch_member:
+            self._padding.append(request)  # keeps its blocks and its worker row until the batch is done
+        else:
+            self._release(request)
+        if static and not self.running:
+            for member in self._padding:
+                self._release(member)
+            self._padding = []
+
+    def _release(self, request: Request) -> None:
         self.kv.free(request)
         self._forget.add(request.request_id)
-        del self.requests[request.request_id]
 
     # ---- statistics ------------------------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:

@@ -11,7 +11,14 @@ from typing import Any, Protocol
 from batchserve.config import EngineConfig, ModelConfig
 from batchserve.core.block_pool import BlockPool, HostBlockPool
 from batchserve.core.kv_cache_manager import KVCacheManager
-from batchserve.core.outputs import Logprobs, ModelOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from batchserve.core.outputs import (
+    Logprobs,
+    ModelOutput,
+    RequestOutput,
+    RunnerTimings,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from batchserve.core.scheduler import Scheduler
 from batchserve.engine.detokenizer import IncrementalDetokenizer
 from batchserve.request import FinishReason, Request
@@ -65,6 +72,25 @@ class CompletionOutput:
 
 
 @dataclass
+class StepTimings:
+    """Where one engine step's wall time went, in seconds: everything but `forward_s` is host-side overhead."""
+
+    schedule_s: float = 0.0  # the scheduler's decision (admission, preemption, block allocation)
+    prepare_s: float = 0.0  # the runner's input preparation
+    forward_s: float = 0.0  # the model's forward pass and the logits
+    sample_s: float = 0.0  # sampling
+    output_s: float = 0.0  # scheduler update, detokenization, the step's outputs
+
+    @classmethod
+    def of(cls, schedule_s: float, runner: RunnerTimings, output_s: float) -> StepTimings:
+        return cls(schedule_s, runner.prepare_s, runner.forward_s, runner.sample_s, output_s)
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.output_s
+
+
+@dataclass
 class StepRecord:
     index: int
     start_time: float
@@ -109,6 +135,7 @@ class LLMEngine:
         self.num_steps = 0
         self.last_stats: SchedulerStats | None = None
         self.last_step_time_s = 0.0
+        self.last_timings = StepTimings()
         self.step_records: list[StepRecord] | None = [] if config.record_steps else None
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d",
@@ -201,13 +228,17 @@ class LLMEngine:
     def step(self) -> list[CompletionOutput]:
         start = time.monotonic()
         scheduled = self.scheduler.schedule()
+        scheduled_at = time.monotonic()
         model_output = self.runner.execute(scheduled)
+        executed_at = time.monotonic()
         request_outputs = self._pending + self.scheduler.update_from_output(scheduled, model_output)
         self._pending = []
         results = self._process(request_outputs)
         end = time.monotonic()
         self.last_stats = self.scheduler.stats()
         self.last_step_time_s = end - start
+        runner_timings = getattr(self.runner, "last_timings", None) or RunnerTimings()
+        self.last_timings = StepTimings.of(scheduled_at - start, runner_timings, end - executed_at)
         if self.step_records is not None and not scheduled.is_empty:
             self.step_records.append(StepRecord(self.num_steps, start, end, self.last_stats))
         self.num_steps += 1

@@ -55,8 +55,9 @@ class RowTokens(Sequence):
 class RequestTable:
     """Per-request state in arrays indexed by row. Rows and token capacity grow on demand."""
 
-    def __init__(self, block_size: int, rows: int = 64, max_tokens: int = 1024) -> None:
+    def __init__(self, block_size: int, rows: int = 64, max_tokens: int = 1024, scratch_slot: int | None = None):
         self.block_size = block_size
+        self.scratch_slot = scratch_slot  # a KV slot outside the pool: where padding rows write (static batching)
         self.token_ids = np.zeros((rows, max_tokens), np.int64)
         self.num_tokens = np.zeros(rows, np.int64)
         self.num_computed = np.zeros(rows, np.int64)
@@ -155,6 +156,8 @@ class RequestTable:
         token_rows = rows[seq_index]
         input_ids = self.token_ids[token_rows, positions]
         slot_mapping = self.block_table[token_rows, positions // bs] * bs + positions % bs
+        if scheduler_output.padding_req_ids:
+            slot_mapping[self._padding_seqs(req_ids, scheduler_output.padding_req_ids)[seq_index]] = self.scratch_slot
         block_tables = self.block_table[rows, : -(-max_seq_len // bs)]
         sampled = np.flatnonzero(seq_lens == self.num_tokens[rows])
         logits_indices = query_start_loc[1:][sampled] - 1
@@ -222,6 +225,13 @@ class RequestTable:
             )
 
         return build
+
+    def _padding_seqs(self, req_ids: list[str], padding: set[str]) -> np.ndarray:
+        """Which sequences are padding. Their K/V goes to the scratch slot, never over the cached K/V of their
+        context (a recompute in another batch may differ in the last bits, and a prefix-cache hit may read it)."""
+        if self.scratch_slot is None:
+            raise ValueError("padding rows need a scratch KV slot")
+        return np.fromiter((r in padding for r in req_ids), bool, len(req_ids))
 
     def _check(self, req_ids: list[str], rows: np.ndarray, seq_lens: np.ndarray) -> None:
         past_known = seq_lens > self.num_tokens[rows]

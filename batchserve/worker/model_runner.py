@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from torch import nn
 
 from batchserve.config import EngineConfig, ModelConfig
-from batchserve.core.outputs import ModelOutput, SchedulerOutput
+from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput
 from batchserve.worker.device import resolve_device, resolve_dtype
 from batchserve.worker.input_batch import InputBatch, RequestTable
 from batchserve.worker.kv_cache import KVCache, num_blocks_for_budget, num_swap_blocks_for_budget
@@ -36,11 +37,13 @@ class ModelRunner:
         swap_enabled = engine_config.scheduler.preemption_mode == "swap"
         self.num_kv_blocks = num_blocks_for_budget(cache, model_config, dtype, device)
         self.num_swap_blocks = num_swap_blocks_for_budget(cache, model_config, dtype, enabled=swap_enabled)
+        # one block past the pool's: the scratch slot where static batching's padding rows write their K/V
         self.kv_cache = KVCache.allocate(
-            model_config, self.num_kv_blocks, self.num_swap_blocks, self.block_size, dtype, device
+            model_config, self.num_kv_blocks + 1, self.num_swap_blocks, self.block_size, dtype, device
         )
         self.sampler = Sampler()
-        self.requests = RequestTable(self.block_size)
+        self.requests = RequestTable(self.block_size, scratch_slot=self.num_kv_blocks * self.block_size)
+        self.last_timings = RunnerTimings()
 
     @classmethod
     def from_config(cls, engine_config: EngineConfig) -> tuple[ModelRunner, ModelConfig, object]:
@@ -65,18 +68,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        timings = self.last_timings = RunnerTimings()
+        start = time.perf_counter()
         self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
         self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
         self.requests.apply(scheduler_output)
         if scheduler_output.is_empty:
+            timings.prepare_s = time.perf_counter() - start
             return ModelOutput()
         batch = self.requests.build(scheduler_output, self.device)
+        prepared = time.perf_counter()
+        timings.prepare_s = prepared - start
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         self.requests.advance(batch)
         if not batch.sample_req_ids:
+            timings.forward_s = time.perf_counter() - prepared
             return ModelOutput()
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).float()
-        return self._sample(batch, logits)
+        forwarded = time.perf_counter()
+        timings.forward_s = forwarded - prepared
+        output = self._sample(batch, logits)
+        timings.sample_s = time.perf_counter() - forwarded
+        return output
 
     def _sample(self, batch: InputBatch, logits: torch.Tensor) -> ModelOutput:
         table, rows = self.requests, batch.sample_rows.tolist()

@@ -181,6 +181,45 @@ def test_static_never_admits_into_a_running_batch():
     assert_all_blocks_free(s)
 
 
+@pytest.mark.parametrize("padding", [True, False])
+def test_static_padding_keeps_finished_members_computed_until_the_batch_is_done(padding):
+    lengths = [2, 5, 9]
+    arrivals = {0: [make_request(f"r{i}", prompt_len=6, max_tokens=n) for i, n in enumerate(lengths)]}
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_tokens=64, max_batch_size=4, scheduler_policy="static",
+                       static_padding=padding)
+    seen = []
+
+    def check(scheduler, scheduled):
+        seen.append((set(scheduled.num_scheduled_tokens), set(scheduled.padding_req_ids), scheduler.stats()))
+
+    outputs = drive(s, FakeRunner(64, 4), arrivals, on_step=check)
+    assert all(outputs[f"r{i}"] == reference_generation(make_request(f"r{i}", prompt_len=6, max_tokens=n)
+                                                        .prompt_token_ids, n) for i, n in enumerate(lengths))
+    # steps 0..8: step k samples every member's (k+1)-th token; r0 is done after step 1, r1 after step 4
+    for step, (scheduled, pad, stats) in enumerate(seen[:9]):
+        finished = {f"r{i}" for i, n in enumerate(lengths) if n <= step}
+        assert pad == (finished if padding else set())
+        assert scheduled == {"r0", "r1", "r2"} if padding else scheduled == {"r0", "r1", "r2"} - finished
+        assert stats.num_scheduled_seqs == 3 - len(finished)  # padding is not useful work
+        if padding and step < 8:  # a padded member holds its blocks while the batch runs (until r2 is done)
+            assert stats.kv_blocks_used >= 3 * 2
+    assert_all_blocks_free(s)
+
+
+def test_static_padding_is_released_when_the_last_member_finishes():
+    s = make_scheduler(num_blocks=16, block_size=4, max_num_tokens=64, max_batch_size=2, scheduler_policy="static")
+    runner = FakeRunner(16, 4)
+    outputs = drive(s, runner, {0: [make_request("a", prompt_len=3, max_tokens=1),
+                                    make_request("b", prompt_len=3, max_tokens=4)],
+                                1: [make_request("c", prompt_len=3, max_tokens=2)]})
+    assert [len(outputs[r]) for r in "abc"] == [1, 4, 2]
+    # c is admitted only after b, and a's padding is gone from that step on
+    first_c = next(i for i, out in enumerate(runner.steps) if "c" in out.num_scheduled_tokens)
+    assert "a" in runner.steps[first_c].finished_req_ids
+    assert all("a" not in out.num_scheduled_tokens for out in runner.steps[first_c:])
+    assert_all_blocks_free(s)
+
+
 def test_priority_arrival_preempts_lowest_running():
     s = make_scheduler(num_blocks=64, block_size=4, max_num_tokens=64, max_batch_size=2, scheduling_order="priority")
     runner = FakeRunner(64, 4)
