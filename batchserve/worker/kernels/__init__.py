@@ -28,7 +28,11 @@ def _machine_tag() -> str:
     except (OSError, StopIteration):
         flags = platform.processor()
     sources = "".join(p.read_text() for p in (*_SOURCES, *sorted(Path(__file__).parent.glob("*.h"))))
-    return hashlib.sha1((flags + " ".join(CFLAGS) + sources).encode()).hexdigest()[:12]
+    # the compile command holds torch's include path as this interpreter spells it (a symlinked venv spells it
+    # two ways): one build folder per spelling, or each would rebuild the other's objects
+    import torch
+
+    return hashlib.sha1((flags + " ".join(CFLAGS) + sources + torch.__file__).encode()).hexdigest()[:12]
 
 
 @functools.cache
