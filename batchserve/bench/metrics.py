@@ -104,6 +104,7 @@ class StepSample:
     prefix_cache_hits: int = 0
     scheduled: dict[str, tuple[int, bool]] = field(default_factory=dict)  # req_id -> (tokens, is prefill)
     finished: list[str] = field(default_factory=list)  # requests that finished at this step
+    padding: list[str] = field(default_factory=list)  # finished requests computed as padding (static batching)
 
     @classmethod
     def from_stats(cls, start: float, end: float, stats: Any, finished: list[str] | None = None) -> StepSample:
@@ -118,7 +119,7 @@ class StepSample:
             values["num_scheduled_seqs"] = len(scheduled)
         return cls(
             start, end, **values, num_preempted=getattr(stats, "num_preempted_this_step", 0),
-            scheduled=scheduled, finished=list(finished or []),
+            scheduled=scheduled, finished=list(finished or []), padding=list(getattr(stats, "padding", None) or []),
         )  # fmt: skip
 
     @property

@@ -26,11 +26,15 @@ def _request_colour(index: int) -> np.ndarray:
     return np.array(_PALETTE[(index * 7) % len(_PALETTE)])  # stride so neighbours differ
 
 
+def _padding_colour(colour: np.ndarray) -> np.ndarray:
+    return 0.3 * colour + 0.7 * np.array(IDLE)
+
+
 def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int = 600) -> Path:
     """One lane per batch slot (rows) over iterations (columns), coloured by request.
 
-    Decode cells are the request's colour; prefill cells the same colour, darker and hatched with dots; idle slots are
-    light grey. A green triangle marks where a request enters the batch, a black cross where it finishes.
+    Decode cells are the request's colour; prefill cells the same colour, darker and hatched with dots; padding
+    (a finished member of a static batch, still computed) the same colour, faded; idle slots are light grey. A green triangle marks where a request enters the batch, a black cross where it finishes.
     The bottom panel shows the batch occupancy and the waiting queue per iteration.
     """
     steps = trace.steps[:max_steps]
@@ -40,9 +44,9 @@ def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int = 600)
     order = {r.request_id: i for i, r in enumerate(trace.requests)}
     inserts, exits, prefills = [], [], []
     for x, (step, row) in enumerate(zip(steps, lanes, strict=True)):
-        for lane, (rid, _ntok, prefill) in row.items():
+        for lane, (rid, ntok, prefill) in row.items():
             colour = _request_colour(order.setdefault(rid, len(order)))
-            img[lane, x] = colour * 0.55 if prefill else colour
+            img[lane, x] = colour * 0.55 if prefill else colour if ntok else _padding_colour(colour)
             if prefill:
                 prefills.append((x, lane))
             if x == 0 or lanes[x - 1].get(lane, ("",))[0] != rid:
@@ -76,6 +80,7 @@ def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int = 600)
         handles=[
             Patch(color=_request_colour(3), label="decode (colour = request)"),
             Patch(color=_request_colour(3) * 0.55, label="prefill (darker, dotted)"),
+            Patch(color=_padding_colour(_request_colour(3)), label="padding (finished, still computed)"),
             Patch(color=IDLE, label="idle slot"),
             plt.Line2D([], [], color="lime", markeredgecolor="darkgreen", marker=">", ls="", label="enters batch"),
             plt.Line2D([], [], color="black", marker="x", ls="", label="finishes"),

@@ -42,28 +42,30 @@ class RunTrace:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-Cell = tuple[str, int, bool]  # (request id, tokens this step, is prefill)
+Cell = tuple[str, int, bool]  # (request id, tokens this step (0: padding), is prefill)
 
 
 def assign_lanes(steps: list[StepSample], num_lanes: int) -> list[dict[int, Cell]]:
-    """Per step, lane -> what ran there. A request keeps its lane while scheduled in consecutive steps.
+    """Per step, lane -> what ran there. A request keeps its lane while scheduled in consecutive steps, and while it
+    is computed as padding after finishing (static batching); padding cells have 0 tokens.
 
     If a step schedules more sequences than num_lanes, extra lanes are opened above num_lanes.
     """
     lane_of: dict[str, int] = {}
     out: list[dict[int, Cell]] = []
     for step in steps:
-        lane_of = {rid: lane for rid, lane in lane_of.items() if rid in step.scheduled}
+        cells = {rid: (rid, ntok, prefill) for rid, (ntok, prefill) in step.scheduled.items()}
+        cells |= {rid: (rid, 0, False) for rid in step.padding}
+        lane_of = {rid: lane for rid, lane in lane_of.items() if rid in cells}
         used = set(lane_of.values())
         row: dict[int, Cell] = {}
-        for rid, (ntok, prefill) in step.scheduled.items():
+        for rid, cell in cells.items():
             if rid not in lane_of:
-                lane = next(i for i in range(num_lanes + len(step.scheduled)) if i not in used)
+                lane = next(i for i in range(num_lanes + len(cells)) if i not in used)
                 lane_of[rid] = lane
                 used.add(lane)
-            row[lane_of[rid]] = (rid, ntok, prefill)
+            row[lane_of[rid]] = cell
         out.append(row)
-        lane_of = {rid: lane for rid, lane in lane_of.items() if rid not in step.finished}
     return out
 
 
@@ -87,7 +89,8 @@ def chrome_trace(trace: RunTrace) -> dict[str, Any]:
         for lane, (rid, ntok, prefill) in row.items():
             events.append({
                 "ph": "X", "pid": 1, "tid": lane, "ts": ts, "dur": dur, "name": rid,
-                "cat": "prefill" if prefill else "decode", "args": {"step": i, "tokens": ntok, "prefill": prefill},
+                "cat": "prefill" if prefill else "decode" if ntok else "padding",
+                "args": {"step": i, "tokens": ntok, "prefill": prefill},
             })  # fmt: skip
         events.append({
             "ph": "C", "pid": 1, "ts": ts, "name": "kv blocks",

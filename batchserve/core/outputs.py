@@ -107,6 +107,7 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of which were found, since start
     # req_id -> (tokens scheduled, is a prefill chunk) for this step, in batch order
     scheduled: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    padding: list[str] = field(default_factory=list)  # static batching: finished members computed as padding
 
     @property
     def kv_usage(self) -> float:

@@ -400,4 +400,5 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             scheduled=dict(scheduled),
+            padding=sorted(step.output.padding_req_ids) if step else [],
         )

@@ -43,6 +43,20 @@ def test_lanes_are_stable_and_reused():
     assert lanes[4] == {0: ("c", 1, False), 2: ("d", 1, False)}
 
 
+def test_padding_keeps_its_lane_and_is_marked():
+    steps = [
+        _step(0, {"a": (1, False), "b": (1, False)}, finished=["a"]),
+        _step(1, {"b": (1, False)}),
+        _step(2, {"b": (1, False)}, finished=["b"]),
+        _step(3, {"c": (4, True)}),
+    ]
+    steps[1].padding = steps[2].padding = ["a"]
+    lanes = assign_lanes(steps, 2)
+    assert lanes[1] == {0: ("a", 0, False), 1: ("b", 1, False)}  # a stays on its lane as padding (0 tokens)
+    assert lanes[2][0] == ("a", 0, False)
+    assert lanes[3] == {0: ("c", 4, True)}  # the lane is free once the padding is gone
+
+
 def test_trace_json_round_trip(tmp_path):
     trace = synthetic_trace()
     trace.save_json(tmp_path / "t.json")
