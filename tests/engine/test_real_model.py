@@ -101,3 +101,27 @@ def test_prefix_caching_on_and_off_identical_and_hits(tiny):
     assert on == off
     assert engine_on.last_stats.prefix_cache_hit_rate > 0.3 and engine_off.last_stats.prefix_cache_hits == 0
     assert on[3] == hf_greedy(hf_model, *requests[3])
+
+
+def test_static_padding_shares_prefix_blocks_and_matches(tiny):
+    """Padded members recompute their last position every step and still hold their blocks; later batches hit
+    those blocks in the prefix cache. None of it may change a token."""
+    hf_model, directory = tiny
+    requests = workload(count=12, seed=2, shared_prefix=24)
+    padded, engine = run(directory, requests, arrive_every=0, scheduler_policy="static", max_batch_size=4,
+                         block_size=8)
+    plain, _ = run(directory, requests, arrive_every=0, enable_prefix_caching=False, block_size=8)
+    assert padded == plain
+    assert engine.last_stats.prefix_cache_hit_rate > 0.2
+    assert padded[5] == hf_greedy(hf_model, *requests[5])
+
+
+def test_step_timings_cover_the_step(tiny):
+    _, directory = tiny
+    engine = LLMEngine.from_options(model=str(directory), device="cpu", num_kv_blocks=64)
+    engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, **GREEDY))
+    engine.step()
+    timings = engine.last_timings
+    assert timings.forward_s > 0 and timings.prepare_s > 0 and timings.sample_s > 0
+    assert timings.total_s <= engine.last_step_time_s * 1.05 + 1e-4
+    assert timings.total_s >= engine.last_step_time_s * 0.8
