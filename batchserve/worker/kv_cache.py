@@ -12,6 +12,9 @@ from batchserve.config import CacheConfig, ConfigError, ModelConfig
 logger = logging.getLogger(__name__)
 
 GiB = 1024**3
+# The CPU default pool stops here (vLLM's CPU default is 4 GiB too): zeroing a larger one costs start-up time, and
+# on a host short of memory minutes, for context a CPU cannot compute at a useful speed anyway.
+CPU_DEFAULT_MAX_BYTES = 4 * GiB
 
 
 def block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -38,16 +41,21 @@ def available_memory_bytes(device: torch.device) -> int:
 def num_blocks_for_budget(
     cache_config: CacheConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """num_kv_blocks if given, else the configured fraction (None: 0.9 GPU, 0.25 CPU) of free memory."""
+    """num_kv_blocks if given, else the configured fraction of free memory (None: 0.9 on GPU; on CPU 0.25, at most
+    CPU_DEFAULT_MAX_BYTES)."""
     per_block = block_bytes(model_config, cache_config.block_size, dtype)
     if cache_config.num_kv_blocks is not None:
         num_blocks = cache_config.num_kv_blocks
     else:
         fraction = cache_config.kv_cache_memory_fraction
-        if fraction is None:
-            fraction = 0.9 if device.type == "cuda" else 0.25
         free = available_memory_bytes(device)
-        num_blocks = int(free * fraction) // per_block
+        if fraction is None and device.type != "cuda":
+            fraction = 0.25
+            budget = min(int(free * fraction), CPU_DEFAULT_MAX_BYTES)
+        else:
+            fraction = 0.9 if fraction is None else fraction
+            budget = int(free * fraction)
+        num_blocks = budget // per_block
         if num_blocks < 1:
             raise ConfigError(
                 f"no room for a KV block: {free / GiB:.2f} GiB free x {fraction} < {per_block / GiB:.4f} GiB per block"

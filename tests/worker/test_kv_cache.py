@@ -42,6 +42,14 @@ def test_fraction_of_free_memory(monkeypatch):
         num_blocks_for_budget(CacheConfig(), CONFIG, torch.float32, CPU)
 
 
+def test_cpu_default_pool_is_capped_but_an_explicit_fraction_is_not(monkeypatch):
+    per_block = block_bytes(CONFIG, 16, torch.float32)
+    monkeypatch.setattr(kv_module, "available_memory_bytes", lambda device: 64 * kv_module.GiB)
+    assert num_blocks_for_budget(CacheConfig(), CONFIG, torch.float32, CPU) == 4 * kv_module.GiB // per_block
+    explicit = CacheConfig(kv_cache_memory_fraction=0.25)
+    assert num_blocks_for_budget(explicit, CONFIG, torch.float32, CPU) == 16 * kv_module.GiB // per_block
+
+
 def test_available_memory_reads_meminfo():
     assert kv_module.available_memory_bytes(CPU) > 0
 
