@@ -144,7 +144,9 @@ class Scheduler:
         if policy == "max_utilization" and self.config.scheduling_order == "priority":
             self._preempt_for_higher_priority(step)
         self._schedule_running(step)
-        for request in self._padding:
+        for request in self._padding:  # within the token budget (a member may end while others still prefill)
+            if step.token_budget <= 0:
+                break
             step.add_padding(request)
         if policy != "static" and step.num_preempted == 0:
             self._admit_waiting(step)

@@ -47,6 +47,8 @@ def test_random_operation_sequences(actions, policy, mode, caching, num_blocks):
 
     def step():
         out = s.schedule()
+        assert out.total_num_scheduled_tokens <= 16 and len(out.num_scheduled_tokens) <= 4  # padding included
+        assert all(rid not in s.requests for rid in out.padding_req_ids), "padding is only finished requests"
         for o in s.update_from_output(out, runner.execute(out)):
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
         check_invariants(s)

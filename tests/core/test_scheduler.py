@@ -206,6 +206,18 @@ def test_static_padding_keeps_finished_members_computed_until_the_batch_is_done(
     assert_all_blocks_free(s)
 
 
+def test_static_padding_stays_within_the_token_budget():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_tokens=16, max_batch_size=4, scheduler_policy="static")
+    runner = FakeRunner(64, 4)
+    totals = []
+    drive(s, runner, {0: [make_request("a", prompt_len=2, max_tokens=1), make_request("b", prompt_len=40,
+                                                                                     max_tokens=3)]},
+          on_step=lambda sched, out: totals.append((out.total_num_scheduled_tokens, set(out.padding_req_ids))))
+    assert max(total for total, _ in totals) == 16
+    assert totals[1] == (16, set())  # b's next chunk takes the whole budget: no room for a's padding
+    assert any(pad == {"a"} for _, pad in totals[2:])  # padding resumes once b decodes
+
+
 def test_static_padding_is_released_when_the_last_member_finishes():
     s = make_scheduler(num_blocks=16, block_size=4, max_num_tokens=64, max_batch_size=2, scheduler_policy="static")
     runner = FakeRunner(16, 4)
