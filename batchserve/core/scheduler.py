@@ -104,10 +104,15 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if not self.is_id_free(request.request_id):
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
         self.waiting.push(request)
+
+    def is_id_free(self, request_id: str) -> bool:
+        """False while a request of that id is queued, running, or still computed as static batching's padding
+        (the worker holds its state under that id until the batch is done)."""
+        return request_id not in self.requests and all(r.request_id != request_id for r in self._padding)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         return self.finish_requests(request_ids, FinishReason.ABORT)

@@ -159,7 +159,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._tracked:
+        if request_id in self._tracked or not self.scheduler.is_id_free(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         limit = self.config.scheduler.max_waiting_requests
         if limit is not None and self.scheduler.num_waiting >= limit:

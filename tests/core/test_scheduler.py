@@ -232,6 +232,21 @@ def test_static_padding_is_released_when_the_last_member_finishes():
     assert_all_blocks_free(s)
 
 
+def test_an_id_is_not_reused_while_it_is_padding():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_tokens=64, max_batch_size=2, scheduler_policy="static")
+    runner = FakeRunner(64, 4)
+    for r in (make_request("a", prompt_len=3, max_tokens=1), make_request("b", prompt_len=3, max_tokens=5)):
+        s.add_request(r)
+    out = s.schedule()
+    s.update_from_output(out, runner.execute(out))  # a is done, now padding
+    assert not s.is_id_free("a") and s.is_id_free("c")
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add_request(make_request("a", prompt_len=3, max_tokens=1))
+    drive(s, runner, {})
+    assert s.is_id_free("a")
+    assert_all_blocks_free(s)
+
+
 def test_priority_arrival_preempts_lowest_running():
     s = make_scheduler(num_blocks=64, block_size=4, max_num_tokens=64, max_batch_size=2, scheduling_order="priority")
     runner = FakeRunner(64, 4)

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from batchserve.engine.llm_engine import LLMEngine
-from batchserve.sampling_params import SamplingParams
+from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from tests.tiny_models import VOCAB, build_hf_model, hf_greedy
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -125,3 +125,20 @@ def test_step_timings_cover_the_step(tiny):
     assert timings.forward_s > 0 and timings.prepare_s > 0 and timings.sample_s > 0
     assert timings.total_s <= engine.last_step_time_s * 1.05 + 1e-4
     assert timings.total_s >= engine.last_step_time_s * 0.8
+
+
+def test_a_padded_request_id_cannot_be_reused_until_its_batch_is_done(tiny):
+    _, directory = tiny
+    engine = LLMEngine.from_options(model=str(directory), device="cpu", num_kv_blocks=64, scheduler_policy="static")
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))
+    engine.add_request("b", [8, 9, 10], SamplingParams(max_tokens=4, **GREEDY))
+    assert any(out.finished for out in engine.step())  # a is done and returned, now padding
+    with pytest.raises(InvalidRequestError, match="in use"):
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))  # free again
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()
+    assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.pool.num_blocks

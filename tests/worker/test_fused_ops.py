@@ -78,6 +78,17 @@ def test_small_gemm_matches_matmul(m, n, k):
     torch.testing.assert_close(out, x @ w.t(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m, n, k", [(13, 70, 2560), (50, 64, 8192), (400, 40, 385)])
+def test_small_gemm_partial_depth_slices_and_row_chunks(m, n, k):
+    """K past one slice with a partial last slice (accumulating), and M past one row chunk (400 rows at K=385)."""
+    if not native.small_gemm_available():
+        pytest.skip("small_gemm needs AVX-512")
+    torch.manual_seed(k)
+    w, x = torch.randn(n, k), torch.randn(m, k)
+    out = native.small_gemm(x, native.small_gemm_pack(w), n)
+    torch.testing.assert_close(out, x @ w.t(), rtol=1e-3, atol=2e-3)
+
+
 def test_cpu_linear_layouts_agree_at_every_m():
     # Whatever kernel CpuLinear picks for M, the result is the Linear's.
     torch.manual_seed(3)

@@ -55,6 +55,27 @@ def test_packing_a_mixed_batch():
     assert decode.token_range == (0, 1) and prefill.token_range == (1, 3)
 
 
+def test_padding_rows_write_the_scratch_slot_and_are_not_sampled():
+    states = RequestTable(4, scratch_slot=400)
+    states.apply(SchedulerOutput(new_requests=[NewRequestData("done", [1, 2, 3, 4, 5, 6], 4, P, [3, 9], 5),
+                                               NewRequestData("live", [7, 8, 9], 2, P, [6], 2)]))
+    step = SchedulerOutput(
+        cached_requests=[CachedRequestData("done", [], 4), CachedRequestData("live", [], 2)],
+        num_scheduled_tokens={"done": 1, "live": 1},
+        padding_req_ids={"done"},
+    )
+    states.apply(step)
+    batch = states.build(step, torch.device("cpu"))
+    assert batch.req_ids == ["done", "live"]
+    assert batch.positions.tolist() == [4, 2] and batch.input_ids.tolist() == [5, 9]
+    assert batch.attn_metadata.slot_mapping.tolist() == [400, 6 * 4 + 2]  # padding -> scratch, live -> its block
+    assert batch.attn_metadata.seq_lens.tolist() == [5, 3]  # padding still attends over its context
+    assert batch.sample_req_ids == ["live"]
+    states.scratch_slot = None
+    with pytest.raises(ValueError, match="scratch"):
+        states.build(step, torch.device("cpu"))
+
+
 def test_state_follows_new_cached_and_finished():
     states = RequestTable(8)
     states.apply(SchedulerOutput(new_requests=[NewRequestData("a", [1, 2], 2, P, [0], 0)]))

@@ -1,9 +1,9 @@
-// x [M, K] @ W -> [M, N] for the few rows of a decode step (M up to ~64), float32, AVX-512.
+// x [M, K] @ W -> [M, N] float32, AVX-512; CpuLinear uses it for decode-sized M (2 to ~64 rows).
 //
-// At these M the library GEMMs reach a third to a half of this CPU's peak: they re-pack operands per call and split
-// work poorly over two threads. Here W is packed once, at load time, into panels of 32 output columns laid out
-// [K][32] (one contiguous stream per panel); threads split the panels; each panel is read from memory once and
-// reused from cache by every block of 12 rows, whose 12 x 32 outputs stay in 24 registers over the whole K loop.
+// At these M the library GEMMs reach a third to a half of this CPU's peak: they re-pack the weight per call and
+// split work poorly over two threads. Here W is packed once, at load time, into panels of 32 output columns laid out
+// [K][32]; x is packed per call into blocks of 12 rows laid out [K][12], so each block's broadcasts are one stream.
+// Threads split the panels. A 12 x 32 block of the output stays in 24 registers over a slice of K.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -22,18 +22,18 @@ constexpr int64_t kRowChunkBytes = 768 * 1024;  // rows per pass over the panels
 
 #if defined(__AVX512F__)
 // One R x 32 block of out (+)= xb [kc][kRows] (a packed row block) @ panel [kc][32], kept in 24 registers over kc.
-// `ahead`: the next panel's same rows, pulled toward cache while this one computes (only the first row block of a
-// chunk reads its panels from memory).
+// `ahead`: the next weight slice (its first `ahead_rows` rows), pulled toward cache while this one computes; only
+// the first row block passing a slice reads it from memory.
 template <int R, bool Prefetch>
 inline void panel_block(const float* xb, int64_t kc, const float* panel, float* out, int64_t N, bool accumulate,
-                        const float* ahead) {
+                        const float* ahead, int64_t ahead_rows) {
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) {
     acc0[r] = accumulate ? _mm512_loadu_ps(out + r * N) : _mm512_setzero_ps();
     acc1[r] = accumulate ? _mm512_loadu_ps(out + r * N + 16) : _mm512_setzero_ps();
   }
   for (int64_t k = 0; k < kc; ++k) {
-    if constexpr (Prefetch) {
+    if (Prefetch && k < ahead_rows) {
       _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel + 16), _MM_HINT_T1);
     }
@@ -53,11 +53,11 @@ inline void panel_block(const float* xb, int64_t kc, const float* panel, float* 
 
 template <bool Prefetch>
 void rows_block(int64_t rows, const float* xb, int64_t kc, const float* panel, float* out, int64_t N,
-                bool accumulate, const float* ahead) {
+                bool accumulate, const float* ahead, int64_t ahead_rows) {
   switch (rows) {
 #define BLOCK(R) \
   case R:        \
-    return panel_block<R, Prefetch>(xb, kc, panel, out, N, accumulate, ahead);
+    return panel_block<R, Prefetch>(xb, kc, panel, out, N, accumulate, ahead, ahead_rows);
     BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8) BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
 #undef BLOCK
   }
@@ -108,6 +108,7 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "x and the packed weight disagree on K");
+  TORCH_CHECK(K > 0, "small_gemm needs K > 0");
   TORCH_CHECK(n <= panels * kPanel, "n exceeds the packed columns");
   const int64_t N = panels * kPanel;
   auto out = torch::empty({M, N}, xc.options());
@@ -132,15 +133,17 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
           const int64_t depth = std::min(kc, K - k0);
           const float* slice = wp + (p * K + k0) * kPanel;
           // the next slice (of this panel, or the next one's first), pulled toward cache by the first row block
-          const float* ahead = k0 + kc < K ? slice + kc * kPanel : (p + 1 < end ? wp + (p + 1) * K * kPanel : nullptr);
+          const bool more_depth = k0 + kc < K;
+          const float* ahead = more_depth ? slice + kc * kPanel : (p + 1 < end ? wp + (p + 1) * K * kPanel : nullptr);
+          const int64_t ahead_rows = more_depth ? std::min(kc, K - k0 - kc) : kc;
           for (int64_t m = m0; m < m1; m += kRows) {
             const int64_t rows = std::min(kRows, M - m);
             const float* rows_in = xb + m * K + k0 * kRows;
             float* out_block = op + m * N + p * kPanel;
             if (m == m0 && ahead != nullptr) {
-              rows_block<true>(rows, rows_in, depth, slice, out_block, N, k0 > 0, ahead);
+              rows_block<true>(rows, rows_in, depth, slice, out_block, N, k0 > 0, ahead, ahead_rows);
             } else {
-              rows_block<false>(rows, rows_in, depth, slice, out_block, N, k0 > 0, nullptr);
+              rows_block<false>(rows, rows_in, depth, slice, out_block, N, k0 > 0, nullptr, 0);
             }
           }
         }
