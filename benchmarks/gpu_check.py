@@ -26,14 +26,15 @@ import time
 from pathlib import Path
 
 import torch
+from roofline import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, VOCAB  # SmolLM2-135M's shapes
 
 SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=INTERMEDIATE,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS,
     max_position_embeddings=8192,
     rope_theta=100000.0,
     rms_norm_eps=1e-5,
@@ -75,11 +76,12 @@ def prompts(count: int, rng: random.Random, low: int, high: int, vocab: int) -> 
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(low, high + 1))] for _ in range(count)]
 
 
-def check_parity(model: str, device: str, requests: list[list[int]], new_tokens: int) -> dict:
-    """batchserve (one batch) vs transformers (one request at a time), float32, same device."""
+def check_parity(model: str, device: str, count: int, new_tokens: int, rng: random.Random) -> dict:
+    """batchserve (one batch) vs transformers (one request at a time), float32, same device, prompts of 20-300."""
     from transformers import AutoModelForCausalLM
 
-    engine = engine_for(model, device, "float32", max_batch_size=len(requests))
+    engine = engine_for(model, device, "float32", max_batch_size=count)
+    requests = prompts(count, rng, 20, 300, engine.model_config.vocab_size)
     for i, prompt in enumerate(requests):
         engine.add_request(str(i), prompt, greedy(new_tokens))
     ours: dict[int, list[int]] = {}
@@ -154,10 +156,8 @@ def main() -> None:
         result = {"device": args.device, "dtype": args.dtype, "model": args.model or "random SmolLM2-135M shapes"}
         if args.device == "cuda":
             result["gpu"] = torch.cuda.get_device_name()
-        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"] if Path(model).is_dir() else 49152
-        requests = prompts(args.parity_requests, rng, 20, 300, vocab)
-        result["parity"] = check_parity(model, args.device, requests, args.new_tokens)
-        print(f"parity: {result['parity']['identical']}/{len(requests)} identical", flush=True)
+        result["parity"] = check_parity(model, args.device, args.parity_requests, args.new_tokens, rng)
+        print(f"parity: {result['parity']['identical']}/{args.parity_requests} identical", flush=True)
         result["decode"] = []
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             row = decode_rate(model, args.device, args.dtype, batch, args.prompt_len, args.decode_steps, rng)

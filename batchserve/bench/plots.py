@@ -34,7 +34,8 @@ def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int = 600)
     """One lane per batch slot (rows) over iterations (columns), coloured by request.
 
     Decode cells are the request's colour; prefill cells the same colour, darker and hatched with dots; padding
-    (a finished member of a static batch, still computed) the same colour, faded; idle slots are light grey. A green triangle marks where a request enters the batch, a black cross where it finishes.
+    (a finished member of a static batch, still computed) the same colour, faded; idle slots are light grey. A green
+    triangle marks where a request enters the batch, a black cross where it finishes.
     The bottom panel shows the batch occupancy and the waiting queue per iteration.
     """
     steps = trace.steps[:max_steps]

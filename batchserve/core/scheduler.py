@@ -98,7 +98,7 @@ class Scheduler:
         self.running: list[Request] = []  # in rank order: the tail is preempted first
         self.requests: dict[str, Request] = {}
         self._forget: set[str] = set()  # ids the worker must drop at the next step
-        self._padding: list[Request] = []  # static_padding: finished members of the current static batch
+        self._padding: dict[str, Request] = {}  # static_padding: finished members of the current static batch
         self.num_preemptions_total = 0
         self._last_step: _StepBuilder | None = None
 
@@ -112,7 +112,7 @@ class Scheduler:
     def is_id_free(self, request_id: str) -> bool:
         """False while a request of that id is queued, running, or still computed as static batching's padding
         (the worker holds its state under that id until the batch is done)."""
-        return request_id not in self.requests and all(r.request_id != request_id for r in self._padding)
+        return request_id not in self.requests and request_id not in self._padding
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         return self.finish_requests(request_ids, FinishReason.ABORT)
@@ -149,7 +149,7 @@ class Scheduler:
         if policy == "max_utilization" and self.config.scheduling_order == "priority":
             self._preempt_for_higher_priority(step)
         self._schedule_running(step)
-        for request in self._padding:  # within the token budget (a member may end while others still prefill)
+        for request in self._padding.values():  # within the token budget (a member may end while others still prefill)
             if step.token_budget <= 0:
                 break
             step.add_padding(request)
@@ -371,13 +371,13 @@ class Scheduler:
         del self.requests[request.request_id]
         static = self.config.scheduler_policy == "static"
         if static and self.config.static_padding and batch_member:
-            self._padding.append(request)  # keeps its blocks and its worker row until the batch is done
+            self._padding[request.request_id] = request  # keeps its blocks and its worker row until the batch is done
         else:
             self._release(request)
         if static and not self.running:
-            for member in self._padding:
+            for member in self._padding.values():
                 self._release(member)
-            self._padding = []
+            self._padding = {}
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)

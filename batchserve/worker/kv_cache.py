@@ -48,14 +48,12 @@ def num_blocks_for_budget(
         num_blocks = cache_config.num_kv_blocks
     else:
         fraction = cache_config.kv_cache_memory_fraction
+        capped = fraction is None and device.type != "cuda"  # only the CPU default is capped, never a chosen value
+        if fraction is None:
+            fraction = 0.9 if device.type == "cuda" else 0.25
         free = available_memory_bytes(device)
-        if fraction is None and device.type != "cuda":
-            fraction = 0.25
-            budget = min(int(free * fraction), CPU_DEFAULT_MAX_BYTES)
-        else:
-            fraction = 0.9 if fraction is None else fraction
-            budget = int(free * fraction)
-        num_blocks = budget // per_block
+        budget = int(free * fraction)
+        num_blocks = (min(budget, CPU_DEFAULT_MAX_BYTES) if capped else budget) // per_block
         if num_blocks < 1:
             raise ConfigError(
                 f"no room for a KV block: {free / GiB:.2f} GiB free x {fraction} < {per_block / GiB:.4f} GiB per block"

@@ -13,6 +13,8 @@ import os
 import platform
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
@@ -30,8 +32,6 @@ def _machine_tag() -> str:
     sources = "".join(p.read_text() for p in (*_SOURCES, *sorted(Path(__file__).parent.glob("*.h"))))
     # the compile command holds torch's include path as this interpreter spells it (a symlinked venv spells it
     # two ways): one build folder per spelling, or each would rebuild the other's objects
-    import torch
-
     return hashlib.sha1((flags + " ".join(CFLAGS) + sources + torch.__file__).encode()).hexdigest()[:12]
 
 
