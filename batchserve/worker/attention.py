@@ -4,8 +4,9 @@ Each step's K/V are first written into the block pool at `slot_mapping` (for eve
 so a prefix block computed in this very step is visible to the requests that share it). Then the batch splits in two:
 - decode sequences (one query each) read their context in place through their block tables: the native CPU kernel
   when it is available, else a torch path (gather into a padded copy + SDPA, GQA folded into the query dim);
-- prefill chunks (query length > 1, context = cached tokens + this chunk) pad only their own queries and run SDPA
-  with a causal mask from absolute positions.
+- prefill chunks (query length > 1, context = cached tokens + this chunk): the native CPU kernel reads their keys in
+  place too, causal by absolute position, in tiles of 16 query rows; the torch path pads only their own queries and
+  runs SDPA with a causal mask (or, for prompts with no earlier context, one causal SDPA per prompt on its own K/V).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class SeqGroup:
     positions: torch.Tensor  # [Tg] absolute positions of their tokens
     max_query_len: int
     query_pad_index: torch.Tensor | None = None  # [Tg] rows in the [Bg * max_query_len] padded layout (prefill)
+    query_starts: torch.Tensor | None = None  # [Bg + 1] int64: each sequence's first row within the group (prefill)
     # prompts with no earlier context (whole, or first chunks): each sequence's rows within the group
     seq_bounds: list[tuple[int, int]] | None = None
     _masks: dict = field(default_factory=dict, repr=False)
@@ -142,6 +144,11 @@ def decode_attention(
 def prefill_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float
 ) -> torch.Tensor:
+    native = _native_prefill(query, kv_cache)
+    if native is not None:
+        return native.paged_prefill_attention(
+            query, kv_cache[0], kv_cache[1], group.block_tables, group.seq_lens, group.query_starts, scale
+        )
     if group.seq_bounds is not None:
         return _fresh_prefill_attention(query, key, value, group.seq_bounds, scale)
     keys, values = gather_kv(kv_cache, group.block_tables)
@@ -161,6 +168,14 @@ def prefill_attention(
     )
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
     return out[group.query_pad_index]
+
+
+def _native_prefill(query: torch.Tensor, kv_cache: KVCache):
+    """The native prefill kernel when it takes this call: CPU, float32 query and pool, a head size it was built for."""
+    if query.device.type != "cpu" or query.dtype != torch.float32 or kv_cache[0].dtype != torch.float32:
+        return None
+    native = kernels.load()
+    return native if native is not None and native.prefill_attention_available(query.shape[-1]) else None
 
 
 def _fresh_prefill_attention(

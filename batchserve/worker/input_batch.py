@@ -211,6 +211,7 @@ class RequestTable:
         if max_q > 1:
             local = np.repeat(np.arange(len(seqs)), group_query_lens)
             host.add(f"{name}.query_pad_index", local * max_q + offset[start:stop])
+            host.add(f"{name}.query_starts", query_start_loc[seqs[0] : seqs[-1] + 2] - start)
         bounds = (query_start_loc[seqs[0] : seqs[-1] + 2] - start).tolist() if fresh else None
 
         def build(dev: dict[str, torch.Tensor]) -> SeqGroup:
@@ -221,6 +222,7 @@ class RequestTable:
                 positions=dev["positions"][start:stop],
                 max_query_len=max_q,
                 query_pad_index=dev.get(f"{name}.query_pad_index"),
+                query_starts=dev.get(f"{name}.query_starts"),
                 seq_bounds=None if bounds is None else list(zip(bounds[:-1], bounds[1:], strict=True)),
             )
 

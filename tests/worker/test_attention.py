@@ -132,12 +132,43 @@ def test_random_mixed_batches():
 
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 128), (2, 2, 32), (4, 2, 48)], ids=str)
 @pytest.mark.parametrize("block_size", [8, 16, 24, 32])
-def test_decode_kernel_model_shapes(heads, block_size):
+@pytest.mark.parametrize("num_seqs", [6, 40], ids=["per-kv-head-items", "per-sequence-items"])
+def test_decode_kernel_model_shapes(heads, block_size, num_seqs):
     # The native kernel's vectorized path (head_dim 32/64/128) and its portable loop (48): long contexts that span
-    # many 16-token tiles and partial blocks, with stale garbage (NaN included) in every unwritten slot.
+    # many 16-token tiles and partial blocks, with stale garbage (NaN included) in every unwritten slot. A few
+    # sequences are split by kv head across threads; many are one work item each.
     if kernels.load() is None:
         pytest.skip("native kernel not built here")
-    seqs = [(0, 1), (15, 1), (16, 1), (47, 1), (130, 1), (255, 1)]
+    contexts = [0, 15, 16, 47, 130, 255]
+    seqs = [(contexts[i % 6] + i // 6, 1) for i in range(num_seqs)]
     out, expected, batch = run_batch(seqs, block_size, stale=True, heads=heads)
     assert batch.attn_metadata.prefill is None
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 128), (2, 2, 32)], ids=str)
+@pytest.mark.parametrize("block_size", [8, 16, 24])
+def test_prefill_kernel_model_shapes(heads, block_size):
+    # The native prefill kernel: prompts shorter and longer than its 16-row tiles, chunks whose cached context ends
+    # mid-block or mid-tile, next to decodes; stale garbage (NaN included) in every unwritten slot.
+    native = kernels.load()
+    if native is None or not native.prefill_attention_available(heads[2]):
+        pytest.skip("native prefill kernel not built here")
+    seqs = [(0, 5), (0, 16), (0, 37), (13, 20), (40, 1), (7, 33), (16, 16), (0, 2), (100, 3)]
+    out, expected, batch = run_batch(seqs, block_size, stale=True, heads=heads)
+    assert batch.attn_metadata.prefill is not None and batch.attn_metadata.decode is not None
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_prefill_kernel_matches_torch_path(monkeypatch):
+    # Same batches through the native kernel and the torch path (per-prompt SDPA, or padded SDPA after context).
+    native = kernels.load()
+    if native is None or not native.prefill_attention_available(64):
+        pytest.skip("native prefill kernel not built here")
+    for seqs in ([(0, 29), (0, 3), (0, 64)], [(5, 29), (0, 3), (31, 40)]):
+        out_native, expected, _ = run_batch(seqs, 16, heads=(9, 3, 64))
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "load", lambda: None)
+            out_torch, _, _ = run_batch(seqs, 16, heads=(9, 3, 64))
+        torch.testing.assert_close(out_native, out_torch, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out_native, expected, atol=2e-5, rtol=2e-5)

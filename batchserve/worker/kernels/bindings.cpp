@@ -3,6 +3,10 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+                                      double scale);
+bool prefill_attention_available(int64_t head_dim);
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
@@ -12,6 +16,8 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal paged attention of prefill rows (CPU)");
+  m.def("prefill_attention_available", &prefill_attention_available, "whether paged_prefill_attention takes head_dim");
   m.def("rms_norm", &rms_norm, "RMSNorm of x, or of residual += x (in place)", pybind11::arg("x"),
         pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] projection");

@@ -1,0 +1,400 @@
+// Paged decode attention for CPU: one query token per sequence attends over its context, read in place through
+// its block table (no gather into a padded copy). Online softmax one tile of tokens at a time; the query heads that
+// share a kv head are done back to back so K/V come from L1.
+// With AVX-512 and float32 K/V, head_dim in {32, 64, 128}, a vectorized path scores 16 tokens at once (a transpose-add
+// reduction instead of one horizontal sum per token) and reads every kv head of a tile in one pass; other cases take
+// the portable loop, parallel over (sequence, kv head) pairs.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+template <typename scalar_t>
+void decode_attention_impl(const float* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* tables,
+                           const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                           float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * token_stride;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(group * head_dim), m(group), l(group), scores(group * block_size), kv(head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const float* q_seq = q + (seq * num_heads + kv_head * group) * head_dim;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -1e30f);  // finite: exp(m - max) must be 0, not NaN
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t len = seq_lens[seq];
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t n = std::min(block_size, len - start);
+        const scalar_t* k_block = k_cache + tables[seq * max_blocks + start / block_size] * block_stride +
+                                  kv_head * head_dim;
+        const scalar_t* v_block = v_cache + (k_block - k_cache);
+        for (int64_t t = 0; t < n; ++t) {
+          const scalar_t* k = k_block + t * token_stride;
+          for (int64_t d = 0; d < head_dim; ++d) kv[d] = static_cast<float>(k[d]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q_seq + g * head_dim;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * kv[d];
+            scores[g * block_size + t] = s * scale;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * block_size;
+          float block_max = m[g];
+          for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, sg[t]);
+          const float correction = std::exp(m[g] - block_max);
+          float* ag = acc.data() + g * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] *= correction;
+          m[g] = block_max;
+          float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+          for (int64_t t = 0; t < n; ++t) {  // vectorized exp (libmvec): the kernel's hottest loop otherwise
+            sg[t] = std::exp(sg[t] - block_max);
+            block_sum += sg[t];
+          }
+          l[g] = l[g] * correction + block_sum;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const scalar_t* v = v_block + t * token_stride;
+          for (int64_t d = 0; d < head_dim; ++d) kv[d] = static_cast<float>(v[d]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * block_size + t];
+            float* ag = acc.data() + g * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * kv[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = out + (seq * num_heads + kv_head * group + g) * head_dim;
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv;
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+
+// Lane i of the result = sum of the 16 lanes of v[i]. Pairs are interleaved and added four times (within 128-bit
+// lanes twice, then across them twice), so each level halves the vector count; the order comes out natural.
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int j = 0; j < 8; ++j)
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int j = 0; j < 2; ++j)
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// Scores of one query (qv: head_dim / 16 vectors, already scaled) against the first `n` tokens of a tile; lanes >= n
+// are 0.
+template <int NC>
+inline __m512 score_tile(const __m512* qv, const float* k_tile, int64_t token_stride, int64_t n) {
+  __m512 dots[16];
+  for (int t = 0; t < 16; ++t) {
+    if (t < n) {
+      const float* k = k_tile + t * token_stride;
+      __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+      for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), d);
+      dots[t] = d;
+    } else {
+      dots[t] = _mm512_setzero_ps();
+    }
+  }
+  return sum16(dots);
+}
+
+// Online softmax over one tile of scores, the first `n` lanes valid: p = exp(s - new max) (0 beyond n), and the
+// factor `corr` that rescales what was accumulated under the old max. `l` keeps per-lane partial sums.
+inline void softmax_update(__m512 s, int64_t n, float& m, __m512& l, float& corr, float* p) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  const float new_max = std::max(m, _mm512_mask_reduce_max_ps(valid, s));
+  const __m512 correction = exp512(_mm512_set1_ps(m - new_max));
+  const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+  _mm512_storeu_ps(p, e);
+  l = _mm512_fmadd_ps(l, correction, e);
+  corr = _mm512_cvtss_f32(correction);
+  m = new_max;
+}
+
+// acc[h] = acc[h] * corr[h] + sum_t p[h][t] * v[t] for HC queries reading the same V tile (the query heads of one kv
+// head, or the query rows of one prefill tile): each V row is loaded once for all of them, and the HC * NC
+// accumulators are independent FMA chains (one chain per query would wait on FMA latency).
+template <int NC, int HC>
+inline void accumulate_values(const float* v_tile, int64_t token_stride, int64_t n, const float* p, const float* corr,
+                              float* acc_store) {
+  __m512 acc[HC][NC];
+  for (int h = 0; h < HC; ++h) {
+    const __m512 c = _mm512_set1_ps(corr[h]);
+    for (int j = 0; j < NC; ++j) acc[h][j] = _mm512_mul_ps(_mm512_loadu_ps(acc_store + (h * NC + j) * 16), c);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[NC];
+    for (int j = 0; j < NC; ++j) v[j] = _mm512_loadu_ps(v_tile + t * token_stride + 16 * j);
+    for (int h = 0; h < HC; ++h) {
+      const __m512 pt = _mm512_set1_ps(p[h * 16 + t]);
+      for (int j = 0; j < NC; ++j) acc[h][j] = _mm512_fmadd_ps(pt, v[j], acc[h][j]);
+    }
+  }
+  for (int h = 0; h < HC; ++h)
+    for (int j = 0; j < NC; ++j) _mm512_storeu_ps(acc_store + (h * NC + j) * 16, acc[h][j]);
+}
+
+// `heads` such queries, in chunks of at most 16 accumulator registers.
+template <int NC>
+void accumulate_group(const float* v_tile, int64_t token_stride, int64_t n, const float* p, const float* corr,
+                      float* acc_store, int64_t heads) {
+  constexpr int kChunk = NC <= 4 ? 4 : 2;
+  int64_t h = 0;
+  for (; h + kChunk <= heads; h += kChunk)
+    accumulate_values<NC, kChunk>(v_tile, token_stride, n, p + h * 16, corr + h, acc_store + h * NC * 16);
+  const int64_t rest = heads - h;
+  p += h * 16, corr += h, acc_store += h * NC * 16;
+  if (rest == 3) accumulate_values<NC, 3>(v_tile, token_stride, n, p, corr, acc_store);
+  if (rest == 2) accumulate_values<NC, 2>(v_tile, token_stride, n, p, corr, acc_store);
+  if (rest == 1) accumulate_values<NC, 1>(v_tile, token_stride, n, p, corr, acc_store);
+}
+
+// NC = head_dim / 16 vectors per head. A work item is one sequence with all its kv heads, so each 16-token tile is
+// read as one contiguous run of memory; with fewer sequences than 4 per thread, an item is one (sequence, kv head)
+// so that both threads have work.
+template <int NC>
+void decode_attention_avx512(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+                             const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+  constexpr int64_t D = NC * 16;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t splits = num_seqs < 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t heads_per_item = num_kv_heads / splits;
+  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc_store(num_heads * D), m(num_heads), p(num_heads * 16), corr(num_heads);
+    std::vector<__m512> l(num_heads);  // per-lane partial sums of the softmax denominator
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / splits, first_kv = item % splits * heads_per_item;
+      const int64_t first_head = first_kv * group, last_head = first_head + heads_per_item * group;
+      const float* q_seq = q + seq * num_heads * D;
+      std::fill(acc_store.begin(), acc_store.end(), 0.f);
+      std::fill(m.begin(), m.end(), -1e30f);  // finite: exp(m - max) must be 0, not NaN
+      std::fill(l.begin(), l.end(), _mm512_setzero_ps());
+      const int64_t len = seq_lens[seq];
+      for (int64_t start = 0, n = 0; start < len; start += n) {
+        // A tile: up to 16 tokens of one block.
+        const int64_t in_block = start % block_size;
+        n = std::min<int64_t>({16, block_size - in_block, len - start});
+        const int64_t offset =
+            tables[seq * max_blocks + start / block_size] * block_stride + in_block * token_stride;
+        for (int64_t h = first_head; h < last_head; ++h) {
+          __m512 qv[NC];
+          for (int c = 0; c < NC; ++c)
+            qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q_seq + h * D + 16 * c), _mm512_set1_ps(scale));
+          const __m512 s = score_tile<NC>(qv, k_cache + offset + h / group * D, token_stride, n);
+          softmax_update(s, n, m[h], l[h], corr[h], p.data() + h * 16);
+        }
+        for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_item; ++kv_head) {
+          const int64_t h = kv_head * group;
+          accumulate_group<NC>(v_cache + offset + kv_head * D, token_stride, n, p.data() + h * 16, corr.data() + h,
+                               acc_store.data() + h * D, group);
+        }
+      }
+      for (int64_t h = first_head; h < last_head; ++h) {
+        float* o = out + (seq * num_heads + h) * D;
+        const float inv = 1.f / _mm512_reduce_add_ps(l[h]);
+        for (int64_t d = 0; d < D; ++d) o[d] = acc_store[h * D + d] * inv;
+      }
+    }
+  });
+}
+
+// Prefill tiles: up to 16 consecutive query rows of one sequence and one head, at positions first_pos.. (their keys
+// are 0..position, this step's included, all read from the pool through the block table).
+template <int NC>
+void prefill_tile(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, const int64_t* table,
+                  int64_t first_pos, int64_t rows, int64_t kv_head, int64_t token_stride, int64_t block_size,
+                  float scale, float* out, int64_t out_stride) {
+  constexpr int64_t D = NC * 16;
+  alignas(64) float acc[16 * D], p[16 * 16], m[16], corr[16], q_scaled[16 * D];
+  __m512 l[16];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int c = 0; c < NC; ++c)
+      _mm512_store_ps(q_scaled + r * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(q + r * q_stride + 16 * c),
+                                                               _mm512_set1_ps(scale)));
+    m[r] = -1e30f;
+    l[r] = _mm512_setzero_ps();
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_keys = first_pos + rows;
+  for (int64_t start = 0, n = 0; start < num_keys; start += n) {
+    const int64_t in_block = start % block_size;
+    n = std::min<int64_t>({16, block_size - in_block, num_keys - start});
+    const int64_t offset = table[start / block_size] * block_stride + in_block * token_stride + kv_head * D;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = std::min<int64_t>(n, first_pos + r - start + 1);  // causal: keys up to the row's own
+      if (visible <= 0) {  // the whole tile is in this row's future: it contributes nothing
+        corr[r] = 1.f;
+        _mm512_storeu_ps(p + r * 16, _mm512_setzero_ps());
+        continue;
+      }
+      __m512 qv[NC];
+      for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(q_scaled + r * D + 16 * c);
+      softmax_update(score_tile<NC>(qv, k_cache + offset, token_stride, visible), visible, m[r], l[r], corr[r],
+                     p + r * 16);
+    }
+    accumulate_group<NC>(v_cache + offset, token_stride, n, p, corr, acc, rows);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / _mm512_reduce_add_ps(l[r]);
+    for (int64_t d = 0; d < D; ++d) out[r * out_stride + d] = acc[r * D + d] * inv;
+  }
+}
+
+// Every sequence's query rows in tiles of 16, one tile x head per work item. Items are dealt to threads round-robin:
+// a tile's cost grows with its position, and neighbouring items cost about the same.
+template <int NC>
+void prefill_attention_avx512(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                              const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens,
+                              const int64_t* query_starts, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t block_size, float scale, float* out) {
+  constexpr int64_t D = NC * 16;
+  const int64_t group = num_heads / num_kv_heads;
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first query row)
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t row = query_starts[s]; row < query_starts[s + 1]; row += 16) tiles.emplace_back(s, row);
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * num_heads;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t item = worker; item < num_items; item += threads) {
+        const auto [seq, row] = tiles[item / num_heads];
+        const int64_t head = item % num_heads;
+        const int64_t rows = std::min<int64_t>(16, query_starts[seq + 1] - row);
+        const int64_t first_pos = seq_lens[seq] - (query_starts[seq + 1] - row);
+        prefill_tile<NC>(q + row * q_stride + head * D, q_stride, k_cache, v_cache, tables + seq * max_blocks,
+                         first_pos, rows, head / group, num_kv_heads * D, block_size, scale,
+                         out + (row * num_heads + head) * D, num_heads * D);
+      }
+    }
+  });
+}
+
+// True when the vectorized path took the call.
+bool try_decode_attention_avx512(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+                                 const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                 float scale) {
+  switch (head_dim) {
+    case 32:
+      decode_attention_avx512<2>(q, k_cache, v_cache, tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                                 block_size, max_blocks, scale);
+      return true;
+    case 64:
+      decode_attention_avx512<4>(q, k_cache, v_cache, tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                                 block_size, max_blocks, scale);
+      return true;
+    case 128:
+      decode_attention_avx512<8>(q, k_cache, v_cache, tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                                 block_size, max_blocks, scale);
+      return true;
+    default:
+      return false;
+  }
+}
+
+#endif  // __AVX512F__
+
+}  // namespace
+
+// query [B, H, D] float32 contiguous; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int64;
+// seq_lens [B] int64 -> [B, H, D] float32
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.is_contiguous(), "query: contiguous float32");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64, "int64 indices");
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = torch::empty_like(query);
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+#if defined(__AVX512F__)
+  if (key_cache.scalar_type() == torch::kFloat32 &&
+      try_decode_attention_avx512(query.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+                                  tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                                  num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
+                                  static_cast<float>(scale)))
+    return out;
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_impl<scalar_t>(query.data_ptr<float>(), key_cache.data_ptr<scalar_t>(),
+                                    value_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
+                                    lens.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs, num_heads,
+                                    num_kv_heads, head_dim, block_size, tables.size(1), static_cast<float>(scale));
+  });
+  return out;
+}
+
+// query [T, H, D] float32 (heads contiguous within a token; any token stride), the rows of the prefill sequences in
+// order; caches [num_blocks, block_size, Hkv, D] float32 holding every key up to each row's position (this step's
+// included); block_tables [S, max_blocks]; seq_lens [S] context after this step; query_starts [S + 1] cumulative
+// query rows -> [T, H, D]. Needs AVX-512 and head_dim in {32, 64, 128}: see prefill_attention_available().
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+                                      double scale) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.dim() == 3 && query.stride(2) == 1 &&
+                  query.stride(1) == query.size(2),
+              "query: float32 [T, H, D] with contiguous heads");
+  TORCH_CHECK(key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32 &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "caches: contiguous float32");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64 &&
+                  query_starts.scalar_type() == torch::kInt64,
+              "int64 indices");
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto starts = query_starts.contiguous();
+  const int64_t num_seqs = lens.size(0);
+  TORCH_CHECK(starts.size(0) == num_seqs + 1 && starts[num_seqs].item<int64_t>() == query.size(0),
+              "query_starts must be the [S + 1] cumulative query rows");
+  auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  const int64_t head_dim = query.size(2);
+#if defined(__AVX512F__)
+  const auto run = [&](auto nc) {
+    prefill_attention_avx512<decltype(nc)::value>(
+        query.data_ptr<float>(), query.stride(0), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+        tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), num_seqs,
+        query.size(1), key_cache.size(2), key_cache.size(1), static_cast<float>(scale), out.data_ptr<float>());
+  };
+  if (head_dim == 32) return run(std::integral_constant<int, 2>{}), out;
+  if (head_dim == 64) return run(std::integral_constant<int, 4>{}), out;
+  if (head_dim == 128) return run(std::integral_constant<int, 8>{}), out;
+#endif
+  TORCH_CHECK(false, "paged_prefill_attention: needs AVX-512 and head_dim 32, 64 or 128");
+  return out;
+}
+
+bool prefill_attention_available(int64_t head_dim) {
+#if defined(__AVX512F__)
+  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+#else
+  return false;
+#endif
+}
