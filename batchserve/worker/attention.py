@@ -84,6 +84,10 @@ class AttentionMetadata:
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """Store this step's K/V ([T, Hkv, D]) into the pool at their slots."""
     key_cache, value_cache = kv_cache
+    native = kernels.load() if key.device.type == "cpu" and key.dtype == key_cache.dtype == torch.float32 else None
+    if native is not None:
+        native.write_kv_(key, value, key_cache, value_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))

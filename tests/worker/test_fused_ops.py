@@ -47,6 +47,34 @@ def test_rope_in_place_on_a_strided_view():
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # V untouched
 
 
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (5, 1000), (64, 49152), (3, 7)])
+def test_argmax_rows_matches_torch(rows, vocab):
+    torch.manual_seed(rows)
+    logits = torch.randn(rows, vocab)
+    logits[0, vocab // 3] = logits[0, vocab // 2] = 1e9  # a tie: the first index wins
+    if rows > 2:
+        logits[1, 5 % vocab] = logits[1, vocab - 1] = float("nan")  # NaN counts as the largest, the first one
+        logits[2] = float("-inf")
+    assert torch.equal(native.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_write_kv_matches_index_copy():
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim = 11, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    key = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)  # strided rows, as in the model
+    value = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    caches = [torch.randn(6, 4, kv_heads, dim) for _ in range(2)]
+    caches += [c.clone() for c in caches]
+    slots = torch.randperm(24)[:tokens]
+    native.write_kv_(key, value, caches[0], caches[1], slots)
+    caches[2].view(-1, kv_heads, dim).index_copy_(0, slots, key)
+    caches[3].view(-1, kv_heads, dim).index_copy_(0, slots, value)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        native.write_kv_(key, value, caches[0], caches[1], torch.full((tokens,), 24))
+
+
 def test_model_layers_take_the_same_values_either_way(monkeypatch):
     # RMSNorm / MLP / RoPE helpers: native and torch paths agree.
     torch.manual_seed(1)

@@ -10,6 +10,9 @@ bool prefill_attention_available(int64_t head_dim);
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor argmax_rows(torch::Tensor logits);
+void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+               torch::Tensor slot_mapping);
 bool small_gemm_available();
 torch::Tensor small_gemm_pack(torch::Tensor weight);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
@@ -22,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] projection");
   m.def("rope_", &rope_, "rotary embedding in place on [T, heads, D] (rotate_half convention)");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, -1) of [R, V] float32, parallel over rows");
+  m.def("write_kv_", &write_kv_, "store one step's K/V [T, Hkv, D] at their pool slots (in place)");
   m.def("small_gemm_available", &small_gemm_available, "whether small_gemm was built (AVX-512)");
   m.def("small_gemm_pack", &small_gemm_pack, "[N, K] weight -> [N/32, K, 32] panels for small_gemm");
   m.def("small_gemm", &small_gemm, "x [M, K] @ packed weight -> [M, n], for small M");

@@ -4,7 +4,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "vec_math.h"
 
@@ -88,6 +91,39 @@ void rope_rows(float* x, int64_t token_stride, int64_t heads, int64_t head_dim, 
   });
 }
 
+// Index of the largest of n values, the first on ties, a NaN counting as larger than any number (torch.argmax's
+// rules). Two passes: the maximum (vectorized), then the first index holding it (the row is in L2 by then). NaN is
+// tested on the bits: -ffast-math lets the compiler assume there is none.
+inline bool is_nan_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits & 0x7fffffffu) > 0x7f800000u;
+}
+
+int64_t argmax_of(const float* x, int64_t n) {
+  float best = -INFINITY;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), inf_bits);
+    vmax = _mm512_max_ps(vmax, v);
+  }
+  if (nan) i = 0, vmax = _mm512_set1_ps(-INFINITY);  // let the scalar loop find the first NaN
+  best = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; i < n; ++i) {
+    if (is_nan_bits(x[i])) return i;
+    best = std::max(best, x[i]);
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (x[j] == best) return j;
+  return 0;  // every value is -inf
+}
+
 }  // namespace
 
 // x [T, H] -> normalized [T, H]; with residual (same shape): residual += x in place, the sum normalized.
@@ -125,4 +161,44 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(cos.size(0) == x.size(0) && cos.size(1) * 2 == x.size(2), "cos/sin: [T, D/2]");
   rope_rows(x.data_ptr<float>(), x.stride(0), x.size(1), x.size(2), cos.data_ptr<float>(), sin.data_ptr<float>(),
             x.size(0));
+}
+
+// logits [R, V] float32 with contiguous rows -> [R] int64: torch.argmax(logits, dim=-1), parallel over rows.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  check_rows(logits, "logits");
+  auto out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kInt64));
+  const float* x = logits.data_ptr<float>();
+  int64_t* idx = out.data_ptr<int64_t>();
+  const int64_t stride = logits.stride(0), n = logits.size(1);
+  at::parallel_for(0, logits.size(0), grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) idx[r] = argmax_of(x + r * stride, n);
+  });
+  return out;
+}
+
+// key/value [T, Hkv, D] float32 (heads contiguous, any token stride) -> rows slot_mapping[t] of the caches viewed as
+// [num_slots, Hkv, D]: one call per layer instead of two index_copy_.
+void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+               torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.scalar_type() == torch::kFloat32 && value.scalar_type() == torch::kFloat32 &&
+                  key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32,
+              "write_kv_: float32 expected");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slots: contiguous int64");
+  const int64_t tokens = key.size(0), row = key.size(1) * key.size(2);
+  TORCH_CHECK(value.sizes() == key.sizes() && slot_mapping.size(0) == tokens, "key/value/slots disagree");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+                  value.stride(1) == value.size(2),
+              "key/value: heads must be contiguous within a token");
+  TORCH_CHECK(key_cache.size(2) * key_cache.size(3) == row, "cache rows must hold one token's heads");
+  const int64_t num_slots = key_cache.numel() / row;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the pool");
+  const float *k = key.data_ptr<float>(), *v = value.data_ptr<float>();
+  float *kc = key_cache.data_ptr<float>(), *vc = value_cache.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(kc + slots[t] * row, k + t * key.stride(0), row * sizeof(float));
+    std::memcpy(vc + slots[t] * row, v + t * value.stride(0), row * sizeof(float));
+  }
 }
