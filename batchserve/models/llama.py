@@ -100,6 +100,12 @@ class CpuLinear(nn.Module):
         super().__init__()
         self.out_features = weight.shape[0]
         weight = weight.detach()
+        if weight.dtype in (torch.bfloat16, torch.float16) and not kernels.has_matmul_units(weight.dtype):
+            # Without bf16/fp16 matmul units torch's GEMM in them runs at ~1/4 of float32's. A product of two bf16
+            # (or fp16) values is exact in float32, so a float32 GEMM on widened copies, its result rounded back, is
+            # what a bf16 GEMM with float32 accumulation computes, in another summation order.
+            weight = weight.float()
+            bias = None if bias is None else bias.float()
         self.register_buffer("weight_t", weight.t().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach())
         narrow = self.out_features <= self.NARROW_OUT
@@ -114,6 +120,11 @@ class CpuLinear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight_t.dtype:  # bf16/fp16 activations, float32 layouts (see __init__)
+            return self._forward(x.to(self.weight_t.dtype)).to(x.dtype)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if m < self.SMALL_MIN_M:
             out = torch.matmul(x, self.weight_t)

@@ -150,9 +150,10 @@ def prefill_attention(
 ) -> torch.Tensor:
     native = _native_prefill(query, kv_cache)
     if native is not None:
-        return native.paged_prefill_attention(
-            query, kv_cache[0], kv_cache[1], group.block_tables, group.seq_lens, group.query_starts, scale
+        out = native.paged_prefill_attention(
+            query.float(), kv_cache[0], kv_cache[1], group.block_tables, group.seq_lens, group.query_starts, scale
         )
+        return out.to(query.dtype)
     if group.seq_bounds is not None:
         return _fresh_prefill_attention(query, key, value, group.seq_bounds, scale)
     keys, values = gather_kv(kv_cache, group.block_tables)
@@ -175,8 +176,9 @@ def prefill_attention(
 
 
 def _native_prefill(query: torch.Tensor, kv_cache: KVCache):
-    """The native prefill kernel when it takes this call: CPU, float32 query and pool, a head size it was built for."""
-    if query.device.type != "cpu" or query.dtype != torch.float32 or kv_cache[0].dtype != torch.float32:
+    """The native prefill kernel when it takes this call: CPU, a float32 or bfloat16 pool, a head size it was built
+    for (it computes in float32)."""
+    if query.device.type != "cpu" or kv_cache[0].dtype not in (torch.float32, torch.bfloat16):
         return None
     native = kernels.load()
     return native if native is not None and native.prefill_attention_available(query.shape[-1]) else None

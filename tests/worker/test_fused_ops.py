@@ -125,3 +125,28 @@ def test_cpu_linear_layouts_agree_at_every_m():
         for m in (1, 2, 8, 48, 49, 64, 65, 511, 512, 600):
             x = torch.randn(m, 64)
             torch.testing.assert_close(cpu(x), linear(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("units", [False, True], ids=["no-bf16-units", "bf16-units"])
+def test_cpu_linear_bfloat16(units, monkeypatch):
+    # Without bf16 matmul units the GEMM runs in float32 on widened weights: exactly a bf16 GEMM with float32
+    # accumulation, rounded once. With them the weights stay bf16 for torch's own bf16 GEMM.
+    monkeypatch.setattr(kernels, "has_matmul_units", lambda dtype: units)
+    torch.manual_seed(4)
+    linear = torch.nn.Linear(64, 96, bias=True, dtype=torch.bfloat16)
+    cpu = llama.CpuLinear.from_linear(linear)
+    assert cpu.weight_t.dtype == (torch.bfloat16 if units else torch.float32)
+    for m in (1, 5, 64, 600):
+        x = torch.randn(m, 64).to(torch.bfloat16)
+        out = cpu(x)
+        assert out.dtype == torch.bfloat16
+        exact = (x.float() @ linear.weight.float().t() + linear.bias.float()).to(torch.bfloat16)
+        torch.testing.assert_close(out, exact, rtol=1.6e-2, atol=1e-2)
+
+
+def test_matmul_units_read_from_cpu_flags(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t\t: fpu avx512f avx512_vnni")
+    assert not kernels.has_matmul_units(torch.bfloat16)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t\t: fpu avx512f avx512_bf16 amx_tile")
+    assert kernels.has_matmul_units(torch.bfloat16) and not kernels.has_matmul_units(torch.float16)
+    assert not kernels.has_matmul_units(torch.float32)

@@ -23,12 +23,26 @@ _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 
+@functools.cache
+def cpu_flags() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them ("flags : fpu vme ..."), else the processor name."""
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def has_matmul_units(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` natively (AMX or AVX512-BF16 / AVX512-FP16), so that a GEMM in it is
+    faster than in float32."""
+    wanted = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
+    flags = cpu_flags().split()
+    return any(flag in flags for flag in wanted.get(dtype, ()))
+
+
 def _machine_tag() -> str:
     """-march=native code is only valid on the CPU it was built for: key the build on the CPU's flags (and ours)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
+    flags = cpu_flags()
     sources = "".join(p.read_text() for p in (*_SOURCES, *sorted(Path(__file__).parent.glob("*.h"))))
     # the compile command holds torch's include path as this interpreter spells it (a symlinked venv spells it
     # two ways): one build folder per spelling, or each would rebuild the other's objects

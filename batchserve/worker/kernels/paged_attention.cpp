@@ -103,16 +103,23 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
+// 16 K/V values as floats: float caches load as they are, bfloat16 ones widen (a bfloat16 is a float's upper half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 // Scores of one query (qv: head_dim / 16 vectors, already scaled) against the first `n` tokens of a tile; lanes >= n
 // are 0.
-template <int NC>
-inline __m512 score_tile(const __m512* qv, const float* k_tile, int64_t token_stride, int64_t n) {
+template <int NC, typename T>
+inline __m512 score_tile(const __m512* qv, const T* k_tile, int64_t token_stride, int64_t n) {
   __m512 dots[16];
   for (int t = 0; t < 16; ++t) {
     if (t < n) {
-      const float* k = k_tile + t * token_stride;
-      __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-      for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), d);
+      const T* k = k_tile + t * token_stride;
+      __m512 d = _mm512_mul_ps(qv[0], load16(k));
+      for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), d);
       dots[t] = d;
     } else {
       dots[t] = _mm512_setzero_ps();
@@ -137,8 +144,8 @@ inline void softmax_update(__m512 s, int64_t n, float& m, __m512& l, float& corr
 // acc[h] = acc[h] * corr[h] + sum_t p[h][t] * v[t] for HC queries reading the same V tile (the query heads of one kv
 // head, or the query rows of one prefill tile): each V row is loaded once for all of them, and the HC * NC
 // accumulators are independent FMA chains (one chain per query would wait on FMA latency).
-template <int NC, int HC>
-inline void accumulate_values(const float* v_tile, int64_t token_stride, int64_t n, const float* p, const float* corr,
+template <int NC, int HC, typename T>
+inline void accumulate_values(const T* v_tile, int64_t token_stride, int64_t n, const float* p, const float* corr,
                               float* acc_store) {
   __m512 acc[HC][NC];
   for (int h = 0; h < HC; ++h) {
@@ -147,7 +154,7 @@ inline void accumulate_values(const float* v_tile, int64_t token_stride, int64_t
   }
   for (int64_t t = 0; t < n; ++t) {
     __m512 v[NC];
-    for (int j = 0; j < NC; ++j) v[j] = _mm512_loadu_ps(v_tile + t * token_stride + 16 * j);
+    for (int j = 0; j < NC; ++j) v[j] = load16(v_tile + t * token_stride + 16 * j);
     for (int h = 0; h < HC; ++h) {
       const __m512 pt = _mm512_set1_ps(p[h * 16 + t]);
       for (int j = 0; j < NC; ++j) acc[h][j] = _mm512_fmadd_ps(pt, v[j], acc[h][j]);
@@ -158,8 +165,8 @@ inline void accumulate_values(const float* v_tile, int64_t token_stride, int64_t
 }
 
 // `heads` such queries, in chunks of at most 16 accumulator registers.
-template <int NC>
-void accumulate_group(const float* v_tile, int64_t token_stride, int64_t n, const float* p, const float* corr,
+template <int NC, typename T>
+void accumulate_group(const T* v_tile, int64_t token_stride, int64_t n, const float* p, const float* corr,
                       float* acc_store, int64_t heads) {
   constexpr int kChunk = NC <= 4 ? 4 : 2;
   int64_t h = 0;
@@ -175,8 +182,8 @@ void accumulate_group(const float* v_tile, int64_t token_stride, int64_t n, cons
 // NC = head_dim / 16 vectors per head. A work item is one sequence with all its kv heads, so each 16-token tile is
 // read as one contiguous run of memory; with fewer sequences than 4 per thread, an item is one (sequence, kv head)
 // so that both threads have work.
-template <int NC>
-void decode_attention_avx512(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+template <int NC, typename T>
+void decode_attention_avx512(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                              const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
                              int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
   constexpr int64_t D = NC * 16;
@@ -226,8 +233,8 @@ void decode_attention_avx512(const float* q, const float* k_cache, const float* 
 
 // Prefill tiles: up to 16 consecutive query rows of one sequence and one head, at positions first_pos.. (their keys
 // are 0..position, this step's included, all read from the pool through the block table).
-template <int NC>
-void prefill_tile(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, const int64_t* table,
+template <int NC, typename T>
+void prefill_tile(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* table,
                   int64_t first_pos, int64_t rows, int64_t kv_head, int64_t token_stride, int64_t block_size,
                   float scale, float* out, int64_t out_stride) {
   constexpr int64_t D = NC * 16;
@@ -269,8 +276,8 @@ void prefill_tile(const float* q, int64_t q_stride, const float* k_cache, const 
 
 // Every sequence's query rows in tiles of 16, one tile x head per work item. Items are dealt to threads round-robin:
 // a tile's cost grows with its position, and neighbouring items cost about the same.
-template <int NC>
-void prefill_attention_avx512(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+template <int NC, typename T>
+void prefill_attention_avx512(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                               const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens,
                               const int64_t* query_starts, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                               int64_t block_size, float scale, float* out) {
@@ -288,7 +295,7 @@ void prefill_attention_avx512(const float* q, int64_t q_stride, const float* k_c
         const int64_t head = item % num_heads;
         const int64_t rows = std::min<int64_t>(16, query_starts[seq + 1] - row);
         const int64_t first_pos = seq_lens[seq] - (query_starts[seq + 1] - row);
-        prefill_tile<NC>(q + row * q_stride + head * D, q_stride, k_cache, v_cache, tables + seq * max_blocks,
+        prefill_tile<NC, T>(q + row * q_stride + head * D, q_stride, k_cache, v_cache, tables + seq * max_blocks,
                          first_pos, rows, head / group, num_kv_heads * D, block_size, scale,
                          out + (row * num_heads + head) * D, num_heads * D);
       }
@@ -296,27 +303,21 @@ void prefill_attention_avx512(const float* q, int64_t q_stride, const float* k_c
   });
 }
 
-// True when the vectorized path took the call.
-bool try_decode_attention_avx512(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+// True when the vectorized path took the call (head_dim 32, 64 or 128).
+template <typename T>
+bool try_decode_attention_avx512(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                                  const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                                  float scale) {
-  switch (head_dim) {
-    case 32:
-      decode_attention_avx512<2>(q, k_cache, v_cache, tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
-                                 block_size, max_blocks, scale);
-      return true;
-    case 64:
-      decode_attention_avx512<4>(q, k_cache, v_cache, tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
-                                 block_size, max_blocks, scale);
-      return true;
-    case 128:
-      decode_attention_avx512<8>(q, k_cache, v_cache, tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
-                                 block_size, max_blocks, scale);
-      return true;
-    default:
-      return false;
-  }
+  const auto run = [&](auto nc) {
+    decode_attention_avx512<decltype(nc)::value, T>(q, k_cache, v_cache, tables, seq_lens, out, num_seqs, num_heads,
+                                                    num_kv_heads, block_size, max_blocks, scale);
+    return true;
+  };
+  if (head_dim == 32) return run(std::integral_constant<int, 2>{});
+  if (head_dim == 64) return run(std::integral_constant<int, 4>{});
+  if (head_dim == 128) return run(std::integral_constant<int, 8>{});
+  return false;
 }
 
 #endif  // __AVX512F__
@@ -336,12 +337,15 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
 #if defined(__AVX512F__)
-  if (key_cache.scalar_type() == torch::kFloat32 &&
-      try_decode_attention_avx512(query.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
-                                  tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                                  num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
-                                  static_cast<float>(scale)))
-    return out;
+  const auto vectorized = [&](auto* cache_type) {
+    using T = std::remove_pointer_t<decltype(cache_type)>;
+    return try_decode_attention_avx512<T>(query.data_ptr<float>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+                                          tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
+                                          static_cast<float>(scale));
+  };
+  if (key_cache.scalar_type() == torch::kFloat32 && vectorized(static_cast<float*>(nullptr))) return out;
+  if (key_cache.scalar_type() == torch::kBFloat16 && vectorized(static_cast<c10::BFloat16*>(nullptr))) return out;
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_impl<scalar_t>(query.data_ptr<float>(), key_cache.data_ptr<scalar_t>(),
@@ -353,18 +357,20 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 }
 
 // query [T, H, D] float32 (heads contiguous within a token; any token stride), the rows of the prefill sequences in
-// order; caches [num_blocks, block_size, Hkv, D] float32 holding every key up to each row's position (this step's
-// included); block_tables [S, max_blocks]; seq_lens [S] context after this step; query_starts [S + 1] cumulative
-// query rows -> [T, H, D]. Needs AVX-512 and head_dim in {32, 64, 128}: see prefill_attention_available().
+// order; caches [num_blocks, block_size, Hkv, D] (float32 or bfloat16) holding every key up to each row's position
+// (this step's included); block_tables [S, max_blocks]; seq_lens [S] context after this step; query_starts [S + 1]
+// cumulative query rows -> [T, H, D] float32. Needs AVX-512 and head_dim in {32, 64, 128}: see
+// prefill_attention_available().
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                                       double scale) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.dim() == 3 && query.stride(2) == 1 &&
                   query.stride(1) == query.size(2),
               "query: float32 [T, H, D] with contiguous heads");
-  TORCH_CHECK(key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32 &&
-                  key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "caches: contiguous float32");
+  const auto cache_type = key_cache.scalar_type();
+  TORCH_CHECK((cache_type == torch::kFloat32 || cache_type == torch::kBFloat16) &&
+                  value_cache.scalar_type() == cache_type && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "caches: contiguous float32 or bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64 &&
                   query_starts.scalar_type() == torch::kInt64,
               "int64 indices");
@@ -377,15 +383,20 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
   auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const int64_t head_dim = query.size(2);
 #if defined(__AVX512F__)
-  const auto run = [&](auto nc) {
-    prefill_attention_avx512<decltype(nc)::value>(
-        query.data_ptr<float>(), query.stride(0), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+  const auto run = [&](auto nc, auto* cache_type) {
+    using T = std::remove_pointer_t<decltype(cache_type)>;
+    prefill_attention_avx512<decltype(nc)::value, T>(
+        query.data_ptr<float>(), query.stride(0), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
         tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), num_seqs,
         query.size(1), key_cache.size(2), key_cache.size(1), static_cast<float>(scale), out.data_ptr<float>());
   };
-  if (head_dim == 32) return run(std::integral_constant<int, 2>{}), out;
-  if (head_dim == 64) return run(std::integral_constant<int, 4>{}), out;
-  if (head_dim == 128) return run(std::integral_constant<int, 8>{}), out;
+  const auto run_typed = [&](auto nc) {
+    if (cache_type == torch::kFloat32) run(nc, static_cast<float*>(nullptr));
+    else run(nc, static_cast<c10::BFloat16*>(nullptr));
+  };
+  if (head_dim == 32) return run_typed(std::integral_constant<int, 2>{}), out;
+  if (head_dim == 64) return run_typed(std::integral_constant<int, 4>{}), out;
+  if (head_dim == 128) return run_typed(std::integral_constant<int, 8>{}), out;
 #endif
   TORCH_CHECK(false, "paged_prefill_attention: needs AVX-512 and head_dim 32, 64 or 128");
   return out;
