@@ -188,3 +188,26 @@ def test_bfloat16_pool(native, monkeypatch):
     out, expected, batch = run_batch(seqs, 16, stale=native, heads=(9, 3, 64), dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and batch.attn_metadata.prefill is not None
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_kernels_refuse_malformed_inputs_and_keep_nan():
+    native = kernels.load()
+    if native is None or not native.prefill_attention_available(64):
+        pytest.skip("native kernels not built here")
+    cache = torch.zeros(4, 16, 3, 64)
+    tables, lens = torch.tensor([[0, 1]]), torch.tensor([20])
+    query = torch.randn(5, 9, 64)
+    with pytest.raises(RuntimeError, match="query_starts"):
+        native.paged_prefill_attention(query, cache, cache, tables, lens, torch.tensor([-5, 5]), 0.125)
+    with pytest.raises(RuntimeError, match="head sizes"):
+        native.paged_prefill_attention(query[..., :32].contiguous(), cache, cache, tables, lens, torch.tensor([0, 5]), 1)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        native.paged_decode_attention(query[:1].contiguous(), cache, cache, torch.tensor([[0, 9]]), lens, 0.125)
+    with pytest.raises(RuntimeError, match="must match"):
+        native.paged_decode_attention(query[:1].contiguous(), cache, cache[:2], tables, lens, 0.125)
+    # a NaN query stays NaN (as in SDPA) instead of averaging V evenly; the other rows are untouched
+    query[2, 4] = float("nan")
+    out = native.paged_prefill_attention(query, cache, cache, tables, lens, torch.tensor([0, 5]), 0.125)
+    assert out[2, 4].isnan().all() and not out[:2].isnan().any() and not out[3:].isnan().any()
+    out = native.paged_decode_attention(query[2:3].contiguous(), cache, cache, tables, lens, 0.125)
+    assert out[0, 4].isnan().all() and not out[0, :4].isnan().any()

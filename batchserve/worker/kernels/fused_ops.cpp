@@ -166,6 +166,7 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // logits [R, V] float32 with contiguous rows -> [R] int64: torch.argmax(logits, dim=-1), parallel over rows.
 torch::Tensor argmax_rows(torch::Tensor logits) {
   check_rows(logits, "logits");
+  TORCH_CHECK(logits.size(1) > 0, "argmax of an empty row");
   auto out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kInt64));
   const float* x = logits.data_ptr<float>();
   int64_t* idx = out.data_ptr<int64_t>();
@@ -184,6 +185,8 @@ void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, 
                   key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32,
               "write_kv_: float32 expected");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "key and value caches must match");
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3, "key/value: [T, Hkv, D]");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slots: contiguous int64");
   const int64_t tokens = key.size(0), row = key.size(1) * key.size(2);
   TORCH_CHECK(value.sizes() == key.sizes() && slot_mapping.size(0) == tokens, "key/value/slots disagree");

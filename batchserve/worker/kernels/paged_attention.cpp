@@ -324,6 +324,32 @@ bool try_decode_attention_avx512(const float* q, const T* k_cache, const T* v_ca
 
 }  // namespace
 
+// Shapes the kernels index with, checked before any pointer is formed from them: a bad call raises, never reads or
+// writes outside its tensors.
+static void check_paged_inputs(const torch::Tensor& query, const torch::Tensor& key_cache,
+                               const torch::Tensor& value_cache, const torch::Tensor& tables,
+                               const torch::Tensor& lens) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, H, D] and caches [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes() && value_cache.scalar_type() == key_cache.scalar_type(),
+              "key and value caches must match");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), "query and cache head sizes differ");
+  TORCH_CHECK(key_cache.size(2) > 0 && query.size(1) % key_cache.size(2) == 0,
+              "query heads must be a multiple of kv heads");
+  TORCH_CHECK(tables.dim() == 2 && lens.dim() == 1 && tables.size(0) == lens.size(0),
+              "one block table row per sequence");
+  const int64_t block_size = key_cache.size(1), num_blocks = key_cache.size(0);
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* table = tables.data_ptr<int64_t>();
+  for (int64_t s = 0; s < lens.size(0); ++s) {
+    TORCH_CHECK(len[s] >= 1 && len[s] <= tables.size(1) * block_size, "sequence ", s, ": length ", len[s],
+                " outside its block table");
+    for (int64_t b = 0; b < (len[s] + block_size - 1) / block_size; ++b) {
+      const int64_t block = table[s * tables.size(1) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", s, ": block ", block, " outside the pool");
+    }
+  }
+}
+
 // query [B, H, D] float32 contiguous; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int64;
 // seq_lens [B] int64 -> [B, H, D] float32
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -333,6 +359,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64, "int64 indices");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
+  check_paged_inputs(query, key_cache, value_cache, tables, lens);
+  TORCH_CHECK(lens.size(0) == query.size(0), "one query per sequence");
   auto out = torch::empty_like(query);
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
@@ -377,9 +405,15 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto starts = query_starts.contiguous();
+  check_paged_inputs(query, key_cache, value_cache, tables, lens);
   const int64_t num_seqs = lens.size(0);
-  TORCH_CHECK(starts.size(0) == num_seqs + 1 && starts[num_seqs].item<int64_t>() == query.size(0),
-              "query_starts must be the [S + 1] cumulative query rows");
+  TORCH_CHECK(starts.dim() == 1 && starts.size(0) == num_seqs + 1, "query_starts: [S + 1]");
+  const int64_t* start = starts.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  TORCH_CHECK(start[0] == 0 && start[num_seqs] == query.size(0), "query_starts must run from 0 to the query rows");
+  for (int64_t s = 0; s < num_seqs; ++s)
+    TORCH_CHECK(start[s + 1] > start[s] && start[s + 1] - start[s] <= len[s], "sequence ", s,
+                ": query rows must be 1..seq_len");
   auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const int64_t head_dim = query.size(2);
 #if defined(__AVX512F__)
