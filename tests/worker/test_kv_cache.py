@@ -33,7 +33,7 @@ def test_explicit_num_blocks_wins():
 
 
 def test_fraction_of_free_memory(monkeypatch):
-    per_block = block_bytes(CONFIG, 16, torch.float32)
+    per_block = block_bytes(CONFIG, CacheConfig().block_size, torch.float32)
     monkeypatch.setattr(kv_module, "available_memory_bytes", lambda device: 1000 * per_block)
     assert num_blocks_for_budget(CacheConfig(), CONFIG, torch.float32, CPU) == 250  # CPU default 0.25
     assert num_blocks_for_budget(CacheConfig(kv_cache_memory_fraction=0.5), CONFIG, torch.float32, CPU) == 500
@@ -43,7 +43,7 @@ def test_fraction_of_free_memory(monkeypatch):
 
 
 def test_cpu_default_pool_is_capped_but_an_explicit_fraction_is_not(monkeypatch):
-    per_block = block_bytes(CONFIG, 16, torch.float32)
+    per_block = block_bytes(CONFIG, CacheConfig().block_size, torch.float32)
     monkeypatch.setattr(kv_module, "available_memory_bytes", lambda device: 64 * kv_module.GiB)
     assert num_blocks_for_budget(CacheConfig(), CONFIG, torch.float32, CPU) == 4 * kv_module.GiB // per_block
     explicit = CacheConfig(kv_cache_memory_fraction=0.25)
@@ -55,7 +55,7 @@ def test_available_memory_reads_meminfo():
 
 
 def test_swap_blocks_sizing():
-    per_block = block_bytes(CONFIG, 16, torch.float32)
+    per_block = block_bytes(CONFIG, CacheConfig().block_size, torch.float32)
     assert num_swap_blocks_for_budget(CacheConfig(num_swap_blocks=5), CONFIG, torch.float32) == 5
     assert num_swap_blocks_for_budget(CacheConfig(swap_space_gb=1.0), CONFIG, torch.float32, enabled=False) == 0
     assert num_swap_blocks_for_budget(CacheConfig(swap_space_gb=1.0), CONFIG, torch.float32) == 1024**3 // per_block
