@@ -64,7 +64,7 @@ class SchedulerConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = 32  # tokens per KV block
+    block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_fraction
     kv_cache_memory_fraction: float | None = None  # of memory free after the weights; None: 0.9 GPU, 0.25 CPU (<= 4 GiB)
     enable_prefix_caching: bool = True
