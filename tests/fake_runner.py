@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 
-from batchserve.core.outputs import ModelOutput, SchedulerOutput
+from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput
 
 
 def reference_next_token(tokens: list[int], vocab_size: int) -> int:
@@ -29,6 +29,7 @@ class FakeRunner:
         self.tokens: dict[str, list[int]] = {}
         self.tables: dict[str, list[int]] = {}
         self.steps: list[SchedulerOutput] = []
+        self.last_timings = RunnerTimings()  # nothing is timed: the engine's step split reads zeros
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         self.steps.append(out)

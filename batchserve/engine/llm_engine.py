@@ -36,6 +36,7 @@ class QueueFullError(RuntimeError):
 class Runner(Protocol):
     num_kv_blocks: int
     num_swap_blocks: int
+    last_timings: RunnerTimings  # of the latest execute()
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput: ...
 
@@ -237,8 +238,7 @@ class LLMEngine:
         end = time.monotonic()
         self.last_stats = self.scheduler.stats()
         self.last_step_time_s = end - start
-        runner_timings = getattr(self.runner, "last_timings", None) or RunnerTimings()
-        self.last_timings = StepTimings.of(scheduled_at - start, runner_timings, end - executed_at)
+        self.last_timings = StepTimings.of(scheduled_at - start, self.runner.last_timings, end - executed_at)
         if self.step_records is not None and not scheduled.is_empty:
             self.step_records.append(StepRecord(self.num_steps, start, end, self.last_stats))
         self.num_steps += 1

@@ -66,17 +66,10 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos().to(dtype).contiguous(), freqs.sin().to(dtype).contiguous()
 
 
-def _native_ops(x: torch.Tensor):
-    """The fused native kernels when they apply to x (float32 on CPU, built), else None: the torch code runs."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        return None
-    return kernels.load()
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D]; cos/sin [T, D/2]. HF rotate_half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
     The native kernel rotates x in place (its heads must be contiguous within a token)."""
-    native = _native_ops(x)
+    native = kernels.for_tensors(x)
     if native is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         native.rope_(x, cos, sin)
         return x
@@ -111,7 +104,7 @@ class CpuLinear(nn.Module):
         narrow = self.out_features <= self.NARROW_OUT
         self.register_buffer("packed", None if narrow else _mkldnn_pack(weight))
         self.small_max_m = self.SMALL_MAX_M[narrow]
-        native = _native_ops(weight)
+        native = kernels.for_tensors(weight)
         small = native is not None and native.small_gemm_available()
         self.register_buffer("small_packed", native.small_gemm_pack(weight) if small else None)
 
@@ -156,7 +149,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with a residual: (norm(x + residual), x + residual), the sum being the next residual stream.
         The native kernel does either in one pass (the sum in place in `residual`)."""
-        native = _native_ops(x)
+        native = kernels.for_tensors(x)
         if native is not None and x.dim() == 2 and x.stride(1) == 1:
             out = native.rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual)
@@ -210,7 +203,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        native = _native_ops(gate_up)
+        native = kernels.for_tensors(gate_up)
         if native is not None and gate_up.stride(1) == 1:
             return self.down_proj(native.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -84,7 +84,7 @@ class AttentionMetadata:
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """Store this step's K/V ([T, Hkv, D]) into the pool at their slots."""
     key_cache, value_cache = kv_cache
-    native = kernels.load() if key.device.type == "cpu" and key.dtype == key_cache.dtype == torch.float32 else None
+    native = kernels.for_tensors(key, value, key_cache)
     if native is not None:
         native.write_kv_(key, value, key_cache, value_cache, slot_mapping)
         return
@@ -130,7 +130,7 @@ def decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float
 ) -> torch.Tensor:
     """One query per sequence over its whole context in the pool (this step's key/value are already there)."""
-    native = kernels.load() if query.device.type == "cpu" else None
+    native = kernels.for_tensors(query, kv_cache[0], dtypes=(torch.float32, torch.bfloat16, torch.float16))
     if native is not None:
         out = native.paged_decode_attention(
             query.float().contiguous(), kv_cache[0], kv_cache[1], group.block_tables, group.seq_lens, scale
@@ -178,9 +178,7 @@ def prefill_attention(
 def _native_prefill(query: torch.Tensor, kv_cache: KVCache):
     """The native prefill kernel when it takes this call: CPU, a float32 or bfloat16 pool, a head size it was built
     for (it computes in float32)."""
-    if query.device.type != "cpu" or kv_cache[0].dtype not in (torch.float32, torch.bfloat16):
-        return None
-    native = kernels.load()
+    native = kernels.for_tensors(query, kv_cache[0], dtypes=(torch.float32, torch.bfloat16))
     return native if native is not None and native.prefill_attention_available(query.shape[-1]) else None
 
 

@@ -208,11 +208,12 @@ class RequestTable:
         fresh = max_q > 1 and bool((group_query_lens == group_lens).all())  # prompts with no earlier context
         host.add(f"{name}.seq_lens", group_lens)
         host.add(f"{name}.block_tables", self.block_table[rows[seqs], : -(-int(group_lens.max()) // self.block_size)])
+        starts = query_start_loc[seqs[0] : seqs[-1] + 2] - start  # each sequence's first row within the group
         if max_q > 1:
             local = np.repeat(np.arange(len(seqs)), group_query_lens)
             host.add(f"{name}.query_pad_index", local * max_q + offset[start:stop])
-            host.add(f"{name}.query_starts", query_start_loc[seqs[0] : seqs[-1] + 2] - start)
-        bounds = (query_start_loc[seqs[0] : seqs[-1] + 2] - start).tolist() if fresh else None
+            host.add(f"{name}.query_starts", starts)
+        bounds = starts.tolist() if fresh else None
 
         def build(dev: dict[str, torch.Tensor]) -> SeqGroup:
             return SeqGroup(

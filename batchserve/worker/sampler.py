@@ -218,7 +218,7 @@ def _logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, meta: SamplingM
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1): the native kernel (a vectorized max, then a scan for its first index) is ~3x torch at 64
     rows of a 49k vocabulary."""
-    native = kernels.load() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    native = kernels.for_tensors(logits)
     if native is not None and logits.dim() == 2 and logits.stride(1) == 1:
         return native.argmax_rows(logits)
     return logits.argmax(dim=-1)

@@ -49,6 +49,14 @@ def _machine_tag() -> str:
     return hashlib.sha1((flags + " ".join(CFLAGS) + sources + torch.__file__).encode()).hexdigest()[:12]
 
 
+def for_tensors(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
+    """The compiled module when the kernels take these tensors (all on the CPU, each in one of `dtypes`) and it is
+    built here; else None, and the caller runs its torch code."""
+    if all(t.device.type == "cpu" and t.dtype in dtypes for t in tensors):
+        return load()
+    return None
+
+
 @functools.cache
 def load():
     """The compiled module, or None when native kernels are off or cannot be built here."""
