@@ -3,21 +3,43 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict", "static")
-SCHEDULING_ORDERS = ("fcfs", "priority", "shortest_first")
-PREEMPTION_MODES = ("recompute", "swap")
-TRUNCATIONS = ("error", "left", "right")
-DTYPES = ("float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-
+E = TypeVar("E", bound=enum.StrEnum)
 
 class ConfigError(ValueError):
     """A configuration value that cannot work."""
+
+
+class SchedulerPolicy(enum.StrEnum):
+    MAX_UTILIZATION = "max_utilization"  # fill the budget; preempt when blocks run out
+    GUARANTEED_NO_EVICT = "guaranteed_no_evict"  # reserve each request's worst case; never preempt
+    STATIC = "static"  # classic static batching: a new batch only when the previous one is done
+
+
+class SchedulingOrder(enum.StrEnum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"  # per-request integer, lower first
+    SHORTEST_FIRST = "shortest_first"  # prompt + max_tokens, with aging after max_wait_s
+
+
+class PreemptionMode(enum.StrEnum):
+    RECOMPUTE = "recompute"  # drop the blocks, prefill again later
+    SWAP = "swap"  # park the blocks in host memory
+
+
+class Truncation(enum.StrEnum):
+    ERROR = "error"
+    LEFT = "left"  # keep the prompt's end
+    RIGHT = "right"  # keep the prompt's start
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -25,18 +47,28 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _as_enum(enum_type: type[E], value: object, name: str) -> E:
+    """A config value as its enum member; names match case-insensitively (TensorRT-LLM writes GUARANTEED_NO_EVICT)."""
+    if isinstance(value, str):
+        try:
+            return enum_type(value.lower())
+        except ValueError:
+            pass
+    raise ConfigError(f"{name} must be one of {[m.value for m in enum_type]}, got {value!r}")
+
+
 @dataclass
 class SchedulerConfig:
     max_batch_size: int = 64  # sequences in one forward pass
     max_num_tokens: int = 2048  # tokens in one forward pass (prefill chunks + decode tokens)
-    scheduler_policy: str = "max_utilization"
-    scheduling_order: str = "fcfs"
+    scheduler_policy: SchedulerPolicy = SchedulerPolicy.MAX_UTILIZATION
+    scheduling_order: SchedulingOrder = SchedulingOrder.FCFS
     max_wait_s: float = 10.0  # shortest_first: a request older than this is served ahead of newer ones
     enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     max_model_len: int | None = None  # None: the model's context length
     max_input_len: int | None = None  # None: max_model_len - 1
-    truncation: str = "error"  # what to do with a prompt over max_input_len
+    truncation: Truncation = Truncation.ERROR  # what to do with a prompt over max_input_len
     max_waiting_requests: int | None = None  # None: unbounded waiting queue
     # static policy: a member that finishes keeps its slot, computed as padding, until the whole batch is done (as
     # a padded batch tensor does in classic static batching); False frees the slot's compute at once
@@ -45,10 +77,11 @@ class SchedulerConfig:
     def validate(self) -> None:
         _require(self.max_batch_size >= 1, "max_batch_size must be >= 1")
         _require(self.max_num_tokens >= 1, "max_num_tokens must be >= 1")
-        _require(self.scheduler_policy in SCHEDULER_POLICIES, f"scheduler_policy must be one of {SCHEDULER_POLICIES}")
-        _require(self.scheduling_order in SCHEDULING_ORDERS, f"scheduling_order must be one of {SCHEDULING_ORDERS}")
-        _require(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode must be one of {PREEMPTION_MODES}")
-        _require(self.truncation in TRUNCATIONS, f"truncation must be one of {TRUNCATIONS}")
+        # strings from options, flags or files become members here, once; the engine compares members
+        self.scheduler_policy = _as_enum(SchedulerPolicy, self.scheduler_policy, "scheduler_policy")
+        self.scheduling_order = _as_enum(SchedulingOrder, self.scheduling_order, "scheduling_order")
+        self.preemption_mode = _as_enum(PreemptionMode, self.preemption_mode, "preemption_mode")
+        self.truncation = _as_enum(Truncation, self.truncation, "truncation")
         _require(self.max_wait_s >= 0, "max_wait_s must be >= 0")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _require(self.max_input_len is None or self.max_input_len >= 1, "max_input_len must be >= 1")

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+# Below this a temperature is greedy (as vLLM's _SAMPLING_EPS): dividing logits by 1e-40 overflows to inf and NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class InvalidRequestError(ValueError):
-    """A request that can never be served as asked (bad prompt or sampling values)."""
+    """A request that can never be served as asked (bad prompt or sampling values); `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -32,30 +41,66 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list(self.stop, "stop")
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")
         self.validate()
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
-        checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (disabled) or >= 0, got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.n == 1, f"only n=1 is supported, got {self.n}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise InvalidRequestError(message)
+        """Every field's type and range; InvalidRequestError naming the first field that is wrong."""
+        _integer("max_tokens", self.max_tokens, low=1)
+        _real("temperature", self.temperature, low=0.0)
+        _real("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _integer("top_k", self.top_k, low=-1)
+        _real("min_p", self.min_p, low=0.0, high=1.0)
+        _real("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _real("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _real("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        if self.seed is not None:
+            _integer("seed", self.seed, low=-(2**63), high=2**64 - 1)
+        _integer("n", self.n)
+        if self.n != 1:
+            raise InvalidRequestError(f"only n=1 is supported, got {self.n}", "n")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, low=0, high=20)
+        _integer("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be true or false, got {getattr(self, name)!r}", name)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings", "stop")
+        for token_id in self.stop_token_ids:
+            _integer("stop_token_ids", token_id, low=0)
+
+
+def _as_list(value: object, name: str) -> list:
+    if value is None:
+        return []
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise InvalidRequestError(f"{name} must be a list, got {type(value).__name__}", name)
+    return list(value)
+
+
+def _integer(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
+    _in_range(name, value, low, high)
+
+
+def _real(
+    name: str, value: object, low: float | None = None, high: float | None = None, low_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
+    if low_open and value <= low:
+        raise InvalidRequestError(f"{name} must be > {low}, got {value}", name)
+    _in_range(name, value, low, high)
+
+
+def _in_range(name: str, value: float, low: float | None, high: float | None) -> None:
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+        raise InvalidRequestError(f"{name} must be in {bounds}, got {value}", name)

@@ -22,6 +22,7 @@ from batchserve.bench.offline import build_engine
 from batchserve.config import EngineConfig
 from batchserve.engine.llm_engine import StepTimings
 from batchserve.sampling_params import SamplingParams
+from batchserve.worker.device import configure_torch
 
 
 def filled_engine(batch_size: int, max_batch: int, prompt_len: int, like, rng: random.Random, threads: int):
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    configure_torch(args.threads, EngineConfig().seed)  # once, for every engine of the process
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rng = random.Random(0)
     engines = []

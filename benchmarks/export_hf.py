@@ -3,7 +3,8 @@
 vLLM's CPU build does not run Q4_1 GGUF llama models, so the peer comparison points vLLM (and the transformers
 baselines, for consistency) at this directory: the same weights, dequantized once by transformers' GGUF loader.
 
-    .venv/bin/python benchmarks/export_hf.py --out /work/smollm2-hf
+    .venv/bin/python benchmarks/export_hf.py              # into $BATCHSERVE_HF_EXPORT, else bench_results/smollm2-hf
+    .venv/bin/python benchmarks/export_hf.py --out DIR    # anywhere else
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import argparse
 from pathlib import Path
 
 from make_workload import MODEL_FILE, model_dir
+
+from batchserve import env
 
 
 def export(out: Path) -> Path:
@@ -41,9 +44,11 @@ def export(out: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("/work/smollm2-hf"))
+    ap.add_argument(
+        "--out", type=Path, default=None, help="default: $BATCHSERVE_HF_EXPORT, else bench_results/smollm2-hf"
+    )
     args = ap.parse_args()
-    out = export(args.out)
+    out = export(args.out or env.hf_export_dir())
     print(f"exported to {out}: {sorted(p.name for p in out.iterdir())}")
 
 

@@ -148,6 +148,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per parity request")
     ap.add_argument("--out", type=Path, default=Path("bench_results"))
     args = ap.parse_args()
+    from batchserve.config import EngineConfig
+    from batchserve.worker.device import configure_torch
+
+    configure_torch(None, EngineConfig().seed)  # once, for every engine of the process; torch's thread count
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 means float32
     rng = random.Random(0)

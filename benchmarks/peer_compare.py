@@ -10,13 +10,15 @@ Engines (each in its own subprocess, so they share neither memory nor threads, a
   hf-stream      transformers `generate`, one request at a time, on the first --stream-requests requests (tok/s of a
                  single stream; its ratio is not comparable to the batched engines' and is shown for scale)
   vllm           vLLM's CPU build, offline vllm.LLM(...).generate with prompt_token_ids, run by the Python of
-                 --vllm-python (its own venv; see docs/BENCHMARKS.md); skipped when that interpreter is missing
+                 --vllm-python (its own venv, default bench_results/vllm-venv or $VLLM_PYTHON; see
+                 docs/BENCHMARKS.md); skipped when that interpreter is missing
 
 Every engine: greedy (temperature 0), ignore_eos, exactly max_tokens output tokens per request, the same dtype and
 thread count, one warm-up request before the clock starts (load and warm-up time are reported apart). Greedy outputs
 are compared token by token with hf-static's (the reference), as a check that everyone computed the same thing.
 The model: batchserve runs its default (the SmolLM2-135M-Instruct Q4_1 GGUF, dequantized at load); transformers and
-vLLM run the same weights dequantized once into a Hugging Face directory (benchmarks/export_hf.py, made on first use).
+vLLM run the same weights dequantized once into a Hugging Face directory (benchmarks/export_hf.py, made on first use
+in --hf-dir: default bench_results/smollm2-hf or $BATCHSERVE_HF_EXPORT).
 
 Only the standard library is imported at module level: the same file is the worker in every venv.
 """
@@ -37,8 +39,6 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORKLOAD = HERE / "workloads" / "peer64.json"
 RESULTS = REPO / "bench_results"
-HF_DIR = Path(os.environ.get("BATCHSERVE_HF_EXPORT", "/work/smollm2-hf"))
-VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python")
 ENGINES = ("batchserve", "hf-static", "hf-stream", "vllm")
 REFERENCE = "hf-static"
 
@@ -217,7 +217,7 @@ def engine_env(engine: str, threads: int) -> dict[str, str]:
 
 
 def run_engine(engine: str, args, forward: list[str]) -> dict:
-    python = VLLM_PYTHON if engine == "vllm" else sys.executable
+    python = str(args.vllm_python) if engine == "vllm" else sys.executable
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "result.json"
         log_file = RESULTS / f"peer_{engine}.log"
@@ -310,8 +310,8 @@ def driver_main(args, forward: list[str]) -> None:
     unknown = set(engines) - set(ENGINES)
     if unknown:
         raise SystemExit(f"unknown engine(s) {sorted(unknown)}; choose from {ENGINES}")
-    if "vllm" in engines and not Path(VLLM_PYTHON).exists():
-        print(f"[vllm] skipped: {VLLM_PYTHON} not found (set VLLM_PYTHON; see docs/BENCHMARKS.md)")
+    if "vllm" in engines and not args.vllm_python.exists():
+        print(f"[vllm] skipped: {args.vllm_python} not found (see --vllm-python and docs/BENCHMARKS.md)")
         engines.remove("vllm")
     RESULTS.mkdir(exist_ok=True)
     if set(engines) & {"hf-static", "hf-stream", "vllm"}:
@@ -358,7 +358,13 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
     ap.add_argument("--limit", type=int, default=0, help="only the first N requests of the workload (0: all)")
     ap.add_argument("--workload", type=Path, default=WORKLOAD)
-    ap.add_argument("--hf-dir", type=Path, default=HF_DIR, help="dequantized HF export for transformers and vLLM")
+    ap.add_argument(
+        "--hf-dir",
+        type=Path,
+        default=None,
+        help="dequantized HF export for transformers and vLLM (default: $BATCHSERVE_HF_EXPORT, else "
+        "bench_results/smollm2-hf; made on first use)",
+    )
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--stream-requests", type=int, default=4, help="requests for hf-stream (one at a time)")
     ap.add_argument("--batchserve-model", default=None, help="model for batchserve (default: its default GGUF)")
@@ -370,6 +376,12 @@ def parse_args(argv: list[str] | None = None):
         help="extra batchserve engine option (repeatable), e.g. max_batch_size=64",
     )
     ap.add_argument("--vllm-options", default="{}", help="JSON of extra vllm.LLM(...) keyword arguments")
+    ap.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="Python of the venv holding vLLM's CPU build (default: $VLLM_PYTHON, else bench_results/vllm-venv/bin/python)",
+    )
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per engine")
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -381,8 +393,11 @@ def main() -> None:
     if args.worker:
         worker_main(args)
         return
+    from batchserve import env  # the driver runs in batchserve's venv (a worker may not: vLLM's)
+
     forward = [a for a in sys.argv[1:] if a not in ("--worker",)]
-    args.workload, args.hf_dir = args.workload.resolve(), args.hf_dir.resolve()
+    args.workload, args.hf_dir = args.workload.resolve(), (args.hf_dir or env.hf_export_dir()).resolve()
+    args.vllm_python = (args.vllm_python or env.vllm_python()).absolute()  # not resolve(): a venv's python is a link
     forward += ["--workload", str(args.workload), "--hf-dir", str(args.hf_dir)]
     driver_main(args, forward)
 

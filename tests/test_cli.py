@@ -1,5 +1,6 @@
-from batchserve.entrypoints.cli import build_generate_parser, main
+from batchserve.cli import main
 from batchserve.entrypoints.engine_args import engine_config_from_args
+from batchserve.entrypoints.generate import build_generate_parser
 
 
 def test_generate_parser_takes_prompts_sampling_and_engine_flags():

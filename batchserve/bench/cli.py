@@ -211,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_static and not args.offline:
         parser.error("--compare-static needs --offline (a server has one fixed policy)")
     try:
+        if args.offline:  # once for the process, whose engines share it
+            from batchserve.worker.device import configure_torch
+
+            config = engine_config_from_args(args)
+            configure_torch(config.num_threads, config.seed)
         requests, traces, keys = run_offline_runs(args) if args.offline else run_http_runs(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -91,6 +91,8 @@ def format_rows(rows: list[dict[str, Any]], best: dict[str, Any] | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from batchserve.worker.device import configure_torch
+
     args = build_parser().parse_args(argv)
     try:
         base = engine_config_from_args(args)
@@ -99,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    configure_torch(base.num_threads, base.seed)  # once for the process: the sweep's engines share it
     rows: list[dict[str, Any]] = []
     engine, requests = None, None
     for options in grid(args):

@@ -22,13 +22,18 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
+from batchserve.config import EngineConfig, ModelConfig
+from batchserve.core.outputs import SchedulerStats
+from batchserve.engine.inputs import EngineLimits, Prompt
+from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
 from batchserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-StepListener = Callable[[Any, list[Any]], None]  # (engine, outputs of the step) -> None, on the loop thread
+StepListener = Callable[[LLMEngine, list[CompletionOutput]], None]  # called on the loop thread after each step
 
 
 class EngineDeadError(RuntimeError):
@@ -41,18 +46,18 @@ class RequestStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self._loop = loop
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queue: asyncio.Queue[CompletionOutput | BaseException] = asyncio.Queue()
         self.finished = False
 
     # loop thread
-    def put(self, item: Any) -> None:
+    def put(self, item: CompletionOutput | BaseException) -> None:
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
     # event loop
-    async def get(self) -> Any:
+    async def get(self) -> CompletionOutput:
         item = await self._queue.get()
         if isinstance(item, BaseException):
             self.finished = True
@@ -64,7 +69,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> CompletionOutput:
         if self.finished:
             raise StopAsyncIteration
         return await self.get()
@@ -73,7 +78,7 @@ class RequestStream:
 @dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int]
+    prompt: Prompt
     params: SamplingParams
     priority: int
     stream: RequestStream
@@ -88,7 +93,7 @@ class _Abort:
 class AsyncLLMEngine:
     """Runs ``engine.step()`` in a background thread whenever there is work; asyncio callers submit and stream."""
 
-    def __init__(self, engine: Any, step_listeners: list[StepListener] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, step_listeners: list[StepListener] | None = None) -> None:
         self.engine = engine
         self.step_listeners: list[StepListener] = list(step_listeners or [])
         self._cond = threading.Condition()
@@ -103,16 +108,24 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ pass-through, read-only
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     @property
-    def config(self) -> Any:
+    def config(self) -> EngineConfig:
         return self.engine.config
 
     @property
-    def model_config(self) -> Any:
+    def model_config(self) -> ModelConfig:
         return self.engine.model_config
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.engine.limits
+
+    def stats(self) -> SchedulerStats | None:
+        """The scheduler's stats after the latest step (None before the first)."""
+        return self.engine.last_stats
 
     @property
     def is_running(self) -> bool:
@@ -164,7 +177,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ event loop
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
     ) -> RequestStream:
         """Hand a request to the loop; raises what ``engine.add_request`` raises (InvalidRequestError,
         QueueFullError) or EngineDeadError. Returns the stream of its outputs."""
@@ -182,11 +195,11 @@ class AsyncLLMEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncIterator[CompletionOutput]:
         """Yields a CompletionOutput per step in which the request progressed; aborts it if the caller stops early."""
         request_id = request_id or uuid.uuid4().hex
         stream = await self.add_request(request_id, prompt, params, priority)

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from transformers import PreTrainedTokenizerBase
+
 from batchserve.config import EngineConfig, ModelConfig
 from batchserve.core.block_pool import BlockPool, HostBlockPool
 from batchserve.core.kv_cache_manager import KVCacheManager
@@ -21,12 +23,12 @@ from batchserve.core.outputs import (
 )
 from batchserve.core.scheduler import Scheduler
 from batchserve.engine.detokenizer import IncrementalDetokenizer
+from batchserve.engine.inputs import EngineLimits, Prompt, prompt_token_ids
+from batchserve.engine.startup import load_runner
 from batchserve.request import FinishReason, Request
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int] | dict[str, Any]
 
 
 class QueueFullError(RuntimeError):
@@ -113,22 +115,19 @@ class LLMEngine:
         self,
         config: EngineConfig,
         runner: Runner | None = None,
-        tokenizer: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         model_config: ModelConfig | None = None,
     ) -> None:
         config.validate()
         self.config = config
         if runner is None:
-            from batchserve.worker.model_runner import ModelRunner  # torch only when a real model is asked for
-
-            runner, model_config, tokenizer = ModelRunner.from_config(config)
+            runner, model_config, tokenizer = load_runner(config)  # torch only when a real model is asked for
         assert model_config is not None and tokenizer is not None
         self.runner, self.model_config, self.tokenizer = runner, model_config, tokenizer
-        self.max_model_len = min(config.scheduler.max_model_len or 1 << 30, model_config.max_position_embeddings)
-        self.max_input_len = min(config.scheduler.max_input_len or self.max_model_len - 1, self.max_model_len - 1)
+        self.limits = EngineLimits.of(config, model_config)
         pool = BlockPool(runner.num_kv_blocks, config.cache.enable_prefix_caching)
         kv = KVCacheManager(pool, config.cache.block_size, HostBlockPool(runner.num_swap_blocks))
-        self.scheduler = Scheduler(config.scheduler, kv, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, kv, self.limits.max_model_len)
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[RequestOutput] = []  # finished outside a step (aborts), reported at the next step
@@ -143,7 +142,7 @@ class LLMEngine:
             runner.num_kv_blocks,
             config.cache.block_size,
             runner.num_kv_blocks * config.cache.block_size,
-            self.max_model_len,
+            self.limits.max_model_len,
         )
 
     @classmethod
@@ -167,10 +166,10 @@ class LLMEngine:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
         params = sampling_params or SamplingParams()
         params.validate()
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = prompt_token_ids(prompt, self.tokenizer, self.limits)
         request = Request(
             request_id=request_id,
-            prompt_token_ids=self._check_length(token_ids),
+            prompt_token_ids=token_ids,
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             priority=priority,
@@ -182,41 +181,6 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(request, text, detokenizer, [] if params.logprobs is not None else None)
         return request_id
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("the prompt is empty")
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if not isinstance(prompt, list | tuple) or not prompt:
-            raise InvalidRequestError("the prompt is empty" if not prompt else "a prompt is a string or token ids")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab})")
-        return None, list(prompt)
-
-    def _check_length(self, token_ids: list[int]) -> list[int]:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        limit = self.max_input_len
-        if len(token_ids) <= limit:
-            return token_ids
-        truncation = self.config.scheduler.truncation
-        if truncation == "left":
-            return token_ids[-limit:]
-        if truncation == "right":
-            return token_ids[:limit]
-        raise InvalidRequestError(
-            f"the prompt has {len(token_ids)} tokens, more than the {limit} allowed "
-            f"(max_input_len; the model's context is {self.max_model_len} tokens)"
-        )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import types
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -30,6 +31,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, include_model: bool = 
             kind = _flag_type(hints[f.name])
             if kind is bool:
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            elif isinstance(kind, type) and issubclass(kind, enum.StrEnum):
+                choices = [member.value for member in kind]
+                group.add_argument(flag, dest=f.name, type=str.lower, choices=choices, default=None,
+                                   help=f"default: {f.default}")  # fmt: skip
             else:
                 group.add_argument(flag, dest=f.name, type=kind, default=None)
 

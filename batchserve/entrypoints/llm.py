@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from batchserve.config import EngineConfig
-from batchserve.engine.llm_engine import CompletionOutput, LLMEngine, Prompt
-from batchserve.sampling_params import SamplingParams
+from batchserve.engine.inputs import Prompt
+from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
+from batchserve.sampling_params import InvalidRequestError, SamplingParams
+from batchserve.serving.chat import chat_prompt_ids
+from batchserve.worker.device import configure_torch
 
-Message = dict[str, str]
+Message = Mapping[str, Any]
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_options))
+        self.engine = LLM.from_config(EngineConfig.from_options(model=model, **engine_options)).engine
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over a new engine; as an entry point it sets torch's thread count and seed from `config`."""
+        configure_torch(config.num_threads, config.seed)
+        return cls.from_engine(LLMEngine(config))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -25,7 +35,7 @@ class LLM:
         return llm
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     def generate(
@@ -35,45 +45,39 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[CompletionOutput]:
-        """Run every prompt to completion with continuous batching; outputs come back in input order."""
-        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = self._params_per_prompt(sampling_params, len(prompts))
-        ids = [
-            self.engine.add_request(None, prompt, p, priority=priority[i] if priority else 0)
-            for i, (prompt, p) in enumerate(zip(prompts, params))
-        ]
+        """Run every prompt to completion with continuous batching; outputs come back in input order. All prompts
+        are admitted or none: a bad one raises InvalidRequestError and leaves nothing behind in the engine."""
+        prompts = _as_prompt_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise InvalidRequestError(f"{len(priorities)} priorities for {len(prompts)} prompts", "priority")
+        ids: list[str] = []
+        try:
+            for prompt, p, prio in zip(prompts, params, priorities):
+                ids.append(self.engine.add_request(None, prompt, p, priority=prio))
+        except BaseException:
+            self.engine.abort_request(ids)
+            self.engine.step()  # reports the aborts, so the engine forgets them now
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(
         self,
-        messages: list[Message] | Sequence[list[Message]],
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[CompletionOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {"prompt_token_ids": self._apply_chat_template(conv, add_generation_prompt)} for conv in conversations
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise InvalidRequestError("messages must be a conversation or a list of conversations", "messages")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts: list[Prompt] = [
+            {"prompt_token_ids": chat_prompt_ids(self.tokenizer, conv, add_generation_prompt)}
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _apply_chat_template(self, conversation: list[Message], add_generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-    @staticmethod
-    def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams() for _ in range(count)]
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * count
-        if len(sampling_params) != count:
-            raise ValueError(f"{len(sampling_params)} sampling params for {count} prompts")
-        return list(sampling_params)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[CompletionOutput]:
         finished: dict[str, CompletionOutput] = {}
@@ -85,3 +89,23 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[rid] for rid in request_ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise InvalidRequestError("prompts must be a prompt or a non-empty list of prompts", "prompt")
+    return list(prompts)
+
+
+def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if not isinstance(sampling_params, Sequence) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+        raise InvalidRequestError("sampling_params must be a SamplingParams or a list of them", "sampling_params")
+    if len(sampling_params) != count:
+        raise InvalidRequestError(f"{len(sampling_params)} sampling params for {count} prompts", "sampling_params")
+    return list(sampling_params)

@@ -7,7 +7,6 @@ import functools
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from batchserve import env
 from batchserve.config import ModelConfig
 from batchserve.models.llama import LlamaForCausalLM
 
@@ -91,7 +91,7 @@ def load_model_config(path: Path) -> ModelConfig:
 
 
 def gguf_cache_dir(path: Path) -> Path:
-    root = Path(os.environ.get("BATCHSERVE_CACHE_DIR", Path.home() / ".cache" / "batchserve"))
+    root = env.cache_dir()
     stat = path.stat()
     return root / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
 

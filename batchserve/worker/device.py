@@ -1,4 +1,4 @@
-"""Device and dtype resolution: the engine's option strings -> torch objects."""
+"""Device and dtype resolution (the engine's option strings -> torch objects), and the process-wide torch settings."""
 
 from __future__ import annotations
 
@@ -43,3 +43,11 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         except KeyError:
             raise ConfigError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
     return dtype
+
+
+def configure_torch(num_threads: int | None, seed: int) -> None:
+    """The process-wide torch settings an entry point chooses, once per process (an engine never sets them: several
+    may share one process): intra-op threads (None keeps torch's default) and the global RNG seed."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    torch.manual_seed(seed)

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from batchserve.core.outputs import SchedulerOutput
+from batchserve.layers.attention import AttentionMetadata, SeqGroup
 from batchserve.sampling_params import SamplingParams
-from batchserve.worker.attention import AttentionMetadata, SeqGroup
 
 
 @dataclass

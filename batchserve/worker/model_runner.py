@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -10,12 +9,9 @@ from torch import nn
 
 from batchserve.config import EngineConfig, ModelConfig
 from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput
-from batchserve.worker.device import resolve_device, resolve_dtype
 from batchserve.worker.input_batch import InputBatch, RequestTable
 from batchserve.worker.kv_cache import KVCache, num_blocks_for_budget, num_swap_blocks_for_budget
 from batchserve.worker.sampler import Sampler, SamplingMetadata
-
-logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -44,23 +40,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests = RequestTable(self.block_size, scratch_slot=self.num_kv_blocks * self.block_size)
         self.last_timings = RunnerTimings()
-
-    @classmethod
-    def from_config(cls, engine_config: EngineConfig) -> tuple[ModelRunner, ModelConfig, object]:
-        """Resolve the model, load config, weights and tokenizer, pick device/dtype -> (runner, model_config, tokenizer)."""
-        from batchserve.models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path
-
-        if engine_config.num_threads:
-            torch.set_num_threads(engine_config.num_threads)
-        torch.manual_seed(engine_config.seed)
-        device = resolve_device(engine_config.device)
-        dtype = resolve_dtype(engine_config.dtype)
-        path = resolve_model_path(engine_config.model)
-        model_config = load_model_config(path)
-        logger.info("loading %s (%s) on %s as %s", path, model_config.architecture, device, dtype)
-        model = load_model(path, model_config, dtype, device)
-        tokenizer = load_tokenizer(path, engine_config.tokenizer)
-        return cls(engine_config, model_config, model, device, dtype), model_config, tokenizer
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from batchserve.core.outputs import Logprobs
+from batchserve.layers import kernels
 from batchserve.sampling_params import SamplingParams
-from batchserve.worker import kernels
 
 _NEG_INF = float("-inf")
 

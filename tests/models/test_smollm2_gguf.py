@@ -7,10 +7,10 @@ import torch
 
 from batchserve.config import CacheConfig, EngineConfig
 from batchserve.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from batchserve.engine.startup import load_runner
 from batchserve.models.loader import gguf_reader, load_model_config, resolve_model_path
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.input_batch import RequestTable
-from batchserve.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def path():
 @pytest.fixture(scope="module")
 def ours(path):
     engine_config = EngineConfig(device="cpu", cache=CacheConfig(block_size=16, num_kv_blocks=64))
-    return ModelRunner.from_config(engine_config)
+    return load_runner(engine_config)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(path, referenc
     own bf16 output does between batch compositions)."""
     model, tokenizer = reference
     engine_config = EngineConfig(device="cpu", dtype="bfloat16", cache=CacheConfig(block_size=16, num_kv_blocks=16))
-    runner, _, _ = ModelRunner.from_config(engine_config)
+    runner, _, _ = load_runner(engine_config)
     ids = chat_ids(tokenizer)
     with torch.inference_mode():
         exact = model(torch.tensor([ids])).logits[0]

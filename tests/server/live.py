@@ -9,8 +9,8 @@ import time
 import httpx
 import uvicorn
 
-from batchserve.entrypoints.openai.api_server import build_app
-from batchserve.metrics import parse_metrics
+from batchserve.entrypoints.openai.app import build_app
+from batchserve.serving.metrics import parse_metrics
 
 
 class LiveServer:

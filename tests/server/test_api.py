@@ -318,7 +318,8 @@ SERVE_SCRIPT = textwrap.dedent(
     """
     import sys
     from batchserve.engine.async_engine import AsyncLLMEngine
-    from batchserve.entrypoints.openai.api_server import build_app, serve
+    from batchserve.entrypoints.openai.app import build_app
+    from batchserve.entrypoints.openai.launch import serve
     from tests.server.fakes import fake_engine
     async_engine = AsyncLLMEngine(fake_engine(delay_s=0.05))
     sys.exit(serve(build_app(async_engine), async_engine, port=int(sys.argv[1]), log_level="warning"))
@@ -327,7 +328,7 @@ SERVE_SCRIPT = textwrap.dedent(
 
 
 def test_sigterm_drains_in_flight_requests():
-    from batchserve.entrypoints.openai.api_server import free_port
+    from batchserve.entrypoints.openai.launch import free_port
 
     port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -361,7 +362,7 @@ def test_sigterm_drains_in_flight_requests():
 
 def test_serve_flags_and_config_file(tmp_path):
     from batchserve.entrypoints.engine_args import engine_config_from_args
-    from batchserve.entrypoints.openai.api_server import make_parser
+    from batchserve.entrypoints.openai.launch import make_parser
 
     config_file = tmp_path / "engine.json"
     config_file.write_text(json.dumps({"max_num_seqs": 12, "num_kv_blocks": 300, "truncation": "left"}))

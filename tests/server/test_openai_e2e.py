@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from batchserve.metrics import parse_metrics
+from batchserve.serving.metrics import parse_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
+from batchserve.layers import kernels
+from batchserve.layers.attention import paged_attention
 from batchserve.sampling_params import SamplingParams
-from batchserve.worker import kernels
-from batchserve.worker.attention import paged_attention
 from batchserve.worker.input_batch import RequestTable
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
@@ -105,19 +105,20 @@ def run_batch(
     ],
 )
 @pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch-path"])
-def test_paged_attention_matches_causal_sdpa(seqs, block_size, native, monkeypatch):
-    if not native:
+def test_paged_attention_matches_causal_sdpa(seqs, block_size, native, monkeypatch, request):
+    if native:
+        request.getfixturevalue("native_kernels")
+    else:
         monkeypatch.setattr(kernels, "load", lambda: None)
-    elif kernels.load() is None:
-        pytest.skip("native kernel not built here")
     out, expected, batch = run_batch(seqs, block_size)
     assert (batch.attn_metadata.prefill is None) == all(n == 1 for _, n in seqs)
     assert (batch.attn_metadata.decode is None) == all(n > 1 for _, n in seqs)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_stale_slots_are_masked():
-    # Masked slots (block tails, free blocks) holding another request's leftovers do not change the output.
+def test_stale_slots_are_masked(native_kernels):
+    # Masked slots (block tails, free blocks) holding another request's leftovers do not change the output. The
+    # leftovers include NaN, which only the kernels keep out (the torch path multiplies masked values by 0).
     for seqs in ([(5, 1), (12, 1)], [(5, 3), (12, 1)]):
         out, expected, _ = run_batch(seqs, 8, stale=True)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -134,12 +135,10 @@ def test_random_mixed_batches():
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 128), (2, 2, 32), (4, 2, 48)], ids=str)
 @pytest.mark.parametrize("block_size", [8, 16, 24, 32])
 @pytest.mark.parametrize("num_seqs", [6, 40], ids=["per-kv-head-items", "per-sequence-items"])
-def test_decode_kernel_model_shapes(heads, block_size, num_seqs):
+def test_decode_kernel_model_shapes(heads, block_size, num_seqs, native_kernels):
     # The native kernel's vectorized path (head_dim 32/64/128) and its portable loop (48): long contexts that span
     # many 16-token tiles and partial blocks, with stale garbage (NaN included) in every unwritten slot. A few
     # sequences are split by kv head across threads; many are one work item each.
-    if kernels.load() is None:
-        pytest.skip("native kernel not built here")
     contexts = [0, 15, 16, 47, 130, 255]
     seqs = [(contexts[i % 6] + i // 6, 1) for i in range(num_seqs)]
     out, expected, batch = run_batch(seqs, block_size, stale=True, heads=heads)
@@ -149,11 +148,10 @@ def test_decode_kernel_model_shapes(heads, block_size, num_seqs):
 
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 128), (2, 2, 32)], ids=str)
 @pytest.mark.parametrize("block_size", [8, 16, 24])
-def test_prefill_kernel_model_shapes(heads, block_size):
+def test_prefill_kernel_model_shapes(heads, block_size, native_kernels):
     # The native prefill kernel: prompts shorter and longer than its 16-row tiles, chunks whose cached context ends
     # mid-block or mid-tile, next to decodes; stale garbage (NaN included) in every unwritten slot.
-    native = kernels.load()
-    if native is None or not native.prefill_attention_available(heads[2]):
+    if not native_kernels.prefill_attention_available(heads[2]):
         pytest.skip("native prefill kernel not built here")
     seqs = [(0, 5), (0, 16), (0, 37), (13, 20), (40, 1), (7, 33), (16, 16), (0, 2), (100, 3)]
     out, expected, batch = run_batch(seqs, block_size, stale=True, heads=heads)
@@ -161,10 +159,9 @@ def test_prefill_kernel_model_shapes(heads, block_size):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
-def test_prefill_kernel_matches_torch_path(monkeypatch):
+def test_prefill_kernel_matches_torch_path(native_kernels, monkeypatch):
     # Same batches through the native kernel and the torch path (per-prompt SDPA, or padded SDPA after context).
-    native = kernels.load()
-    if native is None or not native.prefill_attention_available(64):
+    if not native_kernels.prefill_attention_available(64):
         pytest.skip("native prefill kernel not built here")
     for seqs in ([(0, 29), (0, 3), (0, 64)], [(5, 29), (0, 3), (31, 40)]):
         out_native, expected, _ = run_batch(seqs, 16, heads=(9, 3, 64))
@@ -176,13 +173,13 @@ def test_prefill_kernel_matches_torch_path(monkeypatch):
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch-path"])
-def test_bfloat16_pool(native, monkeypatch):
+def test_bfloat16_pool(native, monkeypatch, request):
     # A bfloat16 model keeps a bfloat16 pool: the native kernels widen K/V as they read (decode and prefill) and
     # compute in float32; the result is rounded to bfloat16 once.
-    if not native:
+    if native:
+        request.getfixturevalue("native_kernels")
+    else:
         monkeypatch.setattr(kernels, "load", lambda: None)
-    elif kernels.load() is None:
-        pytest.skip("native kernels not built here")
     seqs = [(0, 37), (13, 20), (40, 1), (129, 1), (0, 2)]
     # stale NaN only for the kernels: the torch path multiplies masked values by 0, and the pool never holds NaN
     out, expected, batch = run_batch(seqs, 16, stale=native, heads=(9, 3, 64), dtype=torch.bfloat16)
@@ -190,9 +187,9 @@ def test_bfloat16_pool(native, monkeypatch):
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
 
-def test_kernels_refuse_malformed_inputs_and_keep_nan():
-    native = kernels.load()
-    if native is None or not native.prefill_attention_available(64):
+def test_kernels_refuse_malformed_inputs_and_keep_nan(native_kernels):
+    native = native_kernels
+    if not native.prefill_attention_available(64):
         pytest.skip("native kernels not built here")
     cache = torch.zeros(4, 16, 3, 64)
     tables, lens = torch.tensor([[0, 1]]), torch.tensor([20])

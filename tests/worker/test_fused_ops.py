@@ -6,15 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchserve.models import llama
-from batchserve.worker import kernels
-
-native = kernels.load()
-pytestmark = pytest.mark.skipif(native is None, reason="native kernels not built here")
+from batchserve.layers import kernels
+from batchserve.layers.linear import CpuLinear
+from batchserve.layers.norm import RMSNorm
+from batchserve.layers.rotary import apply_rope
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_rms_norm_with_and_without_residual(rows):
+def test_rms_norm_with_and_without_residual(rows, native_kernels):
+    native = native_kernels
     torch.manual_seed(rows)
     x, residual, weight = torch.randn(rows, 576) * 3, torch.randn(rows, 576), torch.rand(576) + 0.5
     torch.testing.assert_close(native.rms_norm(x, None, weight, 1e-5), F.rms_norm(x, (576,), weight, 1e-5))
@@ -25,14 +25,16 @@ def test_rms_norm_with_and_without_residual(rows):
 
 
 @pytest.mark.parametrize("rows, inter", [(1, 1536), (64, 1536), (129, 40)])
-def test_silu_and_mul(rows, inter):
+def test_silu_and_mul(rows, inter, native_kernels):
+    native = native_kernels
     gate_up = torch.randn(rows, 2 * inter) * 6  # wide range: exp's clamps and both silu tails
     gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])
     expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     torch.testing.assert_close(native.silu_and_mul(gate_up), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_rope_in_place_on_a_strided_view():
+def test_rope_in_place_on_a_strided_view(native_kernels):
+    native = native_kernels
     torch.manual_seed(0)
     tokens, heads, kv_heads, dim = 37, 9, 3, 64
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
@@ -48,7 +50,8 @@ def test_rope_in_place_on_a_strided_view():
 
 
 @pytest.mark.parametrize("rows, vocab", [(1, 49152), (5, 1000), (64, 49152), (3, 7)])
-def test_argmax_rows_matches_torch(rows, vocab):
+def test_argmax_rows_matches_torch(rows, vocab, native_kernels):
+    native = native_kernels
     torch.manual_seed(rows)
     logits = torch.randn(rows, vocab)
     logits[0, vocab // 3] = logits[0, vocab // 2] = 1e9  # a tie: the first index wins
@@ -58,7 +61,8 @@ def test_argmax_rows_matches_torch(rows, vocab):
     assert torch.equal(native.argmax_rows(logits), logits.argmax(dim=-1))
 
 
-def test_write_kv_matches_index_copy():
+def test_write_kv_matches_index_copy(native_kernels):
+    native = native_kernels
     torch.manual_seed(0)
     tokens, heads, kv_heads, dim = 11, 9, 3, 64
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
@@ -75,26 +79,26 @@ def test_write_kv_matches_index_copy():
         native.write_kv_(key, value, caches[0], caches[1], torch.full((tokens,), 24))
 
 
-def test_model_layers_take_the_same_values_either_way(monkeypatch):
+def test_model_layers_take_the_same_values_either_way(native_kernels, monkeypatch):
     # RMSNorm / MLP / RoPE helpers: native and torch paths agree.
     torch.manual_seed(1)
-    norm = llama.RMSNorm(64, 1e-6)
+    norm = RMSNorm(64, 1e-6)
     norm.weight.data = torch.rand(64) + 0.5
     x, residual = torch.randn(5, 64), torch.randn(5, 64)
     fast_out, fast_res = norm(x, residual.clone())
     fast_plain = norm(x)
     angles = torch.rand(5, 8)
     rot_in = torch.randn(5, 2, 16)
-    fast_rope = llama.apply_rope(rot_in.clone(), angles.cos(), angles.sin())
+    fast_rope = apply_rope(rot_in.clone(), angles.cos(), angles.sin())
     monkeypatch.setattr(kernels, "load", lambda: None)
     slow_out, slow_res = norm(x, residual.clone())
     torch.testing.assert_close(fast_out, slow_out)
     torch.testing.assert_close(fast_res, slow_res)
     torch.testing.assert_close(fast_plain, norm(x))
-    torch.testing.assert_close(fast_rope, llama.apply_rope(rot_in.clone(), angles.cos(), angles.sin()))
+    torch.testing.assert_close(fast_rope, apply_rope(rot_in.clone(), angles.cos(), angles.sin()))
 
 
-def _check_small_gemm(m: int, n: int, k: int, tol: float) -> None:
+def _check_small_gemm(native, m: int, n: int, k: int, tol: float) -> None:
     if not native.small_gemm_available():
         pytest.skip("small_gemm needs AVX-512")
     torch.manual_seed(m * 7919 + k)
@@ -106,14 +110,14 @@ def _check_small_gemm(m: int, n: int, k: int, tol: float) -> None:
 
 @pytest.mark.parametrize("m", [1, 2, 5, 12, 13, 25, 48])
 @pytest.mark.parametrize("n, k", [(960, 576), (70, 33)])  # 70: a padded last panel; 33: odd K
-def test_small_gemm_matches_matmul(m, n, k):
-    _check_small_gemm(m, n, k, 1e-4)
+def test_small_gemm_matches_matmul(m, n, k, native_kernels):
+    _check_small_gemm(native_kernels, m, n, k, 1e-4)
 
 
 @pytest.mark.parametrize("m, n, k", [(13, 70, 2560), (50, 64, 8192), (400, 40, 385)])
-def test_small_gemm_partial_depth_slices_and_row_chunks(m, n, k):
+def test_small_gemm_partial_depth_slices_and_row_chunks(m, n, k, native_kernels):
     """K past one slice with a partial last slice (accumulating), and M past one row chunk (400 rows at K=385)."""
-    _check_small_gemm(m, n, k, 2e-3)
+    _check_small_gemm(native_kernels, m, n, k, 2e-3)
 
 
 def test_cpu_linear_layouts_agree_at_every_m():
@@ -121,7 +125,7 @@ def test_cpu_linear_layouts_agree_at_every_m():
     torch.manual_seed(3)
     for out_features in (96, 2048):  # a narrow and a wide projection
         linear = torch.nn.Linear(64, out_features, bias=True)
-        cpu = llama.CpuLinear.from_linear(linear)
+        cpu = CpuLinear.from_linear(linear)
         for m in (1, 2, 8, 48, 49, 64, 65, 511, 512, 600):
             x = torch.randn(m, 64)
             torch.testing.assert_close(cpu(x), linear(x), rtol=1e-4, atol=1e-4)
@@ -134,7 +138,7 @@ def test_cpu_linear_bfloat16(units, monkeypatch):
     monkeypatch.setattr(kernels, "has_matmul_units", lambda dtype: units)
     torch.manual_seed(4)
     linear = torch.nn.Linear(64, 96, bias=True, dtype=torch.bfloat16)
-    cpu = llama.CpuLinear.from_linear(linear)
+    cpu = CpuLinear.from_linear(linear)
     assert cpu.weight_t.dtype == (torch.bfloat16 if units else torch.float32)
     for m in (1, 5, 64, 600):
         x = torch.randn(m, 64).to(torch.bfloat16)

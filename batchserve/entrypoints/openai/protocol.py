@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from batchserve.sampling_params import SamplingParams
+from batchserve.serving.results import Usage
 
 
 def random_id(prefix: str) -> str:
@@ -26,16 +27,20 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(BaseModel):
+class RequestBody(BaseModel):
+    """A request body: values of the wrong JSON type are refused ("4" is not 4, "yes" is not true); unknown fields
+    are ignored, as OpenAI-compatible servers commonly do (clients send vendor extras)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, plus vLLM's sampling extras)."""
-
-    # Unknown fields are ignored, as OpenAI-compatible servers commonly do (clients send vendor extras).
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -64,7 +69,7 @@ class _SamplingRequest(BaseModel):
         options: dict[str, Any] = {
             "max_tokens": max_tokens,
             "seed": self.seed,
-            "stop": self.stop or [],
+            "stop": self.stop if self.stop is not None else [],
             "stop_token_ids": self.stop_token_ids or [],
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
@@ -92,7 +97,7 @@ class _SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
@@ -101,14 +106,12 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
 
 
-class TextContentPart(BaseModel):
+class TextContentPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -121,7 +124,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -132,9 +135,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True  # vLLM extra
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -142,9 +143,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 
@@ -155,12 +154,13 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, usage: Usage) -> dict[str, int]:
+        """The JSON of `usage` as OpenAI spells it."""
         return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        )
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
+        ).model_dump()
 
 
 class ModelCard(BaseModel):

@@ -13,6 +13,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from batchserve.core.outputs import SchedulerStats
+from batchserve.engine.async_engine import AsyncLLMEngine
+from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
+
 PREFIX = "batchserve:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -88,8 +92,16 @@ class EngineMetrics:
         self._last_prefix_hits = 0
         self._seen_first_output: set[str] = set()
 
+    def attach(self, engine: AsyncLLMEngine) -> EngineMetrics:
+        """Observe every step of `engine` from now on."""
+        engine.step_listeners.append(self._on_step)
+        return self
+
     # ------------------------------------------------------------------ engine loop thread
-    def observe_stats(self, stats: Any) -> None:
+    def _on_step(self, engine: LLMEngine, outputs: list[CompletionOutput]) -> None:
+        self.observe_step(engine.last_stats, engine.last_step_time_s, outputs)
+
+    def observe_stats(self, stats: SchedulerStats | None) -> None:
         """Gauges and cumulative counters from a SchedulerStats snapshot."""
         if stats is None:
             return
@@ -108,7 +120,9 @@ class EngineMetrics:
         )
         self._last_prefix_hits = _advance(self.prefix_cache_hits, stats.prefix_cache_hits, self._last_prefix_hits)
 
-    def observe_step(self, stats: Any, step_time_s: float | None, outputs: Iterable[Any]) -> None:
+    def observe_step(
+        self, stats: SchedulerStats | None, step_time_s: float | None, outputs: Iterable[CompletionOutput]
+    ) -> None:
         """After one engine step: its stats, its wall time, and the CompletionOutputs it produced."""
         self.observe_stats(stats)
         if stats is not None:
@@ -118,7 +132,7 @@ class EngineMetrics:
         for out in outputs:
             self.observe_output(out)
 
-    def observe_output(self, out: Any) -> None:
+    def observe_output(self, out: CompletionOutput) -> None:
         if out.delta_token_ids:
             self.generation_tokens.inc(len(out.delta_token_ids))
         if out.request_id not in self._seen_first_output:
@@ -128,13 +142,11 @@ class EngineMetrics:
             self._seen_first_output.discard(out.request_id)
             self.observe_finished(out)
 
-    def observe_finished(self, out: Any) -> None:
+    def observe_finished(self, out: CompletionOutput) -> None:
         self.request_success.labels(self.model_name, str(out.finish_reason or "abort")).inc()
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
         self.request_generation_tokens.observe(len(out.token_ids))
-        m = getattr(out, "metrics", None)
-        if m is None:
-            return
+        m = out.metrics
         if m.first_scheduled_time is not None:
             self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.first_token_time is not None:

@@ -1,22 +1,15 @@
-"""`batchserve` command line: generate | serve | bench | tune."""
+"""`batchserve generate`: text for prompts given on the command line, through the offline API."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import sys
 
 from batchserve.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
+from batchserve.entrypoints.llm import LLM
+from batchserve.sampling_params import SamplingParams
 
-USAGE = """batchserve <command> [options]
-
-commands:
-  generate   generate text for prompts given on the command line (default model: SmolLM2-135M-Instruct)
-  serve      start the OpenAI-compatible HTTP server
-  bench      measure throughput and latency (offline or against any OpenAI-compatible server)
-  tune       sweep scheduler settings against an SLO and print the best configuration
-"""
+EXAMPLE_PROMPTS = ["What is continuous batching?", "Write a haiku about the sea.", "Name three planets."]
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
@@ -32,15 +25,10 @@ def build_generate_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def generate_main(argv: list[str]) -> int:
-    from batchserve.engine.llm_engine import LLMEngine
-    from batchserve.entrypoints.llm import LLM
-    from batchserve.sampling_params import SamplingParams
-
+def main(argv: list[str]) -> int:
     args = build_generate_parser().parse_args(argv)
-    prompts = args.prompts or ["What is continuous batching?", "Write a haiku about the sea.", "Name three planets."]
-    config = engine_config_from_args(args, model=args.model)
-    llm = LLM.from_engine(LLMEngine(config))
+    prompts = args.prompts or EXAMPLE_PROMPTS
+    llm = LLM.from_config(engine_config_from_args(args, model=args.model))  # sets torch's threads and seed
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.raw:
         outputs = llm.generate(prompts, params)
@@ -54,32 +42,3 @@ def generate_main(argv: list[str]) -> int:
         else:
             print(f"### {prompt}\n{out.text}\n[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]\n")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "generate":
-        return generate_main(rest)
-    if command == "serve":
-        from batchserve.entrypoints.openai.api_server import main as serve_main
-
-        return serve_main(rest) or 0
-    if command == "bench":
-        from batchserve.bench.cli import main as bench_main
-
-        return bench_main(rest) or 0
-    if command == "tune":
-        from batchserve.bench.tune import main as tune_main
-
-        return tune_main(rest) or 0
-    print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,7 @@
 // Fused elementwise CPU ops for float32 activations: each is one pass over memory instead of the 3-6 torch ops (and
 // as many temporaries) it replaces. At prefill sizes those torch ops took ~20% of a step, at decode sizes their
-// per-op overhead adds up over 30 layers. Same math as the torch reference in batchserve/models/llama.py.
+// per-op overhead adds up over 30 layers. Same math as the torch references in batchserve/layers/ (norm.py, mlp.py,
+// rotary.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import platform
 from pathlib import Path
 
 import torch
+
+from batchserve import env
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def for_tensors(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch
 @functools.cache
 def load():
     """The compiled module, or None when native kernels are off or cannot be built here."""
-    if os.environ.get("BATCHSERVE_NATIVE_KERNELS", "1") == "0":
+    if not env.native_kernels():
         return None
     try:
         from torch.utils.cpp_extension import load as load_extension

@@ -1,0 +1,43 @@
+"""`batchserve` command line: generate | serve | bench | tune.
+
+Each command's module is imported only when it runs, so `batchserve --help` answers without loading torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+USAGE = """batchserve <command> [options]
+
+commands:
+  generate   generate text for prompts given on the command line (default model: SmolLM2-135M-Instruct)
+  serve      start the OpenAI-compatible HTTP server
+  bench      measure throughput and latency (offline or against any OpenAI-compatible server)
+  tune       sweep scheduler settings against an SLO and print the best configuration
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "generate":
+        from batchserve.entrypoints.generate import main as command_main
+    elif command == "serve":
+        from batchserve.entrypoints.openai.launch import main as command_main
+    elif command == "bench":
+        from batchserve.bench.cli import main as command_main
+    elif command == "tune":
+        from batchserve.bench.tune import main as command_main
+    else:
+        print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return command_main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

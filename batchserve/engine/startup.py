@@ -1,0 +1,36 @@
+"""The engine's start-up: resolve device and dtype, load the model's config, weights and tokenizer, build the runner.
+
+torch, the model and transformers are imported when `load_runner` is called, not with this module: an engine given
+its own runner (tests, fakes) never imports them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from batchserve.config import EngineConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from batchserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def load_runner(config: EngineConfig) -> tuple[ModelRunner, ModelConfig, PreTrainedTokenizerBase]:
+    """Load `config.model` (default: SmolLM2-135M-Instruct) on the configured device and dtype
+    -> (runner, model_config, tokenizer)."""
+    from batchserve.models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path
+    from batchserve.worker.device import resolve_device, resolve_dtype
+    from batchserve.worker.model_runner import ModelRunner
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype)
+    path = resolve_model_path(config.model)
+    model_config = load_model_config(path)
+    logger.info("loading %s (%s) on %s as %s", path, model_config.architecture, device, dtype)
+    model = load_model(path, model_config, dtype, device)
+    tokenizer = load_tokenizer(path, config.tokenizer)
+    return ModelRunner(config, model_config, model, device, dtype), model_config, tokenizer

@@ -1,0 +1,131 @@
+"""The FastAPI app: OpenAI routes over the serving layer, plus /tokenize, /detokenize, /health and /metrics.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not), GET /v1/models, GET /health,
+POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batchserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from batchserve.engine.llm_engine import LLMEngine, QueueFullError
+from batchserve.entrypoints.openai.chat import chat_prompt, create_chat_completion
+from batchserve.entrypoints.openai.completions import create_completion
+from batchserve.entrypoints.openai.errors import APIError, APIKeyMiddleware, as_api_error
+from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES, OpenAIFrontEnd
+from batchserve.entrypoints.openai.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from batchserve.sampling_params import InvalidRequestError
+from batchserve.serving.errors import ServingError
+from batchserve.serving.generation import GenerationService
+from batchserve.serving.metrics import CONTENT_TYPE, EngineMetrics
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def build_app(
+    engine: LLMEngine | AsyncLLMEngine,
+    *,
+    served_model_name: str | Sequence[str] | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    metrics: EngineMetrics | None = None,
+) -> FastAPI:
+    """The app over an LLMEngine (wrapped and owned: its loop stops with the app) or an AsyncLLMEngine (shared: the
+    caller starts and stops it; the app starts it if needed)."""
+    owned = isinstance(engine, LLMEngine)
+    async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
+    names = _model_names(served_model_name, async_engine.config.model)
+    metrics = (metrics or EngineMetrics(model_name=names[0])).attach(async_engine)
+    front = OpenAIFrontEnd(GenerationService(async_engine), names, max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        if owned:  # uvicorn has already waited for the in-flight requests (graceful shutdown)
+            await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+
+    app = FastAPI(title="batchserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.front = front
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    _add_error_handlers(app)
+    _add_routes(app, front, async_engine, metrics)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _model_names(served_model_name: str | Sequence[str] | None, model: str | None) -> list[str]:
+    if isinstance(served_model_name, str):
+        return [served_model_name]
+    if served_model_name:
+        return list(served_model_name)
+    return [model or DEFAULT_MODEL_NAME]
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: Exception) -> Response:
+        return as_api_error(exc).response()
+
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type_=kind).response()
+
+    # engine errors get their own handlers: the catch-all one for Exception answers but re-raises (a logged 500)
+    for exc_type in (APIError, RequestValidationError, InvalidRequestError, QueueFullError, EngineDeadError,
+                     ServingError, Exception):  # fmt: skip
+        app.add_exception_handler(exc_type, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+def _add_routes(app: FastAPI, front: OpenAIFrontEnd, engine: AsyncLLMEngine, metrics: EngineMetrics) -> None:
+    service = front.service
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(front, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(front, request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {"root": engine.config.model, "max_model_len": service.limits.max_model_len}
+        cards = [ModelCard(id=name, **card) for name in front.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = await front.parse(request, TokenizeRequest)
+        if req.messages is not None:
+            ids = await chat_prompt(service, req.messages, req.add_generation_prompt)
+        elif req.prompt is not None:
+            ids = await service.tokenize(req.prompt, req.add_special_tokens)
+        else:
+            raise APIError(400, "give 'prompt' or 'messages'", param="prompt")
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": service.limits.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = await front.parse(request, DetokenizeRequest)
+        return JSONResponse({"prompt": service.detokenize(req.tokens)})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running and engine.error is not None:
+            return as_api_error(EngineDeadError(f"engine loop died: {engine.error!r}")).response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,94 @@
+"""POST /v1/chat/completions: a conversation through the model's chat template, streamed over SSE or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from batchserve.core.outputs import Logprobs
+from batchserve.engine.async_engine import RequestStream
+from batchserve.entrypoints.openai.errors import APIError
+from batchserve.entrypoints.openai.front import OpenAIFrontEnd, finish_fields, sampling_params
+from batchserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, UsageInfo, random_id
+from batchserve.entrypoints.openai.streaming import AbortOnCloseResponse, sse_events, wait_for_disconnect
+from batchserve.serving.generation import GenerationService
+from batchserve.serving.results import GenerationResult, Usage
+
+
+async def chat_prompt(
+    service: GenerationService, messages: list[ChatMessage], add_generation_prompt: bool
+) -> list[int]:
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    return await service.chat_prompt(conversation, add_generation_prompt)
+
+
+async def create_chat_completion(front: OpenAIFrontEnd, request: Request) -> Response:
+    req = await front.parse(request, ChatCompletionRequest)
+    if req.tools:
+        raise APIError(400, "tools are not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    service = front.service
+    prompt_ids = await chat_prompt(service, req.messages, req.add_generation_prompt)
+    max_tokens = next(
+        (n for n in (req.max_completion_tokens, req.max_tokens) if n is not None),
+        service.limits.default_max_tokens(len(prompt_ids)),
+    )  # 0 is refused by SamplingParams, never read as "no limit"
+    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    request_id = random_id("chatcmpl")
+    streams = await service.submit(request_id, [prompt_ids], params, req.priority)
+    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": front.model_name}
+    if req.stream:
+        chunks = _stream(front, req, {**head, "object": "chat.completion.chunk"}, streams)
+        return AbortOnCloseResponse(sse_events(chunks), lambda: service.abort_unfinished(streams))
+    (result,) = await service.final_results(streams, wait_for_disconnect(request))
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": result.text},
+        "logprobs": _logprobs(front, result.logprobs or []) if req.logprobs else None,
+        **finish_fields(result),
+    }
+    return JSONResponse({**head, "choices": [choice], "usage": UsageInfo.of(Usage.of([result]))})
+
+
+async def _stream(
+    front: OpenAIFrontEnd, req: ChatCompletionRequest, head: dict[str, Any], streams: list[RequestStream]
+) -> AsyncIterator[dict[str, Any]]:
+    usage_field = {"usage": None} if req.include_usage else {}
+    finals: list[GenerationResult] = []
+    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    yield {**head, "choices": [first], **usage_field}
+    async for result in front.service.results(streams):
+        if not result.delta_text and not result.finished:
+            continue
+        if result.finished:
+            finals.append(result)
+        choice = {
+            "index": 0,
+            "delta": {"content": result.delta_text} if result.delta_text else {},
+            "logprobs": _logprobs(front, result.delta_logprobs) if req.logprobs else None,
+            **finish_fields(result),
+        }
+        yield {**head, "choices": [choice], **usage_field}
+    if req.include_usage:
+        yield {**head, "choices": [], "usage": UsageInfo.of(Usage.of(finals))}
+
+
+def _logprobs(front: OpenAIFrontEnd, entries: list[Logprobs]) -> dict[str, Any]:
+    token_text = front.service.token_text
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top.items()]} for e in entries
+        ]
+    }

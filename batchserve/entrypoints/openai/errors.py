@@ -1,0 +1,89 @@
+"""OpenAI-shaped errors (``{"error": {"message", "type", "param", "code"}}``) and the API-key check."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from batchserve.serving.errors import ErrorKind, classify
+
+OPEN_PATHS = ("/health", "/metrics")
+RETRY_AFTER_S = 1
+
+# status, OpenAI error type, code
+_BY_KIND: dict[ErrorKind, tuple[int, str, str | None]] = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error", None),
+    ErrorKind.NOT_FOUND: (404, "not_found_error", None),
+    ErrorKind.OVERLOADED: (503, "service_unavailable", "queue_full"),
+    ErrorKind.UNAVAILABLE: (503, "service_unavailable", "engine_dead"),
+    ErrorKind.CANCELLED: (499, "invalid_request_error", "client_closed_request"),
+    ErrorKind.INTERNAL: (500, "internal_error", None),
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """Any exception as the OpenAI error a client gets (engine errors through the serving layer's kinds)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError | RequestValidationError):
+        return validation_error(exc)
+    error = classify(exc)
+    status, type_, code = _BY_KIND[error.kind]
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.kind == ErrorKind.OVERLOADED else None
+    return APIError(status, error.message, type_, error.param, code, headers)
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    return APIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
+
+
+class APIKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every path but /health and /metrics; compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = ("Bearer " + api_key).encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(
+            401, "invalid or missing API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+        )
+        await error.response()(scope, receive, send)

@@ -1,0 +1,100 @@
+"""What the OpenAI routes share: the serving layer, the served model names, body parsing and sampling options."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from batchserve.entrypoints.openai.errors import APIError, validation_error
+from batchserve.entrypoints.openai.protocol import SamplingRequest
+from batchserve.sampling_params import InvalidRequestError, SamplingParams
+from batchserve.serving.generation import GenerationService
+from batchserve.serving.results import GenerationResult
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+class OpenAIFrontEnd:
+    def __init__(self, service: GenerationService, served_model_names: Sequence[str], max_body_bytes: int) -> None:
+        self.service = service
+        self.served_model_names = list(served_model_names)
+        self.model_name = self.served_model_names[0]
+        self.max_body_bytes = max_body_bytes
+
+    async def parse(self, request: Request, model: type[Body]) -> Body:
+        """The body as `model`: 413 over the size limit, 400 for malformed JSON, invalid fields or another model."""
+        length = request.headers.get("content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.max_body_bytes
+            except ValueError:
+                raise APIError(400, "invalid Content-Length header", code="invalid_header") from None
+            if too_big:
+                raise self._too_big()
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise self._too_big()
+        data = _json(bytes(body))
+        try:
+            parsed = model.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        self.check_model(getattr(parsed, "model", None))
+        return parsed
+
+    def _too_big(self) -> APIError:
+        return APIError(413, f"request body is over {self.max_body_bytes} bytes", code="body_too_large")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise APIError(
+                400,
+                f"the model '{name}' does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+
+def _json(body: bytes) -> object:
+    """The body's JSON value; 400 for malformed JSON, NaN or Infinity, nesting past Python's recursion limit, or
+    a lone surrogate (\\ud800), which no tokenizer or response could encode."""
+    try:
+        data = json.loads(body, parse_constant=_refuse_constant)
+        json.dumps(data, ensure_ascii=False).encode()
+    except RecursionError:
+        raise APIError(400, "the JSON body is nested too deeply", code="invalid_json") from None
+    except UnicodeEncodeError:
+        raise APIError(400, "the JSON body holds a lone surrogate (not valid Unicode)", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    return data
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    if req.n != 1:
+        raise APIError(400, f"only n=1 is supported, got {req.n}", param="n")
+    try:
+        return req.sampling_params(max_tokens, logprobs)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidRequestError):
+            raise
+        raise APIError(400, str(exc)) from None
+
+
+def finish_fields(result: GenerationResult) -> dict[str, str | int | None]:
+    """A choice's finish_reason, and vLLM's stop_reason once it has one."""
+    if not result.finished:
+        return {"finish_reason": None}
+    return {"finish_reason": result.finish_reason, "stop_reason": result.stop_reason}

@@ -1,0 +1,40 @@
+"""Every environment variable batchserve reads, with its default: read when called, nothing cached here.
+
+It imports nothing from batchserve, so that any layer may take its settings from it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# benchmarks/ keeps what it downloads and builds here (the folder is git-ignored): a source checkout's bench_results/
+BENCH_RESULTS = Path(__file__).resolve().parent.parent / "bench_results"
+
+
+def native_kernels() -> bool:
+    """BATCHSERVE_NATIVE_KERNELS (default "1"): "0" turns the native CPU kernels off; the torch code runs instead."""
+    return os.environ.get("BATCHSERVE_NATIVE_KERNELS", "1") != "0"
+
+
+def cache_dir() -> Path:
+    """BATCHSERVE_CACHE_DIR (default ~/.cache/batchserve): where GGUF files are converted to, once each."""
+    return Path(os.environ.get("BATCHSERVE_CACHE_DIR", Path.home() / ".cache" / "batchserve"))
+
+
+def api_key() -> str | None:
+    """BATCHSERVE_API_KEY (default unset): the key `batchserve serve` requires when --api-key is not given (an empty
+    value counts as unset)."""
+    return os.environ.get("BATCHSERVE_API_KEY") or None
+
+
+def hf_export_dir() -> Path:
+    """BATCHSERVE_HF_EXPORT (default bench_results/smollm2-hf): the Hugging Face directory benchmarks/export_hf.py
+    writes the dequantized default model to and benchmarks/peer_compare.py gives transformers and vLLM."""
+    return Path(os.environ.get("BATCHSERVE_HF_EXPORT") or BENCH_RESULTS / "smollm2-hf")
+
+
+def vllm_python() -> Path:
+    """VLLM_PYTHON (default bench_results/vllm-venv/bin/python): the interpreter of the venv holding vLLM's CPU build,
+    which benchmarks/peer_compare.py runs vLLM with."""
+    return Path(os.environ.get("VLLM_PYTHON") or BENCH_RESULTS / "vllm-venv" / "bin" / "python")

@@ -1,0 +1,70 @@
+"""CpuLinear: a projection laid out for this CPU's GEMMs (native small-M kernel, oneDNN packed, or x @ W)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchserve.layers import kernels
+
+
+class CpuLinear(nn.Module):
+    """A Linear laid out for this CPU's GEMMs, picked per call by the number of rows M (measured, see
+    benchmarks/roofline.py): the native small-M kernel (weight packed in 32-column panels) for decode-sized M, oneDNN
+    with a pre-packed weight for the wide projections (gate/up, lm_head) up to prefill-sized M, a plain [in, out]
+    weight (x @ W) otherwise. Each layout is a copy of the weight: memory traded for speed."""
+
+    SMALL_MIN_M = 2  # one row streams the weight fastest as x @ W
+    SMALL_MAX_M = {False: 48, True: 64}  # up to where the native kernel wins: {narrow projection?: M}
+    PACKED_MAX_M = 512  # from here on (prefill chunks) x @ W is as fast
+    NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features = weight.shape[0]
+        weight = weight.detach()
+        if weight.dtype in (torch.bfloat16, torch.float16) and not kernels.has_matmul_units(weight.dtype):
+            # Without bf16/fp16 matmul units torch's GEMM in them runs at ~1/4 of float32's. A product of two bf16
+            # (or fp16) values is exact in float32, so a float32 GEMM on widened copies, its result rounded back, is
+            # what a bf16 GEMM with float32 accumulation computes, in another summation order.
+            weight = weight.float()
+            bias = None if bias is None else bias.float()
+        self.register_buffer("weight_t", weight.t().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach())
+        narrow = self.out_features <= self.NARROW_OUT
+        self.register_buffer("packed", None if narrow else _mkldnn_pack(weight))
+        self.small_max_m = self.SMALL_MAX_M[narrow]
+        native = kernels.for_tensors(weight)
+        small = native is not None and native.small_gemm_available()
+        self.register_buffer("small_packed", native.small_gemm_pack(weight) if small else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> CpuLinear:
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight_t.dtype:  # bf16/fp16 activations, float32 layouts (see __init__)
+            return self._forward(x.to(self.weight_t.dtype)).to(x.dtype)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m < self.SMALL_MIN_M:
+            out = torch.matmul(x, self.weight_t)
+        elif self.small_packed is not None and m <= self.small_max_m:
+            out = kernels.load().small_gemm(x, self.small_packed, self.out_features)
+        elif self.packed is not None and m < self.PACKED_MAX_M:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            out = torch.matmul(x, self.weight_t)
+        return out if self.bias is None else out + self.bias
+
+
+def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a float32 weight, or None where this torch build has no oneDNN linear."""
+    if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except (AttributeError, RuntimeError):
+        return None

@@ -1,0 +1,42 @@
+"""EngineClient: everything a front end (HTTP, gRPC, a Ray replica) may ask of a running engine."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+from batchserve.config import EngineConfig
+from batchserve.core.outputs import SchedulerStats
+from batchserve.engine.async_engine import RequestStream
+from batchserve.engine.inputs import EngineLimits, Prompt
+from batchserve.sampling_params import SamplingParams
+
+
+class EngineClient(Protocol):
+    """Implemented by batchserve.engine.async_engine.AsyncLLMEngine."""
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def limits(self) -> EngineLimits: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    async def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
+        """Raises InvalidRequestError, QueueFullError or EngineDeadError; else the stream of the request's outputs."""
+        ...
+
+    def abort(self, request_ids: str | list[str]) -> None: ...
+
+    def stats(self) -> SchedulerStats | None: ...

@@ -1,0 +1,172 @@
+"""Submitting a front end's request (one or more prompts) to the engine and reading its results back, whatever the
+protocol: all-or-nothing admission, results as they arrive or once finished, aborts when the caller goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from batchserve.config import Truncation
+from batchserve.engine.async_engine import RequestStream
+from batchserve.engine.inputs import EngineLimits, Prompt
+from batchserve.sampling_params import InvalidRequestError, SamplingParams
+from batchserve.serving.chat import chat_prompt_ids
+from batchserve.serving.client import EngineClient
+from batchserve.serving.errors import ErrorKind, ServingError
+from batchserve.serving.results import GenerationResult
+
+MAX_PROMPTS_PER_REQUEST = 128  # a batch of prompts in one request; more is a bulk job for the offline API
+
+
+class ClientGone(ServingError):
+    """The caller went away before its results were ready; its requests have been aborted."""
+
+    def __init__(self) -> None:
+        super().__init__(ErrorKind.CANCELLED, "client disconnected")
+
+
+class GenerationService:
+    """One per front end, over one EngineClient."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.client.tokenizer
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.client.limits
+
+    # ------------------------------------------------------------------ inputs
+    # Tokenizing a megabyte of text takes seconds: it runs in a worker thread (the Rust tokenizer releases the GIL),
+    # never on the event loop that streams everyone's tokens, nor on the engine loop that steps them.
+
+    async def chat_prompt(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        self.check_text_length(sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, Mapping)))
+        ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, messages, add_generation_prompt)
+        return self.limits.check_token_ids(ids)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_text_length(len(text))
+        return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(self.limits.check_token_ids(token_ids, "token ids", "tokens"))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def check_text_length(self, num_chars: int) -> None:
+        """Refuse, before tokenizing, a text that must hold more tokens than any prompt may: no token is longer
+        than the tokenizer's longest, so that bounds the count from below."""
+        if self.limits.truncation != Truncation.ERROR:
+            return
+        fewest_tokens = num_chars // self._longest_token_chars
+        if fewest_tokens > self.limits.max_input_len:
+            raise InvalidRequestError(
+                f"the prompt has at least {fewest_tokens} tokens ({num_chars} characters), more than the "
+                f"{self.limits.max_input_len} allowed (max_input_len)",
+                "prompt",
+            )
+
+    @functools.cached_property
+    def _longest_token_chars(self) -> int:
+        pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        return max(1, *(len(p) for p in pieces if p))
+
+    async def _prepared(self, prompt: Prompt) -> Prompt:
+        """Text prompts tokenized here, off the event loop; the engine then takes their ids."""
+        if isinstance(prompt, str) and prompt:
+            return {"prompt": prompt, "prompt_token_ids": await self.tokenize(prompt)}
+        return prompt
+
+    # ------------------------------------------------------------------ submitting
+    async def submit(
+        self, base_id: str, prompts: Sequence[Prompt], params: SamplingParams, priority: int = 0
+    ) -> list[RequestStream]:
+        """Every prompt admitted, or none: a failure aborts those already added and raises."""
+        if not prompts:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise InvalidRequestError(
+                f"a request may hold at most {MAX_PROMPTS_PER_REQUEST} prompts, got {len(prompts)}", "prompt"
+            )
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                prepared = await self._prepared(prompt)
+                streams.append(await self.client.add_request(request_id, prepared, params, priority))
+        except BaseException:
+            self.abort_unfinished(streams)
+            raise
+        return streams
+
+    def abort_unfinished(self, streams: Sequence[RequestStream]) -> None:
+        self.client.abort([s.request_id for s in streams if not s.finished])
+
+    # ------------------------------------------------------------------ results
+    async def final_results(
+        self, streams: Sequence[RequestStream], caller_gone: Awaitable[Any] | None = None
+    ) -> list[GenerationResult]:
+        """Each stream's last result, in prompt order; raises ClientGone (and aborts them all) if `caller_gone`
+        completes first."""
+
+        async def last(index: int, stream: RequestStream) -> GenerationResult:
+            final = None
+            async for out in stream:
+                final = out
+            assert final is not None, "a request stream ends with its final output"
+            return GenerationResult.of(final, index)
+
+        gathering = asyncio.gather(*(last(i, s) for i, s in enumerate(streams)))
+        watching = asyncio.ensure_future(caller_gone) if caller_gone is not None else None
+        try:
+            waited = {gathering} | ({watching} if watching else set())
+            done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+            if gathering in done:
+                return list(gathering.result())
+            raise ClientGone()
+        finally:
+            if watching is not None:
+                watching.cancel()
+            if not gathering.done():
+                gathering.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await gathering  # retrieved, so asyncio never logs "exception was never retrieved"
+            self.abort_unfinished(streams)
+
+    async def results(self, streams: Sequence[RequestStream]) -> AsyncIterator[GenerationResult]:
+        """Every stream's results as they arrive, interleaved; the caller aborts the unfinished ones when it stops."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield GenerationResult.of(out, 0)
+            return
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    await queue.put((index, out))
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((index, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                remaining -= item.finished
+                yield GenerationResult.of(item, index)
+        finally:
+            for task in tasks:
+                task.cancel()

@@ -1,0 +1,101 @@
+"""Imports run one way: config <- core <- layers <- models <- worker <- engine <- serving <- entrypoints <- bench,
+with the CLI dispatcher (and the package's own __init__) on top. Every import counts, at the top of a file or inside
+a function, so that no lazy import hides an arrow that runs back up."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import batchserve
+
+PACKAGE_DIR = Path(batchserve.__file__).parent
+
+# Lowest first; a module may import its own layer and the layers below it.
+LAYERS: list[tuple[str, ...]] = [
+    ("batchserve.config", "batchserve.sampling_params", "batchserve.request", "batchserve.env"),
+    ("batchserve.core",),
+    ("batchserve.layers",),
+    ("batchserve.models",),
+    ("batchserve.worker",),
+    ("batchserve.engine",),
+    ("batchserve.serving",),
+    ("batchserve.entrypoints",),
+    ("batchserve.bench",),
+    ("batchserve.cli", "batchserve"),
+]
+
+
+def layer_of(module: str) -> int:
+    """Index in LAYERS of the longest prefix that names `module`'s layer."""
+    best, best_len = None, -1
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
+    """batchserve modules a source file imports, anywhere in it (relative imports resolved)."""
+    found: set[str] = set()
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            # `from pkg import name` imports the submodule pkg.name when there is one, else a name of pkg itself
+            submodules = {f"{base}.{alias.name}" for alias in node.names if _is_module(f"{base}.{alias.name}")}
+            found.update(submodules if len(submodules) == len(node.names) else submodules | {base})
+    return {name for name in found if name == "batchserve" or name.startswith("batchserve.")}
+
+
+def _is_module(name: str) -> bool:
+    relative = Path(*name.split(".")[1:]) if "." in name else Path()
+    return (PACKAGE_DIR / relative).with_suffix(".py").exists() or (PACKAGE_DIR / relative / "__init__.py").exists()
+
+
+def back_arrows(files: dict[str, tuple[str, bool]]) -> list[str]:
+    """'a -> b' for each import of a module b from a layer above a's. files: module -> (source, is_package)."""
+    arrows = []
+    for module, (source, is_package) in sorted(files.items()):
+        own = layer_of(module)
+        for target in sorted(imported_modules(source, module, is_package)):
+            if layer_of(target) > own:
+                arrows.append(f"{module} -> {target}")
+    return arrows
+
+
+def package_files() -> dict[str, tuple[str, bool]]:
+    files = {}
+    for path in PACKAGE_DIR.rglob("*.py"):
+        parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        files[module] = (path.read_text(), is_package)
+    return files
+
+
+def test_every_import_runs_down_the_layers():
+    files = package_files()
+    assert len(files) > 40 and "batchserve.core.scheduler" in files
+    assert back_arrows(files) == []
+
+
+def test_a_back_arrow_is_caught_wherever_it_hides():
+    files = package_files()
+    source, is_package = files["batchserve.layers.attention"]
+    lazy = source + "\n\ndef _peek():\n    from batchserve.engine.llm_engine import LLMEngine\n    return LLMEngine\n"
+    relative = files["batchserve.core.scheduler"][0] + "\nfrom ..worker import model_runner\n"
+    files["batchserve.layers.attention"] = (lazy, is_package)
+    files["batchserve.core.scheduler"] = (relative, False)
+    assert back_arrows(files) == [
+        "batchserve.core.scheduler -> batchserve.worker.model_runner",
+        "batchserve.layers.attention -> batchserve.engine.llm_engine",
+    ]

@@ -1,0 +1,13 @@
+import pytest
+
+from batchserve.layers import kernels
+
+
+@pytest.fixture(scope="session")
+def native_kernels():
+    """The compiled native kernels, built (or found in the on-disk cache) once per session when a test first asks;
+    the test is skipped where they cannot be built."""
+    native = kernels.load()
+    if native is None:
+        pytest.skip("native kernels not built here")
+    return native
