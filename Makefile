@@ -1,12 +1,14 @@
 # Two commands do everything on a fresh machine:
 #   make run    set up .venv, then generate text from the default model (SmolLM2-135M-Instruct)
 #   make test   set up .venv, then run the whole test suite (what .ci/run calls)
+# `make test-fast` runs only the tests that need no model and no compiled kernels (scheduler, engine and bench on
+# the fake runner, the HTTP server on the fake engine, config and CLI parsing): seconds, not minutes.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run serve test bench lint setup
+.PHONY: run serve test test-fast bench lint setup
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -27,6 +29,10 @@ serve: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+FAST_TESTS := tests/core tests/engine/test_engine.py tests/bench tests/server tests/test_config.py tests/test_cli.py
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(FAST_TESTS)
 
 bench: setup
 	$(BIN)/python benchmarks/engine_throughput.py

@@ -4,10 +4,16 @@ It "stores K/V" by writing each computed token id into its slot of a flat cache 
 offset), and samples the next token as a hash of the tokens it READS BACK through the block table. If the
 scheduler or block manager hands out a wrong block table, a shared prefix block with other content, or a block
 that is overwritten while still in use, the sampled tokens differ from `reference_next_token(true sequence)`.
+
+Options for engine and server tests: `delay_s` sleeps that long in every non-empty step (so streams, queues and step
+timing are observable), and setting the `crash` event (or passing one already set) makes the next step raise, as a
+failed device would.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 import zlib
 
 from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput
@@ -18,8 +24,15 @@ def reference_next_token(tokens: list[int], vocab_size: int) -> int:
 
 
 class FakeRunner:
-    def __init__(self, num_kv_blocks: int, block_size: int, vocab_size: int = 1000, num_swap_blocks: int = 0,
-                 eos_every: int | None = None) -> None:
+    def __init__(
+        self,
+        num_kv_blocks: int,
+        block_size: int,
+        vocab_size: int = 1000,
+        num_swap_blocks: int = 0,
+        delay_s: float = 0.0,
+        crash: threading.Event | None = None,
+    ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.num_swap_blocks = num_swap_blocks
         self.block_size = block_size
@@ -30,8 +43,14 @@ class FakeRunner:
         self.tables: dict[str, list[int]] = {}
         self.steps: list[SchedulerOutput] = []
         self.last_timings = RunnerTimings()  # nothing is timed: the engine's step split reads zeros
+        self.delay_s = delay_s
+        self.crash = crash if crash is not None else threading.Event()
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
+        if self.crash.is_set():
+            raise RuntimeError("simulated device failure")
+        if self.delay_s and not out.is_empty:
+            time.sleep(self.delay_s)
         self.steps.append(out)
         for rid in out.finished_req_ids:
             self.tokens.pop(rid, None)
@@ -75,4 +94,4 @@ def reference_generation(prompt: list[int], max_tokens: int, vocab_size: int = 1
     tokens = list(prompt)
     for _ in range(max_tokens):
         tokens.append(reference_next_token(tokens, vocab_size))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]

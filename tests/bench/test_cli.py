@@ -7,11 +7,12 @@ from batchserve.config import EngineConfig
 
 
 @pytest.fixture
-def fake_build(monkeypatch, fake_engine_cls):
+def fake_build(monkeypatch, make_engine):
+    """offline.build_engine builds the real engine over the fake runner (0.5 ms a step)."""
     built = []
 
     def build(config, like=None, share_runner=True):
-        engine = fake_engine_cls(config, step_s=0.0005)
+        engine = make_engine(config, delay_s=0.0005)
         built.append(engine)
         return engine
 

@@ -4,6 +4,7 @@ import statistics
 
 import pytest
 
+from batchserve.bench.corpus import CORPUS
 from batchserve.bench.workloads import WorkloadOptions, describe, make_workload
 
 
@@ -26,15 +27,17 @@ def test_reproducible_from_seed(tokenizer):
 
 def test_prompts_are_real_text_without_shared_prefixes(tokenizer):
     reqs = make_workload("uniform", tokenizer, 30, seed=0, options=WorkloadOptions(input_len=40))
-    text = tokenizer.decode(reqs[0].prompt_token_ids)
-    assert len(text.split()) == 40 and any(w.isalpha() and len(w) > 3 for w in text.split())
-    firsts = {tuple(r.prompt_token_ids[:4]) for r in reqs}  # the unique header keeps first blocks apart
+    text = tokenizer.decode(reqs[0].prompt_token_ids)  # the byte tokenizer: one token per character of the prose
+    assert len(text) == 40 and any(w.isalpha() and len(w) > 3 for w in text.split())
+    firsts = {tuple(r.prompt_token_ids[:8]) for r in reqs}  # the unique header ("[0-12] ") keeps first blocks apart
     assert len(firsts) == 30
 
 
 def test_long_prompt_wraps_the_corpus(tokenizer):
-    reqs = make_workload("uniform", tokenizer, 2, seed=0, options=WorkloadOptions(input_len=5000))
-    assert [r.prompt_len for r in reqs] == [5000, 5000]
+    corpus_len = len(tokenizer.encode(" ".join(CORPUS.split()), add_special_tokens=False))
+    n = corpus_len + 800  # longer than the whole corpus: the prompt must wrap around
+    reqs = make_workload("uniform", tokenizer, 2, seed=0, options=WorkloadOptions(input_len=n))
+    assert [r.prompt_len for r in reqs] == [n, n]
 
 
 def test_mixed_lengths_and_ratio(tokenizer):
@@ -85,9 +88,10 @@ def test_sharegpt_file(tokenizer, tmp_path):
     path.write_text(json.dumps(convs))
     reqs = make_workload("sharegpt", tokenizer, 12, seed=0, options=WorkloadOptions(dataset=str(path)))
     assert len(reqs) == 12
-    for r in reqs:
+    for r in reqs:  # the byte tokenizer: one token per character
         i = int(r.prompt_text.split()[2])
-        assert r.prompt_len == 3 + 5 + i and r.output_len == 10 + i
+        assert r.prompt_len == len(f"question number {i} ") + len("word ") * (5 + i)
+        assert r.output_len == len("answer ") * (10 + i)
     with pytest.raises(ValueError, match="usable"):
         make_workload("sharegpt", tokenizer, 50, options=WorkloadOptions(dataset=str(path)))
 

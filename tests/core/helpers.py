@@ -1,4 +1,5 @@
-"""Build a scheduler from ints and drive it with the fake paged runner."""
+"""Build a scheduler from ints and drive it with the fake paged runner (tests/fake_runner.py, the one runner of
+the test doubles in tests/doubles.py)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def make_request(rid, prompt_len=8, max_tokens=4, prompt=None, priority=0, arriv
     )
 
 
-def drive(scheduler: Scheduler, runner: FakeRunner, arrivals: dict[int, list[Request]], max_steps=10_000,
-          on_step=None) -> dict[str, list[int]]:
+def drive(
+    scheduler: Scheduler, runner: FakeRunner, arrivals: dict[int, list[Request]], max_steps=10_000, on_step=None
+) -> dict[str, list[int]]:
     """Run until everything finishes; requests in arrivals[i] are added before step i. Returns outputs by id."""
     outputs: dict[str, list[int]] = {}
     last_arrival = max(arrivals, default=0)
@@ -49,7 +51,10 @@ def drive(scheduler: Scheduler, runner: FakeRunner, arrivals: dict[int, list[Req
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         if on_step:
             on_step(scheduler, scheduled)
-    raise AssertionError("requests did not finish")
+    raise AssertionError(
+        f"requests still unfinished after {max_steps} steps: {len(scheduler.running)} running, "
+        f"{scheduler.num_waiting} waiting"
+    )
 
 
 def assert_all_blocks_free(scheduler: Scheduler) -> None:

@@ -3,33 +3,31 @@ import pytest
 from batchserve.engine.llm_engine import QueueFullError
 from batchserve.entrypoints.llm import LLM
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
-from tests.fake_runner import reference_generation
+from tests.doubles import LETTERS, reference_generation, run_to_completion
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+MAX_STEPS = 1000  # every test here finishes in far fewer steps; past it the scheduler is stuck
 
 
 def run_all(engine):
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+    return run_to_completion(engine, MAX_STEPS)
 
 
-def words(ids):
-    return " ".join(f"w{i}" for i in ids)
+def letters(ids):
+    """The byte tokenizer's text of ids below 26, written out independently of it: 0 -> "a", ..., 25 -> "z"."""
+    assert all(0 <= i < LETTERS for i in ids)
+    return "".join(chr(ord("a") + i) for i in ids)
 
 
-def test_outputs_in_input_order_with_text_and_timings(make_engine):
+def test_outputs_in_input_order_with_text_and_timings(make_engine, tokenizer):
     llm = LLM.from_engine(make_engine(max_batch_size=3))
-    prompts = [words(range(1, 2 + i * 3)) for i in range(7)]
+    prompt_ids = [list(range(1, 2 + i * 3)) for i in range(7)]
+    prompts = [letters(ids) for ids in prompt_ids]  # text prompts: "b", "bcde", ...
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        ids = [int(w[1:]) for w in prompt.split()]
+    for ids, out in zip(prompt_ids, outs, strict=True):
         assert out.prompt_token_ids == ids
-        assert out.token_ids == reference_generation(ids, 5, 1000)
-        assert out.text == words(out.token_ids)
+        assert out.token_ids == reference_generation(ids, 5, LETTERS)
+        assert out.text == letters(out.token_ids) == tokenizer.decode(out.token_ids)
         assert out.finish_reason == "length"
         m = out.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
@@ -37,24 +35,30 @@ def test_outputs_in_input_order_with_text_and_timings(make_engine):
 
 def test_stop_string_cuts_text_and_finishes(make_engine):
     engine = make_engine()
-    expected = reference_generation([5, 6, 7], 10, 1000)
-    stop = words(expected[2:4])
+    expected = reference_generation([5, 6, 7], 10, LETTERS)
+    stop = letters(expected[2:4])
+    assert letters(expected).find(stop) == 2  # the stop string first appears after two tokens
     engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=10, stop=[stop], **GREEDY))
     out = run_all(engine)["a"]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == words(expected[:2]) + " "
-    assert engine.scheduler.kv.pool.num_free_blocks == 64
+    assert out.text == letters(expected[:2])
+    assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.pool.num_blocks
 
 
 def test_streamed_deltas_concatenate_to_the_text(make_engine):
     engine = make_engine()
     engine.add_request("a", [3, 4], SamplingParams(max_tokens=12, **GREEDY))
     pieces, final = [], None
-    while engine.has_unfinished_requests():
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            break
         for out in engine.step():
             pieces.append(out.delta_text)
             final = out
-    assert "".join(pieces) == final.text == words(final.token_ids)
+    else:
+        pytest.fail(f"request unfinished after {MAX_STEPS} steps")
+    assert final.finished and len(final.token_ids) == 12
+    assert "".join(pieces) == final.text == letters(final.token_ids)
 
 
 @pytest.mark.parametrize(
@@ -75,7 +79,7 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(make_engine, prompt, par
     engine.add_request("good", [1, 2, 3], SamplingParams(max_tokens=3, **GREEDY))
     with pytest.raises(InvalidRequestError, match=message):
         engine.add_request("bad", prompt, SamplingParams(**params))
-    assert run_all(engine)["good"].token_ids == reference_generation([1, 2, 3], 3, 1000)
+    assert run_all(engine)["good"].token_ids == reference_generation([1, 2, 3], 3, LETTERS)
 
 
 @pytest.mark.parametrize("truncation, expected", [("left", list(range(11, 21))), ("right", list(range(1, 11)))])
@@ -93,7 +97,7 @@ def test_abort_reports_and_frees(make_engine):
     engine.abort_request("a")
     done = run_all(engine)
     assert done["a"].finish_reason == "abort" and done["b"].finish_reason == "length"
-    assert engine.scheduler.kv.pool.num_free_blocks == 64
+    assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.pool.num_blocks
 
 
 def test_bounded_waiting_queue(make_engine):

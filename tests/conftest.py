@@ -1,0 +1,35 @@
+"""Fixtures of the one set of test doubles (tests/doubles.py): `tokenizer` (the byte-level one) and `make_engine`
+(the real LLMEngine over the FakeRunner). Non-fixture code imports the same things from tests.doubles."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import doubles
+from tests.doubles import (
+    LETTERS,
+    FakeRunner,
+    byte_tokenizer,
+    reference_generation,
+    run_to_completion,
+    tiny_model_config,
+)
+
+__all__ = ["LETTERS", "FakeRunner", "byte_tokenizer", "reference_generation", "run_to_completion", "tiny_model_config"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The byte-level tokenizer: any text, a-z = ids 0-25, ChatML specials and a chat template."""
+    return byte_tokenizer()
+
+
+@pytest.fixture(name="make_engine")
+def make_engine_fixture(tokenizer):
+    """make_engine(config=None, *, delay_s=0.0, runner_vocab=26, **options) -> the real LLMEngine over the
+    FakeRunner, sharing the session's tokenizer."""
+
+    def make(config=None, **options):
+        return doubles.make_engine(config, **({"tokenizer": tokenizer} | options))
+
+    return make
