@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
+from batchserve.config import SchedulingOrder
 from batchserve.request import Request
 
 
@@ -146,11 +147,13 @@ class ShortestFirstQueue(_HeapQueue):
         return self._by_length.top(self._live.keys())
 
 
-def make_request_queue(order: str, max_wait_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
-    if order == "fcfs":
+def make_request_queue(
+    order: SchedulingOrder, max_wait_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+) -> RequestQueue:
+    if order == SchedulingOrder.FCFS:
         return FCFSQueue()
-    if order == "priority":
+    if order == SchedulingOrder.PRIORITY:
         return PriorityQueue()
-    if order == "shortest_first":
+    if order == SchedulingOrder.SHORTEST_FIRST:
         return ShortestFirstQueue(max_wait_s, clock)
     raise ValueError(f"unknown scheduling order {order!r}")

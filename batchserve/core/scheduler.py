@@ -21,7 +21,7 @@ import bisect
 import time
 from collections.abc import Callable, Iterable
 
-from batchserve.config import SchedulerConfig
+from batchserve.config import PreemptionMode, SchedulerConfig, SchedulerPolicy, SchedulingOrder
 from batchserve.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
 from batchserve.core.outputs import (
     CachedRequestData,
@@ -33,6 +33,7 @@ from batchserve.core.outputs import (
 )
 from batchserve.core.request_queue import make_request_queue
 from batchserve.request import FinishReason, Request, RequestStatus
+from batchserve.sampling_params import InvalidRequestError
 
 
 class _StepBuilder:
@@ -92,20 +93,31 @@ class Scheduler:
         config.validate()
         self.config = config
         self.kv = kv_cache
-        self.max_model_len = max_model_len or config.max_model_len or 1 << 30
+        # no sequence may outgrow the whole pool: one alone would preempt itself and be readmitted for ever
+        self.kv_capacity_tokens = kv_cache.pool.num_blocks * kv_cache.block_size
+        self.max_model_len = min(max_model_len or config.max_model_len or 1 << 30, self.kv_capacity_tokens)
         self.clock = clock
         self.waiting = make_request_queue(config.scheduling_order, config.max_wait_s, clock)
         self.running: list[Request] = []  # in rank order: the tail is preempted first
         self.requests: dict[str, Request] = {}
         self._forget: set[str] = set()  # ids the worker must drop at the next step
         self._padding: dict[str, Request] = {}  # static_padding: finished members of the current static batch
+        self._rejected: list[RequestOutput] = []  # ended by schedule() (never schedulable), reported by the update
         self.num_preemptions_total = 0
         self._last_step: _StepBuilder | None = None
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request; InvalidRequestError if its prompt leaves no room for one token (the engine's limits
+        refuse such prompts first, naming the limit)."""
         if not self.is_id_free(request.request_id):
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {request.num_prompt_tokens} tokens, the limit is {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len}; the KV pool holds {self.kv_capacity_tokens} tokens)",
+                "prompt",
+            )
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -144,17 +156,19 @@ class Scheduler:
         step = _StepBuilder(self.config.max_num_tokens)
         step.output.finished_req_ids, self._forget = self._forget, set()
         policy = self.config.scheduler_policy
-        if policy == "static" and not self.running:
+        if policy == SchedulerPolicy.STATIC and not self.running:
             self._form_static_batch()
-        if policy == "max_utilization" and self.config.scheduling_order == "priority":
+        if policy == SchedulerPolicy.MAX_UTILIZATION and self.config.scheduling_order == SchedulingOrder.PRIORITY:
             self._preempt_for_higher_priority(step)
         self._schedule_running(step)
         for request in self._padding.values():  # within the token budget (a member may end while others still prefill)
             if step.token_budget <= 0:
                 break
             step.add_padding(request)
-        if policy != "static" and step.num_preempted == 0:
+        if policy != SchedulerPolicy.STATIC and step.num_preempted == 0:
             self._admit_waiting(step)
+        if not step.num_seqs and not self.running and step.num_preempted == 0 and len(self.waiting):
+            self._reject_unschedulable(self.waiting.peek())
         step.output.finished_req_ids |= self._forget  # preempted this step
         self._forget = set()
         self._last_step = step
@@ -187,7 +201,7 @@ class Scheduler:
         self, request: Request, num_tokens: int, hit: PrefixHit | None, step: _StepBuilder
     ) -> list[int] | None:
         new_blocks = self.kv.allocate(request, num_tokens, hit)
-        if self.config.scheduler_policy != "max_utilization":
+        if self.config.scheduler_policy != SchedulerPolicy.MAX_UTILIZATION:
             return new_blocks  # reservations make failure impossible; never preempt under these policies
         while new_blocks is None:
             victim = self.running[-1]
@@ -235,13 +249,21 @@ class Scheduler:
             self._insert_running(request)
             step.add(request, num_tokens, self.kv.block_ids(request), resumed=True)
 
+    def _reject_unschedulable(self, request: Request) -> None:
+        """The head of the queue was not admitted into an empty batch, on an empty pool: it never will be (its
+        prompt or worst case is larger than the pool, or than one step's tokens without chunked prefill). It ends
+        now, as aborted, instead of blocking the queue behind it for ever."""
+        self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        self._rejected.append(RequestOutput(request.request_id, [], True, FinishReason.ABORT, None))
+
     def _on_scheduled(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
 
     def _insert_running(self, request: Request) -> None:
-        if self.config.scheduling_order == "priority":
+        if self.config.scheduling_order == SchedulingOrder.PRIORITY:
             keys = [(r.priority, r.arrival_time) for r in self.running]
             self.running.insert(bisect.bisect_right(keys, (request.priority, request.arrival_time)), request)
         else:
@@ -254,7 +276,7 @@ class Scheduler:
     def _reservation_fits(self, request: Request, hit: PrefixHit) -> bool:
         """guaranteed_no_evict and static: the newcomer's worst case plus every running request's remaining
         worst case must fit in the free blocks, so no running request can ever run out."""
-        if self.config.scheduler_policy == "max_utilization":
+        if self.config.scheduler_policy == SchedulerPolicy.MAX_UTILIZATION:
             return True
         reserved = sum(self._worst_case_blocks(r) - self.kv.num_blocks_of(r) for r in self.running)
         shared = sum(1 for b in hit.blocks if b.ref_count > 0)  # already owned: costs no free block
@@ -288,7 +310,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, step: _StepBuilder) -> None:
         self.running.remove(request)
-        swapped = self.config.preemption_mode == "swap" and self.kv.can_swap_out(request)
+        swapped = self.config.preemption_mode == PreemptionMode.SWAP and self.kv.can_swap_out(request)
         if swapped:
             step.output.blocks_to_swap_out += self.kv.swap_out(request)
             request.status = RequestStatus.SWAPPED
@@ -325,7 +347,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
                 request.num_computed_tokens += num_tokens
-        outputs = []
+        outputs, self._rejected = self._rejected, []
         logprobs = model_output.logprobs or [None] * len(model_output.req_ids)
         for request_id, token_id, logprob in zip(model_output.req_ids, model_output.sampled_token_ids, logprobs):
             request = self.requests.get(request_id)
@@ -369,7 +391,7 @@ class Scheduler:
         request.finish_reason = reason
         request.finished_time = self.clock()
         del self.requests[request.request_id]
-        static = self.config.scheduler_policy == "static"
+        static = self.config.scheduler_policy == SchedulerPolicy.STATIC
         if static and self.config.static_padding and batch_member:
             self._padding[request.request_id] = request  # keeps its blocks and its worker row until the batch is done
         else:

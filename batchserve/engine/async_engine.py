@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,8 @@ from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
 from batchserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+IDLE_STEP_PAUSE_S = 0.005
 
 StepListener = Callable[[LLMEngine, list[CompletionOutput]], None]  # called on the loop thread after each step
 
@@ -104,6 +107,8 @@ class AsyncLLMEngine:
         self._drain = True
         self._idle = threading.Event()
         self._idle.set()
+        self._last_progress = time.monotonic()  # the latest step that computed something, or the latest idle moment
+        self._num_aborted_by_shutdown = 0
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------------ pass-through, read-only
@@ -135,6 +140,12 @@ class AsyncLLMEngine:
     def num_active_requests(self) -> int:
         return len(self._streams)
 
+    def stalled_for(self) -> float:
+        """Seconds the loop has made no progress while requests were pending (0 while it progresses or idles)."""
+        if self._idle.is_set():
+            return 0.0
+        return time.monotonic() - self._last_progress
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> AsyncLLMEngine:
         with self._cond:
@@ -144,15 +155,24 @@ class AsyncLLMEngine:
                 self._thread.start()
         return self
 
-    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop the loop. ``drain``: finish the requests in flight first; otherwise abort them."""
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> int:
+        """Stop the loop. ``drain``: finish the requests in flight first, for at most ``timeout`` seconds, then
+        abort what is left; otherwise abort them at once. Returns how many requests the shutdown aborted."""
+        self._request_stop(drain)
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return self._num_aborted_by_shutdown
+        thread.join(timeout)
+        if thread.is_alive() and drain:
+            self._request_stop(drain=False)
+            thread.join()
+        return self._num_aborted_by_shutdown
+
+    def _request_stop(self, drain: bool) -> None:
         with self._cond:
             self._stop = True
             self._drain = drain
             self._cond.notify_all()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no request is in flight (for tests and draining)."""
@@ -218,15 +238,18 @@ class AsyncLLMEngine:
                     while not self._commands and not self._has_work() and not self._stop:
                         self._idle.set()
                         self._cond.wait()
+                        self._last_progress = time.monotonic()
                     commands = list(self._commands)
                     self._commands.clear()
                     stop, drain = self._stop, self._drain
                 stepped_abort = self._apply(commands)
                 if stop and not drain and self._streams:
+                    self._num_aborted_by_shutdown += len(self._streams)
                     self._apply([_Abort(list(self._streams))])
                     stepped_abort = True
                 if self._has_work() or stepped_abort:
-                    self._step()
+                    if not self._step():
+                        self._pause()
                 elif stop:
                     break
         except BaseException as exc:  # noqa: BLE001 - the loop must report every failure to its waiters
@@ -264,8 +287,20 @@ class AsyncLLMEngine:
                         self._streams.pop(rid).put(EngineDeadError(f"request {rid} aborted"))
         return aborted
 
-    def _step(self) -> None:
+    def _pause(self) -> None:
+        """A step that computed nothing (work pending that cannot run yet): wait a moment, or for a command,
+        instead of spinning a core."""
+        with self._cond:
+            if not self._commands and not self._stop:
+                self._cond.wait(IDLE_STEP_PAUSE_S)
+
+    def _step(self) -> bool:
+        """One engine step, its outputs handed to their streams; False if it computed nothing."""
         outputs = self.engine.step()
+        stats = self.engine.last_stats
+        progressed = bool(outputs) or (stats is not None and stats.num_scheduled_seqs > 0)
+        if progressed:
+            self._last_progress = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -278,6 +313,7 @@ class AsyncLLMEngine:
                 listener(self.engine, outputs)
             except Exception:  # noqa: BLE001 - a broken metrics hook must not stop serving
                 logger.exception("step listener failed")
+        return progressed
 
     def _die(self, exc: BaseException, crashed: bool = True) -> None:
         with self._cond:

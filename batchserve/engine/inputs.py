@@ -15,20 +15,27 @@ Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": text
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """The limits the engine enforces, computed once from its config and the model: every front end reports
-    these, never a number of its own."""
+    """The limits the engine enforces, computed once from its config, the model and the KV pool: every front end
+    reports these, never a number of its own."""
 
     max_model_len: int  # prompt + output tokens of one request
     max_input_len: int  # prompt tokens (after truncation, if any)
     vocab_size: int
     truncation: Truncation
+    kv_capacity_tokens: int  # tokens the whole KV pool holds
 
     @classmethod
-    def of(cls, config: EngineConfig, model_config: ModelConfig) -> EngineLimits:
+    def of(cls, config: EngineConfig, model_config: ModelConfig, kv_capacity_tokens: int) -> EngineLimits:
+        """max_model_len is the smallest of the model's context, the configured one and the KV pool's capacity: a
+        request longer than the pool could never be scheduled, and would block the queue behind it for ever."""
         scheduler = config.scheduler
-        max_model_len = min(scheduler.max_model_len or 1 << 30, model_config.max_position_embeddings)
+        max_model_len = min(
+            scheduler.max_model_len or 1 << 30, model_config.max_position_embeddings, kv_capacity_tokens
+        )
         max_input_len = min(scheduler.max_input_len or max_model_len - 1, max_model_len - 1)
-        return cls(max_model_len, max_input_len, model_config.vocab_size, scheduler.truncation)
+        if not scheduler.enable_chunked_prefill:  # a prompt must fit in one step
+            max_input_len = min(max_input_len, scheduler.max_num_tokens)
+        return cls(max_model_len, max_input_len, model_config.vocab_size, scheduler.truncation, kv_capacity_tokens)
 
     def default_max_tokens(self, prompt_len: int) -> int:
         """What a request without max_tokens may generate: the rest of the context."""
@@ -54,9 +61,14 @@ class EngineLimits:
             return token_ids[:limit]
         raise InvalidRequestError(
             f"the prompt has {len(token_ids)} tokens, more than the {limit} allowed "
-            f"(max_input_len; the model's context is {self.max_model_len} tokens)",
+            f"(max_input_len; max_model_len is {self.max_model_len} tokens{self._binding_limit()})",
             "prompt",
         )
+
+    def _binding_limit(self) -> str:
+        if self.max_model_len == self.kv_capacity_tokens:
+            return f", all the KV cache holds (num_kv_blocks x block_size = {self.kv_capacity_tokens})"
+        return ""
 
 
 def prompt_token_ids(

@@ -124,7 +124,7 @@ class LLMEngine:
             runner, model_config, tokenizer = load_runner(config)  # torch only when a real model is asked for
         assert model_config is not None and tokenizer is not None
         self.runner, self.model_config, self.tokenizer = runner, model_config, tokenizer
-        self.limits = EngineLimits.of(config, model_config)
+        self.limits = EngineLimits.of(config, model_config, runner.num_kv_blocks * config.cache.block_size)
         pool = BlockPool(runner.num_kv_blocks, config.cache.enable_prefix_caching)
         kv = KVCacheManager(pool, config.cache.block_size, HostBlockPool(runner.num_swap_blocks))
         self.scheduler = Scheduler(config.scheduler, kv, self.limits.max_model_len)

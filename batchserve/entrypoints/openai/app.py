@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -21,13 +23,21 @@ from batchserve.entrypoints.openai.chat import chat_prompt, create_chat_completi
 from batchserve.entrypoints.openai.completions import create_completion
 from batchserve.entrypoints.openai.errors import APIError, APIKeyMiddleware, as_api_error
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES, OpenAIFrontEnd
-from batchserve.entrypoints.openai.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from batchserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from batchserve.sampling_params import InvalidRequestError
 from batchserve.serving.errors import ServingError
 from batchserve.serving.generation import GenerationService
 from batchserve.serving.metrics import CONTENT_TYPE, EngineMetrics
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_STALL_TIMEOUT_S = 120.0  # far above the longest step (a 2,048-token prefill takes ~2 s on 2 CPU cores)
 
 
 def build_app(
@@ -37,9 +47,11 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: EngineMetrics | None = None,
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
 ) -> FastAPI:
     """The app over an LLMEngine (wrapped and owned: its loop stops with the app) or an AsyncLLMEngine (shared: the
-    caller starts and stops it; the app starts it if needed)."""
+    caller starts and stops it; the app starts it if needed). /health answers 503 once the engine loop has made no
+    progress for `stall_timeout_s` with requests pending."""
     owned = isinstance(engine, LLMEngine)
     async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
     names = _model_names(served_model_name, async_engine.config.model)
@@ -59,6 +71,8 @@ def build_app(
     app.state.metrics = metrics
     _add_error_handlers(app)
     _add_routes(app, front, async_engine, metrics)
+    _add_health(app, async_engine, stall_timeout_s)
+    _document_request_bodies(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
@@ -120,12 +134,50 @@ def _add_routes(app: FastAPI, front: OpenAIFrontEnd, engine: AsyncLLMEngine, met
         req = await front.parse(request, DetokenizeRequest)
         return JSONResponse({"prompt": service.detokenize(req.tokens)})
 
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _add_health(app: FastAPI, engine: AsyncLLMEngine, stall_timeout_s: float) -> None:
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running and engine.error is not None:
             return as_api_error(EngineDeadError(f"engine loop died: {engine.error!r}")).response()
+        stalled = engine.stalled_for()
+        if stalled > stall_timeout_s:
+            message = f"the engine loop has made no progress for {stalled:.0f} s with requests pending"
+            return as_api_error(EngineDeadError(message)).response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+# The routes read their bodies themselves (size limit first, then strict validation): their schemas go into the
+# OpenAPI document by hand, so that clients and schema fuzzers see what each route takes.
+_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+
+
+def _document_request_bodies(app: FastAPI) -> None:
+    plain_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = plain_openapi()
+            components = document.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in _BODIES.items():
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(schema.pop("$defs", {}))
+                components[model.__name__] = schema
+                body = {"$ref": f"#/components/schemas/{model.__name__}"}
+                document["paths"][path]["post"]["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": body}},
+                }
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

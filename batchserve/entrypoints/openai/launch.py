@@ -8,6 +8,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 from types import FrameType
 
 import uvicorn
@@ -18,11 +19,13 @@ from batchserve.config import ConfigError
 from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
-from batchserve.entrypoints.openai.app import build_app
+from batchserve.entrypoints.openai.app import DEFAULT_STALL_TIMEOUT_S, build_app
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
 from batchserve.worker.device import configure_torch
 
 logger = logging.getLogger("batchserve.server")
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -44,8 +47,16 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drain-timeout",
         type=float,
-        default=None,
-        help="on SIGTERM wait this long for in-flight requests (default: forever)",
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM/SIGINT wait this long (seconds) for in-flight requests, then abort the rest and exit 1 "
+        f"(default: {DEFAULT_DRAIN_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_TIMEOUT_S,
+        help="/health answers 503 once the engine loop has made no progress this long with requests pending "
+        f"(default: {DEFAULT_STALL_TIMEOUT_S:g} s)",
     )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(parser, include_model=False)
@@ -67,7 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     configure_torch(config.num_threads, config.seed)
     async_engine = AsyncLLMEngine(LLMEngine(config))
     names = [n.strip() for n in args.served_model_name.split(",") if n.strip()] if args.served_model_name else None
-    app = build_app(async_engine, served_model_name=names, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    app = build_app(
+        async_engine,
+        served_model_name=names,
+        api_key=api_key,
+        max_body_bytes=args.max_body_bytes,
+        stall_timeout_s=args.stall_timeout,
+    )
     return serve(app, async_engine, args.host, args.port, args.log_level, args.drain_timeout)
 
 
@@ -77,11 +94,14 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "info",
-    drain_timeout: float | None = None,
+    drain_timeout: float | None = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> int:
-    """Run uvicorn in this (main) thread until SIGTERM/SIGINT; in-flight requests finish first (drain)."""
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
+    """Run uvicorn in this (main) thread until SIGTERM/SIGINT; in-flight requests get `drain_timeout` seconds to
+    finish (None: forever), then the rest are aborted. Returns 1 if a request was aborted that way, else 0."""
+    server = _DrainingServer(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None),
+        async_engine,
+        drain_timeout,
     )
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler found at start: make that a
     # clean exit instead of death by signal.
@@ -94,8 +114,33 @@ def serve(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        async_engine.shutdown(drain=True)
-    return 0
+        server.cancel_deadline()
+        aborted = async_engine.shutdown(drain=True)
+    if aborted:
+        logger.error("the drain deadline aborted %d request(s) still in flight", aborted)
+    return 1 if aborted else 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's graceful shutdown with a deadline: `drain_timeout` seconds after the first SIGTERM/SIGINT the
+    engine aborts what is still in flight, so every open stream ends (with an error event) and the server exits."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout: float | None) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self._deadline: threading.Timer | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._deadline is None and self.drain_timeout is not None:
+            self._deadline = threading.Timer(self.drain_timeout, self.engine.shutdown, kwargs={"drain": False})
+            self._deadline.daemon = True
+            self._deadline.start()
+        super().handle_exit(sig, frame)
+
+    def cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
