@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 # Below this a temperature is greedy (as vLLM's _SAMPLING_EPS): dividing logits by 1e-40 overflows to inf and NaN.
 GREEDY_TEMPERATURE = 1e-5
+# The detokenizer checks every stop string at every token: bounded, so one request cannot slow everyone's steps.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
 
 
 class InvalidRequestError(ValueError):
@@ -70,8 +73,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be true or false, got {getattr(self, name)!r}", name)
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty strings", "stop")
+        if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequestError(f"stop strings must be strings of 1 to {MAX_STOP_STRING_CHARS} characters", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", "stop")
         for token_id in self.stop_token_ids:
             _integer("stop_token_ids", token_id, low=0)
 
