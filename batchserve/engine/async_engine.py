@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from batchserve.config import EngineConfig, ModelConfig
+from batchserve.config import EngineConfig
 from batchserve.core.outputs import SchedulerStats
 from batchserve.engine.inputs import EngineLimits, Prompt
 from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
@@ -119,10 +119,6 @@ class AsyncLLMEngine:
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.engine.model_config
 
     @property
     def limits(self) -> EngineLimits:

@@ -35,14 +35,8 @@ class GenerationService:
 
     def __init__(self, client: EngineClient) -> None:
         self.client = client
-
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        return self.client.tokenizer
-
-    @property
-    def limits(self) -> EngineLimits:
-        return self.client.limits
+        self.tokenizer: PreTrainedTokenizerBase = client.tokenizer  # both fixed for the engine's life
+        self.limits: EngineLimits = client.limits
 
     # ------------------------------------------------------------------ inputs
     # Tokenizing a megabyte of text takes seconds: it runs in a worker thread (the Rust tokenizer releases the GIL),

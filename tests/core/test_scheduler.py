@@ -71,9 +71,13 @@ def test_seed_4_4_full_batch_makes_long_request_wait_despite_free_tokens():
     s.add_request(make_request("long", prompt_len=2500))
     out = s.schedule()
     assert "long" not in out.num_scheduled_tokens and out.total_num_scheduled_tokens == 32  # 8160 tokens unused
-    while "long" not in out.num_scheduled_tokens:
+    for _ in range(200):
+        if "long" in out.num_scheduled_tokens:
+            break
         s.update_from_output(out, runner.execute(out))
         out = s.schedule()
+    else:
+        raise AssertionError("the long prompt was never scheduled")
     assert shorts[0].is_finished and s.running[-1].request_id == "long"
 
 

@@ -8,11 +8,10 @@ can never be admitted is ended, not left at the head of the queue for ever)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-import pytest
 
 from batchserve.request import FinishReason, RequestStatus
 from batchserve.sampling_params import InvalidRequestError

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
+from tests.doubles import run_to_completion
 from tests.tiny_models import VOCAB, build_hf_model, hf_greedy
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -40,6 +41,7 @@ def run(directory, requests, arrive_every=1, **options):
     engine = LLMEngine.from_options(model=str(directory), device="cpu", **({"num_kv_blocks": 256} | options))
     outputs, step = {}, 0
     while len(outputs) < len(requests):
+        assert step < 5000, f"requests unfinished after {step} steps: {engine.last_stats}"
         for i in range(len(requests)):
             if i * arrive_every == step:
                 prompt, max_tokens = requests[i]
@@ -135,10 +137,8 @@ def test_a_padded_request_id_cannot_be_reused_until_its_batch_is_done(tiny):
     assert any(out.finished for out in engine.step())  # a is done and returned, now padding
     with pytest.raises(InvalidRequestError, match="in use"):
         engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_to_completion(engine)
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))  # free again
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_to_completion(engine)
     engine.step()
     assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.pool.num_blocks

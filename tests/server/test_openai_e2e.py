@@ -95,7 +95,8 @@ def test_64_concurrent_streams_with_16_killed(real_server):
         async def watch_metrics():
             nonlocal max_running
             async with httpx.AsyncClient() as http:
-                while not done.is_set():
+                deadline = time.monotonic() + 300
+                while not done.is_set() and time.monotonic() < deadline:
                     m = parse_metrics((await http.get(url + "/metrics")).text)
                     max_running = max(max_running, m.get("batchserve:num_requests_running", 0))
                     await asyncio.sleep(0.05)

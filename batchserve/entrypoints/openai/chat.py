@@ -50,8 +50,8 @@ async def create_chat_completion(front: OpenAIFrontEnd, request: Request) -> Res
     (result,) = await service.final_results(streams, wait_for_disconnect(request))
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": result.text},
-        "logprobs": _logprobs(front, result.logprobs or []) if req.logprobs else None,
+        "message": {"role": "assistant", "content": result.output.text},
+        "logprobs": _logprobs(front, result.output.logprobs or []) if req.logprobs else None,
         **finish_fields(result),
     }
     return JSONResponse({**head, "choices": [choice], "usage": UsageInfo.of(Usage.of([result]))})
@@ -65,13 +65,13 @@ async def _stream(
     first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     yield {**head, "choices": [first], **usage_field}
     async for result in front.service.results(streams):
-        if not result.delta_text and not result.finished:
+        if not result.output.delta_text and not result.finished:
             continue
         if result.finished:
             finals.append(result)
         choice = {
             "index": 0,
-            "delta": {"content": result.delta_text} if result.delta_text else {},
+            "delta": {"content": result.output.delta_text} if result.output.delta_text else {},
             "logprobs": _logprobs(front, result.delta_logprobs) if req.logprobs else None,
             **finish_fields(result),
         }

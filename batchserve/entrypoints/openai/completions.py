@@ -38,8 +38,9 @@ async def create_completion(front: OpenAIFrontEnd, request: Request) -> Response
     choices = []
     for result in results:
         prefix = _echo(front, prompts[result.index], result) if req.echo else ""
-        logprobs = _logprobs(front, result.logprobs or [], len(prefix)) if req.logprobs is not None else None
-        choices.append({"index": result.index, "text": prefix + result.text, "logprobs": logprobs, **finish_fields(result)})
+        logprobs = _logprobs(front, result.output.logprobs or [], len(prefix)) if req.logprobs is not None else None
+        text = prefix + result.output.text
+        choices.append({"index": result.index, "text": text, "logprobs": logprobs, **finish_fields(result)})
     return JSONResponse({**head, "choices": choices, "usage": UsageInfo.of(Usage.of(results))})
 
 
@@ -53,7 +54,7 @@ def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prom
 
 
 def _echo(front: OpenAIFrontEnd, prompt: Prompt, result: GenerationResult) -> str:
-    return prompt if isinstance(prompt, str) else front.service.tokenizer.decode(result.prompt_token_ids)
+    return prompt if isinstance(prompt, str) else front.service.tokenizer.decode(result.output.prompt_token_ids)
 
 
 async def _stream(
@@ -64,7 +65,7 @@ async def _stream(
     sent: dict[int, int] = {}  # characters sent per choice (the logprobs' text offsets)
     usage_field = {"usage": None} if req.include_usage else {}
     async for result in front.service.results(streams):
-        delta = result.delta_text
+        delta = result.output.delta_text
         if req.echo and result.index not in sent:
             delta = _echo(front, prompts[result.index], result) + delta
         if not delta and not result.finished:
