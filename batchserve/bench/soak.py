@@ -1,0 +1,317 @@
+"""A soak of the HTTP server as a hostile crowd would use it: `batchserve serve` in its own process (loopback only,
+a small KV pool so preemption happens), many streaming and non-streaming clients with random lengths and
+priorities, a share of them killed mid-stream, bad requests mixed in. Bounded in requests and in time.
+
+At the end it checks what must hold: no KV block held, no request left running or waiting, no 5xx but 503, every
+accepted request finished or aborted by its own client, RSS growth within a bound, and a clean exit on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from batchserve.bench.corpus import CORPUS
+from batchserve.serving.metrics import parse_metrics
+
+# Bodies no server should accept; each must get a 4xx and leave the server serving.
+BAD_BODIES: list[bytes] = [
+    b'{"prompt": "a", "max_tokens": -1}',
+    b'{"prompt": "a", "temperature": "hot"}',
+    b'{"prompt": "\\ud800 lone surrogate"}',
+    b'{"prompt": "a", "top_p": NaN}',
+    b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b'{"messages": [{"role": "wizard", "content": "x"}]}',
+    b'{"prompt": "a", "stop": ""}',
+    b'{"prompt": [999999999]}',
+    b'{"prompt": "a", "logprobs": 99}',
+    b"not json at all",
+]
+
+
+@dataclass
+class SoakOptions:
+    num_requests: int = 400
+    duration_s: float = 120.0  # the load stops at whichever comes first
+    concurrency: int = 24
+    kill_fraction: float = 0.25  # streams the client drops mid-way
+    bad_fraction: float = 0.05
+    max_prompt_words: int = 300
+    max_tokens: int = 96
+    num_kv_blocks: int = 64
+    block_size: int = 16
+    max_batch_size: int = 16
+    max_waiting_requests: int = 64
+    max_rss_growth_mb: float = 300.0
+    model: str | None = None
+    seed: int = 0
+    extra_server_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SoakReport:
+    counts: Counter = field(default_factory=Counter)
+    ttfts: list[float] = field(default_factory=list)
+    rss_start_mb: float = 0.0
+    rss_peak_mb: float = 0.0
+    rss_end_mb: float = 0.0
+    leaked_blocks: float = -1.0
+    left_running: float = -1.0
+    left_waiting: float = -1.0
+    exit_code: int | None = None
+    wall_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ttft_p99_s(self) -> float:
+        return statistics.quantiles(self.ttfts, n=100)[98] if len(self.ttfts) >= 2 else float("nan")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "counts": dict(self.counts),
+            "ttft_p50_s": statistics.median(self.ttfts) if self.ttfts else None,
+            "ttft_p99_s": self.ttft_p99_s,
+            "rss_start_mb": self.rss_start_mb,
+            "rss_peak_mb": self.rss_peak_mb,
+            "rss_end_mb": self.rss_end_mb,
+            "leaked_blocks": self.leaked_blocks,
+            "left_running": self.left_running,
+            "left_waiting": self.left_waiting,
+            "exit_code": self.exit_code,
+            "wall_s": self.wall_s,
+            "failures": self.failures,
+        }
+
+
+# ---------------------------------------------------------------------------------------------------- server
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(options: SoakOptions, port: int) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "batchserve.cli", "serve", *([options.model] if options.model else []),
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+        "--num-kv-blocks", str(options.num_kv_blocks), "--block-size", str(options.block_size),
+        "--max-batch-size", str(options.max_batch_size), "--max-waiting-requests", str(options.max_waiting_requests),
+        "--scheduling-order", "priority", "--dtype", "float32", *options.extra_server_args,
+    ]  # fmt: skip
+    return subprocess.Popen(command)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("the server did not become ready")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------- clients
+class SoakClients:
+    def __init__(self, url: str, options: SoakOptions, report: SoakReport) -> None:
+        self.url, self.options, self.report = url, options, report
+        self.rng = random.Random(options.seed)
+        self.words = CORPUS.split()
+
+    def _prompt(self) -> str:
+        n = self.rng.randint(1, self.options.max_prompt_words)
+        start = self.rng.randrange(len(self.words))
+        return " ".join(self.words[(start + i) % len(self.words)] for i in range(n))
+
+    async def one(self, client: httpx.AsyncClient, index: int) -> None:
+        rng, counts = self.rng, self.report.counts
+        if rng.random() < self.options.bad_fraction:
+            body = rng.choice(BAD_BODIES)
+            response = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            counts["bad_rejected" if 400 <= response.status_code < 500 else f"bad_answered_{response.status_code}"] += 1
+            return
+        chat = rng.random() < 0.5
+        body: dict[str, Any] = {
+            "max_tokens": rng.randint(1, self.options.max_tokens),
+            "priority": rng.randint(0, 3),
+            "temperature": rng.choice([0.0, 0.7]),
+            "stream": rng.random() < 0.75,
+        }
+        if chat:
+            body["messages"] = [{"role": "user", "content": self._prompt()}]
+        else:
+            body["prompt"] = self._prompt()
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        kill_after = rng.randint(0, 8) if body["stream"] and rng.random() < self.options.kill_fraction else None
+        if body["stream"]:
+            await self._stream(client, path, body, kill_after)
+        else:
+            response = await client.post(path, json=body)
+            self._count(response.status_code, finished=response.status_code == 200)
+
+    async def _stream(self, client: httpx.AsyncClient, path: str, body: dict, kill_after: int | None) -> None:
+        counts, start = self.report.counts, time.monotonic()
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                self._count(response.status_code, finished=False)
+                return
+            counts["accepted"] += 1
+            chunks, first, finished = 0, None, False
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    counts[f"stream_error_{event['error'].get('code')}"] += 1
+                    return
+                choices = event.get("choices") or []
+                if choices and _has_content(choices[0]) and first is None:
+                    first = time.monotonic() - start
+                chunks += 1
+                if kill_after is not None and chunks > kill_after:
+                    counts["client_aborted"] += 1
+                    return  # leaving the block closes the connection mid-stream
+                finished = finished or any(c.get("finish_reason") for c in choices)
+            if first is not None:
+                self.report.ttfts.append(first)
+            counts["finished" if finished else "stream_ended_unfinished"] += 1
+
+    def _count(self, status: int, finished: bool) -> None:
+        counts = self.report.counts
+        if status == 200:
+            counts["accepted"] += 1
+            counts["finished" if finished else "unfinished"] += 1
+        elif status == 503:
+            counts["overloaded_503"] += 1
+        elif 400 <= status < 500:
+            counts[f"rejected_{status}"] += 1
+        else:
+            counts[f"server_error_{status}"] += 1
+
+    async def run(self, pid: int) -> None:
+        options, report = self.options, self.report
+        deadline = time.monotonic() + options.duration_s
+        next_index = 0
+        limits = httpx.Limits(max_connections=options.concurrency * 2)
+        async with httpx.AsyncClient(base_url=self.url, timeout=300, limits=limits) as client:
+
+            async def worker() -> None:
+                nonlocal next_index
+                while next_index < options.num_requests and time.monotonic() < deadline:
+                    index, next_index = next_index, next_index + 1
+                    try:
+                        await self.one(client, index)
+                    except httpx.HTTPError as exc:
+                        report.counts[f"transport_{type(exc).__name__}"] += 1
+                    report.counts["sent"] += 1
+                    report.rss_peak_mb = max(report.rss_peak_mb, rss_mb(pid))
+
+            await asyncio.gather(*(worker() for _ in range(options.concurrency)))
+
+
+def _has_content(choice: dict) -> bool:
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+# ---------------------------------------------------------------------------------------------------- the soak
+def run_soak(options: SoakOptions) -> SoakReport:
+    report, port = SoakReport(), _free_port()
+    url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    proc = start_server(options, port)
+    try:
+        wait_ready(proc, url)
+        warm = httpx.post(url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4}, timeout=300)
+        warm.raise_for_status()
+        report.rss_start_mb = report.rss_peak_mb = rss_mb(proc.pid)
+        asyncio.run(SoakClients(url, options, report).run(proc.pid))
+        _settle(url, report)
+        report.rss_end_mb = rss_mb(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        report.exit_code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    report.wall_s = time.monotonic() - started
+    report.failures = check(report, options)
+    return report
+
+
+def _settle(url: str, report: SoakReport, timeout_s: float = 120.0) -> None:
+    """Wait until the engine holds nothing (aborts land at the next step), then read what is left."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+        report.leaked_blocks = metrics.get("batchserve:kv_cache_blocks_used", -1)
+        report.left_running = metrics.get("batchserve:num_requests_running", -1)
+        report.left_waiting = metrics.get("batchserve:num_requests_waiting", -1)
+        if (report.leaked_blocks, report.left_running, report.left_waiting) == (0, 0, 0):
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.5)
+
+
+def check(report: SoakReport, options: SoakOptions) -> list[str]:
+    counts, failures = report.counts, []
+    if report.leaked_blocks != 0 or report.left_running != 0 or report.left_waiting != 0:
+        failures.append(
+            f"left behind: {report.leaked_blocks} blocks, {report.left_running} running, {report.left_waiting} waiting"
+        )
+    errors = {k: v for k, v in counts.items() if k.startswith(("server_error", "bad_answered", "transport"))}
+    if errors:
+        failures.append(f"server errors or broken connections: {errors}")
+    unfinished = counts["unfinished"] + counts["stream_ended_unfinished"]
+    unfinished += sum(v for k, v in counts.items() if k.startswith("stream_error"))
+    if unfinished:
+        failures.append(f"{unfinished} accepted requests neither finished nor aborted by their client")
+    if counts["accepted"] != counts["finished"] + counts["client_aborted"] + unfinished:
+        failures.append("accepted != finished + client-aborted + unfinished")
+    if report.rss_end_mb - report.rss_start_mb > options.max_rss_growth_mb:
+        failures.append(f"RSS grew {report.rss_end_mb - report.rss_start_mb:.0f} MB")
+    if report.exit_code != 0:
+        failures.append(f"the server exited with {report.exit_code} on SIGTERM")
+    return failures
+
+
+def format_report(report: SoakReport) -> str:
+    c = report.counts
+    lines = [
+        f"sent {c['sent']}: accepted {c['accepted']} (finished {c['finished']}, client-aborted {c['client_aborted']}), "
+        f"overloaded 503 {c['overloaded_503']}, bad requests rejected {c['bad_rejected']}, "
+        f"other 4xx {sum(v for k, v in c.items() if k.startswith('rejected_'))}",
+        f"TTFT of streams: p50 {statistics.median(report.ttfts) if report.ttfts else float('nan'):.3f} s, "
+        f"p99 {report.ttft_p99_s:.3f} s",
+        f"RSS: {report.rss_start_mb:.0f} MB at start, {report.rss_peak_mb:.0f} MB peak, {report.rss_end_mb:.0f} MB at "
+        f"the end ({report.rss_end_mb - report.rss_start_mb:+.0f} MB)",
+        f"after the load: {report.leaked_blocks:g} KV blocks held, {report.left_running:g} running, "
+        f"{report.left_waiting:g} waiting; exit code on SIGTERM {report.exit_code}; {report.wall_s:.0f} s in all",
+        "PASS" if not report.failures else "FAIL: " + "; ".join(report.failures),
+    ]
+    return "\n".join(lines)

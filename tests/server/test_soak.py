@@ -1,0 +1,22 @@
+"""The two-minute soak of the real server (SmolLM2 in its own process, a 64-block pool): streaming and non-streaming
+clients, a quarter of the streams dropped mid-way, bad requests mixed in. The full soak (10,000 requests) is
+`python benchmarks/soak.py --num-requests 10000 --duration-s 3600`; its figures are in docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchserve.bench.soak import SoakOptions, format_report, run_soak
+
+
+@pytest.mark.slow
+def test_two_minute_soak_leaves_nothing_behind():
+    options = SoakOptions(
+        num_requests=10_000, duration_s=90, concurrency=16, max_prompt_words=80, max_tokens=48, seed=7
+    )
+    report = run_soak(options)
+    print(format_report(report))
+    assert report.failures == []
+    counts = report.counts
+    assert counts["finished"] >= 30 and counts["client_aborted"] >= 5 and counts["bad_rejected"] >= 2
+    assert report.leaked_blocks == 0 and report.exit_code == 0
