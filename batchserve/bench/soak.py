@@ -46,11 +46,11 @@ BAD_BODIES: list[bytes] = [
 class SoakOptions:
     num_requests: int = 400
     duration_s: float = 120.0  # the load stops at whichever comes first
-    concurrency: int = 24
+    concurrency: int = 16
     kill_fraction: float = 0.25  # streams the client drops mid-way
     bad_fraction: float = 0.05
-    max_prompt_words: int = 300
-    max_tokens: int = 96
+    max_prompt_words: int = 80
+    max_tokens: int = 48
     num_kv_blocks: int = 64
     block_size: int = 16
     max_batch_size: int = 16

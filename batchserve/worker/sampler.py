@@ -81,29 +81,8 @@ class SamplingMetadata:
         top_p = [1.0 if p.greedy else p.top_p for p in params]
         min_p = [0.0 if p.greedy else p.min_p for p in params]
 
-        # Penalties apply to greedy rows too. Rows that don't use one contribute no tokens to its counts.
-        seen_mask = output_counts = None
-        if any(p.repetition_penalty != 1.0 for p in params):
-            rows = [list(ids) if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, token_ids, strict=True)]
-            seen_mask = _token_counts(rows, vocab_size, device) > 0
-        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-            rows = [
-                list(ids[n:]) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 else []
-                for p, ids, n in zip(params, token_ids, num_prompt_tokens, strict=True)
-            ]
-            output_counts = _token_counts(rows, vocab_size, device)
-
-        # min_tokens: EOS (even with ignore_eos) and the request's stop tokens can't be sampled yet.
-        mask_rows, mask_ids = [], []
-        for i, (p, n_out) in enumerate(zip(params, num_outputs, strict=True)):
-            if n_out < p.min_tokens:
-                ids = sorted({t for t in (*eos_token_ids, *p.stop_token_ids) if t < vocab_size})
-                mask_rows += [i] * len(ids)
-                mask_ids += ids
-        min_tokens_mask = None
-        if mask_rows:
-            min_tokens_mask = (torch.tensor(mask_rows, device=device), torch.tensor(mask_ids, device=device))
-
+        seen_mask, output_counts = _penalty_counts(params, token_ids, num_prompt_tokens, vocab_size, device)
+        min_tokens_mask = _min_tokens_mask(params, num_outputs, eos_token_ids, vocab_size, device)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         all_greedy, any_greedy = all(p.greedy for p in params), any(p.greedy for p in params)
         return cls(
@@ -128,6 +107,44 @@ class SamplingMetadata:
             num_logprobs=[p.logprobs for p in params],
             max_num_logprobs=max(asked) if asked else None,
         )
+
+
+def _penalty_counts(
+    params: list[SamplingParams],
+    token_ids: Sequence[Sequence[int]],
+    num_prompt_tokens: list[int],
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(seen mask for repetition penalties, output token counts for presence/frequency penalties), each None when
+    no row uses it. Penalties apply to greedy rows too; rows that don't use one contribute no tokens to its counts."""
+    seen_mask = output_counts = None
+    if any(p.repetition_penalty != 1.0 for p in params):
+        rows = [list(ids) if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, token_ids, strict=True)]
+        seen_mask = _token_counts(rows, vocab_size, device) > 0
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        rows = [
+            list(ids[n:]) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 else []
+            for p, ids, n in zip(params, token_ids, num_prompt_tokens, strict=True)
+        ]
+        output_counts = _token_counts(rows, vocab_size, device)
+    return seen_mask, output_counts
+
+
+def _min_tokens_mask(
+    params: list[SamplingParams], num_outputs: list[int], eos_token_ids: list[int], vocab_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """(rows, token ids) that can't be sampled yet: below min_tokens, EOS (even with ignore_eos) and stop tokens."""
+    mask_rows, mask_ids = [], []
+    for i, (p, n_out) in enumerate(zip(params, num_outputs, strict=True)):
+        if n_out < p.min_tokens:
+            ids = sorted({t for t in (*eos_token_ids, *p.stop_token_ids) if t < vocab_size})
+            mask_rows += [i] * len(ids)
+            mask_ids += ids
+    if not mask_rows:
+        return None
+    return torch.tensor(mask_rows, device=device), torch.tensor(mask_ids, device=device)
 
 
 @dataclass
