@@ -38,7 +38,7 @@ class Truncation(enum.StrEnum):
     RIGHT = "right"  # keep the prompt's start
 
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
