@@ -27,7 +27,7 @@ def load_runner(config: EngineConfig) -> tuple[ModelRunner, ModelConfig, PreTrai
     from batchserve.worker.model_runner import ModelRunner
 
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype)
+    dtype = resolve_dtype(config.dtype, device)
     path = resolve_model_path(config.model)
     model_config = load_model_config(path)
     logger.info("loading %s (%s) on %s as %s", path, model_config.architecture, device, dtype)

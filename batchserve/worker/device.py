@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from batchserve.config import ConfigError
+from batchserve.layers import kernels
 
 _DTYPES = {
     "float32": torch.float32,
@@ -33,16 +34,23 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
     raise ConfigError(f"unknown device {name!r}; use 'auto', 'cpu' or 'cuda'")
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    """A dtype name -> torch.dtype."""
+def resolve_dtype(name: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """A dtype name -> torch.dtype. "auto": bfloat16 where the device multiplies it natively (a CPU with AVX512-BF16
+    or AMX, a GPU that supports it), float32 elsewhere."""
     if isinstance(name, torch.dtype):
-        dtype = name
-    else:
-        try:
-            dtype = _DTYPES[name]
-        except KeyError:
-            raise ConfigError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
-    return dtype
+        return name
+    if name == "auto":
+        return auto_dtype(device or torch.device("cpu"))
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {name!r}; use one of auto, float32, bfloat16, float16") from None
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if kernels.has_matmul_units(torch.bfloat16) else torch.float32
 
 
 def configure_torch(num_threads: int | None, seed: int) -> None:
