@@ -11,6 +11,9 @@ GREEDY_TEMPERATURE = 1e-5
 # The detokenizer checks every stop string at every token: bounded, so one request cannot slow everyone's steps.
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
+# logit_bias is turned into index tensors at every step of the request: bounded for the same reason.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
 
 
 class InvalidRequestError(ValueError):
@@ -40,6 +43,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +83,18 @@ class SamplingParams:
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", "stop")
         for token_id in self.stop_token_ids:
             _integer("stop_token_ids", token_id, low=0)
+        if self.logit_bias is not None:
+            _logit_bias(self.logit_bias)
+
+
+def _logit_bias(bias: object) -> None:
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(f"logit_bias must be a mapping of token id to bias, got {bias!r}", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens", "logit_bias")
+    for token_id, value in bias.items():
+        _integer("logit_bias", token_id, low=0)
+        _real("logit_bias", value, low=-LOGIT_BIAS_RANGE, high=LOGIT_BIAS_RANGE)
 
 
 def _as_list(value: object, name: str) -> list:

@@ -166,6 +166,8 @@ class LLMEngine:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
         params = sampling_params or SamplingParams()
         params.validate()
+        if params.logit_bias:
+            self.limits.check_token_ids(list(params.logit_bias), "logit_bias token ids", "logit_bias")
         text, token_ids = prompt_token_ids(prompt, self.tokenizer, self.limits)
         request = Request(
             request_id=request_id,

@@ -1,6 +1,6 @@
 """Batched sampling: every request's SamplingParams applied to one [N, V] logits tensor in a few vectorized ops.
 
-Order (as vLLM v1): min_tokens mask -> penalties -> greedy argmax, or temperature -> min_p -> top_k/top_p -> draw.
+Order (as vLLM v1): min_tokens mask -> logit_bias -> penalties -> greedy argmax, or temperature -> min_p -> top_k/top_p -> draw.
 Logprobs come from the raw model logits (vLLM's default "raw_logprobs"), so they never depend on the knobs.
 """
 
@@ -53,6 +53,7 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None  # [N, 1]
     output_counts: torch.Tensor | None  # [N, V] float: occurrences in the output so far
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
+    logit_bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None  # ((rows, token ids), biases)
     seeds: list[tuple[int, int]]  # (row, generator seed for this step) of random rows with a seed
     has_unseeded_random: bool
     num_logprobs: list[int | None]
@@ -98,6 +99,7 @@ class SamplingMetadata:
             frequency_penalty=column([p.frequency_penalty for p in params]) if output_counts is not None else None,
             output_counts=output_counts,
             min_tokens_mask=min_tokens_mask,
+            logit_bias=_logit_bias(params, vocab_size, device),
             seeds=[
                 (i, _step_seed(p.seed, n_out))
                 for i, (p, n_out) in enumerate(zip(params, num_outputs, strict=True))
@@ -145,6 +147,23 @@ def _min_tokens_mask(
     if not mask_rows:
         return None
     return torch.tensor(mask_rows, device=device), torch.tensor(mask_ids, device=device)
+
+
+def _logit_bias(
+    params: list[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """Every row's biases as one sparse (rows, token ids) -> bias triple, added with a single index_put."""
+    rows, ids, biases = [], [], []
+    for i, p in enumerate(params):
+        for token_id, bias in (p.logit_bias or {}).items():
+            if token_id < vocab_size:  # the engine refuses others; a padded vocabulary may be larger than the model's
+                rows.append(i)
+                ids.append(token_id)
+                biases.append(bias)
+    if not rows:
+        return None
+    index = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
+    return index, torch.tensor(biases, dtype=torch.float32, device=device)
 
 
 @dataclass
@@ -246,6 +265,8 @@ class Sampler(nn.Module):
         raw_logits = logits = logits.float()
         if meta.min_tokens_mask is not None:
             logits = logits.index_put(meta.min_tokens_mask, torch.tensor(_NEG_INF, device=logits.device))
+        if meta.logit_bias is not None:  # out of place: the raw logits stay for logprobs
+            logits = logits.index_put(meta.logit_bias[0], meta.logit_bias[1], accumulate=True)
         logits = apply_penalties(logits, meta)
         greedy = _argmax(logits) if meta.greedy_mask is not None else None
         if meta.all_greedy:

@@ -157,9 +157,9 @@ def test_64_concurrent_streams_with_16_killed(real_server):
 def test_bad_inputs_then_good_request(real_server, client):
     model = _model(real_server)
     url = real_server.url
-    with pytest.raises(openai.BadRequestError) as err:
+    with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
-    assert err.value.status_code == 400 and err.value.body["param"] == "model"
+    assert err.value.status_code == 404 and err.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as err:  # over max_input_len (511), truncation="error"
         client.completions.create(model=model, prompt="hello " * 700, max_tokens=2)
     assert "511" in err.value.body["message"] and err.value.body["param"] == "prompt"
@@ -178,3 +178,21 @@ def test_bad_inputs_then_good_request(real_server, client):
     assert too_big.status_code == 413 and too_big.json()["error"]["type"] == "invalid_request_error"
     ok = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0)
     assert ok.choices[0].message.content and ok.usage.completion_tokens <= 4
+
+
+def test_logit_bias_bans_and_forces_tokens(real_server, client):
+    model = _model(real_server)
+
+    def first_token(**extra) -> str:
+        out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                         **extra)  # fmt: skip
+        return out.choices[0].text
+
+    def token_id(text: str) -> int:
+        body = {"prompt": text, "add_special_tokens": False}
+        (tid,) = httpx.post(real_server.url + "/tokenize", json=body).json()["tokens"]
+        return tid
+
+    assert first_token() == " Paris"
+    assert first_token(logit_bias={str(token_id(" Paris")): -100}) != " Paris"
+    assert first_token(logit_bias={str(token_id(" London")): 100}) == " London"

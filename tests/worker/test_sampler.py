@@ -188,6 +188,53 @@ def test_min_tokens_masks_eos_and_stop_tokens():
     assert out.token_ids[3].item() not in (EOS, 5)
 
 
+# --- logit_bias -----------------------------------------------------------------------------------------------------
+
+
+def test_logit_bias_bans_and_forces_tokens_per_row_and_keeps_raw_logprobs():
+    logits = randn(4, 50)
+    top = logits.argmax(-1)
+    runner_up = logits.topk(2, dim=-1).indices[:, 1]
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={int(top[0]): -100.0}, logprobs=1),  # banned: the runner-up
+        SamplingParams(temperature=0.0, logit_bias={7: 100.0}),  # forced
+        SamplingParams(temperature=0.0),  # no bias: untouched by the others'
+        SamplingParams(temperature=0.0, logit_bias={int(top[3]): -1e-3}),  # a nudge too small to matter
+    ]
+    meta = build(params, vocab_size=50)
+    assert meta.logit_bias is not None and meta.logit_bias[0][0].tolist() == [0, 1, 3]
+    out = Sampler()(logits, meta)
+    assert out.token_ids.tolist() == [int(runner_up[0]), 7, int(top[2]), int(top[3])]
+    # logprobs stay the model's: the sampled runner-up's logprob is its raw one, rank 2
+    raw = logits[0].log_softmax(-1)
+    assert out.logprobs[0].rank == 2 and math.isclose(out.logprobs[0].logprob, raw[runner_up[0]].item(), rel_tol=1e-5)
+
+
+def test_logit_bias_on_random_rows_changes_the_distribution():
+    logits = torch.zeros(400, 8)  # uniform over 8 tokens
+    banned = [SamplingParams(temperature=1.0, logit_bias={0: -100.0, 1: -100.0})] * 200
+    forced = [SamplingParams(temperature=1.0, logit_bias={5: 100.0})] * 200
+    out = Sampler()(logits, build(banned + forced, vocab_size=8)).token_ids.tolist()
+    assert not {0, 1} & set(out[:200]) and len(set(out[:200])) > 3  # the rest still drawn
+    assert set(out[200:]) == {5}
+
+
+def test_logit_bias_is_skipped_when_unused_and_ignores_ids_past_the_vocabulary():
+    assert build([SamplingParams(), SamplingParams(logit_bias={})]).logit_bias is None
+    assert build([SamplingParams(logit_bias={40: 5.0})], vocab_size=32).logit_bias is None
+
+
+@pytest.mark.parametrize(
+    "bias", [{"3": 1.0}, {-1: 1.0}, {3: 101.0}, {3: math.nan}, {3: "1"}, [3, 1.0], {i: 1.0 for i in range(1025)}]
+)
+def test_logit_bias_is_validated(bias):
+    from batchserve.sampling_params import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(logit_bias=bias)
+    assert err.value.param == "logit_bias"
+
+
 # --- seeds ----------------------------------------------------------------------------------------------------------
 
 

@@ -48,15 +48,17 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: EngineMetrics | None = None,
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+    lenient: bool = False,
 ) -> FastAPI:
     """The app over an LLMEngine (wrapped and owned: its loop stops with the app) or an AsyncLLMEngine (shared: the
     caller starts and stops it; the app starts it if needed). /health answers 503 once the engine loop has made no
-    progress for `stall_timeout_s` with requests pending."""
+    progress for `stall_timeout_s` with requests pending. `lenient`: request fields the server does not act on are
+    dropped with a logged warning instead of answered 400."""
     owned = isinstance(engine, LLMEngine)
     async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
     names = _model_names(served_model_name, async_engine.config.model)
     metrics = (metrics or EngineMetrics(model_name=names[0])).attach(async_engine)
-    front = OpenAIFrontEnd(GenerationService(async_engine), names, max_body_bytes)
+    front = OpenAIFrontEnd(GenerationService(async_engine), names, max_body_bytes, lenient)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

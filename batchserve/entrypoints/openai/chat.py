@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from batchserve.core.outputs import Logprobs
 from batchserve.engine.async_engine import RequestStream
 from batchserve.entrypoints.openai.errors import APIError
-from batchserve.entrypoints.openai.front import OpenAIFrontEnd, finish_fields, sampling_params
+from batchserve.entrypoints.openai.front import OpenAIFrontEnd, chunk_usage, finish_fields, sampling_params
 from batchserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, UsageInfo, random_id
 from batchserve.entrypoints.openai.streaming import AbortOnCloseResponse, sse_events, wait_for_disconnect
 from batchserve.serving.generation import GenerationService
@@ -22,7 +22,7 @@ from batchserve.serving.results import GenerationResult, Usage
 async def chat_prompt(
     service: GenerationService, messages: list[ChatMessage], add_generation_prompt: bool
 ) -> list[int]:
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
     return await service.chat_prompt(conversation, add_generation_prompt)
 
 
@@ -30,6 +30,8 @@ async def create_chat_completion(front: OpenAIFrontEnd, request: Request) -> Res
     req = await front.parse(request, ChatCompletionRequest)
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools")
+    if req.tool_choice not in (None, "none", "auto"):  # "auto" without tools is "none"
+        raise APIError(400, "tool_choice needs tools, which are not supported", param="tool_choice")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise APIError(400, "only response_format type 'text' is supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
@@ -60,22 +62,25 @@ async def create_chat_completion(front: OpenAIFrontEnd, request: Request) -> Res
 async def _stream(
     front: OpenAIFrontEnd, req: ChatCompletionRequest, head: dict[str, Any], streams: list[RequestStream]
 ) -> AsyncIterator[dict[str, Any]]:
-    usage_field = {"usage": None} if req.include_usage else {}
     finals: list[GenerationResult] = []
-    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    yield {**head, "choices": [first], **usage_field}
+    role_sent = False
     async for result in front.service.results(streams):
         if not result.output.delta_text and not result.finished:
             continue
         if result.finished:
             finals.append(result)
+        # The role rides on the first token's chunk, not on a chunk of its own sent at arrival: clients time the
+        # first chunk as the time to first token, so nothing may go out before the first token does.
+        delta = {"content": result.output.delta_text} if result.output.delta_text or not role_sent else {}
+        if not role_sent:
+            delta, role_sent = {"role": "assistant", **delta}, True
         choice = {
             "index": 0,
-            "delta": {"content": result.output.delta_text} if result.output.delta_text else {},
+            "delta": delta,
             "logprobs": _logprobs(front, result.delta_logprobs) if req.logprobs else None,
             **finish_fields(result),
         }
-        yield {**head, "choices": [choice], **usage_field}
+        yield {**head, "choices": [choice], **chunk_usage(req, result)}
     if req.include_usage:
         yield {**head, "choices": [], "usage": UsageInfo.of(Usage.of(finals))}
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from batchserve.core.outputs import Logprobs
 from batchserve.engine.async_engine import RequestStream
 from batchserve.entrypoints.openai.errors import APIError
-from batchserve.entrypoints.openai.front import OpenAIFrontEnd, finish_fields, sampling_params
+from batchserve.entrypoints.openai.front import OpenAIFrontEnd, chunk_usage, finish_fields, sampling_params
 from batchserve.entrypoints.openai.protocol import CompletionRequest, UsageInfo, random_id
 from batchserve.entrypoints.openai.streaming import AbortOnCloseResponse, sse_events, wait_for_disconnect
 from batchserve.serving.results import GenerationResult, Usage
@@ -63,7 +63,6 @@ async def _stream(
 ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
     finals: list[GenerationResult] = []
     sent: dict[int, int] = {}  # characters sent per choice (the logprobs' text offsets)
-    usage_field = {"usage": None} if req.include_usage else {}
     async for result in front.service.results(streams):
         delta = result.output.delta_text
         if req.echo and result.index not in sent:
@@ -76,7 +75,7 @@ async def _stream(
         if result.finished:
             finals.append(result)
         choice = {"index": result.index, "text": delta, "logprobs": logprobs, **finish_fields(result)}
-        yield {**head, "choices": [choice], **usage_field}
+        yield {**head, "choices": [choice], **chunk_usage(req, result)}
     if req.include_usage:
         yield {**head, "choices": [], "usage": UsageInfo.of(Usage.of(finals))}
 

@@ -65,6 +65,8 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        message = "unknown field: this server does not act on it (a server started with --lenient ignores it)"
     return APIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -10,22 +11,28 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from batchserve.entrypoints.openai.errors import APIError, validation_error
-from batchserve.entrypoints.openai.protocol import SamplingRequest
+from batchserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.generation import GenerationService
-from batchserve.serving.results import GenerationResult
+from batchserve.serving.results import GenerationResult, Usage
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 Body = TypeVar("Body", bound=BaseModel)
 
+logger = logging.getLogger(__name__)
+
 
 class OpenAIFrontEnd:
-    def __init__(self, service: GenerationService, served_model_names: Sequence[str], max_body_bytes: int) -> None:
+    def __init__(
+        self, service: GenerationService, served_model_names: Sequence[str], max_body_bytes: int, lenient: bool = False
+    ) -> None:
+        """lenient: fields the server does not act on are dropped with a logged warning instead of answered 400."""
         self.service = service
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
         self.max_body_bytes = max_body_bytes
+        self.lenient = lenient
 
     async def parse(self, request: Request, model: type[Body]) -> Body:
         """The body as `model`: 413 over the size limit, 400 for malformed JSON, invalid fields or another model."""
@@ -46,7 +53,9 @@ class OpenAIFrontEnd:
         try:
             parsed = model.model_validate(data)
         except ValidationError as exc:
-            raise validation_error(exc) from None
+            if not self.lenient:
+                raise validation_error(exc) from None
+            parsed = _validate_without_unknown_fields(model, data, exc)
         self.check_model(getattr(parsed, "model", None))
         return parsed
 
@@ -54,13 +63,43 @@ class OpenAIFrontEnd:
         return APIError(413, f"request body is over {self.max_body_bytes} bytes", code="body_too_large")
 
     def check_model(self, name: str | None) -> None:
+        """404 for a model this server does not serve, as OpenAI and vLLM answer."""
         if name is not None and name not in self.served_model_names:
             raise APIError(
-                400,
+                404,
                 f"the model '{name}' does not exist; this server serves {self.model_name!r}",
+                type_="not_found_error",
                 param="model",
                 code="model_not_found",
             )
+
+
+def _validate_without_unknown_fields(model: type[Body], data: object, exc: ValidationError) -> Body:
+    """--lenient: the body without the fields the server would not act on, each named in a warning; any other
+    error still answers 400."""
+    dropped = []
+    for error in exc.errors():
+        if error["type"] == "extra_forbidden" and _drop(data, error["loc"]):
+            dropped.append(".".join(str(part) for part in error["loc"]))
+    if dropped:
+        logger.warning("ignoring request field(s) this server does not act on (--lenient): %s", ", ".join(dropped))
+    try:
+        return model.model_validate(data)
+    except ValidationError as again:
+        raise validation_error(again) from None
+
+
+def _drop(data: object, loc: tuple[int | str, ...]) -> bool:
+    """Delete the field at `loc` from the JSON value; False when the path does not lead to it (a union's tag)."""
+    for part in loc[:-1]:
+        try:
+            data = data[part]  # type: ignore[index]
+        except (KeyError, IndexError, TypeError):
+            return False
+    if isinstance(data, dict) and loc and loc[-1] in data:
+        del data[loc[-1]]
+        return True
+    return False
 
 
 def _json(body: bytes) -> object:
@@ -98,3 +137,13 @@ def finish_fields(result: GenerationResult) -> dict[str, str | int | None]:
     if not result.finished:
         return {"finish_reason": None}
     return {"finish_reason": result.output.finish_reason, "stop_reason": result.output.stop_reason}
+
+
+def chunk_usage(req: SamplingRequest, result: GenerationResult) -> dict[str, object]:
+    """A stream chunk's usage field: absent unless asked for; null until the last chunk, or with
+    stream_options.continuous_usage_stats (vLLM's) this choice's usage so far."""
+    if not req.include_usage:
+        return {}
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        return {"usage": UsageInfo.of(Usage.of([result]))}
+    return {"usage": None}

@@ -45,6 +45,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     parser.add_argument(
+        "--lenient",
+        action="store_true",
+        help="drop request fields the server does not act on with a logged warning (default: answer 400 naming them)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -84,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=api_key,
         max_body_bytes=args.max_body_bytes,
         stall_timeout_s=args.stall_timeout,
+        lenient=args.lenient,
     )
     return serve(app, async_engine, args.host, args.port, args.log_level, args.drain_timeout)
 

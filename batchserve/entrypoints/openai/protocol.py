@@ -6,9 +6,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
-from batchserve.sampling_params import SamplingParams
+from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.results import Usage
 
 
@@ -28,10 +29,11 @@ class ErrorResponse(BaseModel):
 
 
 class RequestBody(BaseModel):
-    """A request body: values of the wrong JSON type are refused ("4" is not 4, "yes" is not true); unknown fields
-    are ignored, as OpenAI-compatible servers commonly do (clients send vendor extras)."""
+    """A request body: values of the wrong JSON type are refused ("4" is not 4, "yes" is not true), and so are
+    unknown fields: a field the server does not act on is answered 400 naming it, never silently dropped (the
+    server's --lenient turns that into a logged warning, front.py)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(RequestBody):
@@ -61,8 +63,9 @@ class SamplingRequest(RequestBody):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id for the caller's own monitoring: it changes nothing computed
     priority: int = 0  # lower is served first under scheduling_order="priority"
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias added to its logit
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError for values the engine cannot serve."""
@@ -77,6 +80,7 @@ class SamplingRequest(RequestBody):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "n": self.n,
             "logprobs": logprobs,
+            "logit_bias": _token_id_keys(self.logit_bias),
         }
         for name in (
             "temperature",
@@ -97,6 +101,16 @@ class SamplingRequest(RequestBody):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _token_id_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as JSON strings."""
+    if bias is None:
+        return None
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids (integers)", "logit_bias") from None
+
+
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
@@ -114,7 +128,21 @@ class TextContentPart(RequestBody):
 class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # given to the chat template, for templates that name participants
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """An image or audio part is refused in words a user reads, not as a failed match of every union member."""
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise PydanticCustomError(
+                    "unsupported_content",
+                    "only text content parts are supported; this model cannot read a part of type {kind}",
+                    {"kind": repr(kind)},
+                )
+        return content
 
     def text(self) -> str:
         if self.content is None:
@@ -128,7 +156,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
