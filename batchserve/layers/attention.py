@@ -84,7 +84,7 @@ class AttentionMetadata:
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """Store this step's K/V ([T, Hkv, D]) into the pool at their slots."""
     key_cache, value_cache = kv_cache
-    native = kernels.for_tensors(key, value, key_cache)
+    native = kernels.for_tensors(key, value, key_cache, dtypes=kernels.FUSED_DTYPES)
     if native is not None:
         native.write_kv_(key, value, key_cache, value_cache, slot_mapping)
         return

@@ -19,7 +19,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        native = kernels.for_tensors(gate_up)
+        native = kernels.for_tensors(gate_up, dtypes=kernels.FUSED_DTYPES)
         if native is not None and gate_up.stride(1) == 1:
             return self.down_proj(native.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with a residual: (norm(x + residual), x + residual), the sum being the next residual stream.
         The native kernel does either in one pass (the sum in place in `residual`)."""
-        native = kernels.for_tensors(x)
+        native = kernels.for_tensors(x, self.weight, dtypes=kernels.FUSED_DTYPES)
         if native is not None and x.dim() == 2 and x.stride(1) == 1:
             out = native.rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual)

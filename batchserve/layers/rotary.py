@@ -62,7 +62,7 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D]; cos/sin [T, D/2]. HF rotate_half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
     The native kernel rotates x in place (its heads must be contiguous within a token)."""
-    native = kernels.for_tensors(x)
+    native = kernels.for_tensors(x, cos, dtypes=kernels.FUSED_DTYPES)
     if native is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         native.rope_(x, cos, sin)
         return x

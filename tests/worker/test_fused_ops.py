@@ -154,3 +154,80 @@ def test_matmul_units_read_from_cpu_flags(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t\t: fpu avx512f avx512_bf16 amx_tile")
     assert kernels.has_matmul_units(torch.bfloat16) and not kernels.has_matmul_units(torch.float16)
     assert not kernels.has_matmul_units(torch.float32)
+
+
+# ---- bfloat16: each kernel computes in float32 and rounds once, so it is at least as close to the float32 result
+# as torch's bfloat16 ops (which round after each op) are.
+def _no_worse_than_torch_bf16(native_out, torch_bf16_out, float32_out):
+    native_err = (native_out.float() - float32_out).abs().mean()
+    torch_err = (torch_bf16_out.float() - float32_out).abs().mean()
+    assert native_out.dtype == torch.bfloat16 and native_err <= torch_err * 1.05 + 1e-6, (native_err, torch_err)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_bf16_rms_norm(rows, native_kernels):
+    torch.manual_seed(rows)
+    x, residual, weight = torch.randn(rows, 576) * 3, torch.randn(rows, 576), torch.rand(576) + 0.5
+    xb, rb, wb = x.bfloat16(), residual.bfloat16(), weight.bfloat16()
+    norm = RMSNorm(576, 1e-5, torch.bfloat16)
+    norm.weight.data.copy_(wb)
+    out = native_kernels.rms_norm(xb, rb, wb, 1e-5)
+    expected_sum = (xb.float() + residual.bfloat16().float()).bfloat16()
+    assert torch.equal(rb, expected_sum)  # the residual stream: one bf16 rounding of the sum, as torch's add
+    reference = F.rms_norm(expected_sum.float(), (576,), wb.float(), 1e-5)
+    _no_worse_than_torch_bf16(out, norm._norm(expected_sum), reference)
+
+
+def test_bf16_silu_and_mul(native_kernels):
+    torch.manual_seed(0)
+    gate_up = (torch.randn(64, 2 * 1536) * 6).bfloat16()
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, float("nan"), -90.0])
+    g, u = gate_up.float().chunk(2, dim=-1)
+    out = native_kernels.silu_and_mul(gate_up)
+    assert torch.isnan(out[0, 2]) and not torch.isnan(out[0, 3])
+    finite = torch.ones_like(out, dtype=torch.bool)
+    finite[0, 2] = False
+    bf16_torch = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    _no_worse_than_torch_bf16(out[finite], bf16_torch[finite], (F.silu(g) * u)[finite])
+
+
+def test_bf16_rope_and_write_kv(native_kernels):
+    torch.manual_seed(1)
+    tokens, heads, dim = 37, 12, 64
+    x = torch.randn(tokens, heads, dim).bfloat16()
+    angles = torch.rand(tokens, dim // 2) * 100
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos.float()[:, None], sin.float()[:, None]
+    reference = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    torch_bf16 = torch.cat(
+        (x.chunk(2, -1)[0] * cos[:, None] - x.chunk(2, -1)[1] * sin[:, None],
+         x.chunk(2, -1)[1] * cos[:, None] + x.chunk(2, -1)[0] * sin[:, None]), dim=-1,
+    )  # fmt: skip
+    rotated = x.clone()
+    native_kernels.rope_(rotated, cos, sin)
+    _no_worse_than_torch_bf16(rotated, torch_bf16, reference)
+    key, value = torch.randn(5, 3, dim).bfloat16(), torch.randn(5, 3, dim).bfloat16()
+    caches = [torch.zeros(4, 2, 3, dim, dtype=torch.bfloat16) for _ in range(2)]
+    slots = torch.tensor([7, 0, 3, 5, 1])
+    native_kernels.write_kv_(key, value, caches[0], caches[1], slots)
+    assert torch.equal(caches[0].view(-1, 3, dim)[slots], key) and torch.equal(caches[1].view(-1, 3, dim)[slots], value)
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+        native_kernels.write_kv_(key.float(), value.float(), caches[0], caches[1], slots)
+
+
+def test_bf16_linear_on_bf16_units_is_one_packed_gemm(monkeypatch):
+    # forced on any CPU: oneDNN's packed bf16 GEMM (emulated where the CPU lacks the units)
+    monkeypatch.setattr(kernels, "has_matmul_units", lambda dtype: True)
+    torch.manual_seed(2)
+    weight, bias = (torch.randn(960, 576) * 0.05).bfloat16(), torch.randn(960).bfloat16()
+    linear = CpuLinear(weight, bias)
+    if not linear.packed_only:
+        pytest.skip("this torch build has no oneDNN bf16 linear")
+    assert linear.weight_t.dtype == torch.bfloat16
+    for m in (1, 16, 64, 600):
+        x = torch.randn(m, 576).bfloat16()
+        out = linear(x)
+        reference = F.linear(x.float(), weight.float(), bias.float())
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)

@@ -1,4 +1,4 @@
-// Fused elementwise CPU ops for float32 activations: each is one pass over memory instead of the 3-6 torch ops (and
+// Fused elementwise CPU ops for float32 and bfloat16 activations: each is one pass over memory instead of the 3-6 torch ops (and
 // as many temporaries) it replaces. At prefill sizes those torch ops took ~20% of a step, at decode sizes their
 // per-op overhead adds up over 30 layers. Same math as the torch references in batchserve/layers/ (norm.py, mlp.py,
 // rotary.py).
@@ -19,73 +19,117 @@ namespace {
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
 
 void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, ": float32 expected");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
+              ": float32 or bfloat16 expected");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": 2-D with contiguous rows expected");
+}
+
+// Elements are read as float and written back rounded to their own type: a bfloat16 model computes each fused op
+// in float32 and rounds once, where its torch reference rounds after every op.
+inline float as_float(float x) { return x; }
+inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+
+// Calls f with a value of the element type (float or c10::BFloat16) that `dtype` names; the checks let no other in.
+template <typename F>
+void dispatch_float_or_bf16(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kBFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    f(float{});
+  }
 }
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, and with a residual: residual[r] += x[r] first, normalizing
 // the sum (the residual stream of the next layer).
-void rms_norm_rows(const float* x, int64_t x_stride, float* residual, int64_t res_stride, const float* weight,
-                   float* out, int64_t rows, int64_t hidden, float eps) {
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const T* weight, T* out,
+                   int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, grain(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = x + r * x_stride;
-      float* src = const_cast<float*>(xr);
+      const T* xr = x + r * x_stride;
+      T* src = const_cast<T*>(xr);
       if (residual != nullptr) {
-        float* rr = residual + r * res_stride;
+        T* rr = residual + r * res_stride;
 #pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) rr[i] += xr[i];
+        for (int64_t i = 0; i < hidden; ++i) rr[i] = from_float<T>(as_float(rr[i]) + as_float(xr[i]));
         src = rr;
       }
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < hidden; ++i) sum += src[i] * src[i];
+      for (int64_t i = 0; i < hidden; ++i) sum += as_float(src[i]) * as_float(src[i]);
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
-      float* o = out + r * hidden;
+      T* o = out + r * hidden;
 #pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) o[i] = src[i] * inv * weight[i];
+      for (int64_t i = 0; i < hidden; ++i) o[i] = from_float<T>(as_float(src[i]) * inv * as_float(weight[i]));
     }
   });
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// bfloat16 <-> float: a bfloat16 is a float's upper half; the store rounds to nearest even, as c10::BFloat16 does.
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  // NaN (tested on the bits: -ffast-math assumes there is none) stays a quiet NaN instead of rounding into -0
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+#endif
+
 // out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]
-void silu_and_mul_rows(const float* gate_up, int64_t stride, float* out, int64_t rows, int64_t inter) {
+template <typename T>
+void silu_and_mul_rows(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, grain(2 * inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* g = gate_up + r * stride;
-      const float* u = g + inter;
-      float* o = out + r * inter;
+      const T* g = gate_up + r * stride;
+      const T* u = g + inter;
+      T* o = out + r * inter;
       int64_t i = 0;
 #if defined(__AVX512F__)
       const __m512 one = _mm512_set1_ps(1.f);
       for (; i + 16 <= inter; i += 16) {
-        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 gv = load16(g + i);
         const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+        store16(o + i, _mm512_mul_ps(s, load16(u + i)));
       }
 #endif
-      for (; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (; i < inter; ++i) {
+        const float gi = as_float(g[i]);
+        o[i] = from_float<T>(gi / (1.f + std::exp(-gi)) * as_float(u[i]));
+      }
     }
   });
 }
 
 // In place on x [T, heads, D] (rows of any stride, heads contiguous): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin
 // for the two halves of each head (HF rotate_half); cos/sin [T, D/2].
-void rope_rows(float* x, int64_t token_stride, int64_t heads, int64_t head_dim, const float* cos, const float* sin,
+template <typename T>
+void rope_rows(T* x, int64_t token_stride, int64_t heads, int64_t head_dim, const T* cos, const T* sin,
                int64_t tokens) {
   const int64_t half = head_dim / 2;
   at::parallel_for(0, tokens, grain(heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos + t * half;
-      const float* s = sin + t * half;
+      const T* c = cos + t * half;
+      const T* s = sin + t * half;
       for (int64_t h = 0; h < heads; ++h) {
-        float* x1 = x + t * token_stride + h * head_dim;
-        float* x2 = x1 + half;
+        T* x1 = x + t * token_stride + h * head_dim;
+        T* x2 = x1 + half;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          x1[i] = a * c[i] - b * s[i];
-          x2[i] = b * c[i] + a * s[i];
+          const float a = as_float(x1[i]), b = as_float(x2[i]), ci = as_float(c[i]), si = as_float(s[i]);
+          x1[i] = from_float<T>(a * ci - b * si);
+          x2[i] = from_float<T>(b * ci + a * si);
         }
       }
     }
@@ -127,21 +171,25 @@ int64_t argmax_of(const float* x, int64_t n) {
 
 }  // namespace
 
-// x [T, H] -> normalized [T, H]; with residual (same shape): residual += x in place, the sum normalized.
+// x [T, H] -> normalized [T, H]; with residual (same shape): residual += x in place, the sum normalized. float32
+// or bfloat16, all of one type.
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32, "weight: contiguous float32");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(), "weight: contiguous, x's dtype");
+  TORCH_CHECK(weight.numel() == x.size(1), "weight: one value per hidden unit");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-  float* res = nullptr;
-  int64_t res_stride = 0;
   if (residual.has_value()) {
     check_rows(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes(), "residual must have x's shape");
-    res = residual->data_ptr<float>();
-    res_stride = residual->stride(0);
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "residual must have x's shape and dtype");
   }
-  rms_norm_rows(x.data_ptr<float>(), x.stride(0), res, res_stride, weight.data_ptr<float>(), out.data_ptr<float>(),
-                x.size(0), x.size(1), static_cast<float>(eps));
+  dispatch_float_or_bf16(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* res = residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr;
+    const int64_t res_stride = residual.has_value() ? residual->stride(0) : 0;
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), res, res_stride, weight.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
   return out;
 }
 
@@ -150,23 +198,35 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t inter = gate_up.size(1) / 2;
   auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
-  silu_and_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), gate_up.size(0), inter);
+  dispatch_float_or_bf16(gate_up.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    silu_and_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), gate_up.stride(0), out.data_ptr<scalar_t>(),
+                                gate_up.size(0), inter);
+  });
   return out;
 }
 
-// x [T, heads, D] float32 with contiguous heads (any token stride), cos/sin [T, D/2] contiguous: rotated in place.
+// x [T, heads, D] float32 or bfloat16 with contiguous heads (any token stride), cos/sin [T, D/2] contiguous, of
+// x's dtype: rotated in place.
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3, "x: [T, heads, D] float32");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && x.dim() == 3,
+              "x: [T, heads, D] float32 or bfloat16");
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "x: heads must be contiguous within a token");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32, "cos/sin");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+              "cos/sin: contiguous, x's dtype");
   TORCH_CHECK(cos.size(0) == x.size(0) && cos.size(1) * 2 == x.size(2), "cos/sin: [T, D/2]");
-  rope_rows(x.data_ptr<float>(), x.stride(0), x.size(1), x.size(2), cos.data_ptr<float>(), sin.data_ptr<float>(),
-            x.size(0));
+  dispatch_float_or_bf16(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rope_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.size(1), x.size(2), cos.data_ptr<scalar_t>(),
+                        sin.data_ptr<scalar_t>(), x.size(0));
+  });
 }
 
 // logits [R, V] float32 with contiguous rows -> [R] int64: torch.argmax(logits, dim=-1), parallel over rows.
 torch::Tensor argmax_rows(torch::Tensor logits) {
   check_rows(logits, "logits");
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32, "logits: float32 expected");
   TORCH_CHECK(logits.size(1) > 0, "argmax of an empty row");
   auto out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kInt64));
   const float* x = logits.data_ptr<float>();
@@ -182,9 +242,10 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // [num_slots, Hkv, D]: one call per layer instead of two index_copy_.
 void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
                torch::Tensor slot_mapping) {
-  TORCH_CHECK(key.scalar_type() == torch::kFloat32 && value.scalar_type() == torch::kFloat32 &&
-                  key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32,
-              "write_kv_: float32 expected");
+  const auto dtype = key.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && value.scalar_type() == dtype &&
+                  key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              "write_kv_: key, value and caches all float32 or all bfloat16");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "key and value caches must match");
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3, "key/value: [T, Hkv, D]");
@@ -199,10 +260,11 @@ void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, 
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the pool");
-  const float *k = key.data_ptr<float>(), *v = value.data_ptr<float>();
-  float *kc = key_cache.data_ptr<float>(), *vc = value_cache.data_ptr<float>();
+  const int64_t elem = key.element_size(), row_bytes = row * elem;
+  const char *k = static_cast<const char*>(key.data_ptr()), *v = static_cast<const char*>(value.data_ptr());
+  char *kc = static_cast<char*>(key_cache.data_ptr()), *vc = static_cast<char*>(value_cache.data_ptr());
   for (int64_t t = 0; t < tokens; ++t) {
-    std::memcpy(kc + slots[t] * row, k + t * key.stride(0), row * sizeof(float));
-    std::memcpy(vc + slots[t] * row, v + t * value.stride(0), row * sizeof(float));
+    std::memcpy(kc + slots[t] * row_bytes, k + t * key.stride(0) * elem, row_bytes);
+    std::memcpy(vc + slots[t] * row_bytes, v + t * value.stride(0) * elem, row_bytes);
   }
 }
