@@ -144,10 +144,26 @@ class LLMEngine:
             runner.num_kv_blocks * config.cache.block_size,
             self.limits.max_model_len,
         )
+        logger.info("effective config: %s", ", ".join(f"{k}={v}" for k, v in self.effective_config().items()))
 
     @classmethod
     def from_options(cls, **options: Any) -> LLMEngine:
         return cls(EngineConfig.from_options(**options))
+
+    def effective_config(self) -> dict[str, Any]:
+        """Every option as the engine runs it: what was left to the engine (the pool's size, the context, the
+        device and dtype) resolved, enum members as their strings. Logged at start-up and exported as a metric."""
+        flat = {k: str(v) if v is not None else None for k, v in self.config.to_flat_dict().items()}
+        resolved = {
+            "num_kv_blocks": self.runner.num_kv_blocks,
+            "num_swap_blocks": self.runner.num_swap_blocks,
+            "max_model_len": self.limits.max_model_len,
+            "max_input_len": self.limits.max_input_len,
+            "device": getattr(self.runner, "device", None),  # a test double may have neither
+            "dtype": str(getattr(self.runner, "dtype", "")).removeprefix("torch.") or None,
+        }
+        flat.update({k: str(v) for k, v in resolved.items() if v is not None})
+        return flat
 
     # ---- requests in ------------------------------------------------------------------------------------------
     def add_request(

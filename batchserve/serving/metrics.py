@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from batchserve.core.outputs import SchedulerStats
@@ -87,13 +87,22 @@ class EngineMetrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         )
+        self.engine_config_info = Info(
+            PREFIX + "engine_config", "The engine's effective configuration (as vLLM's cache_config_info).", labels,
+            registry=reg,
+        ).labels(model_name)  # fmt: skip
         self._last_preemptions_total = 0
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
         self._seen_first_output: set[str] = set()
 
     def attach(self, engine: AsyncLLMEngine) -> EngineMetrics:
-        """Observe every step of `engine` from now on."""
+        """Observe every step of `engine` from now on; what is fixed for its life (the configuration, the pool's
+        size) is set now, so a scrape before the first request reads it too."""
+        self.engine_config_info.info(
+            {k: "" if v is None else str(v) for k, v in engine.engine.effective_config().items()}
+        )
+        self.kv_cache_blocks_total.set(engine.engine.runner.num_kv_blocks)
         engine.step_listeners.append(self._on_step)
         return self
 
@@ -160,7 +169,21 @@ class EngineMetrics:
 
     # ------------------------------------------------------------------ any thread
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """The registry without the `_created` series prometheus-client adds to every counter and histogram (vLLM
+    drops them too): a second series per metric, holding a timestamp, that dashboards mistake for a value.
+    Filtered here rather than by the client's process-wide switch, so one server's choice is not every registry's."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Any]:
+        for metric in self.registry.collect():
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
 
 
 def _advance(counter: Any, total: int, last: int) -> int:

@@ -119,3 +119,14 @@ def test_step_records_and_stats(make_engine):
     assert records and all(r.stats.num_scheduled_seqs <= 4 for r in records)
     assert sum(r.stats.num_decode_tokens for r in records) == 6 * 3
     assert engine.last_stats.kv_blocks_used == 0
+
+
+def test_effective_config_is_logged_at_start_up_with_what_the_engine_resolved(make_engine, caplog):
+    with caplog.at_level("INFO", logger="batchserve.engine.llm_engine"):
+        engine = make_engine(max_batch_size=5, num_kv_blocks=40, max_model_len=None, truncation="LEFT")
+    effective = engine.effective_config()
+    # the pool bounds the context (40 blocks x 16 tokens), the enum is its value, nothing is left unresolved
+    assert effective["max_model_len"] == "640" and effective["num_kv_blocks"] == "40"
+    assert effective["max_batch_size"] == "5" and effective["truncation"] == "left"
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("effective config:")]
+    assert "max_batch_size=5" in line and "max_model_len=640" in line and "enable_prefix_caching=True" in line

@@ -148,3 +148,18 @@ def test_continuous_usage_stats_count_up_in_every_chunk(server):
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
     assert counts == [1, 2, 3, 4] and all(c["usage"]["prompt_tokens"] == 3 for c in chunks)
+
+
+def test_metrics_before_any_request_show_the_pool_and_the_config_without_created_series():
+    s = start_server(fake_engine(max_batch_size=3, scheduler_policy="GUARANTEED_NO_EVICT"))
+    try:
+        text = httpx.get(s.url + "/metrics", timeout=10).text
+        assert s.metrics()["batchserve:kv_cache_blocks_total"] == 256
+        (info,) = [line for line in text.splitlines() if line.startswith("batchserve:engine_config_info{")]
+        for label in ('max_batch_size="3"', 'scheduler_policy="guaranteed_no_evict"', 'num_kv_blocks="256"',
+                      'block_size="16"', 'max_model_len="256"'):  # fmt: skip
+            assert label in info, info
+        assert info.endswith(" 1.0")
+        assert "_created" not in text
+    finally:
+        s.stop()
