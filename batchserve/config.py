@@ -141,7 +141,7 @@ class ModelConfig:
 class EngineConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the default SmolLM2
     tokenizer: str | None = None  # None: from the model
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 where the device has bf16 matmul units, else float32
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
@@ -190,12 +190,20 @@ class EngineConfig:
         return flat
 
 
-# Names TensorRT-LLM users know, mapped onto ours.
-ALIASES = {
+# Names TensorRT-LLM users know (its config files' keys), mapped onto ours.
+TRTLLM_ALIASES = {
     "kv_cache_free_gpu_memory_fraction": "kv_cache_memory_fraction",
     "enable_kv_cache_reuse": "enable_prefix_caching",
     "kv_cache_reuse": "enable_prefix_caching",
     "tokens_per_block": "block_size",
+}
+# vLLM's engine arguments (flags and keys). Its gpu_memory_utilization bounds weights and KV together, ours the KV
+# pool's share of the memory left after the weights: the same knob, measured from a different base.
+VLLM_ALIASES = {
     "max_num_seqs": "max_batch_size",
     "max_num_batched_tokens": "max_num_tokens",
+    "gpu_memory_utilization": "kv_cache_memory_fraction",
+    "num_gpu_blocks_override": "num_kv_blocks",
+    "swap_space": "swap_space_gb",
 }
+ALIASES = TRTLLM_ALIASES | VLLM_ALIASES

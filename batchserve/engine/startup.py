@@ -28,6 +28,7 @@ def load_runner(config: EngineConfig) -> tuple[ModelRunner, ModelConfig, PreTrai
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    config.dtype = str(dtype).removeprefix("torch.")  # the effective value, as logs and /v1/models report it
     path = resolve_model_path(config.model)
     model_config = load_model_config(path)
     logger.info("loading %s (%s) on %s as %s", path, model_config.architecture, device, dtype)

@@ -38,7 +38,9 @@ def workload(count=32, seed=0, shared_prefix=0):
 
 def run(directory, requests, arrive_every=1, **options):
     """Request i is added before step i * arrive_every; returns outputs in request order and the engine."""
-    engine = LLMEngine.from_options(model=str(directory), device="cpu", **({"num_kv_blocks": 256} | options))
+    engine = LLMEngine.from_options(
+        model=str(directory), device="cpu", dtype="float32", **({"num_kv_blocks": 256} | options)
+    )
     outputs, step = {}, 0
     while len(outputs) < len(requests):
         assert step < 5000, f"requests unfinished after {step} steps: {engine.last_stats}"
@@ -120,7 +122,7 @@ def test_static_padding_shares_prefix_blocks_and_matches(tiny):
 
 def test_step_timings_cover_the_step(tiny):
     _, directory = tiny
-    engine = LLMEngine.from_options(model=str(directory), device="cpu", num_kv_blocks=64)
+    engine = LLMEngine.from_options(model=str(directory), device="cpu", dtype="float32", num_kv_blocks=64)
     engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, **GREEDY))
     engine.step()
     timings = engine.last_timings
@@ -131,7 +133,9 @@ def test_step_timings_cover_the_step(tiny):
 
 def test_a_padded_request_id_cannot_be_reused_until_its_batch_is_done(tiny):
     _, directory = tiny
-    engine = LLMEngine.from_options(model=str(directory), device="cpu", num_kv_blocks=64, scheduler_policy="static")
+    engine = LLMEngine.from_options(
+        model=str(directory), device="cpu", dtype="float32", num_kv_blocks=64, scheduler_policy="static"
+    )
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))
     engine.add_request("b", [8, 9, 10], SamplingParams(max_tokens=4, **GREEDY))
     assert any(out.finished for out in engine.step())  # a is done and returned, now padding

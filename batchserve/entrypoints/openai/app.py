@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from batchserve.engine.llm_engine import LLMEngine, QueueFullError
+from batchserve.entrypoints.kserve.http import add_kserve_routes
 from batchserve.entrypoints.openai.chat import chat_prompt, create_chat_completion
 from batchserve.entrypoints.openai.completions import create_completion
 from batchserve.entrypoints.openai.errors import APIError, APIKeyMiddleware, as_api_error
@@ -73,6 +74,7 @@ def build_app(
     app.state.metrics = metrics
     _add_error_handlers(app)
     _add_routes(app, front, async_engine, metrics)
+    add_kserve_routes(app, front)  # /v2/...: Triton's generate extension for TensorRT-LLM callers
     _add_health(app, async_engine, stall_timeout_s)
     _document_request_bodies(app)
     if api_key:
@@ -116,7 +118,7 @@ def _add_routes(app: FastAPI, front: OpenAIFrontEnd, engine: AsyncLLMEngine, met
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"root": engine.config.model, "max_model_len": service.limits.max_model_len}
+        card = {"root": engine.config.model, "max_model_len": service.limits.max_model_len, "dtype": engine.config.dtype}
         cards = [ModelCard(id=name, **card) for name in front.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 

@@ -18,7 +18,7 @@ from batchserve import env
 from batchserve.config import ConfigError
 from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.llm_engine import LLMEngine
-from batchserve.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
+from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
 from batchserve.entrypoints.openai.app import DEFAULT_STALL_TIMEOUT_S, build_app
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
 from batchserve.worker.device import configure_torch
@@ -29,7 +29,7 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="batchserve serve", description="OpenAI-compatible HTTP server (continuous batching, paged KV cache)"
     )
     parser.add_argument(

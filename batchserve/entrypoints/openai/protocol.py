@@ -198,6 +198,7 @@ class ModelCard(BaseModel):
     owned_by: str = "batchserve"
     root: str | None = None
     max_model_len: int | None = None
+    dtype: str | None = None  # what the engine computes in (dtype "auto" resolved)
 
 
 class ModelList(BaseModel):
