@@ -5,6 +5,7 @@ Each command's module is imported only when it runs, so `batchserve --help` answ
 
 from __future__ import annotations
 
+import difflib
 import logging
 import sys
 
@@ -16,6 +17,7 @@ commands:
   bench      measure throughput and latency (offline or against any OpenAI-compatible server)
   tune       sweep scheduler settings against an SLO and print the best configuration
 """
+COMMANDS = ("generate", "serve", "bench", "tune")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "tune":
         from batchserve.bench.tune import main as command_main
     else:
-        print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        close = difflib.get_close_matches(command, COMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"unknown command {command!r}{hint}\n\n{USAGE}", file=sys.stderr)
         return 2
     return command_main(rest) or 0
 

@@ -14,3 +14,57 @@ def test_generate_parser_takes_prompts_sampling_and_engine_flags():
 def test_unknown_command_is_an_error(capsys):
     assert main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_generate_checks_its_arguments_before_the_model_loads(monkeypatch, capsys):
+    import pytest
+
+    from batchserve.entrypoints import generate
+    from batchserve.entrypoints.llm import LLM
+
+    def no_model(*_args, **_kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(LLM, "from_config", no_model)
+    for argv, words in [
+        (["hi", "--max-tokens", "0"], "max_tokens must be in [1, inf], got 0"),
+        (["hi", "--temperature", "-1"], "temperature"),
+        (["", "--max-tokens", "4"], "a prompt is empty"),
+        (["hi", "--block-size", "4"], "block_size must be in [8, 128]"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            generate.main(argv)
+        assert exc.value.code == 2 and words in capsys.readouterr().err, argv
+
+
+def test_generate_sizes_the_kv_pool_to_its_prompts_unless_told():
+    from batchserve.entrypoints.generate import TEMPLATE_TOKENS, build_generate_parser, prepare
+
+    parser = build_generate_parser()
+    config, params = prepare(parser.parse_args(["Write a haiku.", "--max-tokens", "48"]), ["Write a haiku."])
+    # 14 bytes + the template + 48 tokens, in blocks of 16: a few MiB where the default took GiBs
+    assert config.cache.num_kv_blocks == -(-(14 + TEMPLATE_TOKENS + 48) // 16) and params.max_tokens == 48
+    config, _ = prepare(parser.parse_args(["x", "--num-kv-blocks", "500"]), ["x"])
+    assert config.cache.num_kv_blocks == 500
+    config, _ = prepare(parser.parse_args(["x", "--kv-cache-memory-fraction", "0.1"]), ["x"])
+    assert config.cache.num_kv_blocks is None and config.cache.kv_cache_memory_fraction == 0.1
+
+
+def test_serve_reports_a_bad_config_file_without_a_traceback(tmp_path, capsys):
+    import json
+
+    import pytest
+
+    from batchserve.entrypoints.openai.launch import main as serve_main
+
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps({"max_batch_size": "eight"}))
+    with pytest.raises(SystemExit) as exc:
+        serve_main(["--config", str(path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "'max_batch_size'" in err and "'eight'" in err and "Traceback" not in err
+
+
+def test_a_mistyped_command_gets_a_suggestion(capsys):
+    assert main(["genrate"]) == 2
+    assert "did you mean 'generate'?" in capsys.readouterr().err

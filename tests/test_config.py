@@ -44,3 +44,97 @@ def test_cli_flags_override_the_config_file(tmp_path):
     assert config.scheduler.max_batch_size == 8 and config.cache.block_size == 32
     assert config.cache.enable_prefix_caching is False
     assert config.to_flat_dict()["max_batch_size"] == 8
+
+
+# --- the schema at the edge: types, aliases, suggestions, --help ---------------------------------------------------
+from batchserve.config import SchedulerPolicy  # noqa: E402
+from batchserve.entrypoints.engine_args import ArgumentParser  # noqa: E402
+from batchserve.entrypoints.engine_options import SPECS, engine_config, read_config_file  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "data,words",
+    [
+        ({"max_batch_size": 8.5}, ["'max_batch_size'", "valid integer", "8.5"]),
+        ({"max_batch_size": "eight"}, ["'max_batch_size'", "valid integer", "'eight'"]),
+        ({"enable_kv_cache_reuse": "no"}, ["'enable_kv_cache_reuse'", "valid boolean", "'no'"]),
+        ({"kv_cache_free_gpu_memory_fraction": "0.5"}, ["'kv_cache_free_gpu_memory_fraction'", "valid number"]),
+        ({"scheduler_policy": "greedy"}, ["'scheduler_policy'", "max_utilization, guaranteed_no_evict, static"]),
+        ({"dtype": 16}, ["'dtype'", "float32"]),
+        ({"max_batch_sise": 4}, ["unknown option 'max_batch_sise'", "did you mean 'max_batch_size'"]),
+        ({"max_num_seqs": 4, "max_batch_size": 8}, ["'max_batch_size' given twice", "'max_num_seqs'"]),
+        ({"block_size": 4}, ["block_size must be in [8, 128]"]),  # a range: the dataclass's check, still reached
+    ],
+)
+def test_config_files_are_checked_by_type_naming_the_key_and_the_file(tmp_path, data, words):
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as err:
+        engine_config({}, file=path)
+    for word in words:
+        assert word in str(err.value), str(err.value)
+    if "block_size" not in data:
+        assert str(path) in str(err.value)
+
+
+def test_trtllm_and_vllm_names_and_enum_spellings(tmp_path):
+    path = tmp_path / "trtllm.json"
+    path.write_text(json.dumps({"scheduler_policy": "GUARANTEED_NO_EVICT", "tokens_per_block": 32,
+                                "kv_cache_free_gpu_memory_fraction": 1, "enable_kv_cache_reuse": False}))  # fmt: skip
+    assert read_config_file(path)["scheduler_policy"] is SchedulerPolicy.GUARANTEED_NO_EVICT
+    config = engine_config({"max_num_seqs": 4, "swap_space": 2, "num_gpu_blocks_override": 100}, file=path)
+    assert config.scheduler.scheduler_policy is SchedulerPolicy.GUARANTEED_NO_EVICT
+    assert config.cache.block_size == 32 and config.cache.kv_cache_memory_fraction == 1.0
+    assert config.cache.enable_prefix_caching is False and config.scheduler.max_batch_size == 4
+    assert config.cache.swap_space_gb == 2.0 and config.cache.num_kv_blocks == 100
+
+
+def _parser():
+    parser = ArgumentParser(prog="batchserve serve")
+    add_engine_arguments(parser)
+    return parser
+
+
+def test_vllm_flag_names_and_enum_spellings_on_the_command_line():
+    args = _parser().parse_args(
+        ["--max-num-seqs", "4", "--max-num-batched-tokens", "512", "--gpu-memory-utilization", "0.5",
+         "--num-gpu-blocks-override", "100", "--swap-space", "2", "--scheduler-policy", "GUARANTEED_NO_EVICT"]
+    )  # fmt: skip
+    config = engine_config_from_args(args)
+    assert (config.scheduler.max_batch_size, config.scheduler.max_num_tokens) == (4, 512)
+    assert config.cache.kv_cache_memory_fraction == 0.5 and config.cache.num_kv_blocks == 100
+    assert config.cache.swap_space_gb == 2.0 and config.scheduler.scheduler_policy == "guaranteed_no_evict"
+
+
+def test_a_mistyped_flag_gets_the_closest_one(capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--max-batch-sise", "8", "--gpu-memory-utilisation", "0.5"])
+    err = capsys.readouterr().err
+    assert "--max-batch-sise: did you mean --max-batch-size?" in err
+    assert "--gpu-memory-utilisation: did you mean --gpu-memory-utilization?" in err
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--max-batch-size", "8.5"])  # argparse's own type check
+    assert "invalid int value: '8.5'" in capsys.readouterr().err
+
+
+def test_help_shows_every_option_with_help_choices_and_default():
+    text = " ".join(_parser().format_help().split())  # one line: argparse wraps at the terminal's width
+    text = text[text.index("engine options (") :]  # the descriptions, not the usage line
+    for spec in SPECS:
+        flag = "--" + spec.name.replace("_", "-")
+        assert flag in text, flag
+        entry = text[text.index(flag + " ") if spec.kind is not bool else text.index(flag + ",") :][:400]
+        assert spec.help.split(":")[0].split("(")[0].strip()[:20] in entry, (flag, entry)
+        assert "default" in entry, (flag, entry)
+        for choice in spec.choices or ():
+            assert choice in entry, (flag, choice)
+    assert "--max-batch-size INT, --max-num-seqs INT" in text
+
+
+def test_llm_checks_its_options_before_loading_a_model():
+    from batchserve.entrypoints.llm import LLM
+
+    with pytest.raises(ConfigError, match=r"'max_batch_size' in LLM\(\.\.\.\): Input should be a valid integer"):
+        LLM(max_batch_size=8.5)
+    with pytest.raises(ConfigError, match="did you mean 'enable_prefix_caching'"):
+        LLM(enable_prefix_cache=True)

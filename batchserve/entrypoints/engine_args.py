@@ -1,49 +1,61 @@
-"""Every EngineConfig option as a command-line flag, plus --config file.json; shared by all subcommands."""
+"""Every engine option as a command-line flag (help, choices and defaults from the one schema, engine_options.py),
+plus --config file.json; shared by all subcommands. vLLM's and TensorRT-LLM's names are flags too
+(--max-num-seqs is --max-batch-size), and a mistyped flag gets the closest one as a suggestion."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import enum
-import types
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any
 
-from batchserve.config import CacheConfig, EngineConfig, SchedulerConfig
-
-_SKIP = {"scheduler", "cache"}
+from batchserve.config import EngineConfig
+from batchserve.entrypoints.engine_options import SPECS, OptionSpec, close_match, engine_config
 
 
-def _flag_type(annotation: Any) -> Any:
-    if get_origin(annotation) in (Union, types.UnionType):
-        annotation = next(a for a in get_args(annotation) if a is not type(None))
-    return annotation
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with "did you mean" for unrecognized flags (Python 3.11's has none)."""
+
+    def error(self, message: str) -> Any:
+        if message.startswith("unrecognized arguments:"):
+            known = [s for s in self._option_string_actions if s.startswith("--")]
+            for word in message.removeprefix("unrecognized arguments:").split():
+                flag = word.split("=", 1)[0]
+                close = close_match(flag, known) if flag.startswith("--") else None
+                if close:
+                    message += f"\n  {flag}: did you mean {close}?"
+        return super().error(message)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _help(spec: OptionSpec) -> str:
+    if spec.default is None or "(default:" in spec.help:
+        return spec.help.replace("%", "%%")
+    default = spec.default.value if isinstance(spec.default, enum.Enum) else spec.default
+    return f"{spec.help} (default: {default})".replace("%", "%%")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
-    group = parser.add_argument_group("engine options (also settable in --config)")
-    group.add_argument("--config", help="JSON file of engine options (TensorRT-LLM names accepted); flags override it")
-    for cls in (EngineConfig, SchedulerConfig, CacheConfig):
-        hints = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in _SKIP or (f.name == "model" and not include_model):
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            kind = _flag_type(hints[f.name])
-            if kind is bool:
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
-            elif isinstance(kind, type) and issubclass(kind, enum.StrEnum):
-                choices = [member.value for member in kind]
-                group.add_argument(flag, dest=f.name, type=str.lower, choices=choices, default=None,
-                                   help=f"default: {f.default}")  # fmt: skip
-            else:
-                group.add_argument(flag, dest=f.name, type=kind, default=None)
+    group = parser.add_argument_group("engine options (also keys of --config; TensorRT-LLM and vLLM names accepted)")
+    group.add_argument("--config", help="JSON file of engine options, checked like the flags; flags override it")
+    for spec in SPECS:
+        if spec.name == "model" and not include_model:
+            continue
+        flags = [_flag(spec.name), *(_flag(alias) for alias in spec.aliases)]
+        common = {"dest": spec.name, "default": None, "help": _help(spec)}
+        if spec.kind is bool:
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
+        elif spec.choices is not None:
+            group.add_argument(*flags, type=str.lower, choices=spec.choices, **common)
+        else:
+            group.add_argument(*flags, type=spec.kind, metavar=spec.kind.__name__.upper(), **common)
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra: Any) -> EngineConfig:
-    """Options given on the command line override those of --config; unset flags keep the defaults."""
-    names = {f.name for cls in (EngineConfig, SchedulerConfig, CacheConfig) for f in dataclasses.fields(cls)} - _SKIP
-    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    given.update(extra)
-    if getattr(args, "config", None):
-        return EngineConfig.from_json_file(args.config, **given)
-    return EngineConfig.from_options(**given)
+    """Flags given on the command line (and `extra` options not None) override those of --config; options given
+    nowhere keep their defaults."""
+    given = {spec.name: getattr(args, spec.name) for spec in SPECS if getattr(args, spec.name, None) is not None}
+    given.update({name: value for name, value in extra.items() if value is not None})
+    return engine_config(given, "the command line", getattr(args, "config", None))

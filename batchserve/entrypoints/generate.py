@@ -4,32 +4,60 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
-from batchserve.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
+from batchserve.config import ConfigError, EngineConfig
+from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
 from batchserve.entrypoints.llm import LLM
-from batchserve.sampling_params import SamplingParams
+from batchserve.sampling_params import InvalidRequestError, SamplingParams
 
 EXAMPLE_PROMPTS = ["What is continuous batching?", "Write a haiku about the sea.", "Name three planets."]
+# Tokens a prompt may take beyond one per UTF-8 byte (no byte-level or byte-fallback tokenizer makes more tokens than
+# bytes): the chat template's roles, markers and default system prompt, or a BOS token.
+TEMPLATE_TOKENS = 256
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="batchserve generate", description="Generate text with the default model.")
+    parser = ArgumentParser(prog="batchserve generate", description="Generate text with the default model.")
     parser.add_argument("prompts", nargs="*", help="prompts (chat-formatted unless --raw); default: a few examples")
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_arguments(parser, include_model=False)  # its --seed also seeds sampling
     return parser
 
 
-def main(argv: list[str]) -> int:
-    args = build_generate_parser().parse_args(argv)
-    prompts = args.prompts or EXAMPLE_PROMPTS
-    llm = LLM.from_config(engine_config_from_args(args, model=args.model))  # sets torch's threads and seed
+def kv_blocks_for(prompts: list[str], max_tokens: int, block_size: int) -> int:
+    """A KV pool that holds every prompt and its output at once, counting each prompt at its upper bound (one token
+    per byte, plus the template): a few MiB for a few prompts, instead of the default share of the host's memory."""
+    tokens = [len(p.encode()) + TEMPLATE_TOKENS + max_tokens for p in prompts]
+    return sum(math.ceil(n / block_size) for n in tokens)
+
+
+def prepare(args: argparse.Namespace, prompts: list[str]) -> tuple[EngineConfig, SamplingParams]:
+    """Everything checked before the model loads: sampling values, prompts, engine options; the pool sized to the
+    prompts unless an option sets it."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    if not all(prompts):
+        raise InvalidRequestError("a prompt is empty", "prompt")
+    config = engine_config_from_args(args, model=args.model)
+    if config.cache.num_kv_blocks is None and config.cache.kv_cache_memory_fraction is None:
+        config.cache.num_kv_blocks = kv_blocks_for(prompts, args.max_tokens, config.cache.block_size)
+    return config, params
+
+
+def main(argv: list[str]) -> int:
+    parser = build_generate_parser()
+    args = parser.parse_args(argv)
+    prompts = args.prompts or EXAMPLE_PROMPTS
+    try:
+        config, params = prepare(args, prompts)
+    except (ConfigError, InvalidRequestError) as exc:
+        parser.error(str(exc))
+    llm = LLM.from_config(config)  # sets torch's threads and seed
     if args.raw:
         outputs = llm.generate(prompts, params)
     else:

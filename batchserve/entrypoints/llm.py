@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from batchserve.config import EngineConfig
 from batchserve.engine.inputs import Prompt
 from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
+from batchserve.entrypoints.engine_options import engine_config
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.chat import chat_prompt_ids
 from batchserve.worker.device import configure_torch
@@ -20,7 +21,8 @@ Message = Mapping[str, Any]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self.engine = LLM.from_config(EngineConfig.from_options(model=model, **engine_options)).engine
+        config = engine_config({"model": model, **engine_options}, "LLM(...)")  # names and types checked here
+        self.engine = LLM.from_config(config).engine
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:

@@ -1,0 +1,195 @@
+"""The one schema of engine options, whatever the edge they come through: `LLM(...)` keywords, a `--config` JSON file,
+command-line flags (engine_args.py builds them, and their --help, from this table).
+
+Types are checked here, strictly (pydantic): 8.5 is not an int, "no" is not a bool, "eight" is not a number. Names
+are ours, TensorRT-LLM's or vLLM's (config.ALIASES); enum values match in any case (GUARANTEED_NO_EVICT); an unknown
+name gets the closest known one as a suggestion. Ranges stay with the dataclasses (config.py `validate()`), which
+the engine trusts: the schema says what type a value has, the dataclass whether it can work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import json
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, create_model
+
+from batchserve.config import (
+    ALIASES,
+    DEVICES,
+    DTYPES,
+    VLLM_ALIASES,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+)
+
+# What each option does; "(default: ...)" where the default is not a plain value the dataclass holds.
+HELP: dict[str, str] = {
+    "model": "HF directory or .gguf file (default: SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer directory (default: the model's)",
+    "dtype": "weights and activations; auto: bfloat16 where the device multiplies it natively, else float32",
+    "device": "auto: CUDA when torch sees a GPU, else the CPU",
+    "seed": "seed of torch's RNG, and of sampling for requests without a seed of their own",
+    "num_threads": "torch intra-op threads on CPU (default: torch's choice)",
+    "record_steps": "keep a record of every engine step (benchmark traces and timelines)",
+    "max_batch_size": "sequences in one forward pass",
+    "max_num_tokens": "tokens in one forward pass: prefill chunks plus one per decoding sequence",
+    "scheduler_policy": "max_utilization: fill the budget, preempt when blocks run out; guaranteed_no_evict: reserve "
+    "each request's worst case, never preempt; static: classic static batching (the baseline)",
+    "scheduling_order": "fcfs; priority: the request's integer, lower first; shortest_first: prompt + max_tokens, "
+    "with aging after max_wait_s",
+    "max_wait_s": "shortest_first: a request waiting longer than this (seconds) goes ahead of newer ones",
+    "enable_chunked_prefill": "split a prompt longer than the step's remaining token budget over several steps",
+    "preemption_mode": "recompute: drop a preempted request's blocks and prefill again later; swap: park them in "
+    "host memory (swap_space_gb)",
+    "max_model_len": "prompt + output tokens of one request (default: the model's context, at most what the KV pool "
+    "holds)",
+    "max_input_len": "prompt tokens (default: max_model_len - 1)",
+    "truncation": "a prompt over max_input_len: error (refuse it), left (keep its end), right (keep its start)",
+    "max_waiting_requests": "bound of the waiting queue; when full the server answers 503 (default: unbounded)",
+    "static_padding": "static policy: a finished member is computed as padding until its whole batch is done",
+    "block_size": "tokens per KV block, 8-128",
+    "num_kv_blocks": "KV pool size in blocks (default: from kv_cache_memory_fraction; `generate` sizes it to its "
+    "prompts)",
+    "kv_cache_memory_fraction": "KV pool as a fraction of the memory free after the weights load (default: 0.9 on "
+    "GPU; on CPU 0.25, at most 4 GiB)",
+    "enable_prefix_caching": "share full KV blocks between requests with a common prefix",
+    "swap_space_gb": "host memory for swapped-out KV blocks, GiB (preemption_mode swap)",
+    "num_swap_blocks": "host swap pool size in blocks (default: from swap_space_gb)",
+}
+
+_CLASSES = (EngineConfig, SchedulerConfig, CacheConfig)
+_NESTED = {"scheduler", "cache"}
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One engine option: its name, type (without None), default, help, choices, and vLLM's name for it (a flag too;
+    TensorRT-LLM's names are for config files, config.ALIASES)."""
+
+    name: str
+    kind: Any  # int, float, str, bool, or an enum class
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+    aliases: tuple[str, ...]
+
+
+def _without_none(annotation: Any) -> Any:
+    if get_origin(annotation) in (Union, types.UnionType):
+        return next(a for a in get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def _choices(name: str, kind: Any) -> tuple[str, ...] | None:
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return tuple(m.value for m in kind)
+    return {"dtype": DTYPES, "device": DEVICES}.get(name)
+
+
+def option_specs() -> list[OptionSpec]:
+    """Every engine option, in the dataclasses' order (engine, scheduler, cache)."""
+    specs = []
+    for cls in _CLASSES:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in _NESTED:
+                continue
+            kind = _without_none(hints[f.name])
+            aliases = tuple(alias for alias, target in VLLM_ALIASES.items() if target == f.name)
+            specs.append(OptionSpec(f.name, kind, f.default, HELP[f.name], _choices(f.name, kind), aliases))
+    return specs
+
+
+def _member_of(enum_type: type[enum.Enum]) -> BeforeValidator:
+    def convert(value: Any) -> Any:
+        if isinstance(value, enum_type):
+            return value
+        if isinstance(value, str):
+            try:
+                return enum_type(value.lower())
+            except ValueError:
+                pass
+        raise ValueError(f"must be one of {', '.join(m.value for m in enum_type)}")
+
+    return BeforeValidator(convert)
+
+
+def _field_type(spec: OptionSpec) -> Any:
+    if spec.choices is not None and isinstance(spec.kind, type) and issubclass(spec.kind, enum.Enum):
+        return Annotated[spec.kind, _member_of(spec.kind)] | None
+    if spec.choices is not None:
+        return Literal[spec.choices] | None  # type: ignore[valid-type]
+    return spec.kind | None
+
+
+SPECS = option_specs()
+SPEC_BY_NAME = {spec.name: spec for spec in SPECS}
+EngineOptions: type[BaseModel] = create_model(  # type: ignore[call-overload]
+    "EngineOptions",
+    __config__=ConfigDict(extra="forbid", strict=True),
+    **{spec.name: (_field_type(spec), None) for spec in SPECS},
+)
+
+
+def close_match(key: str, known: list[str]) -> str | None:
+    """The known name closest to a mistyped one, if any is close."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def suggestion(key: str, known: list[str]) -> str:
+    """' (did you mean 'x'?)', or nothing when no known name is close."""
+    close = close_match(key, known)
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+def validate_options(options: Mapping[str, Any], source: str = "") -> dict[str, Any]:
+    """The options given, under our names, each of its field's type (enum values as members); ConfigError naming
+    the option (as the caller spelled it) and `source` for an unknown name, a name given twice or a wrong type."""
+    where = f" in {source}" if source else ""
+    spelled: dict[str, str] = {}
+    canonical: dict[str, Any] = {}
+    for key, value in options.items():
+        name = ALIASES.get(key, key)
+        if name not in SPEC_BY_NAME:
+            raise ConfigError(f"unknown option {key!r}{where}{suggestion(key, [*SPEC_BY_NAME, *ALIASES])}")
+        if name in canonical:
+            raise ConfigError(f"option {name!r} given twice{where}: as {spelled[name]!r} and as {key!r}")
+        spelled[name], canonical[name] = key, value
+    try:
+        parsed = EngineOptions.model_validate(canonical)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = str(error["loc"][0])
+        message = error["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"option {spelled[name]!r}{where}: {message}, got {error['input']!r}") from None
+    return {name: getattr(parsed, name) for name in canonical}
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A JSON file of options, validated (names and types)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a JSON object")
+    return validate_options(data, str(path))
+
+
+def engine_config(options: Mapping[str, Any], source: str = "", file: str | Path | None = None) -> EngineConfig:
+    """An EngineConfig from options (over those of a config file, when given), checked by type here and by range by
+    the dataclasses."""
+    merged = read_config_file(file) if file else {}
+    merged.update(validate_options(options, source))
+    return EngineConfig.from_options(**merged)
