@@ -295,14 +295,10 @@ def table(results: list[dict]) -> list[str]:
     return lines
 
 
-def machine() -> dict:
-    info = {"python": platform.python_version(), "cpu_count": os.cpu_count(), "platform": platform.platform()}
-    try:
-        model = next(line for line in open("/proc/cpuinfo") if line.startswith("model name"))
-        info["cpu"] = model.split(":", 1)[1].strip()
-    except (OSError, StopIteration):
-        pass
-    return info
+def machine(args) -> dict:
+    from batchserve.bench.machine import machine_info  # the driver runs in batchserve's venv
+
+    return {"python": platform.python_version(), **machine_info(args.threads, args.dtype)}
 
 
 def driver_main(args, forward: list[str]) -> None:
@@ -318,7 +314,10 @@ def driver_main(args, forward: list[str]) -> None:
         ensure_hf_export(args.hf_dir)
     # The reference runs first so every later line can be compared with it.
     engines.sort(key=lambda e: (e != REFERENCE, ENGINES.index(e)))
+    from batchserve.bench.machine import describe
+
     load_before = os.getloadavg()
+    print(f"machine: {describe(machine(args))}")
     print(
         f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} "
         f"({os.cpu_count()} CPUs); dtype {args.dtype}, threads {args.threads}",
@@ -340,7 +339,7 @@ def driver_main(args, forward: list[str]) -> None:
     out = RESULTS / f"peer_compare-{args.dtype}-{stamp}.json"
     record = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine(),
+        "machine": machine(args),
         "loadavg_before": load_before,
         "loadavg_after": load_after,
         "table": lines,

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from batchserve.bench.machine import describe, machine_info
+
 RESULTS = Path(__file__).resolve().parent.parent / "bench_results"
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads / 3 KV heads of dim 64, 30 layers, vocab 49152 (tied).
@@ -46,21 +48,51 @@ def time_matmuls(m: int, shape: tuple[int, int], copies: int, dtype: torch.dtype
     k, n = shape
     weights = [torch.randn(n, k, dtype=dtype) * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, dtype=dtype)
-    layouts = [[w.t() for w in weights], [w.t().contiguous() for w in weights]]
+    products = [(torch.matmul, [w.t() for w in weights]), (torch.matmul, [w.t().contiguous() for w in weights])]
+    packed = _packed(weights)
+    if packed:
+        products.append((lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), packed))
     best = float("inf")
     with torch.inference_mode():
-        for operands in layouts:
+        for product, operands in products:
             for w in operands:  # warm-up: first touch, kernel selection
-                torch.matmul(x, w)
+                product(x, w)
             samples: list[float] = []
             start = time.perf_counter()
             while len(samples) < 3 or (time.perf_counter() - start < min_time and len(samples) < 200):
                 t0 = time.perf_counter()
                 for w in operands:
-                    torch.matmul(x, w)
+                    product(x, w)
                 samples.append((time.perf_counter() - t0) / copies)
             best = min(best, statistics.median(samples))
     return best
+
+
+def _packed(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """oneDNN's packed copies (the layout batchserve's CpuLinear keeps), or [] where this torch has none."""
+    try:
+        return [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    except (AttributeError, RuntimeError):
+        return []
+
+
+def workload_bound(rows: list[dict], workload: Path, batch: int) -> dict[str, dict]:
+    """The matmul-only time of a whole workload, per dtype: every prompt token at the largest M's rate (prefill runs
+    in big chunks), every output token at the rate of M = min(batch, requests) (all decoding together: optimistic,
+    so a real run can only take longer)."""
+    requests = json.loads(workload.read_text())["requests"]
+    prompt = sum(len(r["prompt_token_ids"]) for r in requests)
+    output = sum(r["max_tokens"] for r in requests)
+    decode_m = min(batch, len(requests))
+    bounds = {}
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        mine = {r["M"]: r for r in rows if r["dtype"] == dtype}
+        per_token = {m: r["step_s"] / m for m, r in mine.items()}
+        prefill_s = prompt * per_token[max(mine)]
+        decode_s = output * per_token[min(mine, key=lambda m: abs(m - decode_m))]
+        bounds[dtype] = {"prompt_tokens": prompt, "output_tokens": output, "bound_s": prefill_s + decode_s,
+                         "bound_output_tok_s": output / (prefill_s + decode_s)}  # fmt: skip
+    return bounds
 
 
 def measure(dtype_name: str, ms: list[int], min_time: float) -> list[dict]:
@@ -144,7 +176,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--ms", default="1,16,64,128,256", help="comma-separated token counts per step")
+    ap.add_argument("--ms", default="1,16,64,128,256,512", help="comma-separated token counts per step")
+    ap.add_argument("--workload", type=Path, default=Path(__file__).resolve().parent / "workloads" / "peer64.json",
+                    help="also give the matmul-only bound of this workload (benchmarks/peer_compare.py's)")
+    ap.add_argument("--batch", type=int, default=64, help="sequences decoding together in that workload")
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds of samples per measurement (at least 3)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -159,6 +194,13 @@ def main() -> None:
     rows = [row for d in dtypes for row in measure(d, ms, args.min_time)]
     load_after = os.getloadavg()
     lines = table(rows)
+    bounds = workload_bound(rows, args.workload, args.batch)
+    for dtype, b in bounds.items():
+        lines.append(
+            f"{args.workload.name} ({b['prompt_tokens']} prompt + {b['output_tokens']} output tokens), {dtype}: "
+            f"matmul-only bound {b['bound_s']:.1f} s = {b['bound_output_tok_s']:.0f} output tok/s"
+        )
+    lines.insert(0, f"machine: {describe(machine_info(args.threads))}")
     print("\n" + "\n".join(lines))
     print(f"load average before {load_before[0]:.2f} / after {load_after[0]:.2f} (1-min)")
     RESULTS.mkdir(exist_ok=True)
@@ -170,6 +212,8 @@ def main() -> None:
         "loadavg_before": load_before,
         "loadavg_after": load_after,
         "torch": torch.__version__,
+        "machine": machine_info(args.threads),
+        "workload_bounds": bounds,
         "table": lines,
         "rows": rows,
     }

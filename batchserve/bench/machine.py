@@ -1,0 +1,50 @@
+"""What a speed figure was measured on: CPU model and family, the flags that pick code paths, threads and dtype.
+Every benchmark result records it and every table prints it (standard library only: benchmark workers import it in
+any venv)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+# The flags that decide the code paths (AVX-512 kernels, bf16/fp16 GEMM units).
+PATH_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+
+
+def _cpuinfo_field(lines: list[str], name: str) -> str | None:
+    line = next((x for x in lines if x.startswith(name)), None)
+    return line.split(":", 1)[1].strip() if line else None
+
+
+def machine_info(threads: int | None = None, dtype: str | None = None) -> dict[str, Any]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    flags = set((_cpuinfo_field(lines, "flags") or "").split())
+    return {
+        "cpu": _cpuinfo_field(lines, "model name") or platform.processor() or platform.machine(),
+        "cpu_family": _cpuinfo_field(lines, "cpu family"),
+        "cpu_flags": [f for f in PATH_FLAGS if f in flags],
+        "bf16_units": bool(flags & {"avx512_bf16", "amx_bf16"}),
+        "cpu_count": os.cpu_count(),
+        "threads": threads,
+        "dtype": dtype,
+        "load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def describe(info: dict[str, Any]) -> str:
+    """One line for a table's header."""
+    parts = [
+        f"{info['cpu']} (family {info['cpu_family']}, {info['cpu_count']} CPUs)",
+        f"flags: {' '.join(info['cpu_flags']) or 'none of ' + '/'.join(PATH_FLAGS)}",
+        f"bf16 units: {'yes' if info['bf16_units'] else 'no'}",
+    ]
+    if info.get("threads") is not None:
+        parts.append(f"{info['threads']} threads")
+    if info.get("dtype"):
+        parts.append(str(info["dtype"]))
+    return "; ".join(parts)
