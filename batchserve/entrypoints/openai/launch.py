@@ -1,8 +1,10 @@
-"""`batchserve serve`: the command line, and uvicorn run until SIGTERM/SIGINT with a drain of in-flight requests."""
+"""`batchserve serve`: the command line, and uvicorn run until SIGTERM/SIGINT with a drain of in-flight requests;
+with --grpc-port, the gRPC front end (batchserve.v1.Generation and KServe v2) on the same event loop and engine."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import logging
 import signal
@@ -19,13 +21,16 @@ from batchserve.config import ConfigError
 from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
-from batchserve.entrypoints.openai.app import DEFAULT_STALL_TIMEOUT_S, build_app
+from batchserve.entrypoints.grpc.server import GrpcServer
+from batchserve.entrypoints.openai.app import DEFAULT_MODEL_NAME, DEFAULT_STALL_TIMEOUT_S, build_app
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
 from batchserve.worker.device import configure_torch
 
 logger = logging.getLogger("batchserve.server")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+GRPC_GRACE_MARGIN_S = 5.0  # past the drain deadline, for aborted RPCs to send their status
+GRPC_NO_DEADLINE_S = 365 * 24 * 3600.0
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -37,6 +42,9 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--grpc-port", type=int, default=None, help="also serve gRPC (batchserve.v1.Generation, KServe v2) on this port"
+    )
     parser.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env BATCHSERVE_API_KEY)"
     )
@@ -91,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         stall_timeout_s=args.stall_timeout,
         lenient=args.lenient,
     )
-    return serve(app, async_engine, args.host, args.port, args.log_level, args.drain_timeout)
+    grpc_server = None
+    if args.grpc_port is not None:
+        grpc_server = GrpcServer(
+            async_engine, names or [config.model or DEFAULT_MODEL_NAME], host=args.host, port=args.grpc_port,
+            api_key=api_key, max_request_bytes=args.max_body_bytes, stall_timeout_s=args.stall_timeout,
+        )  # fmt: skip
+    return serve(app, async_engine, args.host, args.port, args.log_level, args.drain_timeout, grpc_server)
 
 
 def serve(
@@ -101,13 +115,16 @@ def serve(
     port: int = 8000,
     log_level: str = "info",
     drain_timeout: float | None = DEFAULT_DRAIN_TIMEOUT_S,
+    grpc_server: GrpcServer | None = None,
 ) -> int:
     """Run uvicorn in this (main) thread until SIGTERM/SIGINT; in-flight requests get `drain_timeout` seconds to
-    finish (None: forever), then the rest are aborted. Returns 1 if a request was aborted that way, else 0."""
+    finish (None: forever), then the rest are aborted. Returns 1 if a request was aborted that way (or the gRPC
+    port could not be bound), else 0. `grpc_server` starts and drains with uvicorn, on its event loop."""
     server = _DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None),
         async_engine,
         drain_timeout,
+        grpc_server,
     )
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler found at start: make that a
     # clean exit instead of death by signal.
@@ -124,18 +141,41 @@ def serve(
         aborted = async_engine.shutdown(drain=True)
     if aborted:
         logger.error("the drain deadline aborted %d request(s) still in flight", aborted)
-    return 1 if aborted else 0
+    return 1 if aborted or server.failed else 0
 
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's graceful shutdown with a deadline: `drain_timeout` seconds after the first SIGTERM/SIGINT the
     engine aborts what is still in flight, so every open stream ends (with an error event) and the server exits."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout: float | None) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout: float | None,
+        grpc_server: GrpcServer | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = drain_timeout
+        self.grpc_server = grpc_server
+        self.failed = False
         self._deadline: threading.Timer | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.grpc_server is not None and not self.should_exit:
+            try:
+                await self.grpc_server.start()
+            except OSError as exc:
+                logger.error("%s", exc)
+                self.failed = self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """HTTP and gRPC drain side by side; the deadline's aborts end what is left on both (gRPC RPCs then end
+        with UNAVAILABLE), so a few seconds past it gRPC stops waiting."""
+        if self.grpc_server is None:
+            await super().shutdown(sockets)
+            return
+        grace = GRPC_NO_DEADLINE_S if self.drain_timeout is None else self.drain_timeout + GRPC_GRACE_MARGIN_S
+        await asyncio.gather(self.grpc_server.stop(grace), super().shutdown(sockets))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._deadline is None and self.drain_timeout is not None:

@@ -1,0 +1,53 @@
+"""batchserve.v1 request messages -> the engine's inputs: the prompt (text tokenized off the event loop, or token
+ids) and SamplingParams, every field the engine has. Values are checked by SamplingParams and the engine, as the
+HTTP server's are, so both front ends refuse the same input with the same message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchserve.engine.inputs import Prompt
+from batchserve.entrypoints.grpc.pb import generation_pb2 as pb
+from batchserve.entrypoints.grpc.status import invalid
+from batchserve.sampling_params import SamplingParams
+from batchserve.serving.generation import GenerationService
+
+# optional scalar fields copied as they are when set; unset ones keep SamplingParams' defaults
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "logprobs", "skip_special_tokens")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PreparedInput:
+    prompt: Prompt  # token ids, or {"prompt": text, "prompt_token_ids": ids}
+    num_prompt_tokens: int
+
+
+async def prepare_input(service: GenerationService, request: pb.GenerateRequest) -> PreparedInput:
+    which = request.WhichOneof("input")
+    if which == "text":
+        if not request.text:
+            raise invalid("the prompt is empty", "text")
+        ids = await service.tokenize(request.text)
+        return PreparedInput({"prompt": request.text, "prompt_token_ids": ids}, len(ids))
+    if which == "tokens":
+        ids = service.limits.check_token_ids(list(request.tokens.ids), "tokens.ids", "tokens")
+        return PreparedInput(ids, len(ids))
+    raise invalid("give the prompt as 'text' or 'tokens'", "input")
+
+
+def sampling_params(message: pb.SamplingParams, default_max_tokens: int) -> SamplingParams:
+    """Raises InvalidRequestError (naming the field) for values the engine cannot serve."""
+    options: dict[str, Any] = {
+        "max_tokens": message.max_tokens if message.HasField("max_tokens") else default_max_tokens,
+        "stop": list(message.stop),
+        "stop_token_ids": list(message.stop_token_ids),
+        "ignore_eos": message.ignore_eos,
+        "min_tokens": message.min_tokens,
+        "include_stop_str_in_output": message.include_stop_str_in_output,
+    }
+    options.update({name: getattr(message, name) for name in _OPTIONAL if message.HasField(name)})
+    if message.logit_bias:  # only when given: the engine's other callers need not know the field
+        options["logit_bias"] = dict(message.logit_bias)
+    return SamplingParams(**options)
