@@ -17,6 +17,14 @@ def native_kernels() -> bool:
     return os.environ.get("BATCHSERVE_NATIVE_KERNELS", "1") != "0"
 
 
+def low_precision_units() -> bool | None:
+    """BATCHSERVE_LOW_PRECISION_UNITS (default unset: read the CPU's flags): "1" or "0" forces the answer to "does this
+    CPU multiply bf16/fp16 natively?", and with it the GEMM path of bfloat16 models and what dtype "auto" picks; to
+    measure or test one path on any CPU."""
+    value = os.environ.get("BATCHSERVE_LOW_PRECISION_UNITS")
+    return None if value in (None, "") else value != "0"
+
+
 def cache_dir() -> Path:
     """BATCHSERVE_CACHE_DIR (default ~/.cache/batchserve): where GGUF files are converted to, once each."""
     return Path(os.environ.get("BATCHSERVE_CACHE_DIR", Path.home() / ".cache" / "batchserve"))

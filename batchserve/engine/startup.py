@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 def load_runner(config: EngineConfig) -> tuple[ModelRunner, ModelConfig, PreTrainedTokenizerBase]:
     """Load `config.model` (default: SmolLM2-135M-Instruct) on the configured device and dtype
     -> (runner, model_config, tokenizer)."""
+    from batchserve.layers import kernels
+    from batchserve.layers.linear import gemm_path
     from batchserve.models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path
     from batchserve.worker.device import resolve_device, resolve_dtype
     from batchserve.worker.model_runner import ModelRunner
@@ -32,6 +34,8 @@ def load_runner(config: EngineConfig) -> tuple[ModelRunner, ModelConfig, PreTrai
     path = resolve_model_path(config.model)
     model_config = load_model_config(path)
     logger.info("loading %s (%s) on %s as %s", path, model_config.architecture, device, dtype)
+    if device.type == "cpu":
+        logger.info("CPU path: %s; native kernels %s", gemm_path(dtype), "on" if kernels.load() else "off")
     model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
     return ModelRunner(config, model_config, model, device, dtype), model_config, tokenizer

@@ -75,3 +75,12 @@ def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
     except (AttributeError, RuntimeError):
         return None
+
+
+def gemm_path(dtype: torch.dtype) -> str:
+    """The GEMM path CpuLinear takes for a model in `dtype` on this CPU, in words (the start-up log says it)."""
+    if dtype in (torch.bfloat16, torch.float16):
+        if kernels.has_matmul_units(dtype):
+            return f"oneDNN {dtype} GEMMs on weights packed once ({dtype} matmul units)"
+        return f"float32 GEMMs on widened weights (no {dtype} matmul units)"
+    return "float32 GEMMs: native small-M kernel, oneDNN packed or x @ W, by rows"

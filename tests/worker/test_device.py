@@ -30,3 +30,10 @@ def test_cpu_flags_decide_the_units(monkeypatch):
     assert kernels.has_matmul_units(torch.bfloat16) and not kernels.has_matmul_units(torch.float16)
     monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu avx2 avx512f")
     assert not kernels.has_matmul_units(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("value", "units"), [("1", True), ("0", False)])
+def test_the_units_can_be_forced_to_run_either_path(monkeypatch, value, units):
+    monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", value)
+    assert kernels.has_matmul_units(torch.bfloat16) is units and not kernels.has_matmul_units(torch.float32)
+    assert resolve_dtype("auto") == (torch.bfloat16 if units else torch.float32)

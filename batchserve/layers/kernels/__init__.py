@@ -38,6 +38,9 @@ def cpu_flags() -> str:
 def has_matmul_units(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies `dtype` natively (AMX or AVX512-BF16 / AVX512-FP16), so that a GEMM in it is
     faster than in float32."""
+    forced = env.low_precision_units()
+    if forced is not None:
+        return forced and dtype in (torch.bfloat16, torch.float16)
     wanted = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
     flags = cpu_flags().split()
     return any(flag in flags for flag in wanted.get(dtype, ()))
