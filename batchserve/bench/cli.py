@@ -5,6 +5,7 @@ Examples:
   batchserve bench --offline --compare-static --workload uniform --num-requests 64 --max-batch-size 16
   batchserve bench --offline --workload mixed --sweep-rates 0.5,1,2,4
   batchserve bench --base-url http://localhost:8000 --workload longtail --request-rate 4
+  batchserve bench --base-url http://localhost:8000 --grpc-target localhost:50051 --backend http,grpc
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from batchserve.bench import offline
 from batchserve.bench.arrivals import PROCESSES, ArrivalProcess
+from batchserve.bench.grpc_client import run_grpc
 from batchserve.bench.http_client import PROMPT_FORMATS, run_http
 from batchserve.bench.metrics import SLO, summarize
 from batchserve.bench.report import format_table, save_json
@@ -89,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="tokens", help="send token ids or text")
     g.add_argument("--api-key")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--grpc-target", help="HOST:PORT of `batchserve serve --grpc-port` (for --backend grpc)")
+    g.add_argument("--backend", default="http",
+                   help="comma-separated runs in order, each 'http' (OpenAI streaming completions) or 'grpc' "
+                        "(batchserve.v1.Generate): 'http,grpc' puts the front ends side by side")  # fmt: skip
     add_workload_arguments(p)
     add_engine_arguments(p)
     return p
@@ -163,21 +169,42 @@ def run_offline_runs(args: argparse.Namespace) -> tuple[list[BenchRequest], dict
 
 
 def run_http_runs(args: argparse.Namespace) -> tuple[list[BenchRequest], dict[str, RunTrace], list[tuple]]:
+    backends = _backends(args)  # checked before the tokenizer loads
     tokenizer = _http_tokenizer(args)
     workloads: dict[int, list[BenchRequest]] = {}
     traces, keys = {}, []
     for k, rate in enumerate(_rates(args)):
         seed = (args.seed or 0) + k
-        workloads[k] = make_workload(args.workload, tokenizer, args.num_requests, seed, workload_options(args))
-        label = _label("http", rate)
         arrivals = arrivals_from_args(args, rate)
-        traces[label] = run_http(
-            args.base_url, workloads[k], arrivals, seed, args.model_name, args.prompt_format, tokenizer, label,
-            not args.no_progress, args.timeout, args.api_key,
-        )  # fmt: skip
-        traces[label].meta.update(policy="http", request_rate=arrivals.request_rate, seed=seed)
-        keys.append((label, "http", rate))
+        for b, (backend, name) in enumerate(backends):
+            run_seed = seed + 1000 * b  # each run its own prompts: none finds an earlier run's in the prefix cache
+            workload = make_workload(args.workload, tokenizer, args.num_requests, run_seed, workload_options(args))
+            workloads.setdefault(k, workload)
+            label = _label(name, rate)
+            if backend == "grpc":
+                traces[label] = run_grpc(args.grpc_target, workload, arrivals, run_seed, label, not args.no_progress,
+                                         args.timeout, args.api_key)  # fmt: skip
+            else:
+                traces[label] = run_http(
+                    args.base_url, workload, arrivals, run_seed, args.model_name, args.prompt_format, tokenizer,
+                    label, not args.no_progress, args.timeout, args.api_key,
+                )  # fmt: skip
+            traces[label].meta.update(policy=backend, request_rate=arrivals.request_rate, seed=run_seed)
+            keys.append((label, backend, rate))
     return workloads[0], traces, keys
+
+
+def _backends(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(backend, run name) in order; a backend named twice is run twice (grpc, grpc-2)."""
+    runs: list[tuple[str, str]] = []
+    for backend in (b.strip() for b in args.backend.split(",") if b.strip()):
+        if backend not in ("http", "grpc"):
+            raise ValueError(f"--backend takes http and grpc, not {backend!r}")
+        if backend == "grpc" and not args.grpc_target:
+            raise ValueError("--backend grpc needs --grpc-target HOST:PORT")
+        count = sum(b == backend for b, _ in runs) + 1
+        runs.append((backend, backend if count == 1 else f"{backend}-{count}"))
+    return runs or [("http", "http")]
 
 
 def write_outputs(args: argparse.Namespace, traces: dict[str, RunTrace], summaries: dict, out: Path) -> list[Path]:
