@@ -128,6 +128,33 @@ inline __m512 score_tile(const __m512* qv, const T* k_tile, int64_t token_stride
   return sum16(dots);
 }
 
+// Scores of the `group` query heads sharing one kv head (qs: their scaled queries, head after head) against the
+// first `n` tokens of a tile, into scores[0..group): each K row is loaded, and widened from bf16, once for all of
+// them. The same products in the same order as score_tile, so the same scores. Lanes >= n are 0.
+constexpr int64_t kMaxGroup = 16;
+
+template <int NC, typename T>
+inline void score_group(const float* qs, int64_t group, const T* k_tile, int64_t token_stride, int64_t n,
+                        __m512* scores) {
+  __m512 dots[kMaxGroup][16];
+  for (int t = 0; t < 16; ++t) {
+    if (t < n) {
+      const T* k = k_tile + t * token_stride;
+      __m512 kv[NC];
+      for (int c = 0; c < NC; ++c) kv[c] = load16(k + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* q = qs + g * NC * 16;
+        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(q), kv[0]);
+        for (int c = 1; c < NC; ++c) d = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), kv[c], d);
+        dots[g][t] = d;
+      }
+    } else {
+      for (int64_t g = 0; g < group; ++g) dots[g][t] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) scores[g] = sum16(dots[g]);
+}
+
 // Online softmax over one tile of scores, the first `n` lanes valid: p = exp(s - new max) (0 beyond n), and the
 // factor `corr` that rescales what was accumulated under the old max. `l` keeps per-lane partial sums.
 inline void softmax_update(__m512 s, int64_t n, float& m, __m512& l, float& corr, float* p) {
@@ -192,13 +219,19 @@ void decode_attention_avx512(const float* q, const T* k_cache, const T* v_cache,
   const int64_t block_stride = block_size * token_stride;
   const int64_t splits = num_seqs < 4 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t heads_per_item = num_kv_heads / splits;
+  const bool grouped = group <= kMaxGroup;
   at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc_store(num_heads * D), m(num_heads), p(num_heads * 16), corr(num_heads);
+    std::vector<float> acc_store(num_heads * D), m(num_heads), p(num_heads * 16), corr(num_heads), qs(num_heads * D);
     std::vector<__m512> l(num_heads);  // per-lane partial sums of the softmax denominator
+    __m512 scores[kMaxGroup];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / splits, first_kv = item % splits * heads_per_item;
       const int64_t first_head = first_kv * group, last_head = first_head + heads_per_item * group;
       const float* q_seq = q + seq * num_heads * D;
+      for (int64_t h = first_head; h < last_head; ++h)  // scaled once per sequence, not per tile
+        for (int c = 0; c < NC; ++c)
+          _mm512_storeu_ps(qs.data() + h * D + 16 * c,
+                           _mm512_mul_ps(_mm512_loadu_ps(q_seq + h * D + 16 * c), _mm512_set1_ps(scale)));
       std::fill(acc_store.begin(), acc_store.end(), 0.f);
       std::fill(m.begin(), m.end(), -1e30f);  // finite: exp(m - max) must be 0, not NaN
       std::fill(l.begin(), l.end(), _mm512_setzero_ps());
@@ -209,10 +242,15 @@ void decode_attention_avx512(const float* q, const T* k_cache, const T* v_cache,
         n = std::min<int64_t>({16, block_size - in_block, len - start});
         const int64_t offset =
             tables[seq * max_blocks + start / block_size] * block_stride + in_block * token_stride;
-        for (int64_t h = first_head; h < last_head; ++h) {
+        for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_item && grouped; ++kv_head) {
+          const int64_t h0 = kv_head * group;
+          score_group<NC>(qs.data() + h0 * D, group, k_cache + offset + kv_head * D, token_stride, n, scores);
+          for (int64_t g = 0; g < group; ++g)
+            softmax_update(scores[g], n, m[h0 + g], l[h0 + g], corr[h0 + g], p.data() + (h0 + g) * 16);
+        }
+        for (int64_t h = first_head; h < last_head && !grouped; ++h) {
           __m512 qv[NC];
-          for (int c = 0; c < NC; ++c)
-            qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q_seq + h * D + 16 * c), _mm512_set1_ps(scale));
+          for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(qs.data() + h * D + 16 * c);
           const __m512 s = score_tile<NC>(qv, k_cache + offset + h / group * D, token_stride, n);
           softmax_update(s, n, m[h], l[h], corr[h], p.data() + h * 16);
         }
