@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -47,3 +52,30 @@ class LiveServer:
 
 def start_server(engine, **kwargs) -> LiveServer:
     return LiveServer(build_app(engine, **kwargs), engine)
+
+
+@contextlib.contextmanager
+def server_process(script: str, timeout_s: float = 60.0) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`script` (a Python program taking its port as argv[1]) in a fresh interpreter from the repo root; yields
+    (process, url) once /health answers, and kills the process afterwards if it is still running."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", script, str(port)], cwd=root)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -18,7 +15,7 @@ import pytest
 from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.sampling_params import SamplingParams
 from tests.server.fakes import fake_engine
-from tests.server.live import start_server
+from tests.server.live import server_process, start_server
 
 MODEL = "fake"
 
@@ -328,22 +325,7 @@ SERVE_SCRIPT = textwrap.dedent(
 
 
 def test_sigterm_drains_in_flight_requests():
-    from batchserve.entrypoints.openai.launch import free_port
-
-    port = free_port()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, str(port)], cwd=root)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+    with server_process(SERVE_SCRIPT) as (proc, url):
         with httpx.stream("POST", url + "/v1/completions", json={"prompt": "a", "max_tokens": 30, "stream": True}) as r:
             lines = r.iter_lines()
             first = next(lines)
@@ -354,10 +336,6 @@ def test_sigterm_drains_in_flight_requests():
         assert proc.wait(30) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_flags_and_config_file(tmp_path):

@@ -6,10 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -18,9 +15,8 @@ import pytest
 
 from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.entrypoints.openai.app import build_app
-from batchserve.entrypoints.openai.launch import free_port
 from tests.server.fakes import fake_engine
-from tests.server.live import LiveServer, start_server
+from tests.server.live import LiveServer, server_process, start_server
 from tests.server.test_api import sse_events
 
 CHAT = "/v1/chat/completions"
@@ -161,20 +157,7 @@ DEADLINE_SCRIPT = textwrap.dedent(
 
 
 def test_sigterm_aborts_what_outlasts_the_drain_deadline():
-    port = free_port()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen([sys.executable, "-c", DEADLINE_SCRIPT, str(port)], cwd=root)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+    with server_process(DEADLINE_SCRIPT) as (proc, url):
         body = {"prompt": "a", "max_tokens": 200, "ignore_eos": True, "stream": True}  # ~10 s of steps
         with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=30) as r:
             lines = r.iter_lines()
@@ -185,10 +168,6 @@ def test_sigterm_aborts_what_outlasts_the_drain_deadline():
         assert time.monotonic() - signalled < 8
         assert events[-1] == "[DONE]" and "error" in events[-2]
         assert proc.wait(30) == 1  # something was lost: the exit status says so
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_the_server_still_serves(server):
