@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -33,7 +34,7 @@ def completion_body(req: BenchRequest, model: str, prompt_format: str = "tokens"
         "max_tokens": req.output_len,
         "temperature": 0.0,
         "stream": True,
-        "ignore_eos": True,
+        "ignore_eos": req.ignore_eos,
         "stream_options": {"include_usage": True},
     }
 
@@ -96,6 +97,7 @@ async def _run(
     timeout_s: float,
     api_key: str | None,
     transport: httpx.AsyncBaseTransport | None,
+    on_result: Callable[[RequestResult], None],
 ) -> RunTrace:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -106,7 +108,7 @@ async def _run(
         bodies = [completion_body(r, model, prompt_format, tokenizer) for r in requests]
         offsets = arrivals.offsets(len(requests), seed)
         gate = asyncio.Semaphore(arrivals.max_concurrency or len(requests))
-        bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False)
+        bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress)
         t0 = time.monotonic()
 
         async def send(req: BenchRequest, body: dict, offset: float) -> RequestResult:
@@ -115,6 +117,7 @@ async def _run(
                 arrival = max(time.monotonic(), t0 + offset) if arrivals.max_concurrency else t0 + offset
                 result = RequestResult(req.request_id, req.prompt_len, 0, arrival, category=req.category)
                 await stream_one(client, body, result)
+            on_result(result)
             bar.update(1)
             return result
 
@@ -138,11 +141,13 @@ def run_http(
     timeout_s: float = 600.0,
     api_key: str | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    on_result: Callable[[RequestResult], None] | None = None,
 ) -> RunTrace:
-    """Send the workload to base_url (e.g. http://localhost:8000) and return the trace (requests only, no steps)."""
+    """Send the workload to base_url (e.g. http://localhost:8000) and return the trace (requests only, no steps);
+    `on_result` is called with each request as it finishes (the partial-results log)."""
     if prompt_format not in PROMPT_FORMATS:
         raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}")
     return asyncio.run(
         _run(base_url, requests, arrivals or ArrivalProcess(), seed, model, prompt_format, tokenizer, label,
-             progress, timeout_s, api_key, transport)
+             progress, timeout_s, api_key, transport, on_result or (lambda result: None))
     )  # fmt: skip

@@ -5,7 +5,8 @@ Definitions (all times in seconds, from the request's arrival = when it was due 
   E2E   = finish_time - arrival
   TPOT  = (E2E - TTFT) / (output_tokens - 1)        undefined for a single output token
   ITL   = gaps between consecutive token deliveries (a streamed chunk of k tokens counts as one delivery)
-  goodput = requests meeting the SLO (TTFT <= slo_ttft and TPOT <= slo_tpot; TPOT undefined counts as met) / duration
+  goodput = requests meeting the SLO (TTFT <= slo_ttft and TPOT <= slo_tpot; TPOT undefined counts as met) / duration,
+            reported only when an SLO is given
   batch occupancy = sum over steps of sequences scheduled / (steps * max_batch_size)
 """
 
@@ -139,12 +140,11 @@ def summarize(
     slo: SLO | None = None,
     steps: Sequence[StepSample] = (),
 ) -> dict[str, Any]:
-    """Everything the report prints, as a flat-ish JSON-able dict (latencies in milliseconds)."""
-    slo = slo or SLO()
+    """Everything the report prints, as a flat-ish JSON-able dict (latencies in milliseconds); goodput only against
+    a given SLO."""
     ok = [r for r in results if r.success]
     out_tokens = sum(r.output_len for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
-    good = [r for r in ok if slo.met_by(r)]
     rate = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
     summary: dict[str, Any] = {
         "num_requests": len(results),
@@ -156,16 +156,20 @@ def summarize(
         "request_throughput": rate(len(ok)),
         "output_throughput": rate(out_tokens),
         "total_token_throughput": rate(in_tokens + out_tokens),
-        "slo_ttft_ms": slo.ttft_s * 1000,
-        "slo_tpot_ms": slo.tpot_s * 1000,
-        "goodput": rate(len(good)),  # requests/s meeting the SLO
-        "goodput_tokens": rate(sum(r.output_len for r in good)),
-        "slo_attainment": len(good) / len(results) if results else math.nan,
         "ttft_ms": distribution([r.ttft for r in ok if r.ttft is not None], 1000),
         "tpot_ms": distribution([r.tpot for r in ok if r.tpot is not None], 1000),
         "itl_ms": distribution([g for r in ok for g in r.itls], 1000),
         "e2e_ms": distribution([r.e2e for r in ok if r.e2e is not None], 1000),
     }
+    if slo is not None:
+        good = [r for r in ok if slo.met_by(r)]
+        summary.update(
+            slo_ttft_ms=slo.ttft_s * 1000,
+            slo_tpot_ms=slo.tpot_s * 1000,
+            goodput=rate(len(good)),  # requests/s meeting the SLO
+            goodput_tokens=rate(sum(r.output_len for r in good)),
+            slo_attainment=len(good) / len(results) if results else math.nan,
+        )
     if any(r.num_preemptions is not None for r in results):
         summary["num_preemptions"] = sum(r.num_preemptions or 0 for r in results)
     if any(r.num_cached_tokens is not None for r in ok):

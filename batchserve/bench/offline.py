@@ -48,7 +48,7 @@ def same_runner(a: Any, b: Any) -> bool:
 def _sampling_params(req: BenchRequest) -> Any:
     from batchserve.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
+    return SamplingParams(max_tokens=req.output_len, ignore_eos=req.ignore_eos, temperature=0.0)
 
 
 def _engine_max_batch_size(engine: Any) -> int:
@@ -97,8 +97,12 @@ class OfflineRun:
         progress: bool = True,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] | None = None,
+        bar: Any = None,
+        on_result: Callable[[RequestResult], None] | None = None,
     ) -> None:
-        """sleep: how to wait for the next arrival; default time.sleep, or a BusyClock's own (virtual) sleep."""
+        """sleep: how to wait for the next arrival; default time.sleep, or a BusyClock's own (virtual) sleep.
+        bar: a progress bar shared with other runs (lockstep runs draw one bar, not one each); on_result: called with
+        each request as it finishes (the partial-results log)."""
         self.engine, self.requests, self.label = engine, requests, label
         self.arrivals = arrivals or ArrivalProcess()
         busy = isinstance(clock, BusyClock)
@@ -115,7 +119,9 @@ class OfflineRun:
         self.live: dict[str, RequestResult] = {}
         self.done: list[RequestResult] = []
         self.steps: list[StepSample] = []
-        self.bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False)
+        self._own_bar = bar is None
+        self.bar = bar if bar is not None else tqdm(total=len(requests), desc=label, unit="req", disable=not progress)
+        self.on_result = on_result or (lambda result: None)
         self.t0 = clock()
 
     @property
@@ -132,6 +138,7 @@ class OfflineRun:
                 self.live[req.request_id] = result
             else:
                 self.done.append(result)
+                self.on_result(result)
                 self.bar.update(1)
         if not self.live:
             if self.pending:
@@ -141,6 +148,8 @@ class OfflineRun:
         outputs = self.engine.step()
         end = self.clock()
         finished = _record_outputs(outputs, self.live, self.done, end, self.bar)
+        for result in self.done[len(self.done) - len(finished) :]:
+            self.on_result(result)
         stats = self.engine.last_stats
         if stats is not None and stats is not self._prev_stats and getattr(stats, "num_scheduled_seqs", 1):
             sample = StepSample.from_stats(start, end, stats, finished)
@@ -161,7 +170,8 @@ class OfflineRun:
         return result
 
     def trace(self) -> RunTrace:
-        self.bar.close()
+        if self._own_bar:
+            self.bar.close()
         duration = self.clock() - self.t0
         order = {r.request_id: i for i, r in enumerate(self.requests)}
         self.done.sort(key=lambda r: order[r.request_id])

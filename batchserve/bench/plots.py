@@ -1,4 +1,5 @@
-"""PNG pictures of a run (matplotlib, Agg backend): batch timeline, KV blocks over time, throughput vs latency."""
+"""PNG pictures of a run (matplotlib, Agg backend): batch timeline and KV blocks per engine step (offline), latency
+CDFs and throughput over time from the client's timestamps (any run, HTTP included), throughput vs latency (sweeps)."""
 
 from __future__ import annotations
 
@@ -99,17 +100,20 @@ def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int = 600)
     return _save(fig, path)
 
 
-def plot_kv_usage(trace: RunTrace, path: str | Path) -> Path:
-    """KV blocks over time, stacked: in use by requests, free but holding cached prefixes, free and empty."""
+def plot_kv_usage(trace: RunTrace, path: str | Path, timeline_steps: int | None = None) -> Path:
+    """KV blocks per engine step (the batch timeline's axis), stacked: in use by requests, free but holding cached
+    prefixes, free and empty. A dotted line marks where the timeline, showing `timeline_steps` steps, stops."""
     steps = trace.steps
-    t = [s.start - trace.t0 for s in steps]
+    t = list(range(len(steps)))
     used = [s.kv_blocks_used for s in steps]
     cached = [s.kv_blocks_cached_free for s in steps]
     empty = [max(s.kv_blocks_free - s.kv_blocks_cached_free, 0) for s in steps]
     fig, ax = plt.subplots(figsize=(10, 4))
     ax.stackplot(t, used, cached, empty, labels=["in use", "cached (free, reusable)", "free"],
                  colors=["tab:red", "tab:olive", "0.85"], step="post")  # fmt: skip
-    ax.set_xlabel("time since start (s)")
+    ax.set_xlabel("iteration (engine step)")
+    if timeline_steps is not None and len(steps) > timeline_steps:
+        ax.axvline(timeline_steps - 0.5, color="black", linestyle=":", linewidth=1, label="batch timeline ends")
     ax.set_ylabel("KV blocks")
     ax.set_title(f"KV cache blocks: {trace.label}")
     ax.legend(loc="upper right", fontsize=8)
@@ -141,6 +145,52 @@ def plot_throughput_latency(points: Sequence[dict[str, Any]], path: str | Path) 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("Throughput vs latency over a sweep of request rates")
+    return _save(fig, path)
+
+
+def plot_latency_cdfs(traces: Sequence[RunTrace], path: str | Path) -> Path:
+    """TTFT, TPOT, ITL and E2E latency CDFs, one line per run, from each request's timings as its client saw them."""
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    metrics = (("TTFT", lambda r: [r.ttft]), ("TPOT", lambda r: [r.tpot]), ("ITL", lambda r: r.itls),
+               ("E2E latency", lambda r: [r.e2e]))  # fmt: skip
+    for ax, (name, values_of) in zip(axes, metrics, strict=True):
+        for trace in traces:
+            values = sorted(1000 * v for r in trace.requests if r.success for v in values_of(r) if v is not None)
+            if values:
+                ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=trace.label)
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("share of requests" if name != "ITL" else "share of token gaps")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Latency distributions (client timestamps)")
+    return _save(fig, path)
+
+
+def plot_throughput_over_time(trace: RunTrace, path: str | Path, num_bins: int = 50) -> Path:
+    """Output tokens/s in `num_bins` bins over the run from the client's token timestamps (a chunk carrying k tokens
+    counts k), and the requests in flight: ramp-up, steady state and tail of one run."""
+    stamps, weights, spans = [], [], []
+    for r in trace.requests:
+        if r.success and r.token_times:
+            stamps += [t - trace.t0 for t in r.token_times]
+            weights += [r.output_len / len(r.token_times)] * len(r.token_times)
+        if r.finish_time is not None:
+            spans.append((r.arrival_time - trace.t0, r.finish_time - trace.t0))
+    end = max([*stamps, *(b for _, b in spans), 1e-3])
+    bin_s = end / num_bins
+    edges = np.linspace(0.0, end, num_bins + 1)
+    tokens, _ = np.histogram(stamps, bins=edges, weights=weights)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.bar(edges[:-1], tokens / bin_s, width=bin_s, align="edge", color="tab:blue", label="output tokens/s")
+    ax.set_xlabel("time since the run started (s)")
+    ax.set_ylabel("output tokens/s")
+    ax2 = ax.twinx()
+    in_flight = [sum(a <= t < b for a, b in spans) for t in edges[:-1]]
+    ax2.step(edges, [*in_flight, in_flight[-1]], where="post", color="tab:orange")
+    ax2.set_ylim(0, max(in_flight, default=0) + 1)
+    ax2.set_ylabel("requests in flight", color="tab:orange")
+    ax.set_title(f"Throughput over time: {trace.label}")
     return _save(fig, path)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ ROWS: list[tuple[str, Any, str, float]] = [
     ("Goodput (req/s within SLO)", "goodput", "{:.3f}", 1),
     ("SLO attainment (%)", "slo_attainment", "{:.1f}", 100),
 ]
-for _name, _key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E latency", "e2e_ms")):
+LATENCIES = {"ttft": ("TTFT", "ttft_ms"), "tpot": ("TPOT", "tpot_ms"), "itl": ("ITL", "itl_ms"),
+             "e2el": ("E2E latency", "e2e_ms")}  # fmt: skip
+for _name, _key in LATENCIES.values():
     ROWS += [(f"{_name} {q} (ms)", (_key, q), "{:.1f}", 1) for q in ("mean", "p50", "p90", "p99")]
 ROWS += [
     ("Engine steps", "num_steps", "{:.0f}", 1),
@@ -46,13 +49,19 @@ def _cell(value: float | None, fmt: str, scale: float) -> str:
     return "-" if value is None else fmt.format(value * scale)
 
 
-def format_table(summaries: dict[str, dict[str, Any]], title: str = "", ratio: bool = True) -> str:
-    """Rows of metrics, one column per run; with two runs and ratio=True a last column second/first."""
+def format_table(
+    summaries: dict[str, dict[str, Any]], title: str = "", ratio: bool = True, latencies: Iterable[str] = LATENCIES
+) -> str:
+    """Rows of metrics, one column per run; with two runs and ratio=True a last column second/first. `latencies`:
+    the ones whose percentiles are shown (vLLM's names: ttft, tpot, itl, e2el)."""
+    hidden = {LATENCIES[name][1] for name in LATENCIES if name not in set(latencies)}
     names = list(summaries)
     show_ratio = ratio and len(names) == 2
     header = ["metric", *names] + ([f"{names[1]}/{names[0]}"] if show_ratio else [])
     rows = [header]
     for label, key, fmt, scale in ROWS:
+        if isinstance(key, tuple) and key[0] in hidden:
+            continue
         values = [_get(summaries[n], key) for n in names]
         if all(v is None for v in values):
             continue
@@ -70,7 +79,9 @@ def format_table(summaries: dict[str, dict[str, Any]], title: str = "", ratio: b
         if i == 0:
             lines.append("-" * len(lines[-1]))
     slo = next(iter(summaries.values()))
-    lines.append(f"SLO: TTFT <= {slo.get('slo_ttft_ms', 0):g} ms and TPOT <= {slo.get('slo_tpot_ms', 0):g} ms")
+    if "slo_ttft_ms" in slo:
+        ttft, tpot = slo["slo_ttft_ms"], slo["slo_tpot_ms"]
+        lines.append(f"SLO: TTFT <= {ttft:g} ms and TPOT <= {tpot:g} ms (goodput counts the requests within both)")
     return "\n".join(lines)
 
 

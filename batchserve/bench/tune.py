@@ -15,18 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from batchserve.bench import offline
-from batchserve.bench.cli import add_workload_arguments, arrivals_from_args, slo_from_args, warm_up, workload_options
+from batchserve.bench.args import add_workload_arguments, arrivals_from_args, normalize, slo_from_args, workload_options
 from batchserve.bench.metrics import summarize
 from batchserve.bench.report import save_json
+from batchserve.bench.warmup import warm_up
 from batchserve.bench.workloads import make_workload
 from batchserve.config import ALIASES, CacheConfig, ConfigError, EngineConfig, SchedulerConfig
-from batchserve.entrypoints.engine_args import add_engine_arguments, engine_config_from_args
+from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
 
 SWEPT = ("scheduler_policy", "max_batch_size", "max_num_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="batchserve tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--batch-sizes", default="8,16,32,64", help="max_batch_size values to try")
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a configuration meets the SLO when at least this share of its requests do")  # fmt: skip
     p.add_argument("--output", default="tuned_config.json", help="the winning configuration (engine config JSON)")
     p.add_argument("--results-json", help="also save every configuration's summary here")
-    add_workload_arguments(p)
+    add_workload_arguments(p, slo_defaults=(500.0, 100.0))  # tuning needs a target
     add_engine_arguments(p)
     p.set_defaults(num_requests=32, request_rate=2.0)
     return p
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        normalize(args)
         base = engine_config_from_args(args)
         explicit = explicit_options(args)
         slo, arrivals = slo_from_args(args), arrivals_from_args(args)
@@ -114,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         if requests is None:
             requests = make_workload(args.workload, engine.tokenizer, args.num_requests, args.seed or 0,
                                      workload_options(args))  # fmt: skip
-            warm_up(engine, engine.tokenizer, args.warmup_requests)
+            report = warm_up(engine, args)
+            if report is not None:
+                print(report.describe())
         label = "{scheduler_policy} bs={max_batch_size} tok={max_num_tokens}".format(**options)
         trace = offline.run_offline(engine, requests, arrivals, args.seed or 0, label, not args.no_progress)
         rows.append({"config": options, "summary": summarize(trace.requests, trace.meta["duration_s"], slo,

@@ -32,6 +32,7 @@ class BenchRequest:
     output_len: int  # max_tokens, with ignore_eos: exactly what the server generates
     category: str = ""
     prompt_text: str | None = None  # the text the ids came from (sharegpt) or decode(ids)
+    ignore_eos: bool = True  # generate output_len tokens whatever the model says (bench --no-ignore-eos: stop at EOS)
 
     @property
     def prompt_len(self) -> int:
