@@ -68,3 +68,21 @@ def test_serve_reports_a_bad_config_file_without_a_traceback(tmp_path, capsys):
 def test_a_mistyped_command_gets_a_suggestion(capsys):
     assert main(["genrate"]) == 2
     assert "did you mean 'generate'?" in capsys.readouterr().err
+
+
+def test_every_flag_of_every_command_has_help_and_shows_its_default():
+    from batchserve.bench.cli import build_parser as bench_parser
+    from batchserve.bench.tune import build_parser as tune_parser
+    from batchserve.entrypoints.generate import build_generate_parser
+    from batchserve.entrypoints.openai.launch import make_parser
+
+    for parser in (build_generate_parser(), make_parser(), bench_parser(), tune_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.option_strings and action.help != "show this help message and exit":
+                text = formatter._get_help_string(action)
+                assert action.help, (parser.prog, action.option_strings)
+                if action.default not in (None, False):
+                    assert "default" in text, (parser.prog, action.option_strings, text)
+    help_text = " ".join(bench_parser().format_help().split())
+    assert "--timeline-steps TIMELINE_STEPS steps shown in the batch timeline (default: 600)" in help_text

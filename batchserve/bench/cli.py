@@ -54,12 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="summary JSON, traces, PNGs and requests.jsonl go here (default: bench_results)")  # fmt: skip
     p.add_argument("--save-result", action=argparse.BooleanOptionalAction, default=True,
                    help="write the files (--no-save-result: print the table only)")  # fmt: skip
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="no PNGs")
     p.add_argument("--timeline-steps", type=int, default=600, help="steps shown in the batch timeline")
     g = p.add_argument_group("HTTP target")
     g.add_argument("--model-name", help="model field of the requests (default: the first of /v1/models)")
     g.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="tokens", help="send token ids or text")
-    g.add_argument("--api-key")
+    g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     g.add_argument("--grpc-target", help="HOST:PORT of `batchserve serve --grpc-port` (for --backend grpc)")
     g.add_argument("--backend", default="http",

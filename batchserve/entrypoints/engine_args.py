@@ -12,8 +12,23 @@ from batchserve.config import EngineConfig
 from batchserve.entrypoints.engine_options import SPECS, OptionSpec, close_match, engine_config
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default, unless it says it already or there is none to say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with "did you mean" for unrecognized flags (Python 3.11's has none)."""
+    """argparse with "did you mean" for unrecognized flags (Python 3.11's has none) and defaults in --help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["formatter_class"] = HelpFormatter
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> Any:
         if message.startswith("unrecognized arguments:"):

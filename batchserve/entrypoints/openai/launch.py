@@ -41,7 +41,7 @@ def make_parser() -> argparse.ArgumentParser:
         "model", nargs="?", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument(
         "--grpc-port", type=int, default=None, help="also serve gRPC (batchserve.v1.Generation, KServe v2) on this port"
     )
@@ -71,7 +71,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="/health answers 503 once the engine loop has made no progress this long with requests pending "
         f"(default: {DEFAULT_STALL_TIMEOUT_S:g} s)",
     )
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="server log level"
+    )
     add_engine_arguments(parser, include_model=False)
     return parser
 
