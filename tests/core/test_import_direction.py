@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("batchserve.engine",),
     ("batchserve.serving",),
     ("batchserve.entrypoints",),
-    ("batchserve.bench",),
+    ("batchserve.bench", "batchserve.simulator"),
     ("batchserve.cli", "batchserve"),
 ]
 

@@ -1,0 +1,134 @@
+"""`batchserve simulate`: `bench`'s workload on the real scheduler and KV cache manager, in virtual time, with step
+times from a profile (`batchserve profile`, or an analytic estimate for other hardware). Prints bench's table and
+writes bench's summary.json, traces and pictures. Nothing runs a model.
+
+  batchserve profile --output prof.json                       # once per machine, model, dtype, threads
+  batchserve simulate --profile prof.json --workload longtail --num-requests 2000 --request-rate 8
+  batchserve simulate --gpu h100-sxm --model-shapes llama-3-8b --replicas 8 --router prefix-aware \\
+      --workload shared-prefix --num-requests 10000 --request-rate 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from batchserve.bench.args import add_workload_arguments, arrivals_from_args, make_requests, normalize
+from batchserve.bench.cli import report
+from batchserve.bench.outputs import run_label
+from batchserve.bench.partial import ResultLog
+from batchserve.bench.trace import RunTrace
+from batchserve.config import EngineConfig
+from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
+from batchserve.simulator.analytic import DEVICES, MODEL_SHAPES, analytic_profile
+from batchserve.simulator.build import make_cluster
+from batchserve.simulator.profile_file import Profile
+from batchserve.simulator.router import ROUTERS
+from batchserve.simulator.tokens import workload_tokenizer
+from batchserve.simulator.trace_file import load_trace
+
+
+def add_simulator_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("simulator")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--profile", help="step-time profile JSON (batchserve profile --output FILE)")
+    src.add_argument("--gpu", "--device-preset", dest="device_preset", choices=sorted(DEVICES),
+                     help="an analytic (roofline) ESTIMATE for this device instead of a measured profile")  # fmt: skip
+    g.add_argument("--model-shapes", default="smollm2-135m",
+                   help=f"with --device-preset: a Llama-family config.json (file or directory) or one of "
+                        f"{', '.join(sorted(MODEL_SHAPES))} (default: smollm2-135m)")  # fmt: skip
+    g.add_argument("--replicas", type=int, default=1, help="engine replicas behind the router (default: 1)")
+    g.add_argument("--router", choices=ROUTERS, default="round-robin", help="how requests pick a replica")
+    g.add_argument("--trace", help="arrivals and lengths from a JSONL file (arrival_s, input_len, output_len)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="batchserve simulate", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--compare-static", action="store_true", help="also simulate static batching, side by side")
+    p.add_argument("--sweep-rates", help="comma-separated request rates: one run each")
+    p.add_argument("--output-dir", "--result-dir", dest="output_dir", default="bench_results",
+                   help="summary JSON, traces and PNGs go here (default: bench_results)")  # fmt: skip
+    p.add_argument("--save-result", action=argparse.BooleanOptionalAction, default=True, help="write the files")
+    p.add_argument("--no-plots", action="store_true", help="no PNGs")
+    p.add_argument("--timeline-steps", type=int, default=600, help="steps shown in the batch timeline")
+    add_simulator_arguments(p)
+    add_workload_arguments(p)
+    add_engine_arguments(p)
+    return p
+
+
+def load_profile(args: argparse.Namespace, config: EngineConfig) -> Profile:
+    if args.profile:
+        return Profile.load(args.profile)
+    if args.device_preset:
+        dtype = config.dtype if config.dtype != "auto" else "bfloat16"
+        return analytic_profile(args.model_shapes, args.device_preset, dtype)
+    raise ValueError("give --profile FILE (batchserve profile) or --device-preset NAME (an analytic estimate)")
+
+
+def simulate_runs(args: argparse.Namespace, config: EngineConfig, profile: Profile, tokenizer: Any = None,
+                  log: ResultLog | None = None) -> tuple[list, dict[str, RunTrace], list[tuple], dict[str, list]]:  # fmt: skip
+    """Every (policy, rate) run as bench's run_offline_runs would do them (seed + k for the k-th rate)."""
+    policies = ["static", "max_utilization"] if args.compare_static else [str(config.scheduler.scheduler_policy)]
+    rates = [float(x) for x in args.sweep_rates.split(",") if x.strip()] if args.sweep_rates else [None]
+    traces, keys, per_replica, first = {}, [], {}, []
+    for k, rate in enumerate(rates):
+        seed = (args.seed or 0) + k
+        if args.trace:
+            requests, arrivals = load_trace(args.trace, args.num_requests)
+        else:
+            requests, arrivals = make_requests(args, tokenizer, args.num_requests, seed), arrivals_from_args(args, rate)
+        first = first or requests
+        for policy in policies:
+            cfg = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, scheduler_policy=policy))
+            cfg.validate()
+            label = run_label(policy, rate)
+            result = make_cluster(cfg, profile, args.replicas, args.router).run(requests, arrivals, seed, label)
+            result.trace.meta.update(policy=policy, request_rate=getattr(arrivals, "request_rate", None), seed=seed,
+                                     profile=profile.label, routed=result.routed, router=args.router)  # fmt: skip
+            traces[label], per_replica[label] = result.trace, result.replicas
+            keys.append((label, policy, rate))
+            if log is not None:
+                log.finish(label, result.trace)
+    return first, traces, keys, per_replica
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        normalize(args)
+        config = engine_config_from_args(args)
+        profile = load_profile(args, config)
+        tokenizer = None if args.trace else workload_tokenizer(args.model, args.tokenizer)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"profile: {profile.label}")
+    if profile.source != "measured":
+        print("  (an analytic ESTIMATE: no step was measured on this device)")
+    out = Path(args.output_dir) / f"{args.workload}-sim-{time.strftime('%Y%m%d-%H%M%S')}"
+    log = ResultLog(None)
+    log.note(f"simulated: {profile.label}; {args.replicas} replica(s), router {args.router}")
+    wall = time.perf_counter()
+    requests, traces, keys, per_replica = simulate_runs(args, config, profile, tokenizer, log)
+    wall = time.perf_counter() - wall
+    code = report(args, requests, traces, keys, log, out, False)
+    if args.replicas > 1 and args.save_result and not args.no_plots:  # per engine: the first replica's pictures
+        from batchserve.bench.outputs import _run_plots
+
+        for label in traces:
+            _run_plots(args, per_replica[label][0], out / f"{label.replace('@', '-at-')}-r0")
+    routed = {label: t.meta["routed"] for label, t in traces.items() if "routed" in t.meta}
+    if args.replicas > 1:
+        print(f"requests per replica: {routed}")
+    print(f"simulated in {wall:.2f} s of wall time")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""An engine-shaped object around the REAL Scheduler and KVCacheManager: `step()` is LLMEngine.step's schedule ->
+execute -> update_from_output, with a runner that runs no model. It advances a virtual clock by the profile's step
+time and samples a placeholder token; output lengths come from each request's max_tokens (the workload's, with
+ignore_eos). No tokenizer or detokenizer: the simulator needs token counts, not text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchserve.config import EngineConfig
+from batchserve.core.block_pool import BlockPool, HostBlockPool
+from batchserve.core.kv_cache_manager import KVCacheManager
+from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput, SchedulerStats
+from batchserve.core.scheduler import Scheduler
+from batchserve.request import Request
+from batchserve.sampling_params import SamplingParams
+from batchserve.simulator.clock import VirtualClock
+from batchserve.simulator.shape import StepShape, shape_of
+from batchserve.simulator.step_model import StepTimeModel
+
+PLACEHOLDER_TOKEN = 0  # what the simulated model "samples"; never an EOS id of the simulated engine (it has none)
+
+
+class TimedRunner:
+    """The runner the simulator gives the scheduler: a step costs what the profile predicts for its shape."""
+
+    def __init__(self, step_model: StepTimeModel, clock: VirtualClock, scheduler_lookup: dict[str, Request],
+                 num_kv_blocks: int, num_swap_blocks: int = 0) -> None:  # fmt: skip
+        self.step_model, self.clock, self.requests = step_model, clock, scheduler_lookup
+        self.num_kv_blocks, self.num_swap_blocks = num_kv_blocks, num_swap_blocks
+        self.last_timings = RunnerTimings()
+        self.last_shape = StepShape()
+        self.busy_s = 0.0
+        self.recorded: list[SchedulerOutput] | None = None  # set to [] to keep every step's decisions (tests)
+
+    def _num_tokens(self, rid: str) -> int:
+        return self.requests[rid].num_tokens
+
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        sampled: list[str] = []
+        if self.recorded is not None:
+            self.recorded.append(out)
+        self.last_shape = shape_of(out, self._num_tokens, sampled)
+        if not out.is_empty:
+            seconds = self.step_model.predict(self.last_shape)
+            self.last_timings = RunnerTimings(forward_s=seconds)
+            self.busy_s += seconds
+            self.clock.advance(seconds)
+        return ModelOutput(req_ids=sampled, sampled_token_ids=[PLACEHOLDER_TOKEN] * len(sampled))
+
+
+@dataclass
+class SimMetrics:
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class SimOutput:
+    """The fields of engine.CompletionOutput that the bench driver reads."""
+
+    request_id: str
+    token_ids: list[int]
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: SimMetrics = field(default_factory=SimMetrics)
+
+
+class SimEngine:
+    """One simulated replica. `scheduler` is batchserve.core's Scheduler, built as LLMEngine builds it."""
+
+    def __init__(self, config: EngineConfig, step_model: StepTimeModel, num_kv_blocks: int, max_model_len: int,
+                 clock: VirtualClock | None = None, num_swap_blocks: int = 0) -> None:  # fmt: skip
+        config.validate()
+        self.config = config
+        self.clock = clock or VirtualClock()
+        cache = config.cache
+        pool = BlockPool(num_kv_blocks, cache.enable_prefix_caching)
+        kv = KVCacheManager(pool, cache.block_size, HostBlockPool(num_swap_blocks))
+        limit = min(max_model_len, config.scheduler.max_model_len or max_model_len, num_kv_blocks * cache.block_size)
+        self.max_model_len = limit
+        self.scheduler = Scheduler(config.scheduler, kv, limit, clock=self.clock)
+        self.runner = TimedRunner(step_model, self.clock, self.scheduler.requests, num_kv_blocks, num_swap_blocks)
+        self.last_stats: SchedulerStats | None = None
+        self.num_steps = 0
+        self._live: dict[str, Request] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> str:  # fmt: skip
+        """As LLMEngine.add_request for token ids; a prompt over the engine's limit raises InvalidRequestError."""
+        request = Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=sampling_params,
+            eos_token_ids=(), priority=priority, arrival_time=self.clock() if arrival_time is None else arrival_time,
+        )  # fmt: skip
+        self.scheduler.add_request(request)
+        self._live[request_id] = request
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    def step(self) -> list[SimOutput]:
+        scheduled = self.scheduler.schedule()
+        model_output = self.runner.execute(scheduled)
+        request_outputs = self.scheduler.update_from_output(scheduled, model_output)
+        self.last_stats = self.scheduler.stats()
+        self.num_steps += 1
+        results = []
+        for out in request_outputs:
+            request = self._live.get(out.request_id)
+            if request is None:
+                continue
+            if out.finished:
+                del self._live[out.request_id]
+            reason = out.finish_reason.value if out.finish_reason else None
+            metrics = SimMetrics(request.num_cached_prompt_tokens, request.num_preemptions)
+            results.append(SimOutput(out.request_id, request.output_token_ids, out.new_token_ids, out.finished,
+                                     reason, metrics))  # fmt: skip
+        return results

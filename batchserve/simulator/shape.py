@@ -1,0 +1,55 @@
+"""What a step's duration depends on, read from a SchedulerOutput: the features every step-time model uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from batchserve.core.outputs import SchedulerOutput
+
+FEATURES = ("steps", "tokens", "seqs", "samples", "decode_ctx", "prefill_pairs")
+
+
+@dataclass
+class StepShape:
+    """One forward pass, in the units its cost scales with."""
+
+    tokens: int = 0  # rows through every projection and MLP (prefill chunk tokens + decode tokens + padding)
+    seqs: int = 0  # sequences in the batch (per-sequence host work: batch building, metadata)
+    samples: int = 0  # rows that reach the LM head and the sampler (a request that completes its known tokens)
+    decode_ctx: int = 0  # K/V positions read by single-token rows (the decode attention's memory traffic)
+    prefill_pairs: int = 0  # query x key pairs of prefill chunks (causal within the chunk, all of the context before)
+    prefill_ctx: int = 0  # K/V positions read by prefill chunks (their context before the chunk plus the chunk)
+    swapped_blocks: int = 0  # blocks copied between the device and the host pool
+
+    def features(self) -> list[float]:
+        """The regressors of the linear model, in FEATURES order (`steps` is the constant term)."""
+        return [1.0, self.tokens, self.seqs, self.samples, self.decode_ctx, self.prefill_pairs]
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def shape_of(out: SchedulerOutput, num_tokens: Callable[[str], int], sampled: list[str] | None = None) -> StepShape:
+    """`num_tokens(req_id)`: the request's known tokens (prompt + generated) when the step was scheduled, which decides
+    whether the runner samples for it; the ids it samples for are appended to `sampled` (batch order)."""
+    start = {n.req_id: n.num_computed_tokens for n in out.new_requests}
+    start.update({c.req_id: c.num_computed_tokens for c in out.cached_requests})
+    s = StepShape(swapped_blocks=len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out))
+    for rid, n in out.num_scheduled_tokens.items():
+        c = start[rid]
+        s.tokens += n
+        s.seqs += 1
+        if rid in out.padding_req_ids:
+            s.decode_ctx += c + 1  # padding runs as a decode over its context and samples nothing
+            continue
+        if n == 1:
+            s.decode_ctx += c + 1
+        else:
+            s.prefill_pairs += n * c + n * (n + 1) // 2
+            s.prefill_ctx += c + n
+        if c + n == num_tokens(rid):
+            s.samples += 1
+            if sampled is not None:
+                sampled.append(rid)
+    return s

@@ -1,0 +1,94 @@
+"""The linear step-time fit, the profile file, and `batchserve simulate` end to end (bench's table and summary.json)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from batchserve.simulator.analytic import analytic_profile
+from batchserve.simulator.profile_file import Profile
+from batchserve.simulator.shape import FEATURES, StepShape
+from batchserve.simulator.step_model import LinearStepModel, fit_linear
+from tests.simulator.helpers import STEP_MODEL
+
+
+def test_fit_recovers_known_coefficients_and_reports_held_out_error():
+    rng = random.Random(0)
+    truth = STEP_MODEL
+    shapes, seconds = [], []
+    for _ in range(400):
+        seqs = rng.randint(1, 64)
+        prefill = rng.choice([0, 0, rng.randint(16, 2048)])
+        ctx = rng.randint(seqs, 64 * 1024)
+        s = StepShape(tokens=seqs + prefill, seqs=seqs + (prefill > 0), samples=rng.randint(0, seqs), decode_ctx=ctx,
+                      prefill_pairs=prefill * prefill // 2)  # fmt: skip
+        shapes.append(s)
+        seconds.append(truth.predict(s) * rng.uniform(0.98, 1.02))
+    model, report = fit_linear(shapes, seconds)
+    for name in FEATURES:
+        assert model.coefficients[name] == pytest.approx(truth.coefficients[name], rel=0.1), name
+    assert report.mape < 0.02 and abs(report.total_error) < 0.01 and report.r2 > 0.99
+    assert report.num_steps == 400
+
+
+def test_fit_never_goes_negative():
+    # time independent of seqs, with noise that would pull a free coefficient below zero
+    shapes = [StepShape(tokens=t, seqs=s) for t in range(1, 40) for s in (1, 2, 3)]
+    seconds = [1e-3 + 1e-4 * sh.tokens - (1e-6 if sh.seqs == 3 else 0) for sh in shapes]
+    model, _ = fit_linear(shapes, seconds)
+    assert all(v >= 0 for v in model.coefficients.values())
+
+
+def test_profile_file_round_trip(tmp_path):
+    measured = Profile("measured", LinearStepModel(dict(STEP_MODEL.coefficients)), "SmolLM2", "float32", 46080,
+                       2**30, 8192, 4 * 2**30, {"cpu": "x"}, {"mape": 0.05})  # fmt: skip
+    for profile in (measured, analytic_profile("llama-3-8b", "h100-sxm")):
+        back = Profile.load(profile.save(tmp_path / f"{profile.source}.json"))
+        assert back.to_dict() == profile.to_dict()
+        shape = StepShape(tokens=70, seqs=8, samples=8, decode_ctx=4000, prefill_pairs=2000)
+        assert back.step_model.predict(shape) == profile.step_model.predict(shape) > 0
+    # an H100 holds (85.9 GB - 16.06 GB of weights) x 0.9 = 62.9 GB of bf16 K/V at 128 KiB a token: 479.6 k tokens
+    p = analytic_profile("llama-3-8b", "h100-sxm")
+    assert p.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    assert 479_000 < p.num_kv_blocks(16) * 16 < 480_000
+    assert p.num_kv_blocks(16, fraction=0.45) == pytest.approx(p.num_kv_blocks(16) / 2, rel=0.01)
+    with pytest.raises(ValueError, match="not a step profile"):
+        Profile.from_dict({"format": "other"})
+
+
+def test_simulate_cli_prints_benchs_table_and_writes_its_summary(tmp_path, tokenizer, capsys):
+    from batchserve.simulator.cli import main
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    profile = Profile("measured", STEP_MODEL, "tiny", "float32", 1024, 1024 * 16 * 512, 4096)
+    profile.save(tmp_path / "p.json")
+    argv = ["--profile", str(tmp_path / "p.json"), "--tokenizer", str(tmp_path / "tok"), "--workload", "longtail",
+            "--num-requests", "60", "--request-rate", "50", "--max-batch-size", "8", "--output-dir",
+            str(tmp_path / "out"), "--no-plots", "--slo-ttft-ms", "200", "--slo-tpot-ms", "50", "--seed", "1"]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "TTFT" in text and "max_utilization" in text and "simulated in" in text
+    (summary_path,) = (tmp_path / "out").glob("longtail-sim-*/summary.json")
+    doc = json.loads(summary_path.read_text())
+    assert set(doc) == {"workload", "args", "interrupted", "warmup", "runs"}
+    run = doc["runs"]["max_utilization"]
+    assert run["completed"] == 60 and run["num_requests"] == 60
+    for key in ("output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "goodput", "batch_occupancy",
+                "kv_usage_max", "num_preemptions", "mean_step_ms"):  # fmt: skip
+        assert key in run, key
+    assert 0 < run["slo_attainment"] <= 1 and run["batch_occupancy"] > 0
+    assert (summary_path.parent / "trace-max_utilization.json").is_file()
+
+
+def test_simulate_cli_many_replicas_on_a_gpu_estimate(tmp_path, tokenizer, capsys):
+    from batchserve.simulator.cli import main
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    argv = ["--device-preset", "h100-sxm", "--model-shapes", "llama-3-8b", "--tokenizer", str(tmp_path / "tok"),
+            "--workload", "shared-prefix", "--num-requests", "200", "--request-rate", "100", "--replicas", "4",
+            "--router", "prefix-aware", "--no-save-result"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ESTIMATE" in out and "requests per replica" in out
