@@ -15,9 +15,11 @@ commands:
   generate   generate text for prompts given on the command line (default model: SmolLM2-135M-Instruct)
   serve      start the OpenAI-compatible HTTP server
   bench      measure throughput and latency (offline or against any OpenAI-compatible server)
-  tune       sweep scheduler settings against an SLO and print the best configuration
+  tune       sweep scheduler settings against an SLO and print the best configuration (--simulate: in seconds)
+  profile    time engine steps on this machine and save a step-time profile for simulate
+  simulate   bench's workloads on the real scheduler in virtual time, step times from a profile: no model runs
 """
-COMMANDS = ("generate", "serve", "bench", "tune")
+COMMANDS = ("generate", "serve", "bench", "tune", "profile", "simulate")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from batchserve.bench.cli import main as command_main
     elif command == "tune":
         from batchserve.bench.tune import main as command_main
+    elif command == "profile":
+        from batchserve.simulator.profiler import main as command_main
+    elif command == "simulate":
+        from batchserve.simulator.cli import main as command_main
     else:
         close = difflib.get_close_matches(command, COMMANDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -5,7 +5,7 @@ ignore_eos). No tokenizer or detokenizer: the simulator needs token counts, not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from batchserve.config import EngineConfig
 from batchserve.core.block_pool import BlockPool, HostBlockPool
@@ -49,13 +49,13 @@ class TimedRunner:
         return ModelOutput(req_ids=sampled, sampled_token_ids=[PLACEHOLDER_TOKEN] * len(sampled))
 
 
-@dataclass
+@dataclass(slots=True)
 class SimMetrics:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class SimOutput:
     """The fields of engine.CompletionOutput that the bench driver reads."""
 
@@ -64,7 +64,7 @@ class SimOutput:
     delta_token_ids: list[int]
     finished: bool
     finish_reason: str | None
-    metrics: SimMetrics = field(default_factory=SimMetrics)
+    metrics: SimMetrics | None = None  # set when finished
 
 
 class SimEngine:
@@ -117,8 +117,10 @@ class SimEngine:
                 continue
             if out.finished:
                 del self._live[out.request_id]
-            reason = out.finish_reason.value if out.finish_reason else None
-            metrics = SimMetrics(request.num_cached_prompt_tokens, request.num_preemptions)
+            reason = metrics = None
+            if out.finished:  # only a finished request's counts are read: no object per token otherwise
+                reason = out.finish_reason.value if out.finish_reason else None
+                metrics = SimMetrics(request.num_cached_prompt_tokens, request.num_preemptions)
             results.append(SimOutput(out.request_id, request.output_token_ids, out.new_token_ids, out.finished,
                                      reason, metrics))  # fmt: skip
         return results

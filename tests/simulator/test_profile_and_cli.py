@@ -92,3 +92,27 @@ def test_simulate_cli_many_replicas_on_a_gpu_estimate(tmp_path, tokenizer, capsy
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "ESTIMATE" in out and "requests per replica" in out
+
+
+def test_profiler_grid_times_the_shapes_it_promises(make_engine):
+    """run_grid over the real engine (FakeRunner): prefills of each size, decodes of each batch size at growing
+    contexts, and mixed steps, each recorded with its shape and a positive time."""
+    from batchserve.simulator.profiler import DECODE_TOKENS, run_grid
+
+    engine = make_engine(max_batch_size=8, num_kv_blocks=512, max_model_len=512)
+    t = run_grid(engine, [(1, 32), (8, 40)], progress=False)
+    assert len(t.shapes) == len(t.seconds) and all(s > 0 for s in t.seconds)
+    decodes = [s for s in t.shapes if s.prefill_pairs == 0]
+    assert {s.seqs for s in decodes} >= {1, 8}
+    # a batch of 8 prompts of 40 decoding its k-th token reads 8 x (40 + k) positions
+    eight = sorted(s.decode_ctx for s in decodes if s.seqs == 8 and s.decode_ctx < 8 * 60)
+    assert eight[: DECODE_TOKENS - 1] == [8 * (40 + k) for k in range(1, DECODE_TOKENS)]
+    assert any(s.prefill_pairs and s.decode_ctx for s in t.shapes)  # mixed: a prompt beside decodes
+    assert not engine.has_unfinished_requests()
+
+
+def test_dispatcher_knows_the_new_commands(capsys):
+    from batchserve.cli import main
+
+    assert main(["simulat"]) == 2
+    assert "did you mean 'simulate'" in capsys.readouterr().err

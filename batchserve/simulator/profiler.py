@@ -1,0 +1,167 @@
+"""`batchserve profile`: time real engine steps over a grid of shapes on this machine, fit the linear step-time model
+(step_model.LinearStepModel), save it as a profile for `batchserve simulate`.
+
+  batchserve profile --output prof.json                  # the default model, dtype and threads, ~1-2 minutes
+  batchserve profile --output prof.json --num-threads 2 --dtype float32 --max-batch-size 32
+
+The grid: for each (sequences, prompt length) a batch is prefilled (chunks up to max_num_tokens) and decodes 16
+tokens, which times prefill chunks of many sizes and decodes of every batch size at short and long contexts; then
+a staggered group, where new prompts join running decodes, times mixed steps. Each step is timed whole (schedule,
+forward, sample, update, detokenize), as bench's driver sees it. The fit's error is measured on held-out steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
+from batchserve.simulator.profile_file import Profile
+from batchserve.simulator.shape import StepShape, shape_of
+from batchserve.simulator.step_model import fit_linear
+
+GRID = [
+    (1, 32),
+    (1, 256),
+    (1, 1024),
+    (4, 32),
+    (4, 256),
+    (4, 1024),
+    (8, 2048),
+    (16, 32),
+    (16, 256),
+    (16, 1024),
+    (32, 128),
+    (64, 32),
+    (64, 256),
+]  # fmt: skip  (sequences, prompt tokens)
+DECODE_TOKENS = 16
+MAX_PREFILL_TOKENS = 16384  # per group: keeps the whole grid within a couple of minutes on a small CPU
+
+
+class ShapeRecorder:
+    """Wraps the engine's runner: notes the shape of every step it executes."""
+
+    def __init__(self, engine: Any) -> None:
+        self.inner, self.engine = engine.runner, engine
+        self.num_kv_blocks, self.num_swap_blocks = self.inner.num_kv_blocks, self.inner.num_swap_blocks
+        self.last_shape = StepShape()
+
+    def __getattr__(self, name: str) -> Any:  # device, dtype, last_timings: the real runner's
+        return getattr(self.inner, name)
+
+    def execute(self, out: Any) -> Any:
+        self.last_shape = shape_of(out, lambda rid: self.engine.scheduler.requests[rid].num_tokens)
+        return self.inner.execute(out)
+
+
+@dataclass
+class Timings:
+    shapes: list[StepShape] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    def step(self, engine: Any, recorder: ShapeRecorder, keep: bool = True) -> None:
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        if keep and recorder.last_shape.seqs:
+            self.shapes.append(recorder.last_shape)
+            self.seconds.append(elapsed)
+
+
+def _add(engine: Any, rng: random.Random, n: int, prompt_len: int, max_tokens: int, tag: str) -> None:
+    from batchserve.sampling_params import SamplingParams
+
+    vocab = engine.limits.vocab_size
+    for i in range(n):
+        ids = [rng.randrange(100, vocab) for _ in range(prompt_len)]  # random ids: no prefix hits between requests
+        engine.add_request(f"{tag}-{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+
+
+def run_grid(engine: Any, grid: list[tuple[int, int]], seed: int = 0, progress: bool = True) -> Timings:
+    recorder = ShapeRecorder(engine)
+    engine.runner = recorder
+    rng, t = random.Random(seed), Timings()
+    mbs = engine.config.scheduler.max_batch_size
+    limit = engine.limits.max_input_len
+    _add(engine, rng, min(4, mbs), 64, 4, "warmup")  # first steps pay one-time costs (packing, allocation)
+    while engine.has_unfinished_requests():
+        t.step(engine, recorder, keep=False)
+    for g, (seqs, prompt_len) in enumerate(grid):
+        seqs, prompt_len = min(seqs, mbs), min(prompt_len, limit - DECODE_TOKENS)
+        if seqs * prompt_len > MAX_PREFILL_TOKENS:
+            continue
+        started = time.perf_counter()
+        _add(engine, rng, seqs, prompt_len, DECODE_TOKENS, f"g{g}")
+        while engine.has_unfinished_requests():
+            t.step(engine, recorder)
+        if progress:
+            print(f"  {seqs:>3} x {prompt_len:>5} tokens: {time.perf_counter() - started:6.2f} s", file=sys.stderr)
+    # mixed steps: prompts joining running decodes
+    _add(engine, rng, min(16, mbs), 64, 48, "mixed-decode")
+    for k in range(12):
+        _add(engine, rng, 1, min(128 * (1 + k % 4), limit - 4), 4, f"mixed-{k}")
+        for _ in range(3):
+            t.step(engine, recorder)
+    while engine.has_unfinished_requests():
+        t.step(engine, recorder)
+    return t
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="batchserve profile", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--output", default="step_profile.json", help="where the profile goes (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no line per grid point")
+    add_engine_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from batchserve.bench.machine import describe, machine_info
+    from batchserve.engine.llm_engine import LLMEngine
+    from batchserve.worker.device import configure_torch
+    from batchserve.worker.kv_cache import available_memory_bytes, block_bytes
+
+    args = build_parser().parse_args(argv)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    configure_torch(config.num_threads, config.seed)
+    engine = LLMEngine(config)
+    runner, dtype = engine.runner, str(engine.runner.dtype).removeprefix("torch.")
+    import torch
+
+    info = machine_info(torch.get_num_threads(), dtype)
+    print(f"profiling on {describe(info)}", file=sys.stderr)
+    wall = time.perf_counter()
+    timings = run_grid(engine, GRID, config.seed, not args.no_progress)
+    model, fit = fit_linear(timings.shapes, timings.seconds)
+    per_token = block_bytes(engine.model_config, 1, runner.dtype)
+    pool = runner.num_kv_blocks * config.cache.block_size * per_token
+    free = available_memory_bytes(runner.device) + pool if config.cache.num_kv_blocks is None else 0
+    profile = Profile(
+        source="measured", step_model=model, model=str(config.model or "SmolLM2-135M-Instruct"), dtype=dtype,
+        kv_bytes_per_token=per_token, kv_cache_bytes=pool, max_model_len=engine.model_config.max_position_embeddings,
+        memory_free_bytes=free, machine=info, fit=fit.to_dict(),
+        notes={"grid": GRID, "decode_tokens": DECODE_TOKENS, "seconds": time.perf_counter() - wall,
+               "engine": {k: str(v) for k, v in engine.effective_config().items()}},
+    )  # fmt: skip
+    path = profile.save(args.output)
+    c = model.coefficients
+    print(f"step time = {1e3 * c['steps']:.3f} ms + {1e6 * c['tokens']:.2f} us/token + {1e6 * c['seqs']:.2f} us/seq "
+          f"+ {1e6 * c['samples']:.2f} us/sampled row + {1e9 * c['decode_ctx']:.2f} ns/decode K/V position "
+          f"+ {1e12 * c['prefill_pairs']:.2f} ps/prefill query-key pair")  # fmt: skip
+    print(f"fit on {fit.num_steps} steps; held-out error: mean {100 * fit.mape:.1f}%, p90 {100 * fit.p90_ape:.1f}%, "
+          f"sum {100 * fit.total_error:+.1f}%, R^2 {fit.r2:.3f}; {time.perf_counter() - wall:.0f} s; wrote {path}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
