@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a configuration meets the SLO when at least this share of its requests do")  # fmt: skip
     p.add_argument("--output", default="tuned_config.json", help="the winning configuration (engine config JSON)")
     p.add_argument("--results-json", help="also save every configuration's summary here")
+    p.add_argument("--simulate", action="store_true",
+                   help="search on the simulator (needs --profile or --device-preset; see tune --simulate --help)")  # fmt: skip
     add_workload_arguments(p, slo_defaults=(500.0, 100.0))  # tuning needs a target
     add_engine_arguments(p)
     p.set_defaults(num_requests=32, request_rate=2.0)
@@ -94,6 +96,11 @@ def format_rows(rows: list[dict[str, Any]], best: dict[str, Any] | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     from batchserve.worker.device import configure_torch
 
+    argv = sys.argv[1:] if argv is None else argv
+    if "--simulate" in argv:  # more knobs, and no model loaded unless --confirm
+        from batchserve.simulator.tune_sim import main as simulated
+
+        return simulated(argv)
     args = build_parser().parse_args(argv)
     try:
         normalize(args)

@@ -116,3 +116,29 @@ def test_dispatcher_knows_the_new_commands(capsys):
 
     assert main(["simulat"]) == 2
     assert "did you mean 'simulate'" in capsys.readouterr().err
+
+
+def test_tune_simulate_searches_the_knobs_and_writes_the_best(tmp_path, tokenizer, capsys):
+    """A load one or two replicas cannot serve within the SLO (simulated: 11% and 33% attainment at best): the
+    search must pick 4 replicas, the fewest that meet it, with the batch size that does."""
+    from batchserve.bench.tune import main
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    Profile("measured", STEP_MODEL, "tiny", "float32", 1024, 1024 * 16 * 512, 4096).save(tmp_path / "p.json")
+    out = tmp_path / "best.json"
+    argv = ["--simulate", "--profile", str(tmp_path / "p.json"), "--tokenizer", str(tmp_path / "tok"),
+            "--workload", "uniform", "--num-requests", "150", "--request-rate", "60", "--batch-sizes", "4,16",
+            "--num-tokens", "256", "--policies", "max_utilization", "--replicas-list", "1,2,4",
+            "--slo-ttft-ms", "300", "--slo-tpot-ms", "40", "--output", str(out), "--results-json",
+            str(tmp_path / "rows.json")]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert len(rows) == 6
+    fewer = [r for r in rows if r["config"]["replicas"] < 4]
+    assert len(fewer) == 4 and all(r["summary"]["slo_attainment"] < 0.9 for r in fewer)  # they cannot keep up
+    best = rows[0]
+    assert best["config"]["replicas"] == 4 and best["config"]["max_batch_size"] == 16
+    assert best["summary"]["slo_attainment"] >= 0.9 and rows[1]["summary"]["slo_attainment"] < 0.9
+    written = json.loads(out.read_text())
+    assert written["max_batch_size"] == best["config"]["max_batch_size"] and "replicas" not in written
+    assert "configurations simulated in" in capsys.readouterr().out

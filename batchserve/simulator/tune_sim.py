@@ -1,0 +1,163 @@
+"""`batchserve tune --simulate`: search the knobs on the simulator (seconds, not minutes a point), against the SLO;
+optionally confirm the best few on the real engine (`--confirm N`).
+
+  batchserve tune --simulate --profile prof.json --workload longtail --request-rate 4 --slo-ttft-ms 500
+  batchserve tune --simulate --device-preset h100-sxm --model-shapes llama-3-8b --request-rate 100 \\
+      --replicas-list 1,2,4,8 --num-requests 2000
+
+Among configurations whose SLO attainment reaches --min-attainment the fewest replicas win, then the highest
+goodput, then the highest output throughput; when none meets it, the highest goodput is reported and flagged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from batchserve.bench.args import arrivals_from_args, normalize, slo_from_args
+from batchserve.bench.metrics import summarize
+from batchserve.bench.report import save_json
+from batchserve.bench.tune import build_parser as tune_parser
+from batchserve.bench.tune import explicit_options
+from batchserve.config import ConfigError, EngineConfig
+from batchserve.entrypoints.engine_args import engine_config_from_args
+from batchserve.simulator.build import make_cluster
+from batchserve.simulator.cli import add_simulator_arguments, load_profile
+from batchserve.simulator.tokens import workload_tokenizer
+
+KNOBS = ("replicas", "scheduler_policy", "scheduling_order", "max_batch_size", "max_num_tokens", "block_size",
+         "enable_chunked_prefill")  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = tune_parser()
+    p.prog = "batchserve tune --simulate"
+    g = p.add_argument_group("simulated search")
+    g.add_argument("--orders", default="fcfs", help="scheduling orders to try (fcfs,priority,shortest_first)")
+    g.add_argument("--block-sizes", default="16", help="block sizes to try")
+    g.add_argument("--chunked", default="on", help="chunked prefill settings to try: on, off or on,off")
+    g.add_argument("--replicas-list", default="1", help="replica counts to try")
+    g.add_argument("--confirm", type=int, default=0, help="run the best N on the real engine and print both")
+    add_simulator_arguments(p)
+    p.set_defaults(num_requests=500)
+    return p
+
+
+def _list(text: str, kind: type = str) -> list[Any]:
+    return [kind(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
+    chunked = [x == "on" for x in _list(args.chunked)]
+    axes = (_list(args.replicas_list, int), _list(args.policies), _list(args.orders), _list(args.batch_sizes, int),
+            _list(args.num_tokens, int), _list(args.block_sizes, int), chunked)  # fmt: skip
+    return [dict(zip(KNOBS, values, strict=True)) for values in itertools.product(*axes)]
+
+
+def pick(rows: list[dict[str, Any]], min_attainment: float) -> tuple[list[dict[str, Any]], bool]:
+    """Every row, best first (those meeting the SLO ahead of the rest), and whether the first meets the SLO."""
+    meets = [r["summary"]["slo_attainment"] >= min_attainment for r in rows]
+    fewest = lambda r: (-r["config"]["replicas"], r["summary"]["goodput"], r["summary"]["output_throughput"])  # noqa: E731
+    best = lambda r: (r["summary"]["goodput"], r["summary"]["output_throughput"])  # noqa: E731
+    feasible = sorted((r for r, ok in zip(rows, meets, strict=True) if ok), key=fewest, reverse=True)
+    rest = sorted((r for r, ok in zip(rows, meets, strict=True) if not ok), key=best, reverse=True)
+    return feasible + rest, bool(feasible)
+
+
+def format_rows(rows: list[dict[str, Any]], limit: int = 15) -> str:
+    head = (f"{'rep':>3} {'policy':<20} {'order':<14} {'batch':>5} {'tokens':>6} {'block':>5} {'chunk':>5} "
+            f"{'goodput':>8} {'SLO %':>6} {'out tok/s':>9} {'TTFT p99':>9} {'TPOT p99':>9}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in rows[:limit]:
+        c, s = r["config"], r["summary"]
+        lines.append(
+            f"{c['replicas']:>3} {c['scheduler_policy']:<20} {c['scheduling_order']:<14} {c['max_batch_size']:>5} "
+            f"{c['max_num_tokens']:>6} {c['block_size']:>5} {'on' if c['enable_chunked_prefill'] else 'off':>5} "
+            f"{s['goodput']:>8.3f} {100 * s['slo_attainment']:>6.1f} {s['output_throughput']:>9.1f} "
+            f"{s['ttft_ms']['p99']:>9.1f} {s['tpot_ms']['p99']:>9.1f}"
+        )
+    if len(rows) > limit:
+        lines.append(f"... {len(rows) - limit} more in --results-json")
+    return "\n".join(lines)
+
+
+def search(args: argparse.Namespace, base: EngineConfig, profile: Any, requests: list, arrivals: Any) -> list[dict]:
+    slo = slo_from_args(args)
+    rows = []
+    for knobs in grid(args):
+        options = {k: v for k, v in knobs.items() if k != "replicas"}
+        try:
+            config = EngineConfig.from_options(**{**base.to_flat_dict(), **options})
+        except ConfigError as exc:
+            print(f"skip {knobs}: {exc}", file=sys.stderr)
+            continue
+        result = make_cluster(config, profile, knobs["replicas"], args.router).run(requests, arrivals, args.seed or 0)
+        t = result.trace
+        rows.append({"config": knobs, "summary": summarize(t.requests, t.meta["duration_s"], slo, t.steps)})
+    return rows
+
+
+def confirm(args: argparse.Namespace, base: EngineConfig, rows: list[dict], arrivals: Any) -> None:
+    """The best rows on the real engine (one replica's worth: replicas > 1 cannot run here)."""
+    from batchserve.bench import offline
+    from batchserve.bench.args import make_requests
+    from batchserve.worker.device import configure_torch
+
+    configure_torch(base.num_threads, base.seed)
+    slo, engine = slo_from_args(args), None
+    print("\nconfirmed on the real engine (predicted -> measured):")
+    for r in [r for r in rows if r["config"]["replicas"] == 1][: args.confirm]:
+        options = {k: v for k, v in r["config"].items() if k != "replicas"}
+        engine = offline.build_engine(EngineConfig.from_options(**{**base.to_flat_dict(), **options}), like=engine)
+        requests = make_requests(args, engine.tokenizer, args.num_requests, args.seed or 0)
+        trace = offline.run_offline(engine, requests, arrivals, args.seed or 0, "confirm", not args.no_progress)
+        real = summarize(trace.requests, trace.meta["duration_s"], slo, trace.steps)
+        r["measured"] = real
+        p = r["summary"]
+        print(f"  {options}: goodput {p['goodput']:.3f} -> {real['goodput']:.3f}, out tok/s "
+              f"{p['output_throughput']:.1f} -> {real['output_throughput']:.1f}, TTFT p99 {p['ttft_ms']['p99']:.0f} -> "
+              f"{real['ttft_ms']['p99']:.0f} ms, TPOT p99 {p['tpot_ms']['p99']:.1f} -> {real['tpot_ms']['p99']:.1f} ms")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        normalize(args)
+        base = engine_config_from_args(args)
+        profile = load_profile(args, base)
+        arrivals = arrivals_from_args(args)
+        from batchserve.bench.args import make_requests
+
+        requests = make_requests(
+            args, workload_tokenizer(args.model, args.tokenizer), args.num_requests, args.seed or 0
+        )
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    wall = time.perf_counter()
+    rows = search(args, base, profile, requests, arrivals)
+    ranked, meets = pick(rows, args.min_attainment)
+    print(f"profile: {profile.label}")
+    print(f"{args.workload}: {args.num_requests} requests, {arrivals.describe()}; SLO TTFT <= {args.slo_ttft_ms:g} ms, "
+          f"TPOT <= {args.slo_tpot_ms:g} ms for >= {100 * args.min_attainment:g}% of requests; {len(rows)} "
+          f"configurations simulated in {time.perf_counter() - wall:.1f} s")  # fmt: skip
+    print(format_rows(ranked))
+    if not ranked:
+        print("no configuration could run", file=sys.stderr)
+        return 1
+    if args.confirm:
+        confirm(args, base, ranked, arrivals)
+    if args.results_json:
+        save_json({"rows": ranked, "meets_slo": meets, "profile": profile.label}, args.results_json)
+    best = ranked[0]["config"]
+    chosen = {**explicit_options(args), **{k: v for k, v in best.items() if k != "replicas"}}
+    EngineConfig.from_options(**chosen)  # what we write must load
+    Path(args.output).write_text(json.dumps(chosen, indent=2) + "\n")
+    verdict = "meets the SLO" if meets else "NO configuration met the SLO; this one has the highest goodput"
+    print(f"\nbest: {best} ({verdict}); wrote {args.output} (replicas: {best['replicas']}, not an engine option)")
+    return 0 if meets else 3
