@@ -24,21 +24,10 @@ from batchserve.simulator.profile_file import Profile
 from batchserve.simulator.shape import StepShape, shape_of
 from batchserve.simulator.step_model import fit_linear
 
-GRID = [
-    (1, 32),
-    (1, 256),
-    (1, 1024),
-    (4, 32),
-    (4, 256),
-    (4, 1024),
-    (8, 2048),
-    (16, 32),
-    (16, 256),
-    (16, 1024),
-    (32, 128),
-    (64, 32),
-    (64, 256),
-]  # fmt: skip  (sequences, prompt tokens)
+# (sequences, prompt tokens): decodes of 1-64 sequences at contexts up to ~8 k positions a step, prefill chunks of every
+# size up to the token budget; ~35 k prompt tokens in all, about a minute on 2 cores for SmolLM2-135M
+GRID = [(1, 32), (1, 256), (1, 1536), (4, 64), (4, 1024), (8, 32), (8, 512), (16, 128), (16, 512), (32, 32),
+        (32, 256), (48, 64), (64, 32)]  # fmt: skip
 DECODE_TOKENS = 16
 MAX_PREFILL_TOKENS = 16384  # per group: keeps the whole grid within a couple of minutes on a small CPU
 
@@ -112,6 +101,20 @@ def run_grid(engine: Any, grid: list[tuple[int, int]], seed: int = 0, progress: 
     return t
 
 
+def error_by_kind(model: Any, t: Timings) -> dict[str, dict[str, float]]:
+    """Mean |error| and bias of the fitted model on decode-only, prefill-only and mixed steps (all steps, in-sample):
+    where a linear model bends away from the machine."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for shape, seconds in zip(t.shapes, t.seconds, strict=True):
+        kind = "mixed" if shape.prefill_pairs and shape.decode_ctx else "prefill" if shape.prefill_pairs else "decode"
+        groups.setdefault(kind, []).append((model.predict(shape), seconds))
+    return {
+        kind: {"steps": len(v), "mape": sum(abs(p - m) / m for p, m in v) / len(v),
+               "bias": sum(p for p, _ in v) / sum(m for _, m in v) - 1}
+        for kind, v in groups.items()
+    }  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="batchserve profile", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -143,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter()
     timings = run_grid(engine, GRID, config.seed, not args.no_progress)
     model, fit = fit_linear(timings.shapes, timings.seconds)
+    by_kind = error_by_kind(model, timings)
     per_token = block_bytes(engine.model_config, 1, runner.dtype)
     pool = runner.num_kv_blocks * config.cache.block_size * per_token
     free = available_memory_bytes(runner.device) + pool if config.cache.num_kv_blocks is None else 0
     profile = Profile(
         source="measured", step_model=model, model=str(config.model or "SmolLM2-135M-Instruct"), dtype=dtype,
         kv_bytes_per_token=per_token, kv_cache_bytes=pool, max_model_len=engine.model_config.max_position_embeddings,
-        memory_free_bytes=free, machine=info, fit=fit.to_dict(),
+        memory_free_bytes=free, machine=info, fit={**fit.to_dict(), "by_kind": by_kind},
         notes={"grid": GRID, "decode_tokens": DECODE_TOKENS, "seconds": time.perf_counter() - wall,
                "engine": {k: str(v) for k, v in engine.effective_config().items()}},
     )  # fmt: skip
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
           f"+ {1e12 * c['prefill_pairs']:.2f} ps/prefill query-key pair")  # fmt: skip
     print(f"fit on {fit.num_steps} steps; held-out error: mean {100 * fit.mape:.1f}%, p90 {100 * fit.p90_ape:.1f}%, "
           f"sum {100 * fit.total_error:+.1f}%, R^2 {fit.r2:.3f}; {time.perf_counter() - wall:.0f} s; wrote {path}")  # fmt: skip
+    for kind, e in by_kind.items():
+        print(f"  {kind:<8} {e['steps']:>4} steps: mean error {100 * e['mape']:.1f}%, bias {100 * e['bias']:+.1f}%")
     return 0
 
 

@@ -142,3 +142,14 @@ def test_tune_simulate_searches_the_knobs_and_writes_the_best(tmp_path, tokenize
     written = json.loads(out.read_text())
     assert written["max_batch_size"] == best["config"]["max_batch_size"] and "replicas" not in written
     assert "configurations simulated in" in capsys.readouterr().out
+
+
+def test_error_by_kind_splits_decode_prefill_and_mixed():
+    from batchserve.simulator.profiler import Timings, error_by_kind
+
+    t = Timings([StepShape(tokens=4, seqs=4, decode_ctx=40), StepShape(tokens=9, seqs=1, prefill_pairs=45),
+                 StepShape(tokens=10, seqs=2, decode_ctx=5, prefill_pairs=45)], [0.010, 0.020, 0.030])  # fmt: skip
+    model = LinearStepModel({"steps": 0.010})
+    errors = error_by_kind(model, t)
+    assert errors["decode"]["mape"] == pytest.approx(0.0)
+    assert errors["prefill"]["bias"] == pytest.approx(-0.5) and errors["mixed"]["mape"] == pytest.approx(2 / 3)

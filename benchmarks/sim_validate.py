@@ -1,0 +1,112 @@
+"""The simulator against the real engine on this machine: predicted vs measured, side by side.
+
+    .venv/bin/python benchmarks/sim_validate.py --profile bench_results/sim/profile.json
+    .venv/bin/python benchmarks/sim_validate.py --profile P --workloads uniform --configs small --num-requests 40
+
+For each workload x configuration, the two request rates are set from the simulator's own estimate of the
+configuration's capacity (all requests at once): --load-factors of it (default 0.35 and 0.7). Each point runs
+`batchserve bench --offline` (the real engine, its warm-up, Poisson arrivals) and `batchserve simulate` with the same
+flags and seed, then reads both summary.json files: the comparison is what any script can do with the two commands.
+Targets: throughput and TTFT/TPOT p50 within 10%, p99 within 20%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from batchserve.bench.cli import main as bench_main
+from batchserve.simulator.cli import main as simulate_main
+
+CONFIGS = {
+    "small": ["--max-batch-size", "8", "--max-num-tokens", "512"],
+    "large": ["--max-batch-size", "32", "--max-num-tokens", "2048"],
+}
+METRICS = [  # (name, path in the summary, tolerance)
+    ("out tok/s", ("output_throughput",), 0.10),
+    ("TTFT p50", ("ttft_ms", "p50"), 0.10),
+    ("TTFT p99", ("ttft_ms", "p99"), 0.20),
+    ("TPOT p50", ("tpot_ms", "p50"), 0.10),
+    ("TPOT p99", ("tpot_ms", "p99"), 0.20),
+]
+
+
+def summary(command, argv: list[str], out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    before = set(out.glob("*/summary.json"))
+    if command(argv + ["--output-dir", str(out), "--no-plots", "--no-progress"]) != 0:
+        raise RuntimeError(f"{argv} failed")
+    (path,) = set(out.glob("*/summary.json")) - before
+    runs = json.loads(path.read_text())["runs"]
+    return next(iter(runs.values()))
+
+
+def get(s: dict, path: tuple[str, ...]) -> float:
+    for key in path:
+        s = s[key]
+    return float(s)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", required=True)
+    p.add_argument("--workloads", default="uniform,longtail,shared-prefix")
+    p.add_argument("--configs", default="small,large")
+    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--load-factors", default="0.35,0.7")
+    p.add_argument("--out-dir", default="bench_results/sim-validation")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    out = Path(args.out_dir)
+    rows = []
+    for workload in args.workloads.split(","):
+        for name in args.configs.split(","):
+            base = ["--workload", workload, "--num-requests", str(args.num_requests), "--output-len",
+                    str(args.output_len), "--seed", str(args.seed), *CONFIGS[name]]  # fmt: skip
+            cap = summary(simulate_main, [*base, "--profile", args.profile], out / "capacity")["request_throughput"]
+            for factor in (float(f) for f in args.load_factors.split(",")):
+                rate = round(cap * factor, 2)
+                argv = [*base, "--request-rate", str(rate)]
+                started = time.perf_counter()
+                measured = summary(bench_main, [*argv, "--offline"], out / "real")
+                real_s = time.perf_counter() - started
+                predicted = summary(simulate_main, [*argv, "--profile", args.profile], out / "sim")
+                row = {"workload": workload, "config": name, "rate": rate, "load": factor, "real_s": real_s,
+                       "measured": {m: get(measured, path) for m, path, _ in METRICS},
+                       "predicted": {m: get(predicted, path) for m, path, _ in METRICS}}  # fmt: skip
+                rows.append(row)
+                print(format_row(row), flush=True)
+                (out / "validation.json").write_text(json.dumps(rows, indent=2))
+    print("\n" + table(rows))
+    return 0
+
+
+def format_row(row: dict) -> str:
+    cells = [f"{m} {row['measured'][m]:.1f}/{row['predicted'][m]:.1f}" for m, _, _ in METRICS]
+    return f"{row['workload']} {row['config']} @ {row['rate']} req/s ({row['real_s']:.0f} s): " + ", ".join(cells)
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: measured | predicted | error for each metric, a mark where the error is over its target."""
+    head = "| workload | config | rate (req/s) | " + " | ".join(f"{m} meas / pred (err)" for m, _, _ in METRICS) + " |"
+    lines = [head, "|" + "---|" * (3 + len(METRICS))]
+    within = total = 0
+    for r in rows:
+        cells = []
+        for m, _, tol in METRICS:
+            a, b = r["measured"][m], r["predicted"][m]
+            err = (b - a) / a if a else float("nan")
+            ok = abs(err) <= tol
+            within, total = within + ok, total + 1
+            cells.append(f"{a:.1f} / {b:.1f} ({100 * err:+.0f}%{'' if ok else ' ✗'})")
+        lines.append(f"| {r['workload']} | {r['config']} | {r['rate']:g} | " + " | ".join(cells) + " |")
+    lines.append(f"\n{within} of {total} cells within target (p50 and throughput 10%, p99 20%; ✗ marks a miss)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
