@@ -65,3 +65,26 @@ def test_block_hashes_are_the_kv_managers_chain():
     assert hashes == [key.hash for key in kv.req_keys["a"]]  # what the pool finds a prefix hit by
     assert hashes == block_hashes(prompt + [99], 16)  # only full blocks count
     assert hashes[:1] == block_hashes(prompt[:16] + [7] * 34, 16)[:1] and hashes[1] != block_hashes([7] * 50, 16)[1]
+
+
+def test_trace_file_workload_keeps_arrivals_lengths_and_shared_prefixes(tmp_path):
+    from batchserve.simulator.trace_file import load_trace
+
+    path = tmp_path / "t.jsonl"
+    rows = [
+        '{"arrival_s": 10.5, "input_len": 40, "output_len": 5, "prefix_group": "sys", "prefix_len": 32}',
+        '{"arrival_s": 10.0, "input_len": 48, "output_len": 7, "prefix_group": "sys", "prefix_len": 32}',
+        '{"arrival_s": 12.0, "prompt_token_ids": [1, 2, 3], "output_len": 2}',
+    ]
+    path.write_text("\n".join(rows) + "\n")
+    requests, arrivals = load_trace(path)
+    assert arrivals.offsets(3) == [0.0, 0.5, 2.0]  # sorted, from the first arrival
+    assert [r.prompt_len for r in requests] == [48, 40, 3] and [r.output_len for r in requests] == [7, 5, 2]
+    assert requests[0].prompt_token_ids[:32] == requests[1].prompt_token_ids[:32]
+    assert requests[0].prompt_token_ids[32:40] != requests[1].prompt_token_ids[32:40]
+    config = EngineConfig.from_options(max_batch_size=4, block_size=16)
+    result = Cluster([SimEngine(config, STEP_MODEL, 64, 1024)], make_router("round-robin", 1, 16, 64)).run(
+        requests, arrivals
+    )
+    assert [r.arrival_time for r in result.trace.requests] == [0.0, 0.5, 2.0]
+    assert result.trace.requests[1].num_cached_tokens == 32  # the second of the group finds the first's prefix
