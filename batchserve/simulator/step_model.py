@@ -70,16 +70,24 @@ def fit_linear(
     shapes: list[StepShape], seconds: list[float], holdout_every: int = 5
 ) -> tuple[LinearStepModel, FitReport]:
     """Fit on 4 of every 5 steps, report the error on the fifth; then refit on all. Rows are weighted by 1/seconds so
-    the fit minimises relative error (short decode steps count as much as long prefills)."""
+    the fit minimises relative error (short decode steps count as much as long prefills). Steps the first fit misses
+    by far more than the rest (a one-off stall: a new GEMM shape's set-up, the host busy elsewhere) are left out of
+    the second fit; the held-out error still counts them."""
     x = np.array([s.features() for s in shapes], dtype=float)
     y = np.array(seconds, dtype=float)
     held = np.arange(len(y)) % holdout_every == holdout_every - 1
     scale = x.max(axis=0)
     scale[scale == 0] = 1.0
 
-    def solve(mask: np.ndarray) -> np.ndarray:
+    def solve_once(mask: np.ndarray) -> np.ndarray:
         w = 1.0 / y[mask]
         return nnls(x[mask] / scale * w[:, None], y[mask] * w) / scale
+
+    def solve(mask: np.ndarray) -> np.ndarray:
+        coef = solve_once(mask)
+        rel = np.abs(x @ coef - y) / y
+        keep = mask & (rel <= max(0.5, 5 * float(np.median(rel[mask]))))
+        return solve_once(keep) if keep.sum() >= len(FEATURES) else coef
 
     coef = solve(~held) if held.any() and (~held).sum() >= len(FEATURES) else solve(np.ones_like(held))
     test = held if held.any() else np.ones_like(held)
