@@ -164,3 +164,21 @@ def test_fit_ignores_one_off_stalls_but_reports_them():
     for name in ("steps", "tokens", "decode_ctx"):
         assert model.coefficients[name] == pytest.approx(STEP_MODEL.coefficients[name], rel=0.05), name
     assert report.p90_ape < 0.01 < report.mape  # the held-out stalls show in the mean, not in the p90
+
+
+def test_pool_sizes_follow_the_engines_rules():
+    from batchserve.config import EngineConfig
+    from batchserve.simulator.build import make_engine, pool_sizes
+
+    p = Profile(
+        "measured", STEP_MODEL, "m", "bfloat16", 1000, 1000 * 16 * 300, 4096, memory_free_bytes=1000 * 16 * 4000
+    )
+    assert pool_sizes(EngineConfig.from_options(), p) == (300, 0)  # the profile's default pool, no swap
+    assert pool_sizes(EngineConfig.from_options(block_size=32), p) == (150, 0)  # same bytes, bigger blocks
+    assert pool_sizes(EngineConfig.from_options(kv_cache_memory_fraction=0.5), p) == (2000, 0)
+    assert pool_sizes(EngineConfig.from_options(num_kv_blocks=77, num_swap_blocks=5), p) == (77, 5)
+    swap = EngineConfig.from_options(preemption_mode="swap", swap_space_gb=0.001)
+    assert pool_sizes(swap, p)[1] == int(0.001 * 1024**3) // (1000 * 16)
+    engine = make_engine(EngineConfig.from_options(max_model_len=2048), p)
+    assert engine.max_model_len == 2048 and engine.runner.num_kv_blocks == 300
+    assert make_engine(EngineConfig.from_options(num_kv_blocks=10), p).max_model_len == 160  # the pool bounds it
