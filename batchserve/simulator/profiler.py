@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes_per_token=per_token, kv_cache_bytes=pool, max_model_len=engine.model_config.max_position_embeddings,
         memory_free_bytes=free, machine=info, fit={**fit.to_dict(), "by_kind": by_kind},
         notes={"grid": GRID, "decode_tokens": DECODE_TOKENS, "seconds": time.perf_counter() - wall,
+               # every timed step, to refit another model without measuring again
+               "step_fields": [*StepShape().to_dict(), "seconds"],
+               "steps": [[*s.to_dict().values(), round(t, 7)] for s, t in zip(timings.shapes, timings.seconds, strict=True)],
                "engine": {k: str(v) for k, v in engine.effective_config().items()}},
     )  # fmt: skip
     path = profile.save(args.output)
