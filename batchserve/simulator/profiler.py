@@ -120,8 +120,33 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--output", default="step_profile.json", help="where the profile goes (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no line per grid point")
+    p.add_argument("--refit", metavar="PROFILE", help="refit the steps a profile recorded (no model is loaded)")
     add_engine_arguments(p)
     return p
+
+
+def refit(path: str, output: str) -> Profile:
+    """The profile at `path` with its step model fitted again from the steps it recorded."""
+    profile = Profile.load(path)
+    fields, rows = profile.notes.get("step_fields"), profile.notes.get("steps")
+    if not rows:
+        raise ValueError(f"{path} recorded no steps")
+    t = Timings([StepShape(**dict(zip(fields[:-1], r[:-1], strict=True))) for r in rows], [r[-1] for r in rows])
+    profile.step_model, fit = fit_linear(t.shapes, t.seconds)
+    profile.fit = {**fit.to_dict(), "by_kind": error_by_kind(profile.step_model, t)}
+    profile.save(output)
+    return profile
+
+
+def report(profile: Profile, path: Any) -> None:
+    c, fit = profile.step_model.coefficients, profile.fit
+    print(f"step time = {1e3 * c['steps']:.3f} ms + {1e6 * c['tokens']:.2f} us/token + {1e6 * c['seqs']:.2f} us/seq "
+          f"+ {1e6 * c['samples']:.2f} us/sampled row + {1e9 * c['decode_ctx']:.2f} ns/decode K/V position "
+          f"+ {1e12 * c['prefill_pairs']:.2f} ps/prefill query-key pair")  # fmt: skip
+    print(f"fit on {fit['num_steps']} steps; held-out error: mean {100 * fit['mape']:.1f}%, p90 "
+          f"{100 * fit['p90_ape']:.1f}%, sum {100 * fit['total_error']:+.1f}%, R^2 {fit['r2']:.3f}; wrote {path}")  # fmt: skip
+    for kind, e in fit["by_kind"].items():
+        print(f"  {kind:<8} {e['steps']:>4} steps: mean error {100 * e['mape']:.1f}%, bias {100 * e['bias']:+.1f}%")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     from batchserve.worker.kv_cache import available_memory_bytes, block_bytes
 
     args = build_parser().parse_args(argv)
+    if args.refit:
+        report(refit(args.refit, args.output), args.output)
+        return 0
     try:
         config = engine_config_from_args(args)
     except ValueError as exc:
@@ -161,14 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                "engine": {k: str(v) for k, v in engine.effective_config().items()}},
     )  # fmt: skip
     path = profile.save(args.output)
-    c = model.coefficients
-    print(f"step time = {1e3 * c['steps']:.3f} ms + {1e6 * c['tokens']:.2f} us/token + {1e6 * c['seqs']:.2f} us/seq "
-          f"+ {1e6 * c['samples']:.2f} us/sampled row + {1e9 * c['decode_ctx']:.2f} ns/decode K/V position "
-          f"+ {1e12 * c['prefill_pairs']:.2f} ps/prefill query-key pair")  # fmt: skip
-    print(f"fit on {fit.num_steps} steps; held-out error: mean {100 * fit.mape:.1f}%, p90 {100 * fit.p90_ape:.1f}%, "
-          f"sum {100 * fit.total_error:+.1f}%, R^2 {fit.r2:.3f}; {time.perf_counter() - wall:.0f} s; wrote {path}")  # fmt: skip
-    for kind, e in by_kind.items():
-        print(f"  {kind:<8} {e['steps']:>4} steps: mean error {100 * e['mape']:.1f}%, bias {100 * e['bias']:+.1f}%")
+    report(profile, path)
+    print(f"profiled in {time.perf_counter() - wall:.0f} s")
     return 0
 
 

@@ -182,3 +182,20 @@ def test_pool_sizes_follow_the_engines_rules():
     engine = make_engine(EngineConfig.from_options(max_model_len=2048), p)
     assert engine.max_model_len == 2048 and engine.runner.num_kv_blocks == 300
     assert make_engine(EngineConfig.from_options(num_kv_blocks=10), p).max_model_len == 160  # the pool bounds it
+
+
+def test_refit_from_the_steps_a_profile_recorded(tmp_path, capsys):
+    from batchserve.simulator.profiler import main
+
+    rng = random.Random(2)
+    shapes = [StepShape(tokens=rng.randint(1, 600), seqs=rng.randint(1, 32), samples=rng.randint(1, 8),
+                        decode_ctx=rng.randint(0, 9000), prefill_pairs=rng.randint(0, 90000)) for _ in range(100)]  # fmt: skip
+    rows = [[*s.to_dict().values(), STEP_MODEL.predict(s)] for s in shapes]
+    notes = {"step_fields": [*StepShape().to_dict(), "seconds"], "steps": rows}
+    Profile("measured", LinearStepModel({"steps": 1.0}), "m", "float32", 1, 1, 8, notes=notes).save(tmp_path / "a.json")
+    assert main(["--refit", str(tmp_path / "a.json"), "--output", str(tmp_path / "b.json")]) == 0
+    refitted = Profile.load(tmp_path / "b.json")
+    assert refitted.step_model.coefficients["tokens"] == pytest.approx(STEP_MODEL.coefficients["tokens"], rel=1e-3)
+    assert refitted.fit["mape"] < 1e-3 and refitted.fit["num_steps"] == 100
+    assert sum(e["steps"] for e in refitted.fit["by_kind"].values()) == 100
+    assert "held-out error" in capsys.readouterr().out
