@@ -178,7 +178,17 @@ def summarize(
         summary.update(step_summary(steps))
         # tokens generated per forward pass: batching efficiency, whatever the speed of the hardware (or a busy host)
         summary["output_tokens_per_step"] = out_tokens / len(steps)
+        summary["output_throughput_saturated"] = saturated_throughput(ok, steps)
     return summary
+
+
+def saturated_throughput(results: Sequence[RequestResult], steps: Sequence[StepSample]) -> float:
+    """Output tok/s from the first step to the last one that left requests waiting: the steady state of a saturated
+    server, without the ramp-down once the queue is empty (where every policy runs part-empty batches)."""
+    end = max((s.end for s in steps if s.num_waiting > 0), default=None)
+    if end is None or end <= steps[0].start:
+        return math.nan
+    return sum(1 for r in results for t in r.token_times if t <= end) / (end - steps[0].start)
 
 
 def _request_hit_rate(results: Sequence[RequestResult]) -> float:

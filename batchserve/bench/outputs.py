@@ -59,7 +59,8 @@ def compare_line(summaries: dict[str, dict], keys: list[tuple]) -> str:
         s, d = summaries[run_label("static", rate)], summaries[run_label("max_utilization", rate)]
         where = "" if rate is None else f" at {rate:g} req/s"
         lines.append(
-            f"dynamic vs static{where}: output throughput {_ratio(d, s, 'output_throughput')}, "
+            f"dynamic vs static{where}: output throughput {_ratio(d, s, 'output_throughput')} "
+            f"(saturated, while requests waited: {_ratio(d, s, 'output_throughput_saturated')}), "
             f"output tokens/step {_ratio(d, s, 'output_tokens_per_step')}; batch occupancy "
             f"{100 * s.get('batch_occupancy', math.nan):.1f}% static vs {100 * d.get('batch_occupancy', math.nan):.1f}% "
             f"dynamic (while requests waited: {100 * s.get('batch_occupancy_saturated', math.nan):.1f}% vs "

@@ -15,6 +15,7 @@ ROWS: list[tuple[str, Any, str, float]] = [
     ("Duration (s)", "duration_s", "{:.2f}", 1),
     ("Request throughput (req/s)", "request_throughput", "{:.3f}", 1),
     ("Output throughput (tok/s)", "output_throughput", "{:.1f}", 1),
+    ("  while requests waited (tok/s)", "output_throughput_saturated", "{:.1f}", 1),
     ("Total token throughput (tok/s)", "total_token_throughput", "{:.1f}", 1),
     ("Goodput (req/s within SLO)", "goodput", "{:.3f}", 1),
     ("SLO attainment (%)", "slo_attainment", "{:.1f}", 100),

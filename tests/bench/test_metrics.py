@@ -102,3 +102,16 @@ def test_request_level_prefix_hit_rate_without_steps():
     a = RequestResult("a", 100, 2, 0.0, 0.1, 0.2, num_cached_tokens=50)
     b = RequestResult("b", 100, 2, 0.0, 0.1, 0.2)
     assert summarize([a, b], 1.0)["prefix_cache_hit_rate"] == pytest.approx(0.25)
+
+
+def test_saturated_throughput_stops_when_the_queue_empties():
+    # steps of 1 s; requests waited during the first two; afterwards the batch drains at one token a step
+    steps = [StepSample(start=float(i), end=float(i + 1), num_scheduled_seqs=2, num_waiting=w) for i, w in
+             enumerate([3, 1, 0, 0])]  # fmt: skip
+    busy = RequestResult("a", 8, 4, 0.0, 1.0, 4.0, [1.0, 2.0, 3.0, 4.0])
+    other = RequestResult("b", 8, 2, 0.0, 1.0, 2.0, [1.0, 2.0])
+    summary = summarize([busy, other], 4.0, steps=steps)
+    assert summary["output_throughput_saturated"] == pytest.approx(4 / 2.0)  # 4 tokens by t=2, over 2 s
+    assert summary["output_throughput"] == pytest.approx(6 / 4.0)
+    never_waited = [StepSample(start=0.0, end=1.0, num_scheduled_seqs=1)]
+    assert math.isnan(summarize([other], 1.0, steps=never_waited)["output_throughput_saturated"])
