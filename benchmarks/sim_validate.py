@@ -60,13 +60,14 @@ def main() -> int:
     p.add_argument("--load-factors", default="0.35,0.7")
     p.add_argument("--out-dir", default="bench_results/sim-validation")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-flags", default="", help="more flags for both commands, e.g. '--num-threads 1'")
     args = p.parse_args()
     out = Path(args.out_dir)
     rows = []
     for workload in args.workloads.split(","):
         for name in args.configs.split(","):
             base = ["--workload", workload, "--num-requests", str(args.num_requests), "--output-len",
-                    str(args.output_len), "--seed", str(args.seed), *CONFIGS[name]]  # fmt: skip
+                    str(args.output_len), "--seed", str(args.seed), *CONFIGS[name], *args.engine_flags.split()]  # fmt: skip
             cap = summary(simulate_main, [*base, "--profile", args.profile], out / "capacity")["request_throughput"]
             for factor in (float(f) for f in args.load_factors.split(",")):
                 rate = round(cap * factor, 2)
