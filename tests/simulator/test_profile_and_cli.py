@@ -199,3 +199,31 @@ def test_refit_from_the_steps_a_profile_recorded(tmp_path, capsys):
     assert refitted.fit["mape"] < 1e-3 and refitted.fit["num_steps"] == 100
     assert sum(e["steps"] for e in refitted.fit["by_kind"].values()) == 100
     assert "held-out error" in capsys.readouterr().out
+
+
+def test_tune_simulate_confirms_the_best_on_the_engine(tmp_path, tokenizer, make_engine, monkeypatch, capsys):
+    """--confirm N reruns the N best one-replica configurations through bench's driver on the engine (here the real
+    LLMEngine over the FakeRunner) and records the measured summary beside the predicted one."""
+    from batchserve.bench import offline
+    from batchserve.bench.tune import main
+
+    built = []
+    monkeypatch.setattr(offline, "build_engine", lambda config, like=None, share_runner=True: built.append(
+        make_engine(config, tokenizer=tokenizer)) or built[-1])  # fmt: skip
+    tokenizer.save_pretrained(tmp_path / "tok")
+    Profile("measured", STEP_MODEL, "tiny", "float32", 1024, 1024 * 16 * 512, 4096).save(tmp_path / "p.json")
+    argv = ["--simulate", "--profile", str(tmp_path / "p.json"), "--tokenizer", str(tmp_path / "tok"),
+            "--workload", "uniform", "--input-len", "16", "--output-len", "8", "--num-requests", "12",
+            "--batch-sizes", "4,8", "--num-tokens", "256", "--policies", "max_utilization", "--confirm", "2",
+            "--output", str(tmp_path / "best.json"), "--results-json", str(tmp_path / "rows.json"), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert len(built) == 2 and [r["config"]["max_batch_size"] for r in rows[:2]] == [
+        b.config.scheduler.max_batch_size for b in built
+    ]
+    for r in rows[:2]:
+        assert (
+            r["measured"]["completed"] == 12
+            and r["measured"]["total_output_tokens"] == r["summary"]["total_output_tokens"]
+        )
+    assert "confirmed on the real engine" in capsys.readouterr().out
