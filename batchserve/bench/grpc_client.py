@@ -32,18 +32,13 @@ async def stream_one(
             now = time.monotonic()
             if reply.token_ids:
                 tokens += len(reply.token_ids)
-                result.token_times.append(now)
-                if result.first_token_time is None:
-                    result.first_token_time = now
+                result.record_delivery(now)
             if reply.HasField("usage"):
                 result.num_cached_tokens = reply.usage.cached_tokens
                 tokens = reply.usage.completion_tokens
-        result.finish_time = time.monotonic()
-        result.output_len = tokens
-        if result.first_token_time is None:
-            raise RuntimeError("the stream carried no tokens")
+        result.end_stream(time.monotonic(), tokens)
     except Exception as exc:  # noqa: BLE001 - a benchmark records the failure and goes on
-        result.success, result.error = False, f"{type(exc).__name__}: {exc}"
+        result.record_failure(exc)
     return result
 
 

@@ -72,15 +72,10 @@ async def stream_one(client: httpx.AsyncClient, body: dict, result: RequestResul
                 choices = chunk.get("choices") or []
                 if choices and choices[0].get("text"):
                     chunks += 1
-                    result.token_times.append(now)
-                    if result.first_token_time is None:
-                        result.first_token_time = now
-        result.finish_time = time.monotonic()
-        result.output_len = usage_tokens if usage_tokens is not None else chunks
-        if result.first_token_time is None:
-            raise RuntimeError("the stream carried no tokens")
+                    result.record_delivery(now)
+        result.end_stream(time.monotonic(), usage_tokens if usage_tokens is not None else chunks)
     except Exception as exc:  # noqa: BLE001 - a benchmark records the failure and goes on
-        result.success, result.error = False, f"{type(exc).__name__}: {exc}"
+        result.record_failure(exc)
     return result
 
 

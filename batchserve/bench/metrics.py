@@ -53,6 +53,20 @@ class RequestResult:
     def itls(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
 
+    # What every streaming client records (HTTP, gRPC): a delivery of tokens, the end of the stream, a failure.
+    def record_delivery(self, now: float) -> None:
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def end_stream(self, now: float, output_len: int) -> None:
+        self.finish_time, self.output_len = now, output_len
+        if self.first_token_time is None:
+            raise RuntimeError("the stream carried no tokens")
+
+    def record_failure(self, exc: BaseException) -> None:
+        self.success, self.error = False, f"{type(exc).__name__}: {exc}"
+
 
 @dataclass
 class SLO:
