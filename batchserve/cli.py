@@ -13,7 +13,7 @@ USAGE = """batchserve <command> [options]
 
 commands:
   generate   generate text for prompts given on the command line (default model: SmolLM2-135M-Instruct)
-  serve      start the OpenAI-compatible HTTP server
+  serve      start the OpenAI-compatible HTTP server (--replicas N: N engines on Ray Serve)
   bench      measure throughput and latency (offline or against any OpenAI-compatible server)
   tune       sweep scheduler settings against an SLO and print the best configuration (--simulate: in seconds)
   profile    time engine steps on this machine and save a step-time profile for simulate
@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from batchserve.entrypoints.generate import main as command_main
     elif command == "serve":
         from batchserve.entrypoints.openai.launch import main as command_main
+        from batchserve.entrypoints.openai.launch import wants_scale_out
+
+        if wants_scale_out(rest):
+            from batchserve.distributed.launch import main as command_main
     elif command == "bench":
         from batchserve.bench.cli import main as command_main
     elif command == "tune":

@@ -23,6 +23,9 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:  # pickled whole (Ray sends it between processes)
+        return type(self), (str(self), self.param)
+
 
 @dataclass
 class SamplingParams:

@@ -50,6 +50,7 @@ class RequestStream:
         self.request_id = request_id
         self._loop = loop
         self._queue: asyncio.Queue[CompletionOutput | BaseException] = asyncio.Queue()
+        self._held_error: BaseException | None = None  # met by ready() behind outputs; raised by the next call
         self.finished = False
 
     # loop thread
@@ -61,7 +62,24 @@ class RequestStream:
 
     # event loop
     async def get(self) -> CompletionOutput:
-        item = await self._queue.get()
+        item = self._held_error or await self._queue.get()
+        return self._take(item)
+
+    def ready(self) -> list[CompletionOutput]:
+        """The outputs delivered so far, without waiting (a relay sends them together). An error behind them is
+        held back and raised by the next call."""
+        if self._held_error is not None:
+            self._take(self._held_error)
+        items: list[CompletionOutput] = []
+        while not self.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, BaseException) and items:
+                self._held_error = item
+                break
+            items.append(self._take(item))
+        return items
+
+    def _take(self, item: CompletionOutput | BaseException) -> CompletionOutput:
         if isinstance(item, BaseException):
             self.finished = True
             raise item

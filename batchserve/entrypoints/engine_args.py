@@ -9,7 +9,14 @@ import enum
 from typing import Any
 
 from batchserve.config import EngineConfig
-from batchserve.entrypoints.engine_options import SPECS, OptionSpec, close_match, engine_config
+from batchserve.entrypoints.engine_options import (
+    SPECS,
+    OptionSpec,
+    close_match,
+    engine_config,
+    read_config_file,
+    validate_options,
+)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -68,9 +75,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, include_model: bool = 
             group.add_argument(*flags, type=spec.kind, metavar=spec.kind.__name__.upper(), **common)
 
 
+def engine_options_from_args(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    """The engine options of --config, overridden by flags given on the command line (and `extra` options not
+    None), checked by type; options given nowhere are left out (they keep their defaults)."""
+    given = {spec.name: getattr(args, spec.name) for spec in SPECS if getattr(args, spec.name, None) is not None}
+    given.update({name: value for name, value in extra.items() if value is not None})
+    config_file = getattr(args, "config", None)
+    merged = read_config_file(config_file) if config_file else {}
+    merged.update(validate_options(given, "the command line"))
+    return merged
+
+
 def engine_config_from_args(args: argparse.Namespace, **extra: Any) -> EngineConfig:
     """Flags given on the command line (and `extra` options not None) override those of --config; options given
     nowhere keep their defaults."""
-    given = {spec.name: getattr(args, spec.name) for spec in SPECS if getattr(args, spec.name, None) is not None}
-    given.update({name: value for name, value in extra.items() if value is not None})
-    return engine_config(given, "the command line", getattr(args, "config", None))
+    return engine_config(engine_options_from_args(args, **extra))

@@ -32,6 +32,9 @@ class ServingError(Exception):
     def __str__(self) -> str:
         return self.message
 
+    def __reduce__(self) -> tuple[type, tuple[ErrorKind, str, str | None]]:  # pickled whole (Ray sends it)
+        return ServingError, (self.kind, self.message, self.param)
+
 
 def classify(exc: BaseException) -> ServingError:
     """What went wrong, in the words every front end shares."""

@@ -1,6 +1,6 @@
-"""Imports run one way: config <- core <- layers <- models <- worker <- engine <- serving <- entrypoints <- bench,
-with the CLI dispatcher (and the package's own __init__) on top. Every import counts, at the top of a file or inside
-a function, so that no lazy import hides an arrow that runs back up."""
+"""Imports run one way: config <- core <- layers <- models <- worker <- engine <- serving <- entrypoints <-
+distributed <- bench, with the CLI dispatcher (and the package's own __init__) on top. Every import counts, at the
+top of a file or inside a function, so that no lazy import hides an arrow that runs back up."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("batchserve.engine",),
     ("batchserve.serving",),
     ("batchserve.entrypoints",),
+    ("batchserve.distributed",),
     ("batchserve.bench", "batchserve.simulator"),
     ("batchserve.cli", "batchserve"),
 ]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,7 @@ from batchserve.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from batchserve.sampling_params import InvalidRequestError
+from batchserve.serving.client import EngineClient
 from batchserve.serving.errors import ServingError
 from batchserve.serving.generation import GenerationService
 from batchserve.serving.metrics import CONTENT_TYPE, EngineMetrics
@@ -57,9 +59,8 @@ def build_app(
     dropped with a logged warning instead of answered 400."""
     owned = isinstance(engine, LLMEngine)
     async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
-    names = _model_names(served_model_name, async_engine.config.model)
+    names = model_names(served_model_name, async_engine.config.model)
     metrics = (metrics or EngineMetrics(model_name=names[0])).attach(async_engine)
-    front = OpenAIFrontEnd(GenerationService(async_engine), names, max_body_bytes, lenient)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -68,21 +69,56 @@ def build_app(
         if owned:  # uvicorn has already waited for the in-flight requests (graceful shutdown)
             await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
-    app = FastAPI(title="batchserve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.front = front
+    async def health_problem() -> str | None:
+        return engine_problem(async_engine, stall_timeout_s)
+
+    app = build_front_app(
+        async_engine, names, api_key=api_key, max_body_bytes=max_body_bytes, lenient=lenient,
+        render_metrics=metrics.render, health_problem=health_problem, lifespan=lifespan,
+    )  # fmt: skip
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    return app
+
+
+def build_front_app(
+    client: EngineClient,
+    served_model_names: Sequence[str],
+    *,
+    api_key: str | None,
+    max_body_bytes: int,
+    lenient: bool,
+    render_metrics: Callable[[], Awaitable[bytes] | bytes],
+    health_problem: Callable[[], Awaitable[str | None]],
+    lifespan: Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]] | None = None,
+) -> FastAPI:
+    """The OpenAI (and KServe) routes over any EngineClient: one engine in this process, or a Ray Serve deployment
+    of them (batchserve.distributed). `render_metrics` answers /metrics; `health_problem` is None when healthy,
+    else why /health answers 503."""
+    front = OpenAIFrontEnd(GenerationService(client), served_model_names, max_body_bytes, lenient)
+    app = FastAPI(title="batchserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.front = front
     _add_error_handlers(app)
-    _add_routes(app, front, async_engine, metrics)
+    _add_routes(app, front, client, render_metrics)
     add_kserve_routes(app, front)  # /v2/...: Triton's generate extension for TensorRT-LLM callers
-    _add_health(app, async_engine, stall_timeout_s)
+    _add_health(app, health_problem)
     _document_request_bodies(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
 
 
-def _model_names(served_model_name: str | Sequence[str] | None, model: str | None) -> list[str]:
+def engine_problem(engine: AsyncLLMEngine, stall_timeout_s: float) -> str | None:
+    """Why a local engine cannot serve (dead loop, or no progress for `stall_timeout_s` with requests pending)."""
+    if not engine.is_running and engine.error is not None:
+        return f"engine loop died: {engine.error!r}"
+    stalled = engine.stalled_for()
+    if stalled > stall_timeout_s:
+        return f"the engine loop has made no progress for {stalled:.0f} s with requests pending"
+    return None
+
+
+def model_names(served_model_name: str | Sequence[str] | None, model: str | None) -> list[str]:
     if isinstance(served_model_name, str):
         return [served_model_name]
     if served_model_name:
@@ -105,7 +141,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
 
 
-def _add_routes(app: FastAPI, front: OpenAIFrontEnd, engine: AsyncLLMEngine, metrics: EngineMetrics) -> None:
+def _add_routes(
+    app: FastAPI, front: OpenAIFrontEnd, client: EngineClient, render_metrics: Callable[[], Awaitable[bytes] | bytes]
+) -> None:
     service = front.service
 
     @app.post("/v1/completions")
@@ -118,7 +156,11 @@ def _add_routes(app: FastAPI, front: OpenAIFrontEnd, engine: AsyncLLMEngine, met
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"root": engine.config.model, "max_model_len": service.limits.max_model_len, "dtype": engine.config.dtype}
+        card = {
+            "root": client.config.model,
+            "max_model_len": service.limits.max_model_len,
+            "dtype": client.config.dtype,
+        }
         cards = [ModelCard(id=name, **card) for name in front.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
@@ -140,18 +182,16 @@ def _add_routes(app: FastAPI, front: OpenAIFrontEnd, engine: AsyncLLMEngine, met
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        body = render_metrics()
+        return Response(await body if inspect.isawaitable(body) else body, media_type=CONTENT_TYPE)
 
 
-def _add_health(app: FastAPI, engine: AsyncLLMEngine, stall_timeout_s: float) -> None:
+def _add_health(app: FastAPI, health_problem: Callable[[], Awaitable[str | None]]) -> None:
     @app.get("/health")
     async def health() -> Response:
-        if not engine.is_running and engine.error is not None:
-            return as_api_error(EngineDeadError(f"engine loop died: {engine.error!r}")).response()
-        stalled = engine.stalled_for()
-        if stalled > stall_timeout_s:
-            message = f"the engine loop has made no progress for {stalled:.0f} s with requests pending"
-            return as_api_error(EngineDeadError(message)).response()
+        problem = await health_problem()
+        if problem is not None:
+            return as_api_error(EngineDeadError(problem)).response()
         return JSONResponse({"status": "ok"})
 
 

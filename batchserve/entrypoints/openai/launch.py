@@ -72,10 +72,46 @@ def make_parser() -> argparse.ArgumentParser:
         f"(default: {DEFAULT_STALL_TIMEOUT_S:g} s)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="server log level"
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level",
     )
+    add_scale_out_arguments(parser)
     add_engine_arguments(parser, include_model=False)
     return parser
+
+
+SCALE_OUT_FLAGS = ("--replicas", "--max-replicas", "--ray-address")
+
+
+def add_scale_out_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the Ray Serve path (batchserve.distributed.launch, which `batchserve serve` runs when one of
+    SCALE_OUT_FLAGS is given); listed here so that `serve --help` shows them."""
+    group = parser.add_argument_group("scale-out on Ray Serve (any of --replicas, --max-replicas, --ray-address)")
+    group.add_argument("--replicas", type=int, default=None, help="engine replicas behind one OpenAI ingress")
+    group.add_argument(
+        "--max-replicas", type=int, default=None, help="autoscale between --replicas and this many (engine load)"
+    )
+    group.add_argument(
+        "--target-ongoing-requests", type=float, default=16.0,
+        help="autoscaling target: running + waiting engine requests per replica (default: 16)",
+    )  # fmt: skip
+    group.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (default: start a local Ray instance)"
+    )
+    group.add_argument(
+        "--router", choices=["prefix-aware", "power-of-two"], default="prefix-aware",
+        help="prefix-aware: the replica already holding the prompt's prefix, unless overloaded; power-of-two: "
+        "Ray Serve's default (default: prefix-aware)",
+    )  # fmt: skip
+    group.add_argument(
+        "--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica (default: 1)"
+    )
+
+
+def wants_scale_out(argv: list[str]) -> bool:
+    return any(arg.split("=", 1)[0] in SCALE_OUT_FLAGS for arg in argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,45 @@
+"""OpenAIIngress: the Ray Serve ingress deployment. Ray Serve's HTTP proxy hands it each request; it answers with
+the same OpenAI (and KServe) routes as `batchserve serve`, over RemoteEngineClient, so tokenizing, validation,
+streaming and errors are the serving layer's. /metrics: every replica's metrics, labelled `replica`, and the
+router's decisions; /health: 503 while no replica has posted metrics recently (none alive)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import generate_latest
+
+from batchserve.distributed.client import RemoteEngineClient
+from batchserve.distributed.metrics import ROUTER_METRICS, relabelled
+from batchserve.distributed.options import RayAppOptions
+from batchserve.entrypoints.openai.app import build_front_app, model_names
+
+
+class OpenAIIngress:
+    async def __init__(self, engines: Any, board: Any, options: RayAppOptions) -> None:
+        """`engines`, `board`: handles of the EngineReplica and ReplicaBoard deployments."""
+        self.client = await RemoteEngineClient.connect(engines)
+        self.board = board
+        self.options = options
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        options = self.options
+        return build_front_app(
+            self.client,
+            model_names(options.served_model_name, self.client.config.model),
+            api_key=options.api_key,
+            max_body_bytes=options.max_body_bytes,
+            lenient=options.lenient,
+            render_metrics=self.render_metrics,
+            health_problem=self.health_problem,
+        )
+
+    async def render_metrics(self) -> bytes:
+        posts = await self.board.snapshot.remote()
+        return relabelled(posts) + generate_latest(ROUTER_METRICS)
+
+    async def health_problem(self) -> str | None:
+        if not await self.board.snapshot.remote():
+            return "no engine replica has reported in the last seconds"
+        return None

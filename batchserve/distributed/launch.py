@@ -1,0 +1,96 @@
+"""`batchserve serve --replicas N`: the Ray Serve application on a local Ray instance (or, with --ray-address, an
+existing cluster), Ray Serve's HTTP proxy on --host/--port, until SIGINT/SIGTERM.
+
+Every `batchserve serve` flag keeps its meaning. Engine threads: unless --num-threads is given, each replica gets
+the machine's cores divided by the replicas (2 replicas on 2 cores: 1 thread each), so replicas do not fight over
+cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+from batchserve import env
+from batchserve.config import ConfigError
+from batchserve.distributed.options import RayAppOptions
+from batchserve.entrypoints.engine_args import engine_options_from_args
+from batchserve.entrypoints.engine_options import engine_config
+from batchserve.entrypoints.openai.launch import make_parser
+
+logger = logging.getLogger("batchserve.distributed")
+
+APP_NAME = "batchserve"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    parser.prog = "batchserve serve --replicas N"
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.grpc_port is not None:
+        parser.error("--grpc-port is not served on Ray Serve yet: run one engine (no --replicas) for gRPC")
+    replicas = args.replicas or 1
+    try:
+        engine = engine_options_from_args(args, **({"model": args.model} if args.model else {}))
+        engine.setdefault("num_threads", max(1, (os.cpu_count() or 1) // replicas))
+        engine_config(engine, "the command line")
+        options = RayAppOptions(
+            engine=engine, replicas=replicas, max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests, router=args.router,
+            replica_num_cpus=args.replica_cpus,
+            served_model_name=[n.strip() for n in (args.served_model_name or "").split(",") if n.strip()],
+            api_key=args.api_key or env.api_key(), max_body_bytes=args.max_body_bytes, lenient=args.lenient,
+            stall_timeout_s=args.stall_timeout,
+        )  # fmt: skip
+    except (ConfigError, ValueError) as exc:
+        parser.error(str(exc))
+    return run(options, args.host, args.port, args.ray_address)
+
+
+def run(options: RayAppOptions, host: str, port: int, ray_address: str | None) -> int:
+    import ray
+    from ray import serve
+
+    from batchserve.distributed.app import build_application
+
+    if ray_address:
+        ray.init(address=ray_address)
+    else:
+        cpus = max(os.cpu_count() or 1, math.ceil(options.replicas * options.replica_num_cpus))
+        ray.init(num_cpus=cpus, include_dashboard=False)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, _setter(stop)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_application(options), name=APP_NAME, route_prefix="/")
+        logger.info("serving on http://%s:%d (Ray Serve, %s)", host, port, _describe(options))
+        stop.wait()
+        logger.info("stopping")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if ray_address:
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _describe(o: RayAppOptions) -> str:
+    scaling = f"{o.replicas}-{o.max_replicas} replicas, autoscaled" if o.autoscaling else f"{o.replicas} replicas"
+    return f"{scaling}, router {o.router}"
+
+
+def _setter(stop: threading.Event) -> Callable[[int, FrameType | None], None]:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    return handler

@@ -1,0 +1,59 @@
+"""What the ingress and the engine replicas send each other through Ray (all picklable dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchserve.config import EngineConfig
+from batchserve.engine.inputs import EngineLimits, Prompt
+from batchserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ReplicaRequest:
+    """One engine request. The ingress has tokenized the prompt already, so the router can hash its blocks."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    priority: int = 0
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        prompt = self.prompt
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt_token_ids")
+        if isinstance(prompt, list | tuple):
+            return list(prompt)
+        return None
+
+
+@dataclass(frozen=True)
+class EngineDescription:
+    """What is fixed for an engine's life: the ingress answers /v1/models and validates prompts with it."""
+
+    config: EngineConfig
+    limits: EngineLimits
+    num_kv_blocks: int
+
+
+@dataclass(frozen=True)
+class ReplicaLoadReport:
+    """A replica's load, as its record_routing_stats reports it to the routers."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+
+    @property
+    def queue_len(self) -> int:
+        return self.num_running + self.num_waiting
+
+    def as_dict(self) -> dict[str, float]:
+        return {"num_running": self.num_running, "num_waiting": self.num_waiting, "kv_usage": self.kv_usage}
+
+    @classmethod
+    def from_dict(cls, stats: dict[str, float] | None) -> ReplicaLoadReport | None:
+        if not stats or "num_running" not in stats:
+            return None
+        return cls(int(stats["num_running"]), int(stats["num_waiting"]), float(stats["kv_usage"]))

@@ -1,0 +1,40 @@
+"""RayAppOptions: everything the Ray Serve application is built from, checked by pydantic (the same object
+`batchserve serve --replicas` fills from flags and `serve run batchserve.distributed.app:build key=value` or a
+Serve config file's `args:` fill from strings)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ROUTERS = ("prefix-aware", "power-of-two")
+
+
+class RayAppOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    engine: dict[str, Any] = Field(default_factory=dict, description="engine options, as in a --config file")
+    replicas: int = Field(2, ge=1, description="engine replicas (the minimum, when autoscaling)")
+    max_replicas: int | None = Field(None, ge=1, description="autoscale between replicas and this many")
+    target_ongoing_requests: float = Field(16, gt=0, description="autoscaling: engine requests per replica")
+    router: Literal["prefix-aware", "power-of-two"] = "prefix-aware"
+    routing: dict[str, Any] = Field(default_factory=dict, description="serving.routing.RoutingConfig fields")
+    replica_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per engine replica")
+    max_ongoing_requests: int = Field(1024, ge=1, description="requests in flight per replica (its engine queues)")
+    served_model_name: list[str] = Field(default_factory=list)
+    api_key: str | None = None
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
+    lenient: bool = False
+    stall_timeout_s: float = Field(120.0, gt=0)
+    health_check_period_s: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RayAppOptions:
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below replicas ({self.replicas})")
+        return self
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_replicas is not None and self.max_replicas > self.replicas

@@ -1,0 +1,109 @@
+"""EngineReplica: the body of one Ray Serve replica, an AsyncLLMEngine of its own.
+
+Ray Serve calls `generate` through a deployment handle (streaming); the replica answers with lists of outputs,
+each list all that the engine produced since the previous one, so a busy replica sends one Ray message per step
+and stream rather than one per token. It reports its load to the routers (`record_routing_stats`) and to the
+autoscaler (`record_autoscaling_stats`), fails Serve's health check when its engine loop died or stalled (Serve
+then replaces it), and posts its Prometheus metrics to the ReplicaBoard for the ingress's /metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from batchserve.distributed.messages import EngineDescription, ReplicaLoadReport, ReplicaRequest
+from batchserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
+from batchserve.entrypoints.engine_options import engine_config
+from batchserve.serving.metrics import EngineMetrics
+from batchserve.worker.device import configure_torch
+
+logger = logging.getLogger(__name__)
+
+METRICS_POST_PERIOD_S = 1.0
+
+
+class EngineReplica:
+    def __init__(
+        self, engine_options: dict[str, Any], model_name: str, board: Any = None, stall_timeout_s: float = 120.0
+    ) -> None:
+        """`engine_options`: engine options as in a --config file; `board`: a handle to the ReplicaBoard
+        deployment (None: metrics are not posted)."""
+        config = engine_config(engine_options, "the Ray Serve app")
+        configure_torch(config.num_threads, config.seed)
+        self.engine = AsyncLLMEngine(LLMEngine(config)).start()
+        self.metrics = EngineMetrics(model_name=model_name).attach(self.engine)
+        self.stall_timeout_s = stall_timeout_s
+        self.replica_id = _replica_id()
+        self._board = board
+        self._stopped = threading.Event()
+        if board is not None:
+            threading.Thread(target=self._post_metrics, name="batchserve-metrics-post", daemon=True).start()
+        logger.info("replica %s ready: %s", self.replica_id, self.engine.engine.effective_config())
+
+    def describe(self) -> EngineDescription:
+        return EngineDescription(self.engine.config, self.engine.limits, self.engine.engine.runner.num_kv_blocks)
+
+    async def generate(self, request: ReplicaRequest) -> AsyncIterator[list[CompletionOutput]]:
+        """First an empty list once the engine admitted the request (or its error: InvalidRequestError,
+        QueueFullError, EngineDeadError), then its outputs. Cancelled by the caller (a client gone, an abort):
+        the engine drops the request."""
+        stream = await self.engine.add_request(request.request_id, request.prompt, request.params, request.priority)
+        try:
+            yield []
+            while not stream.finished:
+                first = await stream.get()
+                yield [first, *stream.ready()]
+        finally:
+            if not stream.finished:
+                self.engine.abort(request.request_id)
+
+    def load(self) -> ReplicaLoadReport:
+        stats = self.engine.stats()
+        if stats is None:
+            return ReplicaLoadReport(num_waiting=self.engine.num_active_requests)
+        return ReplicaLoadReport(stats.num_running, stats.num_waiting, stats.kv_usage)
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """Called by Ray Serve every request_routing_stats_period_s; the routers read it as replica.routing_stats."""
+        return self.load().as_dict()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Called by Ray Serve for the autoscaling policy (distributed/autoscaling.py)."""
+        load = self.load()
+        return {"engine_requests": float(load.queue_len), "kv_usage": load.kv_usage}
+
+    def check_health(self) -> None:
+        """Ray Serve restarts the replica when this raises."""
+        if not self.engine.is_running:
+            raise EngineDeadError(f"engine loop is not running: {self.engine.error!r}")
+        stalled = self.engine.stalled_for()
+        if stalled > self.stall_timeout_s:
+            raise EngineDeadError(f"the engine loop has made no progress for {stalled:.0f} s with requests pending")
+
+    def metrics_text(self) -> str:
+        return self.metrics.render().decode()
+
+    def _post_metrics(self) -> None:
+        while not self._stopped.wait(METRICS_POST_PERIOD_S):
+            with contextlib.suppress(Exception):  # the board restarting: post again next period
+                self._board.post.remote(self.replica_id, self.metrics_text()).result(timeout_s=10)
+
+    def __del__(self) -> None:
+        """Ray Serve calls this when it stops the replica."""
+        self._stopped.set()
+        self.engine.shutdown(drain=False)
+
+
+def _replica_id() -> str:
+    """Ray Serve's id of this replica; a fixed name outside Serve (tests building the class directly)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not in a Serve replica
+        return "local"

@@ -1,0 +1,93 @@
+"""PrefixAwareRouter: Ray Serve's RequestRouter API over the prefix- and load-aware policy of serving/routing.py.
+
+Runs inside the caller of the deployment handle (the ingress). A request goes to the replica that was sent the
+longest run of its prompt's leading blocks, unless that replica is busier than the least loaded one by more than
+`max_imbalance` requests or its KV pool is over `max_kv_usage`; else power of two choices on queue length (two
+random replicas, Ray Serve probes both and takes the shorter queue). A replica's load is the larger of what this
+router has in flight there and what the replica last reported (record_routing_stats: running + waiting, KV usage).
+Decisions are counted in metrics.ROUTER_METRICS, which the ingress's /metrics serves.
+
+Ray Serve pickles this module by value to ship the class: module-level state here would be copied, so the counters
+live in distributed/metrics.py, referenced through its module.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from batchserve.distributed import metrics
+from batchserve.distributed.messages import ReplicaLoadReport, ReplicaRequest
+from batchserve.serving.routing import Choice, Decision, PrefixRoutingPolicy, ReplicaLoad, RoutingConfig, block_hashes
+
+MAX_PENDING_DECISIONS = 4096
+
+
+class PrefixAwareRouter(RequestRouter):
+    def initialize_state(self, **kwargs: Any) -> None:
+        """kwargs: RoutingConfig's fields (request_router_kwargs of the deployment's RequestRouterConfig)."""
+        self.policy = PrefixRoutingPolicy(RoutingConfig(**kwargs))
+        self._in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
+        self._routed: dict[str, tuple[list[int], Choice]] = {}  # internal request id -> its hashes and decision
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # after these ranks, back off before retrying
+        hashes = self._hashes(pending_request)
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        choice = self.policy.choose(hashes, {rid: self._load(r) for rid, r in by_id.items()})
+        if pending_request is not None:
+            self._routed[pending_request.metadata.internal_request_id] = (hashes, choice)
+            while len(self._routed) > MAX_PENDING_DECISIONS:  # requests cancelled before they were routed
+                self._routed.pop(next(iter(self._routed)))
+        if choice.replica is None:
+            return [_two_random(candidate_replicas)]
+        others = [r for rid, r in by_id.items() if rid != choice.replica]
+        return [[by_id[choice.replica]], _two_random(others)] if others else [[by_id[choice.replica]]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._in_flight[replica_id] += 1
+        hashes, choice = self._routed.pop(pending_request.metadata.internal_request_id, ([], None))
+        if choice is None:
+            return
+        went_as_chosen = choice.replica == replica_id
+        decision = choice.decision if went_as_chosen or choice.replica is None else Decision.OVERLOADED
+        metrics.ROUTER_DECISIONS.labels(decision).inc()
+        if decision == Decision.PREFIX:
+            metrics.ROUTER_MATCHED_BLOCKS.inc(choice.matched_blocks)
+        self.policy.routed(replica_id, hashes)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._in_flight.get(replica_id, 0) > 0:
+            self._in_flight[replica_id] -= 1
+        self._routed.pop(internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.policy.index.forget(replica_id)  # its replacement starts with an empty cache
+        self._in_flight.pop(replica_id, None)
+
+    def _load(self, replica: RunningReplica) -> ReplicaLoad:
+        report = ReplicaLoadReport.from_dict(replica.routing_stats) or ReplicaLoadReport()
+        queue_len = max(self._in_flight.get(replica.replica_id, 0), report.queue_len)
+        return ReplicaLoad(queue_len=queue_len, kv_usage=report.kv_usage)
+
+    def _hashes(self, pending_request: PendingRequest | None) -> list[int]:
+        if pending_request is None:
+            return []
+        for arg in (*pending_request.args, *pending_request.kwargs.values()):
+            if isinstance(arg, ReplicaRequest):
+                ids = arg.prompt_token_ids
+                return block_hashes(ids, self.policy.config.block_size) if ids else []
+        return []
+
+
+def _two_random(replicas: list[RunningReplica]) -> list[RunningReplica]:
+    return random.sample(replicas, min(2, len(replicas)))
