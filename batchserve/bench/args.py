@@ -37,6 +37,10 @@ def add_workload_arguments(p: argparse.ArgumentParser, slo_defaults: tuple[float
     g.add_argument("--long-output-len", type=int, default=500, help="mixed: output tokens of a long request")
     g.add_argument("--sigma", type=float, default=0.8, help="longtail: sigma of the log-normal output length")
     g.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens of the common system prompt")
+    g.add_argument(
+        "--num-prefixes", type=int, default=1,
+        help="shared-prefix: distinct system prompts, each shared by num_requests / num_prefixes users (default: 1)",
+    )  # fmt: skip
     g.add_argument("--max-output-len", type=int, default=2048, help="longtail / sharegpt: clip output lengths")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate every request's output length even past EOS (default: on, so runs compare)")  # fmt: skip
@@ -83,7 +87,7 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
     return WorkloadOptions(
         input_len=args.input_len, output_len=args.output_len, spread=spread, long_ratio=args.long_ratio,
         long_input_len=args.long_input_len, long_output_len=args.long_output_len, sigma=args.sigma,
-        max_output_len=args.max_output_len, prefix_len=args.prefix_len, dataset=args.dataset,
+        max_output_len=args.max_output_len, prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, dataset=args.dataset,
     )  # fmt: skip
 
 

@@ -52,6 +52,7 @@ class WorkloadOptions:
     sigma: float = 0.8  # longtail: sigma of the log-normal output length (median = output_len)
     max_output_len: int = 2048  # longtail / sharegpt: clip
     prefix_len: int = 512  # shared-prefix: the common system prompt
+    num_prefixes: int = 1  # shared-prefix: distinct system prompts, users spread evenly over them in random order
     dataset: str | None = None  # sharegpt: path of the JSON file
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -130,10 +131,26 @@ def longtail(tok: Any, n: int, rng: random.Random, opt: WorkloadOptions, seed: i
 
 
 def shared_prefix(tok: Any, n: int, rng: random.Random, opt: WorkloadOptions, seed: int) -> list[BenchRequest]:
+    """`num_prefixes` system prompts of `prefix_len` tokens, each opening with its own number (no two share a
+    block), each followed by a user's short question; request i uses system prompt i % num_prefixes, arrivals in
+    random order."""
+    if opt.num_prefixes < 1:
+        raise ValueError("num_prefixes must be >= 1")
     maker, (inp, out) = PromptMaker(tok), _lens("shared-prefix", opt)
-    system = encode(tok, "You are a helpful assistant. Read the passage and answer briefly. ")[: opt.prefix_len]
-    system += maker.text_ids(opt.prefix_len - len(system), rng)
-    return [_request(i, system + maker.prompt(inp, rng, f"{seed}-{i}"), out, "shared-prefix") for i in range(n)]
+    systems = []
+    for k in range(opt.num_prefixes):
+        opening = "You are a helpful assistant. Read the passage and answer briefly. "
+        if opt.num_prefixes > 1:
+            opening = f"[system {k}] " + opening
+        system = encode(tok, opening)[: opt.prefix_len]
+        systems.append(system + maker.text_ids(opt.prefix_len - len(system), rng))
+    groups = [i % opt.num_prefixes for i in range(n)]
+    if opt.num_prefixes > 1:
+        rng.shuffle(groups)
+    return [
+        _request(i, systems[g] + maker.prompt(inp, rng, f"{seed}-{i}"), out, "shared-prefix")
+        for i, g in enumerate(groups)
+    ]
 
 
 def sharegpt(tok: Any, n: int, rng: random.Random, opt: WorkloadOptions, seed: int) -> list[BenchRequest]:

@@ -1,0 +1,158 @@
+"""Scale-out on Ray Serve, side by side in one run: the prefix-aware router vs Ray Serve's default (power of two
+choices) vs one engine with the same total threads, on a shared-prefix workload; and the cost of the Ray hop (one
+replica through Ray vs the plain server, same threads, same load).
+
+    .venv/bin/python benchmarks/ray_router_compare.py                        # 8 system prompts x 24 users
+    .venv/bin/python benchmarks/ray_router_compare.py --num-requests 48 --configs prefix-aware,power-of-two
+
+Each configuration is a fresh `batchserve serve` (so no run finds another's prompts in a cache), driven by
+`batchserve bench --base-url` with the same requests (same seed) at the same Poisson rate; the table reads each
+run's summary JSON. Threads: 2 replicas get 1 thread each, the single engines get 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = {  # name: (serve flags, description)
+    "prefix-aware": (["--replicas", "2", "--router", "prefix-aware", "--num-threads", "1"], "Ray, 2 x 1 thread"),
+    "power-of-two": (["--replicas", "2", "--router", "power-of-two", "--num-threads", "1"], "Ray, 2 x 1 thread"),
+    "one-engine": (["--num-threads", "2"], "plain server, 2 threads"),
+    "ray-one-replica": (["--replicas", "1", "--num-threads", "2"], "Ray, 1 x 2 threads"),
+}
+COLUMNS = [  # (header, summary key, format, scale)
+    ("prefix hit %", "prefix_cache_hit_rate", "{:.1f}", 100),
+    ("TTFT p50 ms", ("ttft_ms", "p50"), "{:.0f}", 1),
+    ("TTFT p99 ms", ("ttft_ms", "p99"), "{:.0f}", 1),
+    ("TPOT p50 ms", ("tpot_ms", "p50"), "{:.1f}", 1),
+    ("out tok/s", "output_throughput", "{:.1f}", 1),
+    ("req/s", "request_throughput", "{:.2f}", 1),
+    ("failed", "num_failed", "{:.0f}", 1),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--num-requests", type=int, default=192)
+    parser.add_argument("--num-prefixes", type=int, default=8)
+    parser.add_argument("--prefix-len", type=int, default=500)
+    parser.add_argument("--input-len", type=int, default=24, help="each user's question, after the system prompt")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--request-rate", type=float, default=4.0)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--output-dir", default=str(REPO / "bench_results" / "ray_router"))
+    args = parser.parse_args()
+
+    out_dir = Path(args.output_dir) / time.strftime("%Y%m%d-%H%M%S")
+    results = {}
+    for name in args.configs.split(","):
+        flags, what = CONFIGS[name]
+        print(f"== {name} ({what})", flush=True)
+        summary = run_config(name, flags, args, out_dir / name)
+        results[name] = {"setup": what, "summary": summary}
+    table = format_table(results)
+    print(table)
+    hop = _hop_cost(results)
+    if hop is not None:
+        print(f"Ray hop: one replica through Ray gives {hop:.1%} less output tok/s than the plain server")
+    (out_dir / "ray_router_compare.json").write_text(
+        json.dumps({"args": vars(args), "machine": _machine(), "results": results, "table": table}, indent=1)
+    )
+    print(f"saved {out_dir / 'ray_router_compare.json'}")
+    return 0
+
+
+def run_config(name: str, flags: list[str], args: argparse.Namespace, out_dir: Path) -> dict:
+    serve = [sys.executable, "-m", "batchserve.cli", "serve", "--port", str(args.port), "--dtype", args.dtype, *flags]
+    log = (out_dir.parent / f"{name}-server.log") if out_dir.parent.exists() else None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir.parent / f"{name}-server.log"
+    with open(log, "w") as sink:
+        server = subprocess.Popen(serve, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_healthy(f"http://127.0.0.1:{args.port}", server, timeout_s=600)
+            bench = [
+                sys.executable, "-m", "batchserve.cli", "bench", "--base-url", f"http://127.0.0.1:{args.port}",
+                "--workload", "shared-prefix", "--num-prefixes", str(args.num_prefixes),
+                "--prefix-len", str(args.prefix_len), "--input-len", str(args.input_len),
+                "--output-len", str(args.output_len), "--ignore-eos", "--num-requests", str(args.num_requests),
+                "--request-rate", str(args.request_rate), "--seed", "0", "--no-plots", "--no-progress",
+                "--output-dir", str(out_dir),
+            ]  # fmt: skip
+            subprocess.run(bench, cwd=REPO, check=True)
+        finally:
+            os.killpg(server.pid, signal.SIGINT)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+    summaries = sorted(out_dir.glob("*summary*.json"))
+    if not summaries:
+        raise SystemExit(f"{name}: bench wrote no summary in {out_dir}")
+    data = json.loads(summaries[-1].read_text())
+    runs = data.get("runs") or data
+    return next(iter(runs.values())) if isinstance(runs, dict) and "output_throughput" not in runs else runs
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with {server.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise SystemExit("the server did not become healthy")
+
+
+def _get(summary: dict, key: str | tuple[str, str]) -> float | None:
+    value = summary.get(key[0], {}).get(key[1]) if isinstance(key, tuple) else summary.get(key)
+    return value if isinstance(value, int | float) else None
+
+
+def format_table(results: dict) -> str:
+    header = ["config", "setup"] + [c[0] for c in COLUMNS]
+    rows = [header]
+    for name, result in results.items():
+        cells = [name, result["setup"]]
+        for _, key, fmt, scale in COLUMNS:
+            value = _get(result["summary"], key)
+            cells.append("-" if value is None else fmt.format(value * scale))
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _hop_cost(results: dict) -> float | None:
+    if "ray-one-replica" not in results or "one-engine" not in results:
+        return None
+    ray_tps = _get(results["ray-one-replica"]["summary"], "output_throughput")
+    plain_tps = _get(results["one-engine"]["summary"], "output_throughput")
+    return 1 - ray_tps / plain_tps if ray_tps and plain_tps else None
+
+
+def _machine() -> dict:
+    from batchserve.bench.machine import machine_info
+
+    return machine_info()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""End to end on Ray Serve: a local Ray instance started here, 2 engine replicas of SmolLM2-135M-Instruct (1 thread
+each) behind the OpenAI ingress and the prefix-aware router; Ray's HTTP proxy on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from batchserve.serving.metrics import parse_metrics
+
+pytestmark = pytest.mark.slow
+
+ENGINE = {"num_threads": 1, "dtype": "float32", "num_kv_blocks": 256, "max_batch_size": 16, "seed": 0}
+START_TIMEOUT_S = 240.0
+PROMPT = "The three primary colors are"
+
+
+@pytest.fixture(scope="module")
+def ray_app():
+    import ray
+    from ray import serve
+
+    from batchserve.distributed.app import build_application
+    from batchserve.distributed.options import RayAppOptions
+    from batchserve.entrypoints.openai.launch import free_port
+
+    from batchserve.layers import kernels
+
+    kernels.load()  # built (and cached on disk) here once, before the replicas start and look for them
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        options = RayAppOptions(engine=ENGINE, replicas=2, health_check_period_s=1.0)
+        started = threading.Thread(
+            target=serve.run, args=(build_application(options),), kwargs={"name": "batchserve", "route_prefix": "/"},
+            daemon=True,
+        )  # fmt: skip
+        started.start()
+        started.join(START_TIMEOUT_S)
+        assert not started.is_alive(), f"the Ray app did not start within {START_TIMEOUT_S:.0f} s"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def single_engine_text():
+    """What one engine in this process answers greedily, the reference for the Ray app."""
+    from batchserve.entrypoints.llm import LLM
+    from batchserve.sampling_params import SamplingParams
+
+    llm = LLM(**ENGINE)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    return out[0].text
+
+
+def _replica_metric(base_url: str, name: str) -> dict[str, float]:
+    """{replica: value} of one series on the ingress's /metrics."""
+    values: dict[str, float] = {}
+    for line in httpx.get(base_url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") and 'replica="' in line:
+            replica = line.split('replica="', 1)[1].split('"', 1)[0]
+            values[replica] = values.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def _wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_completions_through_ray_equal_the_single_engine_greedy_output(ray_app, single_engine_text):
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(ray_app + "/v1/completions", json=body, timeout=120).json()
+    assert full["choices"][0]["text"] == single_engine_text
+    pieces = []
+    with httpx.stream("POST", ray_app + "/v1/completions", json={**body, "stream": True}, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    assert len(pieces) > 1 and "".join(pieces) == single_engine_text
+
+
+def test_bad_requests_get_a_clear_error_through_ray(ray_app):
+    response = httpx.post(ray_app + "/v1/completions", json={"prompt": [10**7], "max_tokens": 2}, timeout=60)
+    assert response.status_code == 400 and "prompt token ids" in response.json()["error"]["message"]
+    assert httpx.get(ray_app + "/health", timeout=30).status_code == 200
+
+
+def test_requests_sharing_a_prefix_land_on_the_same_replica(ray_app):
+    system = "You are a careful assistant who answers questions about the geography of Europe. " * 6
+    before = _replica_metric(ray_app, "batchserve:prefix_cache_hits_total")
+    decisions_before = parse_metrics(httpx.get(ray_app + "/metrics").text).get("batchserve:router_decisions_total", 0)
+    for city in ("Rome", "Paris", "Vienna", "Lisbon", "Oslo"):
+        body = {"prompt": f"{system}Where is {city}?", "max_tokens": 2, "temperature": 0}
+        assert httpx.post(ray_app + "/v1/completions", json=body, timeout=120).status_code == 200
+
+    def hits_settled():
+        after = _replica_metric(ray_app, "batchserve:prefix_cache_hits_total")
+        gained = {r: after.get(r, 0) - before.get(r, 0) for r in after}
+        return gained if sum(gained.values()) >= 4 * 64 else None  # 4 repeats x >= 4 blocks of the system prompt
+
+    gained = _wait_for(hits_settled, 15, "the replicas' prefix-cache hits")
+    assert sorted(gained.values())[0] == 0, gained  # every hit on one replica: the other never saw the prefix
+    decisions = parse_metrics(httpx.get(ray_app + "/metrics").text)["batchserve:router_decisions_total"]
+    assert decisions - decisions_before >= 5
+
+
+def test_a_killed_replica_loses_no_request_silently_and_the_app_recovers(ray_app):
+    import ray
+
+    outcomes: list[str] = []
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 48, "ignore_eos": True, "stream": True}
+        try:
+            async with client.stream("POST", ray_app + "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    outcomes.append(f"http {response.status_code}")
+                    return
+                finish = None
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        outcomes.append("error event")
+                        return
+                    finish = event["choices"][0]["finish_reason"] or finish
+                outcomes.append("completed" if finish == "length" else f"ended without finish ({finish})")
+        except httpx.HTTPError as exc:
+            outcomes.append(f"transport {type(exc).__name__}")
+
+    async def load_and_kill() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.ensure_future(one(client, i)) for i in range(8)]
+            await asyncio.sleep(2.0)  # requests running on both replicas
+            victim = _engine_replica_names()[0]
+            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+
+    asyncio.run(load_and_kill())
+    assert len(outcomes) == 8 and all(o in ("completed", "error event", "http 503") for o in outcomes), outcomes
+    assert "completed" in outcomes  # the live replica's requests finished
+
+    _wait_for(lambda: len(_engine_replica_names()) == 2 and _running_replicas() == 2, 180, "the replacement replica")
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    for _ in range(4):  # both replicas serve again
+        assert httpx.post(ray_app + "/v1/completions", json=body, timeout=120).status_code == 200
+
+
+def _engine_replica_names() -> list[str]:
+    import ray
+
+    return sorted(
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#EngineReplica#" in a["name"]
+    )
+
+
+def _running_replicas() -> int:
+    from ray import serve
+
+    deployment = serve.status().applications["batchserve"].deployments["EngineReplica"]
+    return deployment.replica_states.get("RUNNING", 0)

@@ -1,0 +1,76 @@
+"""The prefix- and load-aware policy (batchserve.serving.routing) that the Ray Serve router and the simulator share."""
+
+from __future__ import annotations
+
+from batchserve.core.block_pool import BlockPool
+from batchserve.core.kv_cache_manager import KVCacheManager
+from batchserve.serving.routing import Decision, PrefixRoutingPolicy, ReplicaLoad, RoutingConfig, block_hashes
+
+IDLE = ReplicaLoad()
+
+
+def _policy(**overrides) -> PrefixRoutingPolicy:
+    return PrefixRoutingPolicy(RoutingConfig(block_size=4, **overrides))
+
+
+def test_block_hashes_chain_full_blocks_only():
+    a = block_hashes(list(range(10)), 4)
+    assert len(a) == 2 and a == block_hashes(list(range(11)), 4)
+    assert block_hashes([9, 1, 2, 3, 4, 5, 6, 7], 4)[1] != a[1]  # a block's hash depends on every block before it
+
+
+def test_longest_match_wins_and_is_remembered_per_replica():
+    policy = _policy()
+    system = block_hashes(list(range(16)), 4)
+    assert policy.choose(system, {"a": IDLE, "b": IDLE}).decision == Decision.NO_MATCH
+    policy.routed("b", system)
+    choice = policy.choose(system + [123], {"a": IDLE, "b": IDLE})
+    assert (choice.replica, choice.decision, choice.matched_blocks) == ("b", Decision.PREFIX, 4)
+    policy.routed("a", system[:2])
+    assert policy.choose(system, {"a": IDLE, "b": IDLE}).replica == "b"  # 4 blocks beat 2
+
+
+def test_short_match_falls_back():
+    policy = _policy(min_match=0.5)
+    hashes = block_hashes(list(range(40)), 4)  # 10 blocks
+    policy.routed("a", hashes[:4])
+    assert policy.choose(hashes, {"a": IDLE, "b": IDLE}).decision == Decision.NO_MATCH  # 4 of 10 < half
+    policy.routed("a", hashes[:5])
+    assert policy.choose(hashes, {"a": IDLE, "b": IDLE}).decision == Decision.PREFIX
+
+
+def test_an_overloaded_best_match_falls_back_by_queue_or_kv_usage():
+    policy = _policy(max_imbalance=3, max_kv_usage=0.9)
+    hashes = block_hashes(list(range(16)), 4)
+    policy.routed("a", hashes)
+    assert policy.choose(hashes, {"a": ReplicaLoad(queue_len=4), "b": ReplicaLoad(queue_len=1)}).replica == "a"
+    busy = policy.choose(hashes, {"a": ReplicaLoad(queue_len=5), "b": ReplicaLoad(queue_len=1)})
+    assert (busy.replica, busy.decision) == (None, Decision.OVERLOADED)
+    full = policy.choose(hashes, {"a": ReplicaLoad(kv_usage=0.95), "b": IDLE})
+    assert (full.replica, full.decision) == (None, Decision.OVERLOADED)
+
+
+def test_memory_is_bounded_lru_and_forgotten_with_the_replica():
+    policy = _policy(capacity_blocks=4)
+    old, new = block_hashes(list(range(16)), 4), block_hashes(list(range(100, 116)), 4)
+    policy.routed("a", old)
+    policy.routed("a", new[:2])  # evicts the two least recently used: old[0] and old[1]
+    assert policy.index.matched_blocks("a", old) == 0 and policy.index.matched_blocks("a", new) == 2
+    policy.index.forget("a")
+    assert policy.index.matched_blocks("a", new) == 0 and policy.index.replicas() == []
+
+
+def test_a_remembered_hash_names_the_block_the_engine_caches():
+    """The router's hashes are the KV cache manager's: a prompt it calls a 2-block match hits 2 blocks there."""
+    from batchserve.request import Request
+    from batchserve.sampling_params import SamplingParams
+
+    manager = KVCacheManager(BlockPool(8, True), block_size=4)
+    first = Request("r1", list(range(10)), SamplingParams(max_tokens=1))
+    manager.allocate(first, 10)
+    manager.free(first)
+    second = Request("r2", list(range(8)) + [77, 78], SamplingParams(max_tokens=1))
+    hit = manager.find_prefix_hit(second)
+    policy = _policy()
+    policy.routed("a", block_hashes(first.prompt_token_ids, 4))
+    assert policy.index.matched_blocks("a", block_hashes(second.prompt_token_ids, 4)) == hit.num_tokens // 4 == 2
