@@ -28,7 +28,6 @@ def ray_app():
     from batchserve.distributed.app import build_application
     from batchserve.distributed.options import RayAppOptions
     from batchserve.entrypoints.openai.launch import free_port
-
     from batchserve.layers import kernels
 
     kernels.load()  # built (and cached on disk) here once, before the replicas start and look for them
@@ -165,9 +164,7 @@ def test_a_killed_replica_loses_no_request_silently_and_the_app_recovers(ray_app
 def _engine_replica_names() -> list[str]:
     import ray
 
-    return sorted(
-        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#EngineReplica#" in a["name"]
-    )
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#EngineReplica#" in a["name"])
 
 
 def _running_replicas() -> int:
