@@ -1,7 +1,11 @@
 """OpenAIIngress: the Ray Serve ingress deployment. Ray Serve's HTTP proxy hands it each request; it answers with
 the same OpenAI (and KServe) routes as `batchserve serve`, over RemoteEngineClient, so tokenizing, validation,
 streaming and errors are the serving layer's. /metrics: every replica's metrics, labelled `replica`, and the
-router's decisions; /health: 503 while no replica has posted metrics recently (none alive)."""
+router's decisions; /health: 503 while no replica has posted metrics recently (none alive).
+
+With `grpc_port`, the ingress also runs batchserve's gRPC server (batchserve.v1.Generation, KServe v2, health,
+reflection) on that port, over the same client: one ingress replica binds it (Ray Serve's own gRPC proxy would need
+the services re-declared as deployment methods)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from prometheus_client import generate_latest
 from batchserve.distributed.client import RemoteEngineClient
 from batchserve.distributed.metrics import ROUTER_METRICS, relabelled
 from batchserve.distributed.options import RayAppOptions
+from batchserve.entrypoints.grpc.server import GrpcServer
 from batchserve.entrypoints.openai.app import build_front_app, model_names
 
 
@@ -22,12 +27,20 @@ class OpenAIIngress:
         self.client = await RemoteEngineClient.connect(engines)
         self.board = board
         self.options = options
+        self.names = model_names(options.served_model_name, self.client.config.model)
+        self.grpc_server: GrpcServer | None = None
+        if options.grpc_port is not None:
+            self.grpc_server = GrpcServer(
+                self.client, self.names, host=options.grpc_host, port=options.grpc_port, api_key=options.api_key,
+                max_request_bytes=options.max_body_bytes, health_problem=self.health_problem,
+            )  # fmt: skip
+            await self.grpc_server.start()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         options = self.options
         return build_front_app(
             self.client,
-            model_names(options.served_model_name, self.client.config.model),
+            self.names,
             api_key=options.api_key,
             max_body_bytes=options.max_body_bytes,
             lenient=options.lenient,

@@ -34,8 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.prog = "batchserve serve --replicas N"
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.grpc_port is not None:
-        parser.error("--grpc-port is not served on Ray Serve yet: run one engine (no --replicas) for gRPC")
     replicas = args.replicas or 1
     try:
         engine = engine_options_from_args(args, **({"model": args.model} if args.model else {}))
@@ -47,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             replica_num_cpus=args.replica_cpus,
             served_model_name=[n.strip() for n in (args.served_model_name or "").split(",") if n.strip()],
             api_key=args.api_key or env.api_key(), max_body_bytes=args.max_body_bytes, lenient=args.lenient,
-            stall_timeout_s=args.stall_timeout,
+            stall_timeout_s=args.stall_timeout, grpc_port=args.grpc_port, grpc_host=args.host,
         )  # fmt: skip
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))

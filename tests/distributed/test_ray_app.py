@@ -31,11 +31,11 @@ def ray_app():
     from batchserve.layers import kernels
 
     kernels.load()  # built (and cached on disk) here once, before the replicas start and look for them
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        options = RayAppOptions(engine=ENGINE, replicas=2, health_check_period_s=1.0)
+        options = RayAppOptions(engine=ENGINE, replicas=2, health_check_period_s=1.0, grpc_port=grpc_port)
         started = threading.Thread(
             target=serve.run, args=(build_application(options),), kwargs={"name": "batchserve", "route_prefix": "/"},
             daemon=True,
@@ -43,7 +43,7 @@ def ray_app():
         started.start()
         started.join(START_TIMEOUT_S)
         assert not started.is_alive(), f"the Ray app did not start within {START_TIMEOUT_S:.0f} s"
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -80,12 +80,17 @@ def _wait_for(condition, timeout_s: float, what: str):
         time.sleep(0.5)
 
 
-def test_completions_through_ray_equal_the_single_engine_greedy_output(ray_app, single_engine_text):
+@pytest.fixture(scope="module")
+def base_url(ray_app):
+    return ray_app[0]
+
+
+def test_completions_through_ray_equal_the_single_engine_greedy_output(base_url, single_engine_text):
     body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-    full = httpx.post(ray_app + "/v1/completions", json=body, timeout=120).json()
+    full = httpx.post(base_url + "/v1/completions", json=body, timeout=120).json()
     assert full["choices"][0]["text"] == single_engine_text
     pieces = []
-    with httpx.stream("POST", ray_app + "/v1/completions", json={**body, "stream": True}, timeout=120) as response:
+    with httpx.stream("POST", base_url + "/v1/completions", json={**body, "stream": True}, timeout=120) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -93,32 +98,46 @@ def test_completions_through_ray_equal_the_single_engine_greedy_output(ray_app, 
     assert len(pieces) > 1 and "".join(pieces) == single_engine_text
 
 
-def test_bad_requests_get_a_clear_error_through_ray(ray_app):
-    response = httpx.post(ray_app + "/v1/completions", json={"prompt": [10**7], "max_tokens": 2}, timeout=60)
+def test_grpc_through_ray_equals_the_single_engine_greedy_output(ray_app, single_engine_text):
+    import grpc
+
+    from batchserve.entrypoints.grpc.pb import generation_pb2 as pb
+    from batchserve.entrypoints.grpc.pb import generation_pb2_grpc as pb_grpc
+
+    sampling = pb.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with grpc.insecure_channel(ray_app[1]) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(text=PROMPT, return_text=True, stream=True, sampling=sampling)
+        messages = list(stub.Generate(request, timeout=120))
+    assert len(messages) > 1 and "".join(m.text for m in messages) == single_engine_text
+
+
+def test_bad_requests_get_a_clear_error_through_ray(base_url):
+    response = httpx.post(base_url + "/v1/completions", json={"prompt": [10**7], "max_tokens": 2}, timeout=60)
     assert response.status_code == 400 and "prompt token ids" in response.json()["error"]["message"]
-    assert httpx.get(ray_app + "/health", timeout=30).status_code == 200
+    assert httpx.get(base_url + "/health", timeout=30).status_code == 200
 
 
-def test_requests_sharing_a_prefix_land_on_the_same_replica(ray_app):
+def test_requests_sharing_a_prefix_land_on_the_same_replica(base_url):
     system = "You are a careful assistant who answers questions about the geography of Europe. " * 6
-    before = _replica_metric(ray_app, "batchserve:prefix_cache_hits_total")
-    decisions_before = parse_metrics(httpx.get(ray_app + "/metrics").text).get("batchserve:router_decisions_total", 0)
+    before = _replica_metric(base_url, "batchserve:prefix_cache_hits_total")
+    decisions_before = parse_metrics(httpx.get(base_url + "/metrics").text).get("batchserve:router_decisions_total", 0)
     for city in ("Rome", "Paris", "Vienna", "Lisbon", "Oslo"):
         body = {"prompt": f"{system}Where is {city}?", "max_tokens": 2, "temperature": 0}
-        assert httpx.post(ray_app + "/v1/completions", json=body, timeout=120).status_code == 200
+        assert httpx.post(base_url + "/v1/completions", json=body, timeout=120).status_code == 200
 
     def hits_settled():
-        after = _replica_metric(ray_app, "batchserve:prefix_cache_hits_total")
+        after = _replica_metric(base_url, "batchserve:prefix_cache_hits_total")
         gained = {r: after.get(r, 0) - before.get(r, 0) for r in after}
         return gained if sum(gained.values()) >= 4 * 64 else None  # 4 repeats x >= 4 blocks of the system prompt
 
     gained = _wait_for(hits_settled, 15, "the replicas' prefix-cache hits")
     assert sorted(gained.values())[0] == 0, gained  # every hit on one replica: the other never saw the prefix
-    decisions = parse_metrics(httpx.get(ray_app + "/metrics").text)["batchserve:router_decisions_total"]
+    decisions = parse_metrics(httpx.get(base_url + "/metrics").text)["batchserve:router_decisions_total"]
     assert decisions - decisions_before >= 5
 
 
-def test_a_killed_replica_loses_no_request_silently_and_the_app_recovers(ray_app):
+def test_a_killed_replica_loses_no_request_silently_and_the_app_recovers(base_url):
     import ray
 
     outcomes: list[str] = []
@@ -126,7 +145,7 @@ def test_a_killed_replica_loses_no_request_silently_and_the_app_recovers(ray_app
     async def one(client: httpx.AsyncClient, i: int) -> None:
         body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 48, "ignore_eos": True, "stream": True}
         try:
-            async with client.stream("POST", ray_app + "/v1/completions", json=body) as response:
+            async with client.stream("POST", base_url + "/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     outcomes.append(f"http {response.status_code}")
                     return
@@ -158,7 +177,7 @@ def test_a_killed_replica_loses_no_request_silently_and_the_app_recovers(ray_app
     _wait_for(lambda: len(_engine_replica_names()) == 2 and _running_replicas() == 2, 180, "the replacement replica")
     body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
     for _ in range(4):  # both replicas serve again
-        assert httpx.post(ray_app + "/v1/completions", json=body, timeout=120).status_code == 200
+        assert httpx.post(base_url + "/v1/completions", json=body, timeout=120).status_code == 200
 
 
 def _engine_replica_names() -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -24,6 +24,7 @@ from batchserve.entrypoints.grpc.served import DEFAULT_MAX_REQUEST_BYTES, Served
 from batchserve.entrypoints.kserve.model import KServeModel
 from batchserve.entrypoints.kserve.pb import kserve_pb2, kserve_pb2_grpc
 from batchserve.entrypoints.kserve.service import InferenceServicer
+from batchserve.serving.client import EngineClient
 from batchserve.serving.generation import GenerationService
 
 logger = logging.getLogger("batchserve.grpc")
@@ -35,11 +36,12 @@ DEFAULT_STALL_TIMEOUT_S = 120.0  # as the HTTP server's /health
 
 
 class GrpcServer:
-    """Both gRPC services over one AsyncLLMEngine (shared: the caller starts and stops the engine)."""
+    """Both gRPC services over one EngineClient: an AsyncLLMEngine in this process (shared: the caller starts and
+    stops it; health follows its loop) or the Ray Serve app's RemoteEngineClient (health: `health_problem`)."""
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: EngineClient,
         served_model_names: Sequence[str],
         *,
         host: str = "127.0.0.1",
@@ -47,8 +49,11 @@ class GrpcServer:
         api_key: str | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        health_problem: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
+        """`health_problem`: None while serving, else why not (default: a local engine's loop dead or stalled)."""
         self.engine = engine
+        self.health_problem = health_problem or self._local_engine_problem
         self.served = ServedModel(tuple(served_model_names), max_request_bytes)
         self.address = f"{host}:{port}"
         self.api_key = api_key
@@ -60,7 +65,8 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Bind and serve; returns the port (the OS picks one for port 0). OSError when the port is taken."""
-        self.engine.start()
+        if isinstance(self.engine, AsyncLLMEngine):
+            self.engine.start()
         service = GenerationService(self.engine)
         server = grpc.aio.server(
             interceptors=[ApiKeyInterceptor(self.api_key)] if self.api_key else [],
@@ -111,10 +117,21 @@ class GrpcServer:
         serving = True
         while True:
             await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
-            now = self.engine.is_running and self.engine.stalled_for() <= self.stall_timeout_s
+            try:
+                now = await self.health_problem() is None
+            except Exception:  # noqa: BLE001 - cannot tell: not serving
+                now = False
             if now != serving:
                 serving = now
                 await self._set_health(serving)
+
+    async def _local_engine_problem(self) -> str | None:
+        engine = self.engine
+        if not isinstance(engine, AsyncLLMEngine):
+            return None
+        if engine.is_running and engine.stalled_for() <= self.stall_timeout_s:
+            return None
+        return "the engine loop is dead or stalled"
 
 
 def reflection_pool() -> descriptor_pool.DescriptorPool:
