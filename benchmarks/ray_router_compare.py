@@ -37,7 +37,7 @@ COLUMNS = [  # (header, summary key, format, scale)
     ("TPOT p50 ms", ("tpot_ms", "p50"), "{:.1f}", 1),
     ("out tok/s", "output_throughput", "{:.1f}", 1),
     ("req/s", "request_throughput", "{:.2f}", 1),
-    ("failed", "num_failed", "{:.0f}", 1),
+    ("failed", "failed", "{:.0f}", 1),
 ]
 
 
@@ -76,7 +76,6 @@ def main() -> int:
 
 def run_config(name: str, flags: list[str], args: argparse.Namespace, out_dir: Path) -> dict:
     serve = [sys.executable, "-m", "batchserve.cli", "serve", "--port", str(args.port), "--dtype", args.dtype, *flags]
-    log = (out_dir.parent / f"{name}-server.log") if out_dir.parent.exists() else None
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir.parent / f"{name}-server.log"
     with open(log, "w") as sink:
@@ -98,12 +97,10 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace, out_dir: P
                 server.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
-    summaries = sorted(out_dir.glob("*summary*.json"))
+    summaries = sorted(out_dir.glob("**/summary.json"))
     if not summaries:
-        raise SystemExit(f"{name}: bench wrote no summary in {out_dir}")
-    data = json.loads(summaries[-1].read_text())
-    runs = data.get("runs") or data
-    return next(iter(runs.values())) if isinstance(runs, dict) and "output_throughput" not in runs else runs
+        raise SystemExit(f"{name}: bench wrote no summary.json under {out_dir}")
+    return json.loads(summaries[-1].read_text())["runs"]["http"]
 
 
 def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:

@@ -122,9 +122,13 @@ def test_requests_sharing_a_prefix_land_on_the_same_replica(base_url):
     system = "You are a careful assistant who answers questions about the geography of Europe. " * 6
     before = _replica_metric(base_url, "batchserve:prefix_cache_hits_total")
     decisions_before = parse_metrics(httpx.get(base_url + "/metrics").text).get("batchserve:router_decisions_total", 0)
+    cached = []
     for city in ("Rome", "Paris", "Vienna", "Lisbon", "Oslo"):
         body = {"prompt": f"{system}Where is {city}?", "max_tokens": 2, "temperature": 0}
-        assert httpx.post(base_url + "/v1/completions", json=body, timeout=120).status_code == 200
+        response = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200
+        cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0 and min(cached[1:]) >= 64, cached  # each later one reused the system prompt's blocks
 
     def hits_settled():
         after = _replica_metric(base_url, "batchserve:prefix_cache_hits_total")

@@ -66,7 +66,9 @@ def test_completion_stream_matches_non_streaming(server):
     assert full["object"] == "text_completion"
     (choice,) = full["choices"]
     assert choice["finish_reason"] == "length" and len(choice["text"]) == 12
-    assert full["usage"] == {"prompt_tokens": 16, "completion_tokens": 12, "total_tokens": 28}
+    assert full["usage"] == {
+        "prompt_tokens": 16, "completion_tokens": 12, "total_tokens": 28, "prompt_tokens_details": {"cached_tokens": 0}
+    }  # fmt: skip
 
     events = stream(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     assert events[-1] == "[DONE]"

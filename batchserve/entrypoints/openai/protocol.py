@@ -176,18 +176,25 @@ class DetokenizeRequest(RequestBody):
     tokens: list[int]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, usage: Usage) -> dict[str, int]:
-        """The JSON of `usage` as OpenAI spells it."""
+    def of(cls, usage: Usage) -> dict[str, Any]:
+        """The JSON of `usage` as OpenAI spells it (cached prompt tokens under prompt_tokens_details, as OpenAI and
+        vLLM's --enable-prompt-tokens-details report them)."""
         return cls(
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             total_tokens=usage.total_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
         ).model_dump()
 
 
