@@ -37,7 +37,7 @@ def build_application(options: RayAppOptions) -> serve.Application:
         max_ongoing_requests=options.max_ongoing_requests,
         health_check_period_s=options.health_check_period_s,
         health_check_timeout_s=max(30.0, options.health_check_period_s),
-        graceful_shutdown_timeout_s=5.0,
+        graceful_shutdown_timeout_s=options.drain_timeout_s,  # scaled down or redeployed: requests finish first
         logging_config=quiet,
         request_router_config=_router_config(options, config.cache.block_size, config.cache.num_kv_blocks),
         **_replica_count(options),

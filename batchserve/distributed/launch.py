@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             served_model_name=[n.strip() for n in (args.served_model_name or "").split(",") if n.strip()],
             api_key=args.api_key or env.api_key(), max_body_bytes=args.max_body_bytes, lenient=args.lenient,
             stall_timeout_s=args.stall_timeout, grpc_port=args.grpc_port, grpc_host=args.host,
+            drain_timeout_s=args.drain_timeout,
         )  # fmt: skip
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))

@@ -29,6 +29,7 @@ class RayAppOptions(BaseModel):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
     lenient: bool = False
     stall_timeout_s: float = Field(120.0, gt=0)
+    drain_timeout_s: float = Field(30.0, ge=0, description="a replica being stopped finishes its requests this long")
     health_check_period_s: float = Field(2.0, gt=0)
 
     @model_validator(mode="after")
