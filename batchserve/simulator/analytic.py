@@ -5,11 +5,13 @@ at most 4 GiB, on a CPU)."""
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from batchserve.config import ModelConfig
 from batchserve.simulator.profile_file import Profile
 from batchserve.simulator.step_model import RooflineStepModel
 
@@ -55,34 +57,35 @@ DEVICES: dict[str, Device | None] = {
 }
 
 
-@dataclass(frozen=True)
-class Shapes:
-    """What the cost depends on; read from any Llama-family config.json."""
+@dataclass(kw_only=True)
+class Shapes(ModelConfig):
+    """What the cost depends on: the engine's ModelConfig, named. Read from a Llama-family model by the models loader
+    (a config.json file, a Hugging Face directory or a .gguf file), or one of MODEL_SHAPES."""
 
     name: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    max_position_embeddings: int
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, name: str) -> Shapes:
+        return cls(name=name, **{f.name: getattr(config, f.name) for f in fields(ModelConfig)})
 
     @classmethod
     def from_config_json(cls, path: str | Path) -> Shapes:
-        path = Path(path)
-        cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        heads = cfg["num_attention_heads"]
-        return cls(
-            name=cfg.get("_name_or_path") or path.stem, hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab_size=cfg["vocab_size"],
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        )  # fmt: skip
+        """From a config.json file, a Hugging Face model directory or a .gguf file, as the engine reads them."""
+        from batchserve.models.loader import ModelLoadError, load_model_config, resolve_model_path  # imports torch
+
+        given = path = Path(path).expanduser()
+        if path.is_file() and path.name == "config.json":
+            path = path.parent  # the loader reads a model directory's config.json
+        try:
+            if path.is_file() and path.suffix == ".json":  # a config.json saved under another name
+                with tempfile.TemporaryDirectory() as tmp:
+                    shutil.copyfile(path, Path(tmp) / "config.json")
+                    return cls.from_model_config(load_model_config(Path(tmp)), path.stem)
+            path = resolve_model_path(path)
+            return cls.from_model_config(load_model_config(path), path.stem if path.is_file() else path.resolve().name)
+        except (ModelLoadError, KeyError) as exc:  # the CLI reports a ValueError as a usage error
+            detail = f"no {exc} in its config" if isinstance(exc, KeyError) else str(exc)
+            raise ValueError(f"cannot read model shapes from {given}: {detail}") from exc
 
     @property
     def layer_params(self) -> int:
@@ -99,11 +102,17 @@ class Shapes:
 
 
 MODEL_SHAPES = {
-    "smollm2-135m": Shapes("SmolLM2-135M", 576, 1536, 30, 9, 3, 64, 49152, True, 8192),
-    "llama-3-8b": Shapes("Llama-3-8B", 4096, 14336, 32, 32, 8, 128, 128256, False, 8192),
-    "llama-2-7b": Shapes("Llama-2-7B", 4096, 11008, 32, 32, 32, 128, 32000, False, 4096),
-    "qwen2-7b": Shapes("Qwen2-7B", 3584, 18944, 28, 28, 4, 128, 152064, False, 32768),
-}
+    "smollm2-135m": Shapes(name="SmolLM2-135M", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+                           tie_word_embeddings=True),
+    "llama-3-8b": Shapes(name="Llama-3-8B", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192),
+    "llama-2-7b": Shapes(name="Llama-2-7B", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                         num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, max_position_embeddings=4096),
+    "qwen2-7b": Shapes(name="Qwen2-7B", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, max_position_embeddings=32768,
+                       attention_bias=True, architecture="qwen2"),
+}  # fmt: skip
 
 
 def resolve_device(name: str) -> Device:

@@ -39,7 +39,7 @@ def add_simulator_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--gpu", "--device-preset", dest="device_preset", choices=sorted(DEVICES),
                      help="an analytic (roofline) ESTIMATE for this device instead of a measured profile")  # fmt: skip
     g.add_argument("--model-shapes", default="smollm2-135m",
-                   help=f"with --device-preset: a Llama-family config.json (file or directory) or one of "
+                   help=f"with --device-preset: a Llama-family config.json (file or directory), a .gguf file, or one of "
                         f"{', '.join(sorted(MODEL_SHAPES))} (default: smollm2-135m)")  # fmt: skip
     g.add_argument("--replicas", type=int, default=1, help="engine replicas behind the router (default: 1)")
     g.add_argument("--router", choices=ROUTERS, default="round-robin", help="how requests pick a replica")

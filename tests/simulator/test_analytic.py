@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchserve.simulator.analytic import (
+    DEVICES,
     MODEL_SHAPES,
     Device,
     Shapes,
@@ -15,7 +16,8 @@ from batchserve.simulator.analytic import (
 from batchserve.simulator.shape import StepShape
 
 # 2 layers, hidden 8, MLP 16, 2 query heads and 1 kv head of 4, vocabulary 10, tied embeddings
-TINY = Shapes("tiny", 8, 16, 2, 2, 1, 4, 10, True, 64)
+TINY = Shapes(name="tiny", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
+              head_dim=4, max_position_embeddings=64, tie_word_embeddings=True)  # fmt: skip
 
 
 def device(bandwidth: float) -> Device:
@@ -65,20 +67,50 @@ def test_kv_pool_follows_the_memory_left_after_the_weights():
 @pytest.mark.parametrize("name", sorted(MODEL_SHAPES))
 def test_kv_bytes_equal_the_engines_block_bytes(name):
     torch = pytest.importorskip("torch")
-    from batchserve.config import ModelConfig
     from batchserve.worker.kv_cache import block_bytes
 
-    s = MODEL_SHAPES[name]
-    mc = ModelConfig(s.vocab_size, s.hidden_size, s.intermediate_size, s.num_layers, s.num_heads, s.num_kv_heads,
-                     s.head_dim, s.max_position_embeddings)  # fmt: skip
-    assert kv_bytes_per_token(s, "bfloat16") * 16 == block_bytes(mc, 16, torch.bfloat16)
+    s = MODEL_SHAPES[name]  # a ModelConfig: the engine's own arithmetic takes it as it is
+    assert kv_bytes_per_token(s, "bfloat16") * 16 == block_bytes(s, 16, torch.bfloat16)
 
 
-def test_shapes_from_a_llama_config_json(tmp_path):
-    (tmp_path / "config.json").write_text(
-        '{"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,'
-        ' "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192}'
-    )
-    s = Shapes.from_config_json(tmp_path)
+LLAMA_3_8B_CONFIG = (
+    '{"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,'
+    ' "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192}'
+)
+
+
+@pytest.mark.parametrize("where", ["directory", "config.json", "other-name.json"])
+def test_shapes_from_a_llama_config_json(tmp_path, where):
+    model_dir = tmp_path / "Meta-Llama-3-8B"
+    model_dir.mkdir()
+    file = model_dir / ("config.json" if where != "other-name.json" else where)
+    file.write_text(LLAMA_3_8B_CONFIG)
+    s = Shapes.from_config_json(model_dir if where == "directory" else file)
     assert s.head_dim == 128 and s.layer_params == MODEL_SHAPES["llama-3-8b"].layer_params
     assert 8.0e9 < s.total_params < 8.1e9  # Llama 3 8B has 8.03 B parameters
+    assert s.name == ("other-name" if where == "other-name.json" else "Meta-Llama-3-8B")
+    h100, preset = DEVICES["h100-sxm"], MODEL_SHAPES["llama-3-8b"]
+    assert kv_pool_bytes(s, h100, "bfloat16") == kv_pool_bytes(preset, h100, "bfloat16")
+    read, expected = roofline_model(s, h100, "bfloat16"), roofline_model(preset, h100, "bfloat16")
+    assert {**vars(read), "notes": None} == {**vars(expected), "notes": None}
+
+
+def test_shapes_from_the_engines_gguf_match_the_preset():
+    from batchserve.models.loader import ModelLoadError, default_model_path
+
+    try:
+        path = default_model_path()
+    except ModelLoadError:
+        pytest.skip("the default SmolLM2 GGUF is not installed")
+    s, preset = Shapes.from_config_json(path), MODEL_SHAPES["smollm2-135m"]
+    assert (s.layer_params, s.head_params, s.total_params) == (preset.layer_params, preset.head_params,
+                                                               preset.total_params)  # fmt: skip
+    assert s.max_position_embeddings == preset.max_position_embeddings
+
+
+def test_an_unreadable_model_is_a_value_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        Shapes.from_config_json(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="not found"):
+        Shapes.from_config_json(tmp_path / "missing")
