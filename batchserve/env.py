@@ -25,6 +25,15 @@ def low_precision_units() -> bool | None:
     return None if value in (None, "") else value != "0"
 
 
+def attention_path() -> str | None:
+    """BATCHSERVE_ATTENTION_PATH (default unset or "auto": the CPU's flags decide): forces the native attention
+    kernels' path, "avx512_bf16" (bf16 K/V multiplied as they are, by AVX512-BF16), "avx512" (K/V widened to float32)
+    or "portable" (the plain C++ loop for decode, the torch code for prefill); to measure or test one path. A path this
+    build or CPU cannot run is an error, not a silent fallback."""
+    value = os.environ.get("BATCHSERVE_ATTENTION_PATH")
+    return None if value in (None, "", "auto") else value
+
+
 def cache_dir() -> Path:
     """BATCHSERVE_CACHE_DIR (default ~/.cache/batchserve): where GGUF files are converted to, once each."""
     return Path(os.environ.get("BATCHSERVE_CACHE_DIR", Path.home() / ".cache" / "batchserve"))

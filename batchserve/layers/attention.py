@@ -7,6 +7,9 @@ so a prefix block computed in this very step is visible to the requests that sha
 - prefill chunks (query length > 1, context = cached tokens + this chunk): the native CPU kernel reads their keys in
   place too, causal by absolute position, in tiles of 16 query rows; the torch path pads only their own queries and
   runs SDPA with a causal mask (or, for prompts with no earlier context, one causal SDPA per prompt on its own K/V).
+The native kernels' path (kernels.attention_path(), chosen once from the CPU's flags or BATCHSERVE_ATTENTION_PATH):
+"avx512_bf16" multiplies a bfloat16 pool's K/V as stored with AVX512-BF16, "avx512" widens them to float32 (a float32
+pool takes this code on both), "portable" runs the plain C++ decode loop and the torch prefill.
 """
 
 from __future__ import annotations
@@ -133,7 +136,13 @@ def decode_attention(
     native = kernels.for_tensors(query, kv_cache[0], dtypes=(torch.float32, torch.bfloat16, torch.float16))
     if native is not None:
         out = native.paged_decode_attention(
-            query.float().contiguous(), kv_cache[0], kv_cache[1], group.block_tables, group.seq_lens, scale
+            query.float().contiguous(),
+            kv_cache[0],
+            kv_cache[1],
+            group.block_tables,
+            group.seq_lens,
+            scale,
+            kernels.attention_path(),
         )
         return out.to(query.dtype)
     # Torch path: one query per sequence; fold the query heads sharing a KV head into SDPA's query-length dim.
@@ -151,7 +160,14 @@ def prefill_attention(
     native = _native_prefill(query, kv_cache)
     if native is not None:
         out = native.paged_prefill_attention(
-            query.float(), kv_cache[0], kv_cache[1], group.block_tables, group.seq_lens, group.query_starts, scale
+            query.float(),
+            kv_cache[0],
+            kv_cache[1],
+            group.block_tables,
+            group.seq_lens,
+            group.query_starts,
+            scale,
+            kernels.attention_path(),
         )
         return out.to(query.dtype)
     if group.seq_bounds is not None:
@@ -177,9 +193,11 @@ def prefill_attention(
 
 def _native_prefill(query: torch.Tensor, kv_cache: KVCache):
     """The native prefill kernel when it takes this call: CPU, a float32 or bfloat16 pool, a head size it was built
-    for (it computes in float32)."""
+    for, a path other than "portable" (float32 accumulation; bf16 products on the avx512_bf16 path)."""
     native = kernels.for_tensors(query, kv_cache[0], dtypes=(torch.float32, torch.bfloat16))
-    return native if native is not None and native.prefill_attention_available(query.shape[-1]) else None
+    if native is None or not native.prefill_attention_available(query.shape[-1]):
+        return None
+    return native if kernels.attention_path() != "portable" else None
 
 
 def _fresh_prefill_attention(

@@ -208,3 +208,138 @@ def test_kernels_refuse_malformed_inputs_and_keep_nan(native_kernels):
     assert out[2, 4].isnan().all() and not out[:2].isnan().any() and not out[3:].isnan().any()
     out = native.paged_decode_attention(query[2:3].contiguous(), cache, cache, tables, lens, 0.125)
     assert out[0, 4].isnan().all() and not out[0, :4].isnan().any()
+
+
+# The native attention kernels' paths (kernels.ATTENTION_PATHS), each forced through BATCHSERVE_ATTENTION_PATH so that
+# every path runs on any CPU that can run it: the bf16 dot-product path only where the CPU has avx512_bf16, the
+# portable loop everywhere the kernels build.
+
+
+@pytest.fixture
+def force_path(monkeypatch, native_kernels):
+    """force_path(path): the next attention calls take `path` (skipped where it cannot run here)."""
+
+    def force(path: str) -> None:
+        if not kernels.attention_path_runs(path):
+            reason = "this CPU lacks avx512_bf16 (vdpbf16ps)" if path == "avx512_bf16" else "not built (no AVX-512)"
+            pytest.skip(f"attention path {path!r} cannot run here: {reason}")
+        monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", path)
+        kernels.attention_path.cache_clear()
+
+    kernels.attention_path.cache_clear()
+    yield force
+    kernels.attention_path.cache_clear()  # the next test chooses again, without the forced path
+
+
+BF16_TOLERANCE = {"atol": 1e-2, "rtol": 1e-2}  # as test_bfloat16_pool: bf16 K/V (and bf16 weights) against float32
+F32_TOLERANCE = {"atol": 2e-5, "rtol": 2e-5}  # as test_decode_kernel_model_shapes
+
+
+@pytest.mark.parametrize("path", kernels.ATTENTION_PATHS)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 128), (2, 2, 32), (8, 1, 64), (4, 2, 48)], ids=str)
+@pytest.mark.parametrize("block_size", [8, 9, 16, 24])
+@pytest.mark.parametrize("num_seqs", [6, 40], ids=["per-kv-head-items", "per-sequence-items"])
+def test_decode_paths_bfloat16_pool(path, heads, block_size, num_seqs, force_path):
+    # Every path on a bfloat16 pool, against float32 attention of the same bf16 values: contexts that end mid-tile,
+    # mid-block and on odd tokens (block size 9: odd blocks mid-sequence), stale garbage (NaN included) in every
+    # unwritten slot; head sizes outside 32/64/128 take the portable loop on every path.
+    force_path(path)
+    contexts = [0, 15, 16, 47, 130, 255]
+    seqs = [(contexts[i % 6] + i // 6, 1) for i in range(num_seqs)]
+    out, expected, batch = run_batch(seqs, block_size, stale=True, heads=heads, dtype=torch.bfloat16)
+    assert batch.attn_metadata.prefill is None and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, **BF16_TOLERANCE)
+
+
+@pytest.mark.parametrize("path", kernels.ATTENTION_PATHS)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 128), (2, 2, 32)], ids=str)
+@pytest.mark.parametrize("block_size", [9, 16])
+def test_prefill_paths_bfloat16_pool(path, heads, block_size, force_path):
+    # Prefill chunks next to decodes on every path ("portable" prefill is the torch code), bfloat16 pool.
+    force_path(path)
+    seqs = [(0, 5), (0, 16), (0, 37), (13, 20), (40, 1), (7, 33), (16, 16), (0, 2), (100, 3)]
+    out, expected, batch = run_batch(seqs, block_size, stale=path != "portable", heads=heads, dtype=torch.bfloat16)
+    assert batch.attn_metadata.prefill is not None and batch.attn_metadata.decode is not None
+    torch.testing.assert_close(out.float(), expected, **BF16_TOLERANCE)
+
+
+@pytest.mark.parametrize("path", kernels.ATTENTION_PATHS)
+def test_paths_float32_pool(path, force_path):
+    # A float32 pool on every path: float32 accuracy (the bf16 dot-product path computes it as "avx512" does).
+    force_path(path)
+    seqs = [(0, 5), (0, 37), (13, 20), (40, 1), (129, 1), (255, 1), (7, 1)]
+    out, expected, _ = run_batch(seqs, 16, stale=path != "portable", heads=(9, 3, 64))
+    torch.testing.assert_close(out, expected, **F32_TOLERANCE)
+
+
+def test_bf16_dot_path_leaves_float32_pools_as_they_were(force_path):
+    # Float32 models keep their exact results (greedy parity): on a float32 pool the avx512_bf16 path runs the very
+    # code of the avx512 path, bit for bit, in decode and prefill.
+    seqs = [(0, 29), (5, 1), (31, 40), (200, 1)]
+    force_path("avx512")
+    before, _, _ = run_batch(seqs, 16, heads=(9, 3, 64))
+    force_path("avx512_bf16")
+    after, _, _ = run_batch(seqs, 16, heads=(9, 3, 64))
+    assert torch.equal(before, after)
+    # while on a bfloat16 pool the forced path is the one that runs (decode and prefill)
+    bf16_dot, _, _ = run_batch(seqs, 16, heads=(9, 3, 64), dtype=torch.bfloat16)
+    force_path("avx512")
+    widened, _, _ = run_batch(seqs, 16, heads=(9, 3, 64), dtype=torch.bfloat16)
+    for rows in (slice(0, 2), slice(2, None)):  # the batch packs its decodes first
+        assert not torch.equal(bf16_dot[rows], widened[rows])
+
+
+def test_bf16_dot_path_matches_the_widening_path(force_path, native_kernels):
+    # The two AVX-512 paths on one bfloat16 pool, called directly: apart from the rounding of the softmax weights to
+    # bf16, the same sums (well inside the bf16 tolerance); a NaN query stays NaN, as in SDPA.
+    force_path("avx512_bf16")
+    torch.manual_seed(0)
+    cache = [torch.randn(40, 16, 3, 64).bfloat16() for _ in range(2)]
+    tables = torch.randperm(40)[:36].view(4, 9)
+    lens = torch.tensor([1, 17, 100, 144])
+    query = torch.randn(4, 9, 64).bfloat16().float()
+    wide = native_kernels.paged_decode_attention(query, *cache, tables, lens, 0.125, "avx512")
+    dot = native_kernels.paged_decode_attention(query, *cache, tables, lens, 0.125, "avx512_bf16")
+    torch.testing.assert_close(dot, wide, atol=4e-3, rtol=1e-2)
+    assert not torch.equal(dot, wide)  # the weights are rounded to bf16 on one path only: two code paths ran
+    query[2, 4] = float("nan")
+    dot = native_kernels.paged_decode_attention(query, *cache, tables, lens, 0.125, "avx512_bf16")
+    assert dot[2, 4].isnan().all() and not dot[2, :4].isnan().any() and not dot[[0, 1, 3]].isnan().any()
+
+
+def test_attention_path_choice(monkeypatch, native_kernels, caplog):
+    # Chosen once from the CPU's flags and logged once; BATCHSERVE_ATTENTION_PATH forces one, and a path that cannot
+    # run here is an error, not a silent fallback.
+    built = native_kernels.attention_paths()
+    assert built[-1] == "portable" and set(built) <= set(kernels.ATTENTION_PATHS)
+    monkeypatch.delenv("BATCHSERVE_ATTENTION_PATH", raising=False)
+    try:
+        if "avx512" in built:
+            monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu avx2 avx512f avx512bw")
+            kernels.attention_path.cache_clear()
+            assert kernels.attention_path() == "avx512"
+            monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", "avx512_bf16")
+            kernels.attention_path.cache_clear()
+            with pytest.raises(ValueError, match="avx512_bf16"):
+                kernels.attention_path()
+        if native_kernels.bf16_dot_supported():
+            monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu avx512f avx512_bf16 amx_bf16")
+            monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", "auto")
+            kernels.attention_path.cache_clear()
+            with caplog.at_level("INFO", logger=kernels.__name__):
+                assert kernels.attention_path() == kernels.attention_path() == "avx512_bf16"
+            assert sum("native attention path: avx512_bf16" in r.getMessage() for r in caplog.records) == 1
+        monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", "portable")
+        kernels.attention_path.cache_clear()
+        assert kernels.attention_path() == "portable"
+        monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", "fastest")
+        kernels.attention_path.cache_clear()
+        with pytest.raises(ValueError, match="not one of"):
+            kernels.attention_path()
+        with pytest.raises(RuntimeError, match="not built here"):
+            cache = torch.zeros(2, 16, 3, 64)
+            native_kernels.paged_decode_attention(
+                torch.zeros(1, 9, 64), cache, cache, torch.tensor([[0]]), torch.tensor([3]), 1.0, "fastest"
+            )
+    finally:
+        kernels.attention_path.cache_clear()

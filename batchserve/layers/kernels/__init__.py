@@ -46,6 +46,42 @@ def has_matmul_units(dtype: torch.dtype) -> bool:
     return any(flag in flags for flag in wanted.get(dtype, ()))
 
 
+# The native attention kernels' paths, best first (paged_attention.cpp): bf16 K/V by vdpbf16ps (float32 K/V as
+# "avx512"), K/V widened to float32 under AVX-512, the plain loop. A path takes the next one down for what it does not
+# cover (a head size other than 32/64/128 runs the plain loop); prefill has no plain loop (the torch code runs).
+ATTENTION_PATHS = ("avx512_bf16", "avx512", "portable")
+
+
+def attention_path_runs(path: str) -> bool:
+    """Whether the native kernels are built here with `path` and this CPU runs it."""
+    native = load()
+    if native is None or path not in native.attention_paths():
+        return False
+    return path != "avx512_bf16" or ("avx512_bf16" in cpu_flags().split() and native.bf16_dot_supported())
+
+
+@functools.cache
+def attention_path() -> str:
+    """The path the native attention kernels take, chosen once: BATCHSERVE_ATTENTION_PATH when set (ValueError when
+    it names no path or one that cannot run here), else the best this build and CPU run. Logged once."""
+    forced = env.attention_path()
+    if forced is not None:
+        if forced not in ATTENTION_PATHS:
+            raise ValueError(f"BATCHSERVE_ATTENTION_PATH={forced!r}: not one of auto, {', '.join(ATTENTION_PATHS)}")
+        if not attention_path_runs(forced):
+            raise ValueError(
+                f"BATCHSERVE_ATTENTION_PATH={forced!r}: not built here or not runnable on this CPU"
+                + (" (needs avx512_bf16)" if forced == "avx512_bf16" else "")
+            )
+        path = forced
+    else:
+        path = next((p for p in ATTENTION_PATHS if attention_path_runs(p)), "portable")
+    logger.info(
+        "native attention path: %s (%s)", path, "BATCHSERVE_ATTENTION_PATH" if forced else "chosen by the CPU's flags"
+    )
+    return path
+
+
 def _machine_tag() -> str:
     """-march=native code is only valid on the CPU it was built for: key the build on the CPU's flags (and ours)."""
     flags = cpu_flags()

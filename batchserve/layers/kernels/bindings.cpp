@@ -1,12 +1,18 @@
 // The Python module of the native CPU kernels (one extension built from every .cpp in this folder).
 #include <torch/extension.h>
 
+#include <string>
+#include <vector>
+
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     const std::string& path);
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
-                                      double scale);
+                                      double scale, const std::string& path);
 bool prefill_attention_available(int64_t head_dim);
+std::vector<std::string> attention_paths();
+bool bf16_dot_supported();
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
@@ -18,8 +24,15 @@ torch::Tensor small_gemm_pack(torch::Tensor weight);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "causal paged attention of prefill rows (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", pybind11::arg("query"),
+        pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("path") = "auto");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal paged attention of prefill rows (CPU)",
+        pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_starts"),
+        pybind11::arg("scale"), pybind11::arg("path") = "auto");
+  m.def("attention_paths", &attention_paths, "the attention paths built here, best first");
+  m.def("bf16_dot_supported", &bf16_dot_supported, "whether this build and CPU run the avx512_bf16 path");
   m.def("prefill_attention_available", &prefill_attention_available, "whether paged_prefill_attention takes head_dim");
   m.def("rms_norm", &rms_norm, "RMSNorm of x, or of residual += x (in place)", pybind11::arg("x"),
         pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"));

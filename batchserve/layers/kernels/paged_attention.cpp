@@ -3,12 +3,17 @@
 // share a kv head are done back to back so K/V come from L1.
 // With AVX-512 and float32 K/V, head_dim in {32, 64, 128}, a vectorized path scores 16 tokens at once (a transpose-add
 // reduction instead of one horizontal sum per token) and reads every kv head of a tile in one pass; other cases take
-// the portable loop, parallel over (sequence, kv head) pairs.
+// the portable loop, parallel over (sequence, kv head) pairs. With bfloat16 K/V on a CPU with AVX512-BF16, the
+// "avx512_bf16" path does both products with vdpbf16ps on the bf16 values as stored instead of widening them (see
+// its section). Which path runs is the caller's `path` argument (Python picks it once from the CPU's flags).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -206,6 +211,374 @@ void accumulate_group(const T* v_tile, int64_t token_stride, int64_t n, const fl
   if (rest == 1) accumulate_values<NC, 1>(v_tile, token_stride, n, p, corr, acc_store);
 }
 
+// ---- The bf16 dot-product path ("avx512_bf16"): bfloat16 K/V read as they are, by AVX512-BF16 (vdpbf16ps) ----
+// Q.K: the query, rounded to bf16 once per sequence (a bf16 model's query already is), dotted with each K row by
+// vdpbf16ps (pairs of products summed in float32), 16 tokens reduced as in sum16; the scale is applied to the float32
+// scores. P.V: the softmax weights, rounded to bf16, paired token by token (p[t], p[t+1]) against V rows t and t+1
+// interleaved (vpunpck{l,h}wd), so one vdpbf16ps adds two tokens into 16 float32 accumulators. The interleave leaves
+// the accumulators' lanes in a fixed permuted order of d, undone once at the output. The softmax denominator sums the
+// rounded weights, so the weights applied to V sum to 1.
+// Decode runs in three passes per sequence instead of an online softmax (see decode_items_bf16), and asks for the
+// scattered blocks ahead of use (prefetch_rows); prefill keeps the online softmax of prefill_tile.
+// On the Xeon this was written on, vdpbf16ps retires one per ~2 cycles (half the multiply-adds per cycle of float32
+// FMA), so the arithmetic alone is no faster than widening: the gain measured there comes from the passes and the
+// prefetching. Only for CPUs with avx512_bf16 (checked before a call: bf16_dot_supported()); compiled per function
+// for that target, so the library still builds and runs on CPUs without it.
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10)
+#define BATCHSERVE_BF16_DOT 1
+#define BF16_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+
+using bf16_t = c10::BFloat16;
+
+// 32 bf16 values (memcpy: GCC 12 otherwise takes a detour through the stack when a __m512i becomes a __m512bh).
+BF16_TARGET inline __m512bh load_bh(const void* p) {
+  __m512bh v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// One K row against the query (q: head_dim / 32 vectors of bf16): 16 partial sums.
+template <int NP>
+BF16_TARGET inline __m512 dot_bf16(const __m512bh* q, const bf16_t* k) {
+  __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], load_bh(k));
+  for (int c = 1; c < NP; ++c) d = _mm512_dpbf16_ps(d, q[c], load_bh(k + 32 * c));
+  return d;
+}
+
+// The same for a row that may not be read (valid false: the masked loads touch no memory, and the sums are 0).
+template <int NP>
+BF16_TARGET inline __m512 dot_bf16_masked(const __m512bh* q, const bf16_t* k, bool valid) {
+  const __mmask32 row = valid ? ~__mmask32{0} : __mmask32{0};
+  __m512 d = _mm512_setzero_ps();
+  for (int c = 0; c < NP; ++c) d = _mm512_dpbf16_ps(d, q[c], (__m512bh)_mm512_maskz_loadu_epi16(row, k + 32 * c));
+  return d;
+}
+
+// Four K rows, `rows` of them valid (rows from there on are not read: they may be garbage, or past the pool),
+// reduced as sum16's first two levels.
+template <int NP>
+BF16_TARGET inline __m512 dot4_bf16(const __m512bh* q, const bf16_t* k, int64_t token_stride, int64_t rows) {
+  __m512 d[4];
+  if (rows >= 4) {
+    d[0] = dot_bf16<NP>(q, k);
+    d[1] = dot_bf16<NP>(q, k + token_stride);
+    d[2] = dot_bf16<NP>(q, k + 2 * token_stride);
+    d[3] = dot_bf16<NP>(q, k + 3 * token_stride);
+  } else {
+    d[0] = dot_bf16_masked<NP>(q, k, rows > 0);
+    d[1] = dot_bf16_masked<NP>(q, k + token_stride, rows > 1);
+    d[2] = dot_bf16_masked<NP>(q, k + 2 * token_stride, rows > 2);
+    d[3] = _mm512_setzero_ps();
+  }
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(d[0], d[1]), _mm512_unpackhi_ps(d[0], d[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(d[2], d[3]), _mm512_unpackhi_ps(d[2], d[3]));
+  const __m512d a = _mm512_castps_pd(t0), b = _mm512_castps_pd(t1);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+// Scores of one query (qb: its head_dim values in bf16) against the first `n` tokens of a tile, times `scale`;
+// lanes >= n are 0. The sums of sum16, four tokens at a time (so that few registers are live).
+template <int NP>
+BF16_TARGET inline __m512 score_tile_bf16(const uint16_t* qb, const bf16_t* k_tile, int64_t token_stride, int64_t n,
+                                          float scale) {
+  __m512bh q[NP];
+  for (int c = 0; c < NP; ++c) q[c] = load_bh(qb + 32 * c);
+  __m512 u[4];
+  for (int j = 0; j < 4; ++j) u[j] = dot4_bf16<NP>(q, k_tile + 4 * j * token_stride, token_stride, n - 4 * j);
+  __m512 w[2];
+  for (int j = 0; j < 2; ++j)
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  return _mm512_mul_ps(s, _mm512_set1_ps(scale));
+}
+
+// softmax_update, with the weights stored as bf16 (pb: 16 of them) and the denominator summing them as rounded.
+BF16_TARGET inline void softmax_update_bf16(__m512 s, int64_t n, float& m, __m512& l, float& corr, uint16_t* pb) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  const float new_max = std::max(m, _mm512_mask_reduce_max_ps(valid, s));
+  const __m512 correction = exp512(_mm512_set1_ps(m - new_max));
+  const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+  const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb), rounded);
+  l = _mm512_fmadd_ps(l, correction, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+  corr = _mm512_cvtss_f32(correction);
+  m = new_max;
+}
+
+// acc[h] = acc[h] * corr[h] + sum_t p[h][t] * v[t] for HC queries reading the same V tile, two tokens per
+// vdpbf16ps; the accumulators (acc_store, HC * NC vectors) are in the permuted order (see unpermute_store). An odd
+// last token is paired with zeros: the row after it may be garbage (NaN) or outside the pool.
+template <int NC, int HC>
+BF16_TARGET inline void accumulate_values_bf16(const bf16_t* v_tile, int64_t token_stride, int64_t n,
+                                               const uint16_t* pb, const float* corr, float* acc_store) {
+  constexpr int NP = NC / 2;
+  __m512 acc[HC][NC];
+  for (int h = 0; h < HC; ++h) {
+    const __m512 c = _mm512_set1_ps(corr[h]);
+    for (int j = 0; j < NC; ++j) acc[h][j] = _mm512_mul_ps(_mm512_loadu_ps(acc_store + (h * NC + j) * 16), c);
+  }
+  for (int64_t t = 0; t < n; t += 2) {
+    const bf16_t* v0 = v_tile + t * token_stride;
+    const bool pair = t + 1 < n;
+    __m512i lo[NP], hi[NP];
+    for (int c = 0; c < NP; ++c) {
+      const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + 32 * c));
+      const __m512i b = pair ? _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + token_stride + 32 * c))
+                             : _mm512_setzero_si512();
+      lo[c] = _mm512_unpacklo_epi16(a, b);
+      hi[c] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int h = 0; h < HC; ++h) {
+      // (p[t], p[t + 1]) as one 32-bit broadcast; p[n] is 0 (softmax_update_bf16 zeroes the lanes from n on)
+      int32_t p_pair;
+      std::memcpy(&p_pair, pb + h * 16 + t, sizeof p_pair);
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(p_pair);
+      for (int c = 0; c < NP; ++c) {
+        acc[h][2 * c] = _mm512_dpbf16_ps(acc[h][2 * c], pp, (__m512bh)lo[c]);
+        acc[h][2 * c + 1] = _mm512_dpbf16_ps(acc[h][2 * c + 1], pp, (__m512bh)hi[c]);
+      }
+    }
+  }
+  for (int h = 0; h < HC; ++h)
+    for (int j = 0; j < NC; ++j) _mm512_storeu_ps(acc_store + (h * NC + j) * 16, acc[h][j]);
+}
+
+template <int NC>
+BF16_TARGET void accumulate_group_bf16(const bf16_t* v_tile, int64_t token_stride, int64_t n, const uint16_t* pb,
+                                       const float* corr, float* acc_store, int64_t heads) {
+  constexpr int kChunk = NC <= 4 ? 4 : 2;
+  int64_t h = 0;
+  for (; h + kChunk <= heads; h += kChunk)
+    accumulate_values_bf16<NC, kChunk>(v_tile, token_stride, n, pb + h * 16, corr + h, acc_store + h * NC * 16);
+  const int64_t rest = heads - h;
+  pb += h * 16, corr += h, acc_store += h * NC * 16;
+  if (rest == 3) accumulate_values_bf16<NC, 3>(v_tile, token_stride, n, pb, corr, acc_store);
+  if (rest == 2) accumulate_values_bf16<NC, 2>(v_tile, token_stride, n, pb, corr, acc_store);
+  if (rest == 1) accumulate_values_bf16<NC, 1>(v_tile, token_stride, n, pb, corr, acc_store);
+}
+
+// Asks for `rows` rows of `row_bytes` bytes, `stride` bytes apart, to be brought into L1: a tile's K/V sit in blocks
+// scattered over the pool, which the hardware prefetchers do not foresee.
+template <int kHint = _MM_HINT_T0>
+inline void prefetch_rows(const void* first, int64_t rows, int64_t stride, int64_t row_bytes) {
+  const char* p = static_cast<const char*>(first);
+  if (stride == row_bytes) row_bytes *= rows, rows = 1;  // one contiguous run
+  for (int64_t r = 0; r < rows; ++r, p += stride)
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(kHint));
+}
+
+// The query rounded to bf16: 32 values a vector.
+template <int NP>
+BF16_TARGET inline void query_to_bf16(const float* q, uint16_t* qb) {
+  for (int c = 0; c < NP; ++c)
+    _mm512_storeu_si512(qb + 32 * c,
+                        (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c)));
+}
+
+// out[d] = acc[d] * inv in natural order. Vectors 2c and 2c + 1 of acc hold d = 32c + {0-3, 8-11, 16-19, 24-27} and
+// 32c + {4-7, 12-15, 20-23, 28-31} (vpunpck{l,h}wd work within 128-bit lanes).
+template <int NC>
+BF16_TARGET inline void unpermute_store(const float* acc, float inv, float* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int c = 0; c < NC / 2; ++c) {
+    const __m512 a = _mm512_loadu_ps(acc + 32 * c), b = _mm512_loadu_ps(acc + 32 * c + 16);
+    _mm512_storeu_ps(out + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(a, first, b), scale));
+    _mm512_storeu_ps(out + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(a, second, b), scale));
+  }
+}
+
+// P.V of HC query heads over a whole sequence's V rows of one kv head (v_head: that head's slice of the pool),
+// pb: the heads' bf16 weights by position, rows `p_stride` apart -> acc (HC * NC vectors, in the permuted order of
+// unpermute_store). Two tokens per vdpbf16ps; a block's odd last token is paired with zeros (the next row may be
+// garbage, NaN, or outside the pool). The accumulators stay in registers for the whole sequence.
+template <int NC, int HC>
+BF16_TARGET void values_bf16(const bf16_t* v_head, const int64_t* table, int64_t len, int64_t block_size,
+                             int64_t block_stride, int64_t token_stride, const uint16_t* pb, int64_t p_stride,
+                             float* acc_out) {
+  constexpr int NP = NC / 2;
+  __m512 acc[HC][NC];
+  for (int h = 0; h < HC; ++h)
+    for (int j = 0; j < NC; ++j) acc[h][j] = _mm512_setzero_ps();
+  for (int64_t start = 0; start < len; start += block_size) {
+    const int64_t n = std::min(block_size, len - start);
+    const bf16_t* v = v_head + table[start / block_size] * block_stride;
+    const uint16_t* p = pb + start;
+    for (int64_t t = 0; t < n; t += 2, v += 2 * token_stride, p += 2) {
+      const bool pair = t + 1 < n;
+      __m512i lo[NP], hi[NP];
+      for (int c = 0; c < NP; ++c) {
+        const __m512i a = _mm512_loadu_si512(v + 32 * c);
+        const __m512i b = pair ? _mm512_loadu_si512(v + token_stride + 32 * c) : _mm512_setzero_si512();
+        lo[c] = _mm512_unpacklo_epi16(a, b);
+        hi[c] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int h = 0; h < HC; ++h) {
+        int32_t p_pair = p[h * p_stride];  // (p[t], p[t + 1]) as one 32-bit broadcast
+        if (pair) std::memcpy(&p_pair, p + h * p_stride, sizeof p_pair);
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(p_pair);
+        for (int c = 0; c < NP; ++c) {
+          acc[h][2 * c] = _mm512_dpbf16_ps(acc[h][2 * c], pp, (__m512bh)lo[c]);
+          acc[h][2 * c + 1] = _mm512_dpbf16_ps(acc[h][2 * c + 1], pp, (__m512bh)hi[c]);
+        }
+      }
+    }
+  }
+  for (int h = 0; h < HC; ++h)
+    for (int j = 0; j < NC; ++j) _mm512_storeu_ps(acc_out + (h * NC + j) * 16, acc[h][j]);
+}
+
+// values_bf16 for `heads` query heads, in chunks of at most 16 accumulator registers.
+template <int NC>
+BF16_TARGET void values_group_bf16(const bf16_t* v_head, const int64_t* table, int64_t len, int64_t block_size,
+                                   int64_t block_stride, int64_t token_stride, const uint16_t* pb, int64_t p_stride,
+                                   float* acc_out, int64_t heads) {
+  constexpr int kChunk = NC <= 4 ? 4 : 2;
+  const auto run = [&](auto hc, int64_t h) {
+    values_bf16<NC, decltype(hc)::value>(v_head, table, len, block_size, block_stride, token_stride,
+                                         pb + h * p_stride, p_stride, acc_out + h * NC * 16);
+  };
+  int64_t h = 0;
+  for (; h + kChunk <= heads; h += kChunk) run(std::integral_constant<int, kChunk>{}, h);
+  if (heads - h == 3) run(std::integral_constant<int, 3>{}, h);
+  if (heads - h == 2) run(std::integral_constant<int, 2>{}, h);
+  if (heads - h == 1) run(std::integral_constant<int, 1>{}, h);
+}
+
+// Work items begin..end of decode_attention_bf16 (a function of its own: a lambda would not carry the target). A
+// decode query sees its whole context at once, so its softmax needs no online rescaling: (1) every score of the
+// sequence, and their max; (2) the weights exp(s - max) in bf16, and their sum; (3) P.V with the accumulators in
+// registers from the first token to the last.
+template <int NC>
+BF16_TARGET void decode_items_bf16(int64_t begin, int64_t end, const float* q, const bf16_t* k_cache,
+                                   const bf16_t* v_cache, const int64_t* tables, const int64_t* seq_lens, float* out,
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t max_blocks,
+                                   int64_t splits, float scale) {
+  constexpr int64_t D = NC * 16;
+  constexpr int NP = NC / 2;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t heads_per_item = num_kv_heads / splits;
+  const int64_t item_heads = heads_per_item * group;
+  std::vector<float> scores, acc(item_heads * D), maxes(item_heads * 16);
+  std::vector<uint16_t> qb(item_heads * D), pb;
+  std::vector<float> sums(item_heads);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t seq = item / splits, first_kv = item % splits * heads_per_item;
+    const int64_t first_head = first_kv * group;
+    const int64_t len = seq_lens[seq];
+    const int64_t stride = (len + 31) / 16 * 16;  // per head, room for a whole last vector
+    if (static_cast<int64_t>(scores.size()) < item_heads * stride) {
+      scores.resize(item_heads * stride);
+      pb.resize(item_heads * stride);
+    }
+    const int64_t* table = tables + seq * max_blocks;
+    for (int64_t h = 0; h < item_heads; ++h) {
+      query_to_bf16<NP>(q + (seq * num_heads + first_head + h) * D, &qb[h * D]);
+      _mm512_storeu_ps(&maxes[h * 16], _mm512_set1_ps(-3.0e38f));
+    }
+    // (1) scores, a block at a time (its kv heads are one run of memory). The pool's blocks are scattered, which the
+    // hardware prefetchers do not foresee: the next block's K is asked for, and this block's V (into L2, for (3)).
+    const int64_t row_bytes = heads_per_item * D * 2;
+    prefetch_rows(k_cache + table[0] * block_stride + first_kv * D, std::min(block_size, len), token_stride * 2,
+                  row_bytes);
+    for (int64_t start = 0; start < len; start += block_size) {
+      const int64_t n = std::min(block_size, len - start);
+      const int64_t base = table[start / block_size] * block_stride + first_kv * D;
+      if (start + block_size < len)
+        prefetch_rows(k_cache + table[start / block_size + 1] * block_stride + first_kv * D,
+                      std::min(block_size, len - start - block_size), token_stride * 2, row_bytes);
+      prefetch_rows<_MM_HINT_T1>(v_cache + base, n, token_stride * 2, row_bytes);
+      for (int64_t i = 0; i < n; i += 16) {
+        const int64_t m = std::min<int64_t>(16, n - i);
+        const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
+        for (int64_t h = 0; h < item_heads; ++h) {
+          const __m512 s = score_tile_bf16<NP>(&qb[h * D], k_cache + base + i * token_stride + h / group * D,
+                                               token_stride, m, scale);
+          _mm512_storeu_ps(&scores[h * stride + start + i], s);
+          float* mx = &maxes[h * 16];
+          _mm512_storeu_ps(mx, _mm512_mask_max_ps(_mm512_loadu_ps(mx), valid, _mm512_loadu_ps(mx), s));
+        }
+      }
+    }
+    // (2) weights, rounded to bf16 as (3) uses them; the sum is of the rounded weights
+    for (int64_t h = 0; h < item_heads; ++h) {
+      const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(&maxes[h * 16])));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 valid = static_cast<__mmask16>(len - i >= 16 ? 0xFFFFu : (1u << (len - i)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(&scores[h * stride + i]), mx)));
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&pb[h * stride + i]), rounded);
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+      }
+      sums[h] = _mm512_reduce_add_ps(sum);
+    }
+    // (3) P.V, one kv head at a time
+    for (int64_t kv = 0; kv < heads_per_item; ++kv)
+      values_group_bf16<NC>(v_cache + (first_kv + kv) * D, table, len, block_size, block_stride, token_stride,
+                            &pb[kv * group * stride], stride, &acc[kv * group * D], group);
+    for (int64_t h = 0; h < item_heads; ++h)
+      unpermute_store<NC>(&acc[h * D], 1.f / sums[h], out + (seq * num_heads + first_head + h) * D);
+  }
+}
+
+// decode_attention_avx512's work split, on the bf16 dot-product path.
+template <int NC>
+void decode_attention_bf16(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, const int64_t* tables,
+                           const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t splits = num_seqs < 4 * at::get_num_threads() ? num_kv_heads : 1;
+  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+    decode_items_bf16<NC>(begin, end, q, k_cache, v_cache, tables, seq_lens, out, num_heads, num_kv_heads, block_size,
+                          max_blocks, splits, scale);
+  });
+}
+
+// prefill_tile on the bf16 dot-product path.
+template <int NC>
+BF16_TARGET void prefill_tile_bf16(const float* q, int64_t q_stride, const bf16_t* k_cache, const bf16_t* v_cache,
+                                   const int64_t* table, int64_t first_pos, int64_t rows, int64_t kv_head,
+                                   int64_t token_stride, int64_t block_size, float scale, float* out,
+                                   int64_t out_stride) {
+  constexpr int64_t D = NC * 16;
+  constexpr int NP = NC / 2;
+  alignas(64) float acc[16 * D], m[16], corr[16];
+  alignas(64) uint16_t pb[16 * 16], qb[16 * D];
+  __m512 l[16];
+  for (int64_t r = 0; r < rows; ++r) {
+    query_to_bf16<NP>(q + r * q_stride, qb + r * D);
+    m[r] = -1e30f;
+    l[r] = _mm512_setzero_ps();
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_keys = first_pos + rows;
+  for (int64_t start = 0, n = 0; start < num_keys; start += n) {
+    const int64_t in_block = start % block_size;
+    n = std::min<int64_t>({16, block_size - in_block, num_keys - start});
+    const int64_t offset = table[start / block_size] * block_stride + in_block * token_stride + kv_head * D;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = std::min<int64_t>(n, first_pos + r - start + 1);  // causal: keys up to the row's own
+      if (visible <= 0) {  // the whole tile is in this row's future: it contributes nothing
+        corr[r] = 1.f;
+        std::fill(pb + r * 16, pb + r * 16 + 16, uint16_t{0});
+        continue;
+      }
+      softmax_update_bf16(score_tile_bf16<NP>(qb + r * D, k_cache + offset, token_stride, visible, scale), visible,
+                          m[r], l[r], corr[r], pb + r * 16);
+    }
+    accumulate_group_bf16<NC>(v_cache + offset, token_stride, n, pb, corr, acc, rows);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    unpermute_store<NC>(acc + r * D, 1.f / _mm512_reduce_add_ps(l[r]), out + r * out_stride);
+}
+
+#endif  // avx512bf16 in this compiler
+
 // NC = head_dim / 16 vectors per head. A work item is one sequence with all its kv heads, so each 16-token tile is
 // read as one contiguous run of memory; with fewer sequences than 4 per thread, an item is one (sequence, kv head)
 // so that both threads have work.
@@ -313,8 +686,9 @@ void prefill_tile(const float* q, int64_t q_stride, const T* k_cache, const T* v
 }
 
 // Every sequence's query rows in tiles of 16, one tile x head per work item. Items are dealt to threads round-robin:
-// a tile's cost grows with its position, and neighbouring items cost about the same.
-template <int NC, typename T>
+// a tile's cost grows with its position, and neighbouring items cost about the same. kBf16Dot: the tiles take the
+// bf16 dot-product path (T is bfloat16).
+template <int NC, typename T, bool kBf16Dot = false>
 void prefill_attention_avx512(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                               const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens,
                               const int64_t* query_starts, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -333,6 +707,14 @@ void prefill_attention_avx512(const float* q, int64_t q_stride, const T* k_cache
         const int64_t head = item % num_heads;
         const int64_t rows = std::min<int64_t>(16, query_starts[seq + 1] - row);
         const int64_t first_pos = seq_lens[seq] - (query_starts[seq + 1] - row);
+#ifdef BATCHSERVE_BF16_DOT
+        if constexpr (kBf16Dot) {
+          prefill_tile_bf16<NC>(q + row * q_stride + head * D, q_stride, k_cache, v_cache, tables + seq * max_blocks,
+                                first_pos, rows, head / group, num_kv_heads * D, block_size, scale,
+                                out + (row * num_heads + head) * D, num_heads * D);
+          continue;
+        }
+#endif
         prefill_tile<NC, T>(q + row * q_stride + head * D, q_stride, k_cache, v_cache, tables + seq * max_blocks,
                          first_pos, rows, head / group, num_kv_heads * D, block_size, scale,
                          out + (row * num_heads + head) * D, num_heads * D);
@@ -341,13 +723,23 @@ void prefill_attention_avx512(const float* q, int64_t q_stride, const T* k_cache
   });
 }
 
-// True when the vectorized path took the call (head_dim 32, 64 or 128).
+// True when the vectorized path took the call (head_dim 32, 64 or 128); bf16_dot: a bfloat16 pool takes the bf16
+// dot-product path (a float32 pool is computed as without it).
 template <typename T>
 bool try_decode_attention_avx512(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                                  const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                                 float scale) {
+                                 float scale, bool bf16_dot) {
   const auto run = [&](auto nc) {
+#ifdef BATCHSERVE_BF16_DOT
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (bf16_dot) {
+        decode_attention_bf16<decltype(nc)::value>(q, k_cache, v_cache, tables, seq_lens, out, num_seqs, num_heads,
+                                                   num_kv_heads, block_size, max_blocks, scale);
+        return true;
+      }
+    }
+#endif
     decode_attention_avx512<decltype(nc)::value, T>(q, k_cache, v_cache, tables, seq_lens, out, num_seqs, num_heads,
                                                     num_kv_heads, block_size, max_blocks, scale);
     return true;
@@ -360,7 +752,49 @@ bool try_decode_attention_avx512(const float* q, const T* k_cache, const T* v_ca
 
 #endif  // __AVX512F__
 
+// The paths a call may ask for, best first: "avx512_bf16" (bfloat16 K/V by vdpbf16ps; float32 K/V as "avx512"),
+// "avx512" (K/V widened to float32, AVX-512 FMA), "portable" (the plain loop, any CPU; decode only). Each takes the
+// next one down where it does not apply (a head size other than 32/64/128: the portable loop).
+enum class AttentionPath { kPortable, kAvx512, kAvx512Bf16 };
+
 }  // namespace
+
+// Whether this CPU runs the bf16 dot-product path (and this build has it); asked of the CPU once.
+bool bf16_dot_supported() {
+#ifdef BATCHSERVE_BF16_DOT
+  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  return supported;
+#else
+  return false;
+#endif
+}
+
+std::vector<std::string> attention_paths() {
+  std::vector<std::string> paths;
+#ifdef BATCHSERVE_BF16_DOT
+  paths.push_back("avx512_bf16");
+#endif
+#if defined(__AVX512F__)
+  paths.push_back("avx512");
+#endif
+  paths.push_back("portable");
+  return paths;
+}
+
+// "auto": the best this build and CPU run. A path that is not built here, or that this CPU cannot run, raises.
+static AttentionPath parse_path(const std::string& path) {
+  const auto built = attention_paths();
+  if (path == "auto") return bf16_dot_supported() ? AttentionPath::kAvx512Bf16
+                             : built.size() > 1   ? AttentionPath::kAvx512
+                                                  : AttentionPath::kPortable;
+  TORCH_CHECK(std::find(built.begin(), built.end(), path) != built.end(), "attention path '", path,
+              "' is not built here (built: ", c10::Join(", ", built), ")");
+  if (path == "avx512_bf16") {
+    TORCH_CHECK(bf16_dot_supported(), "attention path 'avx512_bf16' needs a CPU with avx512_bf16");
+    return AttentionPath::kAvx512Bf16;
+  }
+  return path == "avx512" ? AttentionPath::kAvx512 : AttentionPath::kPortable;
+}
 
 // Shapes the kernels index with, checked before any pointer is formed from them: a bad call raises, never reads or
 // writes outside its tensors.
@@ -390,8 +824,11 @@ static void check_paged_inputs(const torch::Tensor& query, const torch::Tensor& 
 
 // query [B, H, D] float32 contiguous; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int64;
 // seq_lens [B] int64 -> [B, H, D] float32
+// path: see AttentionPath ("auto", "avx512_bf16", "avx512", "portable").
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     const std::string& path) {
+  const AttentionPath chosen = parse_path(path);
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.is_contiguous(), "query: contiguous float32");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64, "int64 indices");
@@ -408,10 +845,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
     return try_decode_attention_avx512<T>(query.data_ptr<float>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
                                           tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
                                           num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
-                                          static_cast<float>(scale));
+                                          static_cast<float>(scale), chosen == AttentionPath::kAvx512Bf16);
   };
-  if (key_cache.scalar_type() == torch::kFloat32 && vectorized(static_cast<float*>(nullptr))) return out;
-  if (key_cache.scalar_type() == torch::kBFloat16 && vectorized(static_cast<c10::BFloat16*>(nullptr))) return out;
+  if (chosen != AttentionPath::kPortable) {
+    if (key_cache.scalar_type() == torch::kFloat32 && vectorized(static_cast<float*>(nullptr))) return out;
+    if (key_cache.scalar_type() == torch::kBFloat16 && vectorized(static_cast<c10::BFloat16*>(nullptr))) return out;
+  }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_impl<scalar_t>(query.data_ptr<float>(), key_cache.data_ptr<scalar_t>(),
@@ -429,7 +868,9 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 // prefill_attention_available().
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
-                                      double scale) {
+                                      double scale, const std::string& path) {
+  const AttentionPath chosen = parse_path(path);
+  TORCH_CHECK(chosen != AttentionPath::kPortable, "paged_prefill_attention has no portable path (the torch code runs)");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.dim() == 3 && query.stride(2) == 1 &&
                   query.stride(1) == query.size(2),
               "query: float32 [T, H, D] with contiguous heads");
@@ -455,16 +896,17 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
   auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const int64_t head_dim = query.size(2);
 #if defined(__AVX512F__)
-  const auto run = [&](auto nc, auto* cache_type) {
+  const auto run = [&](auto nc, auto* cache_type, auto bf16_dot) {
     using T = std::remove_pointer_t<decltype(cache_type)>;
-    prefill_attention_avx512<decltype(nc)::value, T>(
+    prefill_attention_avx512<decltype(nc)::value, T, decltype(bf16_dot)::value>(
         query.data_ptr<float>(), query.stride(0), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
         tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), num_seqs,
         query.size(1), key_cache.size(2), key_cache.size(1), static_cast<float>(scale), out.data_ptr<float>());
   };
   const auto run_typed = [&](auto nc) {
-    if (cache_type == torch::kFloat32) run(nc, static_cast<float*>(nullptr));
-    else run(nc, static_cast<c10::BFloat16*>(nullptr));
+    if (cache_type == torch::kFloat32) run(nc, static_cast<float*>(nullptr), std::false_type{});
+    else if (chosen == AttentionPath::kAvx512Bf16) run(nc, static_cast<c10::BFloat16*>(nullptr), std::true_type{});
+    else run(nc, static_cast<c10::BFloat16*>(nullptr), std::false_type{});
   };
   if (head_dim == 32) return run_typed(std::integral_constant<int, 2>{}), out;
   if (head_dim == 64) return run_typed(std::integral_constant<int, 4>{}), out;

@@ -1,0 +1,127 @@
+"""The native paged decode attention kernel alone, per path: ms per call at decode-batch shapes.
+
+    .venv/bin/python benchmarks/attention_kernel.py                      # 64 seqs x ~300 tokens, SmolLM2-135M heads
+    .venv/bin/python benchmarks/attention_kernel.py --copies 12          # K/V from DRAM, as in a 30-layer model
+    .venv/bin/python benchmarks/attention_kernel.py --paths avx512_bf16,avx512 --layout contiguous
+
+One call = one layer's decode attention of the whole batch: `--seqs` sequences of `--context` tokens (+-10%, so tiles
+end at different places), 9 query heads over 3 kv heads of dim 64, blocks of 16 tokens (the engine's default) dealt
+from a shuffled pool as a long-running engine leaves them (`--layout contiguous`: each sequence's blocks in a row, as
+right after prefill). `--copies N` cycles the calls through N copies of the pool, so that with N x the pool (7 MB in
+bf16 at the defaults) beyond the last-level cache each call reads its K/V from memory, as each layer does in a
+running engine. Each path runs on the same pools (bfloat16 and float32) in turns, so a change of the host's load hits
+every path alike; prints the median and best ms per call (CPU time of this process with 1 thread: a shared host's
+other jobs count less; wall time with more) and the max difference from the float32-pool result, with the CPU, its
+path flags and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from batchserve.bench.machine import describe, machine_info
+from batchserve.layers import kernels
+
+
+def make_batch(
+    seqs: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    seed: int = 0,
+    contiguous: bool = False,
+):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    lens = [max(1, round(context * rng.uniform(0.9, 1.1))) for _ in range(seqs)]
+    per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_seq) + 8
+    free = list(range(num_blocks))[::-1]  # popped from the end: 0, 1, 2, ...
+    if not contiguous:
+        rng.shuffle(free)
+    tables = torch.zeros(seqs, max(per_seq), dtype=torch.int64)
+    for s, n in enumerate(per_seq):
+        tables[s, :n] = torch.tensor([free.pop() for _ in range(n)])
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key, value = torch.randn(shape), torch.randn(shape)
+    query = torch.randn(seqs, heads, head_dim).bfloat16().float()  # a bf16 model's query, as the kernel gets it
+    return query, key, value, tables, torch.tensor(lens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, default=64)
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--heads", default="9,3,64", help="query heads, kv heads, head dim (default: %(default)s)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--layout", choices=("shuffled", "contiguous"), default="shuffled")
+    ap.add_argument("--copies", type=int, default=1, help="pool copies the calls cycle through (default: %(default)s)")
+    ap.add_argument("--paths", default=None, help="comma-separated; default: every path built and runnable here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    native = kernels.load()
+    assert native is not None, "native kernels not built here"
+    heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
+    query, key, value, tables, lens = make_batch(
+        args.seqs, args.context, heads, kv_heads, head_dim, args.block_size, contiguous=args.layout == "contiguous"
+    )
+    scale = head_dim**-0.5
+    built = getattr(native, "attention_paths", None)
+    if built is None:  # a build from before paths existed: its one path
+        paths = ["default"]
+    else:
+        paths = (
+            args.paths.split(",")
+            if args.paths
+            else [p for p in kernels.ATTENTION_PATHS if kernels.attention_path_runs(p)]
+        )
+
+    def call(path: str, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if path == "default":
+            return native.paged_decode_attention(query, k, v, tables, lens, scale)
+        return native.paged_decode_attention(query, k, v, tables, lens, scale, path)
+
+    pools = {
+        "bfloat16": [(key.bfloat16(), value.bfloat16()) for _ in range(args.copies)],
+        "float32": [(key.clone(), value.clone()) for _ in range(args.copies)],
+    }
+    exact = call(paths[-1] if "portable" in paths else paths[0], *pools["float32"][0])
+    times: dict[tuple[str, str], list[float]] = {(d, p): [] for d in pools for p in paths}
+    error: dict[tuple[str, str], float] = {}
+    for dtype, path in times:  # warm-up, and each path's distance from the float32 result
+        error[dtype, path] = (call(path, *pools[dtype][0]) - exact).abs().max().item()
+    clock = time.process_time if args.threads == 1 else time.perf_counter
+    for _ in range(args.rounds):
+        for dtype, path in times:
+            start = clock()
+            for pool in pools[dtype]:
+                call(path, *pool)
+            times[dtype, path].append((clock() - start) / args.copies)
+    info = machine_info(threads=args.threads)
+    print(describe(info))
+    print(f"load average (1, 5, 15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"{args.seqs} seqs x {args.context} tokens (+-10%), heads {heads}/{kv_heads}x{head_dim}, "
+        f"block {args.block_size} ({args.layout}), {args.copies} pool copies, {args.rounds} rounds, "
+        f"{'CPU' if args.threads == 1 else 'wall'} time"
+    )
+    print(f"{'pool':9s} {'path':12s} {'ms/call':>8s} {'min ms':>8s} {'max |diff| vs f32 pool':>24s}")
+    for (dtype, path), samples in times.items():
+        print(
+            f"{dtype:9s} {path:12s} {statistics.median(samples) * 1e3:8.3f} {min(samples) * 1e3:8.3f} "
+            f"{error[dtype, path]:24.2e}"
+        )
+
+
+if __name__ == "__main__":
+    main()
