@@ -1,5 +1,6 @@
-"""`batchserve serve --replicas N`: the Ray Serve application on a local Ray instance (or, with --ray-address, an
-existing cluster), Ray Serve's HTTP proxy on --host/--port, until SIGINT/SIGTERM.
+"""`batchserve serve --replicas N`: the Ray Serve application on the Ray instance already running on this machine,
+or a local one started for it (or, with --ray-address, a cluster's), Ray Serve's HTTP proxy on --host/--port, until
+SIGINT/SIGTERM (then replicas finish their requests for --drain-timeout seconds).
 
 Every `batchserve serve` flag keeps its meaning. Engine threads: unless --num-threads is given, each replica gets
 the machine's cores divided by the replicas (2 replicas on 2 cores: 1 thread each), so replicas do not fight over
@@ -59,11 +60,7 @@ def run(options: RayAppOptions, host: str, port: int, ray_address: str | None) -
 
     from batchserve.distributed.app import build_application
 
-    if ray_address:
-        ray.init(address=ray_address)
-    else:
-        cpus = max(os.cpu_count() or 1, math.ceil(options.replicas * options.replica_num_cpus))
-        ray.init(num_cpus=cpus, include_dashboard=False)
+    joined = _connect(options, ray_address)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, _setter(stop)) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -75,12 +72,30 @@ def run(options: RayAppOptions, host: str, port: int, ray_address: str | None) -
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if ray_address:
+        if joined:  # a cluster that was there before us: take our application away, leave the rest running
             serve.delete(APP_NAME)
         else:
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _connect(options: RayAppOptions, ray_address: str | None) -> bool:
+    """Join `ray_address`, else a Ray instance already running on this machine (or at $RAY_ADDRESS), else start a
+    local one sized for the replicas. True when it joined an existing instance."""
+    import ray
+
+    if ray_address:
+        ray.init(address=ray_address)
+        return True
+    try:
+        ray.init(address="auto")
+        logger.info("joined the Ray instance running on this machine")
+        return True
+    except ConnectionError:
+        cpus = max(os.cpu_count() or 1, math.ceil(options.replicas * options.replica_num_cpus))
+        ray.init(num_cpus=cpus, include_dashboard=False)
+        return False
 
 
 def _describe(o: RayAppOptions) -> str:
