@@ -70,6 +70,9 @@ def run_batchserve(args, requests: list[dict]) -> dict:
         num_threads=args.threads,
         **{k: _literal(v) for k, v in options.items()},
     )
+    # the whole default pool at load, as before the offline LLM sized its pool to the requests: the same load and
+    # the same pool as the recorded runs (and as vLLM's preallocated one); a no-op when an option sets the pool
+    llm.engine.reserve_kv_blocks(llm.engine.max_kv_blocks)
     warm = requests[0]
     llm.generate([{"prompt_token_ids": warm["prompt_token_ids"]}], _bs_params(SamplingParams, 4), use_tqdm=False)
     load_s = time.perf_counter() - t0

@@ -81,13 +81,15 @@ def make_engine(
     delay_s: float = 0.0,
     runner_vocab: int = LETTERS,
     tokenizer: Any = None,
+    max_kv_blocks: int | None = None,
     **options: Any,
 ) -> LLMEngine:
     """The real LLMEngine (scheduler, KV manager, detokenizer) over the FakeRunner and the byte tokenizer.
 
     Give an EngineConfig, or flat options as `EngineConfig.from_options` takes them, on top of DEFAULT_OPTIONS (256
     KV blocks, 32 swap blocks, max_model_len 256). `delay_s` is the runner's sleep per non-empty step; the runner
-    samples ids below `runner_vocab` (letters by default), so it never emits EOS by itself.
+    samples ids below `runner_vocab` (letters by default), so it never emits EOS by itself. `max_kv_blocks` above
+    num_kv_blocks: a pool that starts at num_kv_blocks and grows up to it (the offline LLM's, sized to the requests).
     """
     if config is None:
         config = EngineConfig.from_options(**(DEFAULT_OPTIONS | options))
@@ -100,7 +102,9 @@ def make_engine(
     model_config = tiny_model_config(
         len(tokenizer), config.scheduler.max_model_len or DEFAULT_MODEL_LEN, [tokenizer.eos_token_id]
     )
-    runner = FakeRunner(num_kv_blocks, cache.block_size, runner_vocab, num_swap_blocks, delay_s=delay_s)
+    runner = FakeRunner(
+        num_kv_blocks, cache.block_size, runner_vocab, num_swap_blocks, delay_s=delay_s, max_kv_blocks=max_kv_blocks
+    )
     return LLMEngine(config, runner=runner, tokenizer=tokenizer, model_config=model_config)
 
 

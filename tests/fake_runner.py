@@ -32,8 +32,11 @@ class FakeRunner:
         num_swap_blocks: int = 0,
         delay_s: float = 0.0,
         crash: threading.Event | None = None,
+        max_kv_blocks: int | None = None,
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
+        self.max_kv_blocks = num_kv_blocks if max_kv_blocks is None else max_kv_blocks  # > num_kv_blocks: it grows
+        self.resizes: list[tuple[int, bool]] = []  # (num_blocks, keep_contents) of every resize_kv_cache()
         self.num_swap_blocks = num_swap_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -45,6 +48,15 @@ class FakeRunner:
         self.last_timings = RunnerTimings()  # nothing is timed: the engine's step split reads zeros
         self.delay_s = delay_s
         self.crash = crash if crash is not None else threading.Event()
+
+    def resize_kv_cache(self, num_blocks: int, keep_contents: bool) -> None:
+        """As ModelRunner's: without keep_contents every slot is lost, so a block the engine still believed cached
+        would read back None and change the sampled tokens."""
+        assert self.num_kv_blocks <= num_blocks <= self.max_kv_blocks, (self.num_kv_blocks, num_blocks)
+        kept = self.cache if keep_contents else [None] * len(self.cache)
+        self.cache = kept + [None] * ((num_blocks - self.num_kv_blocks) * self.block_size)
+        self.num_kv_blocks = num_blocks
+        self.resizes.append((num_blocks, keep_contents))
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         if self.crash.is_set():

@@ -37,13 +37,14 @@ def test_generate_checks_its_arguments_before_the_model_loads(monkeypatch, capsy
         assert exc.value.code == 2 and words in capsys.readouterr().err, argv
 
 
-def test_generate_sizes_the_kv_pool_to_its_prompts_unless_told():
-    from batchserve.entrypoints.generate import TEMPLATE_TOKENS, build_generate_parser, prepare
+def test_generate_leaves_the_kv_pool_to_the_offline_llm_unless_told():
+    from batchserve.entrypoints.generate import build_generate_parser, prepare
 
     parser = build_generate_parser()
     config, params = prepare(parser.parse_args(["Write a haiku.", "--max-tokens", "48"]), ["Write a haiku."])
-    # 14 bytes + the template + 48 tokens, in blocks of 16: a few MiB where the default took GiBs
-    assert config.cache.num_kv_blocks == -(-(14 + TEMPLATE_TOKENS + 48) // 16) and params.max_tokens == 48
+    # unset: LLM.from_config sizes the pool to the tokenized prompts (tests/engine/test_kv_pool_sizing.py)
+    assert config.cache.num_kv_blocks is None and config.cache.kv_cache_memory_fraction is None
+    assert params.max_tokens == 48
     config, _ = prepare(parser.parse_args(["x", "--num-kv-blocks", "500"]), ["x"])
     assert config.cache.num_kv_blocks == 500
     config, _ = prepare(parser.parse_args(["x", "--kv-cache-memory-fraction", "0.1"]), ["x"])

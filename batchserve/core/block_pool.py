@@ -54,6 +54,15 @@ class FreeBlockQueue:
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_free += 1
 
+    def prepend(self, blocks: Sequence[KVBlock]) -> None:
+        """Put blocks at the head, in this order: taken before every block already free."""
+        for block in reversed(blocks):
+            first = self._head.next_free
+            assert first is not None
+            self._head.next_free, block.prev_free = block, self._head
+            block.next_free, first.prev_free = first, block
+            self.num_free += 1
+
     def remove(self, block: KVBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:
@@ -99,6 +108,26 @@ class BlockPool:
     @property
     def num_cached_free_blocks(self) -> int:
         return self._num_cached_free
+
+    def grow(self, num_blocks: int) -> None:
+        """num_blocks in all: the new ones are never used, so they are taken before any cached free block is evicted.
+        The worker's cache must have grown to match first."""
+        if num_blocks < self.num_blocks:
+            raise ValueError(f"a block pool only grows: {self.num_blocks} blocks, asked for {num_blocks}")
+        new = [KVBlock(i) for i in range(self.num_blocks, num_blocks)]
+        self.blocks += new
+        self.free_queue.prepend(new)
+        self.num_blocks = num_blocks
+
+    def drop_cached(self) -> None:
+        """Forget the content of every cached block (the worker reallocated the K/V behind them). Only while no
+        request owns a block: an owned block's content is still needed."""
+        if self.num_used_blocks:
+            raise BlockAccountingError(f"{self.num_used_blocks} blocks are owned: their content cannot be dropped")
+        for block in self.cached.values():
+            block.key = None
+        self.cached = {}
+        self._num_cached_free = 0
 
     def take_new(self, count: int) -> list[KVBlock]:
         """Blocks with fresh (writable) content, each owned once. The caller checks num_free_blocks first."""

@@ -94,8 +94,9 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache
         # no sequence may outgrow the whole pool: one alone would preempt itself and be readmitted for ever
+        self._model_len_limit = max_model_len or config.max_model_len or 1 << 30
         self.kv_capacity_tokens = kv_cache.pool.num_blocks * kv_cache.block_size
-        self.max_model_len = min(max_model_len or config.max_model_len or 1 << 30, self.kv_capacity_tokens)
+        self.max_model_len = min(self._model_len_limit, self.kv_capacity_tokens)
         self.clock = clock
         self.waiting = make_request_queue(config.scheduling_order, config.max_wait_s, clock)
         self.running: list[Request] = []  # in rank order: the tail is preempted first
@@ -120,6 +121,16 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.push(request)
+
+    def grow_kv_pool(self, num_blocks: int, keep_cached: bool = True) -> None:
+        """The worker's KV cache now holds num_blocks blocks: so does the pool, and the length limit follows.
+        keep_cached=False when the worker reallocated its cache without copying it (no block may be owned then):
+        no cached block can be found again."""
+        if not keep_cached:
+            self.kv.pool.drop_cached()
+        self.kv.pool.grow(num_blocks)
+        self.kv_capacity_tokens = num_blocks * self.kv.block_size
+        self.max_model_len = min(self._model_len_limit, self.kv_capacity_tokens)
 
     def is_id_free(self, request_id: str) -> bool:
         """False while a request of that id is queued, running, or still computed as static batching's padding

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -12,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from batchserve.config import EngineConfig, ModelConfig
 from batchserve.core.block_pool import BlockPool, HostBlockPool
-from batchserve.core.kv_cache_manager import KVCacheManager
+from batchserve.core.kv_cache_manager import KVCacheManager, cdiv
 from batchserve.core.outputs import (
     Logprobs,
     ModelOutput,
@@ -36,6 +37,9 @@ class QueueFullError(RuntimeError):
 
 
 class Runner(Protocol):
+    """What the engine drives. A runner whose pool can grow has, besides, `max_kv_blocks` (the most it may hold)
+    and `resize_kv_cache(num_blocks, keep_contents)` (ModelRunner, FakeRunner); one without them has a fixed pool."""
+
     num_kv_blocks: int
     num_swap_blocks: int
     last_timings: RunnerTimings  # of the latest execute()
@@ -117,14 +121,19 @@ class LLMEngine:
         runner: Runner | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         model_config: ModelConfig | None = None,
+        initial_kv_blocks: int | None = None,
     ) -> None:
+        """`initial_kv_blocks`: allocate only that many KV blocks now (a runner loaded here), and grow the pool to
+        what the requests need (reserve_kv_blocks, add_request) up to what num_kv_blocks or the memory fraction
+        allows; None: all of that now, as a server does. The limits (max_model_len) are those of the whole budget."""
         config.validate()
         self.config = config
         if runner is None:
-            runner, model_config, tokenizer = load_runner(config)  # torch only when a real model is asked for
+            # torch only when a real model is asked for
+            runner, model_config, tokenizer = load_runner(config, initial_kv_blocks)
         assert model_config is not None and tokenizer is not None
         self.runner, self.model_config, self.tokenizer = runner, model_config, tokenizer
-        self.limits = EngineLimits.of(config, model_config, runner.num_kv_blocks * config.cache.block_size)
+        self.limits = EngineLimits.of(config, model_config, self.max_kv_blocks * config.cache.block_size)
         pool = BlockPool(runner.num_kv_blocks, config.cache.enable_prefix_caching)
         kv = KVCacheManager(pool, config.cache.block_size, HostBlockPool(runner.num_swap_blocks))
         self.scheduler = Scheduler(config.scheduler, kv, self.limits.max_model_len)
@@ -138,10 +147,11 @@ class LLMEngine:
         self.last_timings = StepTimings()
         self.step_records: list[StepRecord] | None = [] if config.record_steps else None
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d",
+            "KV cache: %d blocks x %d tokens = %d tokens%s; max_model_len %d",
             runner.num_kv_blocks,
             config.cache.block_size,
             runner.num_kv_blocks * config.cache.block_size,
+            f", sized to the requests up to {self.max_kv_blocks} blocks" if self.kv_pool_can_grow else "",
             self.limits.max_model_len,
         )
         logger.info("effective config: %s", ", ".join(f"{k}={v}" for k, v in self.effective_config().items()))
@@ -164,6 +174,39 @@ class LLMEngine:
         }
         flat.update({k: str(v) for k, v in resolved.items() if v is not None})
         return flat
+
+    # ---- the KV pool -------------------------------------------------------------------------------------------
+    @property
+    def max_kv_blocks(self) -> int:
+        """The most blocks the KV pool may hold: the runner's budget; its size now for a fixed pool."""
+        return getattr(self.runner, "max_kv_blocks", self.runner.num_kv_blocks)
+
+    @property
+    def kv_pool_can_grow(self) -> bool:
+        return self.runner.num_kv_blocks < self.max_kv_blocks
+
+    def worst_case_blocks(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Blocks a request holds at its longest: prompt and output, within max_model_len."""
+        return cdiv(min(num_prompt_tokens + max_tokens, self.limits.max_model_len), self.config.cache.block_size)
+
+    def reserve_kv_for(self, requests: Sequence[tuple[int, int]]) -> int:
+        """Grow the pool (when it may) to the worst case of these (prompt tokens, max_tokens) requests all running
+        at once: the sum over the max_batch_size largest, at most max_kv_blocks. Returns the pool's size."""
+        worst = sorted((self.worst_case_blocks(n, m) for n, m in requests), reverse=True)
+        return self.reserve_kv_blocks(sum(worst[: self.config.scheduler.max_batch_size]))
+
+    def reserve_kv_blocks(self, num_blocks: int) -> int:
+        """Grow the KV pool to num_blocks, at most max_kv_blocks (a fixed pool stays as it is); it never shrinks.
+        Between steps. While no request holds a block the old pool is freed before the new one is allocated, and
+        its prefix cache is dropped; otherwise the blocks in it are copied. Returns the pool's size."""
+        current, target = self.runner.num_kv_blocks, min(num_blocks, self.max_kv_blocks)
+        if target <= current:
+            return current
+        keep = self.scheduler.kv.pool.num_used_blocks > 0
+        self.runner.resize_kv_cache(target, keep_contents=keep)  # type: ignore[attr-defined]
+        self.scheduler.grow_kv_pool(target, keep_cached=keep)
+        logger.info("KV pool: %d -> %d blocks (at most %d)", current, target, self.max_kv_blocks)
+        return target
 
     # ---- requests in ------------------------------------------------------------------------------------------
     def add_request(
@@ -196,6 +239,8 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
+        if self.kv_pool_can_grow:  # room for this request at its longest (LLM.generate reserved a whole batch's)
+            self.reserve_kv_blocks(self.worst_case_blocks(request.num_prompt_tokens, params.max_tokens))
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(request, text, detokenizer, [] if params.logprobs is not None else None)
         return request_id

@@ -19,9 +19,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def load_runner(config: EngineConfig) -> tuple[ModelRunner, ModelConfig, PreTrainedTokenizerBase]:
+def load_runner(
+    config: EngineConfig, initial_kv_blocks: int | None = None
+) -> tuple[ModelRunner, ModelConfig, PreTrainedTokenizerBase]:
     """Load `config.model` (default: SmolLM2-135M-Instruct) on the configured device and dtype
-    -> (runner, model_config, tokenizer)."""
+    -> (runner, model_config, tokenizer). The KV pool: see ModelRunner (`initial_kv_blocks` for one that grows)."""
     from batchserve.layers import kernels
     from batchserve.layers.linear import gemm_path
     from batchserve.models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path
@@ -38,4 +40,5 @@ def load_runner(config: EngineConfig) -> tuple[ModelRunner, ModelConfig, PreTrai
         logger.info("CPU path: %s; native kernels %s", gemm_path(dtype), "on" if kernels.load() else "off")
     model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
-    return ModelRunner(config, model_config, model, device, dtype), model_config, tokenizer
+    runner = ModelRunner(config, model_config, model, device, dtype, initial_kv_blocks)
+    return runner, model_config, tokenizer

@@ -58,8 +58,8 @@ HELP: dict[str, str] = {
     "max_waiting_requests": "bound of the waiting queue; when full the server answers 503 (default: unbounded)",
     "static_padding": "static policy: a finished member is computed as padding until its whole batch is done",
     "block_size": "tokens per KV block, 8-128",
-    "num_kv_blocks": "KV pool size in blocks (default: from kv_cache_memory_fraction; `generate` sizes it to its "
-    "prompts)",
+    "num_kv_blocks": "KV pool size in blocks (default: from kv_cache_memory_fraction; `generate` and the offline LLM "
+    "size it to their requests, up to that)",
     "kv_cache_memory_fraction": "KV pool as a fraction of the memory free after the weights load (default: 0.9 on "
     "GPU; on CPU 0.25, at most 4 GiB)",
     "enable_prefix_caching": "share full KV blocks between requests with a common prefix",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 from batchserve.config import ConfigError, EngineConfig
 from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
@@ -12,9 +11,6 @@ from batchserve.entrypoints.llm import LLM
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 
 EXAMPLE_PROMPTS = ["What is continuous batching?", "Write a haiku about the sea.", "Name three planets."]
-# Tokens a prompt may take beyond one per UTF-8 byte (no byte-level or byte-fallback tokenizer makes more tokens than
-# bytes): the chat template's roles, markers and default system prompt, or a BOS token.
-TEMPLATE_TOKENS = 256
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
@@ -30,23 +26,13 @@ def build_generate_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def kv_blocks_for(prompts: list[str], max_tokens: int, block_size: int) -> int:
-    """A KV pool that holds every prompt and its output at once, counting each prompt at its upper bound (one token
-    per byte, plus the template): a few MiB for a few prompts, instead of the default share of the host's memory."""
-    tokens = [len(p.encode()) + TEMPLATE_TOKENS + max_tokens for p in prompts]
-    return sum(math.ceil(n / block_size) for n in tokens)
-
-
 def prepare(args: argparse.Namespace, prompts: list[str]) -> tuple[EngineConfig, SamplingParams]:
-    """Everything checked before the model loads: sampling values, prompts, engine options; the pool sized to the
-    prompts unless an option sets it."""
+    """Everything checked before the model loads: sampling values, prompts, engine options. The KV pool is left to
+    the offline LLM, which sizes it to the prompts once they are tokenized, unless an option sets it."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if not all(prompts):
         raise InvalidRequestError("a prompt is empty", "prompt")
-    config = engine_config_from_args(args, model=args.model)
-    if config.cache.num_kv_blocks is None and config.cache.kv_cache_memory_fraction is None:
-        config.cache.num_kv_blocks = kv_blocks_for(prompts, args.max_tokens, config.cache.block_size)
-    return config, params
+    return engine_config_from_args(args, model=args.model), params
 
 
 def main(argv: list[str]) -> int:

@@ -1,4 +1,9 @@
-"""Offline API shaped like vLLM's: LLM(model=None, **engine_options).generate(prompts, sampling_params)."""
+"""Offline API shaped like vLLM's: LLM(model=None, **engine_options).generate(prompts, sampling_params).
+
+Unless num_kv_blocks or kv_cache_memory_fraction is set, the KV pool is sized to the requests: one block at load, and
+at each generate() what its batch needs at worst (prompt + max_tokens of every request that can run at once), at most
+what the default memory fraction allows; it only grows. A server's pool, sized to the memory, is the other case.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from batchserve.config import EngineConfig
-from batchserve.engine.inputs import Prompt
+from batchserve.engine.inputs import Prompt, prompt_token_ids
 from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
 from batchserve.entrypoints.engine_options import engine_config
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
@@ -19,6 +24,10 @@ from batchserve.worker.device import configure_torch
 Message = Mapping[str, Any]
 
 
+# The pool at load when it is sized to the requests: the first generate() grows it to what its batch needs.
+INITIAL_KV_BLOCKS = 1
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         config = engine_config({"model": model, **engine_options}, "LLM(...)")  # names and types checked here
@@ -26,9 +35,12 @@ class LLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
-        """An LLM over a new engine; as an entry point it sets torch's thread count and seed from `config`."""
+        """An LLM over a new engine; as an entry point it sets torch's thread count and seed from `config`. Its KV
+        pool is sized to the requests unless `config` sets num_kv_blocks or kv_cache_memory_fraction."""
         configure_torch(config.num_threads, config.seed)
-        return cls.from_engine(LLMEngine(config))
+        cache = config.cache
+        sized_to_requests = cache.num_kv_blocks is None and cache.kv_cache_memory_fraction is None
+        return cls.from_engine(LLMEngine(config, initial_kv_blocks=INITIAL_KV_BLOCKS if sized_to_requests else None))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -48,15 +60,22 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[CompletionOutput]:
         """Run every prompt to completion with continuous batching; outputs come back in input order. All prompts
-        are admitted or none: a bad one raises InvalidRequestError and leaves nothing behind in the engine."""
+        are admitted or none: a bad one raises InvalidRequestError and leaves nothing behind in the engine. A pool
+        sized to the requests first grows to this batch's worst case (see the module's docstring)."""
         prompts = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise InvalidRequestError(f"{len(priorities)} priorities for {len(prompts)} prompts", "priority")
+        for p in params:
+            p.validate()
+        # every prompt tokenized and checked before the pool grows and before any is admitted
+        inputs = [prompt_token_ids(prompt, self.engine.tokenizer, self.engine.limits) for prompt in prompts]
+        self.engine.reserve_kv_for([(len(token_ids), p.max_tokens) for (_, token_ids), p in zip(inputs, params)])
         ids: list[str] = []
         try:
-            for prompt, p, prio in zip(prompts, params, priorities):
+            for (text, token_ids), p, prio in zip(inputs, params, priorities):
+                prompt = {"prompt": text, "prompt_token_ids": token_ids}  # tokenized already
                 ids.append(self.engine.add_request(None, prompt, p, priority=prio))
         except BaseException:
             self.engine.abort_request(ids)

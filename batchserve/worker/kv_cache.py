@@ -42,7 +42,8 @@ def num_blocks_for_budget(
     cache_config: CacheConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
     """num_kv_blocks if given, else the configured fraction of free memory (None: 0.9 on GPU; on CPU 0.25, at most
-    CPU_DEFAULT_MAX_BYTES)."""
+    CPU_DEFAULT_MAX_BYTES): the most blocks the pool may take (the offline LLM allocates only what its requests
+    need, up to this)."""
     per_block = block_bytes(model_config, cache_config.block_size, dtype)
     if cache_config.num_kv_blocks is not None:
         num_blocks = cache_config.num_kv_blocks
@@ -58,14 +59,6 @@ def num_blocks_for_budget(
             raise ConfigError(
                 f"no room for a KV block: {free / GiB:.2f} GiB free x {fraction} < {per_block / GiB:.4f} GiB per block"
             )
-    logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
-        num_blocks,
-        cache_config.block_size,
-        num_blocks * cache_config.block_size,
-        num_blocks * per_block / GiB,
-        device,
-    )
     return num_blocks
 
 
@@ -98,14 +91,7 @@ class KVCache:
         device: torch.device,
     ) -> KVCache:
         shape = (block_size, model_config.num_kv_heads, model_config.head_dim)
-        # zeros, not empty: stale NaNs in unwritten slots would leak through masked attention (0 * NaN = NaN).
-        device_caches = [
-            (
-                torch.zeros((num_blocks, *shape), dtype=dtype, device=device),
-                torch.zeros((num_blocks, *shape), dtype=dtype, device=device),
-            )
-            for _ in range(model_config.num_layers)
-        ]
+        device_caches = _zeroed_pool(model_config.num_layers, num_blocks, shape, dtype, device)
         pin = device.type == "cuda"
         # Only whole swapped-out blocks are ever read back from the host pool, so it may start uninitialised.
         host_caches = [
@@ -116,6 +102,21 @@ class KVCache:
             for _ in range(model_config.num_layers)
         ]
         return cls(device_caches, host_caches)
+
+    def resize(self, num_blocks: int, keep_blocks: int = 0) -> None:
+        """A device pool of num_blocks (the host pool stays) whose first keep_blocks blocks keep their K/V: the old
+        and the new pool are both in memory while those are copied. With keep_blocks=0 the old pool is freed first
+        and the new one starts zeroed."""
+        first = self.device_caches[0][0]
+        num_layers, shape, dtype, device = len(self.device_caches), tuple(first.shape[1:]), first.dtype, first.device
+        del first
+        old = self.device_caches if keep_blocks else []  # else nothing holds the old pool now: freed here
+        self.device_caches = []
+        new = _zeroed_pool(num_layers, num_blocks, shape, dtype, device)
+        for (new_k, new_v), (old_k, old_v) in zip(new, old):
+            new_k[:keep_blocks].copy_(old_k[:keep_blocks])
+            new_v[:keep_blocks].copy_(old_v[:keep_blocks])
+        self.device_caches = new
 
     @property
     def num_blocks(self) -> int:
@@ -143,6 +144,19 @@ class KVCache:
         for (dev_k, dev_v), (host_k, host_v) in zip(self.device_caches, self.host_caches, strict=True):
             dev_k.index_copy_(0, dst, host_k.index_select(0, src).to(device, non_blocking=True))
             dev_v.index_copy_(0, dst, host_v.index_select(0, src).to(device, non_blocking=True))
+
+
+def _zeroed_pool(
+    num_layers: int, num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # zeros, not empty: stale NaNs in unwritten slots would leak through masked attention (0 * NaN = NaN).
+    return [
+        (
+            torch.zeros((num_blocks, *shape), dtype=dtype, device=device),
+            torch.zeros((num_blocks, *shape), dtype=dtype, device=device),
+        )
+        for _ in range(num_layers)
+    ]
 
 
 def _index_pair(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

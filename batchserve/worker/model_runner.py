@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -10,8 +11,16 @@ from torch import nn
 from batchserve.config import EngineConfig, ModelConfig
 from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput
 from batchserve.worker.input_batch import InputBatch, RequestTable
-from batchserve.worker.kv_cache import KVCache, num_blocks_for_budget, num_swap_blocks_for_budget
+from batchserve.worker.kv_cache import (
+    GiB,
+    KVCache,
+    block_bytes,
+    num_blocks_for_budget,
+    num_swap_blocks_for_budget,
+)
 from batchserve.worker.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -22,7 +31,10 @@ class ModelRunner:
         model: nn.Module,
         device: torch.device,
         dtype: torch.dtype,
+        initial_kv_blocks: int | None = None,
     ):
+        """The KV pool: the whole budget (num_kv_blocks, else the memory fraction) unless `initial_kv_blocks` is
+        given; then only that many blocks now, and resize_kv_cache() grows the pool up to the budget later."""
         self.engine_config = engine_config
         self.model_config = model_config
         self.model = model
@@ -31,7 +43,10 @@ class ModelRunner:
         cache = engine_config.cache
         self.block_size = cache.block_size
         swap_enabled = engine_config.scheduler.preemption_mode == "swap"
-        self.num_kv_blocks = num_blocks_for_budget(cache, model_config, dtype, device)
+        self.max_kv_blocks = num_blocks_for_budget(cache, model_config, dtype, device)
+        self.num_kv_blocks = self.max_kv_blocks
+        if initial_kv_blocks is not None:
+            self.num_kv_blocks = max(1, min(initial_kv_blocks, self.max_kv_blocks))
         self.num_swap_blocks = num_swap_blocks_for_budget(cache, model_config, dtype, enabled=swap_enabled)
         # one block past the pool's: the scratch slot where static batching's padding rows write their K/V
         self.kv_cache = KVCache.allocate(
@@ -40,6 +55,33 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests = RequestTable(self.block_size, scratch_slot=self.num_kv_blocks * self.block_size)
         self.last_timings = RunnerTimings()
+        self._log_pool()
+
+    def resize_kv_cache(self, num_blocks: int, keep_contents: bool) -> None:
+        """Grow the device pool to num_blocks (at most max_kv_blocks), between steps. keep_contents: the blocks
+        held so far keep their K/V (copied); otherwise the pool starts anew, and no block may be in use."""
+        if not self.num_kv_blocks <= num_blocks <= self.max_kv_blocks:
+            raise ValueError(
+                f"a KV pool of {num_blocks} blocks: it holds {self.num_kv_blocks}, may hold {self.max_kv_blocks}"
+            )
+        keep = self.num_kv_blocks if keep_contents else 0  # the old scratch block's padding K/V is not kept
+        self.kv_cache.resize(num_blocks + 1, keep_blocks=keep)
+        self.num_kv_blocks = num_blocks
+        self.requests.scratch_slot = num_blocks * self.block_size
+        self._log_pool()
+
+    def _log_pool(self) -> None:
+        per_block = block_bytes(self.model_config, self.block_size, self.dtype)
+        budget = "" if self.num_kv_blocks == self.max_kv_blocks else f", may grow to {self.max_kv_blocks} blocks"
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s%s)",
+            self.num_kv_blocks,
+            self.block_size,
+            self.num_kv_blocks * self.block_size,
+            self.num_kv_blocks * per_block / GiB,
+            self.device,
+            budget,
+        )
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -69,3 +69,30 @@ def test_host_pool_double_free():
     host.release(got)
     with pytest.raises(BlockAccountingError):
         host.release(got[:1])
+
+
+def test_grown_pool_takes_its_new_blocks_before_evicting_a_cached_one():
+    pool = BlockPool(2)
+    key = BlockKey(None, (1, 2))
+    first, _ = pool.take_new(2)
+    pool.register(first, key)
+    pool.release([first])  # cached and free
+    pool.grow(4)
+    assert pool.num_blocks == 4 and pool.num_free_blocks == 3
+    assert [b.block_id for b in pool.take_new(2)] == [2, 3]  # the never-used ones first
+    assert pool.lookup(key) is first
+    with pytest.raises(ValueError, match="only grows"):
+        pool.grow(3)
+
+
+def test_dropping_the_cache_forgets_every_block_and_refuses_while_one_is_owned():
+    pool = BlockPool(3)
+    key = BlockKey(None, (1, 2))
+    (block,) = pool.take_new(1)
+    pool.register(block, key)
+    with pytest.raises(BlockAccountingError, match="owned"):
+        pool.drop_cached()
+    pool.release([block])
+    pool.drop_cached()
+    assert pool.lookup(key) is None and block.key is None and pool.num_cached_free_blocks == 0
+    assert pool.num_free_blocks == 3
