@@ -7,7 +7,8 @@ replica through Ray vs the plain server, same threads, same load).
 
 Each configuration is a fresh `batchserve serve` (so no run finds another's prompts in a cache), driven by
 `batchserve bench --base-url` with the same requests (same seed) at the same Poisson rate; the table reads each
-run's summary JSON. Threads: 2 replicas get 1 thread each, the single engines get 2.
+run's summary JSON. Threads: 2 replicas get 1 thread each, the single engines get 2. With --num-kv-blocks each of
+the 2 replicas gets that many blocks and a single engine twice as many: the same KV memory in every configuration.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--request-rate", type=float, default=4.0)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=None,
+        help="KV blocks per replica (the single engines get twice as many: the same memory in all); default: each "
+        "engine's own sizing. Set it below what all the system prompts take on one replica to see the router "
+        "double the cache: 8 x 500 tokens = 250 blocks of 16",
+    )  # fmt: skip
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--output-dir", default=str(REPO / "bench_results" / "ray_router"))
     args = parser.parse_args()
@@ -76,6 +83,9 @@ def main() -> int:
 
 def run_config(name: str, flags: list[str], args: argparse.Namespace, out_dir: Path) -> dict:
     serve = [sys.executable, "-m", "batchserve.cli", "serve", "--port", str(args.port), "--dtype", args.dtype, *flags]
+    if args.num_kv_blocks:
+        replicas = int(flags[flags.index("--replicas") + 1]) if "--replicas" in flags else 0
+        serve += ["--num-kv-blocks", str(args.num_kv_blocks * (1 if replicas == 2 else 2))]
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir.parent / f"{name}-server.log"
     with open(log, "w") as sink:
