@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+from batchserve.bench.soak import wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {  # name: (serve flags, description)
@@ -91,7 +91,7 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace, out_dir: P
     with open(log, "w") as sink:
         server = subprocess.Popen(serve, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            _wait_healthy(f"http://127.0.0.1:{args.port}", server, timeout_s=600)
+            wait_ready(server, f"http://127.0.0.1:{args.port}", timeout_s=600)
             bench = [
                 sys.executable, "-m", "batchserve.cli", "bench", "--base-url", f"http://127.0.0.1:{args.port}",
                 "--workload", "shared-prefix", "--num-prefixes", str(args.num_prefixes),
@@ -111,20 +111,6 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace, out_dir: P
     if not summaries:
         raise SystemExit(f"{name}: bench wrote no summary.json under {out_dir}")
     return json.loads(summaries[-1].read_text())["runs"]["http"]
-
-
-def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with {server.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    raise SystemExit("the server did not become healthy")
 
 
 def _get(summary: dict, key: str | tuple[str, str]) -> float | None:
