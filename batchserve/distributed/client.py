@@ -99,9 +99,14 @@ class RemoteEngineClient:
         return stream
 
     async def _relay(self, call: Any, stream: RequestStream) -> None:
+        prompt: tuple[str | None, list[int]] | None = None
         try:
             async for outputs in call:
                 for out in outputs:
+                    if prompt is None:
+                        prompt = (out.prompt, out.prompt_token_ids)
+                    elif not out.prompt_token_ids:  # sent once: every output carries it again here
+                        out.prompt, out.prompt_token_ids = prompt
                     stream.put(out)
         except asyncio.CancelledError:
             raise

@@ -10,6 +10,7 @@ then replaces it), and posts its Prometheus metrics to the ReplicaBoard for the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -50,14 +51,19 @@ class EngineReplica:
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[list[CompletionOutput]]:
         """First an empty list once the engine admitted the request (or its error: InvalidRequestError,
-        QueueFullError, EngineDeadError), then its outputs. Cancelled by the caller (a client gone, an abort):
+        QueueFullError, EngineDeadError), then its outputs; only the first message's outputs carry the prompt
+        (its text and ids, after any truncation), later ones an empty prompt_token_ids. Cancelled by the caller (a client gone, an abort):
         the engine drops the request."""
         stream = await self.engine.add_request(request.request_id, request.prompt, request.params, request.priority)
         try:
             yield []
+            sent_prompt = False
             while not stream.finished:
-                first = await stream.get()
-                yield [first, *stream.ready()]
+                outputs = [await stream.get(), *stream.ready()]
+                if sent_prompt:  # the caller has it: not pickled again with every step
+                    outputs = [dataclasses.replace(o, prompt=None, prompt_token_ids=[]) for o in outputs]
+                sent_prompt = True
+                yield outputs
         finally:
             if not stream.finished:
                 self.engine.abort(request.request_id)
