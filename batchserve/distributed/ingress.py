@@ -9,6 +9,7 @@ the services re-declared as deployment methods)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI
@@ -19,6 +20,8 @@ from batchserve.distributed.metrics import ROUTER_METRICS, relabelled
 from batchserve.distributed.options import RayAppOptions
 from batchserve.entrypoints.grpc.server import GrpcServer
 from batchserve.entrypoints.openai.app import build_front_app, model_names
+
+BOARD_TIMEOUT_S = 5.0
 
 
 class OpenAIIngress:
@@ -49,10 +52,20 @@ class OpenAIIngress:
         )
 
     async def render_metrics(self) -> bytes:
-        posts = await self.board.snapshot.remote()
-        return relabelled(posts) + generate_latest(ROUTER_METRICS)
+        posts = await self._board_snapshot()
+        return relabelled(posts or {}) + generate_latest(ROUTER_METRICS)
 
     async def health_problem(self) -> str | None:
-        if not await self.board.snapshot.remote():
+        posts = await self._board_snapshot()
+        if posts is None:
+            return "the replicas' metrics board does not answer"
+        if not posts:
             return "no engine replica has reported in the last seconds"
         return None
+
+    async def _board_snapshot(self) -> dict[str, str] | None:
+        """The board's snapshot, or None when it does not answer in time (being restarted by Serve)."""
+        try:
+            return await asyncio.wait_for(self.board.snapshot.remote(), BOARD_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a timeout or a dead board: the caller reports it
+            return None
