@@ -148,6 +148,22 @@ def batch_occupancy(steps: Sequence[StepSample]) -> float:
     return sum(s.num_scheduled_seqs for s in steps) / slots if slots else math.nan
 
 
+def prefill_time_share(steps: Sequence[StepSample]) -> float:
+    """Share of the steps' time spent in steps that prefill (alone or mixed with decodes)."""
+    total = sum(s.end - s.start for s in steps)
+    return sum(s.end - s.start for s in steps if s.num_prefill_tokens) / total if total > 0 else math.nan
+
+
+def padding_bound(static: dict[str, Any], dynamic: dict[str, Any]) -> float:
+    """The most continuous batching can gain over static in the saturated phase by removing padding alone: the same
+    prefill time, and decode steps that cost what static's (padded, full-batch) ones do but carry only useful rows,
+    so there are (static's occupancy in its decode steps) / (dynamic's occupancy) as many. Prefill time is not padding: where it is a large
+    share of the run, this bound is well below the occupancy ratio."""
+    share = static.get("prefill_time_share_saturated", math.nan)
+    occ_s, occ_d = static.get("decode_occupancy_saturated", math.nan), dynamic.get("batch_occupancy_saturated", math.nan)
+    return 1 / (share + (1 - share) * occ_s / occ_d) if occ_d else math.nan
+
+
 def summarize(
     results: Sequence[RequestResult],
     duration_s: float,
@@ -212,12 +228,15 @@ def _request_hit_rate(results: Sequence[RequestResult]) -> float:
 
 def step_summary(steps: Sequence[StepSample]) -> dict[str, Any]:
     saturated = [s for s in steps if s.num_waiting > 0]
+    decoding = [s for s in saturated if not s.num_prefill_tokens]
     last = steps[-1]
     out: dict[str, Any] = {
         "num_steps": len(steps),
         "batch_occupancy": batch_occupancy(steps),
         # while requests were waiting: how full the batch was when it could have been full
         "batch_occupancy_saturated": batch_occupancy(saturated) if saturated else math.nan,
+        "prefill_time_share_saturated": prefill_time_share(saturated) if saturated else math.nan,
+        "decode_occupancy_saturated": batch_occupancy(decoding) if decoding else math.nan,
         "mean_seqs_per_step": sum(s.num_scheduled_seqs for s in steps) / len(steps),
         "mean_tokens_per_step": sum(s.num_prefill_tokens + s.num_decode_tokens for s in steps) / len(steps),
         "mean_step_ms": 1000 * sum(s.end - s.start for s in steps) / len(steps),

@@ -7,6 +7,7 @@ import argparse
 import math
 from pathlib import Path
 
+from batchserve.bench.metrics import padding_bound
 from batchserve.bench.trace import RunTrace, save_chrome_trace
 
 
@@ -66,6 +67,13 @@ def compare_line(summaries: dict[str, dict], keys: list[tuple]) -> str:
             f"dynamic (while requests waited: {100 * s.get('batch_occupancy_saturated', math.nan):.1f}% vs "
             f"{100 * d.get('batch_occupancy_saturated', math.nan):.1f}%)"
         )
+        bound = padding_bound(s, d)
+        if math.isfinite(bound):
+            lines.append(
+                f"  padding bound{where}: {bound:.3f}x (the most that removing static's padding can gain while "
+                f"requests wait: static spent {100 * s['prefill_time_share_saturated']:.0f}% of that time in "
+                "prefill steps, which have no padding)"
+            )
     return "\n".join(lines)
 
 

@@ -19,7 +19,8 @@ STALE_AFTER_S = 10.0
 ROUTER_METRICS = CollectorRegistry()
 ROUTER_DECISIONS = Counter(
     "batchserve:router_decisions",
-    "Requests routed, by decision: prefix (longest cached prefix), no_match or overloaded (power of two choices).",
+    "Requests routed, by decision: prefix (longest cached prefix), no_match (the replica with the most cache room) "
+    "or overloaded (power of two choices).",
     ["decision"],
     registry=ROUTER_METRICS,
 )

@@ -2,8 +2,9 @@
 
 Runs inside the caller of the deployment handle (the ingress). A request goes to the replica that was sent the
 longest run of its prompt's leading blocks, unless that replica is busier than the least loaded one by more than
-`max_imbalance` requests or its KV pool is over `max_kv_usage`; else power of two choices on queue length (two
-random replicas, Ray Serve probes both and takes the shorter queue). A replica's load is the larger of what this
+`max_imbalance` requests or its KV pool is over `max_kv_usage`; then power of two choices on queue length (two
+random replicas, Ray Serve probes both and takes the shorter queue). A prompt no replica holds goes to the replica
+remembering the fewest blocks among those not overloaded (serving/routing.py). A replica's load is the larger of what this
 router has in flight there and what the replica last reported (record_routing_stats: running + waiting, KV usage).
 Decisions are counted in metrics.ROUTER_METRICS, which the ingress's /metrics serves.
 
@@ -57,8 +58,8 @@ class PrefixAwareRouter(RequestRouter):
         hashes, choice = self._routed.pop(pending_request.metadata.internal_request_id, ([], None))
         if choice is None:
             return
-        went_as_chosen = choice.replica == replica_id
-        decision = choice.decision if went_as_chosen or choice.replica is None else Decision.OVERLOADED
+        went_as_chosen = choice.replica is None or choice.replica == replica_id
+        decision = Decision.OVERLOADED if choice.decision == Decision.PREFIX and not went_as_chosen else choice.decision
         metrics.ROUTER_DECISIONS.labels(decision).inc()
         if decision == Decision.PREFIX:
             metrics.ROUTER_MATCHED_BLOCKS.inc(choice.matched_blocks)

@@ -5,8 +5,10 @@ A replica's KV cache can serve a prompt's leading blocks without recomputing the
 cannot see the caches, so it remembers, per replica, the block hashes of the prompts it sent there (the engine's
 own chain, core/block_pool.BlockKey, so a remembered hash names exactly the block the replica's cache would hold),
 LRU-bounded as the replica's pool is. A request goes to the replica holding the longest run of its leading blocks,
-unless that run is short or that replica is overloaded; then the caller's fallback (power of two choices in Ray,
-least loaded in the simulator) decides.
+unless that run is short or that replica is overloaded. A prompt no replica holds goes to the replica remembering
+the fewest blocks among those not overloaded: new prefixes spread over the caches instead of piling up where a
+coin toss sends them (SGLang's cache-aware router picks its smallest tree the same way). An overloaded best match
+leaves the choice to the caller's fallback (power of two choices in Ray, least loaded in the simulator).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def block_hashes(prompt: Sequence[int], block_size: int) -> list[int]:
 
 class Decision(StrEnum):
     PREFIX = "prefix"  # the replica holding the longest match
-    NO_MATCH = "no_match"  # no replica holds enough of the prompt: fallback
+    NO_MATCH = "no_match"  # no replica holds enough of the prompt: the one remembering the fewest blocks
     OVERLOADED = "overloaded"  # the best match is too busy: fallback
 
 
@@ -90,6 +92,10 @@ class PrefixIndex:
         while len(seen) > self.capacity:
             seen.popitem(last=False)
 
+    def size(self, replica: Hashable) -> int:
+        """How many block hashes the replica is remembered to hold."""
+        return len(self._seen.get(replica, ()))
+
     def forget(self, replica: Hashable) -> None:
         """The replica is gone (or restarted with an empty cache)."""
         self._seen.pop(replica, None)
@@ -104,18 +110,26 @@ class PrefixRoutingPolicy:
         self.index = PrefixIndex(config.capacity_blocks)
 
     def choose(self, hashes: Sequence[int], loads: Mapping[Hashable, ReplicaLoad]) -> Choice:
-        """The replica with the longest match among `loads`' keys (ties: the less loaded), or a fallback."""
-        if not loads or not hashes:
+        """The replica with the longest match among `loads`' keys (ties: the less loaded); for a prompt no replica
+        holds, the replica with the most room; None where the caller's fallback should pick."""
+        if not loads or not hashes:  # nothing to place by: a prompt shorter than a block
             return Choice(None, Decision.NO_MATCH, 0)
+        least_queue = min(load.queue_len for load in loads.values())
         matched = {r: self.index.matched_blocks(r, hashes) for r in loads}
         best = max(loads, key=lambda r: (matched[r], -loads[r].queue_len))
         if matched[best] == 0 or matched[best] < self.config.min_match * len(hashes):
-            return Choice(None, Decision.NO_MATCH, matched[best])
-        least_queue = min(load.queue_len for load in loads.values())
-        load = loads[best]
-        if load.queue_len - least_queue > self.config.max_imbalance or load.kv_usage > self.config.max_kv_usage:
+            return Choice(self._roomiest(loads, least_queue), Decision.NO_MATCH, matched[best])
+        if self._overloaded(loads[best], least_queue):
             return Choice(None, Decision.OVERLOADED, matched[best])
         return Choice(best, Decision.PREFIX, matched[best])
+
+    def _overloaded(self, load: ReplicaLoad, least_queue: int) -> bool:
+        return load.queue_len - least_queue > self.config.max_imbalance or load.kv_usage > self.config.max_kv_usage
+
+    def _roomiest(self, loads: Mapping[Hashable, ReplicaLoad], least_queue: int) -> Hashable | None:
+        """Among replicas not overloaded, the one remembering the fewest blocks (ties: the shorter queue)."""
+        ready = [r for r, load in loads.items() if not self._overloaded(load, least_queue)]
+        return min(ready, key=lambda r: (self.index.size(r), loads[r].queue_len), default=None)
 
     def routed(self, replica: Hashable, hashes: Sequence[int]) -> None:
         """The request went to `replica`, whichever way it was chosen: its blocks are there from now on."""

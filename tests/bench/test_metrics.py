@@ -2,7 +2,16 @@ import math
 
 import pytest
 
-from batchserve.bench.metrics import SLO, RequestResult, StepSample, batch_occupancy, percentile, summarize
+from batchserve.bench.metrics import (
+    SLO,
+    RequestResult,
+    StepSample,
+    batch_occupancy,
+    padding_bound,
+    percentile,
+    step_summary,
+    summarize,
+)
 
 
 def test_percentile_interpolates_like_numpy():
@@ -115,3 +124,17 @@ def test_saturated_throughput_stops_when_the_queue_empties():
     assert summary["output_throughput"] == pytest.approx(6 / 4.0)
     never_waited = [StepSample(start=0.0, end=1.0, num_scheduled_seqs=1)]
     assert math.isnan(summarize([other], 1.0, steps=never_waited)["output_throughput_saturated"])
+
+
+def test_padding_bound_counts_only_decode_time_as_padded():
+    def step(start: float, seconds: float, seqs: int, prefill: int) -> StepSample:
+        return StepSample(start, start + seconds, num_scheduled_seqs=seqs, max_batch_size=4, num_waiting=1,
+                          num_prefill_tokens=prefill, num_decode_tokens=seqs)  # fmt: skip
+
+    # static: 1 s of prefill, then 3 decode steps of 1 s at 4, 3 and 1 useful rows (8 of 12 slots)
+    static = step_summary([step(0, 1, 4, 40), step(1, 1, 4, 0), step(2, 1, 3, 0), step(3, 1, 1, 0)])
+    dynamic = step_summary([step(0, 1, 4, 10), step(1, 1, 4, 0)])
+    assert static["prefill_time_share_saturated"] == pytest.approx(0.25)
+    # 3 s of decode at 8/12 occupied could be 2 s at full occupancy, the 1 s of prefill stays: 4 s -> 3 s
+    assert padding_bound(static, dynamic) == pytest.approx(4 / 3)
+    assert padding_bound(static, {**dynamic, "batch_occupancy_saturated": math.nan}) != padding_bound(static, dynamic)

@@ -50,6 +50,23 @@ def test_an_overloaded_best_match_falls_back_by_queue_or_kv_usage():
     assert (full.replica, full.decision) == (None, Decision.OVERLOADED)
 
 
+def test_new_prefixes_spread_to_the_replica_remembering_fewest_blocks():
+    policy = _policy(max_imbalance=2)
+    prefixes = [block_hashes(list(range(p * 100, p * 100 + 16)), 4) for p in range(4)]
+    homes = []
+    for hashes in prefixes:
+        choice = policy.choose(hashes, {"a": IDLE, "b": IDLE})
+        assert choice.decision == Decision.NO_MATCH and choice.replica is not None
+        policy.routed(choice.replica, hashes)
+        homes.append(choice.replica)
+    assert sorted(homes) == ["a", "a", "b", "b"]  # two prefixes each, not wherever a coin toss sent them
+    unseen = block_hashes(list(range(900, 916)), 4)
+    busy = {"a": IDLE, "b": ReplicaLoad(queue_len=3)}  # the roomier replica, overloaded: the other one
+    policy.routed("a", unseen[:1])
+    assert policy.choose(unseen, busy).replica == "a"
+    assert policy.choose([], {"a": IDLE, "b": IDLE}).replica is None  # no full block: the caller's fallback
+
+
 def test_memory_is_bounded_lru_and_forgotten_with_the_replica():
     policy = _policy(capacity_blocks=4)
     old, new = block_hashes(list(range(16)), 4), block_hashes(list(range(100, 116)), 4)
