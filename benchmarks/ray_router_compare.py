@@ -88,6 +88,7 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace, out_dir: P
         serve += ["--num-kv-blocks", str(args.num_kv_blocks * (1 if replicas == 2 else 2))]
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir.parent / f"{name}-server.log"
+    routing: dict = {}
     with open(log, "w") as sink:
         server = subprocess.Popen(serve, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -101,6 +102,7 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace, out_dir: P
                 "--output-dir", str(out_dir),
             ]  # fmt: skip
             subprocess.run(bench, cwd=REPO, check=True)
+            routing = _scrape_routing(f"http://127.0.0.1:{args.port}/metrics", out_dir.parent / f"{name}-metrics.txt")
         finally:
             os.killpg(server.pid, signal.SIGINT)
             try:
@@ -110,7 +112,34 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace, out_dir: P
     summaries = sorted(out_dir.glob("**/summary.json"))
     if not summaries:
         raise SystemExit(f"{name}: bench wrote no summary.json under {out_dir}")
-    return json.loads(summaries[-1].read_text())["runs"]["http"]
+    summary = json.loads(summaries[-1].read_text())["runs"]["http"]
+    if routing:
+        print(f"{name}: {routing}", flush=True)
+    return {**summary, "routing": routing}
+
+
+def _scrape_routing(url: str, save_to: Path) -> dict:
+    """From the server's /metrics (saved whole): the router's decisions, and per replica its prompt tokens and
+    prefix-cache hits (the warm-up's requests included)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            text = response.read().decode()
+    except OSError as exc:
+        return {"error": str(exc)}
+    save_to.write_text(text)
+    routing: dict = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            replica = sample.labels.get("replica", "")
+            if sample.name == "batchserve:router_decisions_total":
+                routing.setdefault("decisions", {})[sample.labels["decision"]] = sample.value
+            elif sample.name in ("batchserve:prefix_cache_hits_total", "batchserve:prompt_tokens_total") and replica:
+                routing.setdefault("replicas", {}).setdefault(replica, {})[sample.name.split(":")[1]] = sample.value
+    return routing
 
 
 def _get(summary: dict, key: str | tuple[str, str]) -> float | None:
