@@ -140,9 +140,12 @@ def test_cpu_linear_bfloat16(units, monkeypatch):
     linear = torch.nn.Linear(64, 96, bias=True, dtype=torch.bfloat16)
     cpu = CpuLinear.from_linear(linear)
     assert cpu.weight_t.dtype == (torch.bfloat16 if units else torch.float32)
-    for m in (1, 5, 64, 600):
+    for m in (1, 2, 3, 5, 64, 600):
         x = torch.randn(m, 64).to(torch.bfloat16)
         out = cpu(x)
+        if units and m < CpuLinear.PACKED_MIN_M:  # padded with zero rows: each row as in a 4-row GEMM
+            four = torch.cat([x, torch.randn(CpuLinear.PACKED_MIN_M - m, 64).to(torch.bfloat16)])
+            assert out.shape == (m, 96) and torch.equal(out, cpu(four)[:m])
         assert out.dtype == torch.bfloat16
         exact = (x.float() @ linear.weight.float().t() + linear.bias.float()).to(torch.bfloat16)
         torch.testing.assert_close(out, exact, rtol=1.6e-2, atol=1e-2)
