@@ -34,6 +34,14 @@ def attention_path() -> str | None:
     return None if value in (None, "", "auto") else value
 
 
+def prefill_attention() -> str | None:
+    """BATCHSERVE_PREFILL_ATTENTION (default unset or "auto": the pool's dtype and the CPU's flags decide): "native"
+    (the native kernel, or the torch code where it does not run) or "sdpa" (torch's fused attention, one call per
+    prompt) for prefill chunks on the CPU; to measure or test one path on any CPU."""
+    value = os.environ.get("BATCHSERVE_PREFILL_ATTENTION")
+    return None if value in (None, "", "auto") else value
+
+
 def cache_dir() -> Path:
     """BATCHSERVE_CACHE_DIR (default ~/.cache/batchserve): where GGUF files are converted to, once each."""
     return Path(os.environ.get("BATCHSERVE_CACHE_DIR", Path.home() / ".cache" / "batchserve"))

@@ -205,15 +205,16 @@ class RequestTable:
         start, stop = int(query_start_loc[seqs[0]]), int(query_start_loc[seqs[-1] + 1])
         group_lens, group_query_lens = seq_lens[seqs], query_lens[seqs]
         max_q = int(group_query_lens.max())
-        fresh = max_q > 1 and bool((group_query_lens == group_lens).all())  # prompts with no earlier context
         host.add(f"{name}.seq_lens", group_lens)
         host.add(f"{name}.block_tables", self.block_table[rows[seqs], : -(-int(group_lens.max()) // self.block_size)])
         starts = query_start_loc[seqs[0] : seqs[-1] + 2] - start  # each sequence's first row within the group
+        spans = None
         if max_q > 1:
             local = np.repeat(np.arange(len(seqs)), group_query_lens)
             host.add(f"{name}.query_pad_index", local * max_q + offset[start:stop])
             host.add(f"{name}.query_starts", starts)
-        bounds = starts.tolist() if fresh else None
+            contexts = group_lens - group_query_lens
+            spans = list(zip(starts[:-1].tolist(), starts[1:].tolist(), contexts.tolist(), strict=True))
 
         def build(dev: dict[str, torch.Tensor]) -> SeqGroup:
             return SeqGroup(
@@ -224,7 +225,7 @@ class RequestTable:
                 max_query_len=max_q,
                 query_pad_index=dev.get(f"{name}.query_pad_index"),
                 query_starts=dev.get(f"{name}.query_starts"),
-                seq_bounds=None if bounds is None else list(zip(bounds[:-1], bounds[1:], strict=True)),
+                spans=spans,
             )
 
         return build

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.layers import kernels
-from batchserve.layers.attention import paged_attention
+from batchserve.layers import attention
+from batchserve.layers.attention import paged_attention, prefill_path
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.input_batch import RequestTable
 
@@ -224,11 +225,14 @@ def force_path(monkeypatch, native_kernels):
             reason = "this CPU lacks avx512_bf16 (vdpbf16ps)" if path == "avx512_bf16" else "not built (no AVX-512)"
             pytest.skip(f"attention path {path!r} cannot run here: {reason}")
         monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", path)
+        monkeypatch.setenv("BATCHSERVE_PREFILL_ATTENTION", "native")  # not SDPA, which an AMX CPU takes for bf16
         kernels.attention_path.cache_clear()
+        prefill_path.cache_clear()
 
     kernels.attention_path.cache_clear()
     yield force
     kernels.attention_path.cache_clear()  # the next test chooses again, without the forced path
+    prefill_path.cache_clear()
 
 
 BF16_TOLERANCE = {"atol": 1e-2, "rtol": 1e-2}  # as test_bfloat16_pool: bf16 K/V (and bf16 weights) against float32
@@ -261,6 +265,51 @@ def test_prefill_paths_bfloat16_pool(path, heads, block_size, force_path):
     out, expected, batch = run_batch(seqs, block_size, stale=path != "portable", heads=heads, dtype=torch.bfloat16)
     assert batch.attn_metadata.prefill is not None and batch.attn_metadata.decode is not None
     torch.testing.assert_close(out.float(), expected, **BF16_TOLERANCE)
+
+
+@pytest.fixture
+def force_prefill(monkeypatch):
+    """force_prefill(path): prefill chunks take `path` ("native" or "sdpa"), whatever the CPU."""
+
+    def force(path: str) -> None:
+        monkeypatch.setenv("BATCHSERVE_PREFILL_ATTENTION", path)
+        prefill_path.cache_clear()
+
+    yield force
+    prefill_path.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("block_size", [9, 16])
+def test_sdpa_prefill_path(dtype, block_size, force_prefill, monkeypatch):
+    # The per-sequence SDPA prefill (AMX CPUs' path for bfloat16 pools), forced on any CPU: whole prompts, chunks
+    # after earlier context that starts mid-block or on a block's edge, next to decodes, NaN garbage in unwritten
+    # slots; the native prefill kernel never runs.
+    force_prefill("sdpa")
+    monkeypatch.setattr(attention, "_native_prefill", lambda *_: pytest.fail("the native prefill kernel ran"))
+    seqs = [(0, 5), (0, 16), (0, 37), (13, 20), (40, 1), (7, 33), (16, 16), (0, 2), (100, 3)]
+    out, expected, batch = run_batch(seqs, block_size, stale=True, heads=(9, 3, 64), dtype=dtype)
+    spans = batch.attn_metadata.prefill.spans
+    assert sorted(context for *_, context in spans) == [0, 0, 0, 0, 7, 13, 16, 100]
+    chunks = [seqs[int(rid[1:])] for rid in batch.req_ids if seqs[int(rid[1:])][1] > 1]  # decodes are packed first
+    assert [(stop - start, context) for start, stop, context in spans] == [(n, c) for c, n in chunks]
+    tolerance = BF16_TOLERANCE if dtype == torch.bfloat16 else F32_TOLERANCE
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+def test_prefill_path_choice(monkeypatch, force_prefill):
+    # SDPA for bfloat16 pools where the CPU has AMX, the native kernel elsewhere and for float32 pools; the variable
+    # forces either, and an unknown name is an error.
+    monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
+    for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "sdpa"), ("avx512f avx512_bf16", "native")):
+        monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: f"flags : fpu {flags}")
+        prefill_path.cache_clear()
+        assert prefill_path(torch.bfloat16) == bf16_path and prefill_path(torch.float32) == "native"
+    force_prefill("sdpa")
+    assert prefill_path(torch.float32) == "sdpa"
+    force_prefill("fastest")
+    with pytest.raises(ValueError, match="BATCHSERVE_PREFILL_ATTENTION"):
+        prefill_path(torch.bfloat16)
 
 
 @pytest.mark.parametrize("path", kernels.ATTENTION_PATHS)
