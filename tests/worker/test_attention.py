@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
-from batchserve.layers import kernels
-from batchserve.layers import attention
+from batchserve.layers import attention, kernels
 from batchserve.layers.attention import paged_attention, prefill_path
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.input_batch import RequestTable
