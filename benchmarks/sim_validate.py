@@ -2,12 +2,18 @@
 
     .venv/bin/python benchmarks/sim_validate.py --profile bench_results/sim/profile.json
     .venv/bin/python benchmarks/sim_validate.py --profile P --workloads uniform --configs small --num-requests 40
+    .venv/bin/python benchmarks/sim_validate.py --profile NEW.json --measured bench_results/sim-validation/validation.json
 
 For each workload x configuration, the two request rates are set from the simulator's own estimate of the
 configuration's capacity (all requests at once): --load-factors of it (default 0.35 and 0.7). Each point runs
 `batchserve bench --offline` (the real engine, its warm-up, Poisson arrivals) and `batchserve simulate` with the same
 flags and seed, then reads both summary.json files: the comparison is what any script can do with the two commands.
 Targets: throughput and TTFT/TPOT p50 within 10%, p99 within 20%.
+
+--measured FILE (a validation.json this script wrote) runs only the simulator, at that file's points and rates, and
+compares with the real runs it recorded: a new profile or step model checked in seconds, without the real engine.
+Each row records the flags its point ran with; files older than that get this command line's flags (pass the
+--num-requests, --output-len, --seed and --engine-flags the measured run used).
 """
 
 from __future__ import annotations
@@ -50,9 +56,40 @@ def get(s: dict, path: tuple[str, ...]) -> float:
     return float(s)
 
 
-def main() -> int:
+def point_argv(args: argparse.Namespace, workload: str, config: str) -> list[str]:
+    """The flags both commands get for a workload x configuration (all requests at once: add --request-rate)."""
+    return ["--workload", workload, "--num-requests", str(args.num_requests), "--output-len", str(args.output_len),
+            "--seed", str(args.seed), *CONFIGS[config], *args.engine_flags.split()]  # fmt: skip
+
+
+def predicted_row(args: argparse.Namespace, out: Path, row: dict) -> dict:
+    """`row` (its point and measured numbers) with the simulator's prediction for the point."""
+    argv = row.get("argv") or [*point_argv(args, row["workload"], row["config"]), "--request-rate", str(row["rate"])]
+    point_dir = out / "sim" / f"{row['workload']}-{row['config']}-{row['rate']}"  # simulations take under a second
+    predicted = summary(simulate_main, [*argv, "--profile", args.profile], point_dir)
+    return {**row, "argv": argv, "predicted": {m: get(predicted, path) for m, path, _ in METRICS}}
+
+
+def measured_rows(args: argparse.Namespace, out: Path):
+    """Each point's rate from the simulated capacity, and the real engine's run at that rate."""
+    for workload in args.workloads.split(","):
+        for name in args.configs.split(","):
+            base = point_argv(args, workload, name)
+            cap = summary(simulate_main, [*base, "--profile", args.profile], out / "capacity")["request_throughput"]
+            for factor in (float(f) for f in args.load_factors.split(",")):
+                rate = round(cap * factor, 2)
+                argv = [*base, "--request-rate", str(rate)]
+                started = time.perf_counter()
+                measured = summary(bench_main, [*argv, "--offline"], out / "real")
+                yield {"workload": workload, "config": name, "rate": rate, "load": factor, "argv": argv,
+                       "real_s": time.perf_counter() - started,
+                       "measured": {m: get(measured, path) for m, path, _ in METRICS}}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", required=True)
+    p.add_argument("--measured", metavar="VALIDATION_JSON", help="simulate only: compare with these recorded real runs")
     p.add_argument("--workloads", default="uniform,longtail,shared-prefix")
     p.add_argument("--configs", default="small,large")
     p.add_argument("--num-requests", type=int, default=40)
@@ -61,27 +98,14 @@ def main() -> int:
     p.add_argument("--out-dir", default="bench_results/sim-validation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-flags", default="", help="more flags for both commands, e.g. '--num-threads 1'")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     out = Path(args.out_dir)
+    points = json.loads(Path(args.measured).read_text()) if args.measured else measured_rows(args, out)
     rows = []
-    for workload in args.workloads.split(","):
-        for name in args.configs.split(","):
-            base = ["--workload", workload, "--num-requests", str(args.num_requests), "--output-len",
-                    str(args.output_len), "--seed", str(args.seed), *CONFIGS[name], *args.engine_flags.split()]  # fmt: skip
-            cap = summary(simulate_main, [*base, "--profile", args.profile], out / "capacity")["request_throughput"]
-            for factor in (float(f) for f in args.load_factors.split(",")):
-                rate = round(cap * factor, 2)
-                argv = [*base, "--request-rate", str(rate)]
-                started = time.perf_counter()
-                measured = summary(bench_main, [*argv, "--offline"], out / "real")
-                real_s = time.perf_counter() - started
-                predicted = summary(simulate_main, [*argv, "--profile", args.profile], out / "sim")
-                row = {"workload": workload, "config": name, "rate": rate, "load": factor, "real_s": real_s,
-                       "measured": {m: get(measured, path) for m, path, _ in METRICS},
-                       "predicted": {m: get(predicted, path) for m, path, _ in METRICS}}  # fmt: skip
-                rows.append(row)
-                print(format_row(row), flush=True)
-                (out / "validation.json").write_text(json.dumps(rows, indent=2))
+    for point in points:
+        rows.append(predicted_row(args, out, point))
+        print(format_row(rows[-1]), flush=True)
+        (out / ("resimulated.json" if args.measured else "validation.json")).write_text(json.dumps(rows, indent=2))
     print("\n" + table(rows))
     return 0
 

@@ -1,13 +1,16 @@
-"""`batchserve profile`: time real engine steps over a grid of shapes on this machine, fit the linear step-time model
-(step_model.LinearStepModel), save it as a profile for `batchserve simulate`.
+"""`batchserve profile`: time real engine steps over a grid of shapes on this machine, fit the step-time model
+(step_model.LinearStepModel: linear in the step's shape, piecewise linear in its tokens), save it as a profile for
+`batchserve simulate`.
 
   batchserve profile --output prof.json                  # the default model, dtype and threads, ~1-2 minutes
   batchserve profile --output prof.json --num-threads 2 --dtype float32 --max-batch-size 32
+  batchserve profile --refit prof.json --output new.json # fit the steps prof.json recorded again (--knots K,K,...)
 
 The grid: for each (sequences, prompt length) a batch is prefilled (chunks up to max_num_tokens) and decodes 16
 tokens, which times prefill chunks of many sizes and decodes of every batch size at short and long contexts; then
 a staggered group, where new prompts join running decodes, times mixed steps. Each step is timed whole (schedule,
-forward, sample, update, detokenize), as bench's driver sees it. The fit's error is measured on held-out steps.
+forward, sample, update, detokenize), as bench's driver sees it. The fit's error is measured on held-out steps
+(5-fold), overall, by step kind and for decodes by batch size.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from typing import Any
 from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
 from batchserve.simulator.profile_file import Profile
 from batchserve.simulator.shape import StepShape, shape_of
-from batchserve.simulator.step_model import fit_linear
+from batchserve.simulator.step_model import KNOTS, fit_linear
 
-# (sequences, prompt tokens): decodes of 1-64 sequences at contexts up to ~8 k positions a step, prefill chunks of every
-# size up to the token budget; ~35 k prompt tokens in all, about a minute on 2 cores for SmolLM2-135M
-GRID = [(1, 32), (1, 256), (1, 1536), (4, 64), (4, 1024), (8, 32), (8, 512), (16, 128), (16, 512), (32, 32),
-        (32, 256), (48, 64), (64, 32)]  # fmt: skip
+# (sequences, prompt tokens): decodes of 1-64 sequences at contexts up to ~8 k positions a step (1-4 sequences at short
+# and long contexts: there the time per token bends), prefill chunks of every size up to the token budget; ~39 k
+# prompt tokens in all, about a minute on 2 cores for SmolLM2-135M
+GRID = [(1, 32), (1, 256), (1, 1536), (2, 128), (2, 1024), (3, 512), (4, 64), (4, 1024), (8, 32), (8, 512), (16, 128),
+        (16, 512), (32, 32), (32, 256), (48, 64), (64, 32)]  # fmt: skip
 DECODE_TOKENS = 16
 MAX_PREFILL_TOKENS = 16384  # per group: keeps the whole grid within a couple of minutes on a small CPU
 
@@ -101,52 +105,49 @@ def run_grid(engine: Any, grid: list[tuple[int, int]], seed: int = 0, progress: 
     return t
 
 
-def error_by_kind(model: Any, t: Timings) -> dict[str, dict[str, float]]:
-    """Mean |error| and bias of the fitted model on decode-only, prefill-only and mixed steps (all steps, in-sample):
-    where a linear model bends away from the machine."""
-    groups: dict[str, list[tuple[float, float]]] = {}
-    for shape, seconds in zip(t.shapes, t.seconds, strict=True):
-        kind = "mixed" if shape.prefill_pairs and shape.decode_ctx else "prefill" if shape.prefill_pairs else "decode"
-        groups.setdefault(kind, []).append((model.predict(shape), seconds))
-    return {
-        kind: {"steps": len(v), "mape": sum(abs(p - m) / m for p, m in v) / len(v),
-               "bias": sum(p for p, _ in v) / sum(m for _, m in v) - 1}
-        for kind, v in groups.items()
-    }  # fmt: skip
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="batchserve profile", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--output", default="step_profile.json", help="where the profile goes (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no line per grid point")
     p.add_argument("--refit", metavar="PROFILE", help="refit the steps a profile recorded (no model is loaded)")
+    p.add_argument("--knots", type=parse_knots, default=",".join(map(str, KNOTS)), metavar="K,K,...",
+                   help="token counts where the time per token may change (default: %(default)s; '' for the plain "
+                        "linear model)")  # fmt: skip
     add_engine_arguments(p)
     return p
 
 
-def refit(path: str, output: str) -> Profile:
+def parse_knots(text: str) -> tuple[int, ...]:
+    return tuple(int(k) for k in text.split(",") if k.strip())
+
+
+def refit(path: str, output: str, knots: tuple[int, ...] = KNOTS) -> Profile:
     """The profile at `path` with its step model fitted again from the steps it recorded."""
     profile = Profile.load(path)
     fields, rows = profile.notes.get("step_fields"), profile.notes.get("steps")
     if not rows:
         raise ValueError(f"{path} recorded no steps")
-    t = Timings([StepShape(**dict(zip(fields[:-1], r[:-1], strict=True))) for r in rows], [r[-1] for r in rows])
-    profile.step_model, fit = fit_linear(t.shapes, t.seconds)
-    profile.fit = {**fit.to_dict(), "by_kind": error_by_kind(profile.step_model, t)}
+    shapes = [StepShape(**dict(zip(fields[:-1], r[:-1], strict=True))) for r in rows]
+    profile.step_model, fit = fit_linear(shapes, [r[-1] for r in rows], knots)
+    profile.fit = fit.to_dict()
     profile.save(output)
     return profile
 
 
 def report(profile: Profile, path: Any) -> None:
-    c, fit = profile.step_model.coefficients, profile.fit
-    print(f"step time = {1e3 * c['steps']:.3f} ms + {1e6 * c['tokens']:.2f} us/token + {1e6 * c['seqs']:.2f} us/seq "
+    model, fit = profile.step_model, profile.fit
+    c = model.coefficients
+    (_, first), *past = model.token_slopes()
+    pieces = f" ({', '.join(f'{1e6 * slope:.2f} past {k}' for k, slope in past)})" if past else ""
+    print(f"step time = {1e3 * c['steps']:.3f} ms + {1e6 * first:.2f} us/token{pieces} + {1e6 * c['seqs']:.2f} us/seq "
           f"+ {1e6 * c['samples']:.2f} us/sampled row + {1e9 * c['decode_ctx']:.2f} ns/decode K/V position "
           f"+ {1e12 * c['prefill_pairs']:.2f} ps/prefill query-key pair")  # fmt: skip
-    print(f"fit on {fit['num_steps']} steps; held-out error: mean {100 * fit['mape']:.1f}%, p90 "
+    print(f"fit on {fit['num_steps']} steps; held-out error (5-fold): mean {100 * fit['mape']:.1f}%, p90 "
           f"{100 * fit['p90_ape']:.1f}%, sum {100 * fit['total_error']:+.1f}%, R^2 {fit['r2']:.3f}; wrote {path}")  # fmt: skip
-    for kind, e in fit["by_kind"].items():
-        print(f"  {kind:<8} {e['steps']:>4} steps: mean error {100 * e['mape']:.1f}%, bias {100 * e['bias']:+.1f}%")
+    groups = {**fit["by_kind"], **{f"decode of {k} seqs": e for k, e in fit.get("decode_by_seqs", {}).items()}}
+    for kind, e in groups.items():
+        print(f"  {kind:<19} {e['steps']:>4} steps: mean error {100 * e['mape']:.1f}%, bias {100 * e['bias']:+.1f}%")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     if args.refit:
-        report(refit(args.refit, args.output), args.output)
+        report(refit(args.refit, args.output, args.knots), args.output)
         return 0
     try:
         config = engine_config_from_args(args)
@@ -173,15 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profiling on {describe(info)}", file=sys.stderr)
     wall = time.perf_counter()
     timings = run_grid(engine, GRID, config.seed, not args.no_progress)
-    model, fit = fit_linear(timings.shapes, timings.seconds)
-    by_kind = error_by_kind(model, timings)
+    model, fit = fit_linear(timings.shapes, timings.seconds, args.knots)
     per_token = block_bytes(engine.model_config, 1, runner.dtype)
     pool = runner.num_kv_blocks * config.cache.block_size * per_token
     free = available_memory_bytes(runner.device) + pool if config.cache.num_kv_blocks is None else 0
     profile = Profile(
         source="measured", step_model=model, model=str(config.model or "SmolLM2-135M-Instruct"), dtype=dtype,
         kv_bytes_per_token=per_token, kv_cache_bytes=pool, max_model_len=engine.model_config.max_position_embeddings,
-        memory_free_bytes=free, machine=info, fit={**fit.to_dict(), "by_kind": by_kind},
+        memory_free_bytes=free, machine=info, fit=fit.to_dict(),
         notes={"grid": GRID, "decode_tokens": DECODE_TOKENS, "seconds": time.perf_counter() - wall,
                # every timed step, to refit another model without measuring again
                "step_fields": [*StepShape().to_dict(), "seconds"],

@@ -26,6 +26,14 @@ class StepShape:
         """The regressors of the linear model, in FEATURES order (`steps` is the constant term)."""
         return [1.0, self.tokens, self.seqs, self.samples, self.decode_ctx, self.prefill_pairs]
 
+    @property
+    def kind(self) -> str:
+        """decode (one token per sequence), prefill (chunks only) or mixed: steps whose time a model may miss
+        differently."""
+        if not self.prefill_pairs:
+            return "decode"
+        return "mixed" if self.decode_ctx else "prefill"
+
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 

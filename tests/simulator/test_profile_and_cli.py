@@ -10,7 +10,7 @@ import pytest
 from batchserve.simulator.analytic import analytic_profile
 from batchserve.simulator.profile_file import Profile
 from batchserve.simulator.shape import FEATURES, StepShape
-from batchserve.simulator.step_model import LinearStepModel, fit_linear
+from batchserve.simulator.step_model import KNOTS, LinearStepModel, fit_linear
 from tests.simulator.helpers import STEP_MODEL
 
 
@@ -26,7 +26,7 @@ def test_fit_recovers_known_coefficients_and_reports_held_out_error():
                       prefill_pairs=prefill * prefill // 2)  # fmt: skip
         shapes.append(s)
         seconds.append(truth.predict(s) * rng.uniform(0.98, 1.02))
-    model, report = fit_linear(shapes, seconds)
+    model, report = fit_linear(shapes, seconds, knots=())  # the plain linear model: tests/simulator/test_step_model.py
     for name in FEATURES:
         assert model.coefficients[name] == pytest.approx(truth.coefficients[name], rel=0.1), name
     assert report.mape < 0.02 and abs(report.total_error) < 0.01 and report.r2 > 0.99
@@ -38,7 +38,7 @@ def test_fit_never_goes_negative():
     shapes = [StepShape(tokens=t, seqs=s) for t in range(1, 40) for s in (1, 2, 3)]
     seconds = [1e-3 + 1e-4 * sh.tokens - (1e-6 if sh.seqs == 3 else 0) for sh in shapes]
     model, _ = fit_linear(shapes, seconds)
-    assert all(v >= 0 for v in model.coefficients.values())
+    assert all(v >= 0 for v in model.coefficients.values()) and len(model.coefficients) == len(FEATURES) + 4
 
 
 def test_profile_file_round_trip(tmp_path):
@@ -144,15 +144,20 @@ def test_tune_simulate_searches_the_knobs_and_writes_the_best(tmp_path, tokenize
     assert "configurations simulated in" in capsys.readouterr().out
 
 
-def test_error_by_kind_splits_decode_prefill_and_mixed():
-    from batchserve.simulator.profiler import Timings, error_by_kind
+def test_error_report_splits_decode_prefill_and_mixed_and_decodes_by_batch_size():
+    import numpy as np
 
-    t = Timings([StepShape(tokens=4, seqs=4, decode_ctx=40), StepShape(tokens=9, seqs=1, prefill_pairs=45),
-                 StepShape(tokens=10, seqs=2, decode_ctx=5, prefill_pairs=45)], [0.010, 0.020, 0.030])  # fmt: skip
-    model = LinearStepModel({"steps": 0.010})
-    errors = error_by_kind(model, t)
-    assert errors["decode"]["mape"] == pytest.approx(0.0)
-    assert errors["prefill"]["bias"] == pytest.approx(-0.5) and errors["mixed"]["mape"] == pytest.approx(2 / 3)
+    from batchserve.simulator.step_model import error_report
+
+    shapes = [StepShape(tokens=4, seqs=4, decode_ctx=40), StepShape(tokens=1, seqs=1, decode_ctx=9),
+              StepShape(tokens=9, seqs=1, prefill_pairs=45), StepShape(tokens=10, seqs=2, decode_ctx=5, prefill_pairs=45)]  # fmt: skip
+    report = error_report(shapes, np.array([0.010, 0.012, 0.010, 0.010]), np.array([0.010, 0.010, 0.020, 0.030]))
+    assert list(report.by_kind) == ["decode", "prefill", "mixed"]
+    assert report.by_kind["decode"] == {"steps": 2, "mape": pytest.approx(0.1), "bias": pytest.approx(0.1)}
+    assert report.by_kind["prefill"]["bias"] == pytest.approx(-0.5)
+    assert report.by_kind["mixed"]["mape"] == pytest.approx(2 / 3)
+    assert report.decode_by_seqs == {"1": {"steps": 1, "mape": pytest.approx(0.2), "bias": pytest.approx(0.2)},
+                                     "3-4": {"steps": 1, "mape": 0.0, "bias": 0.0}}  # fmt: skip
 
 
 def test_fit_ignores_one_off_stalls_but_reports_them():
@@ -195,10 +200,16 @@ def test_refit_from_the_steps_a_profile_recorded(tmp_path, capsys):
     Profile("measured", LinearStepModel({"steps": 1.0}), "m", "float32", 1, 1, 8, notes=notes).save(tmp_path / "a.json")
     assert main(["--refit", str(tmp_path / "a.json"), "--output", str(tmp_path / "b.json")]) == 0
     refitted = Profile.load(tmp_path / "b.json")
-    assert refitted.step_model.coefficients["tokens"] == pytest.approx(STEP_MODEL.coefficients["tokens"], rel=1e-3)
+    assert refitted.step_model.knots == KNOTS
+    for s in shapes:  # the knots' terms are free to take part of the constant: compare times, not coefficients
+        assert refitted.step_model.predict(s) == pytest.approx(STEP_MODEL.predict(s), rel=1e-6)
     assert refitted.fit["mape"] < 1e-3 and refitted.fit["num_steps"] == 100
     assert sum(e["steps"] for e in refitted.fit["by_kind"].values()) == 100
     assert "held-out error" in capsys.readouterr().out
+    assert main(["--refit", str(tmp_path / "a.json"), "--output", str(tmp_path / "c.json"), "--knots", ""]) == 0
+    plain = Profile.load(tmp_path / "c.json").step_model
+    assert plain.knots == ()
+    assert plain.coefficients["tokens"] == pytest.approx(STEP_MODEL.coefficients["tokens"], rel=1e-3)
 
 
 def test_tune_simulate_confirms_the_best_on_the_engine(tmp_path, tokenizer, make_engine, monkeypatch, capsys):
@@ -227,3 +238,30 @@ def test_tune_simulate_confirms_the_best_on_the_engine(tmp_path, tokenizer, make
             and r["measured"]["total_output_tokens"] == r["summary"]["total_output_tokens"]
         )
     assert "confirmed on the real engine" in capsys.readouterr().out
+
+
+def test_sim_validate_measured_resimulates_recorded_points(tmp_path, tokenizer, capsys):
+    """benchmarks/sim_validate.py --measured: only the simulator runs, at the recorded point with its recorded flags,
+    beside the recorded real numbers."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "sim_validate.py"
+    spec = importlib.util.spec_from_file_location("sim_validate", path)
+    sim_validate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim_validate)
+    tokenizer.save_pretrained(tmp_path / "tok")
+    Profile("measured", STEP_MODEL, "tiny", "float32", 1024, 1024 * 16 * 512, 4096).save(tmp_path / "p.json")
+    measured = {"out tok/s": 100.0, "TTFT p50": 50.0, "TTFT p99": 90.0, "TPOT p50": 10.0, "TPOT p99": 20.0}
+    argv = ["--workload", "uniform", "--num-requests", "12", "--output-len", "8", "--seed", "0",
+            "--tokenizer", str(tmp_path / "tok"), "--max-batch-size", "4", "--request-rate", "20"]  # fmt: skip
+    point = {"workload": "uniform", "config": "small", "rate": 20, "load": 0.5, "real_s": 1.0, "argv": argv,
+             "measured": measured}  # fmt: skip
+    (tmp_path / "validation.json").write_text(json.dumps([point]))
+    out = tmp_path / "out"
+    assert sim_validate.main(["--profile", str(tmp_path / "p.json"), "--measured", str(tmp_path / "validation.json"),
+                              "--out-dir", str(out)]) == 0  # fmt: skip
+    (row,) = json.loads((out / "resimulated.json").read_text())
+    assert row["measured"] == measured and row["argv"] == argv
+    assert row["predicted"]["out tok/s"] > 0 and set(row["predicted"]) == set(measured)
+    assert "of 5 cells within target" in capsys.readouterr().out
