@@ -94,15 +94,28 @@ def run_grid(engine: Any, grid: list[tuple[int, int]], seed: int = 0, progress: 
             t.step(engine, recorder)
         if progress:
             print(f"  {seqs:>3} x {prompt_len:>5} tokens: {time.perf_counter() - started:6.2f} s", file=sys.stderr)
-    # mixed steps: prompts joining running decodes
-    _add(engine, rng, min(16, mbs), 64, 48, "mixed-decode")
+    for running in (2, 16):
+        _time_joins(engine, rng, t, recorder, min(running, mbs), limit)
+    return t
+
+
+def _time_joins(engine: Any, rng: random.Random, t: Timings, recorder: ShapeRecorder, running: int, limit: int) -> None:
+    """Mixed steps as arrivals make them: prompts of 32-512 tokens joining `running` decodes, every other one behind
+    a 256-token prefix already in the cache (a chunk over cached context, as a shared system prompt makes it)."""
+    from batchserve.sampling_params import SamplingParams
+
+    _add(engine, rng, running, 64, 48, f"joins-{running}-decode")
+    vocab = engine.limits.vocab_size
+    prefix = [rng.randrange(100, vocab) for _ in range(256)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     for k in range(12):
-        _add(engine, rng, 1, min(128 * (1 + k % 4), limit - 4), 4, f"mixed-{k}")
+        length = min(32 * 2 ** (k % 5), limit - 4 - len(prefix))
+        ids = [rng.randrange(100, vocab) for _ in range(length)]
+        engine.add_request(f"joins-{running}-{k}", prefix + ids if k % 2 else ids, params)
         for _ in range(3):
             t.step(engine, recorder)
     while engine.has_unfinished_requests():
         t.step(engine, recorder)
-    return t
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,7 +155,8 @@ def report(profile: Profile, path: Any) -> None:
     pieces = f" ({', '.join(f'{1e6 * slope:.2f} past {k}' for k, slope in past)})" if past else ""
     print(f"step time = {1e3 * c['steps']:.3f} ms + {1e6 * first:.2f} us/token{pieces} + {1e6 * c['seqs']:.2f} us/seq "
           f"+ {1e6 * c['samples']:.2f} us/sampled row + {1e9 * c['decode_ctx']:.2f} ns/decode K/V position "
-          f"+ {1e12 * c['prefill_pairs']:.2f} ps/prefill query-key pair")  # fmt: skip
+          f"+ {1e12 * c['prefill_pairs']:.2f} ps/prefill query-key pair "
+          f"+ {1e6 * c.get('prefill_seqs', 0.0):.2f} us/prefill chunk")  # fmt: skip
     print(f"fit on {fit['num_steps']} steps; held-out error (5-fold): mean {100 * fit['mape']:.1f}%, p90 "
           f"{100 * fit['p90_ape']:.1f}%, sum {100 * fit['total_error']:+.1f}%, R^2 {fit['r2']:.3f}; wrote {path}")  # fmt: skip
     groups = {**fit["by_kind"], **{f"decode of {k} seqs": e for k, e in fit.get("decode_by_seqs", {}).items()}}

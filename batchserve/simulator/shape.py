@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from batchserve.core.outputs import SchedulerOutput
 
-FEATURES = ("steps", "tokens", "seqs", "samples", "decode_ctx", "prefill_pairs")
+FEATURES = ("steps", "tokens", "seqs", "samples", "decode_ctx", "prefill_pairs", "prefill_seqs", "mixed")
 
 
 @dataclass
@@ -21,10 +21,12 @@ class StepShape:
     prefill_pairs: int = 0  # query x key pairs of prefill chunks (causal within the chunk, all of the context before)
     prefill_ctx: int = 0  # K/V positions read by prefill chunks (their context before the chunk plus the chunk)
     swapped_blocks: int = 0  # blocks copied between the device and the host pool
+    prefill_seqs: int = 0  # sequences with a prefill chunk (attention's per-sequence set-up, one SDPA call per layer)
 
     def features(self) -> list[float]:
         """The regressors of the linear model, in FEATURES order (`steps` is the constant term)."""
-        return [1.0, self.tokens, self.seqs, self.samples, self.decode_ctx, self.prefill_pairs]
+        mixed = float(self.kind == "mixed")  # both attention paths run, their outputs merged, in every layer
+        return [1.0, self.tokens, self.seqs, self.samples, self.decode_ctx, self.prefill_pairs, self.prefill_seqs, mixed]
 
     @property
     def kind(self) -> str:
@@ -56,6 +58,7 @@ def shape_of(out: SchedulerOutput, num_tokens: Callable[[str], int], sampled: li
         else:
             s.prefill_pairs += n * c + n * (n + 1) // 2
             s.prefill_ctx += c + n
+            s.prefill_seqs += 1
         if c + n == num_tokens(rid):
             s.samples += 1
             if sampled is not None:

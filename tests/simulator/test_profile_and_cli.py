@@ -16,14 +16,15 @@ from tests.simulator.helpers import STEP_MODEL
 
 def test_fit_recovers_known_coefficients_and_reports_held_out_error():
     rng = random.Random(0)
-    truth = STEP_MODEL
+    truth = LinearStepModel({**STEP_MODEL.coefficients, "prefill_seqs": 2e-3, "mixed": 3e-3})
     shapes, seconds = [], []
-    for _ in range(400):
-        seqs = rng.randint(1, 64)
-        prefill = rng.choice([0, 0, rng.randint(16, 2048)])
-        ctx = rng.randint(seqs, 64 * 1024)
-        s = StepShape(tokens=seqs + prefill, seqs=seqs + (prefill > 0), samples=rng.randint(0, seqs), decode_ctx=ctx,
-                      prefill_pairs=prefill * prefill // 2)  # fmt: skip
+    for i in range(400):
+        seqs = rng.randint(1, 64) if i % 8 else 0  # every eighth a prefill-only step (if it has a chunk)
+        prefill = rng.choice([0, 0, rng.randint(16, 2048)]) if seqs else rng.randint(16, 2048)
+        chunks = rng.randint(1, 3) if prefill else 0
+        ctx = rng.randint(seqs, 64 * 1024) if seqs else 0
+        s = StepShape(tokens=seqs + prefill, seqs=seqs + chunks, samples=rng.randint(0, seqs), decode_ctx=ctx,
+                      prefill_pairs=prefill * prefill // 2, prefill_seqs=chunks)  # fmt: skip
         shapes.append(s)
         seconds.append(truth.predict(s) * rng.uniform(0.98, 1.02))
     model, report = fit_linear(shapes, seconds, knots=())  # the plain linear model: tests/simulator/test_step_model.py
