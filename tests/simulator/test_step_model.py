@@ -13,7 +13,9 @@ from batchserve.simulator.profile_file import Profile
 from batchserve.simulator.shape import FEATURES, StepShape
 from batchserve.simulator.step_model import KNOTS, LinearStepModel, features, fit_linear, model_from_dict, nnls
 
-PROFILES = sorted((Path(__file__).parents[2] / "benchmarks" / "profiles").glob("smollm2-bf16-*.json"))
+PROFILE_DIR = Path(__file__).parents[2] / "benchmarks" / "profiles"
+# measured before the step model had knots and the per-chunk and mixed-step terms
+PROFILES = [PROFILE_DIR / f"smollm2-bf16-1thread-{name}.json" for name in ("epyc-2cpu", "epyc-2cpu-padded", "xeon-2cpu")]
 
 
 def test_piecewise_model_reproduces_a_hand_computed_step_time():
@@ -90,3 +92,14 @@ def test_nnls_finds_the_best_non_negative_solution():
                     best = min(best, float(np.linalg.norm(a @ x - b)))
         x = nnls(a, b)
         assert (x >= 0).all() and np.linalg.norm(a @ x - b) == pytest.approx(best, rel=1e-9)
+
+
+def test_current_profile_predicts_its_own_steps():
+    # The AMX Xeon profile, fitted with knots and every feature: its recorded steps predicted within its held-out error.
+    profile = Profile.load(PROFILE_DIR / "smollm2-bf16-1thread-xeon-amx-2cpu.json")
+    model = profile.step_model
+    assert model.knots == KNOTS and {"prefill_seqs", "mixed"} <= set(model.coefficients)
+    fields = profile.notes["step_fields"][:-1]
+    shapes = [StepShape(**dict(zip(fields, row[:-1], strict=True))) for row in profile.notes["steps"]]
+    errors = [abs(model.predict(s) / row[-1] - 1) for s, row in zip(shapes, profile.notes["steps"], strict=True)]
+    assert sum(errors) / len(errors) < profile.fit["mape"] and any(s.prefill_seqs for s in shapes)
