@@ -447,12 +447,14 @@ BF16_TARGET void values_group_bf16(const bf16_t* v_head, const int64_t* table, i
   if (heads - h == 1) run(std::integral_constant<int, 1>{}, h);
 }
 
-// Work items begin..end of decode_attention_bf16 (a function of its own: a lambda would not carry the target). A
+// Work items first, first + stride, ... of decode_attention_bf16 (a function of its own: a lambda would not carry the
+// target). A
 // decode query sees its whole context at once, so its softmax needs no online rescaling: (1) every score of the
 // sequence, and their max; (2) the weights exp(s - max) in bf16, and their sum; (3) P.V with the accumulators in
 // registers from the first token to the last.
 template <int NC>
-BF16_TARGET void decode_items_bf16(int64_t begin, int64_t end, const float* q, const bf16_t* k_cache,
+BF16_TARGET void decode_items_bf16(int64_t first, int64_t num_items, int64_t stride, const float* q,
+                                   const bf16_t* k_cache,
                                    const bf16_t* v_cache, const int64_t* tables, const int64_t* seq_lens, float* out,
                                    int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t max_blocks,
                                    int64_t splits, float scale) {
@@ -466,7 +468,7 @@ BF16_TARGET void decode_items_bf16(int64_t begin, int64_t end, const float* q, c
   std::vector<float> scores, acc(item_heads * D), maxes(item_heads * 16);
   std::vector<uint16_t> qb(item_heads * D), pb;
   std::vector<float> sums(item_heads);
-  for (int64_t item = begin; item < end; ++item) {
+  for (int64_t item = first; item < num_items; item += stride) {
     const int64_t seq = item / splits, first_kv = item % splits * heads_per_item;
     const int64_t first_head = first_kv * group;
     const int64_t len = seq_lens[seq];
@@ -532,9 +534,12 @@ void decode_attention_bf16(const float* q, const bf16_t* k_cache, const bf16_t* 
                            const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t splits = num_seqs < 4 * at::get_num_threads() ? num_kv_heads : 1;
-  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
-    decode_items_bf16<NC>(begin, end, q, k_cache, v_cache, tables, seq_lens, out, num_heads, num_kv_heads, block_size,
-                          max_blocks, splits, scale);
+  const int64_t num_items = num_seqs * splits;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker)
+      decode_items_bf16<NC>(worker, num_items, threads, q, k_cache, v_cache, tables, seq_lens, out, num_heads,
+                            num_kv_heads, block_size, max_blocks, splits, scale);
   });
 }
 
@@ -581,7 +586,8 @@ BF16_TARGET void prefill_tile_bf16(const float* q, int64_t q_stride, const bf16_
 
 // NC = head_dim / 16 vectors per head. A work item is one sequence with all its kv heads, so each 16-token tile is
 // read as one contiguous run of memory; with fewer sequences than 4 per thread, an item is one (sequence, kv head)
-// so that both threads have work.
+// so that both threads have work. Items are dealt to threads round-robin: a batch lists its sequences oldest (longest
+// context) first, and contiguous runs of items would give one thread the long contexts and the other the short ones.
 template <int NC, typename T>
 void decode_attention_avx512(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                              const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
@@ -593,11 +599,14 @@ void decode_attention_avx512(const float* q, const T* k_cache, const T* v_cache,
   const int64_t splits = num_seqs < 4 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t heads_per_item = num_kv_heads / splits;
   const bool grouped = group <= kMaxGroup;
-  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = num_seqs * splits;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc_store(num_heads * D), m(num_heads), p(num_heads * 16), corr(num_heads), qs(num_heads * D);
     std::vector<__m512> l(num_heads);  // per-lane partial sums of the softmax denominator
     __m512 scores[kMaxGroup];
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t worker = begin; worker < end; ++worker)
+    for (int64_t item = worker; item < num_items; item += threads) {
       const int64_t seq = item / splits, first_kv = item % splits * heads_per_item;
       const int64_t first_head = first_kv * group, last_head = first_head + heads_per_item * group;
       const float* q_seq = q + seq * num_heads * D;
