@@ -11,7 +11,8 @@ On a CPU with AMX a bfloat16 pool's prefill chunks take torch's fused SDPA inste
 on the tiles (prefill_path(), or BATCHSERVE_PREFILL_ATTENTION).
 The native kernels' path (kernels.attention_path(), chosen once from the CPU's flags or BATCHSERVE_ATTENTION_PATH):
 "avx512_bf16" multiplies a bfloat16 pool's K/V as stored with AVX512-BF16, "avx512" widens them to float32 (a float32
-pool takes this code on both), "portable" runs the plain C++ decode loop and the torch prefill.
+pool takes this code on both), "avx2" runs an 8-wide AVX2 decode kernel and the torch prefill, "portable" the plain
+C++ decode loop and the torch prefill.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
 PREFILL_PATHS = ("native", "sdpa")  # how prefill chunks attend on the CPU (prefill_path)
+PREFILL_KERNEL_PATHS = ("avx512_bf16", "avx512")  # the native kernel paths with a prefill kernel
 
 
 @dataclass
@@ -216,11 +218,11 @@ def prefill_attention(
 
 def _native_prefill(query: torch.Tensor, kv_cache: KVCache):
     """The native prefill kernel when it takes this call: CPU, a float32 or bfloat16 pool, a head size it was built
-    for, a path other than "portable" (float32 accumulation; bf16 products on the avx512_bf16 path)."""
+    for, an AVX-512 path (float32 accumulation; bf16 products on the avx512_bf16 path)."""
     native = kernels.for_tensors(query, kv_cache[0], dtypes=(torch.float32, torch.bfloat16))
     if native is None or not native.prefill_attention_available(query.shape[-1]):
         return None
-    return native if kernels.attention_path() != "portable" else None
+    return native if kernels.attention_path() in PREFILL_KERNEL_PATHS else None
 
 
 @functools.cache

@@ -181,8 +181,9 @@ def test_bfloat16_pool(native, monkeypatch, request):
     else:
         monkeypatch.setattr(kernels, "load", lambda: None)
     seqs = [(0, 37), (13, 20), (40, 1), (129, 1), (0, 2)]
-    # stale NaN only for the kernels: the torch path multiplies masked values by 0, and the pool never holds NaN
-    out, expected, batch = run_batch(seqs, 16, stale=native, heads=(9, 3, 64), dtype=torch.bfloat16)
+    # stale NaN only for the prefill kernel: the torch code multiplies masked values by 0, and the pool never holds NaN
+    stale = native and kernels.attention_path() in attention.PREFILL_KERNEL_PATHS
+    out, expected, batch = run_batch(seqs, 16, stale=stale, heads=(9, 3, 64), dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and batch.attn_metadata.prefill is not None
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
@@ -258,10 +259,10 @@ def test_decode_paths_bfloat16_pool(path, heads, block_size, num_seqs, force_pat
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 128), (2, 2, 32)], ids=str)
 @pytest.mark.parametrize("block_size", [9, 16])
 def test_prefill_paths_bfloat16_pool(path, heads, block_size, force_path):
-    # Prefill chunks next to decodes on every path ("portable" prefill is the torch code), bfloat16 pool.
+    # Prefill chunks next to decodes on every path (on "avx2" and "portable" prefill is the torch code), bfloat16 pool.
     force_path(path)
     seqs = [(0, 5), (0, 16), (0, 37), (13, 20), (40, 1), (7, 33), (16, 16), (0, 2), (100, 3)]
-    out, expected, batch = run_batch(seqs, block_size, stale=path != "portable", heads=heads, dtype=torch.bfloat16)
+    out, expected, batch = run_batch(seqs, block_size, stale=path in attention.PREFILL_KERNEL_PATHS, heads=heads, dtype=torch.bfloat16)
     assert batch.attn_metadata.prefill is not None and batch.attn_metadata.decode is not None
     torch.testing.assert_close(out.float(), expected, **BF16_TOLERANCE)
 
@@ -316,7 +317,7 @@ def test_paths_float32_pool(path, force_path):
     # A float32 pool on every path: float32 accuracy (the bf16 dot-product path computes it as "avx512" does).
     force_path(path)
     seqs = [(0, 5), (0, 37), (13, 20), (40, 1), (129, 1), (255, 1), (7, 1)]
-    out, expected, _ = run_batch(seqs, 16, stale=path != "portable", heads=(9, 3, 64))
+    out, expected, _ = run_batch(seqs, 16, stale=path in attention.PREFILL_KERNEL_PATHS, heads=(9, 3, 64))
     torch.testing.assert_close(out, expected, **F32_TOLERANCE)
 
 
@@ -355,6 +356,25 @@ def test_bf16_dot_path_matches_the_widening_path(force_path, native_kernels):
     assert dot[2, 4].isnan().all() and not dot[2, :4].isnan().any() and not dot[[0, 1, 3]].isnan().any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_avx2_path_matches_the_portable_loop(dtype, force_path, native_kernels):
+    # The AVX2 decode kernel against the plain loop on one pool, called directly: blocks of 9 (8-token tiles that
+    # straddle blocks), contexts of 1 to 144, every head size it takes; a NaN query stays NaN in its head only.
+    force_path("avx2")
+    torch.manual_seed(0)
+    lens = torch.tensor([1, 8, 9, 17, 100, 144])
+    tables = torch.stack([torch.randperm(40)[:16] for _ in lens])
+    for heads, kv_heads, head_dim in ((9, 3, 64), (4, 1, 128), (2, 2, 32)):
+        cache = [torch.randn(40, 9, kv_heads, head_dim).to(dtype) for _ in range(2)]
+        query = torch.randn(len(lens), heads, head_dim)
+        avx2 = native_kernels.paged_decode_attention(query, *cache, tables, lens, head_dim**-0.5, "avx2")
+        plain = native_kernels.paged_decode_attention(query, *cache, tables, lens, head_dim**-0.5, "portable")
+        torch.testing.assert_close(avx2, plain, **F32_TOLERANCE)
+    query[2, 1] = float("nan")
+    avx2 = native_kernels.paged_decode_attention(query, *cache, tables, lens, head_dim**-0.5, "avx2")
+    assert avx2[2, 1].isnan().all() and not avx2[2, 0].isnan().any() and not avx2[[0, 1, 3, 4, 5]].isnan().any()
+
+
 def test_attention_path_choice(monkeypatch, native_kernels, caplog):
     # Chosen once from the CPU's flags and logged once; BATCHSERVE_ATTENTION_PATH forces one, and a path that cannot
     # run here is an error, not a silent fallback.
@@ -370,6 +390,10 @@ def test_attention_path_choice(monkeypatch, native_kernels, caplog):
             kernels.attention_path.cache_clear()
             with pytest.raises(ValueError, match="avx512_bf16"):
                 kernels.attention_path()
+        if built[0] == "avx2":  # a CPU without AVX-512
+            monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu avx2 fma")
+            kernels.attention_path.cache_clear()
+            assert kernels.attention_path() == "avx2"
         if native_kernels.bf16_dot_supported():
             monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu avx512f avx512_bf16 amx_bf16")
             monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", "auto")

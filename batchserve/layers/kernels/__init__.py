@@ -47,9 +47,10 @@ def has_matmul_units(dtype: torch.dtype) -> bool:
 
 
 # The native attention kernels' paths, best first (paged_attention.cpp): bf16 K/V by vdpbf16ps (float32 K/V as
-# "avx512"), K/V widened to float32 under AVX-512, the plain loop. A path takes the next one down for what it does not
-# cover (a head size other than 32/64/128 runs the plain loop); prefill has no plain loop (the torch code runs).
-ATTENTION_PATHS = ("avx512_bf16", "avx512", "portable")
+# "avx512"), K/V widened to float32 under AVX-512, K/V widened to float32 in 8-wide AVX2 + FMA (decode_avx2.cpp), the
+# plain loop. A path takes the next one down for what it does not cover (a head size other than 32/64/128 runs the
+# plain loop); prefill has a kernel on the AVX-512 paths only (on the others the torch code runs).
+ATTENTION_PATHS = ("avx512_bf16", "avx512", "avx2", "portable")
 
 
 def attention_path_runs(path: str) -> bool:

@@ -358,16 +358,6 @@ BF16_TARGET void accumulate_group_bf16(const bf16_t* v_tile, int64_t token_strid
   if (rest == 1) accumulate_values_bf16<NC, 1>(v_tile, token_stride, n, pb, corr, acc_store);
 }
 
-// Asks for `rows` rows of `row_bytes` bytes, `stride` bytes apart, to be brought into L1: a tile's K/V sit in blocks
-// scattered over the pool, which the hardware prefetchers do not foresee.
-template <int kHint = _MM_HINT_T0>
-inline void prefetch_rows(const void* first, int64_t rows, int64_t stride, int64_t row_bytes) {
-  const char* p = static_cast<const char*>(first);
-  if (stride == row_bytes) row_bytes *= rows, rows = 1;  // one contiguous run
-  for (int64_t r = 0; r < rows; ++r, p += stride)
-    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(kHint));
-}
-
 // The query rounded to bf16: 32 values a vector.
 template <int NP>
 BF16_TARGET inline void query_to_bf16(const float* q, uint16_t* qb) {
@@ -762,11 +752,19 @@ bool try_decode_attention_avx512(const float* q, const T* k_cache, const T* v_ca
 #endif  // __AVX512F__
 
 // The paths a call may ask for, best first: "avx512_bf16" (bfloat16 K/V by vdpbf16ps; float32 K/V as "avx512"),
-// "avx512" (K/V widened to float32, AVX-512 FMA), "portable" (the plain loop, any CPU; decode only). Each takes the
-// next one down where it does not apply (a head size other than 32/64/128: the portable loop).
-enum class AttentionPath { kPortable, kAvx512, kAvx512Bf16 };
+// "avx512" (K/V widened to float32, AVX-512 FMA), "avx2" (8-wide AVX2 + FMA, decode_avx2.cpp; decode only),
+// "portable" (the plain loop, any CPU; decode only). Each takes the next one down where it does not apply (a head
+// size other than 32/64/128: the portable loop).
+enum class AttentionPath { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 
 }  // namespace
+
+template <typename T>
+bool decode_attention_avx2(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+                           const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                           float scale);
+bool avx2_attention_built();
 
 // Whether this CPU runs the bf16 dot-product path (and this build has it); asked of the CPU once.
 bool bf16_dot_supported() {
@@ -786,6 +784,7 @@ std::vector<std::string> attention_paths() {
 #if defined(__AVX512F__)
   paths.push_back("avx512");
 #endif
+  if (avx2_attention_built()) paths.push_back("avx2");
   paths.push_back("portable");
   return paths;
 }
@@ -793,16 +792,18 @@ std::vector<std::string> attention_paths() {
 // "auto": the best this build and CPU run. A path that is not built here, or that this CPU cannot run, raises.
 static AttentionPath parse_path(const std::string& path) {
   const auto built = attention_paths();
-  if (path == "auto") return bf16_dot_supported() ? AttentionPath::kAvx512Bf16
-                             : built.size() > 1   ? AttentionPath::kAvx512
-                                                  : AttentionPath::kPortable;
+  if (path == "auto") {
+    if (bf16_dot_supported()) return AttentionPath::kAvx512Bf16;
+    return built[0] == "avx512" ? AttentionPath::kAvx512 : built[0] == "avx2" ? AttentionPath::kAvx2
+                                                                              : AttentionPath::kPortable;
+  }
   TORCH_CHECK(std::find(built.begin(), built.end(), path) != built.end(), "attention path '", path,
               "' is not built here (built: ", c10::Join(", ", built), ")");
   if (path == "avx512_bf16") {
     TORCH_CHECK(bf16_dot_supported(), "attention path 'avx512_bf16' needs a CPU with avx512_bf16");
     return AttentionPath::kAvx512Bf16;
   }
-  return path == "avx512" ? AttentionPath::kAvx512 : AttentionPath::kPortable;
+  return path == "avx512" ? AttentionPath::kAvx512 : path == "avx2" ? AttentionPath::kAvx2 : AttentionPath::kPortable;
 }
 
 // Shapes the kernels index with, checked before any pointer is formed from them: a bad call raises, never reads or
@@ -856,11 +857,22 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                                           num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
                                           static_cast<float>(scale), chosen == AttentionPath::kAvx512Bf16);
   };
-  if (chosen != AttentionPath::kPortable) {
+  if (chosen == AttentionPath::kAvx512 || chosen == AttentionPath::kAvx512Bf16) {
     if (key_cache.scalar_type() == torch::kFloat32 && vectorized(static_cast<float*>(nullptr))) return out;
     if (key_cache.scalar_type() == torch::kBFloat16 && vectorized(static_cast<c10::BFloat16*>(nullptr))) return out;
   }
 #endif
+  const auto avx2 = [&](auto* cache_type) {
+    using T = std::remove_pointer_t<decltype(cache_type)>;
+    return decode_attention_avx2<T>(query.data_ptr<float>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+                                    tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
+                                    static_cast<float>(scale));
+  };
+  if (chosen == AttentionPath::kAvx2) {
+    if (key_cache.scalar_type() == torch::kFloat32 && avx2(static_cast<float*>(nullptr))) return out;
+    if (key_cache.scalar_type() == torch::kBFloat16 && avx2(static_cast<c10::BFloat16*>(nullptr))) return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_impl<scalar_t>(query.data_ptr<float>(), key_cache.data_ptr<scalar_t>(),
                                     value_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
@@ -879,7 +891,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
                                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                                       double scale, const std::string& path) {
   const AttentionPath chosen = parse_path(path);
-  TORCH_CHECK(chosen != AttentionPath::kPortable, "paged_prefill_attention has no portable path (the torch code runs)");
+  TORCH_CHECK(chosen == AttentionPath::kAvx512 || chosen == AttentionPath::kAvx512Bf16,
+              "paged_prefill_attention runs on the AVX-512 paths only (on the others the torch code runs)");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.dim() == 3 && query.stride(2) == 1 &&
                   query.stride(1) == query.size(2),
               "query: float32 [T, H, D] with contiguous heads");

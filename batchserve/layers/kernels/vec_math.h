@@ -1,5 +1,21 @@
-// Vector math shared by the kernels (AVX-512 only).
+// Vector math shared by the kernels (AVX-512, and AVX2 + FMA).
 #pragma once
+
+#include <cstdint>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+
+// Asks for `rows` rows of `row_bytes` bytes, `stride` bytes apart, to be brought into L1: a tile's K/V sit in blocks
+// scattered over the pool, which the hardware prefetchers do not foresee.
+template <int kHint = _MM_HINT_T0>
+inline void prefetch_rows(const void* first, int64_t rows, int64_t stride, int64_t row_bytes) {
+  const char* p = static_cast<const char*>(first);
+  if (stride == row_bytes) row_bytes *= rows, rows = 1;  // one contiguous run
+  for (int64_t r = 0; r < rows; ++r, p += stride)
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(kHint));
+}
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -19,5 +35,27 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, k);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+// exp512 in 8 lanes: the same clamp and polynomial; 2^k built in the exponent bits (AVX2 has no vscalefps), which
+// the clamp keeps in the normal range (k in [-126, 127]).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_k));
 }
 #endif

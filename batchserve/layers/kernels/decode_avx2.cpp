@@ -1,0 +1,201 @@
+// Paged decode attention on the "avx2" path: 8-wide AVX2 + FMA vectors, for CPUs without AVX-512 (AMD Zen 1-3,
+// Intel before Skylake-SP, many desktop and cloud parts). Float32 or bfloat16 K/V (widened to float32), head_dim
+// 32, 64 or 128; anything else is left to the portable loop.
+// A decode query sees its whole context at once, so each (sequence, kv head) runs in three passes instead of an
+// online softmax: (1) the scores of every token for each query head sharing the kv head, 8 tokens per transpose-add
+// reduction (sum8) rather than one horizontal sum per token; (2) their max, exp(s - max) and the sum; (3) P.V with the
+// accumulators in registers from the first token to the last, at most 8 vectors of head_dim at a time (AVX2 has 16
+// registers).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "vec_math.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+namespace {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // a bfloat16 is a float's upper half
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Lane i of the result = the sum of the 8 lanes of v[i]: two rounds of hadd leave each vector's half sums, in order,
+// in the two 128-bit halves; one cross-half add finishes them.
+inline __m256 sum8(const __m256* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The rows of one head in the block after the one at `start` (if any) into L1 while this one is computed: a
+// sequence's blocks are scattered over the pool, where the hardware prefetchers do not follow.
+template <typename T>
+inline void prefetch_next_block(const T* head, const int64_t* table, int64_t start, int64_t len, int64_t block_size,
+                                int64_t block_stride, int64_t token_stride, int64_t row_bytes) {
+  const int64_t next = start + block_size;
+  if (next >= len) return;
+  prefetch_rows(head + table[next / block_size] * block_stride, std::min(block_size, len - next),
+                token_stride * sizeof(T), row_bytes);
+}
+
+// Pass 1 for one query head (qv: its scaled query, NC vectors): scores[t] for the sequence's `len` tokens, read
+// through its block table; scores has room for len + 8.
+template <int NC, typename T>
+void score_sequence(const __m256* qv, const T* k_head, const int64_t* table, int64_t len, int64_t block_size,
+                    int64_t block_stride, int64_t token_stride, float* scores) {
+  for (int64_t start = 0; start < len; start += block_size) {
+    const T* k_block = k_head + table[start / block_size] * block_stride;
+    const int64_t n = std::min(block_size, len - start);
+    prefetch_next_block(k_head, table, start, len, block_size, block_stride, token_stride, NC * 8 * sizeof(T));
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      __m256 dots[8];
+      for (int t = 0; t < 8; ++t) {
+        if (t0 + t < n) {
+          const T* k = k_block + (t0 + t) * token_stride;
+          __m256 d = _mm256_mul_ps(qv[0], load8(k));
+          for (int c = 1; c < NC; ++c) d = _mm256_fmadd_ps(qv[c], load8(k + 8 * c), d);
+          dots[t] = d;
+        } else {
+          dots[t] = _mm256_setzero_ps();
+        }
+      }
+      // a block of fewer than 8 tokens writes past its end; the next block's scores overwrite that
+      _mm256_storeu_ps(scores + start + t0, sum8(dots));
+    }
+  }
+}
+
+// Pass 2: scores -> exp(s - max) in place (padding lanes to 0); returns their sum.
+inline float softmax_in_place(float* scores, int64_t len) {
+  const int64_t padded = (len + 7) / 8 * 8;
+  std::fill(scores + len, scores + padded, -1e30f);  // exp(-1e30 - max) is 0
+  __m256 vmax = _mm256_set1_ps(-1e30f);
+  for (int64_t t = 0; t < padded; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + t));
+  const __m256 max = _mm256_set1_ps(reduce_max8(vmax));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t), max));
+    _mm256_storeu_ps(scores + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return reduce_add8(sum);
+}
+
+// Pass 3 for one query head and CH vectors of head_dim from `d0` on: out = sum_t p[t] * v[t] * inv.
+template <int CH, typename T>
+void values_chunk(const T* v_head, const int64_t* table, int64_t len, int64_t block_size, int64_t block_stride,
+                  int64_t token_stride, const float* p, float inv, float* out) {
+  __m256 acc[CH];
+  for (int c = 0; c < CH; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t start = 0; start < len; start += block_size) {
+    const T* v_block = v_head + table[start / block_size] * block_stride;
+    const int64_t n = std::min(block_size, len - start);
+    prefetch_next_block(v_head, table, start, len, block_size, block_stride, token_stride, CH * 8 * sizeof(T));
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 pt = _mm256_set1_ps(p[start + t]);
+      const T* v = v_block + t * token_stride;
+      for (int c = 0; c < CH; ++c) acc[c] = _mm256_fmadd_ps(pt, load8(v + 8 * c), acc[c]);
+    }
+  }
+  const __m256 scale = _mm256_set1_ps(inv);
+  for (int c = 0; c < CH; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], scale));
+}
+
+// NC = head_dim / 8. One work item = one (sequence, kv head); items are dealt to threads round-robin, as on the
+// AVX-512 path (a batch lists its longest contexts first).
+template <int NC, typename T>
+void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+                                const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+  constexpr int64_t D = NC * 8;
+  constexpr int CH = NC < 8 ? NC : 8;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_items = num_seqs * num_kv_heads;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t worker = begin; worker < end; ++worker)
+      for (int64_t item = worker; item < num_items; item += threads) {
+        const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+        const int64_t len = seq_lens[seq];
+        const int64_t* table = tables + seq * max_blocks;
+        const T* k_head = k_cache + kv_head * D;
+        const T* v_head = v_cache + kv_head * D;
+        scores.resize(len + 8);  // the last tile of 8 may start at any token (a block size not a multiple of 8)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = kv_head * group + g;
+          __m256 qv[NC];
+          for (int c = 0; c < NC; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + (seq * num_heads + h) * D + 8 * c),
+                                                             _mm256_set1_ps(scale));
+          score_sequence<NC>(qv, k_head, table, len, block_size, block_stride, token_stride, scores.data());
+          const float inv = 1.f / softmax_in_place(scores.data(), len);
+          float* o = out + (seq * num_heads + h) * D;
+          for (int c0 = 0; c0 < NC; c0 += CH)
+            values_chunk<CH>(v_head + 8 * c0, table, len, block_size, block_stride, token_stride, scores.data(), inv,
+                             o + 8 * c0);
+        }
+      }
+  });
+}
+
+}  // namespace
+
+template <typename T>
+bool decode_attention_avx2(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+                           const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                           float scale) {
+  const auto run = [&](auto nc) {
+    decode_attention_avx2_impl<decltype(nc)::value, T>(q, k_cache, v_cache, tables, seq_lens, out, num_seqs,
+                                                       num_heads, num_kv_heads, block_size, max_blocks, scale);
+    return true;
+  };
+  if (head_dim == 32) return run(std::integral_constant<int, 4>{});
+  if (head_dim == 64) return run(std::integral_constant<int, 8>{});
+  if (head_dim == 128) return run(std::integral_constant<int, 16>{});
+  return false;
+}
+
+#else  // no AVX2 + FMA in this build: the caller runs the portable loop
+
+template <typename T>
+bool decode_attention_avx2(const float*, const T*, const T*, const int64_t*, const int64_t*, float*, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, float) {
+  return false;
+}
+
+#endif
+
+template bool decode_attention_avx2<float>(const float*, const float*, const float*, const int64_t*, const int64_t*,
+                                           float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);
+template bool decode_attention_avx2<c10::BFloat16>(const float*, const c10::BFloat16*, const c10::BFloat16*,
+                                                   const int64_t*, const int64_t*, float*, int64_t, int64_t, int64_t,
+                                                   int64_t, int64_t, int64_t, float);
+
+bool avx2_attention_built() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
