@@ -91,4 +91,7 @@ def gemm_path(dtype: torch.dtype) -> str:
         if kernels.has_matmul_units(dtype):
             return f"oneDNN {dtype} GEMMs on weights packed once ({dtype} matmul units)"
         return f"float32 GEMMs on widened weights (no {dtype} matmul units)"
-    return "float32 GEMMs: native small-M kernel, oneDNN packed or x @ W, by rows"
+    native = kernels.load()
+    if native is not None and native.small_gemm_available():
+        return "float32 GEMMs: native small-M kernel, oneDNN packed or x @ W, by rows"
+    return "float32 GEMMs: oneDNN packed or x @ W, by rows (the native small-M kernel needs AVX-512)"
