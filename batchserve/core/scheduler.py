@@ -171,13 +171,14 @@ class Scheduler:
             self._form_static_batch()
         if policy == SchedulerPolicy.MAX_UTILIZATION and self.config.scheduling_order == SchedulingOrder.PRIORITY:
             self._preempt_for_higher_priority(step)
+        preempted_for_priority = step.num_preempted  # made room for the queue's head: it is admitted below
         self._schedule_running(step)
         for request in self._padding.values():  # within the token budget (a member may end while others still prefill)
             if step.token_budget <= 0:
                 break
             step.add_padding(request)
-        if policy != SchedulerPolicy.STATIC and step.num_preempted == 0:
-            self._admit_waiting(step)
+        if policy != SchedulerPolicy.STATIC and step.num_preempted == preempted_for_priority:
+            self._admit_waiting(step)  # not while running requests lose blocks: they would only lose more
         if not step.num_seqs and not self.running and step.num_preempted == 0 and len(self.waiting):
             self._reject_unschedulable(self.waiting.peek())
         step.output.finished_req_ids |= self._forget  # preempted this step

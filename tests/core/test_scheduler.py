@@ -262,6 +262,27 @@ def test_priority_arrival_preempts_lowest_running():
     assert outputs["low1"] == reference_generation(low[1].prompt_token_ids, 30)
 
 
+def test_priority_preemption_admits_the_urgent_request_in_the_same_step():
+    # The pool is too full for the urgent request, so the running one is preempted for it: that very step runs the
+    # urgent request (found by the state machine: the step used to run nothing while both waited).
+    s = make_scheduler(num_blocks=13, block_size=4, max_num_tokens=16, max_batch_size=4, scheduling_order="priority")
+    runner = FakeRunner(13, 4)
+    long = make_request("long", prompt_len=49, max_tokens=1, priority=1, arrival=0)
+    urgent = make_request("urgent", prompt_len=5, max_tokens=1, priority=0, arrival=1)
+    steps = []
+
+    def record(scheduler, scheduled):
+        steps.append((long.num_preemptions, dict(scheduled.num_scheduled_tokens)))
+
+    # chunks of 16: after three steps `long` holds 48 of its 49 prompt tokens in 12 of the 13 blocks
+    outputs = drive(s, runner, {0: [long], 1: [urgent]}, on_step=record)
+    assert steps[:3] == [(0, {"long": 16})] * 3
+    assert steps[3][0] == 1 and "urgent" in steps[3][1]
+    assert outputs["urgent"] == reference_generation(urgent.prompt_token_ids, 1)
+    assert outputs["long"] == reference_generation(long.prompt_token_ids, 1)
+    assert_all_blocks_free(s)
+
+
 def test_shortest_first_with_aging():
     now = [0.0]
     s = make_scheduler(num_blocks=64, block_size=4, max_num_tokens=64, max_batch_size=1,

@@ -105,8 +105,10 @@ void silu_and_mul_rows(const T* gate_up, int64_t stride, T* out, int64_t rows, i
       }
 #endif
       for (; i < inter; ++i) {
+        // exp's argument clamped as in exp512: -ffast-math assumes no inf, and exp(200) / inf gave NaN
         const float gi = as_float(g[i]);
-        o[i] = from_float<T>(gi / (1.f + std::exp(-gi)) * as_float(u[i]));
+        const float e = std::exp(std::min(88.f, std::max(-87.f, -gi)));
+        o[i] = from_float<T>(gi / (1.f + e) * as_float(u[i]));
       }
     }
   });
