@@ -101,7 +101,9 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace, out_dir: P
                 "--request-rate", str(args.request_rate), "--seed", "0", "--no-plots", "--no-progress",
                 "--output-dir", str(out_dir),
             ]  # fmt: skip
-            subprocess.run(bench, cwd=REPO, check=True)
+            with ProcessCpu(server.pid) as cpu:
+                subprocess.run(bench, cwd=REPO, check=True)
+            print(f"{name}: CPU seconds by process during the load: {cpu.report()}", flush=True)
             routing = _scrape_routing(f"http://127.0.0.1:{args.port}/metrics", out_dir.parent / f"{name}-metrics.txt")
         finally:
             os.killpg(server.pid, signal.SIGINT)
@@ -115,7 +117,47 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace, out_dir: P
     summary = json.loads(summaries[-1].read_text())["runs"]["http"]
     if routing:
         print(f"{name}: {routing}", flush=True)
-    return {**summary, "routing": routing}
+    return {**summary, "routing": routing, "cpu_s_by_process": cpu.seconds}
+
+
+class ProcessCpu:
+    """CPU seconds each process under the server used while the block ran (Ray's proxy, controller, GCS, raylet,
+    ingress and replicas are all descendants of the `batchserve serve` process), summed by process title."""
+
+    def __init__(self, root_pid: int) -> None:
+        import psutil
+
+        self._root = psutil.Process(root_pid)
+        self.seconds: dict[str, float] = {}
+        self.wall_s = 0.0
+
+    def _sample(self) -> dict[int, tuple[str, float]]:
+        import psutil
+
+        taken = {}
+        for proc in [self._root, *self._root.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+                title = " ".join(proc.cmdline()[:1]) or proc.name()
+                taken[proc.pid] = (title.split("/")[-1][:60], times.user + times.system)
+            except psutil.Error:
+                continue
+        return taken
+
+    def __enter__(self) -> ProcessCpu:
+        self._start, self._t0 = self._sample(), time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end, self.wall_s = self._sample(), time.monotonic() - self._t0
+        for pid, (title, cpu) in end.items():
+            used = cpu - self._start.get(pid, (title, 0.0))[1]
+            if used > 0.05:
+                self.seconds[title] = round(self.seconds.get(title, 0.0) + used, 2)
+
+    def report(self) -> str:
+        ranked = sorted(self.seconds.items(), key=lambda kv: -kv[1])
+        return f"over {self.wall_s:.0f} s: " + ", ".join(f"{t} {s:.1f}" for t, s in ranked)
 
 
 def _scrape_routing(url: str, save_to: Path) -> dict:

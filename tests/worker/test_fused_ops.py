@@ -234,3 +234,41 @@ def test_bf16_linear_on_bf16_units_is_one_packed_gemm(monkeypatch):
         reference = F.linear(x.float(), weight.float(), bias.float())
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+def test_a_kernel_lets_other_python_threads_run_while_it_computes(native_kernels):
+    """The native kernels release the interpreter lock: while one runs a long decode attention, this thread keeps
+    running Python. Holding the lock, they would stall it for a whole call (the engine loop's kernels then stall the
+    threads that stream HTTP or Ray messages in the same process, and those stall the engine in turn)."""
+    import threading
+    import time
+
+    num_seqs, context, block_size, kv_heads, head_dim, pool_blocks = 64, 8192, 16, 3, 64, 256
+    blocks_per_seq = context // block_size
+    key_cache = torch.randn(pool_blocks, block_size, kv_heads, head_dim)
+    value_cache = torch.randn_like(key_cache)
+    query = torch.randn(num_seqs, 3 * kv_heads, head_dim)
+    # long contexts over a small pool (its blocks shared): a call of ~100 ms on one core
+    tables = (torch.arange(num_seqs * blocks_per_seq, dtype=torch.int64) % pool_blocks).view(num_seqs, -1)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel on one core, this thread on another
+
+    def call() -> None:
+        native_kernels.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, 0.125, "portable")
+
+    try:
+        started = time.perf_counter()
+        call()
+        call_s = time.perf_counter() - started
+        worker = threading.Thread(target=lambda: [call() for _ in range(3)])
+        worker.start()
+        longest_gap, last = 0.0, time.perf_counter()
+        while worker.is_alive():
+            now = time.perf_counter()
+            longest_gap, last = max(longest_gap, now - last), now
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert call_s > 0.05, f"the call ({call_s * 1e3:.0f} ms) is too short to tell"
+    assert longest_gap < call_s / 2, f"this thread stalled {longest_gap * 1e3:.0f} ms; one call takes {call_s * 1e3:.0f}"

@@ -23,24 +23,30 @@ bool small_gemm_available();
 torch::Tensor small_gemm_pack(torch::Tensor weight);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
 
+// The kernels touch no Python object: each call lets go of the interpreter lock while it computes, as torch's own
+// operators do, so the threads serving HTTP or Ray messages in the same process run meanwhile (and the engine loop
+// does not wait for them to give the lock back).
+static const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", pybind11::arg("query"),
-        pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("block_tables"),
-        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("path") = "auto");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "causal paged attention of prefill rows (CPU)",
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", kNoGil,
+        pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("path") = "auto");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal paged attention of prefill rows (CPU)", kNoGil,
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_starts"),
         pybind11::arg("scale"), pybind11::arg("path") = "auto");
   m.def("attention_paths", &attention_paths, "the attention paths built here, best first");
   m.def("bf16_dot_supported", &bf16_dot_supported, "whether this build and CPU run the avx512_bf16 path");
   m.def("prefill_attention_available", &prefill_attention_available, "whether paged_prefill_attention takes head_dim");
-  m.def("rms_norm", &rms_norm, "RMSNorm of x, or of residual += x (in place)", pybind11::arg("x"),
+  m.def("rms_norm", &rms_norm, "RMSNorm of x, or of residual += x (in place)", kNoGil, pybind11::arg("x"),
         pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"));
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] projection");
-  m.def("rope_", &rope_, "rotary embedding in place on [T, heads, D] (rotate_half convention)");
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, -1) of [R, V] float32, parallel over rows");
-  m.def("write_kv_", &write_kv_, "store one step's K/V [T, Hkv, D] at their pool slots (in place)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] projection", kNoGil);
+  m.def("rope_", &rope_, "rotary embedding in place on [T, heads, D] (rotate_half convention)", kNoGil);
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, -1) of [R, V] float32, parallel over rows", kNoGil);
+  m.def("write_kv_", &write_kv_, "store one step's K/V [T, Hkv, D] at their pool slots (in place)", kNoGil);
   m.def("small_gemm_available", &small_gemm_available, "whether small_gemm was built (AVX-512)");
-  m.def("small_gemm_pack", &small_gemm_pack, "[N, K] weight -> [N/32, K, 32] panels for small_gemm");
-  m.def("small_gemm", &small_gemm, "x [M, K] @ packed weight -> [M, n], for small M");
+  m.def("small_gemm_pack", &small_gemm_pack, "[N, K] weight -> [N/32, K, 32] panels for small_gemm", kNoGil);
+  m.def("small_gemm", &small_gemm, "x [M, K] @ packed weight -> [M, n], for small M", kNoGil);
 }
