@@ -31,6 +31,7 @@ from batchserve.core.outputs import SchedulerStats
 from batchserve.engine.inputs import EngineLimits, Prompt
 from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
 from batchserve.sampling_params import SamplingParams
+from batchserve.worker.device import release_openmp_workers
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,9 @@ class AsyncLLMEngine:
         with self._cond:
             if self._thread is None:
                 self._stop = False
+                # steps run in the loop thread from now on: this thread (which built the model, as a rule) lets its
+                # idle OpenMP workers go, or the loop's own would sleep after every operator (release_openmp_workers)
+                release_openmp_workers()
                 self._thread = threading.Thread(target=self._run, name="batchserve-engine-loop", daemon=True)
                 self._thread.start()
         return self

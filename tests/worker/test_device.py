@@ -1,13 +1,18 @@
-"""dtype "auto": bfloat16 exactly where the CPU multiplies it natively, float32 elsewhere; the engine reports it."""
+"""dtype "auto": bfloat16 exactly where the CPU multiplies it natively, float32 elsewhere; the engine reports it.
+OpenMP workers of a thread that no longer steps the engine are let go."""
 
 from __future__ import annotations
+
+import os
+import threading
+import time
 
 import pytest
 import torch
 
 from batchserve.config import ConfigError, EngineConfig
 from batchserve.layers import kernels
-from batchserve.worker.device import resolve_dtype
+from batchserve.worker.device import release_openmp_workers, resolve_dtype
 
 
 @pytest.mark.parametrize(("units", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
@@ -37,3 +42,36 @@ def test_the_units_can_be_forced_to_run_either_path(monkeypatch, value, units):
     monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", value)
     assert kernels.has_matmul_units(torch.bfloat16) is units and not kernels.has_matmul_units(torch.float32)
     assert resolve_dtype("auto") == (torch.bfloat16 if units else torch.float32)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_thread_that_built_the_model_lets_its_openmp_workers_go():
+    """The thread that built an engine ends its OpenMP team when the engine loop takes over; otherwise, with more
+    OpenMP threads than cores, every team's workers sleep after each region (the engine loop pays a wake-up per
+    operator)."""
+    counts: dict[str, int] = {}
+
+    def builder() -> None:
+        torch.set_num_threads(2)
+        a = torch.randn(512, 512)
+        _ = a @ a  # a parallel region: this thread's team of workers starts
+        counts["with team"] = _os_threads()
+        counts["released"] = int(release_openmp_workers())
+        deadline = time.monotonic() + 5
+        while _os_threads() >= counts["with team"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        counts["after"] = _os_threads()
+
+    threads = torch.get_num_threads()
+    try:
+        worker = threading.Thread(target=builder)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert counts["released"] == 1, "torch's OpenMP runtime has no omp_pause_resource_all"
+    assert counts["after"] < counts["with team"], counts
