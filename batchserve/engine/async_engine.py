@@ -31,7 +31,7 @@ from batchserve.core.outputs import SchedulerStats
 from batchserve.engine.inputs import EngineLimits, Prompt
 from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
 from batchserve.sampling_params import SamplingParams
-from batchserve.worker.device import release_openmp_workers
+from batchserve.worker.device import adopt_torch_threads, release_openmp_workers
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +250,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ loop thread
     def _run(self) -> None:
+        adopt_torch_threads()
         try:
             while True:
                 with self._cond:

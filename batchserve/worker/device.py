@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,25 +68,34 @@ def configure_torch(num_threads: int | None, seed: int) -> None:
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft
 
 
+def adopt_torch_threads() -> None:
+    """Give this thread's OpenMP regions torch's thread count. torch.set_num_threads sets it for the calling thread
+    only; a thread started later gets OpenMP's process default instead (OMP_NUM_THREADS, which Ray sets to a
+    replica's reserved CPUs, else the core count), and oneDNN's GEMMs follow that: an engine loop thread in a Ray
+    replica ran its GEMMs on one thread of two."""
+    torch.set_num_threads(torch.get_num_threads())
+
+
 def release_openmp_workers() -> bool:
     """Let the OpenMP worker threads this thread's parallel regions started go, when this thread will run no more of
     them (it built the engine; another thread steps it). Why it matters: GNU OpenMP counts every thread of every
     thread's team, and once they outnumber the cores (two teams on a 2-core machine) all teams' workers sleep at
     each region's end instead of spinning, so the stepping thread pays a wake-up per operator: 25% of a server's
     decode throughput on 2 cores. True when the runtime let them go; the next parallel region here starts new ones."""
-    pause = _omp_pause_resource_all()
-    return pause is not None and pause(OMP_PAUSE_SOFT) == 0
+    runtime = openmp_runtime()
+    return runtime is not None and runtime.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
 
 
 @functools.cache
-def _omp_pause_resource_all() -> Callable[[int], int] | None:
+def openmp_runtime() -> ctypes.CDLL | None:
     """The OpenMP runtime torch runs on (its own copy first, else one loaded into the process), or None."""
     libraries = sorted((Path(torch.__file__).parent / "lib").glob("lib*omp*.so*"))
     for library in [*map(str, libraries), None]:
         try:
-            pause = ctypes.CDLL(library).omp_pause_resource_all
+            runtime = ctypes.CDLL(library)
+            runtime.omp_pause_resource_all.argtypes = [ctypes.c_int]
+            runtime.omp_get_max_threads.argtypes = []
         except (OSError, AttributeError):
             continue
-        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-        return pause
+        return runtime
     return None

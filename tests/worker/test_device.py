@@ -3,6 +3,7 @@ OpenMP workers of a thread that no longer steps the engine are let go."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -12,7 +13,10 @@ import torch
 
 from batchserve.config import ConfigError, EngineConfig
 from batchserve.layers import kernels
-from batchserve.worker.device import release_openmp_workers, resolve_dtype
+from batchserve.engine.async_engine import AsyncLLMEngine
+from batchserve.sampling_params import SamplingParams
+from batchserve.worker.device import openmp_runtime, release_openmp_workers, resolve_dtype
+from tests.server.fakes import fake_engine
 
 
 @pytest.mark.parametrize(("units", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
@@ -75,3 +79,29 @@ def test_a_thread_that_built_the_model_lets_its_openmp_workers_go():
         torch.set_num_threads(threads)
     assert counts["released"] == 1, "torch's OpenMP runtime has no omp_pause_resource_all"
     assert counts["after"] < counts["with team"], counts
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs OpenMP's default (the core count) to differ from 1")
+def test_the_engine_loop_runs_openmp_regions_with_torchs_thread_count():
+    """torch.set_num_threads holds for the thread that called it; the engine loop thread gets the same count, not
+    OpenMP's process default (what Ray's OMP_NUM_THREADS or the core count would give oneDNN's GEMMs)."""
+    runtime = openmp_runtime()
+    assert runtime is not None
+    seen: list[int] = []
+    engine = fake_engine(delay_s=0.0)
+    execute = engine.runner.execute
+    engine.runner.execute = lambda out: seen.append(runtime.omp_get_max_threads()) or execute(out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        async_engine = AsyncLLMEngine(engine).start()
+
+        async def generate() -> None:
+            async for _ in async_engine.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)):
+                pass
+
+        asyncio.run(generate())
+        async_engine.shutdown()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and set(seen) == {1}, seen
