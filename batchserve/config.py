@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 E = TypeVar("E", bound=enum.StrEnum)
 
+
 class ConfigError(ValueError):
     """A configuration value that cannot work."""
 
@@ -99,7 +100,9 @@ class SchedulerConfig:
 class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_fraction
-    kv_cache_memory_fraction: float | None = None  # of memory free after the weights; None: 0.9 GPU, 0.25 CPU (<= 4 GiB)
+    kv_cache_memory_fraction: float | None = (
+        None  # of memory free after the weights; None: 0.9 GPU, 0.25 CPU (<= 4 GiB)
+    )
     enable_prefix_caching: bool = True
     swap_space_gb: float = 1.0  # host memory for swapped-out blocks (preemption_mode="swap")
     num_swap_blocks: int | None = None  # None: sized from swap_space_gb

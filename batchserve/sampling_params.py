@@ -81,7 +81,9 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be true or false, got {getattr(self, name)!r}", name)
         if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
-            raise InvalidRequestError(f"stop strings must be strings of 1 to {MAX_STOP_STRING_CHARS} characters", "stop")
+            raise InvalidRequestError(
+                f"stop strings must be strings of 1 to {MAX_STOP_STRING_CHARS} characters", "stop"
+            )
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", "stop")
         for token_id in self.stop_token_ids:

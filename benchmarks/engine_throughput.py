@@ -71,15 +71,19 @@ def main() -> None:
         single = LLM(max_batch_size=1, **options)
         results["one at a time (max_batch_size=1)"] = timed_generate(single, prompts, args.output_len)
 
-    print(f"\n{args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
-          f"{args.output_len} output tokens, {args.dtype}, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
+    print(
+        f"\n{args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
+        f"{args.output_len} output tokens, {args.dtype}, {args.threads} threads, load {os.getloadavg()[0]:.2f}"
+    )
     print(f"{'run':<40}{'output tok/s':>14}{'total tok/s':>14}{'wall s':>10}{'median TTFT s':>15}")
     for name, r in results.items():
         print(f"{name:<40}{r['output_tok_s']:>14}{r['total_tok_s']:>14}{r['wall_s']:>10}{r['median_ttft_s']:>15}")
     runs = list(results.values())
     if len(runs) == 2:
-        print(f"speed-up of continuous batching: {runs[0]['output_tok_s'] / runs[1]['output_tok_s']:.2f}x; "
-              f"identical greedy outputs: {runs[0]['outputs'] == runs[1]['outputs']}")
+        print(
+            f"speed-up of continuous batching: {runs[0]['output_tok_s'] / runs[1]['output_tok_s']:.2f}x; "
+            f"identical greedy outputs: {runs[0]['outputs'] == runs[1]['outputs']}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in results.items()}, f, indent=2)

@@ -177,8 +177,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--ms", default="1,16,64,128,256,512", help="comma-separated token counts per step")
-    ap.add_argument("--workload", type=Path, default=Path(__file__).resolve().parent / "workloads" / "peer64.json",
-                    help="also give the matmul-only bound of this workload (benchmarks/peer_compare.py's)")
+    ap.add_argument(
+        "--workload",
+        type=Path,
+        default=Path(__file__).resolve().parent / "workloads" / "peer64.json",
+        help="also give the matmul-only bound of this workload (benchmarks/peer_compare.py's)",
+    )
     ap.add_argument("--batch", type=int, default=64, help="sequences decoding together in that workload")
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds of samples per measurement (at least 3)")
     args = ap.parse_args()

@@ -9,11 +9,19 @@ from batchserve.entrypoints.engine_args import add_engine_arguments, engine_conf
 
 def test_json_file_with_the_seeds_keys(tmp_path):
     path = tmp_path / "engine.json"
-    path.write_text(json.dumps({
-        "max_batch_size": 32, "max_num_tokens": 8192, "scheduler_policy": "guaranteed_no_evict",
-        "kv_cache_free_gpu_memory_fraction": 0.8, "enable_kv_cache_reuse": False, "max_input_len": 1000,
-        "block_size": 64,
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "max_batch_size": 32,
+                "max_num_tokens": 8192,
+                "scheduler_policy": "guaranteed_no_evict",
+                "kv_cache_free_gpu_memory_fraction": 0.8,
+                "enable_kv_cache_reuse": False,
+                "max_input_len": 1000,
+                "block_size": 64,
+            }
+        )
+    )
     config = EngineConfig.from_json_file(path)
     assert config.scheduler.max_batch_size == 32 and config.scheduler.max_num_tokens == 8192
     assert config.scheduler.scheduler_policy == "guaranteed_no_evict" and config.scheduler.max_input_len == 1000

@@ -72,5 +72,3 @@ def hf_greedy(model: nn.Module, prompt: list[int], max_new_tokens: int) -> list[
         torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, attention_mask=None
     )
     return out[0, len(prompt) :].tolist()
-
-

@@ -160,7 +160,10 @@ def padding_bound(static: dict[str, Any], dynamic: dict[str, Any]) -> float:
     so there are (static's occupancy in its decode steps) / (dynamic's occupancy) as many. Prefill time is not padding: where it is a large
     share of the run, this bound is well below the occupancy ratio."""
     share = static.get("prefill_time_share_saturated", math.nan)
-    occ_s, occ_d = static.get("decode_occupancy_saturated", math.nan), dynamic.get("batch_occupancy_saturated", math.nan)
+    occ_s, occ_d = (
+        static.get("decode_occupancy_saturated", math.nan),
+        dynamic.get("batch_occupancy_saturated", math.nan),
+    )
     return 1 / (share + (1 - share) * occ_s / occ_d) if occ_d else math.nan
 
 

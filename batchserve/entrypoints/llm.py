@@ -95,8 +95,7 @@ class LLM:
             raise InvalidRequestError("messages must be a conversation or a list of conversations", "messages")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         prompts: list[Prompt] = [
-            {"prompt_token_ids": chat_prompt_ids(self.tokenizer, conv, add_generation_prompt)}
-            for conv in conversations
+            {"prompt_token_ids": chat_prompt_ids(self.tokenizer, conv, add_generation_prompt)} for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -120,7 +119,9 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return list(prompts)
 
 
-def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
     if sampling_params is None:
         return [SamplingParams() for _ in range(count)]
     if isinstance(sampling_params, SamplingParams):

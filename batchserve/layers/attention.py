@@ -141,7 +141,9 @@ def paged_attention(
     """query [T, H, D], key/value [T, Hkv, D] (this step's tokens, packed) -> output [T, H, D]."""
     write_kv(key, value, kv_cache, metadata.slot_mapping)
     scale = scale if scale is not None else query.shape[-1] ** -0.5
-    groups = [(g, path) for g, path in ((metadata.decode, decode_attention), (metadata.prefill, prefill_attention)) if g]
+    groups = [
+        (g, path) for g, path in ((metadata.decode, decode_attention), (metadata.prefill, prefill_attention)) if g
+    ]
     if len(groups) == 1:
         group, path = groups[0]
         return path(query, key, value, kv_cache, group, scale)

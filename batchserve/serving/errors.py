@@ -48,4 +48,3 @@ def classify(exc: BaseException) -> ServingError:
         return ServingError(ErrorKind.UNAVAILABLE, str(exc))
     logger.error("internal error", exc_info=exc)
     return ServingError(ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}")
-

@@ -26,7 +26,16 @@ class StepShape:
     def features(self) -> list[float]:
         """The regressors of the linear model, in FEATURES order (`steps` is the constant term)."""
         mixed = float(self.kind == "mixed")  # both attention paths run, their outputs merged, in every layer
-        return [1.0, self.tokens, self.seqs, self.samples, self.decode_ctx, self.prefill_pairs, self.prefill_seqs, mixed]
+        return [
+            1.0,
+            self.tokens,
+            self.seqs,
+            self.samples,
+            self.decode_ctx,
+            self.prefill_pairs,
+            self.prefill_seqs,
+            mixed,
+        ]
 
     @property
     def kind(self) -> str:

@@ -39,8 +39,16 @@ def check_invariants(scheduler):
     num_blocks=st.integers(8, 24),
 )
 def test_random_operation_sequences(actions, policy, mode, caching, num_blocks):
-    s = make_scheduler(num_blocks=num_blocks, block_size=4, caching=caching, host_blocks=16, max_num_tokens=16,
-                       max_batch_size=4, scheduler_policy=policy, preemption_mode=mode)
+    s = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=4,
+        caching=caching,
+        host_blocks=16,
+        max_num_tokens=16,
+        max_batch_size=4,
+        scheduler_policy=policy,
+        preemption_mode=mode,
+    )
     runner = FakeRunner(num_blocks, 4, num_swap_blocks=16)
     shared = [11, 12, 13, 14, 15, 16, 17, 18]
     requests, outputs, aborted = [], {}, set()

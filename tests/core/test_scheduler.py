@@ -8,8 +8,9 @@ from tests.fake_runner import FakeRunner, reference_generation
 
 
 def run_and_check(scheduler, arrivals, runner=None):
-    runner = runner or FakeRunner(scheduler.kv.pool.num_blocks, scheduler.kv.block_size,
-                                  num_swap_blocks=scheduler.kv.host_pool.num_blocks)
+    runner = runner or FakeRunner(
+        scheduler.kv.pool.num_blocks, scheduler.kv.block_size, num_swap_blocks=scheduler.kv.host_pool.num_blocks
+    )
     requests = [r for batch in arrivals.values() for r in batch]
     outputs = drive(scheduler, runner, arrivals)
     for r in requests:
@@ -23,8 +24,9 @@ def test_seed_4_2_window_admits_17_new_requests():
     """Section 4.2: a window of 8192 tokens holding 32 sequences of 200 tokens leaves 1792, room for 17 requests
     of 100 tokens. Modelled quantity: tokens computed in one forward pass (max_num_tokens), with the 32 sequences
     computing their 200 tokens in this pass and chunked prefill off so a request is admitted only whole."""
-    s = make_scheduler(num_blocks=4096, block_size=16, max_num_tokens=8192, max_batch_size=64,
-                       enable_chunked_prefill=False)
+    s = make_scheduler(
+        num_blocks=4096, block_size=16, max_num_tokens=8192, max_batch_size=64, enable_chunked_prefill=False
+    )
     for i in range(32):
         s.add_request(make_request(f"run{i}", prompt_len=200))
     for i in range(20):
@@ -123,20 +125,31 @@ def test_outputs_identical_under_every_policy_and_order(policy, order, caching):
     for i in range(24):
         prompt = (prefix if i % 2 else []) + [rng.randrange(1, 900) for _ in range(rng.randrange(1, 30))]
         arrivals.setdefault(rng.randrange(0, 20), []).append(
-            make_request(f"r{i}", prompt=prompt, max_tokens=rng.randrange(1, 12), priority=rng.randrange(3),
-                         arrival=float(i)))
-    s = make_scheduler(num_blocks=40, block_size=4, caching=caching, max_num_tokens=24, max_batch_size=6,
-                       scheduler_policy=policy, scheduling_order=order)
+            make_request(
+                f"r{i}", prompt=prompt, max_tokens=rng.randrange(1, 12), priority=rng.randrange(3), arrival=float(i)
+            )
+        )
+    s = make_scheduler(
+        num_blocks=40,
+        block_size=4,
+        caching=caching,
+        max_num_tokens=24,
+        max_batch_size=6,
+        scheduler_policy=policy,
+        scheduling_order=order,
+    )
     run_and_check(s, arrivals)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_tiny_pool_preempts_many_times_and_outputs_stay_identical(mode):
     rng = random.Random(3)
-    arrivals = {0: [make_request(f"r{i}", prompt_len=rng.randrange(4, 20), max_tokens=rng.randrange(8, 30))
-                    for i in range(12)]}
-    s = make_scheduler(num_blocks=14, block_size=4, host_blocks=64, max_num_tokens=32, max_batch_size=8,
-                       preemption_mode=mode)
+    arrivals = {
+        0: [make_request(f"r{i}", prompt_len=rng.randrange(4, 20), max_tokens=rng.randrange(8, 30)) for i in range(12)]
+    }
+    s = make_scheduler(
+        num_blocks=14, block_size=4, host_blocks=64, max_num_tokens=32, max_batch_size=8, preemption_mode=mode
+    )
     run_and_check(s, arrivals)
     assert s.num_preemptions_total >= 5
     if mode == "swap":
@@ -146,8 +159,9 @@ def test_tiny_pool_preempts_many_times_and_outputs_stay_identical(mode):
 
 def test_swap_mode_actually_swaps():
     arrivals = {0: [make_request(f"r{i}", prompt_len=10, max_tokens=20) for i in range(6)]}
-    s = make_scheduler(num_blocks=14, block_size=4, host_blocks=64, max_num_tokens=32, max_batch_size=8,
-                       preemption_mode="swap")
+    s = make_scheduler(
+        num_blocks=14, block_size=4, host_blocks=64, max_num_tokens=32, max_batch_size=8, preemption_mode="swap"
+    )
     runner = run_and_check(s, arrivals)
     assert any(o.blocks_to_swap_out for o in runner.steps) and any(o.blocks_to_swap_in for o in runner.steps)
 
@@ -158,9 +172,11 @@ def test_guaranteed_no_evict_never_preempts_on_random_workloads():
         arrivals = {}
         for i in range(30):
             arrivals.setdefault(rng.randrange(0, 40), []).append(
-                make_request(f"r{i}", prompt_len=rng.randrange(1, 25), max_tokens=rng.randrange(1, 25)))
-        s = make_scheduler(num_blocks=30, block_size=4, max_num_tokens=32, max_batch_size=8,
-                           scheduler_policy="guaranteed_no_evict")
+                make_request(f"r{i}", prompt_len=rng.randrange(1, 25), max_tokens=rng.randrange(1, 25))
+            )
+        s = make_scheduler(
+            num_blocks=30, block_size=4, max_num_tokens=32, max_batch_size=8, scheduler_policy="guaranteed_no_evict"
+        )
         run_and_check(s, arrivals)
         assert s.num_preemptions_total == 0
 
@@ -189,16 +205,24 @@ def test_static_never_admits_into_a_running_batch():
 def test_static_padding_keeps_finished_members_computed_until_the_batch_is_done(padding):
     lengths = [2, 5, 9]
     arrivals = {0: [make_request(f"r{i}", prompt_len=6, max_tokens=n) for i, n in enumerate(lengths)]}
-    s = make_scheduler(num_blocks=64, block_size=4, max_num_tokens=64, max_batch_size=4, scheduler_policy="static",
-                       static_padding=padding)
+    s = make_scheduler(
+        num_blocks=64,
+        block_size=4,
+        max_num_tokens=64,
+        max_batch_size=4,
+        scheduler_policy="static",
+        static_padding=padding,
+    )
     seen = []
 
     def check(scheduler, scheduled):
         seen.append((set(scheduled.num_scheduled_tokens), set(scheduled.padding_req_ids), scheduler.stats()))
 
     outputs = drive(s, FakeRunner(64, 4), arrivals, on_step=check)
-    assert all(outputs[f"r{i}"] == reference_generation(make_request(f"r{i}", prompt_len=6, max_tokens=n)
-                                                        .prompt_token_ids, n) for i, n in enumerate(lengths))
+    assert all(
+        outputs[f"r{i}"] == reference_generation(make_request(f"r{i}", prompt_len=6, max_tokens=n).prompt_token_ids, n)
+        for i, n in enumerate(lengths)
+    )
     # steps 0..8: step k samples every member's (k+1)-th token; r0 is done after step 1, r1 after step 4
     for step, (scheduled, pad, stats) in enumerate(seen[:9]):
         finished = {f"r{i}" for i, n in enumerate(lengths) if n <= step}
@@ -214,9 +238,12 @@ def test_static_padding_stays_within_the_token_budget():
     s = make_scheduler(num_blocks=64, block_size=4, max_num_tokens=16, max_batch_size=4, scheduler_policy="static")
     runner = FakeRunner(64, 4)
     totals = []
-    drive(s, runner, {0: [make_request("a", prompt_len=2, max_tokens=1), make_request("b", prompt_len=40,
-                                                                                     max_tokens=3)]},
-          on_step=lambda sched, out: totals.append((out.total_num_scheduled_tokens, set(out.padding_req_ids))))
+    drive(
+        s,
+        runner,
+        {0: [make_request("a", prompt_len=2, max_tokens=1), make_request("b", prompt_len=40, max_tokens=3)]},
+        on_step=lambda sched, out: totals.append((out.total_num_scheduled_tokens, set(out.padding_req_ids))),
+    )
     assert max(total for total, _ in totals) == 16
     assert totals[1] == (16, set())  # b's next chunk takes the whole budget: no room for a's padding
     assert any(pad == {"a"} for _, pad in totals[2:])  # padding resumes once b decodes
@@ -225,9 +252,14 @@ def test_static_padding_stays_within_the_token_budget():
 def test_static_padding_is_released_when_the_last_member_finishes():
     s = make_scheduler(num_blocks=16, block_size=4, max_num_tokens=64, max_batch_size=2, scheduler_policy="static")
     runner = FakeRunner(16, 4)
-    outputs = drive(s, runner, {0: [make_request("a", prompt_len=3, max_tokens=1),
-                                    make_request("b", prompt_len=3, max_tokens=4)],
-                                1: [make_request("c", prompt_len=3, max_tokens=2)]})
+    outputs = drive(
+        s,
+        runner,
+        {
+            0: [make_request("a", prompt_len=3, max_tokens=1), make_request("b", prompt_len=3, max_tokens=4)],
+            1: [make_request("c", prompt_len=3, max_tokens=2)],
+        },
+    )
     assert [len(outputs[r]) for r in "abc"] == [1, 4, 2]
     # c is admitted only after b, and a's padding is gone from that step on
     first_c = next(i for i, out in enumerate(runner.steps) if "c" in out.num_scheduled_tokens)
@@ -285,8 +317,15 @@ def test_priority_preemption_admits_the_urgent_request_in_the_same_step():
 
 def test_shortest_first_with_aging():
     now = [0.0]
-    s = make_scheduler(num_blocks=64, block_size=4, max_num_tokens=64, max_batch_size=1,
-                       scheduling_order="shortest_first", max_wait_s=5.0, clock=lambda: now[0])
+    s = make_scheduler(
+        num_blocks=64,
+        block_size=4,
+        max_num_tokens=64,
+        max_batch_size=1,
+        scheduling_order="shortest_first",
+        max_wait_s=5.0,
+        clock=lambda: now[0],
+    )
     long = make_request("long", prompt_len=20, max_tokens=10, arrival=0.0)
     s.add_request(long)
     s.add_request(make_request("short", prompt_len=2, max_tokens=2, arrival=1.0))
@@ -330,8 +369,10 @@ def test_shared_system_prompt_saves_blocks_and_prefill():
 
     def run(caching):
         s = make_scheduler(num_blocks=4000, block_size=16, caching=caching, max_num_tokens=2048, max_batch_size=32)
-        reqs = [make_request(f"r{i}", prompt=system + [rng.randrange(1, 900) for _ in range(40)], max_tokens=8)
-                for i in range(32)]
+        reqs = [
+            make_request(f"r{i}", prompt=system + [rng.randrange(1, 900) for _ in range(40)], max_tokens=8)
+            for i in range(32)
+        ]
         peak, prefill = [0], [0]
 
         def watch(scheduler, scheduled):

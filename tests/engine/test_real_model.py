@@ -82,8 +82,16 @@ def test_same_tokens_alone_and_in_a_staggered_batch_of_32(tiny, reference):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_identical_with_a_pool_so_small_that_preemption_happens_often(tiny, reference, mode):
     requests, alone = reference
-    mixed, engine = run(tiny[1], requests, num_kv_blocks=36, block_size=8, max_batch_size=32, max_num_tokens=64,
-                        preemption_mode=mode, num_swap_blocks=64)
+    mixed, engine = run(
+        tiny[1],
+        requests,
+        num_kv_blocks=36,
+        block_size=8,
+        max_batch_size=32,
+        max_num_tokens=64,
+        preemption_mode=mode,
+        num_swap_blocks=64,
+    )
     assert mixed == alone
     assert engine.scheduler.num_preemptions_total >= 5
 
@@ -92,8 +100,17 @@ def test_identical_with_a_pool_so_small_that_preemption_happens_often(tiny, refe
 @pytest.mark.parametrize("order", ["fcfs", "priority", "shortest_first"])
 def test_identical_under_every_policy_and_order(tiny, reference, policy, order):
     requests, alone = reference
-    mixed, _ = run(tiny[1], requests, arrive_every=0, scheduler_policy=policy, scheduling_order=order,
-                   max_batch_size=12, max_num_tokens=64, num_kv_blocks=120, block_size=8)
+    mixed, _ = run(
+        tiny[1],
+        requests,
+        arrive_every=0,
+        scheduler_policy=policy,
+        scheduling_order=order,
+        max_batch_size=12,
+        max_num_tokens=64,
+        num_kv_blocks=120,
+        block_size=8,
+    )
     assert mixed == alone
 
 
@@ -112,8 +129,7 @@ def test_static_padding_shares_prefix_blocks_and_matches(tiny):
     those blocks in the prefix cache. None of it may change a token."""
     hf_model, directory = tiny
     requests = workload(count=12, seed=2, shared_prefix=24)
-    padded, engine = run(directory, requests, arrive_every=0, scheduler_policy="static", max_batch_size=4,
-                         block_size=8)
+    padded, engine = run(directory, requests, arrive_every=0, scheduler_policy="static", max_batch_size=4, block_size=8)
     plain, _ = run(directory, requests, arrive_every=0, enable_prefix_caching=False, block_size=8)
     assert padded == plain
     assert engine.last_stats.prefix_cache_hit_rate > 0.2

@@ -15,7 +15,9 @@ from batchserve.simulator.step_model import KNOTS, LinearStepModel, features, fi
 
 PROFILE_DIR = Path(__file__).parents[2] / "benchmarks" / "profiles"
 # measured before the step model had knots and the per-chunk and mixed-step terms
-PROFILES = [PROFILE_DIR / f"smollm2-bf16-1thread-{name}.json" for name in ("epyc-2cpu", "epyc-2cpu-padded", "xeon-2cpu")]
+PROFILES = [
+    PROFILE_DIR / f"smollm2-bf16-1thread-{name}.json" for name in ("epyc-2cpu", "epyc-2cpu-padded", "xeon-2cpu")
+]
 
 
 def test_piecewise_model_reproduces_a_hand_computed_step_time():

@@ -198,7 +198,9 @@ def test_kernels_refuse_malformed_inputs_and_keep_nan(native_kernels):
     with pytest.raises(RuntimeError, match="query_starts"):
         native.paged_prefill_attention(query, cache, cache, tables, lens, torch.tensor([-5, 5]), 0.125)
     with pytest.raises(RuntimeError, match="head sizes"):
-        native.paged_prefill_attention(query[..., :32].contiguous(), cache, cache, tables, lens, torch.tensor([0, 5]), 1)
+        native.paged_prefill_attention(
+            query[..., :32].contiguous(), cache, cache, tables, lens, torch.tensor([0, 5]), 1
+        )
     with pytest.raises(RuntimeError, match="outside the pool"):
         native.paged_decode_attention(query[:1].contiguous(), cache, cache, torch.tensor([[0, 9]]), lens, 0.125)
     with pytest.raises(RuntimeError, match="must match"):
@@ -262,7 +264,9 @@ def test_prefill_paths_bfloat16_pool(path, heads, block_size, force_path):
     # Prefill chunks next to decodes on every path (on "avx2" and "portable" prefill is the torch code), bfloat16 pool.
     force_path(path)
     seqs = [(0, 5), (0, 16), (0, 37), (13, 20), (40, 1), (7, 33), (16, 16), (0, 2), (100, 3)]
-    out, expected, batch = run_batch(seqs, block_size, stale=path in attention.PREFILL_KERNEL_PATHS, heads=heads, dtype=torch.bfloat16)
+    out, expected, batch = run_batch(
+        seqs, block_size, stale=path in attention.PREFILL_KERNEL_PATHS, heads=heads, dtype=torch.bfloat16
+    )
     assert batch.attn_metadata.prefill is not None and batch.attn_metadata.decode is not None
     torch.testing.assert_close(out.float(), expected, **BF16_TOLERANCE)
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from batchserve.config import ConfigError, EngineConfig
-from batchserve.layers import kernels
 from batchserve.engine.async_engine import AsyncLLMEngine
+from batchserve.layers import kernels
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.device import openmp_runtime, release_openmp_workers, resolve_dtype
 from tests.server.fakes import fake_engine

@@ -271,4 +271,6 @@ def test_a_kernel_lets_other_python_threads_run_while_it_computes(native_kernels
     finally:
         torch.set_num_threads(threads)
     assert call_s > 0.05, f"the call ({call_s * 1e3:.0f} ms) is too short to tell"
-    assert longest_gap < call_s / 2, f"this thread stalled {longest_gap * 1e3:.0f} ms; one call takes {call_s * 1e3:.0f}"
+    assert longest_gap < call_s / 2, (
+        f"this thread stalled {longest_gap * 1e3:.0f} ms; one call takes {call_s * 1e3:.0f}"
+    )

@@ -57,8 +57,14 @@ def test_packing_a_mixed_batch():
 
 def test_padding_rows_write_the_scratch_slot_and_are_not_sampled():
     states = RequestTable(4, scratch_slot=400)
-    states.apply(SchedulerOutput(new_requests=[NewRequestData("done", [1, 2, 3, 4, 5, 6], 4, P, [3, 9], 5),
-                                               NewRequestData("live", [7, 8, 9], 2, P, [6], 2)]))
+    states.apply(
+        SchedulerOutput(
+            new_requests=[
+                NewRequestData("done", [1, 2, 3, 4, 5, 6], 4, P, [3, 9], 5),
+                NewRequestData("live", [7, 8, 9], 2, P, [6], 2),
+            ]
+        )
+    )
     step = SchedulerOutput(
         cached_requests=[CachedRequestData("done", [], 4), CachedRequestData("live", [], 2)],
         num_scheduled_tokens={"done": 1, "live": 1},
@@ -90,8 +96,9 @@ def test_state_follows_new_cached_and_finished():
 def test_rows_and_token_capacity_grow():
     states = RequestTable(4, rows=2, max_tokens=4)
     step = SchedulerOutput(
-        new_requests=[NewRequestData(f"r{i}", list(range(1, 10)), 9, P, [i * 3, i * 3 + 1, i * 3 + 2], 0)
-                      for i in range(5)],
+        new_requests=[
+            NewRequestData(f"r{i}", list(range(1, 10)), 9, P, [i * 3, i * 3 + 1, i * 3 + 2], 0) for i in range(5)
+        ],
         num_scheduled_tokens={f"r{i}": 9 for i in range(5)},
     )
     states.apply(step)

@@ -90,4 +90,9 @@ def _logprobs(front: OpenAIFrontEnd, entries: list[Logprobs], offset: int) -> di
         top_logprobs.append({token_text(t): lp for t, lp in entry.top.items()})
         text_offset.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
