@@ -30,6 +30,9 @@ CONFIGS = {  # name: (serve flags, description)
     "power-of-two": (["--replicas", "2", "--router", "power-of-two", "--num-threads", "1"], "Ray, 2 x 1 thread"),
     "one-engine": (["--num-threads", "2"], "plain server, 2 threads"),
     "ray-one-replica": (["--replicas", "1", "--num-threads", "2"], "Ray, 1 x 2 threads"),
+    "ray-one-replica-proxy": (
+        ["--replicas", "1", "--num-threads", "2", "--ray-proxy"], "Ray, 1 x 2 threads, HTTP via Ray's proxy"
+    ),
 }
 COLUMNS = [  # (header, summary key, format, scale)
     ("prefix hit %", "prefix_cache_hit_rate", "{:.1f}", 100),

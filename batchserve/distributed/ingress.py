@@ -5,13 +5,18 @@ router's decisions; /health: 503 while no replica has posted metrics recently (n
 
 With `grpc_port`, the ingress also runs batchserve's gRPC server (batchserve.v1.Generation, KServe v2, health,
 reflection) on that port, over the same client: one ingress replica binds it (Ray Serve's own gRPC proxy would need
-the services re-declared as deployment methods)."""
+the services re-declared as deployment methods). With `http_port`, it serves the same HTTP routes on that port
+itself (uvicorn on its event loop), so a client's bytes skip Ray's HTTP proxy and the Ray message per response chunk
+from the ingress to the proxy: `batchserve serve --replicas N` runs it so, with Ray's proxy off."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
 from prometheus_client import generate_latest
 
@@ -22,6 +27,7 @@ from batchserve.entrypoints.grpc.server import GrpcServer
 from batchserve.entrypoints.openai.app import build_front_app, model_names
 
 BOARD_TIMEOUT_S = 5.0
+HTTP_START_TIMEOUT_S = 30.0
 
 
 class OpenAIIngress:
@@ -38,8 +44,14 @@ class OpenAIIngress:
                 max_request_bytes=options.max_body_bytes, health_problem=self.health_problem,
             )  # fmt: skip
             await self.grpc_server.start()
+        self.http_server: uvicorn.Server | None = None
+        if options.http_port is not None:
+            await self._start_http(options.http_host, options.http_port)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
+        return self._front_app()
+
+    def _front_app(self) -> FastAPI:
         options = self.options
         return build_front_app(
             self.client,
@@ -50,6 +62,40 @@ class OpenAIIngress:
             render_metrics=self.render_metrics,
             health_problem=self.health_problem,
         )
+
+    async def _start_http(self, host: str, port: int) -> None:
+        """Bound here first, so a port in use fails the replica's start with the OSError (uvicorn would exit the
+        process instead)."""
+        listener = socket.create_server((host, port), reuse_port=False)
+        config = uvicorn.Config(
+            self._front_app(), log_config=None, access_log=False, timeout_graceful_shutdown=self.options.drain_timeout_s
+        )
+        self.http_server = uvicorn.Server(config)
+        self._http_task = asyncio.ensure_future(self.http_server.serve(sockets=[listener]))
+        deadline = asyncio.get_running_loop().time() + HTTP_START_TIMEOUT_S
+        while not self.http_server.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises why it stopped
+                raise RuntimeError(f"the ingress's HTTP server on {host}:{port} stopped while starting")
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the ingress's HTTP server on {host}:{port} did not start")
+            await asyncio.sleep(0.05)
+
+    async def drain(self) -> None:
+        """Stop taking requests on the ingress's own ports; those in flight get the drain timeout to finish. The
+        launcher calls it before it stops the application (Ray Serve's graceful shutdown counts only the requests
+        that came through its proxy)."""
+        grace = self.options.drain_timeout_s
+        if self.http_server is not None:
+            self.http_server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._http_task), grace + 5)
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace)
+
+    def __del__(self) -> None:
+        if getattr(self, "http_server", None) is not None:
+            self.http_server.should_exit = True
 
     async def render_metrics(self) -> bytes:
         posts = await self._board_snapshot()

@@ -1,6 +1,8 @@
 """`batchserve serve --replicas N`: the Ray Serve application on the Ray instance already running on this machine,
-or a local one started for it (or, with --ray-address, a cluster's), Ray Serve's HTTP proxy on --host/--port, until
-SIGINT/SIGTERM (then replicas finish their requests for --drain-timeout seconds).
+or a local one started for it (or, with --ray-address, a cluster's), until SIGINT/SIGTERM (then requests in flight
+get --drain-timeout seconds to finish). The ingress serves HTTP on --host/--port itself, with Ray Serve's proxy off
+(one process and one Ray message per response chunk fewer); --ray-proxy puts Ray's proxy there instead, as
+`serve run` does.
 
 Every `batchserve serve` flag keeps its meaning. Engine threads: unless --num-threads is given, each replica gets
 the machine's cores divided by the replicas (2 replicas on 2 cores: 1 thread each), so replicas do not fight over
@@ -9,6 +11,7 @@ cores.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -51,10 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
-    return run(options, args.host, args.port, args.ray_address)
+    return run(options, args.host, args.port, args.ray_address, args.ray_proxy)
 
 
-def run(options: RayAppOptions, host: str, port: int, ray_address: str | None) -> int:
+def run(options: RayAppOptions, host: str, port: int, ray_address: str | None, ray_proxy: bool = False) -> int:
+    """`ray_proxy`: HTTP through Ray Serve's proxy (one more process and Ray hop per response chunk) instead of the
+    ingress's own server."""
     import ray
     from ray import serve
 
@@ -64,11 +69,17 @@ def run(options: RayAppOptions, host: str, port: int, ray_address: str | None) -
     stop = threading.Event()
     previous = {sig: signal.signal(sig, _setter(stop)) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(build_application(options), name=APP_NAME, route_prefix="/")
-        logger.info("serving on http://%s:%d (Ray Serve, %s)", host, port, _describe(options))
+        if ray_proxy:
+            serve.start(http_options={"host": host, "port": port})
+        else:  # the ingress serves HTTP itself
+            serve.start(proxy_location="Disabled")
+            options = options.model_copy(update={"http_host": host, "http_port": port})
+        ingress = serve.run(build_application(options), name=APP_NAME, route_prefix="/")
+        logger.info("serving on http://%s:%d (Ray Serve, %s)", host, port, _describe(options, ray_proxy))
         stop.wait()
-        logger.info("stopping")
+        logger.info("stopping: requests in flight get %.0f s to finish", options.drain_timeout_s)
+        with contextlib.suppress(Exception):
+            ingress.drain.remote().result(timeout_s=options.drain_timeout_s + 15)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -98,9 +109,10 @@ def _connect(options: RayAppOptions, ray_address: str | None) -> bool:
         return False
 
 
-def _describe(o: RayAppOptions) -> str:
+def _describe(o: RayAppOptions, ray_proxy: bool) -> str:
     scaling = f"{o.replicas}-{o.max_replicas} replicas, autoscaled" if o.autoscaling else f"{o.replicas} replicas"
-    return f"{scaling}, router {o.router}"
+    http = "HTTP through Ray Serve's proxy" if ray_proxy else "HTTP served by the ingress"
+    return f"{scaling}, router {o.router}, {http}"
 
 
 def _setter(stop: threading.Event) -> Callable[[int, FrameType | None], None]:

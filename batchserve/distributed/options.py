@@ -24,6 +24,10 @@ class RayAppOptions(BaseModel):
     max_ongoing_requests: int = Field(1024, ge=1, description="requests in flight per replica (its engine queues)")
     grpc_port: int | None = Field(None, ge=0, le=65535, description="the ingress also serves gRPC on this port")
     grpc_host: str = "127.0.0.1"
+    http_port: int | None = Field(
+        None, ge=0, le=65535, description="the ingress serves HTTP on this port itself (Ray's proxy is not needed)"
+    )
+    http_host: str = "127.0.0.1"
     served_model_name: list[str] = Field(default_factory=list)
     api_key: str | None = None
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)

@@ -17,7 +17,14 @@ def test_serve_dispatches_to_ray_only_with_a_scale_out_flag():
 
 def test_serve_help_lists_the_scale_out_flags():
     text = make_parser().format_help()
-    for flag in ("--replicas", "--max-replicas", "--ray-address", "--router", "--target-ongoing-requests"):
+    for flag in (
+        "--replicas",
+        "--max-replicas",
+        "--ray-address",
+        "--router",
+        "--target-ongoing-requests",
+        "--ray-proxy",
+    ):
         assert flag in text
 
 

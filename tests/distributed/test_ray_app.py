@@ -1,5 +1,6 @@
 """End to end on Ray Serve: a local Ray instance started here, 2 engine replicas of SmolLM2-135M-Instruct (1 thread
-each) behind the OpenAI ingress and the prefix-aware router; Ray's HTTP proxy on a free port."""
+each) behind the OpenAI ingress and the prefix-aware router; Ray's HTTP proxy on a free port, and the ingress's own
+HTTP server on another."""
 
 from __future__ import annotations
 
@@ -31,11 +32,13 @@ def ray_app():
     from batchserve.layers import kernels
 
     kernels.load()  # built (and cached on disk) here once, before the replicas start and look for them
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port, http_port = free_port(), free_port(), free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        options = RayAppOptions(engine=ENGINE, replicas=2, health_check_period_s=1.0, grpc_port=grpc_port)
+        options = RayAppOptions(
+            engine=ENGINE, replicas=2, health_check_period_s=1.0, grpc_port=grpc_port, http_port=http_port
+        )
         started = threading.Thread(
             target=serve.run, args=(build_application(options),), kwargs={"name": "batchserve", "route_prefix": "/"},
             daemon=True,
@@ -43,7 +46,7 @@ def ray_app():
         started.start()
         started.join(START_TIMEOUT_S)
         assert not started.is_alive(), f"the Ray app did not start within {START_TIMEOUT_S:.0f} s"
-        yield f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
+        yield f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -96,6 +99,19 @@ def test_completions_through_ray_equal_the_single_engine_greedy_output(base_url,
             if line.startswith("data: ") and line != "data: [DONE]":
                 pieces.append(json.loads(line[6:])["choices"][0]["text"])
     assert len(pieces) > 1 and "".join(pieces) == single_engine_text
+
+
+def test_the_ingress_own_http_server_streams_the_same_text(ray_app, single_engine_text):
+    """The port `batchserve serve --replicas` serves on (Ray's proxy off): the same routes, no proxy hop."""
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+    pieces = []
+    with httpx.stream("POST", ray_app[2] + "/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    assert len(pieces) > 1 and "".join(pieces) == single_engine_text
+    assert httpx.get(ray_app[2] + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
 def test_grpc_through_ray_equals_the_single_engine_greedy_output(ray_app, single_engine_text):

@@ -108,6 +108,10 @@ def add_scale_out_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica (default: 1)"
     )
+    group.add_argument(
+        "--ray-proxy", action="store_true",
+        help="HTTP through Ray Serve's proxy (default: the ingress serves --host/--port itself, one hop less)",
+    )  # fmt: skip
 
 
 def wants_scale_out(argv: list[str]) -> bool:
