@@ -164,8 +164,8 @@ class ProcessCpu:
 
 
 def _scrape_routing(url: str, save_to: Path) -> dict:
-    """From the server's /metrics (saved whole): the router's decisions, and per replica its prompt tokens and
-    prefix-cache hits (the warm-up's requests included)."""
+    """From the server's /metrics (saved whole): the router's decisions, per replica its prompt tokens and
+    prefix-cache hits, and the engines' step time by phase (the warm-up's requests included)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -182,6 +182,9 @@ def _scrape_routing(url: str, save_to: Path) -> dict:
             replica = sample.labels.get("replica", "")
             if sample.name == "batchserve:router_decisions_total":
                 routing.setdefault("decisions", {})[sample.labels["decision"]] = sample.value
+            elif sample.name == "batchserve:step_phase_seconds_total":  # every replica's engine steps, summed
+                phases = routing.setdefault("step_phase_s", {})
+                phases[sample.labels["phase"]] = round(phases.get(sample.labels["phase"], 0.0) + sample.value, 2)
             elif sample.name in ("batchserve:prefix_cache_hits_total", "batchserve:prompt_tokens_total") and replica:
                 routing.setdefault("replicas", {}).setdefault(replica, {})[sample.name.split(":")[1]] = sample.value
     return routing

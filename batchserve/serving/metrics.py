@@ -18,6 +18,7 @@ from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
 
 PREFIX = "batchserve:"
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")  # the fields of StepTimings, without "_s"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Buckets as vLLM uses them (seconds / tokens).
@@ -68,6 +69,13 @@ class EngineMetrics:
         self.iteration_time = histogram(
             "iteration_time_seconds", "Wall time of one engine step.", ITERATION_TIME_BUCKETS
         )
+        self.step_phase_time = Counter(
+            PREFIX + "step_phase_seconds",
+            "Engine step wall time by phase: schedule, prepare, forward (the model and logits), sample, output.",
+            ["model_name", "phase"],
+            registry=reg,
+        )
+        self._step_phases = {phase: self.step_phase_time.labels(model_name, phase) for phase in STEP_PHASES}
         # Requests.
         self.request_success = Counter(
             PREFIX + "request_success",
@@ -109,6 +117,8 @@ class EngineMetrics:
     # ------------------------------------------------------------------ engine loop thread
     def _on_step(self, engine: LLMEngine, outputs: list[CompletionOutput]) -> None:
         self.observe_step(engine.last_stats, engine.last_step_time_s, outputs)
+        for phase, counter in self._step_phases.items():
+            counter.inc(getattr(engine.last_timings, f"{phase}_s"))
 
     def observe_stats(self, stats: SchedulerStats | None) -> None:
         """Gauges and cumulative counters from a SchedulerStats snapshot."""

@@ -222,9 +222,14 @@ def test_metrics_names(server):
         "batchserve:request_queue_time_seconds_count",
         "batchserve:iteration_time_seconds_count",
         "batchserve:iteration_tokens_total_count",
+        "batchserve:step_phase_seconds_total",
     ]:
         assert name in metrics, name
     assert metrics["batchserve:generation_tokens_total"] >= 3
+    phases = {line.split('phase="')[1].split('"')[0] for line in httpx.get(server.url + "/metrics").text.splitlines()
+              if line.startswith("batchserve:step_phase_seconds_total{")}  # fmt: skip
+    assert phases == {"schedule", "prepare", "forward", "sample", "output"}
+    assert metrics["batchserve:step_phase_seconds_total"] > 0
     assert metrics["batchserve:e2e_request_latency_seconds_count"] >= 1
 
 
