@@ -23,6 +23,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -53,13 +54,27 @@ class RequestStream:
         self._queue: asyncio.Queue[CompletionOutput | BaseException] = asyncio.Queue()
         self._held_error: BaseException | None = None  # met by ready() behind outputs; raised by the next call
         self.finished = False
+        self.listener: Callable[[], None] | None = None  # called on the event loop after each delivery
 
     # loop thread
     def put(self, item: CompletionOutput | BaseException) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        _call_soon(self._loop, self._deliver, item)
+
+    @staticmethod
+    def put_step(deliveries: list[tuple[RequestStream, CompletionOutput]]) -> None:
+        """One engine step's outputs, each to its stream: one wake-up of each event loop for all of them (and a
+        listener sees the whole step at once)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, CompletionOutput]]] = {}
+        for stream, out in deliveries:
+            by_loop.setdefault(stream._loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _deliver_all, items)
+
+    # event loop
+    def _deliver(self, item: CompletionOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+        if self.listener is not None:
+            self.listener()
 
     # event loop
     async def get(self) -> CompletionOutput:
@@ -95,6 +110,18 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         return await self.get()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the event loop is closed: nobody is listening any more
+        pass
+
+
+def _deliver_all(items: list[tuple[RequestStream, CompletionOutput]]) -> None:
+    for stream, out in items:
+        stream._deliver(out)
 
 
 @dataclass
@@ -320,13 +347,15 @@ class AsyncLLMEngine:
         progressed = bool(outputs) or (stats is not None and stats.num_scheduled_seqs > 0)
         if progressed:
             self._last_progress = time.monotonic()
+        deliveries = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.put(out)
+            deliveries.append((stream, out))
             if out.finished:
                 del self._streams[out.request_id]
+        RequestStream.put_step(deliveries)
         for listener in self.step_listeners:
             try:
                 listener(self.engine, outputs)
