@@ -31,7 +31,8 @@ CONFIGS = {  # name: (serve flags, description)
     "one-engine": (["--num-threads", "2"], "plain server, 2 threads"),
     "ray-one-replica": (["--replicas", "1", "--num-threads", "2"], "Ray, 1 x 2 threads"),
     "ray-one-replica-proxy": (
-        ["--replicas", "1", "--num-threads", "2", "--ray-proxy"], "Ray, 1 x 2 threads, HTTP via Ray's proxy"
+        ["--replicas", "1", "--num-threads", "2", "--ray-proxy"],
+        "Ray, 1 x 2 threads, HTTP via Ray's proxy",
     ),
 }
 COLUMNS = [  # (header, summary key, format, scale)

@@ -18,7 +18,7 @@ from batchserve.distributed.ingress import OpenAIIngress
 from batchserve.distributed.metrics import ReplicaBoard
 from batchserve.distributed.options import RayAppOptions
 from batchserve.distributed.replica import EngineReplica
-from batchserve.distributed.router import PrefixAwareRouter
+from batchserve.distributed.router import PowerOfTwoRouter, PrefixAwareRouter
 from batchserve.entrypoints.engine_options import engine_config
 
 ROUTING_STATS_PERIOD_S = 0.5
@@ -63,7 +63,10 @@ def _model_name(options: RayAppOptions, model: str | None) -> str:
 
 def _router_config(options: RayAppOptions, block_size: int, num_kv_blocks: int | None) -> RequestRouterConfig:
     if options.router == "power-of-two":
-        return RequestRouterConfig(request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+        return RequestRouterConfig(
+            request_router_class=f"{PowerOfTwoRouter.__module__}.{PowerOfTwoRouter.__name__}",
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        )
     routing = {"block_size": block_size, **({"capacity_blocks": num_kv_blocks} if num_kv_blocks else {})}
     return RequestRouterConfig(
         request_router_class=f"{PrefixAwareRouter.__module__}.{PrefixAwareRouter.__name__}",  # imported there

@@ -2,13 +2,16 @@
 
 The ingress tokenizes and validates here (the serving layer does, with the engine's limits fetched once from a
 replica), then each request is one streaming call `generate(ReplicaRequest)`, routed by the deployment's request
-router. Its first message is the replica's admission (or its error), so a refused request is answered before any
-byte of a response goes out, as on one engine; the rest is relayed into a RequestStream the front ends read as
-they read a local engine's.
+router. Its one message is the replica's admission (or its error), so a refused request is answered before any
+byte of a response goes out, as on one engine; the call then stays open until the request ends (Ray Serve counts
+it, and an abort cancels it). The outputs come on one `subscribe` call per replica this client has requests on,
+pinned to it by the routers: a message per engine step for all of them (distributed/outbox.py), relayed into
+RequestStreams the front ends read as they read a local engine's.
 
 Failures: an error the replica raised (invalid request, queue full) comes back as itself; a replica that died or
-cannot be reached ends the request with ServingError(UNAVAILABLE) (HTTP 503, or an error event in a stream),
-never a hang. An abort cancels the call, and the replica drops the request.
+cannot be reached (its subscription or a request's call fails) ends its requests with ServingError(UNAVAILABLE)
+(HTTP 503, or an error event in a stream), never a hang. An abort cancels the call, and the replica drops the
+request.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from ray.exceptions import RayError, RayTaskError
@@ -24,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from batchserve.config import EngineConfig
 from batchserve.core.outputs import SchedulerStats
-from batchserve.distributed.messages import EngineDescription, ReplicaRequest
+from batchserve.distributed.messages import EngineDescription, ReplicaRequest, StepOutputs, Subscribe
 from batchserve.engine.async_engine import RequestStream
 from batchserve.engine.inputs import EngineLimits, Prompt
 from batchserve.sampling_params import SamplingParams
@@ -38,13 +43,23 @@ class ReplicaLost(ServingError):
         super().__init__(ErrorKind.UNAVAILABLE, f"the engine replica serving this request failed: {type(exc).__name__}")
 
 
+@dataclass
+class _InFlight:
+    stream: RequestStream
+    replica_id: str | None = None  # once admitted
+    prompt: tuple[str | None, list[int]] | None = None  # sent with the first output only
+    watch: asyncio.Task[None] | None = None
+
+
 class RemoteEngineClient:
     def __init__(self, handle: Any, description: EngineDescription, tokenizer: PreTrainedTokenizerBase) -> None:
         """`handle`: a DeploymentHandle of the EngineReplica deployment."""
         self._handle = handle.options(stream=True)
         self.description = description
         self._tokenizer = tokenizer
-        self._calls: dict[str, tuple[Any, asyncio.Task[None], RequestStream]] = {}
+        self.caller_id = uuid.uuid4().hex
+        self._requests: dict[str, _InFlight] = {}
+        self._subscriptions: dict[str, asyncio.Task[None]] = {}  # by replica id
 
     @classmethod
     async def connect(cls, handle: Any) -> RemoteEngineClient:
@@ -78,7 +93,7 @@ class RemoteEngineClient:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._calls)
+        return len(self._requests)
 
     def stats(self) -> SchedulerStats | None:
         return None  # one scheduler per replica: their stats are on /metrics, labelled by replica
@@ -86,45 +101,95 @@ class RemoteEngineClient:
     async def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
     ) -> RequestStream:
-        call = self._handle.generate.remote(ReplicaRequest(request_id, prompt, params, priority))
+        # registered before the call: the subscription may bring its first output before the admission does
+        entry = self._requests[request_id] = _InFlight(RequestStream(request_id, asyncio.get_running_loop()))
+        call = self._handle.generate.remote(ReplicaRequest(request_id, prompt, params, priority, self.caller_id))
         try:
-            await call.__anext__()  # the replica admitted it
+            admitted = await call.__anext__()
         except BaseException as exc:
             call.cancel()
+            self._requests.pop(request_id, None)
             raise _unwrapped(exc) from None
-        stream = RequestStream(request_id, asyncio.get_running_loop())
-        relay = asyncio.ensure_future(self._relay(call, stream))
-        self._calls[request_id] = (call, relay, stream)
-        relay.add_done_callback(lambda _: self._calls.pop(request_id, None))
-        return stream
+        entry.replica_id = admitted.replica_id
+        self._ensure_subscription(admitted.replica_id)
+        entry.watch = asyncio.ensure_future(self._watch(request_id, call))
+        return entry.stream
 
-    async def _relay(self, call: Any, stream: RequestStream) -> None:
-        prompt: tuple[str | None, list[int]] | None = None
+    async def _watch(self, request_id: str, call: Any) -> None:
+        """The request's own call ends once its last output is on the way, or fails with its replica; cancelling
+        it (an abort) makes the replica drop the request."""
         try:
-            async for outputs in call:
-                for out in outputs:
-                    if prompt is None:
-                        prompt = (out.prompt, out.prompt_token_ids)
-                    elif not out.prompt_token_ids:  # sent once: every output carries it again here
-                        out.prompt, out.prompt_token_ids = prompt
-                    stream.put(out)
+            async for _ in call:
+                pass
         except asyncio.CancelledError:
+            call.cancel()
             raise
         except BaseException as exc:  # noqa: BLE001 - the stream's reader gets it
-            stream.put(_unwrapped(exc))
+            self._fail(request_id, _unwrapped(exc))
+
+    def _ensure_subscription(self, replica_id: str) -> None:
+        task = self._subscriptions.get(replica_id)
+        if task is None or task.done():
+            self._subscriptions[replica_id] = asyncio.ensure_future(self._subscribe(replica_id))
+
+    async def _subscribe(self, replica_id: str) -> None:
+        """Relay the replica's step messages to the requests' streams while any of ours runs there (the replica
+        ends a subscription when none does: subscribe again if one was admitted meanwhile)."""
+        try:
+            while self._on(replica_id):
+                async for step in self._handle.subscribe.remote(Subscribe(self.caller_id, replica_id)):
+                    self._relay(step)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every request there gets it
+            error = _unwrapped(exc)
+            for request_id in self._on(replica_id):
+                self._fail(request_id, error)
+        finally:
+            if self._subscriptions.get(replica_id) is asyncio.current_task():
+                del self._subscriptions[replica_id]
+
+    def _on(self, replica_id: str) -> list[str]:
+        return [rid for rid, entry in self._requests.items() if entry.replica_id == replica_id]
+
+    def _relay(self, step: StepOutputs) -> None:
+        for out in step.outputs:
+            entry = self._requests.get(out.request_id)
+            if entry is None:
+                continue  # aborted here meanwhile
+            if entry.prompt is None:
+                entry.prompt = (out.prompt, out.prompt_token_ids)
+            else:
+                out.prompt, out.prompt_token_ids = entry.prompt
+            entry.stream.put(out)
+            if out.finished:
+                del self._requests[out.request_id]  # its call ends by itself; the replica ends the subscription
+        for request_id, exc in step.errors.items():
+            self._fail(request_id, _unwrapped(exc))
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        entry.stream.put(exc)
+        if entry.replica_id is not None and not self._on(entry.replica_id):
+            task = self._subscriptions.get(entry.replica_id)
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()  # a lost replica's subscription could wait for it forever
 
     def abort(self, request_ids: str | list[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            entry = self._calls.pop(request_id, None)
+            entry = self._requests.pop(request_id, None)
             if entry is None:
                 continue
-            call, relay, stream = entry
-            call.cancel()  # the replica's generator is cancelled: its engine aborts the request
-            relay.cancel()
-            stream.put(ServingError(ErrorKind.CANCELLED, "request aborted"))
+            if entry.watch is not None:
+                entry.watch.cancel()  # cancels the call: the replica aborts the request
+            entry.stream.put(ServingError(ErrorKind.CANCELLED, "request aborted"))
 
     async def close(self) -> None:
-        self.abort(list(self._calls))
+        self.abort(list(self._requests))
+        for task in list(self._subscriptions.values()):
+            task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.sleep(0)
 

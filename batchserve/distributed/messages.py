@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchserve.config import EngineConfig
 from batchserve.engine.inputs import EngineLimits, Prompt
+from batchserve.engine.llm_engine import CompletionOutput
 from batchserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class ReplicaRequest:
-    """One engine request. The ingress has tokenized the prompt already, so the router can hash its blocks."""
+    """One engine request. The ingress has tokenized the prompt already, so the router can hash its blocks.
+    `caller`: the ingress client's id; the request's outputs go out on that caller's subscription."""
 
     request_id: str
     prompt: Prompt
     params: SamplingParams
     priority: int = 0
+    caller: str = ""
 
     @property
     def prompt_token_ids(self) -> list[int] | None:
@@ -57,3 +60,27 @@ class ReplicaLoadReport:
         if not stats or "num_running" not in stats:
             return None
         return cls(int(stats["num_running"]), int(stats["num_waiting"]), float(stats["kv_usage"]))
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A replica's first answer to `generate`: the engine took the request."""
+
+    replica_id: str
+
+
+@dataclass(frozen=True)
+class Subscribe:
+    """A caller's subscription to one replica's outputs of its requests; the routers send it to that replica."""
+
+    caller: str
+    replica_id: str
+
+
+@dataclass
+class StepOutputs:
+    """One message of a subscription: what one or more engine steps produced for the caller's requests there, and the
+    requests that ended in an error instead (an engine that died, for one)."""
+
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    errors: dict[str, BaseException] = field(default_factory=dict)

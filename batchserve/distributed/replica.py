@@ -1,8 +1,9 @@
 """EngineReplica: the body of one Ray Serve replica, an AsyncLLMEngine of its own.
 
-Ray Serve calls `generate` through a deployment handle (streaming); the replica answers with lists of outputs,
-each list all that the engine produced since the previous one, so a busy replica sends one Ray message per step
-and stream rather than one per token. It reports its load to the routers (`record_routing_stats`) and to the
+Ray Serve calls `generate` through a deployment handle (streaming) for each request: it admits the request and
+ends with it, while the request's outputs go out on its caller's one `subscribe` call to this replica, gathered
+over all of that caller's requests (distributed/outbox.py): one Ray message per engine step, not one per request
+and step. It reports its load to the routers (`record_routing_stats`) and to the
 autoscaler (`record_autoscaling_stats`), fails Serve's health check when its engine loop died or stalled (Serve
 then replaces it), and posts its Prometheus metrics to the ReplicaBoard for the ingress's /metrics.
 """
@@ -10,15 +11,22 @@ then replaces it), and posts its Prometheus metrics to the ReplicaBoard for the 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from batchserve.distributed.messages import EngineDescription, ReplicaLoadReport, ReplicaRequest
+from batchserve.distributed.messages import (
+    Admitted,
+    EngineDescription,
+    ReplicaLoadReport,
+    ReplicaRequest,
+    StepOutputs,
+    Subscribe,
+)
+from batchserve.distributed.outbox import Outbox
 from batchserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
+from batchserve.engine.llm_engine import LLMEngine
 from batchserve.entrypoints.engine_options import engine_config
 from batchserve.serving.metrics import EngineMetrics
 from batchserve.worker.device import configure_torch
@@ -40,6 +48,7 @@ class EngineReplica:
         self.metrics = EngineMetrics(model_name=model_name).attach(self.engine)
         self.stall_timeout_s = stall_timeout_s
         self.replica_id = _replica_id()
+        self._outboxes: dict[str, Outbox] = {}  # by caller
         self._board = board
         self._stopped = threading.Event()
         if board is not None:
@@ -49,24 +58,40 @@ class EngineReplica:
     def describe(self) -> EngineDescription:
         return EngineDescription(self.engine.config, self.engine.limits, self.engine.engine.runner.num_kv_blocks)
 
-    async def generate(self, request: ReplicaRequest) -> AsyncIterator[list[CompletionOutput]]:
-        """First an empty list once the engine admitted the request (or its error: InvalidRequestError,
-        QueueFullError, EngineDeadError), then its outputs; only the first message's outputs carry the prompt
-        (its text and ids, after any truncation), later ones an empty prompt_token_ids. Cancelled by the caller (a client gone, an abort):
-        the engine drops the request."""
+    async def generate(self, request: ReplicaRequest) -> AsyncIterator[Admitted]:
+        """Admits the request (or raises its error: InvalidRequestError, QueueFullError, EngineDeadError), answers
+        Admitted, and ends once its last output went to the caller's outbox; its outputs go out on the caller's
+        subscription. Cancelled by the caller (a client gone, an abort): the engine drops the request."""
         stream = await self.engine.add_request(request.request_id, request.prompt, request.params, request.priority)
+        outbox = self._outboxes.setdefault(request.caller, Outbox())
+        ended = outbox.add(stream)
         try:
-            yield []
-            sent_prompt = False
-            while not stream.finished:
-                outputs = [await stream.get(), *stream.ready()]
-                if sent_prompt:  # the caller has it: not pickled again with every step
-                    outputs = [dataclasses.replace(o, prompt=None, prompt_token_ids=[]) for o in outputs]
-                sent_prompt = True
-                yield outputs
+            yield Admitted(self.replica_id)
+            await ended
         finally:
             if not stream.finished:
+                outbox.discard(request.request_id)
                 self.engine.abort(request.request_id)
+            self._drop_if_unused(request.caller)
+
+    async def subscribe(self, subscription: Subscribe) -> AsyncIterator[StepOutputs]:
+        """The outputs of the caller's requests here, one message per engine step, until none is in flight (the
+        caller subscribes again with its next request) or the caller subscribed anew."""
+        if subscription.replica_id != self.replica_id:
+            raise RuntimeError(f"subscription for replica {subscription.replica_id} reached {self.replica_id}")
+        outbox = self._outboxes.setdefault(subscription.caller, Outbox())
+        token = outbox.subscribe()
+        try:
+            while (step := await outbox.next(token)) is not None:
+                yield step
+        finally:
+            outbox.unsubscribe()
+            self._drop_if_unused(subscription.caller)
+
+    def _drop_if_unused(self, caller: str) -> None:
+        outbox = self._outboxes.get(caller)
+        if outbox is not None and outbox.unused:
+            del self._outboxes[caller]
 
     def load(self) -> ReplicaLoadReport:
         stats = self.engine.stats()

@@ -8,6 +8,10 @@ remembering the fewest blocks among those not overloaded (serving/routing.py). A
 router has in flight there and what the replica last reported (record_routing_stats: running + waiting, KV usage).
 Decisions are counted in metrics.ROUTER_METRICS, which the ingress's /metrics serves.
 
+A `subscribe` call (distributed/outbox.py) names the replica whose outputs it asks for: both routers here send it
+there and nowhere else (PowerOfTwoRouter is Ray Serve's default router plus that rule), and it is not counted as
+load.
+
 Ray Serve pickles this module by value to ship the class: module-level state here would be copied, so the counters
 live in distributed/metrics.py, referenced through its module.
 """
@@ -18,10 +22,11 @@ import random
 from collections import defaultdict
 from typing import Any
 
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # Serve's default: not public API
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from batchserve.distributed import metrics
-from batchserve.distributed.messages import ReplicaLoadReport, ReplicaRequest
+from batchserve.distributed.messages import ReplicaLoadReport, ReplicaRequest, Subscribe
 from batchserve.serving.routing import Choice, Decision, PrefixRoutingPolicy, ReplicaLoad, RoutingConfig, block_hashes
 
 MAX_PENDING_DECISIONS = 4096
@@ -33,10 +38,14 @@ class PrefixAwareRouter(RequestRouter):
         self.policy = PrefixRoutingPolicy(RoutingConfig(**kwargs))
         self._in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
         self._routed: dict[str, tuple[list[int], Choice]] = {}  # internal request id -> its hashes and decision
+        self._subscriptions: set[str] = set()  # internal request ids of subscribe calls
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        subscription = _subscription(pending_request)
+        if subscription is not None:
+            return _pinned(candidate_replicas, subscription)
         if not candidate_replicas:
             return []
         if pending_request is not None:
@@ -54,6 +63,9 @@ class PrefixAwareRouter(RequestRouter):
         return [[by_id[choice.replica]], _two_random(others)] if others else [[by_id[choice.replica]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        if _subscription(pending_request) is not None:
+            self._subscriptions.add(pending_request.metadata.internal_request_id)
+            return
         self._in_flight[replica_id] += 1
         hashes, choice = self._routed.pop(pending_request.metadata.internal_request_id, ([], None))
         if choice is None:
@@ -66,6 +78,9 @@ class PrefixAwareRouter(RequestRouter):
         self.policy.routed(replica_id, hashes)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if internal_request_id in self._subscriptions:
+            self._subscriptions.discard(internal_request_id)
+            return
         if self._in_flight.get(replica_id, 0) > 0:
             self._in_flight[replica_id] -= 1
         self._routed.pop(internal_request_id, None)
@@ -88,6 +103,33 @@ class PrefixAwareRouter(RequestRouter):
                 ids = arg.prompt_token_ids
                 return block_hashes(ids, self.policy.config.block_size) if ids else []
         return []
+
+
+class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+    """Ray Serve's default router (power of two choices on queue length), with subscriptions pinned."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        subscription = _subscription(pending_request)
+        if subscription is not None:
+            return _pinned(candidate_replicas, subscription)
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+def _subscription(pending_request: PendingRequest | None) -> Subscribe | None:
+    if pending_request is None:
+        return None
+    return next(
+        (a for a in (*pending_request.args, *pending_request.kwargs.values()) if isinstance(a, Subscribe)), None
+    )
+
+
+def _pinned(candidates: list[RunningReplica], subscription: Subscribe) -> list[list[RunningReplica]]:
+    """The named replica, or no choice while it is not among the candidates (being replaced: the caller's requests
+    there fail, and it cancels the call)."""
+    chosen = [r for r in candidates if r.replica_id.unique_id == subscription.replica_id]
+    return [chosen] if chosen else []
 
 
 def _two_random(replicas: list[RunningReplica]) -> list[RunningReplica]:
