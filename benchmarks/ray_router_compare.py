@@ -30,6 +30,8 @@ CONFIGS = {  # name: (serve flags, description)
     "power-of-two": (["--replicas", "2", "--router", "power-of-two", "--num-threads", "1"], "Ray, 2 x 1 thread"),
     "one-engine": (["--num-threads", "2"], "plain server, 2 threads"),
     "ray-one-replica": (["--replicas", "1", "--num-threads", "2"], "Ray, 1 x 2 threads"),
+    "one-engine-1t": (["--num-threads", "1"], "plain server, 1 thread"),
+    "ray-one-replica-1t": (["--replicas", "1", "--num-threads", "1"], "Ray, 1 x 1 thread"),
     "ray-one-replica-proxy": (
         ["--replicas", "1", "--num-threads", "2", "--ray-proxy"],
         "Ray, 1 x 2 threads, HTTP via Ray's proxy",
@@ -75,9 +77,10 @@ def main() -> int:
         results[name] = {"setup": what, "summary": summary}
     table = format_table(results)
     print(table)
-    hop = _hop_cost(results)
-    if hop is not None:
-        print(f"Ray hop: one replica through Ray gives {hop:.1%} less output tok/s than the plain server")
+    for threads, hop in _hop_costs(results).items():
+        print(
+            f"Ray hop, {threads} engine thread(s): one replica through Ray gives {hop:.1%} less output tok/s than the plain server"
+        )
     (out_dir / "ray_router_compare.json").write_text(
         json.dumps({"args": vars(args), "machine": _machine(), "results": results, "table": table}, indent=1)
     )
@@ -211,12 +214,19 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _hop_cost(results: dict) -> float | None:
-    if "ray-one-replica" not in results or "one-engine" not in results:
-        return None
-    ray_tps = _get(results["ray-one-replica"]["summary"], "output_throughput")
-    plain_tps = _get(results["one-engine"]["summary"], "output_throughput")
-    return 1 - ray_tps / plain_tps if ray_tps and plain_tps else None
+def _hop_costs(results: dict) -> dict[str, float]:
+    """{threads: 1 - Ray's output tok/s / the plain server's}, for each pair of one replica and one engine run."""
+    costs = {}
+    for ray_name, plain_name, threads in (
+        ("ray-one-replica", "one-engine", "2"),
+        ("ray-one-replica-1t", "one-engine-1t", "1"),
+    ):
+        if ray_name in results and plain_name in results:
+            ray_tps = _get(results[ray_name]["summary"], "output_throughput")
+            plain_tps = _get(results[plain_name]["summary"], "output_throughput")
+            if ray_tps and plain_tps:
+                costs[threads] = 1 - ray_tps / plain_tps
+    return costs
 
 
 def _machine() -> dict:
