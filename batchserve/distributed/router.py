@@ -32,13 +32,8 @@ from batchserve.serving.routing import Choice, Decision, PrefixRoutingPolicy, Re
 MAX_PENDING_DECISIONS = 4096
 
 
-class PrefixAwareRouter(RequestRouter):
-    def initialize_state(self, **kwargs: Any) -> None:
-        """kwargs: RoutingConfig's fields (request_router_kwargs of the deployment's RequestRouterConfig)."""
-        self.policy = PrefixRoutingPolicy(RoutingConfig(**kwargs))
-        self._in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
-        self._routed: dict[str, tuple[list[int], Choice]] = {}  # internal request id -> its hashes and decision
-        self._subscriptions: set[str] = set()  # internal request ids of subscribe calls
+class PinsSubscriptions:
+    """Mixed into a RequestRouter: a subscribe call goes to the replica it names, any other to `choose_unpinned`."""
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -46,6 +41,25 @@ class PrefixAwareRouter(RequestRouter):
         subscription = _subscription(pending_request)
         if subscription is not None:
             return _pinned(candidate_replicas, subscription)
+        return await self.choose_unpinned(candidate_replicas, pending_request)
+
+    async def choose_unpinned(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        raise NotImplementedError
+
+
+class PrefixAwareRouter(PinsSubscriptions, RequestRouter):
+    def initialize_state(self, **kwargs: Any) -> None:
+        """kwargs: RoutingConfig's fields (request_router_kwargs of the deployment's RequestRouterConfig)."""
+        self.policy = PrefixRoutingPolicy(RoutingConfig(**kwargs))
+        self._in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
+        self._routed: dict[str, tuple[list[int], Choice]] = {}  # internal request id -> its hashes and decision
+        self._subscriptions: set[str] = set()  # internal request ids of subscribe calls
+
+    async def choose_unpinned(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         if pending_request is not None:
@@ -105,16 +119,13 @@ class PrefixAwareRouter(RequestRouter):
         return []
 
 
-class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
+class PowerOfTwoRouter(PinsSubscriptions, PowerOfTwoChoicesRequestRouter):
     """Ray Serve's default router (power of two choices on queue length), with subscriptions pinned."""
 
-    async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    async def choose_unpinned(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
-        subscription = _subscription(pending_request)
-        if subscription is not None:
-            return _pinned(candidate_replicas, subscription)
-        return await super().choose_replicas(candidate_replicas, pending_request)
+        return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
 
 
 def _subscription(pending_request: PendingRequest | None) -> Subscribe | None:

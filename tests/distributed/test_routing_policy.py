@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from batchserve.core.block_pool import BlockPool
 from batchserve.core.kv_cache_manager import KVCacheManager
 from batchserve.serving.routing import Decision, PrefixRoutingPolicy, ReplicaLoad, RoutingConfig, block_hashes
@@ -91,3 +93,34 @@ def test_a_remembered_hash_names_the_block_the_engine_caches():
     policy = _policy()
     policy.routed("a", block_hashes(first.prompt_token_ids, 4))
     assert policy.index.matched_blocks("a", block_hashes(second.prompt_token_ids, 4)) == hit.num_tokens // 4 == 2
+
+
+@pytest.mark.parametrize("router_name", ["PrefixAwareRouter", "PowerOfTwoRouter"])
+def test_both_ray_routers_send_a_subscription_to_the_replica_it_names(router_name):
+    """A subscribe call must reach the replica holding its caller's requests, whatever the router's policy."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from batchserve.distributed import router as routers
+    from batchserve.distributed.messages import Subscribe
+
+    deployment = DeploymentID("EngineReplica", "batchserve")
+    router = getattr(routers, router_name)(deployment_id=deployment, handle_source=DeploymentHandleSource.REPLICA)
+    if router_name == "PrefixAwareRouter":
+        router.initialize_state(block_size=16)
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=name)) for name in ("a", "b", "c")]
+
+    def pending(replica_id: str) -> PendingRequest:
+        metadata = RequestMetadata(request_id="s", internal_request_id=f"sub-{replica_id}")
+        return PendingRequest(args=[Subscribe("ingress-1", replica_id)], kwargs={}, metadata=metadata)
+
+    async def choose(replica_id: str):
+        return await router.choose_replicas(replicas, pending(replica_id))
+
+    for name in ("a", "b", "c", "b"):
+        ranks = asyncio.run(choose(name))
+        assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [[name]]
+    assert asyncio.run(choose("gone")) == []  # being replaced: no choice, the caller's timeout and errors end it
