@@ -157,6 +157,36 @@ def test_requests_sharing_a_prefix_land_on_the_same_replica(base_url):
     assert decisions - decisions_before >= 5
 
 
+def test_clients_leaving_mid_stream_free_their_engine_requests(ray_app):
+    """Streams dropped after their first chunk, beside streams read to the end, on the ingress's own port: every
+    engine request ends (aborted ones too), so the replicas hold no running request and no KV block afterwards."""
+    url = ray_app[2]
+
+    async def one(client: httpx.AsyncClient, i: int, leave: bool) -> str:
+        # a stream left behind would run for minutes: only its abort ends it within the wait below
+        max_tokens = 2000 if leave else 40
+        body = {"prompt": f"Tale {i}: the river", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if leave and line.startswith("data: "):
+                    return "left"  # closes the connection mid-stream
+            return "read"
+
+    async def load() -> list[str]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, i, leave=i % 2 == 0) for i in range(16)))
+
+    outcomes = asyncio.run(load())
+    assert outcomes.count("left") == 8 and outcomes.count("read") == 8
+
+    def drained():
+        running = _replica_metric(url, "batchserve:num_requests_running")
+        usage = _replica_metric(url, "batchserve:kv_cache_usage_perc")
+        return running and sum(running.values()) == 0 and sum(usage.values()) == 0
+
+    _wait_for(drained, 20, "the replicas to hold no request and no KV block")
+
+
 def test_a_killed_replica_loses_no_request_silently_and_the_app_recovers(base_url):
     import ray
 
