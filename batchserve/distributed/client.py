@@ -172,6 +172,8 @@ class RemoteEngineClient:
         if entry is None:
             return
         entry.stream.put(exc)
+        if entry.watch is not None and entry.watch is not asyncio.current_task():
+            entry.watch.cancel()  # the replica, if it is alive, drops the request (nobody would collect it)
         if entry.replica_id is not None and not self._on(entry.replica_id):
             task = self._subscriptions.get(entry.replica_id)
             if task is not None and task is not asyncio.current_task():
