@@ -47,11 +47,7 @@ class Outbox:
 
     def discard(self, request_id: str) -> None:
         """The request was aborted: whatever it still produces is not sent."""
-        self._streams.pop(request_id, None)
-        self._prompt_sent.discard(request_id)
-        ended = self._ended.pop(request_id, None)
-        if ended is not None and not ended.done():
-            ended.cancel()
+        self._end(request_id, aborted=True)
         self._wake.set()  # a subscriber waiting for it re-checks (and ends, if it was the last)
 
     def subscribe(self) -> int:
@@ -100,9 +96,9 @@ class Outbox:
                 self._end(request_id)
         return step if step.outputs or step.errors else None
 
-    def _end(self, request_id: str) -> None:
+    def _end(self, request_id: str, aborted: bool = False) -> None:
         self._streams.pop(request_id, None)
         self._prompt_sent.discard(request_id)
         ended = self._ended.pop(request_id, None)
         if ended is not None and not ended.done():
-            ended.set_result(None)
+            ended.cancel() if aborted else ended.set_result(None)
