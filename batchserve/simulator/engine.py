@@ -24,23 +24,20 @@ PLACEHOLDER_TOKEN = 0  # what the simulated model "samples"; never an EOS id of 
 class TimedRunner:
     """The runner the simulator gives the scheduler: a step costs what the profile predicts for its shape."""
 
-    def __init__(self, step_model: StepTimeModel, clock: VirtualClock, scheduler_lookup: dict[str, Request],
-                 num_kv_blocks: int, num_swap_blocks: int = 0) -> None:  # fmt: skip
-        self.step_model, self.clock, self.requests = step_model, clock, scheduler_lookup
+    def __init__(self, step_model: StepTimeModel, clock: VirtualClock, scheduler: Scheduler, num_kv_blocks: int,
+                 num_swap_blocks: int = 0) -> None:  # fmt: skip
+        self.step_model, self.clock, self.scheduler = step_model, clock, scheduler
         self.num_kv_blocks, self.num_swap_blocks = num_kv_blocks, num_swap_blocks
         self.last_timings = RunnerTimings()
         self.last_shape = StepShape()
         self.busy_s = 0.0
         self.recorded: list[SchedulerOutput] | None = None  # set to [] to keep every step's decisions (tests)
 
-    def _num_tokens(self, rid: str) -> int:
-        return self.requests[rid].num_tokens
-
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         sampled: list[str] = []
         if self.recorded is not None:
             self.recorded.append(out)
-        self.last_shape = shape_of(out, self._num_tokens, sampled)
+        self.last_shape = shape_of(out, self.scheduler, sampled)
         if not out.is_empty:
             seconds = self.step_model.predict(self.last_shape)
             self.last_timings = RunnerTimings(forward_s=seconds)
@@ -81,7 +78,7 @@ class SimEngine:
         limit = min(max_model_len, config.scheduler.max_model_len or max_model_len, num_kv_blocks * cache.block_size)
         self.max_model_len = limit
         self.scheduler = Scheduler(config.scheduler, kv, limit, clock=self.clock)
-        self.runner = TimedRunner(step_model, self.clock, self.scheduler.requests, num_kv_blocks, num_swap_blocks)
+        self.runner = TimedRunner(step_model, self.clock, self.scheduler, num_kv_blocks, num_swap_blocks)
         self.last_stats: SchedulerStats | None = None
         self.num_steps = 0
         self._live: dict[str, Request] = {}

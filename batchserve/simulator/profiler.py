@@ -33,6 +33,8 @@ from batchserve.simulator.step_model import KNOTS, fit_linear
 GRID = [(1, 32), (1, 256), (1, 1536), (2, 128), (2, 1024), (3, 512), (4, 64), (4, 1024), (8, 32), (8, 512), (16, 128),
         (16, 512), (32, 32), (32, 256), (48, 64), (64, 32)]  # fmt: skip
 DECODE_TOKENS = 16
+# (sequences, shared prefix tokens): decodes that read the same prefix blocks
+SHARED_GRID = [(8, 1024), (16, 512), (32, 512), (48, 256)]
 MAX_PREFILL_TOKENS = 16384  # per group: keeps the whole grid within a couple of minutes on a small CPU
 
 
@@ -48,7 +50,7 @@ class ShapeRecorder:
         return getattr(self.inner, name)
 
     def execute(self, out: Any) -> Any:
-        self.last_shape = shape_of(out, lambda rid: self.engine.scheduler.requests[rid].num_tokens)
+        self.last_shape = shape_of(out, self.engine.scheduler)
         return self.inner.execute(out)
 
 
@@ -96,7 +98,29 @@ def run_grid(engine: Any, grid: list[tuple[int, int]], seed: int = 0, progress: 
             print(f"  {seqs:>3} x {prompt_len:>5} tokens: {time.perf_counter() - started:6.2f} s", file=sys.stderr)
     for running in (2, 16):
         _time_joins(engine, rng, t, recorder, min(running, mbs), limit)
+    if engine.config.cache.enable_prefix_caching:
+        for seqs, prefix_len in SHARED_GRID:
+            _time_shared_decodes(engine, rng, t, recorder, min(seqs, mbs), min(prefix_len, limit - 64))
     return t
+
+
+def _time_shared_decodes(engine: Any, rng: random.Random, t: Timings, recorder: ShapeRecorder, seqs: int,
+                         prefix_len: int) -> None:  # fmt: skip
+    """Decodes behind one cached prefix (a shared system prompt): their attention reads the prefix's blocks once from
+    memory and then from cache, which the fit needs to tell from decodes that each read blocks of their own."""
+    from batchserve.sampling_params import SamplingParams
+
+    vocab = engine.limits.vocab_size
+    prefix = [rng.randrange(100, vocab) for _ in range(prefix_len)]
+    params = SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True, temperature=0.0)
+    engine.add_request(f"shared-{seqs}-{prefix_len}-first", prefix, params)
+    while engine.has_unfinished_requests():  # the prefix is computed and cached before the others arrive
+        t.step(engine, recorder)
+    for i in range(seqs):
+        ids = prefix + [rng.randrange(100, vocab) for _ in range(16)]
+        engine.add_request(f"shared-{seqs}-{prefix_len}-{i}", ids, params)
+    while engine.has_unfinished_requests():
+        t.step(engine, recorder)
 
 
 def _time_joins(engine: Any, rng: random.Random, t: Timings, recorder: ShapeRecorder, running: int, limit: int) -> None:
@@ -142,6 +166,9 @@ def refit(path: str, output: str, knots: tuple[int, ...] = KNOTS) -> Profile:
     if not rows:
         raise ValueError(f"{path} recorded no steps")
     shapes = [StepShape(**dict(zip(fields[:-1], r[:-1], strict=True))) for r in rows]
+    if "decode_ctx_distinct" not in fields:  # recorded before it was: counted as read from memory, every position
+        for s in shapes:
+            s.decode_ctx_distinct = s.decode_ctx
     profile.step_model, fit = fit_linear(shapes, [r[-1] for r in rows], knots)
     profile.fit = fit.to_dict()
     profile.save(output)
@@ -155,6 +182,7 @@ def report(profile: Profile, path: Any) -> None:
     pieces = f" ({', '.join(f'{1e6 * slope:.2f} past {k}' for k, slope in past)})" if past else ""
     print(f"step time = {1e3 * c['steps']:.3f} ms + {1e6 * first:.2f} us/token{pieces} + {1e6 * c['seqs']:.2f} us/seq "
           f"+ {1e6 * c['samples']:.2f} us/sampled row + {1e9 * c['decode_ctx']:.2f} ns/decode K/V position "
+          f"+ {1e9 * c.get('decode_ctx_distinct', 0.0):.2f} ns/decode K/V position no other decode read "
           f"+ {1e12 * c['prefill_pairs']:.2f} ps/prefill query-key pair "
           f"+ {1e6 * c.get('prefill_seqs', 0.0):.2f} us/prefill chunk + {1e6 * c.get('mixed', 0.0):.2f} us/mixed step")  # fmt: skip
     print(f"fit on {fit['num_steps']} steps; held-out error (5-fold): mean {100 * fit['mape']:.1f}%, p90 "

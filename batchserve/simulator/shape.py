@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from batchserve.core.outputs import SchedulerOutput
+from batchserve.core.scheduler import Scheduler
 
-FEATURES = ("steps", "tokens", "seqs", "samples", "decode_ctx", "prefill_pairs", "prefill_seqs", "mixed")
+FEATURES = (
+    "steps", "tokens", "seqs", "samples", "decode_ctx", "prefill_pairs", "prefill_seqs", "mixed", "decode_ctx_distinct"
+)  # fmt: skip
 
 
 @dataclass
@@ -22,6 +24,9 @@ class StepShape:
     prefill_ctx: int = 0  # K/V positions read by prefill chunks (their context before the chunk plus the chunk)
     swapped_blocks: int = 0  # blocks copied between the device and the host pool
     prefill_seqs: int = 0  # sequences with a prefill chunk (attention's per-sequence set-up, one SDPA call per layer)
+    # K/V positions read by decode rows in blocks no other decode row of the step read before: a prefix block shared
+    # by many decodes comes from memory once and from cache after, so the first read costs more than the others
+    decode_ctx_distinct: int = 0
 
     def features(self) -> list[float]:
         """The regressors of the linear model, in FEATURES order (`steps` is the constant term)."""
@@ -35,6 +40,7 @@ class StepShape:
             self.prefill_pairs,
             self.prefill_seqs,
             mixed,
+            self.decode_ctx_distinct,
         ]
 
     @property
@@ -49,12 +55,16 @@ class StepShape:
         return asdict(self)
 
 
-def shape_of(out: SchedulerOutput, num_tokens: Callable[[str], int], sampled: list[str] | None = None) -> StepShape:
-    """`num_tokens(req_id)`: the request's known tokens (prompt + generated) when the step was scheduled, which decides
-    whether the runner samples for it; the ids it samples for are appended to `sampled` (batch order)."""
+def shape_of(out: SchedulerOutput, scheduler: Scheduler, sampled: list[str] | None = None) -> StepShape:
+    """The shape of the step `scheduler` just scheduled as `out` (before its update: each request's known tokens
+    decide whether the runner samples for it, its blocks which K/V a decode reads); the ids the runner samples for are
+    appended to `sampled` (batch order)."""
     start = {n.req_id: n.num_computed_tokens for n in out.new_requests}
     start.update({c.req_id: c.num_computed_tokens for c in out.cached_requests})
     s = StepShape(swapped_blocks=len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out))
+    requests, kv = scheduler.requests, scheduler.kv
+    decode_blocks: set[int] = set()
+    decode_block_reads = 0
     for rid, n in out.num_scheduled_tokens.items():
         c = start[rid]
         s.tokens += n
@@ -64,12 +74,17 @@ def shape_of(out: SchedulerOutput, num_tokens: Callable[[str], int], sampled: li
             continue
         if n == 1:
             s.decode_ctx += c + 1
+            read = kv.block_ids(requests[rid])[: c // kv.block_size + 1]
+            decode_block_reads += len(read)
+            decode_blocks.update(read)
         else:
             s.prefill_pairs += n * c + n * (n + 1) // 2
             s.prefill_ctx += c + n
             s.prefill_seqs += 1
-        if c + n == num_tokens(rid):
+        if c + n == requests[rid].num_tokens:
             s.samples += 1
             if sampled is not None:
                 sampled.append(rid)
+    # a block read by several decodes is a full prefix block (only full blocks are shared)
+    s.decode_ctx_distinct = s.decode_ctx - (decode_block_reads - len(decode_blocks)) * kv.block_size
     return s

@@ -38,7 +38,7 @@ def test_piecewise_model_reproduces_a_hand_computed_step_time():
 def test_old_profiles_load_and_predict_exactly_as_before(path):
     profile = Profile.load(path)
     model, coefficients = profile.step_model, profile.step_model.coefficients
-    assert model.knots == () and set(coefficients) == set(FEATURES) - {"prefill_seqs", "mixed"}  # features added since
+    assert model.knots == () and set(coefficients) == set(FEATURES) - {"prefill_seqs", "mixed", "decode_ctx_distinct"}  # added since
     fields = profile.notes["step_fields"][:-1]
     for row in profile.notes["steps"]:
         shape = StepShape(**dict(zip(fields, row, strict=False)))
