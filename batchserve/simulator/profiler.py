@@ -184,7 +184,8 @@ def report(profile: Profile, path: Any) -> None:
           f"+ {1e6 * c['samples']:.2f} us/sampled row + {1e9 * c['decode_ctx']:.2f} ns/decode K/V position "
           f"+ {1e9 * c.get('decode_ctx_distinct', 0.0):.2f} ns/decode K/V position no other decode read "
           f"+ {1e12 * c['prefill_pairs']:.2f} ps/prefill query-key pair "
-          f"+ {1e6 * c.get('prefill_seqs', 0.0):.2f} us/prefill chunk + {1e6 * c.get('mixed', 0.0):.2f} us/mixed step")  # fmt: skip
+          f"+ {1e6 * c.get('prefill_seqs', 0.0):.2f} us/prefill chunk + {1e6 * c.get('mixed', 0.0):.2f} us/mixed step "
+          f"+ {1e6 * c.get('multi_row', 0.0):.2f} us/step of more than one row")  # fmt: skip
     print(f"fit on {fit['num_steps']} steps; held-out error (5-fold): mean {100 * fit['mape']:.1f}%, p90 "
           f"{100 * fit['p90_ape']:.1f}%, sum {100 * fit['total_error']:+.1f}%, R^2 {fit['r2']:.3f}; wrote {path}")  # fmt: skip
     groups = {**fit["by_kind"], **{f"decode of {k} seqs": e for k, e in fit.get("decode_by_seqs", {}).items()}}

@@ -8,7 +8,8 @@ from batchserve.core.outputs import SchedulerOutput
 from batchserve.core.scheduler import Scheduler
 
 FEATURES = (
-    "steps", "tokens", "seqs", "samples", "decode_ctx", "prefill_pairs", "prefill_seqs", "mixed", "decode_ctx_distinct"
+    "steps", "tokens", "seqs", "samples", "decode_ctx", "prefill_pairs", "prefill_seqs", "mixed", "decode_ctx_distinct",
+    "multi_row",
 )  # fmt: skip
 
 
@@ -31,6 +32,9 @@ class StepShape:
     def features(self) -> list[float]:
         """The regressors of the linear model, in FEATURES order (`steps` is the constant term)."""
         mixed = float(self.kind == "mixed")  # both attention paths run, their outputs merged, in every layer
+        # a one-row step's projections are matrix-vector products, which stream the weights at the memory's rate; two
+        # rows or more take the GEMM kernels, which on some CPUs cost a step more even at two rows (float32 on AVX2)
+        multi_row = float(self.tokens > 1)
         return [
             1.0,
             self.tokens,
@@ -41,6 +45,7 @@ class StepShape:
             self.prefill_seqs,
             mixed,
             self.decode_ctx_distinct,
+            multi_row,
         ]
 
     @property
