@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from batchserve.core.block_pool import KVBlock
 from batchserve.core.outputs import SchedulerOutput
 from batchserve.core.scheduler import Scheduler
 
@@ -68,7 +69,8 @@ def shape_of(out: SchedulerOutput, scheduler: Scheduler, sampled: list[str] | No
     start.update({c.req_id: c.num_computed_tokens for c in out.cached_requests})
     s = StepShape(swapped_blocks=len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out))
     requests, kv = scheduler.requests, scheduler.kv
-    decode_blocks: set[int] = set()
+    shared = kv.pool.enable_caching  # without the prefix cache no two sequences hold the same block
+    decode_blocks: set[KVBlock] = set()  # by identity: one physical block each
     decode_block_reads = 0
     for rid, n in out.num_scheduled_tokens.items():
         c = start[rid]
@@ -79,9 +81,10 @@ def shape_of(out: SchedulerOutput, scheduler: Scheduler, sampled: list[str] | No
             continue
         if n == 1:
             s.decode_ctx += c + 1
-            read = kv.block_ids(requests[rid])[: c // kv.block_size + 1]
-            decode_block_reads += len(read)
-            decode_blocks.update(read)
+            if shared:
+                read = kv.blocks_of(requests[rid])[: c // kv.block_size + 1]
+                decode_block_reads += len(read)
+                decode_blocks.update(read)
         else:
             s.prefill_pairs += n * c + n * (n + 1) // 2
             s.prefill_ctx += c + n

@@ -16,13 +16,14 @@ from tests.simulator.helpers import STEP_MODEL
 
 def test_fit_recovers_known_coefficients_and_reports_held_out_error():
     rng = random.Random(0)
-    truth = LinearStepModel({**STEP_MODEL.coefficients, "prefill_seqs": 2e-3, "mixed": 3e-3, "decode_ctx_distinct": 5e-7})
+    truth = LinearStepModel({**STEP_MODEL.coefficients, "prefill_seqs": 2e-3, "mixed": 3e-3, "decode_ctx_distinct": 5e-7,
+                             "multi_row": 4e-3})  # fmt: skip
     shapes, seconds = [], []
     for i in range(400):
-        seqs = rng.randint(1, 64) if i % 8 else 0  # every eighth a prefill-only step (if it has a chunk)
+        seqs = (1 if i % 7 == 1 else rng.randint(2, 64)) if i % 8 else 0  # one-row steps; every eighth a prefill-only one
         prefill = rng.choice([0, 0, rng.randint(16, 2048)]) if seqs else rng.randint(16, 2048)
         chunks = rng.randint(1, 3) if prefill else 0
-        ctx = rng.randint(seqs, 64 * 1024) if seqs else 0
+        ctx = rng.randint(seqs, 16 * 1024) if seqs else 0
         distinct = rng.randint(seqs, ctx) if seqs else 0  # behind shared blocks, some of them
         s = StepShape(tokens=seqs + prefill, seqs=seqs + chunks, samples=rng.randint(0, seqs), decode_ctx=ctx,
                       prefill_pairs=prefill * prefill // 2, prefill_seqs=chunks, decode_ctx_distinct=distinct)  # fmt: skip

@@ -22,13 +22,15 @@ PROFILES = [
 
 def test_piecewise_model_reproduces_a_hand_computed_step_time():
     coefficients = {"steps": 0.02, "tokens": 1e-5, "seqs": 1e-4, "samples": 0.0, "decode_ctx": 2e-6,
-                    "prefill_pairs": 1e-9, "tokens>8": 1e-3, "tokens>32": 5e-4}  # fmt: skip
+                    "prefill_pairs": 1e-9, "tokens>8": 1e-3, "tokens>32": 5e-4, "multi_row": 4e-3}  # fmt: skip
     model = LinearStepModel(coefficients, knots=(8, 32))
     mixed = StepShape(tokens=40, seqs=3, samples=3, decode_ctx=1000, prefill_pairs=10_000)
-    # 20 ms + 40 x 10 us + 3 x 100 us + 1000 x 2 us + 10^4 x 1 ns + (40 - 8) x 1 ms + (40 - 32) x 0.5 ms
-    assert model.predict(mixed) == pytest.approx(0.02 + 0.0004 + 0.0003 + 0.002 + 0.00001 + 0.032 + 0.004)
+    # 20 ms + 40 x 10 us + 3 x 100 us + 1000 x 2 us + 10^4 x 1 ns + (40 - 8) x 1 ms + (40 - 32) x 0.5 ms + 4 ms
+    assert model.predict(mixed) == pytest.approx(0.02 + 0.0004 + 0.0003 + 0.002 + 0.00001 + 0.032 + 0.004 + 0.004)
     decode = StepShape(tokens=4, seqs=4, samples=4, decode_ctx=100)  # below the first knot: no extra cost
-    assert model.predict(decode) == pytest.approx(0.02 + 4e-5 + 4e-4 + 2e-4)
+    assert model.predict(decode) == pytest.approx(0.02 + 4e-5 + 4e-4 + 2e-4 + 0.004)
+    one_row = StepShape(tokens=1, seqs=1, samples=1, decode_ctx=100)  # a matrix-vector step: no multi-row cost
+    assert model.predict(one_row) == pytest.approx(0.02 + 1e-5 + 1e-4 + 2e-4)
     assert model.token_slopes() == [(0, 1e-5), (8, pytest.approx(1.01e-3)), (32, pytest.approx(1.51e-3))]
     back = model_from_dict(model.to_dict())
     assert back.knots == (8, 32) and back.predict(mixed) == model.predict(mixed)
@@ -38,7 +40,8 @@ def test_piecewise_model_reproduces_a_hand_computed_step_time():
 def test_old_profiles_load_and_predict_exactly_as_before(path):
     profile = Profile.load(path)
     model, coefficients = profile.step_model, profile.step_model.coefficients
-    assert model.knots == () and set(coefficients) == set(FEATURES) - {"prefill_seqs", "mixed", "decode_ctx_distinct"}  # added since
+    added_since = {"prefill_seqs", "mixed", "decode_ctx_distinct", "multi_row"}
+    assert model.knots == () and set(coefficients) == set(FEATURES) - added_since
     fields = profile.notes["step_fields"][:-1]
     for row in profile.notes["steps"]:
         shape = StepShape(**dict(zip(fields, row, strict=False)))
