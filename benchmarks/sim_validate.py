@@ -10,6 +10,10 @@ configuration's capacity (all requests at once): --load-factors of it (default 0
 flags and seed, then reads both summary.json files: the comparison is what any script can do with the two commands.
 Targets: throughput and TTFT/TPOT p50 within 10%, p99 within 20%.
 
+--calibrate: a shared or throttled host's speed drifts (10-30% between minutes were seen), and a profile predicts
+the minute it was taken in. Before each real run the script times a few steps (`batchserve profile --check`) and
+predicts at that minute's speed (`simulate --time-scale`), recording the prediction at the profile's speed beside it.
+
 --measured FILE (a validation.json this script wrote) runs only the simulator, at that file's points and rates, and
 compares with the real runs it recorded: a new profile or step model checked in seconds, without the real engine.
 Each row records the flags its point ran with; files older than that get this command line's flags (pass the
@@ -63,11 +67,37 @@ def point_argv(args: argparse.Namespace, workload: str, config: str) -> list[str
 
 
 def predicted_row(args: argparse.Namespace, out: Path, row: dict) -> dict:
-    """`row` (its point and measured numbers) with the simulator's prediction for the point."""
+    """`row` (its point and measured numbers) with the simulator's prediction for the point; where the host's speed
+    was checked before the point (--calibrate), `predicted` is at that speed and `predicted_raw` at the profile's."""
     argv = row.get("argv") or [*point_argv(args, row["workload"], row["config"]), "--request-rate", str(row["rate"])]
     point_dir = out / "sim" / f"{row['workload']}-{row['config']}-{row['rate']}"  # simulations take under a second
-    predicted = summary(simulate_main, [*argv, "--profile", args.profile], point_dir)
-    return {**row, "argv": argv, "predicted": {m: get(predicted, path) for m, path, _ in METRICS}}
+
+    def predict(scale: float) -> dict:
+        s = summary(simulate_main, [*argv, "--profile", args.profile, "--time-scale", str(scale)], point_dir)
+        return {m: get(s, path) for m, path, _ in METRICS}
+
+    scale = row.get("time_scale", 1.0)
+    extra = {"predicted_raw": predict(1.0)} if scale != 1.0 else {}
+    return {**row, "argv": argv, "predicted": predict(scale), **extra}
+
+
+def check_speed(args: argparse.Namespace) -> float:
+    """The host's speed now against the profile's (batchserve profile --check): a few seconds of real steps."""
+    import gc
+
+    from batchserve.engine.llm_engine import LLMEngine
+    from batchserve.entrypoints.engine_args import engine_config_from_args
+    from batchserve.simulator.profile_file import Profile
+    from batchserve.simulator.profiler import build_parser, speed_factor
+    from batchserve.worker.device import configure_torch
+
+    config = engine_config_from_args(build_parser().parse_args([*args.engine_flags.split(), "--num-kv-blocks", "256"]))
+    configure_torch(config.num_threads, config.seed)
+    engine = LLMEngine(config)
+    factor, _ = speed_factor(engine, Profile.load(args.profile), config.seed)
+    del engine
+    gc.collect()
+    return round(factor, 4)
 
 
 def measured_rows(args: argparse.Namespace, out: Path):
@@ -79,10 +109,11 @@ def measured_rows(args: argparse.Namespace, out: Path):
             for factor in (float(f) for f in args.load_factors.split(",")):
                 rate = round(cap * factor, 2)
                 argv = [*base, "--request-rate", str(rate)]
+                scale = {"time_scale": check_speed(args)} if args.calibrate else {}
                 started = time.perf_counter()
                 measured = summary(bench_main, [*argv, "--offline"], out / "real")
                 yield {"workload": workload, "config": name, "rate": rate, "load": factor, "argv": argv,
-                       "real_s": time.perf_counter() - started,
+                       "real_s": time.perf_counter() - started, **scale,
                        "measured": {m: get(measured, path) for m, path, _ in METRICS}}  # fmt: skip
 
 
@@ -98,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default="bench_results/sim-validation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-flags", default="", help="more flags for both commands, e.g. '--num-threads 1'")
+    p.add_argument("--calibrate", action="store_true",
+                   help="before each real run, time a few steps (batchserve profile --check) and predict at the "
+                        "host's speed of that minute (--time-scale); both predictions are recorded")  # fmt: skip
     args = p.parse_args(argv)
     out = Path(args.out_dir)
     points = json.loads(Path(args.measured).read_text()) if args.measured else measured_rows(args, out)
@@ -107,23 +141,28 @@ def main(argv: list[str] | None = None) -> int:
         print(format_row(rows[-1]), flush=True)
         (out / ("resimulated.json" if args.measured else "validation.json")).write_text(json.dumps(rows, indent=2))
     print("\n" + table(rows))
+    if any("predicted_raw" in r for r in rows):
+        print("\nAt the profile's speed (no --time-scale):\n" + table(rows, "predicted_raw"))
     return 0
 
 
 def format_row(row: dict) -> str:
     cells = [f"{m} {row['measured'][m]:.1f}/{row['predicted'][m]:.1f}" for m, _, _ in METRICS]
-    return f"{row['workload']} {row['config']} @ {row['rate']} req/s ({row['real_s']:.0f} s): " + ", ".join(cells)
+    scale = f", host at {row['time_scale']:.3f}x the profile's step times" if "time_scale" in row else ""
+    return f"{row['workload']} {row['config']} @ {row['rate']} req/s ({row['real_s']:.0f} s{scale}): " + ", ".join(cells)
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], predicted: str = "predicted") -> str:
     """Markdown: measured | predicted | error for each metric, a mark where the error is over its target."""
-    head = "| workload | config | rate (req/s) | " + " | ".join(f"{m} meas / pred (err)" for m, _, _ in METRICS) + " |"
-    lines = [head, "|" + "---|" * (3 + len(METRICS))]
+    scaled = predicted == "predicted" and any("time_scale" in r for r in rows)
+    head = ("| workload | config | rate (req/s) | " + "time scale | " * scaled
+            + " | ".join(f"{m} meas / pred (err)" for m, _, _ in METRICS) + " |")  # fmt: skip
+    lines = [head, "|" + "---|" * (3 + scaled + len(METRICS))]
     within = total = 0
     for r in rows:
-        cells = []
+        cells = [f"{r.get('time_scale', 1.0):.3f}"] if scaled else []
         for m, _, tol in METRICS:
-            a, b = r["measured"][m], r["predicted"][m]
+            a, b = r["measured"][m], r[predicted][m]
             err = (b - a) / a if a else float("nan")
             ok = abs(err) <= tol
             within, total = within + ok, total + 1

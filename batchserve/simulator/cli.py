@@ -28,6 +28,7 @@ from batchserve.simulator.analytic import DEVICES, MODEL_SHAPES, analytic_profil
 from batchserve.simulator.build import make_cluster
 from batchserve.simulator.profile_file import Profile
 from batchserve.simulator.router import ROUTERS
+from batchserve.simulator.step_model import ScaledStepModel
 from batchserve.simulator.tokens import workload_tokenizer
 from batchserve.simulator.trace_file import load_trace
 
@@ -41,6 +42,9 @@ def add_simulator_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-shapes", default="smollm2-135m",
                    help=f"with --device-preset: a Llama-family config.json (file or directory), a .gguf file, or one of "
                         f"{', '.join(sorted(MODEL_SHAPES))} (default: smollm2-135m)")  # fmt: skip
+    g.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                   help="multiply every step time by X: 1.1 for a host running 10%% slower than when it was "
+                        "profiled (batchserve profile --check PROFILE measures X), 0.5 for one twice as fast")  # fmt: skip
     g.add_argument("--replicas", type=int, default=1, help="engine replicas behind the router (default: 1)")
     g.add_argument("--router", choices=ROUTERS, default="round-robin", help="how requests pick a replica")
     g.add_argument("--trace", help="arrivals and lengths from a JSONL file (arrival_s, input_len, output_len)")
@@ -64,11 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_profile(args: argparse.Namespace, config: EngineConfig) -> Profile:
     if args.profile:
-        return Profile.load(args.profile)
-    if args.device_preset:
+        profile = Profile.load(args.profile)
+    elif args.device_preset:
         dtype = config.dtype if config.dtype != "auto" else "bfloat16"
-        return analytic_profile(args.model_shapes, args.device_preset, dtype)
-    raise ValueError("give --profile FILE (batchserve profile) or --device-preset NAME (an analytic estimate)")
+        profile = analytic_profile(args.model_shapes, args.device_preset, dtype)
+    else:
+        raise ValueError("give --profile FILE (batchserve profile) or --device-preset NAME (an analytic estimate)")
+    scale = getattr(args, "time_scale", 1.0)
+    if not scale > 0:
+        raise ValueError(f"--time-scale must be > 0 (got {scale})")
+    if scale != 1.0:
+        profile.step_model = ScaledStepModel(profile.step_model, scale)
+    return profile
 
 
 def simulate_runs(args: argparse.Namespace, config: EngineConfig, profile: Profile, tokenizer: Any = None,

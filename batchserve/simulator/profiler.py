@@ -77,13 +77,18 @@ def _add(engine: Any, rng: random.Random, n: int, prompt_len: int, max_tokens: i
         engine.add_request(f"{tag}-{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
 
 
-def run_grid(engine: Any, grid: list[tuple[int, int]], seed: int = 0, progress: bool = True) -> Timings:
-    recorder = ShapeRecorder(engine)
+def run_grid(engine: Any, grid: list[tuple[int, int]], seed: int = 0, progress: bool = True,
+             mixed: bool = True) -> Timings:  # fmt: skip
+    """Time every step of the grid's groups (and with `mixed`, of prompts joining decodes and of decodes behind a
+    shared prefix), after an untimed warm-up."""
+    recorder = ShapeRecorder(engine) if not isinstance(engine.runner, ShapeRecorder) else engine.runner
     engine.runner = recorder
     rng, t = random.Random(seed), Timings()
     mbs = engine.config.scheduler.max_batch_size
     limit = engine.limits.max_input_len
-    _add(engine, rng, min(4, mbs), 64, 4, "warmup")  # first steps pay one-time costs (packing, allocation)
+    # the first steps pay one-time costs (packing, allocation), and the first seconds of a new process run slower
+    # than the rest on some hosts (a first group timed 20% slow once repeated): one short group untimed
+    _add(engine, rng, min(4, mbs), 64, DECODE_TOKENS, "warmup")
     while engine.has_unfinished_requests():
         t.step(engine, recorder, keep=False)
     for g, (seqs, prompt_len) in enumerate(grid):
@@ -96,6 +101,8 @@ def run_grid(engine: Any, grid: list[tuple[int, int]], seed: int = 0, progress: 
             t.step(engine, recorder)
         if progress:
             print(f"  {seqs:>3} x {prompt_len:>5} tokens: {time.perf_counter() - started:6.2f} s", file=sys.stderr)
+    if not mixed:
+        return t
     for running in (2, 16):
         _time_joins(engine, rng, t, recorder, min(running, mbs), limit)
     if engine.config.cache.enable_prefix_caching:
@@ -142,12 +149,27 @@ def _time_joins(engine: Any, rng: random.Random, t: Timings, recorder: ShapeReco
         t.step(engine, recorder)
 
 
+# The speed check's groups: decodes of 1 and 8 sequences and their prompts, a few seconds on a small CPU
+CHECK_GRID = [(1, 64), (8, 64), (1, 64)]
+
+
+def speed_factor(engine: Any, profile: Profile, seed: int = 0) -> tuple[float, Timings]:
+    """How many times as long as `profile` predicts this engine's steps take now (measured / predicted over the
+    check's steps): a profile taken on a host that has since slowed down or sped up predicts by this factor off."""
+    timings = run_grid(engine, CHECK_GRID, seed, progress=False, mixed=False)
+    predicted = sum(profile.step_model.predict(s) for s in timings.shapes)
+    return sum(timings.seconds) / predicted, timings
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="batchserve profile", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--output", default="step_profile.json", help="where the profile goes (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no line per grid point")
     p.add_argument("--refit", metavar="PROFILE", help="refit the steps a profile recorded (no model is loaded)")
+    p.add_argument("--check", metavar="PROFILE",
+                   help="time a few steps now and say how far this host's speed is from the profile's (the factor "
+                        "for simulate --time-scale); engine flags as for the profile")  # fmt: skip
     p.add_argument("--knots", type=parse_knots, default=",".join(map(str, KNOTS)), metavar="K,K,...",
                    help="token counts where the time per token may change (default: %(default)s; '' for the plain "
                         "linear model)")  # fmt: skip
@@ -210,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_torch(config.num_threads, config.seed)
     engine = LLMEngine(config)
+    if args.check:
+        factor, timings = speed_factor(engine, Profile.load(args.check), config.seed)
+        print(f"steps take {factor:.3f}x the time {args.check} predicts ({len(timings.seconds)} steps, "
+              f"{sum(timings.seconds):.2f} s): simulate --time-scale {factor:.3f}")  # fmt: skip
+        return 0
     runner, dtype = engine.runner, str(engine.runner.dtype).removeprefix("torch.")
     import torch
 

@@ -212,7 +212,29 @@ class RooflineStepModel:
         return {k: v for k, v in vars(self).items()}
 
 
+@dataclass
+class ScaledStepModel:
+    """Another model's step times x `factor`: the host runs `factor` times as slow as when the profile was taken (a
+    shared or throttled machine drifts by 10-30% between minutes; `batchserve profile --check` measures it)."""
+
+    inner: StepTimeModel
+    factor: float
+
+    @property
+    def kind(self) -> str:
+        return self.inner.kind
+
+    def predict(self, shape: StepShape) -> float:
+        return self.inner.predict(shape) * self.factor
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.inner.to_dict(), "time_scale": self.factor}
+
+
 def model_from_dict(d: dict[str, Any]) -> StepTimeModel:
+    if "time_scale" in d:
+        inner = model_from_dict({k: v for k, v in d.items() if k != "time_scale"})
+        return ScaledStepModel(inner, float(d["time_scale"]))
     kind = d.get("kind")
     if kind == "linear":
         return LinearStepModel(dict(d["coefficients"]), tuple(d.get("knots", ())))
