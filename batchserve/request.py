@@ -54,7 +54,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prompt_tokens + self.num_output_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids)  # the scheduler's hottest read: no inner calls
 
     @property
     def all_token_ids(self) -> list[int]:

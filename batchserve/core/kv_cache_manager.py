@@ -81,6 +81,11 @@ class KVCacheManager:
 
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
         """Room for num_new_tokens more tokens (after taking the hit blocks). None, changing nothing, if it can't."""
+        held = self.req_blocks.get(request.request_id)
+        end = request.num_computed_tokens + num_new_tokens
+        if held is not None and hit is None and end <= len(held) * self.block_size:  # most decodes: room already held
+            self._register_full_blocks(request, end)
+            return []
         if self.blocks_needed(request, num_new_tokens, hit) > self.pool.num_free_blocks:
             return None
         blocks = self.req_blocks.setdefault(request.request_id, [])

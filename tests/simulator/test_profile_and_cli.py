@@ -268,3 +268,50 @@ def test_sim_validate_measured_resimulates_recorded_points(tmp_path, tokenizer, 
     assert row["measured"] == measured and row["argv"] == argv
     assert row["predicted"]["out tok/s"] > 0 and set(row["predicted"]) == set(measured)
     assert "of 5 cells within target" in capsys.readouterr().out
+
+
+def test_time_scale_stretches_every_step_and_round_trips(tmp_path, tokenizer, capsys):
+    """--time-scale 2: the same schedule (all requests at once), every step twice as long: the mean step, TTFT and
+    TPOT double and the throughput halves; the profile's label says so."""
+    from batchserve.simulator.cli import main
+    from batchserve.simulator.step_model import ScaledStepModel, model_from_dict
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    Profile("measured", STEP_MODEL, "tiny", "float32", 1024, 1024 * 16 * 512, 4096).save(tmp_path / "p.json")
+    runs = {}
+    for scale in ("1", "2"):
+        out = tmp_path / f"out{scale}"
+        argv = ["--profile", str(tmp_path / "p.json"), "--tokenizer", str(tmp_path / "tok"), "--workload", "uniform",
+                "--num-requests", "24", "--max-batch-size", "8", "--output-dir", str(out), "--no-plots",
+                "--time-scale", scale]  # fmt: skip
+        assert main(argv) == 0
+        (path,) = out.glob("uniform-sim-*/summary.json")
+        runs[scale] = json.loads(path.read_text())["runs"]["max_utilization"]
+    assert "step times x 2" in capsys.readouterr().out
+    one, two = runs["1"], runs["2"]
+    assert two["mean_step_ms"] == pytest.approx(2 * one["mean_step_ms"])
+    assert two["ttft_ms"]["p50"] == pytest.approx(2 * one["ttft_ms"]["p50"])
+    assert two["tpot_ms"]["p50"] == pytest.approx(2 * one["tpot_ms"]["p50"])
+    assert two["output_throughput"] == pytest.approx(one["output_throughput"] / 2)
+    scaled = ScaledStepModel(STEP_MODEL, 1.25)
+    back = model_from_dict(scaled.to_dict())
+    shape = StepShape(tokens=70, seqs=8, samples=8, decode_ctx=4000, prefill_pairs=2000)
+    assert back.predict(shape) == pytest.approx(1.25 * STEP_MODEL.predict(shape)) and back.kind == "linear"
+    assert main(["--profile", str(tmp_path / "p.json"), "--time-scale", "0", "--no-save-result"]) == 2
+
+
+def test_speed_check_is_measured_over_predicted_on_the_check_grid(make_engine):
+    """profile --check times the check's groups on the real engine (here over the FakeRunner): decodes of 1 and 8
+    sequences and their prompts; the factor is their measured time over the profile's prediction for the same
+    steps."""
+    from batchserve.simulator.profiler import speed_factor
+
+    profile = Profile("measured", STEP_MODEL, "tiny", "float32", 1024, 1024 * 16 * 512, 4096)
+    engine = make_engine(max_batch_size=8, num_kv_blocks=256, max_model_len=512)
+    factor, timings = speed_factor(engine, profile)
+    predicted = sum(STEP_MODEL.predict(s) for s in timings.shapes)
+    assert factor == pytest.approx(sum(timings.seconds) / predicted)
+    decodes = {s.seqs for s in timings.shapes if s.kind == "decode"}
+    assert decodes == {1, 8} and any(s.kind == "prefill" for s in timings.shapes)
+    assert len(timings.shapes) >= 2 * 16 + 2  # two one-sequence groups and one of eight, 16 decode steps each
+    assert not engine.has_unfinished_requests()
