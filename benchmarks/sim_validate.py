@@ -72,8 +72,9 @@ def predicted_row(args: argparse.Namespace, out: Path, row: dict) -> dict:
     argv = row.get("argv") or [*point_argv(args, row["workload"], row["config"]), "--request-rate", str(row["rate"])]
     point_dir = out / "sim" / f"{row['workload']}-{row['config']}-{row['rate']}"  # simulations take under a second
 
-    def predict(scale: float) -> dict:
-        s = summary(simulate_main, [*argv, "--profile", args.profile, "--time-scale", str(scale)], point_dir)
+    def predict(scale: float) -> dict:  # one folder each: two runs within a second would share a timestamped one
+        where = point_dir / f"x{scale:g}"
+        s = summary(simulate_main, [*argv, "--profile", args.profile, "--time-scale", str(scale)], where)
         return {m: get(s, path) for m, path, _ in METRICS}
 
     scale = row.get("time_scale", 1.0)
@@ -100,13 +101,16 @@ def check_speed(args: argparse.Namespace) -> float:
     return round(factor, 4)
 
 
-def measured_rows(args: argparse.Namespace, out: Path):
-    """Each point's rate from the simulated capacity, and the real engine's run at that rate."""
+def measured_rows(args: argparse.Namespace, out: Path, done: set[tuple[str, str, float]]):
+    """Each point's rate from the simulated capacity, and the real engine's run at that rate (but the `done` ones:
+    (workload, config, load factor))."""
     for workload in args.workloads.split(","):
         for name in args.configs.split(","):
             base = point_argv(args, workload, name)
             cap = summary(simulate_main, [*base, "--profile", args.profile], out / "capacity")["request_throughput"]
             for factor in (float(f) for f in args.load_factors.split(",")):
+                if (workload, name, factor) in done:
+                    continue
                 rate = round(cap * factor, 2)
                 argv = [*base, "--request-rate", str(rate)]
                 scale = {"time_scale": check_speed(args)} if args.calibrate else {}
@@ -129,13 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default="bench_results/sim-validation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-flags", default="", help="more flags for both commands, e.g. '--num-threads 1'")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the points OUT_DIR/validation.json holds and run only the others")
     p.add_argument("--calibrate", action="store_true",
                    help="before each real run, time a few steps (batchserve profile --check) and predict at the "
                         "host's speed of that minute (--time-scale); both predictions are recorded")  # fmt: skip
     args = p.parse_args(argv)
     out = Path(args.out_dir)
-    points = json.loads(Path(args.measured).read_text()) if args.measured else measured_rows(args, out)
-    rows = []
+    rows = json.loads((out / "validation.json").read_text()) if args.resume else []
+    done = {(r["workload"], r["config"], r["load"]) for r in rows}
+    points = json.loads(Path(args.measured).read_text()) if args.measured else measured_rows(args, out, done)
     for point in points:
         rows.append(predicted_row(args, out, point))
         print(format_row(rows[-1]), flush=True)
