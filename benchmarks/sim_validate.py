@@ -12,7 +12,8 @@ Targets: throughput and TTFT/TPOT p50 within 10%, p99 within 20%.
 
 --calibrate: a shared or throttled host's speed drifts (10-30% between minutes were seen), and a profile predicts
 the minute it was taken in. Before each real run the script times a few steps (`batchserve profile --check`) and
-predicts at that minute's speed (`simulate --time-scale`), recording the prediction at the profile's speed beside it.
+predicts at that minute's speed (`simulate --time-scale X --decode-time-scale Y`: decodes and prompts drift apart),
+recording the prediction at the profile's speed beside it.
 
 --measured FILE (a validation.json this script wrote) runs only the simulator, at that file's points and rates, and
 compares with the real runs it recorded: a new profile or step model checked in seconds, without the real engine.
@@ -72,33 +73,36 @@ def predicted_row(args: argparse.Namespace, out: Path, row: dict) -> dict:
     argv = row.get("argv") or [*point_argv(args, row["workload"], row["config"]), "--request-rate", str(row["rate"])]
     point_dir = out / "sim" / f"{row['workload']}-{row['config']}-{row['rate']}"  # simulations take under a second
 
-    def predict(scale: float) -> dict:  # one folder each: two runs within a second would share a timestamped one
-        where = point_dir / f"x{scale:g}"
-        s = summary(simulate_main, [*argv, "--profile", args.profile, "--time-scale", str(scale)], where)
+    def predict(scale: float, decode_scale: float) -> dict:  # a folder each: runs in one second share a timestamp
+        where = point_dir / f"x{scale:g}-{decode_scale:g}"
+        flags = ["--time-scale", str(scale), "--decode-time-scale", str(decode_scale)]
+        s = summary(simulate_main, [*argv, "--profile", args.profile, *flags], where)
         return {m: get(s, path) for m, path, _ in METRICS}
 
     scale = row.get("time_scale", 1.0)
-    extra = {"predicted_raw": predict(1.0)} if scale != 1.0 else {}
-    return {**row, "argv": argv, "predicted": predict(scale), **extra}
+    decode_scale = row.get("decode_time_scale", scale)
+    extra = {"predicted_raw": predict(1.0, 1.0)} if (scale, decode_scale) != (1.0, 1.0) else {}
+    return {**row, "argv": argv, "predicted": predict(scale, decode_scale), **extra}
 
 
-def check_speed(args: argparse.Namespace) -> float:
+def check_speed(args: argparse.Namespace) -> dict:
     """The host's speed now against the profile's (batchserve profile --check): a few seconds of real steps."""
     import gc
 
     from batchserve.engine.llm_engine import LLMEngine
     from batchserve.entrypoints.engine_args import engine_config_from_args
     from batchserve.simulator.profile_file import Profile
-    from batchserve.simulator.profiler import build_parser, speed_factor
+    from batchserve.simulator.profiler import build_parser
+    from batchserve.simulator.profiler import check_speed as check
     from batchserve.worker.device import configure_torch
 
     config = engine_config_from_args(build_parser().parse_args([*args.engine_flags.split(), "--num-kv-blocks", "256"]))
     configure_torch(config.num_threads, config.seed)
     engine = LLMEngine(config)
-    factor, _ = speed_factor(engine, Profile.load(args.profile), config.seed)
+    result = check(engine, Profile.load(args.profile), config.seed)
     del engine
     gc.collect()
-    return round(factor, 4)
+    return {"time_scale": round(result.factor, 4), "decode_time_scale": round(result.decode_factor, 4)}
 
 
 def measured_rows(args: argparse.Namespace, out: Path, done: set[tuple[str, str, float]]):
@@ -113,7 +117,7 @@ def measured_rows(args: argparse.Namespace, out: Path, done: set[tuple[str, str,
                     continue
                 rate = round(cap * factor, 2)
                 argv = [*base, "--request-rate", str(rate)]
-                scale = {"time_scale": check_speed(args)} if args.calibrate else {}
+                scale = check_speed(args) if args.calibrate else {}
                 started = time.perf_counter()
                 measured = summary(bench_main, [*argv, "--offline"], out / "real")
                 yield {"workload": workload, "config": name, "rate": rate, "load": factor, "argv": argv,
@@ -155,19 +159,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_row(row: dict) -> str:
     cells = [f"{m} {row['measured'][m]:.1f}/{row['predicted'][m]:.1f}" for m, _, _ in METRICS]
-    scale = f", host at {row['time_scale']:.3f}x the profile's step times" if "time_scale" in row else ""
+    scale = (f", host at {row['time_scale']:.3f}x the profile's step times, {row.get('decode_time_scale', 1):.3f}x "
+             "its decodes") if "time_scale" in row else ""  # fmt: skip
     return f"{row['workload']} {row['config']} @ {row['rate']} req/s ({row['real_s']:.0f} s{scale}): " + ", ".join(cells)
 
 
 def table(rows: list[dict], predicted: str = "predicted") -> str:
     """Markdown: measured | predicted | error for each metric, a mark where the error is over its target."""
     scaled = predicted == "predicted" and any("time_scale" in r for r in rows)
-    head = ("| workload | config | rate (req/s) | " + "time scale | " * scaled
+    head = ("| workload | config | rate (req/s) | " + "time scale (steps / decodes) | " * scaled
             + " | ".join(f"{m} meas / pred (err)" for m, _, _ in METRICS) + " |")  # fmt: skip
     lines = [head, "|" + "---|" * (3 + scaled + len(METRICS))]
     within = total = 0
     for r in rows:
-        cells = [f"{r.get('time_scale', 1.0):.3f}"] if scaled else []
+        cells = [f"{r.get('time_scale', 1.0):.3f} / {r.get('decode_time_scale', r.get('time_scale', 1.0)):.3f}"] * scaled
         for m, _, tol in METRICS:
             a, b = r["measured"][m], r[predicted][m]
             err = (b - a) / a if a else float("nan")

@@ -45,6 +45,9 @@ def add_simulator_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-scale", type=float, default=1.0, metavar="X",
                    help="multiply every step time by X: 1.1 for a host running 10%% slower than when it was "
                         "profiled (batchserve profile --check PROFILE measures X), 0.5 for one twice as fast")  # fmt: skip
+    g.add_argument("--decode-time-scale", type=float, metavar="Y",
+                   help="multiply decode-only steps by Y instead (default: X); decodes stream memory and drift with "
+                        "its load, prefills compute and drift less")  # fmt: skip
     g.add_argument("--replicas", type=int, default=1, help="engine replicas behind the router (default: 1)")
     g.add_argument("--router", choices=ROUTERS, default="round-robin", help="how requests pick a replica")
     g.add_argument("--trace", help="arrivals and lengths from a JSONL file (arrival_s, input_len, output_len)")
@@ -74,11 +77,11 @@ def load_profile(args: argparse.Namespace, config: EngineConfig) -> Profile:
         profile = analytic_profile(args.model_shapes, args.device_preset, dtype)
     else:
         raise ValueError("give --profile FILE (batchserve profile) or --device-preset NAME (an analytic estimate)")
-    scale = getattr(args, "time_scale", 1.0)
-    if not scale > 0:
-        raise ValueError(f"--time-scale must be > 0 (got {scale})")
-    if scale != 1.0:
-        profile.step_model = ScaledStepModel(profile.step_model, scale)
+    scale, decode = getattr(args, "time_scale", 1.0), getattr(args, "decode_time_scale", None)
+    if not scale > 0 or (decode is not None and not decode > 0):
+        raise ValueError(f"--time-scale and --decode-time-scale must be > 0 (got {scale}, {decode})")
+    if scale != 1.0 or decode not in (None, scale):
+        profile.step_model = ScaledStepModel(profile.step_model, scale, decode)
     return profile
 
 

@@ -31,8 +31,8 @@ class Profile:
     def label(self) -> str:
         where = self.machine.get("cpu") or self.machine.get("name") or "?"
         tag = "measured" if self.source == "measured" else "ESTIMATE (roofline)"
-        scale = getattr(self.step_model, "factor", 1.0)  # ScaledStepModel: --time-scale
-        return f"{Path(self.model).name} {self.dtype} on {where}, {tag}" + (f", step times x {scale:g}" * (scale != 1))
+        scaled = self.step_model.describe() if hasattr(self.step_model, "describe") else ""  # --time-scale
+        return f"{Path(self.model).name} {self.dtype} on {where}, {tag}" + (f", {scaled}" if scaled else "")
 
     def num_kv_blocks(self, block_size: int, fraction: float | None = None) -> int:
         """The pool for this block size from the bytes the engine would give it: the default pool, or `fraction`

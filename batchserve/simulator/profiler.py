@@ -153,12 +153,29 @@ def _time_joins(engine: Any, rng: random.Random, t: Timings, recorder: ShapeReco
 CHECK_GRID = [(1, 64), (8, 64), (1, 64)]
 
 
-def speed_factor(engine: Any, profile: Profile, seed: int = 0) -> tuple[float, Timings]:
-    """How many times as long as `profile` predicts this engine's steps take now (measured / predicted over the
-    check's steps): a profile taken on a host that has since slowed down or sped up predicts by this factor off."""
-    timings = run_grid(engine, CHECK_GRID, seed, progress=False, mixed=False)
-    predicted = sum(profile.step_model.predict(s) for s in timings.shapes)
-    return sum(timings.seconds) / predicted, timings
+@dataclass
+class SpeedCheck:
+    """How many times as long as a profile predicts this host's steps take now (measured / predicted), for decode-only
+    steps and for the others (prefill chunks, alone or with decodes), and the steps it timed."""
+
+    factor: float
+    decode_factor: float
+    timings: Timings
+
+    def simulate_flags(self) -> str:
+        return f"--time-scale {self.factor:.3f} --decode-time-scale {self.decode_factor:.3f}"
+
+
+def check_speed(engine: Any, profile: Profile, seed: int = 0) -> SpeedCheck:
+    """Time the check's groups on `engine` and compare with `profile`: a profile taken on a host that has since slowed
+    down or sped up predicts by these factors off."""
+    t = run_grid(engine, CHECK_GRID, seed, progress=False, mixed=False)
+
+    def ratio(decode: bool) -> float:
+        steps = [(s, sec) for s, sec in zip(t.shapes, t.seconds, strict=True) if (s.kind == "decode") == decode]
+        return sum(sec for _, sec in steps) / sum(profile.step_model.predict(s) for s, _ in steps)
+
+    return SpeedCheck(ratio(False), ratio(True), t)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no line per grid point")
     p.add_argument("--refit", metavar="PROFILE", help="refit the steps a profile recorded (no model is loaded)")
     p.add_argument("--check", metavar="PROFILE",
-                   help="time a few steps now and say how far this host's speed is from the profile's (the factor "
-                        "for simulate --time-scale); engine flags as for the profile")  # fmt: skip
+                   help="time a few steps now and say how far this host's speed is from the profile's (the factors "
+                        "for simulate --time-scale and --decode-time-scale); engine flags as for the profile")  # fmt: skip
     p.add_argument("--knots", type=parse_knots, default=",".join(map(str, KNOTS)), metavar="K,K,...",
                    help="token counts where the time per token may change (default: %(default)s; '' for the plain "
                         "linear model)")  # fmt: skip
@@ -233,9 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_torch(config.num_threads, config.seed)
     engine = LLMEngine(config)
     if args.check:
-        factor, timings = speed_factor(engine, Profile.load(args.check), config.seed)
-        print(f"steps take {factor:.3f}x the time {args.check} predicts ({len(timings.seconds)} steps, "
-              f"{sum(timings.seconds):.2f} s): simulate --time-scale {factor:.3f}")  # fmt: skip
+        check = check_speed(engine, Profile.load(args.check), config.seed)
+        print(f"steps with a prompt take {check.factor:.3f}x, decode steps {check.decode_factor:.3f}x the time "
+              f"{args.check} predicts ({len(check.timings.seconds)} steps, {sum(check.timings.seconds):.2f} s): "
+              f"simulate {check.simulate_flags()}")  # fmt: skip
         return 0
     runner, dtype = engine.runner, str(engine.runner.dtype).removeprefix("torch.")
     import torch

@@ -214,27 +214,39 @@ class RooflineStepModel:
 
 @dataclass
 class ScaledStepModel:
-    """Another model's step times x `factor`: the host runs `factor` times as slow as when the profile was taken (a
-    shared or throttled machine drifts by 10-30% between minutes; `batchserve profile --check` measures it)."""
+    """Another model's step times x `factor` (decode-only steps x `decode_factor` when given): the host runs that many
+    times as slow as when the profile was taken. A shared machine drifts by 10-30% between minutes, and not evenly:
+    decodes, which stream the weights and the K/V from memory, move with the memory's load, prefills, which compute,
+    much less (`batchserve profile --check` measures both)."""
 
     inner: StepTimeModel
     factor: float
+    decode_factor: float | None = None
 
     @property
     def kind(self) -> str:
         return self.inner.kind
 
+    def scale_of(self, shape: StepShape) -> float:
+        return self.decode_factor if self.decode_factor is not None and shape.kind == "decode" else self.factor
+
     def predict(self, shape: StepShape) -> float:
-        return self.inner.predict(shape) * self.factor
+        return self.inner.predict(shape) * self.scale_of(shape)
+
+    def describe(self) -> str:
+        decodes = "" if self.decode_factor is None else f", decode steps x {self.decode_factor:g}"
+        return f"step times x {self.factor:g}{decodes}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.inner.to_dict(), "time_scale": self.factor}
+        scales = {"time_scale": self.factor, "decode_time_scale": self.decode_factor}
+        return {**self.inner.to_dict(), **{k: v for k, v in scales.items() if v is not None}}
 
 
 def model_from_dict(d: dict[str, Any]) -> StepTimeModel:
     if "time_scale" in d:
-        inner = model_from_dict({k: v for k, v in d.items() if k != "time_scale"})
-        return ScaledStepModel(inner, float(d["time_scale"]))
+        inner = model_from_dict({k: v for k, v in d.items() if k not in ("time_scale", "decode_time_scale")})
+        decode = d.get("decode_time_scale")
+        return ScaledStepModel(inner, float(d["time_scale"]), None if decode is None else float(decode))
     kind = d.get("kind")
     if kind == "linear":
         return LinearStepModel(dict(d["coefficients"]), tuple(d.get("knots", ())))

@@ -302,16 +302,32 @@ def test_time_scale_stretches_every_step_and_round_trips(tmp_path, tokenizer, ca
 
 def test_speed_check_is_measured_over_predicted_on_the_check_grid(make_engine):
     """profile --check times the check's groups on the real engine (here over the FakeRunner): decodes of 1 and 8
-    sequences and their prompts; the factor is their measured time over the profile's prediction for the same
-    steps."""
-    from batchserve.simulator.profiler import speed_factor
+    sequences and their prompts; each factor is the measured time of its steps (decode-only, the others) over the
+    profile's prediction for the same steps."""
+    from batchserve.simulator.profiler import check_speed
 
     profile = Profile("measured", STEP_MODEL, "tiny", "float32", 1024, 1024 * 16 * 512, 4096)
     engine = make_engine(max_batch_size=8, num_kv_blocks=256, max_model_len=512)
-    factor, timings = speed_factor(engine, profile)
-    predicted = sum(STEP_MODEL.predict(s) for s in timings.shapes)
-    assert factor == pytest.approx(sum(timings.seconds) / predicted)
-    decodes = {s.seqs for s in timings.shapes if s.kind == "decode"}
-    assert decodes == {1, 8} and any(s.kind == "prefill" for s in timings.shapes)
-    assert len(timings.shapes) >= 2 * 16 + 2  # two one-sequence groups and one of eight, 16 decode steps each
+    check = check_speed(engine, profile)
+    steps = list(zip(check.timings.shapes, check.timings.seconds, strict=True))
+    decodes = [(s, t) for s, t in steps if s.kind == "decode"]
+    prompts = [(s, t) for s, t in steps if s.kind != "decode"]
+    assert {s.seqs for s, _ in decodes} == {1, 8} and len(prompts) >= 3  # two prompts of 64, eight of 64
+    assert len(decodes) >= 3 * (16 - 1)  # three groups of 16 tokens, the first from the prompt's step
+    for factor, group in ((check.decode_factor, decodes), (check.factor, prompts)):
+        assert factor == pytest.approx(sum(t for _, t in group) / sum(STEP_MODEL.predict(s) for s, _ in group))
+    assert check.simulate_flags() == f"--time-scale {check.factor:.3f} --decode-time-scale {check.decode_factor:.3f}"
     assert not engine.has_unfinished_requests()
+
+
+def test_decode_time_scale_applies_to_decode_steps_only():
+    from batchserve.simulator.step_model import ScaledStepModel, model_from_dict
+
+    scaled = ScaledStepModel(STEP_MODEL, 1.5, decode_factor=0.8)
+    decode = StepShape(tokens=8, seqs=8, samples=8, decode_ctx=800)
+    mixed = StepShape(tokens=70, seqs=8, samples=8, decode_ctx=700, prefill_pairs=2000)
+    back = model_from_dict(scaled.to_dict())
+    for model in (scaled, back):
+        assert model.predict(decode) == pytest.approx(0.8 * STEP_MODEL.predict(decode))
+        assert model.predict(mixed) == pytest.approx(1.5 * STEP_MODEL.predict(mixed))
+    assert back.describe() == "step times x 1.5, decode steps x 0.8"
