@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "vec_math.h"
@@ -119,6 +121,18 @@ void values_chunk(const T* v_head, const int64_t* table, int64_t len, int64_t bl
   for (int c = 0; c < CH; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], scale));
 }
 
+// A NaN query gives its head a NaN output, as SDPA does. Checked on the bits: under -ffast-math the compiler may
+// assume that no NaN reaches a float comparison, and the max and exp of the softmax then dropped it on one CPU (tiny
+// garbage instead of NaN on an AMD EPYC of family 23).
+inline bool has_nan(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return true;
+  }
+  return false;
+}
+
 // NC = head_dim / 8. One work item = one (sequence, kv head); items are dealt to threads round-robin, as on the
 // AVX-512 path (a batch lists its longest contexts first).
 template <int NC, typename T>
@@ -144,12 +158,16 @@ void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cac
         scores.resize(len + 8);  // the last tile of 8 may start at any token (a block size not a multiple of 8)
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = kv_head * group + g;
+          const float* qh = q + (seq * num_heads + h) * D;
+          float* o = out + (seq * num_heads + h) * D;
+          if (has_nan(qh, D)) {
+            std::fill(o, o + D, std::numeric_limits<float>::quiet_NaN());
+            continue;
+          }
           __m256 qv[NC];
-          for (int c = 0; c < NC; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + (seq * num_heads + h) * D + 8 * c),
-                                                             _mm256_set1_ps(scale));
+          for (int c = 0; c < NC; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_set1_ps(scale));
           score_sequence<NC>(qv, k_head, table, len, block_size, block_stride, token_stride, scores.data());
           const float inv = 1.f / softmax_in_place(scores.data(), len);
-          float* o = out + (seq * num_heads + h) * D;
           for (int c0 = 0; c0 < NC; c0 += CH)
             values_chunk<CH>(v_head + 8 * c0, table, len, block_size, block_stride, token_stride, scores.data(), inv,
                              o + 8 * c0);
