@@ -137,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default="bench_results/sim-validation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-flags", default="", help="more flags for both commands, e.g. '--num-threads 1'")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the points OUT_DIR/validation.json holds and run only the others")
+    p.add_argument("--resume", action="store_true", help="keep the points OUT_DIR/validation.json has, run the rest")
     p.add_argument("--calibrate", action="store_true",
                    help="before each real run, time a few steps (batchserve profile --check) and predict at the "
                         "host's speed of that minute (--time-scale); both predictions are recorded")  # fmt: skip
@@ -161,7 +160,8 @@ def format_row(row: dict) -> str:
     cells = [f"{m} {row['measured'][m]:.1f}/{row['predicted'][m]:.1f}" for m, _, _ in METRICS]
     scale = (f", host at {row['time_scale']:.3f}x the profile's step times, {row.get('decode_time_scale', 1):.3f}x "
              "its decodes") if "time_scale" in row else ""  # fmt: skip
-    return f"{row['workload']} {row['config']} @ {row['rate']} req/s ({row['real_s']:.0f} s{scale}): " + ", ".join(cells)
+    point = f"{row['workload']} {row['config']} @ {row['rate']} req/s ({row['real_s']:.0f} s{scale})"
+    return f"{point}: {', '.join(cells)}"
 
 
 def table(rows: list[dict], predicted: str = "predicted") -> str:
@@ -172,7 +172,8 @@ def table(rows: list[dict], predicted: str = "predicted") -> str:
     lines = [head, "|" + "---|" * (3 + scaled + len(METRICS))]
     within = total = 0
     for r in rows:
-        cells = [f"{r.get('time_scale', 1.0):.3f} / {r.get('decode_time_scale', r.get('time_scale', 1.0)):.3f}"] * scaled
+        steps = r.get("time_scale", 1.0)
+        cells = [f"{steps:.3f} / {r.get('decode_time_scale', steps):.3f}"] * scaled
         for m, _, tol in METRICS:
             a, b = r["measured"][m], r[predicted][m]
             err = (b - a) / a if a else float("nan")

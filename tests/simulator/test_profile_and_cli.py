@@ -20,7 +20,8 @@ def test_fit_recovers_known_coefficients_and_reports_held_out_error():
                              "multi_row": 4e-3})  # fmt: skip
     shapes, seconds = [], []
     for i in range(400):
-        seqs = (1 if i % 7 == 1 else rng.randint(2, 64)) if i % 8 else 0  # one-row steps; every eighth a prefill-only one
+        # some one-row steps; every eighth a prefill-only one (if it has a chunk)
+        seqs = (1 if i % 7 == 1 else rng.randint(2, 64)) if i % 8 else 0
         prefill = rng.choice([0, 0, rng.randint(16, 2048)]) if seqs else rng.randint(16, 2048)
         chunks = rng.randint(1, 3) if prefill else 0
         ctx = rng.randint(seqs, 16 * 1024) if seqs else 0
