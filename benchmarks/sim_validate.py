@@ -85,21 +85,20 @@ def predicted_row(args: argparse.Namespace, out: Path, row: dict) -> dict:
     return {**row, "argv": argv, "predicted": predict(scale, decode_scale), **extra}
 
 
-def check_speed(args: argparse.Namespace) -> dict:
+def host_speed(args: argparse.Namespace) -> dict:
     """The host's speed now against the profile's (batchserve profile --check): a few seconds of real steps."""
     import gc
 
     from batchserve.engine.llm_engine import LLMEngine
     from batchserve.entrypoints.engine_args import engine_config_from_args
     from batchserve.simulator.profile_file import Profile
-    from batchserve.simulator.profiler import build_parser
-    from batchserve.simulator.profiler import check_speed as check
+    from batchserve.simulator.profiler import build_parser, check_speed
     from batchserve.worker.device import configure_torch
 
     config = engine_config_from_args(build_parser().parse_args([*args.engine_flags.split(), "--num-kv-blocks", "256"]))
     configure_torch(config.num_threads, config.seed)
     engine = LLMEngine(config)
-    result = check(engine, Profile.load(args.profile), config.seed)
+    result = check_speed(engine, Profile.load(args.profile), config.seed)
     del engine
     gc.collect()
     return {"time_scale": round(result.factor, 4), "decode_time_scale": round(result.decode_factor, 4)}
@@ -117,7 +116,7 @@ def measured_rows(args: argparse.Namespace, out: Path, done: set[tuple[str, str,
                     continue
                 rate = round(cap * factor, 2)
                 argv = [*base, "--request-rate", str(rate)]
-                scale = check_speed(args) if args.calibrate else {}
+                scale = host_speed(args) if args.calibrate else {}
                 started = time.perf_counter()
                 measured = summary(bench_main, [*argv, "--offline"], out / "real")
                 yield {"workload": workload, "config": name, "rate": rate, "load": factor, "argv": argv,
@@ -143,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                         "host's speed of that minute (--time-scale); both predictions are recorded")  # fmt: skip
     args = p.parse_args(argv)
     out = Path(args.out_dir)
-    rows = json.loads((out / "validation.json").read_text()) if args.resume else []
+    rows = json.loads((out / "validation.json").read_text()) if args.resume and not args.measured else []
     done = {(r["workload"], r["config"], r["load"]) for r in rows}
     points = json.loads(Path(args.measured).read_text()) if args.measured else measured_rows(args, out, done)
     for point in points:

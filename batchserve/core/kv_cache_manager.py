@@ -148,12 +148,12 @@ class KVCacheManager:
         return request.request_id in self.req_host_blocks
 
     # ---- accounting -------------------------------------------------------------------------------------------
-    def num_blocks_of(self, request: Request) -> int:
-        return len(self.req_blocks.get(request.request_id, ()))
-
     def blocks_of(self, request: Request) -> list[KVBlock]:
         """The request's blocks in table order (the manager's own list: read it, do not change it)."""
         return self.req_blocks.get(request.request_id, [])
 
+    def num_blocks_of(self, request: Request) -> int:
+        return len(self.blocks_of(request))
+
     def block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request.request_id, ())]
+        return [b.block_id for b in self.blocks_of(request)]

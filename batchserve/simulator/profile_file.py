@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchserve.simulator.step_model import StepTimeModel, model_from_dict
+from batchserve.simulator.step_model import ScaledStepModel, StepTimeModel, model_from_dict
 
 FORMAT = "batchserve-step-profile/1"
 
@@ -31,8 +31,10 @@ class Profile:
     def label(self) -> str:
         where = self.machine.get("cpu") or self.machine.get("name") or "?"
         tag = "measured" if self.source == "measured" else "ESTIMATE (roofline)"
-        scaled = self.step_model.describe() if hasattr(self.step_model, "describe") else ""  # --time-scale
-        return f"{Path(self.model).name} {self.dtype} on {where}, {tag}" + (f", {scaled}" if scaled else "")
+        label = f"{Path(self.model).name} {self.dtype} on {where}, {tag}"
+        if isinstance(self.step_model, ScaledStepModel):  # simulate --time-scale
+            label += f", {self.step_model.describe()}"
+        return label
 
     def num_kv_blocks(self, block_size: int, fraction: float | None = None) -> int:
         """The pool for this block size from the bytes the engine would give it: the default pool, or `fraction`
