@@ -42,6 +42,12 @@ def prefill_attention() -> str | None:
     return None if value in (None, "", "auto") else value
 
 
+def native_decoder_loop() -> bool:
+    """BATCHSERVE_NATIVE_DECODER_LOOP (default "1"): "0" runs decode steps' decoder layers in Python instead of in one
+    native call (the same operators either way; read when a model is laid out for the CPU)."""
+    return os.environ.get("BATCHSERVE_NATIVE_DECODER_LOOP", "1") != "0"
+
+
 def cache_dir() -> Path:
     """BATCHSERVE_CACHE_DIR (default ~/.cache/batchserve): where GGUF files are converted to, once each."""
     return Path(os.environ.get("BATCHSERVE_CACHE_DIR", Path.home() / ".cache" / "batchserve"))

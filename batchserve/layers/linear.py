@@ -71,6 +71,22 @@ class CpuLinear(nn.Module):
             out = torch.matmul(x, self.weight_t)
         return out if self.bias is None else out + self.bias
 
+    def native_projection(self, native):
+        """This projection's layouts and thresholds as the native decoder loop's Projection (it picks the GEMM by rows
+        as _forward does)."""
+        return native.Projection(
+            weight_t=self.weight_t,
+            bias=self.bias,
+            packed=self.packed,
+            small_packed=self.small_packed,
+            out_features=self.out_features,
+            small_max_m=self.small_max_m,
+            small_min_m=self.SMALL_MIN_M,
+            packed_min_m=self.PACKED_MIN_M,
+            packed_max_m=self.PACKED_MAX_M,
+            packed_only=self.packed_only,
+        )
+
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchserve import env
 from batchserve.config import ModelConfig
+from batchserve.layers import kernels
 from batchserve.layers.attention import AttentionMetadata, KVCache, paged_attention
 from batchserve.layers.linear import CpuLinear
 from batchserve.layers.mlp import MLP
@@ -80,6 +82,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.output_proj: CpuLinear | None = None  # set by use_cpu_linear_layouts
+        self.decoder_loop = None  # the native decoder loop of decode steps, set by use_cpu_linear_layouts
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -100,6 +103,41 @@ class LlamaForCausalLM(nn.Module):
         # tied embeddings: the output projection is a transposed copy, the embedding table stays for lookups
         self.output_proj = CpuLinear(self.output_weight)
         self.lm_head = None
+        self.decoder_loop = self._native_decoder_loop()
+
+    def _native_decoder_loop(self):
+        """The layers as one native call for decode steps (kernels/decoder_loop.cpp: the same operators as the Python
+        layers, without ~20 interpreter round trips a layer), or None where the native kernels do not run them."""
+        dtype = self.embed_tokens.weight.dtype
+        native = kernels.for_tensors(self.embed_tokens.weight, dtypes=kernels.FUSED_DTYPES)
+        if native is None or not env.native_decoder_loop():
+            return None
+        attn = self.layers[0].self_attn
+        loop = native.DecoderLoop(
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            eps=self.config.rms_norm_eps,
+            scale=attn.scale,
+        )
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
+                return None
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            loop.add_layer(*(w.detach() for w in norms), *(p.native_projection(native) for p in projections))
+        return loop
+
+    def _takes_native_decoder_loop(self, x: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> bool:
+        """A decode-only step whose K/V pool has the model's dtype (what the native K/V store takes)."""
+        return (
+            self.decoder_loop is not None
+            and meta.prefill is None
+            and meta.decode is not None
+            and kv_caches[0][0].dtype == x.dtype
+            and kv_caches[0][0].device.type == "cpu"
+        )
 
     def forward(
         self,
@@ -111,6 +149,20 @@ class LlamaForCausalLM(nn.Module):
         """Packed tokens [T] at positions [T] -> final hidden states [T, H] (normed)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        if self._takes_native_decoder_loop(x, kv_caches, attn_metadata):
+            decode = attn_metadata.decode
+            x, residual = self.decoder_loop.forward(
+                x,
+                cos,
+                sin,
+                [k for k, _ in kv_caches],
+                [v for _, v in kv_caches],
+                attn_metadata.slot_mapping,
+                decode.block_tables,
+                decode.seq_lens,
+                kernels.attention_path(),
+            )
+            return self.norm(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)

@@ -22,6 +22,7 @@ void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, 
 bool small_gemm_available();
 torch::Tensor small_gemm_pack(torch::Tensor weight);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
+void register_decoder_loop(pybind11::module& m);
 
 // The kernels touch no Python object: each call lets go of the interpreter lock while it computes, as torch's own
 // operators do, so the threads serving HTTP or Ray messages in the same process run meanwhile (and the engine loop
@@ -49,4 +50,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_available", &small_gemm_available, "whether small_gemm was built (AVX-512)");
   m.def("small_gemm_pack", &small_gemm_pack, "[N, K] weight -> [N/32, K, 32] panels for small_gemm", kNoGil);
   m.def("small_gemm", &small_gemm, "x [M, K] @ packed weight -> [M, n], for small M", kNoGil);
+  register_decoder_loop(m);
 }

@@ -1,0 +1,153 @@
+// A decode step's decoder layers in one native call: the same operators, in the same order and on the same tensors,
+// as the Python layers (models/llama.py DecoderLayer, layers/linear.py CpuLinear, layers/attention.py), so its
+// output is bit for bit theirs. What it saves is the interpreter: ~20 Python-level torch calls a layer, 3-6 us each,
+// which at 30 layers were 4-6 ms of a 40 ms decode step (and more of a one-sequence one).
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <string>
+#include <vector>
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     const std::string& path);
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+               torch::Tensor slot_mapping);
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
+
+namespace {
+
+// torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""): oneDNN's GEMM on a weight reordered once.
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+}  // namespace
+
+// One CpuLinear's layouts and its choice of GEMM by rows (layers/linear.py CpuLinear._forward, same thresholds).
+struct Projection {
+  torch::Tensor weight_t;  // [in, out]; its dtype is the GEMM's (float32 for bf16 weights without bf16 units)
+  c10::optional<torch::Tensor> bias, packed, small_packed;
+  int64_t out_features, small_max_m, small_min_m, packed_min_m, packed_max_m;
+  bool packed_only;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (x.scalar_type() != weight_t.scalar_type()) return gemm(x.to(weight_t.scalar_type())).to(x.scalar_type());
+    return gemm(x);
+  }
+
+  torch::Tensor gemm(const torch::Tensor& x) const {
+    const int64_t m = x.size(0);
+    if (packed_only) {
+      if (m < packed_min_m)
+        return packed_linear(torch::cat({x, x.new_zeros({packed_min_m - m, x.size(1)})}), *packed, bias).narrow(0, 0, m);
+      return packed_linear(x, *packed, bias);
+    }
+    torch::Tensor out;
+    if (m < small_min_m) {
+      out = torch::matmul(x, weight_t);
+    } else if (small_packed.has_value() && m <= small_max_m) {
+      out = small_gemm(x, *small_packed, out_features);
+    } else if (packed.has_value() && m < packed_max_m) {
+      return packed_linear(x, *packed, bias);
+    } else {
+      out = torch::matmul(x, weight_t);
+    }
+    return bias.has_value() ? out + *bias : out;
+  }
+};
+
+struct DecoderLayerWeights {
+  torch::Tensor input_norm, post_attention_norm;
+  Projection qkv, o, gate_up, down;
+};
+
+class DecoderLoop {
+ public:
+  DecoderLoop(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, Projection qkv, Projection o,
+                 Projection gate_up, Projection down) {
+    layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
+                       std::move(gate_up), std::move(down)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [B, H] (embedded tokens, one per decoding sequence) -> (x, residual) after the last layer, before the final norm.
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                                   const std::vector<torch::Tensor>& key_caches,
+                                                   const std::vector<torch::Tensor>& value_caches,
+                                                   torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                                   torch::Tensor seq_lens, const std::string& path) const {
+    TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
+                "one K and one V cache per layer");
+    const int64_t tokens = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    torch::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const DecoderLayerWeights& layer = layers_[i];
+      torch::Tensor h;
+      if (i == 0) {
+        residual = x;
+        h = rms_norm(x, c10::nullopt, layer.input_norm, eps_);
+      } else {
+        h = rms_norm(x, residual, layer.input_norm, eps_);
+      }
+      const torch::Tensor qkv = layer.qkv(h);
+      const auto parts = qkv.split_with_sizes({q_size + kv_size, kv_size}, -1);
+      const torch::Tensor qk = parts[0].view({tokens, num_heads_ + num_kv_heads_, head_dim_});
+      rope_(qk, cos, sin);
+      const auto q_k = qk.split_with_sizes({num_heads_, num_kv_heads_}, 1);
+      const torch::Tensor v = parts[1].view({tokens, num_kv_heads_, head_dim_});
+      write_kv_(q_k[1], v, key_caches[i], value_caches[i], slot_mapping);
+      const torch::Tensor attn = paged_decode_attention(q_k[0].to(torch::kFloat32).contiguous(), key_caches[i],
+                                                        value_caches[i], block_tables, seq_lens, scale_, path)
+                                     .to(x.scalar_type());
+      h = layer.o(attn.reshape({tokens, q_size}));
+      h = rms_norm(h, residual, layer.post_attention_norm, eps_);
+      x = layer.down(silu_and_mul(layer.gate_up(h)));
+    }
+    return {x, residual};
+  }
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  std::vector<DecoderLayerWeights> layers_;
+};
+
+void register_decoder_loop(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<Projection>(m, "Projection")
+      .def(py::init([](torch::Tensor weight_t, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> packed,
+                       c10::optional<torch::Tensor> small_packed, int64_t out_features, int64_t small_max_m,
+                       int64_t small_min_m, int64_t packed_min_m, int64_t packed_max_m, bool packed_only) {
+             TORCH_CHECK(!packed_only || packed.has_value(), "packed_only needs a packed weight");
+             return Projection{std::move(weight_t), std::move(bias), std::move(packed), std::move(small_packed),
+                               out_features, small_max_m, small_min_m, packed_min_m, packed_max_m, packed_only};
+           }),
+           py::arg("weight_t"), py::arg("bias"), py::arg("packed"), py::arg("small_packed"), py::arg("out_features"),
+           py::arg("small_max_m"), py::arg("small_min_m"), py::arg("packed_min_m"), py::arg("packed_max_m"),
+           py::arg("packed_only"));
+  py::class_<DecoderLoop>(m, "DecoderLoop")
+      .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+      .def("add_layer", &DecoderLoop::add_layer)
+      .def("num_layers", &DecoderLoop::num_layers)
+      .def("forward", &DecoderLoop::forward, "a decode step's decoder layers -> (x, residual)",
+           py::call_guard<py::gil_scoped_release>());
+}
