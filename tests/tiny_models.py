@@ -45,6 +45,10 @@ KINDS = {
     "llama_attn_bias_mha": lambda: transformers.LlamaConfig(
         **{**COMMON, "num_key_value_heads": 4}, attention_bias=True, head_dim=8
     ),
+    # head size 64, which the native prefill kernel is built for (the others run its torch fallback)
+    "llama_head64": lambda: transformers.LlamaConfig(
+        **{**COMMON, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+    ),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=False),
     "qwen2_tied": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),

@@ -179,14 +179,22 @@ def decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
+def prefill_mode(like: torch.Tensor, head_dim: int, kv_cache: KVCache) -> str:
+    """How prefill chunks of queries like `like` (its dtype and device) attend: "sdpa" (one fused attention per
+    chunk), "native" (the native prefill kernel) or "torch" (the torch code: gather, pad, SDPA)."""
+    if like.device.type == "cpu" and prefill_path(kv_cache[0].dtype) == "sdpa":
+        return "sdpa"
+    return "torch" if _native_prefill(like, head_dim, kv_cache) is None else "native"
+
+
 def prefill_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float
 ) -> torch.Tensor:
-    if query.device.type == "cpu" and prefill_path(kv_cache[0].dtype) == "sdpa":
+    mode = prefill_mode(query, query.shape[-1], kv_cache)
+    if mode == "sdpa":
         return _per_sequence_prefill_attention(query, key, value, kv_cache, group, scale)
-    native = _native_prefill(query, kv_cache)
-    if native is not None:
-        out = native.paged_prefill_attention(
+    if mode == "native":
+        out = kernels.load().paged_prefill_attention(
             query.float(),
             kv_cache[0],
             kv_cache[1],
@@ -218,11 +226,11 @@ def prefill_attention(
     return out[group.query_pad_index]
 
 
-def _native_prefill(query: torch.Tensor, kv_cache: KVCache):
+def _native_prefill(like: torch.Tensor, head_dim: int, kv_cache: KVCache):
     """The native prefill kernel when it takes this call: CPU, a float32 or bfloat16 pool, a head size it was built
     for, an AVX-512 path (float32 accumulation; bf16 products on the avx512_bf16 path)."""
-    native = kernels.for_tensors(query, kv_cache[0], dtypes=(torch.float32, torch.bfloat16))
-    if native is None or not native.prefill_attention_available(query.shape[-1]):
+    native = kernels.for_tensors(like, kv_cache[0], dtypes=(torch.float32, torch.bfloat16))
+    if native is None or not native.prefill_attention_available(head_dim):
         return None
     return native if kernels.attention_path() in PREFILL_KERNEL_PATHS else None
 

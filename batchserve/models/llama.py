@@ -15,7 +15,7 @@ from torch import nn
 from batchserve import env
 from batchserve.config import ModelConfig
 from batchserve.layers import kernels
-from batchserve.layers.attention import AttentionMetadata, KVCache, paged_attention
+from batchserve.layers.attention import AttentionMetadata, KVCache, paged_attention, prefill_mode
 from batchserve.layers.linear import CpuLinear
 from batchserve.layers.mlp import MLP
 from batchserve.layers.norm import RMSNorm
@@ -82,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.output_proj: CpuLinear | None = None  # set by use_cpu_linear_layouts
-        self.decoder_loop = None  # the native decoder loop of decode steps, set by use_cpu_linear_layouts
+        self.decoder_loop = None  # the layers as one native call, set by use_cpu_linear_layouts
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -106,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         self.decoder_loop = self._native_decoder_loop()
 
     def _native_decoder_loop(self):
-        """The layers as one native call for decode steps (kernels/decoder_loop.cpp: the same operators as the Python
+        """The layers as one native call (kernels/decoder_loop.cpp: the same operators as the Python
         layers, without ~20 interpreter round trips a layer), or None where the native kernels do not run them."""
         dtype = self.embed_tokens.weight.dtype
         native = kernels.for_tensors(self.embed_tokens.weight, dtypes=kernels.FUSED_DTYPES)
@@ -129,14 +129,27 @@ class LlamaForCausalLM(nn.Module):
             loop.add_layer(*(w.detach() for w in norms), *(p.native_projection(native) for p in projections))
         return loop
 
-    def _takes_native_decoder_loop(self, x: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> bool:
-        """A decode-only step whose K/V pool has the model's dtype (what the native K/V store takes)."""
-        return (
-            self.decoder_loop is not None
-            and meta.prefill is None
-            and meta.decode is not None
-            and kv_caches[0][0].dtype == x.dtype
-            and kv_caches[0][0].device.type == "cpu"
+    def _native_step(self, x: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata):
+        """The step's attention metadata for the native decoder loop, or None where the step takes the Python layers:
+        a K/V pool not of the model's dtype (the native K/V store takes that only), or prefill chunks that attend by
+        the torch code."""
+        if self.decoder_loop is None or kv_caches[0][0].dtype != x.dtype or kv_caches[0][0].device.type != "cpu":
+            return None
+        decode, prefill = meta.decode, meta.prefill
+        mode = "none" if prefill is None else prefill_mode(x, self.config.head_dim, kv_caches[0])
+        if mode == "torch":
+            return None
+        return kernels.load().StepAttention(
+            slot_mapping=meta.slot_mapping,
+            decode_rows=0 if decode is None else decode.token_range[1],
+            decode_block_tables=None if decode is None else decode.block_tables,
+            decode_seq_lens=None if decode is None else decode.seq_lens,
+            prefill_block_tables=None if prefill is None else prefill.block_tables,
+            prefill_seq_lens=None if prefill is None else prefill.seq_lens,
+            prefill_query_starts=None if prefill is None else prefill.query_starts,
+            spans=[] if prefill is None else prefill.spans,
+            prefill_mode=mode,
+            path=kernels.attention_path(),
         )
 
     def forward(
@@ -149,19 +162,10 @@ class LlamaForCausalLM(nn.Module):
         """Packed tokens [T] at positions [T] -> final hidden states [T, H] (normed)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        if self._takes_native_decoder_loop(x, kv_caches, attn_metadata):
-            decode = attn_metadata.decode
-            x, residual = self.decoder_loop.forward(
-                x,
-                cos,
-                sin,
-                [k for k, _ in kv_caches],
-                [v for _, v in kv_caches],
-                attn_metadata.slot_mapping,
-                decode.block_tables,
-                decode.seq_lens,
-                kernels.attention_path(),
-            )
+        step = self._native_step(x, kv_caches, attn_metadata)
+        if step is not None:
+            keys, values = [k for k, _ in kv_caches], [v for _, v in kv_caches]
+            x, residual = self.decoder_loop.forward(x, cos, sin, keys, values, step)
             return self.norm(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -1,4 +1,4 @@
-"""The native decoder loop of decode steps (kernels/decoder_loop.cpp) against the Python layers it stands in for:
+"""The native decoder loop (kernels/decoder_loop.cpp) against the Python layers it stands in for:
 the same operators in the same order, so the hidden states and the K/V it writes must be bit for bit the same,
 whatever GEMM path the rows take (one row, the small-M kernel, oneDNN packed, bf16 rows padded to 4)."""
 
@@ -11,6 +11,7 @@ from tests.tiny_models import VOCAB
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.layers import kernels
+from batchserve.layers.attention import PREFILL_KERNEL_PATHS, prefill_path
 from batchserve.models.llama import DecoderLayer
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.input_batch import RequestTable
@@ -18,25 +19,30 @@ from batchserve.worker.input_batch import RequestTable
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="native kernels not built here")
 
 
-def decode_step(config, num_seqs: int, block_size: int, dtype: torch.dtype, seed: int):
-    """A decode-only batch: each sequence has a context of random K/V in scattered blocks and computes one token."""
+def step_batch(config, num_seqs: int, block_size: int, dtype: torch.dtype, seed: int, prompts: tuple = ()):
+    """A step of `num_seqs` decodes, each over a context of random K/V in scattered blocks, plus one prefill chunk
+    per (context, chunk length) in `prompts` (context 0: a fresh prompt)."""
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(1, 60, (num_seqs,), generator=g).tolist()
-    num_blocks = sum(-(-n // block_size) for n in lens) + 1
+    seqs = [(n - 1, 1) for n in torch.randint(1, 60, (num_seqs,), generator=g).tolist()] + list(prompts)
+    num_blocks = sum(-(-(context + n) // block_size) for context, n in seqs) + 1
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     kv = [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
           for _ in range(config.num_layers)]  # fmt: skip
     free = torch.randperm(num_blocks, generator=g).tolist()
     new = []
-    for i, n in enumerate(lens):
-        need = -(-n // block_size)
+    for i, (context, n) in enumerate(seqs):
+        need = -(-(context + n) // block_size)
         blocks, free = free[:need], free[need:]
-        tokens = torch.randint(3, VOCAB, (n,), generator=g).tolist()
-        new.append(NewRequestData(f"r{i}", tokens, n, SamplingParams(temperature=0.0), blocks, n - 1))
-    out = SchedulerOutput(new_requests=new, num_scheduled_tokens={r.req_id: 1 for r in new})
+        tokens = torch.randint(3, VOCAB, (context + n,), generator=g).tolist()
+        new.append(NewRequestData(f"r{i}", tokens, context + n, SamplingParams(temperature=0.0), blocks, context))
+    out = SchedulerOutput(new_requests=new, num_scheduled_tokens={r.req_id: n for r, (_, n) in zip(new, seqs)})
     table = RequestTable(block_size)
     table.apply(out)
     return table.build(out, torch.device("cpu")), kv
+
+
+def decode_step(config, num_seqs: int, block_size: int, dtype: torch.dtype, seed: int):
+    return step_batch(config, num_seqs, block_size, dtype, seed)
 
 
 def forward(model, batch, kv):
@@ -44,6 +50,17 @@ def forward(model, batch, kv):
     with torch.inference_mode():
         hidden = model(batch.input_ids, batch.positions, caches, batch.attn_metadata)
     return hidden, caches
+
+
+def native_forward(model, batch, kv, monkeypatch):
+    """forward() through the native loop: a call of the Python layers fails the test."""
+
+    def python_layer_ran(*args, **kwargs):
+        raise AssertionError("the step took the Python layers")
+
+    with monkeypatch.context() as m:
+        m.setattr(DecoderLayer, "forward", python_layer_ran)
+        return forward(model, batch, kv)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3, 7, 70])
@@ -67,12 +84,7 @@ def test_decoder_loop_equals_the_python_layers(tiny_models, monkeypatch, kind, d
     batch, kv = decode_step(config, num_seqs, block_size=8, dtype=dtype, seed=num_seqs)
     assert batch.attn_metadata.prefill is None and batch.attn_metadata.decode is not None
 
-    def python_layer_ran(*args, **kwargs):
-        raise AssertionError("a decode step took the Python layers")
-
-    with monkeypatch.context() as m:
-        m.setattr(DecoderLayer, "forward", python_layer_ran)
-        native_hidden, native_kv = forward(model, batch, kv)
+    native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)
     model.decoder_loop = None
     python_hidden, python_kv = forward(model, batch, kv)
     assert native_hidden.dtype == dtype
@@ -81,22 +93,63 @@ def test_decoder_loop_equals_the_python_layers(tiny_models, monkeypatch, kind, d
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def test_steps_with_a_prompt_take_the_python_layers(tiny_models):
+@pytest.fixture
+def forced_prefill(monkeypatch):
+    """Force BATCHSERVE_PREFILL_ATTENTION for one test; the choice is cached per pool dtype, so clear it around."""
+
+    def force(mode: str) -> None:
+        monkeypatch.setenv("BATCHSERVE_PREFILL_ATTENTION", mode)
+        prefill_path.cache_clear()
+
+    yield force
+    prefill_path.cache_clear()
+
+
+@pytest.mark.parametrize("num_seqs", [0, 1, 5])
+@pytest.mark.parametrize("prefill", ["sdpa", "native"])
+@pytest.mark.parametrize(
+    "kind,dtype,units",
+    [
+        ("llama_head64", torch.float32, None),
+        ("llama_head64", torch.bfloat16, "1"),
+        ("llama_head64", torch.bfloat16, "0"),
+        ("qwen2", torch.bfloat16, "1"),  # head size 16: the native prefill kernel does not take it
+        ("llama_attn_bias_mha", torch.float32, None),  # head size 8
+    ],
+)
+def test_steps_with_prompts_equal_the_python_layers(
+    tiny_models, monkeypatch, forced_prefill, kind, dtype, units, prefill, num_seqs
+):
+    """Mixed steps: decodes, a fresh prompt, chunks after earlier context (mid-block and on a block edge)."""
+    if prefill == "native" and kernels.attention_path() not in PREFILL_KERNEL_PATHS:
+        pytest.skip("the native prefill kernel needs an AVX-512 attention path")
+    if units is not None:
+        monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", units)
+    forced_prefill(prefill)
+    _, directory = tiny_models(kind)
+    config, model = load_ours(directory, dtype)
+    batch, kv = step_batch(config, num_seqs, 8, dtype, seed=num_seqs, prompts=((0, 13), (11, 6), (16, 9)))
+    assert batch.attn_metadata.prefill is not None
+    if prefill == "native" and not kernels.load().prefill_attention_available(config.head_dim):
+        # the prefill chunks would attend by the torch code, which the loop does not have: the Python layers run
+        assert model._native_step(model.embed_tokens(batch.input_ids), kv, batch.attn_metadata) is None
+        return
+    native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)
+    model.decoder_loop = None
+    python_hidden, python_kv = forward(model, batch, kv)
+    assert torch.equal(native_hidden, python_hidden)
+    for (k1, v1), (k2, v2) in zip(native_kv, python_kv, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_a_pool_of_another_dtype_takes_the_python_layers(tiny_models):
     _, directory = tiny_models("llama")
     config, model = load_ours(directory)
     batch, kv = decode_step(config, 2, block_size=8, dtype=torch.float32, seed=0)
     x = model.embed_tokens(batch.input_ids)
-    assert model._takes_native_decoder_loop(x, kv, batch.attn_metadata)
-    prompt = SchedulerOutput(
-        new_requests=[NewRequestData("p", [5, 6, 7], 3, SamplingParams(temperature=0.0), [0], 0)],
-        num_scheduled_tokens={"p": 3},
-    )
-    table = RequestTable(8)
-    table.apply(prompt)
-    prefill = table.build(prompt, torch.device("cpu"))
-    assert not model._takes_native_decoder_loop(x, kv, prefill.attn_metadata)
+    assert model._native_step(x, kv, batch.attn_metadata) is not None
     bf16_pool = [(k.bfloat16(), v.bfloat16()) for k, v in kv]  # the native K/V store takes the model's dtype only
-    assert not model._takes_native_decoder_loop(x, bf16_pool, batch.attn_metadata)
+    assert model._native_step(x, bf16_pool, batch.attn_metadata) is None
 
 
 def test_the_loop_can_be_turned_off(tiny_models, monkeypatch):

@@ -1,5 +1,5 @@
-// A decode step's decoder layers in one native call: the same operators, in the same order and on the same tensors,
-// as the Python layers (models/llama.py DecoderLayer, layers/linear.py CpuLinear, layers/attention.py), so its
+// A step's decoder layers in one native call: the same operators, in the same order and on the same tensors, as the
+// Python layers (models/llama.py DecoderLayer, layers/linear.py CpuLinear, layers/attention.py), so its
 // output is bit for bit theirs. What it saves is the interpreter: ~20 Python-level torch calls a layer, 3-6 us each,
 // which at 30 layers were 4-6 ms of a 40 ms decode step (and more of a one-sequence one).
 #include <torch/extension.h>
@@ -17,6 +17,9 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
                torch::Tensor slot_mapping);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+                                      double scale, const std::string& path);
 
 namespace {
 
@@ -75,6 +78,19 @@ struct DecoderLayerWeights {
   Projection qkv, o, gate_up, down;
 };
 
+// One step's attention metadata (layers/attention.py AttentionMetadata): decodes are the batch's first rows, prefill
+// chunks the rest; either group may be absent.
+struct StepAttention {
+  torch::Tensor slot_mapping;
+  int64_t decode_rows = 0;  // rows 0..decode_rows-1 decode
+  c10::optional<torch::Tensor> decode_block_tables, decode_seq_lens;
+  c10::optional<torch::Tensor> prefill_block_tables, prefill_seq_lens, prefill_query_starts;
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> spans;  // per prefill chunk: first row, end row, context
+  std::string prefill_mode;  // "sdpa" (one fused attention per chunk) or "native" (the native prefill kernel)
+  std::string path;          // the native kernels' attention path
+  std::vector<c10::optional<torch::Tensor>> chunk_masks;  // per span with context: its causal mask, shifted
+};
+
 class DecoderLoop {
  public:
   DecoderLoop(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
@@ -88,14 +104,19 @@ class DecoderLoop {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x [B, H] (embedded tokens, one per decoding sequence) -> (x, residual) after the last layer, before the final norm.
+  // x [T, H] (the step's embedded tokens) -> (x, residual) after the last layer, before the final norm.
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                                    const std::vector<torch::Tensor>& key_caches,
                                                    const std::vector<torch::Tensor>& value_caches,
-                                                   torch::Tensor slot_mapping, torch::Tensor block_tables,
-                                                   torch::Tensor seq_lens, const std::string& path) const {
+                                                   StepAttention step) const {
     TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
+    TORCH_CHECK(step.decode_rows == x.size(0) || step.prefill_block_tables.has_value(), "rows without a group");
+    for (const auto& [start, stop, context] : step.spans)  // the masks of chunks after earlier context, once a step
+      step.chunk_masks.push_back(context == 0 ? c10::optional<torch::Tensor>()
+                                              : torch::ones({stop - start, context + stop - start},
+                                                            x.options().dtype(torch::kBool))
+                                                    .tril(context));
     const int64_t tokens = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -113,10 +134,7 @@ class DecoderLoop {
       rope_(qk, cos, sin);
       const auto q_k = qk.split_with_sizes({num_heads_, num_kv_heads_}, 1);
       const torch::Tensor v = parts[1].view({tokens, num_kv_heads_, head_dim_});
-      write_kv_(q_k[1], v, key_caches[i], value_caches[i], slot_mapping);
-      const torch::Tensor attn = paged_decode_attention(q_k[0].to(torch::kFloat32).contiguous(), key_caches[i],
-                                                        value_caches[i], block_tables, seq_lens, scale_, path)
-                                     .to(x.scalar_type());
+      const torch::Tensor attn = attention(q_k[0], q_k[1], v, key_caches[i], value_caches[i], step);
       h = layer.o(attn.reshape({tokens, q_size}));
       h = rms_norm(h, residual, layer.post_attention_norm, eps_);
       x = layer.down(silu_and_mul(layer.gate_up(h)));
@@ -125,6 +143,67 @@ class DecoderLoop {
   }
 
  private:
+  // layers/attention.py paged_attention: store the step's K/V, then each group on its own path.
+  torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                          const StepAttention& step) const {
+    write_kv_(k, v, key_cache, value_cache, step.slot_mapping);
+    const int64_t tokens = q.size(0), d = step.decode_rows;
+    if (d == tokens) return decode(q, key_cache, value_cache, step);
+    if (d == 0) return prefill(q, k, v, key_cache, value_cache, step);
+    auto out = torch::empty_like(q);
+    out.narrow(0, 0, d).copy_(decode(q.narrow(0, 0, d), key_cache, value_cache, step));
+    out.narrow(0, d, tokens - d)
+        .copy_(prefill(q.narrow(0, d, tokens - d), k.narrow(0, d, tokens - d), v.narrow(0, d, tokens - d), key_cache,
+                       value_cache, step));
+    return out;
+  }
+
+  torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                       const StepAttention& step) const {
+    return paged_decode_attention(q.to(torch::kFloat32).contiguous(), key_cache, value_cache,
+                                  *step.decode_block_tables, *step.decode_seq_lens, scale_, step.path)
+        .to(q.scalar_type());
+  }
+
+  torch::Tensor prefill(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                        const StepAttention& step) const {
+    if (step.prefill_mode == "native")
+      return paged_prefill_attention(q.to(torch::kFloat32), key_cache, value_cache, *step.prefill_block_tables,
+                                     *step.prefill_seq_lens, *step.prefill_query_starts, scale_, step.path)
+          .to(q.scalar_type());
+    // layers/attention.py _per_sequence_prefill_attention
+    auto out = torch::empty_like(q);
+    const bool gqa = q.size(1) != k.size(1);
+    const int64_t block_size = key_cache.size(1);
+    for (size_t i = 0; i < step.spans.size(); ++i) {
+      const auto [start, stop, context] = step.spans[i];
+      const auto qs = q.slice(0, start, stop).transpose(0, 1).unsqueeze(0);
+      torch::Tensor o;
+      if (context == 0) {
+        o = at::scaled_dot_product_attention(qs, k.slice(0, start, stop).transpose(0, 1).unsqueeze(0),
+                                             v.slice(0, start, stop).transpose(0, 1).unsqueeze(0), {}, 0.0, true,
+                                             scale_, gqa);
+      } else {
+        const int64_t num_keys = context + stop - start;
+        const auto blocks = step.prefill_block_tables->select(0, i).slice(0, 0, (num_keys + block_size - 1) / block_size);
+        const auto sequence = [&](const torch::Tensor& cache) {
+          return cache.index_select(0, blocks)
+              .view({-1, num_kv_heads_, head_dim_})
+              .slice(0, 0, num_keys)
+              .transpose(0, 1)
+              .unsqueeze(0)
+              .to(q.scalar_type());
+        };
+        o = at::scaled_dot_product_attention(qs, sequence(key_cache), sequence(value_cache), step.chunk_masks[i], 0.0,
+                                             false, scale_, gqa);
+      }
+      out.slice(0, start, stop).copy_(o.select(0, 0).transpose(0, 1));
+    }
+    return out;
+  }
+
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   std::vector<DecoderLayerWeights> layers_;
@@ -143,11 +222,30 @@ void register_decoder_loop(pybind11::module& m) {
            py::arg("weight_t"), py::arg("bias"), py::arg("packed"), py::arg("small_packed"), py::arg("out_features"),
            py::arg("small_max_m"), py::arg("small_min_m"), py::arg("packed_min_m"), py::arg("packed_max_m"),
            py::arg("packed_only"));
+  py::class_<StepAttention>(m, "StepAttention")
+      .def(py::init([](torch::Tensor slot_mapping, int64_t decode_rows, c10::optional<torch::Tensor> decode_block_tables,
+                       c10::optional<torch::Tensor> decode_seq_lens, c10::optional<torch::Tensor> prefill_block_tables,
+                       c10::optional<torch::Tensor> prefill_seq_lens, c10::optional<torch::Tensor> prefill_query_starts,
+                       std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, std::string prefill_mode,
+                       std::string path) {
+             TORCH_CHECK(decode_rows == 0 || (decode_block_tables.has_value() && decode_seq_lens.has_value()),
+                         "decode rows need their block tables and lengths");
+             TORCH_CHECK(!prefill_block_tables.has_value() || prefill_mode == "sdpa" ||
+                             (prefill_mode == "native" && prefill_query_starts.has_value()),
+                         "prefill chunks attend by sdpa or the native kernel (with their query starts)");
+             return StepAttention{std::move(slot_mapping), decode_rows, std::move(decode_block_tables),
+                                  std::move(decode_seq_lens), std::move(prefill_block_tables),
+                                  std::move(prefill_seq_lens), std::move(prefill_query_starts), std::move(spans),
+                                  std::move(prefill_mode), std::move(path), {}};
+           }),
+           py::arg("slot_mapping"), py::arg("decode_rows"), py::arg("decode_block_tables"), py::arg("decode_seq_lens"),
+           py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"), py::arg("prefill_query_starts"),
+           py::arg("spans"), py::arg("prefill_mode"), py::arg("path"));
   py::class_<DecoderLoop>(m, "DecoderLoop")
       .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       .def("add_layer", &DecoderLoop::add_layer)
       .def("num_layers", &DecoderLoop::num_layers)
-      .def("forward", &DecoderLoop::forward, "a decode step's decoder layers -> (x, residual)",
+      .def("forward", &DecoderLoop::forward, "a step's decoder layers -> (x, residual)",
            py::call_guard<py::gil_scoped_release>());
 }
