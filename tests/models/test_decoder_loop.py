@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.models.conftest import load_ours
-from tests.tiny_models import VOCAB
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.layers import kernels
@@ -15,6 +13,8 @@ from batchserve.layers.attention import PREFILL_KERNEL_PATHS, prefill_path
 from batchserve.models.llama import DecoderLayer
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.input_batch import RequestTable
+from tests.models.conftest import load_ours
+from tests.tiny_models import VOCAB
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="native kernels not built here")
 
