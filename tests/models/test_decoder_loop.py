@@ -9,7 +9,7 @@ import torch
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.layers import kernels
-from batchserve.layers.attention import PREFILL_KERNEL_PATHS, prefill_path
+from batchserve.layers.attention import PREFILL_KERNEL_PATHS
 from batchserve.models.llama import DecoderLayer
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.input_batch import RequestTable
@@ -52,6 +52,13 @@ def forward(model, batch, kv):
     return hidden, caches
 
 
+def assert_same(hidden, kv, other_hidden, other_kv) -> None:
+    """The same hidden states and the same K/V in the pool, bit for bit."""
+    assert torch.equal(hidden, other_hidden)
+    for (k1, v1), (k2, v2) in zip(kv, other_kv, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 def native_forward(model, batch, kv, monkeypatch):
     """forward() through the native loop: a call of the Python layers fails the test."""
 
@@ -88,21 +95,7 @@ def test_decoder_loop_equals_the_python_layers(tiny_models, monkeypatch, kind, d
     model.decoder_loop = None
     python_hidden, python_kv = forward(model, batch, kv)
     assert native_hidden.dtype == dtype
-    assert torch.equal(native_hidden, python_hidden)
-    for (k1, v1), (k2, v2) in zip(native_kv, python_kv, strict=True):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
-
-
-@pytest.fixture
-def forced_prefill(monkeypatch):
-    """Force BATCHSERVE_PREFILL_ATTENTION for one test; the choice is cached per pool dtype, so clear it around."""
-
-    def force(mode: str) -> None:
-        monkeypatch.setenv("BATCHSERVE_PREFILL_ATTENTION", mode)
-        prefill_path.cache_clear()
-
-    yield force
-    prefill_path.cache_clear()
+    assert_same(native_hidden, native_kv, python_hidden, python_kv)
 
 
 @pytest.mark.parametrize("num_seqs", [0, 1, 5])
@@ -118,14 +111,14 @@ def forced_prefill(monkeypatch):
     ],
 )
 def test_steps_with_prompts_equal_the_python_layers(
-    tiny_models, monkeypatch, forced_prefill, kind, dtype, units, prefill, num_seqs
+    tiny_models, monkeypatch, force_prefill, kind, dtype, units, prefill, num_seqs
 ):
     """Mixed steps: decodes, a fresh prompt, chunks after earlier context (mid-block and on a block edge)."""
     if prefill == "native" and kernels.attention_path() not in PREFILL_KERNEL_PATHS:
         pytest.skip("the native prefill kernel needs an AVX-512 attention path")
     if units is not None:
         monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", units)
-    forced_prefill(prefill)
+    force_prefill(prefill)
     _, directory = tiny_models(kind)
     config, model = load_ours(directory, dtype)
     batch, kv = step_batch(config, num_seqs, 8, dtype, seed=num_seqs, prompts=((0, 13), (11, 6), (16, 9)))
@@ -137,9 +130,7 @@ def test_steps_with_prompts_equal_the_python_layers(
     native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)
     model.decoder_loop = None
     python_hidden, python_kv = forward(model, batch, kv)
-    assert torch.equal(native_hidden, python_hidden)
-    for (k1, v1), (k2, v2) in zip(native_kv, python_kv, strict=True):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert_same(native_hidden, native_kv, python_hidden, python_kv)
 
 
 def test_a_pool_of_another_dtype_takes_the_python_layers(tiny_models):

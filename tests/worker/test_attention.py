@@ -271,18 +271,6 @@ def test_prefill_paths_bfloat16_pool(path, heads, block_size, force_path):
     torch.testing.assert_close(out.float(), expected, **BF16_TOLERANCE)
 
 
-@pytest.fixture
-def force_prefill(monkeypatch):
-    """force_prefill(path): prefill chunks take `path` ("native" or "sdpa"), whatever the CPU."""
-
-    def force(path: str) -> None:
-        monkeypatch.setenv("BATCHSERVE_PREFILL_ATTENTION", path)
-        prefill_path.cache_clear()
-
-    yield force
-    prefill_path.cache_clear()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("block_size", [9, 16])
 def test_sdpa_prefill_path(dtype, block_size, force_prefill, monkeypatch):

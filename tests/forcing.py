@@ -1,0 +1,21 @@
+"""Fixtures that force one of the CPU's attention paths for a test, whatever the CPU would choose; a test module
+takes one by importing it."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchserve.layers.attention import prefill_path
+
+
+@pytest.fixture
+def force_prefill(monkeypatch):
+    """force_prefill(path): prefill chunks take `path` ("native" or "sdpa"), whatever the CPU. The choice is cached
+    per pool dtype, so it is cleared around the test."""
+
+    def force(path: str) -> None:
+        monkeypatch.setenv("BATCHSERVE_PREFILL_ATTENTION", path)
+        prefill_path.cache_clear()
+
+    yield force
+    prefill_path.cache_clear()
