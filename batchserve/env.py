@@ -43,7 +43,7 @@ def prefill_attention() -> str | None:
 
 
 def native_decoder_loop() -> bool:
-    """BATCHSERVE_NATIVE_DECODER_LOOP (default "1"): "0" runs decode steps' decoder layers in Python instead of in one
+    """BATCHSERVE_NATIVE_DECODER_LOOP (default "1"): "0" runs every step's decoder layers in Python instead of in one
     native call (the same operators either way; read when a model is laid out for the CPU)."""
     return os.environ.get("BATCHSERVE_NATIVE_DECODER_LOOP", "1") != "0"
 

@@ -49,6 +49,8 @@ KINDS = {
     "llama_head64": lambda: transformers.LlamaConfig(
         **{**COMMON, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
     ),
+    # a gate/up projection wider than CpuLinear.NARROW_OUT: it gets oneDNN's packed layout in float32 too
+    "llama_wide_mlp": lambda: transformers.LlamaConfig(**{**COMMON, "intermediate_size": 520}),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=False),
     "qwen2_tied": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),

@@ -136,12 +136,17 @@ class LlamaForCausalLM(nn.Module):
         if self.decoder_loop is None or kv_caches[0][0].dtype != x.dtype or kv_caches[0][0].device.type != "cpu":
             return None
         decode, prefill = meta.decode, meta.prefill
+        decode_rows = 0 if decode is None else decode.token_range[1]
+        if (decode is not None and decode.token_range[0] != 0) or (
+            prefill is not None and prefill.token_range != (decode_rows, x.shape[0])
+        ):
+            return None  # the loop takes decodes as the first rows and prefill chunks as the rest
         mode = "none" if prefill is None else prefill_mode(x, self.config.head_dim, kv_caches[0])
         if mode == "torch":
             return None
         return kernels.load().StepAttention(
             slot_mapping=meta.slot_mapping,
-            decode_rows=0 if decode is None else decode.token_range[1],
+            decode_rows=decode_rows,
             decode_block_tables=None if decode is None else decode.block_tables,
             decode_seq_lens=None if decode is None else decode.seq_lens,
             prefill_block_tables=None if prefill is None else prefill.block_tables,

@@ -1,6 +1,6 @@
 """The native decoder loop (kernels/decoder_loop.cpp) against the Python layers it stands in for:
 the same operators in the same order, so the hidden states and the K/V it writes must be bit for bit the same,
-whatever GEMM path the rows take (one row, the small-M kernel, oneDNN packed, bf16 rows padded to 4)."""
+whatever GEMM path the rows take (x @ W, the small-M kernel, oneDNN packed, bf16 rows padded to 4)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.layers import kernels
 from batchserve.layers.attention import PREFILL_KERNEL_PATHS
+from batchserve.layers.linear import CpuLinear
 from batchserve.models.llama import DecoderLayer
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.input_batch import RequestTable
@@ -133,7 +134,29 @@ def test_steps_with_prompts_equal_the_python_layers(
     assert_same(native_hidden, native_kv, python_hidden, python_kv)
 
 
+@pytest.mark.parametrize("num_seqs", [1, 30, 100, 520])
+@pytest.mark.parametrize("dtype,units", [(torch.float32, None), (torch.bfloat16, "1")])
+def test_a_wide_projection_takes_every_gemm_path(tiny_models, monkeypatch, dtype, units, num_seqs):
+    """gate/up wider than CpuLinear.NARROW_OUT has oneDNN's packed layout in float32 as well: by rows it takes
+    x @ W (1), the small-M kernel (30, where built), oneDNN packed (100) and x @ W again (520)."""
+    if units is not None:
+        monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", units)
+    _, directory = tiny_models("llama_wide_mlp")
+    config, model = load_ours(directory, dtype)
+    gate_up = model.layers[0].mlp.gate_up_proj
+    assert gate_up.out_features > CpuLinear.NARROW_OUT and gate_up.packed is not None
+    assert gate_up.packed_only == (dtype == torch.bfloat16)
+    if dtype == torch.float32 and kernels.load().small_gemm_available():
+        assert gate_up.small_packed is not None
+    batch, kv = decode_step(config, num_seqs, block_size=8, dtype=dtype, seed=num_seqs)
+    native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)
+    model.decoder_loop = None
+    python_hidden, python_kv = forward(model, batch, kv)
+    assert_same(native_hidden, native_kv, python_hidden, python_kv)
+
+
 def test_a_pool_of_another_dtype_takes_the_python_layers(tiny_models):
+    # a guard: the engine allocates its pool in the model's dtype (the Python layers' native K/V store needs that too)
     _, directory = tiny_models("llama")
     config, model = load_ours(directory)
     batch, kv = decode_step(config, 2, block_size=8, dtype=torch.float32, seed=0)

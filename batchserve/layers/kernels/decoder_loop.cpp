@@ -112,11 +112,12 @@ class DecoderLoop {
     TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
     TORCH_CHECK(step.decode_rows == x.size(0) || step.prefill_block_tables.has_value(), "rows without a group");
-    for (const auto& [start, stop, context] : step.spans)  // the masks of chunks after earlier context, once a step
-      step.chunk_masks.push_back(context == 0 ? c10::optional<torch::Tensor>()
-                                              : torch::ones({stop - start, context + stop - start},
-                                                            x.options().dtype(torch::kBool))
-                                                    .tril(context));
+    if (step.prefill_mode == "sdpa")  // the masks of chunks after earlier context, once a step
+      for (const auto& [start, stop, context] : step.spans)
+        step.chunk_masks.push_back(context == 0 ? c10::optional<torch::Tensor>()
+                                                : torch::ones({stop - start, context + stop - start},
+                                                              x.options().dtype(torch::kBool))
+                                                      .tril(context));
     const int64_t tokens = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
