@@ -130,10 +130,10 @@ class LlamaForCausalLM(nn.Module):
         return loop
 
     def _native_step(self, x: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata):
-        """The step's attention metadata for the native decoder loop, or None where the step takes the Python layers:
-        a K/V pool not of the model's dtype (the native K/V store takes that only), or prefill chunks that attend by
-        the torch code."""
-        if self.decoder_loop is None or kv_caches[0][0].dtype != x.dtype or kv_caches[0][0].device.type != "cpu":
+        """The step's attention metadata for the native decoder loop (which exists only on the CPU), or None where the
+        step takes the Python layers: a K/V pool not of the model's dtype (the native K/V store takes that only), or
+        prefill chunks that attend by the torch code."""
+        if self.decoder_loop is None or kv_caches[0][0].dtype != x.dtype:
             return None
         decode, prefill = meta.decode, meta.prefill
         decode_rows = 0 if decode is None else decode.token_range[1]

@@ -1,7 +1,7 @@
 // A step's decoder layers in one native call: the same operators, in the same order and on the same tensors, as the
 // Python layers (models/llama.py DecoderLayer, layers/linear.py CpuLinear, layers/attention.py), so its
-// output is bit for bit theirs. What it saves is the interpreter: ~20 Python-level torch calls a layer, 3-6 us each,
-// which at 30 layers were 4-6 ms of a 40 ms decode step (and more of a one-sequence one).
+// output is bit for bit theirs. What it saves is the interpreter: ~20 Python-level torch calls a layer, which at 30
+// layers were 6-10 ms of every step (a 32-sequence decode step: 40-43 -> 33-34 ms; Intel Xeon with AMX, bf16).
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -88,8 +88,11 @@ struct StepAttention {
   std::vector<std::tuple<int64_t, int64_t, int64_t>> spans;  // per prefill chunk: first row, end row, context
   std::string prefill_mode;  // "sdpa" (one fused attention per chunk) or "native" (the native prefill kernel)
   std::string path;          // the native kernels' attention path
-  std::vector<c10::optional<torch::Tensor>> chunk_masks;  // per span with context: its causal mask, shifted
 };
+
+// Per prefill chunk after earlier context: its causal mask shifted by the context (SeqGroup.chunk_mask); none for a
+// fresh prompt. Built once a step, read by every layer.
+using ChunkMasks = std::vector<c10::optional<torch::Tensor>>;
 
 class DecoderLoop {
  public:
@@ -108,16 +111,17 @@ class DecoderLoop {
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                                    const std::vector<torch::Tensor>& key_caches,
                                                    const std::vector<torch::Tensor>& value_caches,
-                                                   StepAttention step) const {
+                                                   const StepAttention& step) const {
     TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
     TORCH_CHECK(step.decode_rows == x.size(0) || step.prefill_block_tables.has_value(), "rows without a group");
-    if (step.prefill_mode == "sdpa")  // the masks of chunks after earlier context, once a step
+    ChunkMasks masks;
+    if (step.prefill_mode == "sdpa")
       for (const auto& [start, stop, context] : step.spans)
-        step.chunk_masks.push_back(context == 0 ? c10::optional<torch::Tensor>()
-                                                : torch::ones({stop - start, context + stop - start},
-                                                              x.options().dtype(torch::kBool))
-                                                      .tril(context));
+        masks.push_back(context == 0 ? c10::optional<torch::Tensor>()
+                                     : torch::ones({stop - start, context + stop - start},
+                                                   x.options().dtype(torch::kBool))
+                                           .tril(context));
     const int64_t tokens = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -135,7 +139,7 @@ class DecoderLoop {
       rope_(qk, cos, sin);
       const auto q_k = qk.split_with_sizes({num_heads_, num_kv_heads_}, 1);
       const torch::Tensor v = parts[1].view({tokens, num_kv_heads_, head_dim_});
-      const torch::Tensor attn = attention(q_k[0], q_k[1], v, key_caches[i], value_caches[i], step);
+      const torch::Tensor attn = attention(q_k[0], q_k[1], v, key_caches[i], value_caches[i], step, masks);
       h = layer.o(attn.reshape({tokens, q_size}));
       h = rms_norm(h, residual, layer.post_attention_norm, eps_);
       x = layer.down(silu_and_mul(layer.gate_up(h)));
@@ -147,16 +151,16 @@ class DecoderLoop {
   // layers/attention.py paged_attention: store the step's K/V, then each group on its own path.
   torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                           const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                          const StepAttention& step) const {
+                          const StepAttention& step, const ChunkMasks& masks) const {
     write_kv_(k, v, key_cache, value_cache, step.slot_mapping);
     const int64_t tokens = q.size(0), d = step.decode_rows;
     if (d == tokens) return decode(q, key_cache, value_cache, step);
-    if (d == 0) return prefill(q, k, v, key_cache, value_cache, step);
+    if (d == 0) return prefill(q, k, v, key_cache, value_cache, step, masks);
     auto out = torch::empty_like(q);
     out.narrow(0, 0, d).copy_(decode(q.narrow(0, 0, d), key_cache, value_cache, step));
     out.narrow(0, d, tokens - d)
         .copy_(prefill(q.narrow(0, d, tokens - d), k.narrow(0, d, tokens - d), v.narrow(0, d, tokens - d), key_cache,
-                       value_cache, step));
+                       value_cache, step, masks));
     return out;
   }
 
@@ -169,7 +173,7 @@ class DecoderLoop {
 
   torch::Tensor prefill(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                        const StepAttention& step) const {
+                        const StepAttention& step, const ChunkMasks& masks) const {
     if (step.prefill_mode == "native")
       return paged_prefill_attention(q.to(torch::kFloat32), key_cache, value_cache, *step.prefill_block_tables,
                                      *step.prefill_seq_lens, *step.prefill_query_starts, scale_, step.path)
@@ -197,7 +201,7 @@ class DecoderLoop {
               .unsqueeze(0)
               .to(q.scalar_type());
         };
-        o = at::scaled_dot_product_attention(qs, sequence(key_cache), sequence(value_cache), step.chunk_masks[i], 0.0,
+        o = at::scaled_dot_product_attention(qs, sequence(key_cache), sequence(value_cache), masks[i], 0.0,
                                              false, scale_, gqa);
       }
       out.slice(0, start, stop).copy_(o.select(0, 0).transpose(0, 1));
@@ -237,7 +241,7 @@ void register_decoder_loop(pybind11::module& m) {
              return StepAttention{std::move(slot_mapping), decode_rows, std::move(decode_block_tables),
                                   std::move(decode_seq_lens), std::move(prefill_block_tables),
                                   std::move(prefill_seq_lens), std::move(prefill_query_starts), std::move(spans),
-                                  std::move(prefill_mode), std::move(path), {}};
+                                  std::move(prefill_mode), std::move(path)};
            }),
            py::arg("slot_mapping"), py::arg("decode_rows"), py::arg("decode_block_tables"), py::arg("decode_seq_lens"),
            py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"), py::arg("prefill_query_starts"),

@@ -102,7 +102,7 @@ void silu_and_mul_rows(const T* gate_up, int64_t stride, T* out, int64_t rows, i
         const __m512 gv = load16(g + i);
         const __m512 d = _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
         // 1 / d as rcp14 and one Newton step (relative error ~2^-28, below float32's rounding): a vdivps costs as
-        // much as the whole exp, and this loop was bound by it at prefill sizes (2048 x 1536: 2.3 -> 1.2 ms a call)
+        // much as the whole exp, and this loop was bound by it (2048 x 1536 bf16, 2 threads: 1.01 -> 0.85 ms a call)
         __m512 r = _mm512_rcp14_ps(d);
         r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, two));
         store16(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, r), load16(u + i)));
