@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from pydantic import ValidationError
 
@@ -47,3 +49,33 @@ def test_bad_engine_options_fail_before_any_replica_starts():
 
     with pytest.raises(ConfigError, match="block_size"):
         build_application(RayAppOptions(engine={"block_size": 4}))
+
+
+def test_a_local_ray_instance_starts_with_the_periodic_work_turned_down(monkeypatch):
+    # The processes Ray starts inherit the environment at ray.init: the settings must be there by then, and a value
+    # the user exported must be left as it is. Joining a running instance changes nothing.
+    import ray
+
+    from batchserve.distributed import launch
+
+    for name in launch.LOCAL_RAY_ENVIRONMENT:  # set, then deleted: monkeypatch restores what was there before
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")
+    seen = []
+
+    def fake_init(address=None, **kwargs):
+        if address == "auto":
+            raise ConnectionError("no Ray instance here")
+        seen.append({name: os.environ.get(name) for name in launch.LOCAL_RAY_ENVIRONMENT})
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    options = RayAppOptions(engine={"dtype": "float32"}, replicas=1)
+    assert launch._connect(options, None) is False
+    assert seen == [{**launch.LOCAL_RAY_ENVIRONMENT, "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"}]
+
+    for name in launch.LOCAL_RAY_ENVIRONMENT:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(ray, "init", lambda address=None, **kwargs: None)  # an instance is running: joined
+    assert launch._connect(options, None) is True
+    assert not any(name in os.environ for name in launch.LOCAL_RAY_ENVIRONMENT)

@@ -257,6 +257,23 @@ def test_decode_paths_bfloat16_pool(path, heads, block_size, num_seqs, force_pat
     torch.testing.assert_close(out.float(), expected, **BF16_TOLERANCE)
 
 
+@pytest.mark.parametrize("num_seqs", [6, 40], ids=["per-kv-head-items", "per-sequence-items"])
+def test_bf16_decode_is_the_same_bits_on_any_number_of_threads(num_seqs, force_path):
+    # The bf16 path's threads claim work items one at a time, longest context first: which thread computes an item
+    # changes with the thread count and the OS's timing, its result must not.
+    force_path("avx512_bf16")
+    seqs = [((37 * i) % 300, 1) for i in range(num_seqs)]
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(run_batch(seqs, 16, heads=(9, 3, 64), dtype=torch.bfloat16)[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 @pytest.mark.parametrize("path", kernels.ATTENTION_PATHS)
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 128), (2, 2, 32)], ids=str)
 @pytest.mark.parametrize("block_size", [9, 16])

@@ -10,9 +10,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -437,17 +439,16 @@ BF16_TARGET void values_group_bf16(const bf16_t* v_head, const int64_t* table, i
   if (heads - h == 1) run(std::integral_constant<int, 1>{}, h);
 }
 
-// Work items first, first + stride, ... of decode_attention_bf16 (a function of its own: a lambda would not carry the
-// target). A
-// decode query sees its whole context at once, so its softmax needs no online rescaling: (1) every score of the
-// sequence, and their max; (2) the weights exp(s - max) in bf16, and their sum; (3) P.V with the accumulators in
-// registers from the first token to the last.
+// The work items of decode_attention_bf16 this thread claims from `next` (positions in `order`), until none is left
+// (a function of its own: a lambda would not carry the target). A decode query sees its whole context at once, so
+// its softmax needs no online rescaling: (1) every score of the sequence, and their max; (2) the weights
+// exp(s - max) in bf16, and their sum; (3) P.V with the accumulators in registers from the first token to the last.
 template <int NC>
-BF16_TARGET void decode_items_bf16(int64_t first, int64_t num_items, int64_t stride, const float* q,
-                                   const bf16_t* k_cache,
-                                   const bf16_t* v_cache, const int64_t* tables, const int64_t* seq_lens, float* out,
-                                   int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t max_blocks,
-                                   int64_t splits, float scale) {
+BF16_TARGET void decode_items_bf16(std::atomic<int64_t>& next, const int64_t* order, int64_t num_items,
+                                   const float* q, const bf16_t* k_cache, const bf16_t* v_cache,
+                                   const int64_t* tables, const int64_t* seq_lens, float* out, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, int64_t splits,
+                                   float scale) {
   constexpr int64_t D = NC * 16;
   constexpr int NP = NC / 2;
   const int64_t group = num_heads / num_kv_heads;
@@ -458,7 +459,8 @@ BF16_TARGET void decode_items_bf16(int64_t first, int64_t num_items, int64_t str
   std::vector<float> scores, acc(item_heads * D), maxes(item_heads * 16);
   std::vector<uint16_t> qb(item_heads * D), pb;
   std::vector<float> sums(item_heads);
-  for (int64_t item = first; item < num_items; item += stride) {
+  for (int64_t claimed; (claimed = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+    const int64_t item = order[claimed];
     const int64_t seq = item / splits, first_kv = item % splits * heads_per_item;
     const int64_t first_head = first_kv * group;
     const int64_t len = seq_lens[seq];
@@ -526,9 +528,16 @@ void decode_attention_bf16(const float* q, const bf16_t* k_cache, const bf16_t* 
   const int64_t splits = num_seqs < 4 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t num_items = num_seqs * splits;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  // Items are claimed one at a time, longest context first: the threads end together however the lengths are
+  // spread, and a thread the OS preempts holds up only the item it is on (the other takes the rest).
+  std::vector<int64_t> order(num_items);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return seq_lens[a / splits] > seq_lens[b / splits]; });
+  std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t worker = begin; worker < end; ++worker)
-      decode_items_bf16<NC>(worker, num_items, threads, q, k_cache, v_cache, tables, seq_lens, out, num_heads,
+    if (begin < end)
+      decode_items_bf16<NC>(next, order.data(), num_items, q, k_cache, v_cache, tables, seq_lens, out, num_heads,
                             num_kv_heads, block_size, max_blocks, splits, scale);
   });
 }
