@@ -34,8 +34,9 @@ APP_NAME = "batchserve"
 
 # Ray's periodic work that this application does not use, slowed down or off in a Ray instance that `serve
 # --replicas` starts itself (the processes it spawns inherit the environment). On a small machine every wake-up of
-# Ray's threads preempts an engine thread: these took the Ray daemons' share under load from ~8% to ~3% of a core
-# and one replica through Ray from ~400 to ~430 out tok/s (2 cores). A value the user exported wins.
+# Ray's threads preempts an engine thread: under ray_router_compare.py's saturated load these took Ray's processes
+# other than the replica and the ingress from 1.9 to 1.0 CPU-seconds, and one replica through Ray from ~400 to
+# 414-435 out tok/s (2 cores, Intel Xeon with AMX). A value the user exported wins.
 LOCAL_RAY_ENVIRONMENT = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",  # the controller reconciles twice a second, not ten times
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "2000",  # Serve's own request metrics; the app serves its own
