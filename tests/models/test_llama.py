@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import KINDS, VOCAB, MiniScheduler, hf_greedy, load_ours, make_runner
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.input_batch import RequestTable
+from tests.models.conftest import MiniScheduler, load_ours, make_runner
+from tests.tiny_models import KINDS, VOCAB, hf_greedy
 
 
 def prompt_ids(seed: int, length: int) -> list[int]:
