@@ -10,12 +10,13 @@ then replaces it), and posts its Prometheus metrics to the ReplicaBoard for the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+from batchserve.config import EngineConfig
 from batchserve.distributed.messages import (
     Admitted,
     EngineDescription,
@@ -37,22 +38,23 @@ METRICS_POST_PERIOD_S = 1.0
 
 
 class EngineReplica:
-    def __init__(
+    async def __init__(
         self, engine_options: dict[str, Any], model_name: str, board: Any = None, stall_timeout_s: float = 120.0
     ) -> None:
         """`engine_options`: engine options as in a --config file; `board`: a handle to the ReplicaBoard
-        deployment (None: metrics are not posted)."""
+        deployment (None: metrics are not posted). Async so that the metrics posts are made on the replica's event
+        loop, where a handle call works in every mode Ray Serve runs user code in (a thread calling `.result()` got
+        no answer with RAY_SERVE_THROUGHPUT_OPTIMIZED); the engine is built in a worker thread meanwhile."""
         config = engine_config(engine_options, "the Ray Serve app")
-        configure_torch(config.num_threads, config.seed)
-        self.engine = AsyncLLMEngine(LLMEngine(config)).start()
+        self.engine = await asyncio.to_thread(_started_engine, config)
         self.metrics = EngineMetrics(model_name=model_name).attach(self.engine)
         self.stall_timeout_s = stall_timeout_s
         self.replica_id = _replica_id()
         self._outboxes: dict[str, Outbox] = {}  # by caller
         self._board = board
-        self._stopped = threading.Event()
+        self._stopped = False
         if board is not None:
-            threading.Thread(target=self._post_metrics, name="batchserve-metrics-post", daemon=True).start()
+            self._poster = asyncio.ensure_future(self._post_metrics())
         logger.info("replica %s ready: %s", self.replica_id, self.engine.engine.effective_config())
 
     def describe(self) -> EngineDescription:
@@ -119,15 +121,21 @@ class EngineReplica:
     def metrics_text(self) -> str:
         return self.metrics.render().decode()
 
-    def _post_metrics(self) -> None:
-        while not self._stopped.wait(METRICS_POST_PERIOD_S):
+    async def _post_metrics(self) -> None:
+        while not self._stopped:
+            await asyncio.sleep(METRICS_POST_PERIOD_S)
             with contextlib.suppress(Exception):  # the board restarting: post again next period
-                self._board.post.remote(self.replica_id, self.metrics_text()).result(timeout_s=10)
+                await asyncio.wait_for(self._board.post.remote(self.replica_id, self.metrics_text()), 10)
 
     def __del__(self) -> None:
         """Ray Serve calls this when it stops the replica."""
-        self._stopped.set()
+        self._stopped = True
         self.engine.shutdown(drain=False)
+
+
+def _started_engine(config: EngineConfig) -> AsyncLLMEngine:
+    configure_torch(config.num_threads, config.seed)
+    return AsyncLLMEngine(LLMEngine(config)).start()
 
 
 def _replica_id() -> str:
