@@ -80,11 +80,14 @@ def run(options: RayAppOptions, host: str, port: int, ray_address: str | None, r
     """`ray_proxy`: HTTP through Ray Serve's proxy (one more process and Ray hop per response chunk) instead of the
     ingress's own server."""
     import ray
+
+    joined = _connect(options, ray_address)
+    # Ray Serve reads its settings when first imported, in this process too (the handles the application is built
+    # with take their transport from here): after _connect has exported LOCAL_RAY_ENVIRONMENT
     from ray import serve
 
     from batchserve.distributed.app import build_application
 
-    joined = _connect(options, ray_address)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, _setter(stop)) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

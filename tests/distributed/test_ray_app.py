@@ -1,13 +1,12 @@
 """End to end on Ray Serve: a local Ray instance started here, 2 engine replicas of SmolLM2-135M-Instruct (1 thread
 each) behind the OpenAI ingress and the prefix-aware router; Ray's HTTP proxy on a free port, and the ingress's own
-HTTP server on another. Ray runs with the environment `batchserve serve --replicas` gives the Ray instance it starts
-(launch.LOCAL_RAY_ENVIRONMENT: Serve's throughput-optimized mode among it)."""
+HTTP server on another. Ray runs with the environment `batchserve serve --replicas` gives the Ray instance it
+starts (conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 
@@ -29,15 +28,12 @@ def ray_app():
     from ray import serve
 
     from batchserve.distributed.app import build_application
-    from batchserve.distributed.launch import LOCAL_RAY_ENVIRONMENT
     from batchserve.distributed.options import RayAppOptions
     from batchserve.entrypoints.openai.launch import free_port
     from batchserve.layers import kernels
 
     kernels.load()  # built (and cached on disk) here once, before the replicas start and look for them
     port, grpc_port, http_port = free_port(), free_port(), free_port()
-    exported = {name: os.environ.get(name) for name in LOCAL_RAY_ENVIRONMENT}
-    os.environ.update({name: value for name, value in LOCAL_RAY_ENVIRONMENT.items() if exported[name] is None})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -55,9 +51,6 @@ def ray_app():
     finally:
         serve.shutdown()
         ray.shutdown()
-        for name, value in exported.items():
-            if value is None:
-                os.environ.pop(name, None)
 
 
 @pytest.fixture(scope="module")
