@@ -78,7 +78,7 @@ def keep_freed_memory() -> bool:
     torch's CPU tensors come from malloc; with glibc's defaults a large block (a prefill chunk's activations: 2048 x
     3072 bf16 is 12 MB) is mapped afresh and unmapped when freed, or the heap's freed top is trimmed, so the next step
     page-faults the same memory in again, zero-filled by the kernel: ~4,000 faults a 2048-token bf16 prefill step
-    (297 -> 257 ms a step without them), ~10% of peer64's wall time in bf16 (Intel Xeon with AMX; docs/BENCHMARKS.md).
+    (297 -> 257 ms a step without them), 6-10% of peer64's wall time in bf16 (Intel Xeon with AMX; docs/BENCHMARKS.md).
     vLLM's CPU backend gets the same from preloading tcmalloc; here it is two mallopt settings, in-process: blocks up
     to 32 MB come from the heap, and up to 1 GiB of free heap stays mapped. Process-wide and once; True when glibc took
     both (False on another C library, whose defaults stay)."""
