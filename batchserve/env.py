@@ -34,6 +34,15 @@ def attention_path() -> str | None:
     return None if value in (None, "", "auto") else value
 
 
+def gemm_path() -> str | None:
+    """BATCHSERVE_GEMM_PATH (default unset or "auto": the CPU's flags decide): forces the GEMM of bfloat16 models on
+    a CPU with bf16 matmul units, "amx" (the native AMX kernel, layers/kernels/amx_gemm.cpp), "amx_emulated" (the
+    same kernel with its tile operations in scalar code: slow, runs on any CPU) or "onednn" (oneDNN's packed GEMM);
+    to measure or test one path. A path this build or CPU cannot run is an error, not a silent fallback."""
+    value = os.environ.get("BATCHSERVE_GEMM_PATH")
+    return None if value in (None, "", "auto") else value
+
+
 def prefill_attention() -> str | None:
     """BATCHSERVE_PREFILL_ATTENTION (default unset or "auto": the pool's dtype and the CPU's flags decide): "native"
     (the native kernel, or the torch code where it does not run) or "sdpa" (torch's fused attention, one call per

@@ -19,3 +19,19 @@ def force_prefill(monkeypatch):
 
     yield force
     prefill_path.cache_clear()
+
+
+@pytest.fixture
+def force_gemm(monkeypatch):
+    """force_gemm(path): bfloat16 projections on bf16 matmul units take GEMM `path` ("amx", "amx_emulated" or
+    "onednn"), and the CPU counts as having those units; the cached choice is cleared around the test. Layouts are
+    made when a model or CpuLinear is built, so force before building one."""
+    from batchserve.layers import kernels
+
+    def force(path: str) -> None:
+        monkeypatch.setenv("BATCHSERVE_GEMM_PATH", path)
+        monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", "1")
+        kernels.bf16_gemm_path.cache_clear()
+
+    yield force
+    kernels.bf16_gemm_path.cache_clear()

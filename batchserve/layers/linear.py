@@ -1,4 +1,4 @@
-"""CpuLinear: a projection laid out for this CPU's GEMMs (native small-M kernel, oneDNN packed, or x @ W)."""
+"""CpuLinear: a projection laid out for this CPU's GEMMs (native small-M or AMX kernel, oneDNN packed, or x @ W)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ class CpuLinear(nn.Module):
     # M = 1 / 2 / 3 / 4, 1 thread, AMD EPYC with AVX512-BF16: 20.1 / 23.5 / 19.8 / 18.5 ms): zero rows pad up to 4.
     PACKED_MIN_M = 4
     PACKED_MAX_M = 512  # from here on (prefill chunks) x @ W is as fast
+    # bf16 on AMX: the native AMX kernel up to here, oneDNN's packed GEMM from here on (SmolLM2's 30 layers, 2 threads,
+    # Intel Xeon with AMX: 11.1 / 22.2 / 54.5 / 117 ms against oneDNN's 16.0 / 24.9 / 66.4 / 130 at M = 32 / 160 /
+    # 512 / 1024; at 2048 oneDNN's cache blocking wins)
+    AMX_MAX_M = 1024
     NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -45,6 +49,20 @@ class CpuLinear(nn.Module):
         native = kernels.for_tensors(weight)
         small = native is not None and native.small_gemm_available()
         self.register_buffer("small_packed", native.small_gemm_pack(weight) if small else None)
+        self.amx_emulated = False
+        self.register_buffer("amx_packed", self._amx_layout(weight))
+
+    def _amx_layout(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The AMX kernel's panels of a bf16 weight, where that is this CPU's bf16 GEMM path and the kernel takes
+        the shape; else None."""
+        if not self.packed_only or weight.dtype != torch.bfloat16:
+            return None
+        path = kernels.bf16_gemm_path()
+        native = kernels.load()
+        if path == "onednn" or native is None or not native.amx_gemm_takes(*weight.shape):
+            return None
+        self.amx_emulated = path == "amx_emulated"
+        return native.amx_gemm_pack(weight)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> CpuLinear:
@@ -58,6 +76,8 @@ class CpuLinear(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if self.packed_only:
+            if self.amx_packed is not None and m < self.AMX_MAX_M:
+                return kernels.load().amx_gemm(x, self.amx_packed, self.bias, self.amx_emulated)
             if m < self.PACKED_MIN_M:
                 return self._packed(torch.cat([x, x.new_zeros(self.PACKED_MIN_M - m, x.shape[1])]))[:m]
             return self._packed(x)
@@ -85,6 +105,9 @@ class CpuLinear(nn.Module):
             packed_min_m=self.PACKED_MIN_M,
             packed_max_m=self.PACKED_MAX_M,
             packed_only=self.packed_only,
+            amx_packed=self.amx_packed,
+            amx_max_m=self.AMX_MAX_M,
+            amx_emulated=self.amx_emulated,
         )
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +128,9 @@ def gemm_path(dtype: torch.dtype) -> str:
     """The GEMM path CpuLinear takes for a model in `dtype` on this CPU, in words (the start-up log says it)."""
     if dtype in (torch.bfloat16, torch.float16):
         if kernels.has_matmul_units(dtype):
-            return f"oneDNN {dtype} GEMMs on weights packed once ({dtype} matmul units)"
+            amx = dtype == torch.bfloat16 and kernels.bf16_gemm_path() != "onednn"
+            first = f"the native AMX kernel ({kernels.bf16_gemm_path()}) below {CpuLinear.AMX_MAX_M} rows, " if amx else ""
+            return f"{first}oneDNN {dtype} GEMMs on weights packed once ({dtype} matmul units)"
         return f"float32 GEMMs on widened weights (no {dtype} matmul units)"
     native = kernels.load()
     if native is not None and native.small_gemm_available():

@@ -1,6 +1,7 @@
 """The native decoder loop (kernels/decoder_loop.cpp) against the Python layers it stands in for:
 the same operators in the same order, so the hidden states and the K/V it writes must be bit for bit the same,
-whatever GEMM path the rows take (x @ W, the small-M kernel, oneDNN packed, bf16 rows padded to 4)."""
+whatever GEMM path the rows take (x @ W, the small-M kernel, oneDNN packed, bf16 rows padded to 4, the AMX kernel
+or its emulation)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,24 @@ def assert_same(hidden, kv, other_hidden, other_kv) -> None:
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+def _force_units(monkeypatch, force_gemm, units: str | None) -> None:
+    """units: None (the CPU decides), "1"/"0" (bf16 matmul units or not, oneDNN's GEMM on them) or a GEMM path."""
+    if units == "amx" and not kernels.gemm_path_runs("amx"):
+        pytest.skip("this CPU has no AMX (amx_bf16)")
+    if units in kernels.GEMM_PATHS:
+        force_gemm(units)
+    elif units is not None:
+        monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", units)
+        if units == "1":
+            force_gemm("onednn")  # oneDNN's packed GEMM, as on bf16 units without AMX
+
+
+def _check_gemm_layouts(model, units: str | None) -> None:
+    """Every projection has the AMX layout exactly when the AMX kernel (or its emulation) was forced."""
+    gate_up = model.layers[0].mlp.gate_up_proj
+    assert (gate_up.amx_packed is not None) == (units in ("amx", "amx_emulated"))
+
+
 def native_forward(model, batch, kv, monkeypatch):
     """forward() through the native loop: a call of the Python layers fails the test."""
 
@@ -81,13 +100,15 @@ def native_forward(model, batch, kv, monkeypatch):
         ("llama_tied", torch.bfloat16, "1"),  # oneDNN bf16 GEMMs on packed weights, fewer than 4 rows padded
         ("qwen2", torch.bfloat16, "1"),
         ("llama", torch.bfloat16, "0"),  # no bf16 units: float32 GEMMs on widened weights
+        ("llama", torch.bfloat16, "amx_emulated"),  # the AMX kernel's tile operations in scalar code, on any CPU
+        ("llama", torch.bfloat16, "amx"),  # on AMX tiles, where the CPU has them
     ],
 )
-def test_decoder_loop_equals_the_python_layers(tiny_models, monkeypatch, kind, dtype, units, num_seqs):
-    if units is not None:
-        monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", units)
+def test_decoder_loop_equals_the_python_layers(tiny_models, monkeypatch, force_gemm, kind, dtype, units, num_seqs):
+    _force_units(monkeypatch, force_gemm, units)
     _, directory = tiny_models(kind)
     config, model = load_ours(directory, dtype)
+    _check_gemm_layouts(model, units)
     assert model.decoder_loop is not None and model.decoder_loop.num_layers() == config.num_layers
     batch, kv = decode_step(config, num_seqs, block_size=8, dtype=dtype, seed=num_seqs)
     assert batch.attn_metadata.prefill is None and batch.attn_metadata.decode is not None
@@ -107,21 +128,22 @@ def test_decoder_loop_equals_the_python_layers(tiny_models, monkeypatch, kind, d
         ("llama_head64", torch.float32, None),
         ("llama_head64", torch.bfloat16, "1"),
         ("llama_head64", torch.bfloat16, "0"),
+        ("llama_head64", torch.bfloat16, "amx_emulated"),
         ("qwen2", torch.bfloat16, "1"),  # head size 16: the native prefill kernel does not take it
         ("llama_attn_bias_mha", torch.float32, None),  # head size 8
     ],
 )
 def test_steps_with_prompts_equal_the_python_layers(
-    tiny_models, monkeypatch, force_prefill, kind, dtype, units, prefill, num_seqs
+    tiny_models, monkeypatch, force_prefill, force_gemm, kind, dtype, units, prefill, num_seqs
 ):
     """Mixed steps: decodes, a fresh prompt, chunks after earlier context (mid-block and on a block edge)."""
     if prefill == "native" and kernels.attention_path() not in PREFILL_KERNEL_PATHS:
         pytest.skip("the native prefill kernel needs an AVX-512 attention path")
-    if units is not None:
-        monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", units)
+    _force_units(monkeypatch, force_gemm, units)
     force_prefill(prefill)
     _, directory = tiny_models(kind)
     config, model = load_ours(directory, dtype)
+    _check_gemm_layouts(model, units)
     batch, kv = step_batch(config, num_seqs, 8, dtype, seed=num_seqs, prompts=((0, 13), (11, 6), (16, 9)))
     assert batch.attn_metadata.prefill is not None
     if prefill == "native" and not kernels.load().prefill_attention_available(config.head_dim):
@@ -135,12 +157,14 @@ def test_steps_with_prompts_equal_the_python_layers(
 
 
 @pytest.mark.parametrize("num_seqs", [1, 30, 100, 520])
-@pytest.mark.parametrize("dtype,units", [(torch.float32, None), (torch.bfloat16, "1")])
-def test_a_wide_projection_takes_every_gemm_path(tiny_models, monkeypatch, dtype, units, num_seqs):
+@pytest.mark.parametrize(
+    "dtype,units", [(torch.float32, None), (torch.bfloat16, "1"), (torch.bfloat16, "amx_emulated")]
+)
+def test_a_wide_projection_takes_every_gemm_path(tiny_models, monkeypatch, force_gemm, dtype, units, num_seqs):
     """gate/up wider than CpuLinear.NARROW_OUT has oneDNN's packed layout in float32 as well: by rows it takes
-    x @ W (1), the small-M kernel (30, where built), oneDNN packed (100) and x @ W again (520)."""
-    if units is not None:
-        monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", units)
+    x @ W (1), the small-M kernel (30, where built), oneDNN packed (100) and x @ W again (520). With the AMX kernel
+    forced, the projections whose shape it takes (qkv, o) run on it and the others (gate/up, down) on oneDNN."""
+    _force_units(monkeypatch, force_gemm, units)
     _, directory = tiny_models("llama_wide_mlp")
     config, model = load_ours(directory, dtype)
     gate_up = model.layers[0].mlp.gate_up_proj
@@ -148,6 +172,8 @@ def test_a_wide_projection_takes_every_gemm_path(tiny_models, monkeypatch, dtype
     assert gate_up.packed_only == (dtype == torch.bfloat16)
     if dtype == torch.float32 and kernels.load().small_gemm_available():
         assert gate_up.small_packed is not None
+    attention = model.layers[0].self_attn
+    assert gate_up.amx_packed is None and (attention.qkv_proj.amx_packed is not None) == (units == "amx_emulated")
     batch, kv = decode_step(config, num_seqs, block_size=8, dtype=dtype, seed=num_seqs)
     native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)
     model.decoder_loop = None

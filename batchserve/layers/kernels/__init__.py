@@ -83,6 +83,39 @@ def attention_path() -> str:
     return path
 
 
+# The GEMM paths of bfloat16 models on a CPU with bf16 matmul units (layers/linear.py CpuLinear), best first: the
+# native AMX kernel (amx_gemm.cpp), that kernel's tile operations emulated in scalar code (for tests), oneDNN's packed
+# GEMM. The emulated path is never chosen by itself.
+GEMM_PATHS = ("amx", "amx_emulated", "onednn")
+
+
+def gemm_path_runs(path: str) -> bool:
+    """Whether the native kernels are built here with `path` and this CPU runs it."""
+    if path == "onednn":
+        return True
+    native = load()
+    if native is None:
+        return False
+    return path == "amx_emulated" or ("amx_bf16" in cpu_flags().split() and native.amx_gemm_available())
+
+
+@functools.cache
+def bf16_gemm_path() -> str:
+    """The GEMM path of bfloat16 projections on bf16 matmul units, chosen once: BATCHSERVE_GEMM_PATH when set
+    (ValueError when it names no path or one that cannot run here), else AMX where the CPU has it. Logged once."""
+    forced = env.gemm_path()
+    if forced is not None:
+        if forced not in GEMM_PATHS:
+            raise ValueError(f"BATCHSERVE_GEMM_PATH={forced!r}: not one of auto, {', '.join(GEMM_PATHS)}")
+        if not gemm_path_runs(forced):
+            raise ValueError(f"BATCHSERVE_GEMM_PATH={forced!r}: not built here or not runnable on this CPU")
+        path = forced
+    else:
+        path = "amx" if gemm_path_runs("amx") else "onednn"
+    logger.info("bf16 GEMM path: %s (%s)", path, "BATCHSERVE_GEMM_PATH" if forced else "chosen by the CPU's flags")
+    return path
+
+
 def _machine_tag() -> str:
     """-march=native code is only valid on the CPU it was built for: key the build on the CPU's flags (and ours)."""
     flags = cpu_flags()

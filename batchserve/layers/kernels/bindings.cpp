@@ -22,6 +22,10 @@ void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, 
 bool small_gemm_available();
 torch::Tensor small_gemm_pack(torch::Tensor weight);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
+bool amx_gemm_available();
+bool amx_gemm_takes(int64_t n, int64_t k);
+torch::Tensor amx_gemm_pack(torch::Tensor weight);
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated);
 void register_decoder_loop(pybind11::module& m);
 
 // The kernels touch no Python object: each call lets go of the interpreter lock while it computes, as torch's own
@@ -50,5 +54,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_available", &small_gemm_available, "whether small_gemm was built (AVX-512)");
   m.def("small_gemm_pack", &small_gemm_pack, "[N, K] weight -> [N/32, K, 32] panels for small_gemm", kNoGil);
   m.def("small_gemm", &small_gemm, "x [M, K] @ packed weight -> [M, n], for small M", kNoGil);
+  m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm was built with AMX and may use the tiles");
+  m.def("amx_gemm_takes", &amx_gemm_takes, "whether amx_gemm takes an [N, K] weight (both multiples of 32)");
+  m.def("amx_gemm_pack", &amx_gemm_pack, "[N, K] bf16 weight -> [N/32, K/32, 2, 16, 32] AMX panels", kNoGil);
+  m.def("amx_gemm", &amx_gemm, "x [M, K] @ packed weight (+ bias) -> [M, N] bf16 on AMX tiles", kNoGil,
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("emulated") = false);
   register_decoder_loop(m);
 }

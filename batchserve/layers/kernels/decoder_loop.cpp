@@ -17,6 +17,7 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
                torch::Tensor slot_mapping);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated);
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                                       double scale, const std::string& path);
@@ -43,9 +44,9 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // One CpuLinear's layouts and its choice of GEMM by rows (layers/linear.py CpuLinear._forward, same thresholds).
 struct Projection {
   torch::Tensor weight_t;  // [in, out]; its dtype is the GEMM's (float32 for bf16 weights without bf16 units)
-  c10::optional<torch::Tensor> bias, packed, small_packed;
-  int64_t out_features, small_max_m, small_min_m, packed_min_m, packed_max_m;
-  bool packed_only;
+  c10::optional<torch::Tensor> bias, packed, small_packed, amx_packed;
+  int64_t out_features, small_max_m, small_min_m, packed_min_m, packed_max_m, amx_max_m;
+  bool packed_only, amx_emulated;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (x.scalar_type() != weight_t.scalar_type()) return gemm(x.to(weight_t.scalar_type())).to(x.scalar_type());
@@ -55,6 +56,7 @@ struct Projection {
   torch::Tensor gemm(const torch::Tensor& x) const {
     const int64_t m = x.size(0);
     if (packed_only) {
+      if (amx_packed.has_value() && m < amx_max_m) return amx_gemm(x, *amx_packed, bias, amx_emulated);
       if (m < packed_min_m)
         return packed_linear(torch::cat({x, x.new_zeros({packed_min_m - m, x.size(1)})}), *packed, bias).narrow(0, 0, m);
       return packed_linear(x, *packed, bias);
@@ -219,14 +221,18 @@ void register_decoder_loop(pybind11::module& m) {
   py::class_<Projection>(m, "Projection")
       .def(py::init([](torch::Tensor weight_t, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> packed,
                        c10::optional<torch::Tensor> small_packed, int64_t out_features, int64_t small_max_m,
-                       int64_t small_min_m, int64_t packed_min_m, int64_t packed_max_m, bool packed_only) {
+                       int64_t small_min_m, int64_t packed_min_m, int64_t packed_max_m, bool packed_only,
+                       c10::optional<torch::Tensor> amx_packed, int64_t amx_max_m, bool amx_emulated) {
              TORCH_CHECK(!packed_only || packed.has_value(), "packed_only needs a packed weight");
-             return Projection{std::move(weight_t), std::move(bias), std::move(packed), std::move(small_packed),
-                               out_features, small_max_m, small_min_m, packed_min_m, packed_max_m, packed_only};
+             return Projection{std::move(weight_t), std::move(bias),  std::move(packed), std::move(small_packed),
+                               std::move(amx_packed), out_features, small_max_m,       small_min_m,
+                               packed_min_m,          packed_max_m, amx_max_m,         packed_only,
+                               amx_emulated};
            }),
            py::arg("weight_t"), py::arg("bias"), py::arg("packed"), py::arg("small_packed"), py::arg("out_features"),
            py::arg("small_max_m"), py::arg("small_min_m"), py::arg("packed_min_m"), py::arg("packed_max_m"),
-           py::arg("packed_only"));
+           py::arg("packed_only"), py::arg("amx_packed") = c10::optional<torch::Tensor>(), py::arg("amx_max_m") = 0,
+           py::arg("amx_emulated") = false);
   py::class_<StepAttention>(m, "StepAttention")
       .def(py::init([](torch::Tensor slot_mapping, int64_t decode_rows, c10::optional<torch::Tensor> decode_block_tables,
                        c10::optional<torch::Tensor> decode_seq_lens, c10::optional<torch::Tensor> prefill_block_tables,

@@ -1,0 +1,121 @@
+"""The AMX GEMM kernel (layers/kernels/amx_gemm.cpp) against float32 matmul, on AMX where the CPU has it and on its
+emulated tile operations everywhere, and CpuLinear's choice of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchserve.layers import kernels
+from batchserve.layers.linear import CpuLinear
+
+PATHS = ["amx_emulated", "amx"]
+
+
+def _emulated(native, path: str) -> bool:
+    if path == "amx" and not kernels.gemm_path_runs("amx"):
+        pytest.skip("this CPU has no AMX (amx_bf16)")
+    return path == "amx_emulated"
+
+
+def _exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.float() @ weight.float().t()
+    return out if bias is None else out + bias.float()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m", [1, 5, 16, 31, 32, 33, 77])
+@pytest.mark.parametrize("n, k, with_bias", [(960, 576, False), (64, 1536, True)])
+def test_amx_gemm_matches_float32_matmul(native_kernels, path, m, n, k, with_bias):
+    """Row tails (M not a multiple of the 32-row block), one and many panels, deep K, a bias: each output is the
+    float32 product rounded once to bf16."""
+    emulated = _emulated(native_kernels, path)
+    torch.manual_seed(m * 31 + n)
+    weight, x = (torch.randn(n, k) * 0.05).bfloat16(), torch.randn(m, k).bfloat16()
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    out = native_kernels.amx_gemm(x, native_kernels.amx_gemm_pack(weight), bias, emulated)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _exact(x, weight, bias), rtol=8e-3, atol=8e-3)
+
+
+def test_amx_and_its_emulation_compute_the_same(native_kernels):
+    if not kernels.gemm_path_runs("amx"):
+        pytest.skip("this CPU has no AMX (amx_bf16)")
+    torch.manual_seed(5)
+    weight, x = (torch.randn(96, 64) * 0.1).bfloat16(), torch.randn(40, 64).bfloat16()
+    packed = native_kernels.amx_gemm_pack(weight)
+    amx, emulated = (native_kernels.amx_gemm(x, packed, None, e).float() for e in (False, True))
+    # the same products in float32, summed in another order: at most one bf16 rounding step apart
+    assert ((amx - emulated).abs() <= amx.abs().clamp(min=1e-3) * 2**-7).all()
+
+
+def test_amx_gemm_rows_do_not_depend_on_the_batch(native_kernels):
+    """A row's result is the same whatever rows share its call (continuous batching mixes them freely)."""
+    torch.manual_seed(6)
+    weight, x = (torch.randn(128, 64) * 0.1).bfloat16(), torch.randn(45, 64).bfloat16()
+    packed = native_kernels.amx_gemm_pack(weight)
+    whole = native_kernels.amx_gemm(x, packed, None, True)
+    assert torch.equal(whole[40:], native_kernels.amx_gemm(x[40:], packed, None, True))
+    assert torch.equal(whole[:1], native_kernels.amx_gemm(x[:1], packed, None, True))
+
+
+def test_amx_gemm_rejects_what_it_does_not_take(native_kernels):
+    assert not native_kernels.amx_gemm_takes(70, 64) and not native_kernels.amx_gemm_takes(64, 33)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        native_kernels.amx_gemm_pack(torch.zeros(70, 64).bfloat16())
+    packed = native_kernels.amx_gemm_pack(torch.zeros(64, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        native_kernels.amx_gemm(torch.zeros(3, 96).bfloat16(), packed, None, True)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        native_kernels.amx_gemm(torch.zeros(3, 64), packed, None, True)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_cpu_linear_takes_the_amx_kernel_below_its_row_limit(native_kernels, force_gemm, path, monkeypatch):
+    _emulated(native_kernels, path)
+    force_gemm(path)
+    monkeypatch.setattr(CpuLinear, "AMX_MAX_M", 40)  # above it, oneDNN (kept small: the emulation is slow)
+    torch.manual_seed(7)
+    weight, bias = (torch.randn(96, 64) * 0.1).bfloat16(), torch.randn(96).bfloat16()
+    linear = CpuLinear(weight, bias)
+    if not linear.packed_only:
+        pytest.skip("this torch build has no oneDNN bf16 linear")
+    assert linear.amx_packed is not None and linear.amx_emulated == (path == "amx_emulated")
+    for m in (1, 3, 39, 40, 70):
+        x = torch.randn(m, 64).bfloat16()
+        out = linear(x)
+        if m < 40:
+            assert torch.equal(out, native_kernels.amx_gemm(x, linear.amx_packed, bias, linear.amx_emulated))
+        torch.testing.assert_close(out.float(), _exact(x, weight, bias), rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_linear_keeps_onednn_where_told_or_where_the_shape_does_not_fit(native_kernels, force_gemm):
+    force_gemm("onednn")
+    assert CpuLinear((torch.randn(96, 64) * 0.1).bfloat16()).amx_packed is None
+    force_gemm("amx_emulated")
+    linear = CpuLinear((torch.randn(70, 64) * 0.1).bfloat16())  # 70 columns: not whole panels
+    assert linear.amx_packed is None
+    x = torch.randn(5, 64).bfloat16()
+    torch.testing.assert_close(linear(x).float(), F.linear(x.float(), linear.weight_t.t().float()), rtol=2e-2, atol=2e-2)
+    assert CpuLinear(torch.randn(96, 64)).amx_packed is None  # float32 weights never take it
+
+
+def test_a_forced_gemm_path_must_exist_and_run_here(force_gemm):
+    force_gemm("tiles")
+    with pytest.raises(ValueError, match="not one of auto"):
+        kernels.bf16_gemm_path()
+    if not kernels.gemm_path_runs("amx"):
+        force_gemm("amx")
+        with pytest.raises(ValueError, match="not runnable on this CPU"):
+            kernels.bf16_gemm_path()
+
+
+def test_the_cpu_flags_choose_amx_only_where_it_runs(native_kernels, force_gemm, monkeypatch):
+    force_gemm("auto")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t\t: fpu avx512f avx512_bf16")  # no AMX
+    assert kernels.bf16_gemm_path() == "onednn"
+    kernels.bf16_gemm_path.cache_clear()
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16")
+    expected = "amx" if native_kernels.amx_gemm_available() else "onednn"  # the kernel also asks Linux for the tiles
+    assert kernels.bf16_gemm_path() == expected
