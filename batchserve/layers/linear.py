@@ -129,7 +129,9 @@ def gemm_path(dtype: torch.dtype) -> str:
     if dtype in (torch.bfloat16, torch.float16):
         if kernels.has_matmul_units(dtype):
             amx = dtype == torch.bfloat16 and kernels.bf16_gemm_path() != "onednn"
-            first = f"the native AMX kernel ({kernels.bf16_gemm_path()}) below {CpuLinear.AMX_MAX_M} rows, " if amx else ""
+            first = (
+                f"the native AMX kernel ({kernels.bf16_gemm_path()}) below {CpuLinear.AMX_MAX_M} rows, " if amx else ""
+            )
             return f"{first}oneDNN {dtype} GEMMs on weights packed once ({dtype} matmul units)"
         return f"float32 GEMMs on widened weights (no {dtype} matmul units)"
     native = kernels.load()
