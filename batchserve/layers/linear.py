@@ -20,10 +20,10 @@ class CpuLinear(nn.Module):
     # M = 1 / 2 / 3 / 4, 1 thread, AMD EPYC with AVX512-BF16: 20.1 / 23.5 / 19.8 / 18.5 ms): zero rows pad up to 4.
     PACKED_MIN_M = 4
     PACKED_MAX_M = 512  # from here on (prefill chunks) x @ W is as fast
-    # bf16 on AMX: the native AMX kernel up to here, oneDNN's packed GEMM from here on (SmolLM2's 30 layers, 2 threads,
-    # Intel Xeon with AMX: 11.1 / 22.2 / 54.5 / 117 ms against oneDNN's 16.0 / 24.9 / 66.4 / 130 at M = 32 / 160 /
-    # 512 / 1024; at 2048 oneDNN's cache blocking wins)
-    AMX_MAX_M = 1024
+    # bf16 on AMX: the native AMX kernel below this M, oneDNN's packed GEMM from here on (SmolLM2's 30 layers, 2
+    # threads, Intel Xeon with AMX: 11.2 / 21.2 / 47.8 / 118 / 135 ms against oneDNN's 15.8 / 26.5 / 66.2 / 130 / 138
+    # at M = 32 / 160 / 512 / 1152 / 1280; at 2048 oneDNN's cache blocking wins, 176 vs 322)
+    AMX_MAX_M = 1280
     NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):

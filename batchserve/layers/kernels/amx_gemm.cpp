@@ -2,9 +2,10 @@
 // with `amx_bf16`, from decode-sized M up to a few hundred rows (mixed steps).
 //
 // Why not oneDNN's packed GEMM at these M: its time is the weight's streaming plus its compute, one after the other
-// (SmolLM2's 30 layers at M = 32 / 160: 16.0 / 26.7 ms, 2 threads, Intel Xeon with AMX), while this kernel pulls the
-// next weight panel toward L2 during the current one's tile products (9.7 / 22.2 ms). Large M (prefill chunks)
-// stays on oneDNN, which blocks rows for cache as this kernel does not.
+// (SmolLM2's 30 layers at M = 32 / 160 / 512: 16.0 / 24.9 / 66.4 ms, 2 threads, Intel Xeon with AMX), while this
+// kernel pulls the next weight panel toward L2 during the current one's tile products and keeps the panel in L1
+// while the rows pass over it (11.1 / 21.4 / 50.1 ms). Large M (prefill chunks of 1024 rows and more) stays on
+// oneDNN, which blocks rows for cache as this kernel does not.
 //
 // Layout: W is packed once into panels of 32 output columns, each [K / 32][2 tiles][16][32]: one K block of a
 // panel is two B tiles (columns 0-15 and 16-31), row kk of a tile holding k = 2kk and 2kk + 1 of each column, the
@@ -54,6 +55,7 @@ struct EmulatedTiles {
   static void configure() {}
   static void release() {}
   static void zero_c() { std::memset(reg, 0, 4 * sizeof reg[0]); }
+  template <bool Stream>
   static void load_a(const uint16_t* rows, int64_t stride) {  // A tiles 4, 5: rows 0-15 and 16-31 of a block
     for (int t = 0; t < 2; ++t) load(4 + t, reinterpret_cast<const char*>(rows) + 16 * t * stride, stride);
   }
@@ -116,9 +118,15 @@ struct AmxTiles {
     _tile_zero(2);
     _tile_zero(3);
   }
+  template <bool Stream>  // tileloaddt1: the rows are not kept in L1, where the B panel they pass over stays
   AMX_TARGET static void load_a(const uint16_t* rows, int64_t stride) {
-    _tile_loadd(4, rows, stride);
-    _tile_loadd(5, reinterpret_cast<const char*>(rows) + 16 * stride, stride);
+    if constexpr (Stream) {
+      _tile_stream_loadd(4, rows, stride);
+      _tile_stream_loadd(5, reinterpret_cast<const char*>(rows) + 16 * stride, stride);
+    } else {
+      _tile_loadd(4, rows, stride);
+      _tile_loadd(5, reinterpret_cast<const char*>(rows) + 16 * stride, stride);
+    }
   }
   AMX_TARGET static void load_b(const char* k_block) {
     _tile_loadd(6, k_block, 64);
@@ -166,8 +174,9 @@ struct GemmArgs {
 };
 
 // Panels [p0, p1) of the output, all rows. While a panel's blocks run, the next panel's bytes are prefetched, spread
-// over its (blocks x K blocks) tile steps: only the first row block reads a panel from memory.
-template <class Tiles>
+// over its (blocks x K blocks) tile steps: only the first row block reads a panel from memory. StreamA: x passes
+// through L1 once per panel without evicting the panel (more than one row block; with one, x stays in L1 instead).
+template <class Tiles, bool StreamA>
 __attribute__((always_inline)) inline void gemm_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
   Tiles::configure();
   alignas(64) float c[4][16][16];
@@ -183,7 +192,7 @@ __attribute__((always_inline)) inline void gemm_panels(const GemmArgs& g, int64_
       Tiles::zero_c();
       for (int64_t kb = 0; kb < kblocks; ++kb) {
         for (int64_t i = 0; next && i < lines_per_step && line < lines; ++i, ++line) Tiles::prefetch(next + line * 64);
-        Tiles::load_a(a + kb * kDepth, g.K * 2);
+        Tiles::template load_a<StreamA>(a + kb * kDepth, g.K * 2);
         Tiles::load_b(panel + kb * kKBlockBytes);
         Tiles::dot_all();
       }
@@ -200,12 +209,20 @@ __attribute__((always_inline)) inline void gemm_panels(const GemmArgs& g, int64_
 }
 
 #ifdef BATCHSERVE_AMX
-AMX_TARGET __attribute__((flatten)) void amx_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
-  gemm_panels<AmxTiles>(g, p0, p1);
+// Each variant is its own flattened function: both inlined into one ran the single-block case ~8% slower.
+AMX_TARGET __attribute__((flatten, noinline)) void amx_panels_streaming(const GemmArgs& g, int64_t p0, int64_t p1) {
+  gemm_panels<AmxTiles, true>(g, p0, p1);
+}
+AMX_TARGET __attribute__((flatten, noinline)) void amx_panels_cached(const GemmArgs& g, int64_t p0, int64_t p1) {
+  gemm_panels<AmxTiles, false>(g, p0, p1);
+}
+void amx_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
+  if (g.full_blocks + (g.tail_rows > 0) > 1) return amx_panels_streaming(g, p0, p1);
+  amx_panels_cached(g, p0, p1);
 }
 #endif
 
-void emulated_panels(const GemmArgs& g, int64_t p0, int64_t p1) { gemm_panels<EmulatedTiles>(g, p0, p1); }
+void emulated_panels(const GemmArgs& g, int64_t p0, int64_t p1) { gemm_panels<EmulatedTiles, false>(g, p0, p1); }
 
 }  // namespace
 
