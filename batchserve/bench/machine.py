@@ -33,6 +33,8 @@ def machine_info(threads: int | None = None, dtype: str | None = None) -> dict[s
         "threads": threads,
         "dtype": dtype,
         "load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        # a forced bf16 GEMM path (auto: AMX where amx_bf16 is in the flags, else oneDNN)
+        "gemm_path": os.environ.get("BATCHSERVE_GEMM_PATH") or "auto",
     }
 
 
@@ -47,4 +49,6 @@ def describe(info: dict[str, Any]) -> str:
         parts.append(f"{info['threads']} threads")
     if info.get("dtype"):
         parts.append(str(info["dtype"]))
+    if info.get("gemm_path", "auto") != "auto":
+        parts.append(f"bf16 GEMM forced: {info['gemm_path']}")
     return "; ".join(parts)
