@@ -99,6 +99,7 @@ def native_forward(model, batch, kv, monkeypatch):
         ("llama_attn_bias_mha", torch.float32, None),  # o_proj bias, no GQA, head size 8
         ("llama_tied", torch.bfloat16, "1"),  # oneDNN bf16 GEMMs on packed weights, fewer than 4 rows padded
         ("qwen2", torch.bfloat16, "1"),
+        ("qwen2", torch.bfloat16, "amx_emulated"),  # q/k/v biases in the AMX kernel's epilogue
         ("llama", torch.bfloat16, "0"),  # no bf16 units: float32 GEMMs on widened weights
         ("llama", torch.bfloat16, "amx_emulated"),  # the AMX kernel's tile operations in scalar code, on any CPU
         ("llama", torch.bfloat16, "amx"),  # on AMX tiles, where the CPU has them

@@ -96,7 +96,8 @@ def gemm_path_runs(path: str) -> bool:
     native = load()
     if native is None:
         return False
-    return path == "amx_emulated" or ("amx_bf16" in cpu_flags().split() and native.amx_gemm_available())
+    flags = cpu_flags().split()  # the kernel's epilogue rounds with AVX512-BF16
+    return path == "amx_emulated" or ("amx_bf16" in flags and "avx512_bf16" in flags and native.amx_gemm_available())
 
 
 @functools.cache

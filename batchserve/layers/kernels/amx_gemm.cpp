@@ -19,7 +19,8 @@
 
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+#if defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 11) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define BATCHSERVE_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -34,23 +35,26 @@ constexpr int64_t kDepth = 32;              // k per tile row (64 bytes of bf16)
 constexpr int64_t kBlockRows = 32;          // rows per block: two A tiles
 constexpr int64_t kKBlockBytes = 2 * 1024;  // one K block of a panel: two 16 x 64-byte B tiles
 
+// As the tiles and vcvtne2ps2bf16 do: subnormal inputs count as zero, a subnormal result is flushed to zero, and the
+// rest rounds to nearest even (a NaN stays a NaN).
 inline float bf16_to_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  const uint32_t bits = (v & 0x7f80u) ? static_cast<uint32_t>(v) << 16 : static_cast<uint32_t>(v & 0x8000u) << 16;
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
 }
 
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as vcvtne2ps2bf16 does (NaN kept a NaN)
+inline uint16_t float_to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  if ((bits & 0x7f800000u) == 0) return static_cast<uint16_t>((bits >> 16) & 0x8000u);
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // The tile backend the same kernel body runs on. Tiles 0-3 accumulate C, 4-5 hold A, 6-7 hold B.
 struct EmulatedTiles {
-  static inline thread_local uint8_t reg[8][16][64];
+  alignas(64) static inline thread_local uint8_t reg[8][16][64];
 
   static void configure() {}
   static void release() {}
@@ -249,12 +253,13 @@ torch::Tensor amx_gemm_pack(torch::Tensor weight) {
 }
 
 torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x: [M, K] bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "x: [M, K] bfloat16, CPU");
   TORCH_CHECK(packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 32 &&
                   packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16,
               "packed: amx_gemm_pack's [N / 32, K / 32, 2, 16, 32]");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kPanel;
-  TORCH_CHECK(packed.size(1) * kDepth == K, "x and the packed weight disagree on K");
+  TORCH_CHECK(packed.size(1) * kDepth == K && K > 0, "x and the packed weight disagree on K");
+  TORCH_CHECK(packed.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()), "CPU tensors only");
   TORCH_CHECK(emulated || amx_gemm_available(), "amx_gemm needs a CPU with amx_bf16 (or emulated=True)");
   x = x.contiguous();
   auto out = torch::empty({M, N}, x.options());
