@@ -65,21 +65,25 @@ def attention_path_runs(path: str) -> bool:
 def attention_path() -> str:
     """The path the native attention kernels take, chosen once: BATCHSERVE_ATTENTION_PATH when set (ValueError when
     it names no path or one that cannot run here), else the best this build and CPU run. Logged once."""
-    forced = env.attention_path()
+    auto = next((p for p in ATTENTION_PATHS if attention_path_runs(p)), "portable")
+    return _chosen_path("native attention path", "BATCHSERVE_ATTENTION_PATH", env.attention_path(), ATTENTION_PATHS,
+                        attention_path_runs, auto, {"avx512_bf16": " (needs avx512_bf16)"})  # fmt: skip
+
+
+def _chosen_path(
+    what: str, variable: str, forced: str | None, paths: tuple[str, ...], runs, auto: str, needs: dict[str, str]
+) -> str:
+    """A code path chosen once: `forced` (from `variable`) when set, checked against `paths` and `runs`, else
+    `auto`; logged."""
     if forced is not None:
-        if forced not in ATTENTION_PATHS:
-            raise ValueError(f"BATCHSERVE_ATTENTION_PATH={forced!r}: not one of auto, {', '.join(ATTENTION_PATHS)}")
-        if not attention_path_runs(forced):
+        if forced not in paths:
+            raise ValueError(f"{variable}={forced!r}: not one of auto, {', '.join(paths)}")
+        if not runs(forced):
             raise ValueError(
-                f"BATCHSERVE_ATTENTION_PATH={forced!r}: not built here or not runnable on this CPU"
-                + (" (needs avx512_bf16)" if forced == "avx512_bf16" else "")
+                f"{variable}={forced!r}: not built here or not runnable on this CPU{needs.get(forced, '')}"
             )
-        path = forced
-    else:
-        path = next((p for p in ATTENTION_PATHS if attention_path_runs(p)), "portable")
-    logger.info(
-        "native attention path: %s (%s)", path, "BATCHSERVE_ATTENTION_PATH" if forced else "chosen by the CPU's flags"
-    )
+    path = forced or auto
+    logger.info("%s: %s (%s)", what, path, variable if forced else "chosen by the CPU's flags")
     return path
 
 
@@ -104,17 +108,8 @@ def gemm_path_runs(path: str) -> bool:
 def bf16_gemm_path() -> str:
     """The GEMM path of bfloat16 projections on bf16 matmul units, chosen once: BATCHSERVE_GEMM_PATH when set
     (ValueError when it names no path or one that cannot run here), else AMX where the CPU has it. Logged once."""
-    forced = env.gemm_path()
-    if forced is not None:
-        if forced not in GEMM_PATHS:
-            raise ValueError(f"BATCHSERVE_GEMM_PATH={forced!r}: not one of auto, {', '.join(GEMM_PATHS)}")
-        if not gemm_path_runs(forced):
-            raise ValueError(f"BATCHSERVE_GEMM_PATH={forced!r}: not built here or not runnable on this CPU")
-        path = forced
-    else:
-        path = "amx" if gemm_path_runs("amx") else "onednn"
-    logger.info("bf16 GEMM path: %s (%s)", path, "BATCHSERVE_GEMM_PATH" if forced else "chosen by the CPU's flags")
-    return path
+    auto = "amx" if gemm_path_runs("amx") else "onednn"
+    return _chosen_path("bf16 GEMM path", "BATCHSERVE_GEMM_PATH", env.gemm_path(), GEMM_PATHS, gemm_path_runs, auto, {})
 
 
 def _machine_tag() -> str:
