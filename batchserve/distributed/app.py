@@ -1,5 +1,5 @@
 """The Ray Serve application: OpenAIIngress -> EngineReplica x N (routed by PrefixAwareRouter or Ray Serve's
-power of two choices), and the ReplicaBoard they post metrics to.
+power of two choices).
 
     serve run batchserve.distributed.app:build replicas=2 router=prefix-aware
     serve run examples/ray_serve.yaml        # the same, from a Serve config file (import_path + args)
@@ -15,7 +15,6 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 
 from batchserve.distributed.autoscaling import engine_load_policy
 from batchserve.distributed.ingress import OpenAIIngress
-from batchserve.distributed.metrics import ReplicaBoard
 from batchserve.distributed.options import RayAppOptions
 from batchserve.distributed.replica import EngineReplica
 from batchserve.distributed.router import PowerOfTwoRouter, PrefixAwareRouter
@@ -27,9 +26,6 @@ ROUTING_STATS_PERIOD_S = 0.5
 def build_application(options: RayAppOptions) -> serve.Application:
     config = engine_config(options.engine, "the Ray Serve app")  # checked here, before any replica starts
     quiet = {"enable_access_log": False}  # no log line per metrics post or engine call; the ingress logs requests
-    board = serve.deployment(
-        ReplicaBoard, name="ReplicaBoard", ray_actor_options={"num_cpus": 0}, logging_config=quiet
-    ).bind()
     engines = serve.deployment(
         EngineReplica,
         name="EngineReplica",
@@ -41,12 +37,12 @@ def build_application(options: RayAppOptions) -> serve.Application:
         logging_config=quiet,
         request_router_config=_router_config(options, config.cache.block_size, config.cache.num_kv_blocks),
         **_replica_count(options),
-    ).bind(options.engine, _model_name(options, config.model), board, options.stall_timeout_s)
+    ).bind(options.engine, _model_name(options, config.model), options.stall_timeout_s)
     ingress = serve.deployment(
         serve.ingress()(OpenAIIngress), name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000,  # the engines queue; the ingress only relays
     )  # fmt: skip
-    return ingress.bind(engines, board, options)
+    return ingress.bind(engines, options)
 
 
 def build(args: dict[str, Any]) -> serve.Application:

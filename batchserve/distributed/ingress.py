@@ -1,7 +1,7 @@
 """OpenAIIngress: the Ray Serve ingress deployment. Ray Serve's HTTP proxy hands it each request; it answers with
 the same OpenAI (and KServe) routes as `batchserve serve`, over RemoteEngineClient, so tokenizing, validation,
-streaming and errors are the serving layer's. /metrics: every replica's metrics, labelled `replica`, and the
-router's decisions; /health: 503 while no replica has posted metrics recently (none alive).
+streaming and errors are the serving layer's. /metrics: every running replica's metrics, labelled `replica`, and
+the router's decisions (distributed/metrics.py); /health: 503 while no running replica has reported.
 
 With `grpc_port`, the ingress also runs batchserve's gRPC server (batchserve.v1.Generation, KServe v2, health,
 reflection) on that port, over the same client: one ingress replica binds it (Ray Serve's own gRPC proxy would need
@@ -21,20 +21,18 @@ from fastapi import FastAPI
 from prometheus_client import generate_latest
 
 from batchserve.distributed.client import RemoteEngineClient
-from batchserve.distributed.metrics import ROUTER_METRICS, relabelled
+from batchserve.distributed.metrics import ROUTER_METRICS, relabelled, replica_metrics
 from batchserve.distributed.options import RayAppOptions
 from batchserve.entrypoints.grpc.server import GrpcServer
 from batchserve.entrypoints.openai.app import build_front_app, model_names
 
-BOARD_TIMEOUT_S = 5.0
 HTTP_START_TIMEOUT_S = 30.0
 
 
 class OpenAIIngress:
-    async def __init__(self, engines: Any, board: Any, options: RayAppOptions) -> None:
-        """`engines`, `board`: handles of the EngineReplica and ReplicaBoard deployments."""
+    async def __init__(self, engines: Any, options: RayAppOptions) -> None:
+        """`engines`: a handle of the EngineReplica deployment."""
         self.client = await RemoteEngineClient.connect(engines)
-        self.board = board
         self.options = options
         self.names = model_names(options.served_model_name, self.client.config.model)
         self.grpc_server: GrpcServer | None = None
@@ -98,20 +96,9 @@ class OpenAIIngress:
             self.http_server.should_exit = True
 
     async def render_metrics(self) -> bytes:
-        posts = await self._board_snapshot()
-        return relabelled(posts or {}) + generate_latest(ROUTER_METRICS)
+        return relabelled(replica_metrics()) + generate_latest(ROUTER_METRICS)
 
     async def health_problem(self) -> str | None:
-        posts = await self._board_snapshot()
-        if posts is None:
-            return "the replicas' metrics board does not answer"
-        if not posts:
-            return "no engine replica has reported in the last seconds"
+        if not replica_metrics():
+            return "no running engine replica has reported yet"
         return None
-
-    async def _board_snapshot(self) -> dict[str, str] | None:
-        """The board's snapshot, or None when it does not answer in time (being restarted by Serve)."""
-        try:
-            return await asyncio.wait_for(self.board.snapshot.remote(), BOARD_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - a timeout or a dead board: the caller reports it
-            return None

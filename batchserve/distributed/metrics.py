@@ -1,20 +1,25 @@
-"""The Ray app's metrics. ReplicaBoard: a one-replica Ray Serve deployment where each engine replica posts its
-Prometheus metrics; the ingress's /metrics serves them all, each series labelled with its replica, beside the
-router's decisions (ROUTER_METRICS, counted in the ingress's process where the router runs).
+"""The Ray app's metrics. Each engine replica's Prometheus metrics ride on the load report Ray Serve already asks
+it for every routing-stats period (EngineReplica.record_routing_stats), which Serve's controller hands to every
+router; the ingress's /metrics serves what its routers last heard from each running replica, each series labelled
+with its replica, beside the routers' decisions (ROUTER_METRICS, counted in the ingress's process where the router
+runs). A replica Serve stopped (dead, or scaled down) leaves its routers' replica set, and /metrics with it.
 
-A replica that stopped posting (dead, or scaled down) drops off the board after `STALE_AFTER_S`.
+No deployment of its own: a metrics actor of its own (the last design) was one more Ray worker process waking ~190
+times a second (its event loop, its signal check every 10 ms, its gRPC threads), each wake-up taking a core from an
+engine thread on a small machine.
 """
 
 from __future__ import annotations
 
-import time
+import weakref
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-STALE_AFTER_S = 10.0
+METRICS_KEY = "metrics"  # the routing stats' entry holding the replica's rendered metrics
 
 ROUTER_METRICS = CollectorRegistry()
 ROUTER_DECISIONS = Counter(
@@ -30,19 +35,20 @@ ROUTER_MATCHED_BLOCKS = Counter(
     registry=ROUTER_METRICS,
 )
 
+# The request routers in this process (router.py adds each as Ray Serve builds it).
+ROUTERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
-class ReplicaBoard:
-    def __init__(self) -> None:
-        self._posts: dict[str, tuple[float, str]] = {}
 
-    def post(self, replica_id: str, metrics_text: str) -> None:
-        self._posts[replica_id] = (time.monotonic(), metrics_text)
-
-    def snapshot(self) -> dict[str, str]:
-        """The latest metrics of each replica heard from within STALE_AFTER_S."""
-        now = time.monotonic()
-        self._posts = {r: (t, text) for r, (t, text) in self._posts.items() if now - t <= STALE_AFTER_S}
-        return {r: text for r, (_, text) in self._posts.items()}
+def replica_metrics(routers: Iterable[Any] | None = None) -> dict[str, str]:
+    """{replica id: its rendered metrics} for every running replica the routers know that has reported them;
+    `routers`: objects with Ray Serve's RequestRouter.curr_replicas (default: ROUTERS)."""
+    texts = {}
+    for router in list(ROUTERS if routers is None else routers):
+        for replica_id, replica in dict(router.curr_replicas).items():
+            text = (replica.routing_stats or {}).get(METRICS_KEY)
+            if isinstance(text, str):
+                texts[replica_id.unique_id] = text
+    return texts
 
 
 def relabelled(texts: Mapping[str, str], label: str = "replica") -> bytes:

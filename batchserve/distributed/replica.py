@@ -4,14 +4,14 @@ Ray Serve calls `generate` through a deployment handle (streaming) for each requ
 ends with it, while the request's outputs go out on its caller's one `subscribe` call to this replica, gathered
 over all of that caller's requests (distributed/outbox.py): one Ray message per engine step, not one per request
 and step. It reports its load to the routers (`record_routing_stats`) and to the
-autoscaler (`record_autoscaling_stats`), fails Serve's health check when its engine loop died or stalled (Serve
-then replaces it), and posts its Prometheus metrics to the ReplicaBoard for the ingress's /metrics.
+autoscaler (`record_autoscaling_stats`), its Prometheus metrics riding on the routers' report for the ingress's
+/metrics (distributed/metrics.py), and fails Serve's health check when its engine loop died or stalled (Serve then
+replaces it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,6 +25,7 @@ from batchserve.distributed.messages import (
     StepOutputs,
     Subscribe,
 )
+from batchserve.distributed.metrics import METRICS_KEY
 from batchserve.distributed.outbox import Outbox
 from batchserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from batchserve.engine.llm_engine import LLMEngine
@@ -34,27 +35,17 @@ from batchserve.worker.device import configure_torch
 
 logger = logging.getLogger(__name__)
 
-METRICS_POST_PERIOD_S = 1.0
-
 
 class EngineReplica:
-    async def __init__(
-        self, engine_options: dict[str, Any], model_name: str, board: Any = None, stall_timeout_s: float = 120.0
-    ) -> None:
-        """`engine_options`: engine options as in a --config file; `board`: a handle to the ReplicaBoard
-        deployment (None: metrics are not posted). Async so that the metrics posts are made on the replica's event
-        loop, where a handle call works in every mode Ray Serve runs user code in (a thread calling `.result()` got
-        no answer with RAY_SERVE_THROUGHPUT_OPTIMIZED); the engine is built in a worker thread meanwhile."""
+    async def __init__(self, engine_options: dict[str, Any], model_name: str, stall_timeout_s: float = 120.0) -> None:
+        """`engine_options`: engine options as in a --config file. Async so that Ray Serve's event loop keeps
+        answering (health checks) while the engine is built in a worker thread."""
         config = engine_config(engine_options, "the Ray Serve app")
         self.engine = await asyncio.to_thread(_started_engine, config)
         self.metrics = EngineMetrics(model_name=model_name).attach(self.engine)
         self.stall_timeout_s = stall_timeout_s
         self.replica_id = _replica_id()
         self._outboxes: dict[str, Outbox] = {}  # by caller
-        self._board = board
-        self._stopped = False
-        if board is not None:
-            self._poster = asyncio.ensure_future(self._post_metrics())
         logger.info("replica %s ready: %s", self.replica_id, self.engine.engine.effective_config())
 
     def describe(self) -> EngineDescription:
@@ -101,9 +92,10 @@ class EngineReplica:
             return ReplicaLoadReport(num_waiting=self.engine.num_active_requests)
         return ReplicaLoadReport(stats.num_running, stats.num_waiting, stats.kv_usage)
 
-    def record_routing_stats(self) -> dict[str, float]:
-        """Called by Ray Serve every request_routing_stats_period_s; the routers read it as replica.routing_stats."""
-        return self.load().as_dict()
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Called by Ray Serve every request_routing_stats_period_s; the routers read it as replica.routing_stats:
+        the load, and the rendered metrics for the ingress's /metrics (a few KB, rendered in ~1 ms)."""
+        return {**self.load().as_dict(), METRICS_KEY: self.metrics_text()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Called by Ray Serve for the autoscaling policy (distributed/autoscaling.py)."""
@@ -121,15 +113,8 @@ class EngineReplica:
     def metrics_text(self) -> str:
         return self.metrics.render().decode()
 
-    async def _post_metrics(self) -> None:
-        while not self._stopped:
-            await asyncio.sleep(METRICS_POST_PERIOD_S)
-            with contextlib.suppress(Exception):  # the board restarting: post again next period
-                await asyncio.wait_for(self._board.post.remote(self.replica_id, self.metrics_text()), 10)
-
     def __del__(self) -> None:
         """Ray Serve calls this when it stops the replica."""
-        self._stopped = True
         self.engine.shutdown(drain=False)
 
 

@@ -33,7 +33,12 @@ MAX_PENDING_DECISIONS = 4096
 
 
 class PinsSubscriptions:
-    """Mixed into a RequestRouter: a subscribe call goes to the replica it names, any other to `choose_unpinned`."""
+    """Mixed into a RequestRouter: a subscribe call goes to the replica it names, any other to `choose_unpinned`;
+    the router is listed in metrics.ROUTERS, where the ingress's /metrics finds the replicas' reports."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        metrics.ROUTERS.add(self)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from batchserve.distributed.autoscaling import engine_load_policy
-from batchserve.distributed.metrics import ReplicaBoard, relabelled
+from batchserve.distributed.metrics import METRICS_KEY, relabelled, replica_metrics
 from batchserve.serving.metrics import EngineMetrics, parse_metrics
 
 
@@ -40,25 +41,31 @@ def test_replicas_not_reported_yet_count_with_the_handles_view():
     assert engine_load_policy(context)[0] == 3
 
 
+class _Replica:  # what a router's curr_replicas holds: Ray Serve's RunningReplica, by its ReplicaID
+    def __init__(self, routing_stats):
+        self.routing_stats = routing_stats
+
+
+class _Router:
+    def __init__(self, replicas):
+        self.curr_replicas = {ReplicaID(unique_id=r, deployment_id=DeploymentID("E")): s for r, s in replicas.items()}
+
+
+def _report(tokens: int) -> _Replica:
+    metrics = EngineMetrics("m")
+    metrics.prompt_tokens.inc(tokens)
+    return _Replica({"num_running": 1, "num_waiting": 0, "kv_usage": 0.1, METRICS_KEY: metrics.render().decode()})
+
+
 def test_metrics_of_every_replica_are_served_labelled_by_replica():
-    board = ReplicaBoard()
-    for replica, tokens in (("a", 5), ("b", 7)):
-        metrics = EngineMetrics("m")
-        metrics.prompt_tokens.inc(tokens)
-        board.post(replica, metrics.render().decode())
-    text = relabelled(board.snapshot()).decode()
+    text = relabelled(replica_metrics([_Router({"a": _report(5), "b": _report(7)})])).decode()
     assert 'batchserve:prompt_tokens_total{model_name="m",replica="a"} 5.0' in text
     assert 'batchserve:prompt_tokens_total{model_name="m",replica="b"} 7.0' in text
     assert parse_metrics(text)["batchserve:prompt_tokens_total"] == 12
 
 
-def test_a_replica_that_stopped_posting_drops_off_the_board(monkeypatch):
-    from batchserve.distributed import metrics
-
-    clock = [0.0]
-    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
-    board = ReplicaBoard()
-    board.post("gone", "")
-    clock[0] = metrics.STALE_AFTER_S + 1
-    board.post("alive", "")
-    assert set(board.snapshot()) == {"alive"}
+def test_only_replicas_that_reported_metrics_are_listed_once_across_routers():
+    fresh = _Replica({})  # running, its first routing stats not in yet
+    routers = [_Router({"a": _report(5), "new": fresh}), _Router({"a": _report(5)})]
+    assert set(replica_metrics(routers)) == {"a"}
+    assert replica_metrics([]) == {}
