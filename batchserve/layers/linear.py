@@ -26,7 +26,9 @@ class CpuLinear(nn.Module):
     AMX_MAX_M = 1280
     NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False):
+        """`swiglu`: a gate/up projection (gate rows, then as many up rows) that MLP reads through `silu_and_mul`:
+        on the AMX path its panels interleave the two, so that the kernel writes silu(gate) * up itself."""
         super().__init__()
         self.out_features = weight.shape[0]
         weight = weight.detach()
@@ -49,24 +51,37 @@ class CpuLinear(nn.Module):
         native = kernels.for_tensors(weight)
         small = native is not None and native.small_gemm_available()
         self.register_buffer("small_packed", native.small_gemm_pack(weight) if small else None)
-        self.amx_emulated = False
-        self.register_buffer("amx_packed", self._amx_layout(weight))
+        path = self._amx_path(weight)
+        self.amx_emulated = path == "amx_emulated"
+        self.swiglu = swiglu and path is not None and bias is None
+        self.register_buffer("amx_packed", self._amx_layout(weight) if path is not None else None)
 
-    def _amx_layout(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The AMX kernel's panels of a bf16 weight, where that is this CPU's bf16 GEMM path and the kernel takes
-        the shape; else None."""
+    def _amx_path(self, weight: torch.Tensor) -> str | None:
+        """This CPU's bf16 GEMM path ("amx" or "amx_emulated") where it is the AMX kernel and the kernel takes the
+        weight's shape; else None."""
         if not self.packed_only or weight.dtype != torch.bfloat16:
             return None
         path = kernels.bf16_gemm_path()
         native = kernels.load()
         if path == "onednn" or native is None or not native.amx_gemm_takes(*weight.shape):
             return None
-        self.amx_emulated = path == "amx_emulated"
-        return native.amx_gemm_pack(weight)
+        return path
+
+    def _amx_layout(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            weight = swiglu_interleaved(weight)
+        return kernels.load().amx_gemm_pack(weight)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> CpuLinear:
-        return cls(linear.weight, linear.bias)
+    def from_linear(cls, linear: nn.Linear, swiglu: bool = False) -> CpuLinear:
+        return cls(linear.weight, linear.bias, swiglu=swiglu)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate/up projection's output [M, 2I] -> [M, I]: one AMX call where it takes the
+        rows (bit for bit the unfused result), else the GEMM and then the native silu_and_mul."""
+        if self.swiglu and x.shape[0] < self.AMX_MAX_M and x.dtype == self.weight_t.dtype:
+            return kernels.load().amx_gemm(x, self.amx_packed, None, self.amx_emulated, swiglu=True)
+        return kernels.load().silu_and_mul(self(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight_t.dtype:  # bf16/fp16 activations, float32 layouts (see __init__)
@@ -76,7 +91,7 @@ class CpuLinear(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if self.packed_only:
-            if self.amx_packed is not None and m < self.AMX_MAX_M:
+            if self.amx_packed is not None and m < self.AMX_MAX_M and not self.swiglu:
                 return kernels.load().amx_gemm(x, self.amx_packed, self.bias, self.amx_emulated)
             if m < self.PACKED_MIN_M:
                 return self._packed(torch.cat([x, x.new_zeros(self.PACKED_MIN_M - m, x.shape[1])]))[:m]
@@ -108,10 +123,19 @@ class CpuLinear(nn.Module):
             amx_packed=self.amx_packed,
             amx_max_m=self.AMX_MAX_M,
             amx_emulated=self.amx_emulated,
+            swiglu=self.swiglu,
         )
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def swiglu_interleaved(weight: torch.Tensor) -> torch.Tensor:
+    """A gate/up weight [2I, K] (gate rows, then up rows) reordered so that each AMX panel of 32 rows holds 16 gate
+    rows and the same 16 up rows: the order amx_gemm(swiglu=True) takes."""
+    inter = weight.shape[0] // 2
+    half = kernels.AMX_PANEL // 2
+    return weight.view(2, inter // half, half, -1).transpose(0, 1).reshape(weight.shape).contiguous()
 
 
 def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ from torch import nn
 
 from batchserve.config import ModelConfig
 from batchserve.layers import kernels
+from batchserve.layers.linear import CpuLinear
 
 
 class MLP(nn.Module):
@@ -18,6 +19,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, CpuLinear) and self.gate_up_proj.swiglu:
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         gate_up = self.gate_up_proj(x)
         native = kernels.for_tensors(gate_up, dtypes=kernels.FUSED_DTYPES)
         if native is not None and gate_up.stride(1) == 1:

@@ -77,6 +77,7 @@ def _check_gemm_layouts(model, units: str | None) -> None:
     """Every projection has the AMX layout exactly when the AMX kernel (or its emulation) was forced."""
     gate_up = model.layers[0].mlp.gate_up_proj
     assert (gate_up.amx_packed is not None) == (units in ("amx", "amx_emulated"))
+    assert gate_up.swiglu == (units in ("amx", "amx_emulated"))  # silu(gate) * up in the AMX kernel's epilogue
 
 
 def native_forward(model, batch, kv, monkeypatch):
@@ -118,6 +119,22 @@ def test_decoder_loop_equals_the_python_layers(tiny_models, monkeypatch, force_g
     model.decoder_loop = None
     python_hidden, python_kv = forward(model, batch, kv)
     assert native_hidden.dtype == dtype
+    assert_same(native_hidden, native_kv, python_hidden, python_kv)
+
+
+@pytest.mark.parametrize("num_seqs", [5, 20])
+def test_rows_above_the_amx_limit_take_onednn_then_silu_and_mul(tiny_models, monkeypatch, force_gemm, num_seqs):
+    """The fused gate/up kernel below CpuLinear.AMX_MAX_M (5 rows), oneDNN and the separate silu_and_mul above it
+    (20): the same in the loop as in the Python layers."""
+    monkeypatch.setattr(CpuLinear, "AMX_MAX_M", 8)
+    _force_units(monkeypatch, force_gemm, "amx_emulated")
+    _, directory = tiny_models("llama")
+    config, model = load_ours(directory, torch.bfloat16)
+    _check_gemm_layouts(model, "amx_emulated")
+    batch, kv = decode_step(config, num_seqs, block_size=8, dtype=torch.bfloat16, seed=num_seqs)
+    native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)
+    model.decoder_loop = None
+    python_hidden, python_kv = forward(model, batch, kv)
     assert_same(native_hidden, native_kv, python_hidden, python_kv)
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from batchserve.layers import kernels
-from batchserve.layers.linear import CpuLinear
+from batchserve.layers.linear import CpuLinear, swiglu_interleaved
 
 PATHS = ["amx_emulated", "amx"]
 
@@ -84,6 +84,27 @@ def test_the_emulation_treats_subnormals_as_the_tiles_do(native_kernels):
         assert torch.equal(native_kernels.amx_gemm(subnormal_in, ones, None, False), torch.zeros(1, 32).bfloat16())
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m", [1, 31, 33, 77])
+def test_the_swiglu_epilogue_is_silu_and_mul_of_the_unfused_gemm(native_kernels, path, m):
+    emulated = _emulated(native_kernels, path)
+    torch.manual_seed(m)
+    inter, k = 96, 128
+    weight, x = (torch.randn(2 * inter, k) * 0.2).bfloat16(), torch.randn(m, k).bfloat16()
+    fused = native_kernels.amx_gemm(x, native_kernels.amx_gemm_pack(swiglu_interleaved(weight)), None, emulated, True)
+    gate_up = native_kernels.amx_gemm(x, native_kernels.amx_gemm_pack(weight), None, emulated)
+    assert fused.shape == (m, inter)
+    assert torch.equal(fused, native_kernels.silu_and_mul(gate_up))  # bit for bit, so the layers may take either
+    gate, up = _exact(x, weight, None).chunk(2, dim=-1)
+    torch.testing.assert_close(fused.float(), F.silu(gate) * up, rtol=3e-2, atol=3e-2)
+
+
+def test_swiglu_interleaves_sixteen_gate_and_sixteen_up_rows_a_panel():
+    rows = torch.arange(64).view(64, 1).expand(64, 32).bfloat16()
+    order = swiglu_interleaved(rows)[:, 0].long().tolist()
+    assert order == [*range(0, 16), *range(32, 48), *range(16, 32), *range(48, 64)]
+
+
 def test_amx_gemm_rejects_what_it_does_not_take(native_kernels):
     assert not native_kernels.amx_gemm_takes(70, 64) and not native_kernels.amx_gemm_takes(64, 33)
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -93,6 +114,8 @@ def test_amx_gemm_rejects_what_it_does_not_take(native_kernels):
         native_kernels.amx_gemm(torch.zeros(3, 96).bfloat16(), packed, None, True)
     with pytest.raises(RuntimeError, match="bfloat16"):
         native_kernels.amx_gemm(torch.zeros(3, 64), packed, None, True)
+    with pytest.raises(RuntimeError, match="no bias with swiglu"):
+        native_kernels.amx_gemm(torch.zeros(3, 64).bfloat16(), packed, torch.zeros(64).bfloat16(), True, True)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -112,6 +135,33 @@ def test_cpu_linear_takes_the_amx_kernel_below_its_row_limit(native_kernels, for
         if m < 40:
             assert torch.equal(out, native_kernels.amx_gemm(x, linear.amx_packed, bias, linear.amx_emulated))
         torch.testing.assert_close(out.float(), _exact(x, weight, bias), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_gate_up_cpu_linear_fuses_silu_and_mul_below_the_row_limit(native_kernels, force_gemm, path, monkeypatch):
+    emulated = _emulated(native_kernels, path)
+    force_gemm(path)
+    monkeypatch.setattr(CpuLinear, "AMX_MAX_M", 40)
+    torch.manual_seed(3)
+    weight = (torch.randn(128, 64) * 0.2).bfloat16()
+    linear = CpuLinear(weight, swiglu=True)
+    if not linear.packed_only:
+        pytest.skip("this torch build has no oneDNN bf16 linear")
+    assert linear.swiglu
+    unfused = native_kernels.amx_gemm_pack(weight)
+    for m in (1, 39, 40, 70):
+        x = torch.randn(m, 64).bfloat16()
+        out = linear.silu_and_mul(x)
+        if m < 40:  # the fused kernel
+            expected = native_kernels.silu_and_mul(native_kernels.amx_gemm(x, unfused, None, emulated))
+        else:  # oneDNN, then silu_and_mul
+            expected = native_kernels.silu_and_mul(linear(x))
+        assert torch.equal(out, expected)
+        # the plain forward keeps gate, then up (the interleaved panels are read only through silu_and_mul)
+        torch.testing.assert_close(linear(x).float(), _exact(x, weight, None), rtol=2e-2, atol=2e-2)
+    assert not CpuLinear(weight, torch.zeros(128).bfloat16(), swiglu=True).swiglu  # a bias: not fused
+    force_gemm("onednn")
+    assert not CpuLinear(weight, swiglu=True).swiglu
 
 
 def test_cpu_linear_keeps_onednn_where_told_or_where_the_shape_does_not_fit(native_kernels, force_gemm):

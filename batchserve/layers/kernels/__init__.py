@@ -91,6 +91,7 @@ def _chosen_path(
 # native AMX kernel (amx_gemm.cpp), that kernel's tile operations emulated in scalar code (for tests), oneDNN's packed
 # GEMM. The emulated path is never chosen by itself.
 GEMM_PATHS = ("amx", "amx_emulated", "onednn")
+AMX_PANEL = 32  # output columns per panel of the AMX kernel's packed weights (amx_gemm.cpp kPanel)
 
 
 def gemm_path_runs(path: str) -> bool:

@@ -12,6 +12,11 @@
 // pairs tdpbf16ps takes. x is read in place as A tiles (16 rows x 32 k); a row block is 32 rows (two A tiles), so the
 // four C tiles hold a 32 x 32 output block over all of K. Threads split the panels.
 //
+// SwiGLU fused (swiglu=True): the gate/up projection packed with each panel's two tiles holding 16 gate and the same
+// 16 up columns (amx_gemm_pack of swiglu_interleaved's order), so a panel's epilogue writes silu(gate) * up for 16
+// columns: [M, N / 2], bit for bit silu_and_mul of the unfused [M, N], without writing and re-reading it or another
+// parallel region a layer.
+//
 // The tile operations sit behind a backend: AmxTiles issues them, EmulatedTiles runs the same ones in scalar code,
 // so the packing, blocking, row tails and output rounding are tested on any CPU (BATCHSERVE_GEMM_PATH=amx_emulated).
 #include <torch/extension.h>
@@ -27,6 +32,8 @@
 #include <unistd.h>
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512bw,avx512vl")))
 #endif
+
+void silu_and_mul_bf16_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n);  // fused_ops.cpp
 
 namespace {
 
@@ -173,8 +180,9 @@ struct GemmArgs {
   const uint16_t* tail;  // the last M % 32 rows copied into a zeroed [32, K] block, or null
   const char* packed;    // [N / 32] panels of K / 32 blocks
   const float* bias;     // [N] or null
-  uint16_t* out;         // [M, N]
+  uint16_t* out;         // [M, N], or [M, N / 2] with swiglu
   int64_t K, N, full_blocks, tail_rows;
+  bool swiglu;           // each panel is 16 gate and 16 up columns: out = silu(gate) * up
 };
 
 // Panels [p0, p1) of the output, all rows. While a panel's blocks run, the next panel's bytes are prefetched, spread
@@ -205,7 +213,13 @@ __attribute__((always_inline)) inline void gemm_panels(const GemmArgs& g, int64_
       const float* bias = g.bias ? g.bias + p * kPanel : nullptr;
       for (int64_t r = 0; r < rows; ++r) {
         const int t = static_cast<int>(r / 16) * 2;
-        Tiles::write_row(c[t][r % 16], c[t + 1][r % 16], bias, g.out + (b * kBlockRows + r) * g.N + p * kPanel);
+        if (g.swiglu) {  // rounded to bf16 first, as the unfused GEMM's output is
+          alignas(64) uint16_t gate_up[kPanel];
+          Tiles::write_row(c[t][r % 16], c[t + 1][r % 16], nullptr, gate_up);
+          silu_and_mul_bf16_row(gate_up, gate_up + 16, g.out + (b * kBlockRows + r) * (g.N / 2) + p * 16, 16);
+        } else {
+          Tiles::write_row(c[t][r % 16], c[t + 1][r % 16], bias, g.out + (b * kBlockRows + r) * g.N + p * kPanel);
+        }
       }
     }
   }
@@ -252,7 +266,8 @@ torch::Tensor amx_gemm_pack(torch::Tensor weight) {
       .view({N / kPanel, K / kDepth, 2, 16, 32});
 }
 
-torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated) {
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated,
+                       bool swiglu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "x: [M, K] bfloat16, CPU");
   TORCH_CHECK(packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 32 &&
                   packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16,
@@ -261,8 +276,9 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torc
   TORCH_CHECK(packed.size(1) * kDepth == K && K > 0, "x and the packed weight disagree on K");
   TORCH_CHECK(packed.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()), "CPU tensors only");
   TORCH_CHECK(emulated || amx_gemm_available(), "amx_gemm needs a CPU with amx_bf16 (or emulated=True)");
+  TORCH_CHECK(!swiglu || !bias.has_value(), "amx_gemm: no bias with swiglu");
   x = x.contiguous();
-  auto out = torch::empty({M, N}, x.options());
+  auto out = torch::empty({M, swiglu ? N / 2 : N}, x.options());
   if (M == 0) return out;
   torch::Tensor bias32, tail;
   if (bias.has_value()) {
@@ -279,7 +295,7 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torc
                    reinterpret_cast<const char*>(packed.data_ptr()),
                    bias.has_value() ? bias32.data_ptr<float>() : nullptr,
                    reinterpret_cast<uint16_t*>(out.data_ptr()),
-                   K, N, full_blocks, tail_rows};
+                   K, N, full_blocks, tail_rows, swiglu};
   at::parallel_for(0, N / kPanel, 0, [&](int64_t p0, int64_t p1) {
 #ifdef BATCHSERVE_AMX
     if (!emulated) return amx_panels(g, p0, p1);

@@ -25,7 +25,8 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
 bool amx_gemm_available();
 bool amx_gemm_takes(int64_t n, int64_t k);
 torch::Tensor amx_gemm_pack(torch::Tensor weight);
-torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated);
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated,
+                       bool swiglu);
 void register_decoder_loop(pybind11::module& m);
 
 // The kernels touch no Python object: each call lets go of the interpreter lock while it computes, as torch's own
@@ -57,7 +58,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm was built with AMX and may use the tiles");
   m.def("amx_gemm_takes", &amx_gemm_takes, "whether amx_gemm takes an [N, K] weight (both multiples of 32)");
   m.def("amx_gemm_pack", &amx_gemm_pack, "[N, K] bf16 weight -> [N/32, K/32, 2, 16, 32] AMX panels", kNoGil);
-  m.def("amx_gemm", &amx_gemm, "x [M, K] @ packed weight (+ bias) -> [M, N] bf16 on AMX tiles", kNoGil,
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("emulated") = false);
+  m.def("amx_gemm", &amx_gemm,
+        "x [M, K] @ packed weight (+ bias) -> [M, N] bf16 on AMX tiles; swiglu: a gate/up weight packed in "
+        "swiglu_interleaved order -> silu(gate) * up [M, N / 2]",
+        kNoGil, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("emulated") = false,
+        pybind11::arg("swiglu") = false);
   register_decoder_loop(m);
 }

@@ -17,7 +17,8 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
                torch::Tensor slot_mapping);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
-torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated);
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated,
+                       bool swiglu);
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                                       double scale, const std::string& path);
@@ -47,6 +48,14 @@ struct Projection {
   c10::optional<torch::Tensor> bias, packed, small_packed, amx_packed;
   int64_t out_features, small_max_m, small_min_m, packed_min_m, packed_max_m, amx_max_m;
   bool packed_only, amx_emulated;
+  bool swiglu = false;  // a gate/up projection whose AMX panels are in swiglu order: AMX only through silu_and_mul
+
+  // silu(gate) * up of this gate/up projection's output: fused into the AMX GEMM where it takes the rows
+  torch::Tensor silu_and_mul_of(const torch::Tensor& x) const {
+    if (swiglu && x.size(0) < amx_max_m && x.scalar_type() == weight_t.scalar_type())
+      return amx_gemm(x, *amx_packed, c10::nullopt, amx_emulated, true);
+    return silu_and_mul((*this)(x));
+  }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (x.scalar_type() != weight_t.scalar_type()) return gemm(x.to(weight_t.scalar_type())).to(x.scalar_type());
@@ -56,7 +65,7 @@ struct Projection {
   torch::Tensor gemm(const torch::Tensor& x) const {
     const int64_t m = x.size(0);
     if (packed_only) {
-      if (amx_packed.has_value() && m < amx_max_m) return amx_gemm(x, *amx_packed, bias, amx_emulated);
+      if (amx_packed.has_value() && m < amx_max_m && !swiglu) return amx_gemm(x, *amx_packed, bias, amx_emulated, false);
       if (m < packed_min_m)
         return packed_linear(torch::cat({x, x.new_zeros({packed_min_m - m, x.size(1)})}), *packed, bias).narrow(0, 0, m);
       return packed_linear(x, *packed, bias);
@@ -144,7 +153,7 @@ class DecoderLoop {
       const torch::Tensor attn = attention(q_k[0], q_k[1], v, key_caches[i], value_caches[i], step, masks);
       h = layer.o(attn.reshape({tokens, q_size}));
       h = rms_norm(h, residual, layer.post_attention_norm, eps_);
-      x = layer.down(silu_and_mul(layer.gate_up(h)));
+      x = layer.down(layer.gate_up.silu_and_mul_of(h));
     }
     return {x, residual};
   }
@@ -222,17 +231,19 @@ void register_decoder_loop(pybind11::module& m) {
       .def(py::init([](torch::Tensor weight_t, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> packed,
                        c10::optional<torch::Tensor> small_packed, int64_t out_features, int64_t small_max_m,
                        int64_t small_min_m, int64_t packed_min_m, int64_t packed_max_m, bool packed_only,
-                       c10::optional<torch::Tensor> amx_packed, int64_t amx_max_m, bool amx_emulated) {
+                       c10::optional<torch::Tensor> amx_packed, int64_t amx_max_m, bool amx_emulated, bool swiglu) {
              TORCH_CHECK(!packed_only || packed.has_value(), "packed_only needs a packed weight");
+             TORCH_CHECK(!swiglu || (packed_only && amx_packed.has_value() && !bias.has_value()),
+                         "swiglu: a packed-only gate/up projection with AMX panels and no bias");
              return Projection{std::move(weight_t), std::move(bias),  std::move(packed), std::move(small_packed),
                                std::move(amx_packed), out_features, small_max_m,       small_min_m,
                                packed_min_m,          packed_max_m, amx_max_m,         packed_only,
-                               amx_emulated};
+                               amx_emulated,          swiglu};
            }),
            py::arg("weight_t"), py::arg("bias"), py::arg("packed"), py::arg("small_packed"), py::arg("out_features"),
            py::arg("small_max_m"), py::arg("small_min_m"), py::arg("packed_min_m"), py::arg("packed_max_m"),
            py::arg("packed_only"), py::arg("amx_packed") = c10::optional<torch::Tensor>(), py::arg("amx_max_m") = 0,
-           py::arg("amx_emulated") = false);
+           py::arg("amx_emulated") = false, py::arg("swiglu") = false);
   py::class_<StepAttention>(m, "StepAttention")
       .def(py::init([](torch::Tensor slot_mapping, int64_t decode_rows, c10::optional<torch::Tensor> decode_block_tables,
                        c10::optional<torch::Tensor> decode_seq_lens, c10::optional<torch::Tensor> prefill_block_tables,

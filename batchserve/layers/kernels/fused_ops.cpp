@@ -87,34 +87,36 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 }
 #endif
 
+// out[i] = silu(gate[i]) * up[i] for i < n: one row of silu_and_mul, and the epilogue of the AMX GEMM fused with it
+// (amx_gemm.cpp), whose results must be these bit for bit; not inlined, so that both run the same instructions.
+template <typename T>
+__attribute__((noinline)) void silu_and_mul_row(const T* g, const T* u, T* o, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = load16(g + i);
+    const __m512 d = _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+    // 1 / d as rcp14 and one Newton step (relative error ~2^-28, below float32's rounding): a vdivps costs as
+    // much as the whole exp, and this loop was bound by it (2048 x 1536 bf16, 2 threads: 1.01 -> 0.85 ms a call)
+    __m512 r = _mm512_rcp14_ps(d);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, two));
+    store16(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, r), load16(u + i)));
+  }
+#endif
+  for (; i < n; ++i) {
+    // exp's argument clamped as in exp512: -ffast-math assumes no inf, and exp(200) / inf gave NaN
+    const float gi = as_float(g[i]);
+    const float e = std::exp(std::min(88.f, std::max(-87.f, -gi)));
+    o[i] = from_float<T>(gi / (1.f + e) * as_float(u[i]));
+  }
+}
+
 // out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]
 template <typename T>
 void silu_and_mul_rows(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, grain(2 * inter), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gate_up + r * stride;
-      const T* u = g + inter;
-      T* o = out + r * inter;
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
-      for (; i + 16 <= inter; i += 16) {
-        const __m512 gv = load16(g + i);
-        const __m512 d = _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-        // 1 / d as rcp14 and one Newton step (relative error ~2^-28, below float32's rounding): a vdivps costs as
-        // much as the whole exp, and this loop was bound by it (2048 x 1536 bf16, 2 threads: 1.01 -> 0.85 ms a call)
-        __m512 r = _mm512_rcp14_ps(d);
-        r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, two));
-        store16(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, r), load16(u + i)));
-      }
-#endif
-      for (; i < inter; ++i) {
-        // exp's argument clamped as in exp512: -ffast-math assumes no inf, and exp(200) / inf gave NaN
-        const float gi = as_float(g[i]);
-        const float e = std::exp(std::min(88.f, std::max(-87.f, -gi)));
-        o[i] = from_float<T>(gi / (1.f + e) * as_float(u[i]));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_and_mul_row(gate_up + r * stride, gate_up + r * stride + inter, out + r * inter, inter);
   });
 }
 
@@ -176,6 +178,12 @@ int64_t argmax_of(const float* x, int64_t n) {
 }
 
 }  // namespace
+
+// The AMX GEMM's fused epilogue (amx_gemm.cpp): one row of silu_and_mul on bf16.
+void silu_and_mul_bf16_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
+  silu_and_mul_row(reinterpret_cast<const c10::BFloat16*>(gate), reinterpret_cast<const c10::BFloat16*>(up),
+                   reinterpret_cast<c10::BFloat16*>(out), n);
+}
 
 // x [T, H] -> normalized [T, H]; with residual (same shape): residual += x in place, the sum normalized. float32
 // or bfloat16, all of one type.
