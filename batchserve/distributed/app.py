@@ -25,7 +25,7 @@ ROUTING_STATS_PERIOD_S = 0.5
 
 def build_application(options: RayAppOptions) -> serve.Application:
     config = engine_config(options.engine, "the Ray Serve app")  # checked here, before any replica starts
-    quiet = {"enable_access_log": False}  # no log line per metrics post or engine call; the ingress logs requests
+    quiet = {"enable_access_log": False}  # no log line per engine call; the ingress logs requests
     engines = serve.deployment(
         EngineReplica,
         name="EngineReplica",

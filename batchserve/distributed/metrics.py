@@ -11,6 +11,8 @@ engine thread on a small machine.
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -20,6 +22,10 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 METRICS_KEY = "metrics"  # the routing stats' entry holding the replica's rendered metrics
+REPORTED_AT_KEY = "reported_at"  # and when (time.time()) the replica rendered them
+# Serve keeps handing out a replica's last stats when its record_routing_stats stops answering (a hung replica, until
+# its health check fails): older ones are left out.
+STALE_AFTER_S = 10.0
 
 ROUTER_METRICS = CollectorRegistry()
 ROUTER_DECISIONS = Counter(
@@ -35,18 +41,34 @@ ROUTER_MATCHED_BLOCKS = Counter(
     registry=ROUTER_METRICS,
 )
 
-# The request routers in this process (router.py adds each as Ray Serve builds it).
+# The request routers in this process (router.py adds each as Ray Serve builds it, maybe on its router thread).
 ROUTERS: weakref.WeakSet[Any] = weakref.WeakSet()
+_ROUTERS_LOCK = threading.Lock()
 
 
-def replica_metrics(routers: Iterable[Any] | None = None) -> dict[str, str]:
-    """{replica id: its rendered metrics} for every running replica the routers know that has reported them;
-    `routers`: objects with Ray Serve's RequestRouter.curr_replicas (default: ROUTERS)."""
+def register_router(router: Any) -> None:
+    with _ROUTERS_LOCK:
+        ROUTERS.add(router)
+
+
+def metrics_report(metrics_text: str) -> dict[str, Any]:
+    """The routing stats' entries carrying a replica's rendered metrics."""
+    return {METRICS_KEY: metrics_text, REPORTED_AT_KEY: time.time()}
+
+
+def replica_metrics(routers: Iterable[Any] | None = None, now: float | None = None) -> dict[str, str]:
+    """{replica id: its rendered metrics} for every running replica the routers know that reported them in the
+    last STALE_AFTER_S; `routers`: objects with Ray Serve's RequestRouter.curr_replicas (default: ROUTERS)."""
+    if routers is None:
+        with _ROUTERS_LOCK:
+            routers = list(ROUTERS)
+    now = time.time() if now is None else now
     texts = {}
-    for router in list(ROUTERS if routers is None else routers):
+    for router in routers:
         for replica_id, replica in dict(router.curr_replicas).items():
-            text = (replica.routing_stats or {}).get(METRICS_KEY)
-            if isinstance(text, str):
+            stats = replica.routing_stats or {}
+            text, reported_at = stats.get(METRICS_KEY), stats.get(REPORTED_AT_KEY, 0.0)
+            if isinstance(text, str) and now - reported_at <= STALE_AFTER_S:
                 texts[replica_id.unique_id] = text
     return texts
 

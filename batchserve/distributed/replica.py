@@ -25,7 +25,7 @@ from batchserve.distributed.messages import (
     StepOutputs,
     Subscribe,
 )
-from batchserve.distributed.metrics import METRICS_KEY
+from batchserve.distributed.metrics import metrics_report
 from batchserve.distributed.outbox import Outbox
 from batchserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from batchserve.engine.llm_engine import LLMEngine
@@ -95,7 +95,7 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """Called by Ray Serve every request_routing_stats_period_s; the routers read it as replica.routing_stats:
         the load, and the rendered metrics for the ingress's /metrics (a few KB, rendered in ~1 ms)."""
-        return {**self.load().as_dict(), METRICS_KEY: self.metrics_text()}
+        return {**self.load().as_dict(), **metrics_report(self.metrics_text())}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Called by Ray Serve for the autoscaling policy (distributed/autoscaling.py)."""

@@ -38,7 +38,7 @@ class PinsSubscriptions:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        metrics.ROUTERS.add(self)
+        metrics.register_router(self)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -135,7 +135,7 @@ def swiglu_interleaved(weight: torch.Tensor) -> torch.Tensor:
     rows and the same 16 up rows: the order amx_gemm(swiglu=True) takes."""
     inter = weight.shape[0] // 2
     half = kernels.AMX_PANEL // 2
-    return weight.view(2, inter // half, half, -1).transpose(0, 1).reshape(weight.shape).contiguous()
+    return weight.reshape(2, inter // half, half, -1).transpose(0, 1).reshape(weight.shape).contiguous()
 
 
 def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:

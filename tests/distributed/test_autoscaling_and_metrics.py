@@ -6,7 +6,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from batchserve.distributed.autoscaling import engine_load_policy
-from batchserve.distributed.metrics import METRICS_KEY, relabelled, replica_metrics
+from batchserve.distributed.metrics import STALE_AFTER_S, metrics_report, relabelled, replica_metrics
 from batchserve.serving.metrics import EngineMetrics, parse_metrics
 
 
@@ -54,7 +54,7 @@ class _Router:
 def _report(tokens: int) -> _Replica:
     metrics = EngineMetrics("m")
     metrics.prompt_tokens.inc(tokens)
-    return _Replica({"num_running": 1, "num_waiting": 0, "kv_usage": 0.1, METRICS_KEY: metrics.render().decode()})
+    return _Replica({"num_running": 1, "num_waiting": 0, "kv_usage": 0.1, **metrics_report(metrics.render().decode())})
 
 
 def test_metrics_of_every_replica_are_served_labelled_by_replica():
@@ -69,3 +69,12 @@ def test_only_replicas_that_reported_metrics_are_listed_once_across_routers():
     routers = [_Router({"a": _report(5), "new": fresh}), _Router({"a": _report(5)})]
     assert set(replica_metrics(routers)) == {"a"}
     assert replica_metrics([]) == {}
+
+
+def test_a_replica_whose_last_report_is_old_is_left_out():
+    """Serve hands out a replica's last routing stats while its record_routing_stats hangs."""
+    router = _Router({"hung": _report(3), "alive": _report(4)})
+    reported_at = router.curr_replicas[next(iter(router.curr_replicas))].routing_stats["reported_at"]
+    assert set(replica_metrics([router], now=reported_at + STALE_AFTER_S - 1)) == {"hung", "alive"}
+    router.curr_replicas[next(iter(router.curr_replicas))].routing_stats["reported_at"] -= 2 * STALE_AFTER_S
+    assert set(replica_metrics([router], now=reported_at + STALE_AFTER_S - 1)) == {"alive"}

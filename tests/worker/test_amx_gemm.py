@@ -94,7 +94,11 @@ def test_the_swiglu_epilogue_is_silu_and_mul_of_the_unfused_gemm(native_kernels,
     fused = native_kernels.amx_gemm(x, native_kernels.amx_gemm_pack(swiglu_interleaved(weight)), None, emulated, True)
     gate_up = native_kernels.amx_gemm(x, native_kernels.amx_gemm_pack(weight), None, emulated)
     assert fused.shape == (m, inter)
-    assert torch.equal(fused, native_kernels.silu_and_mul(gate_up))  # bit for bit, so the layers may take either
+    unfused = native_kernels.silu_and_mul(gate_up)
+    if "avx512f" in kernels.cpu_flags():  # every AMX CPU: one vector body for both
+        assert torch.equal(fused, unfused)  # bit for bit, so the layers may take either
+    else:  # the compiler's own vectorisation of the scalar loop may split 16 and 96 columns differently
+        torch.testing.assert_close(fused, unfused, rtol=2**-7, atol=1e-6)
     gate, up = _exact(x, weight, None).chunk(2, dim=-1)
     torch.testing.assert_close(fused.float(), F.silu(gate) * up, rtol=3e-2, atol=3e-2)
 

@@ -14,8 +14,8 @@
 //
 // SwiGLU fused (swiglu=True): the gate/up projection packed with each panel's two tiles holding 16 gate and the same
 // 16 up columns (amx_gemm_pack of swiglu_interleaved's order), so a panel's epilogue writes silu(gate) * up for 16
-// columns: [M, N / 2], bit for bit silu_and_mul of the unfused [M, N], without writing and re-reading it or another
-// parallel region a layer.
+// columns: [M, N / 2], without writing and re-reading the unfused [M, N] or another parallel region a layer. With
+// AVX-512 (every AMX CPU) it is bit for bit silu_and_mul of the unfused output: one vector body runs both.
 //
 // The tile operations sit behind a backend: AmxTiles issues them, EmulatedTiles runs the same ones in scalar code,
 // so the packing, blocking, row tails and output rounding are tested on any CPU (BATCHSERVE_GEMM_PATH=amx_emulated).
