@@ -42,11 +42,13 @@ class CpuLinear(nn.Module):
             # what a bf16 GEMM with float32 accumulation computes, in another summation order.
             weight = weight.float()
             bias = None if bias is None else bias.float()
-        self.register_buffer("weight_t", weight.t().contiguous())
+        self.gemm_dtype = weight.dtype
         self.register_buffer("bias", None if bias is None else bias.detach())
         narrow = self.out_features <= self.NARROW_OUT
         self.register_buffer("packed", None if narrow and not self.packed_only else _mkldnn_pack(weight))
         self.packed_only = self.packed_only and self.packed is not None
+        # [in, out] for x @ W, which the packed-only path never runs: not kept there (SmolLM2 in bf16: 270 MB less)
+        self.register_buffer("weight_t", None if self.packed_only else weight.t().contiguous())
         self.small_max_m = self.SMALL_MAX_M[narrow]
         native = kernels.for_tensors(weight)
         small = native is not None and native.small_gemm_available()
@@ -79,13 +81,13 @@ class CpuLinear(nn.Module):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this gate/up projection's output [M, 2I] -> [M, I]: one AMX call where it takes the
         rows (bit for bit the unfused result), else the GEMM and then the native silu_and_mul."""
-        if self.swiglu and x.shape[0] < self.AMX_MAX_M and x.dtype == self.weight_t.dtype:
+        if self.swiglu and x.shape[0] < self.AMX_MAX_M and x.dtype == self.gemm_dtype:
             return kernels.load().amx_gemm(x, self.amx_packed, None, self.amx_emulated, swiglu=True)
         return kernels.load().silu_and_mul(self(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight_t.dtype:  # bf16/fp16 activations, float32 layouts (see __init__)
-            return self._forward(x.to(self.weight_t.dtype)).to(x.dtype)
+        if x.dtype != self.gemm_dtype:  # bf16/fp16 activations, float32 layouts (see __init__)
+            return self._forward(x.to(self.gemm_dtype)).to(x.dtype)
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +112,8 @@ class CpuLinear(nn.Module):
         """This projection's layouts and thresholds as the native decoder loop's Projection (it picks the GEMM by rows
         as _forward does)."""
         return native.Projection(
-            weight_t=self.weight_t,
+            # packed-only: no [in, out] copy, only its dtype (the GEMM's) is read
+            weight_t=self.weight_t if self.weight_t is not None else torch.empty(0, dtype=self.gemm_dtype),
             bias=self.bias,
             packed=self.packed,
             small_packed=self.small_packed,

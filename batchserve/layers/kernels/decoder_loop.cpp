@@ -44,7 +44,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // One CpuLinear's layouts and its choice of GEMM by rows (layers/linear.py CpuLinear._forward, same thresholds).
 struct Projection {
-  torch::Tensor weight_t;  // [in, out]; its dtype is the GEMM's (float32 for bf16 weights without bf16 units)
+  torch::Tensor weight_t;  // [in, out] (empty when packed_only); its dtype is the GEMM's (float32 for bf16 weights
+                           // without bf16 units)
   c10::optional<torch::Tensor> bias, packed, small_packed, amx_packed;
   int64_t out_features, small_max_m, small_min_m, packed_min_m, packed_max_m, amx_max_m;
   bool packed_only, amx_emulated;
