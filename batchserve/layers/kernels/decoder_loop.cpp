@@ -66,7 +66,8 @@ struct Projection {
   torch::Tensor gemm(const torch::Tensor& x) const {
     const int64_t m = x.size(0);
     if (packed_only) {
-      if (amx_packed.has_value() && m < amx_max_m && !swiglu) return amx_gemm(x, *amx_packed, bias, amx_emulated, false);
+      if (amx_packed.has_value() && m < amx_max_m && !swiglu)  // swiglu panels: only through silu_and_mul_of
+        return amx_gemm(x, *amx_packed, bias, amx_emulated, false);
       if (m < packed_min_m)
         return packed_linear(torch::cat({x, x.new_zeros({packed_min_m - m, x.size(1)})}), *packed, bias).narrow(0, 0, m);
       return packed_linear(x, *packed, bias);

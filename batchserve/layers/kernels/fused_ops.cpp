@@ -116,7 +116,10 @@ __attribute__((noinline)) void silu_and_mul_row(const T* g, const T* u, T* o, in
 template <typename T>
 void silu_and_mul_rows(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, grain(2 * inter), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_and_mul_row(gate_up + r * stride, gate_up + r * stride + inter, out + r * inter, inter);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * stride;
+      silu_and_mul_row(g, g + inter, out + r * inter, inter);
+    }
   });
 }
 
