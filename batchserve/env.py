@@ -43,6 +43,15 @@ def gemm_path() -> str | None:
     return None if value in (None, "", "auto") else value
 
 
+def small_gemm_path() -> str | None:
+    """BATCHSERVE_SMALL_GEMM_PATH (default unset or "auto": the CPU's flags decide): forces the float32 GEMM of
+    decode-sized batches, "avx512" or "avx2" (the native small-M kernel, layers/kernels/small_gemm.cpp, in that ISA)
+    or "library" (oneDNN or x @ W at every M); to measure or test one path. A path this build or CPU cannot run is an
+    error, not a silent fallback. Read when a model is laid out for the CPU."""
+    value = os.environ.get("BATCHSERVE_SMALL_GEMM_PATH")
+    return None if value in (None, "", "auto") else value
+
+
 def prefill_attention() -> str | None:
     """BATCHSERVE_PREFILL_ATTENTION (default unset or "auto": the pool's dtype and the CPU's flags decide): "native"
     (the native kernel, or the torch code where it does not run) or "sdpa" (torch's fused attention, one call per

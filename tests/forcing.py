@@ -35,3 +35,20 @@ def force_gemm(monkeypatch):
 
     yield force
     kernels.bf16_gemm_path.cache_clear()
+
+
+@pytest.fixture
+def force_small_gemm(monkeypatch):
+    """force_small_gemm(path): float32 projections take small-M GEMM `path` ("avx512", "avx2" or "library"); skips
+    the test where this build or CPU has no such path. The cached choice is cleared around the test; layouts are made
+    when a model or CpuLinear is built, so force before building one."""
+    from batchserve.layers import kernels
+
+    def force(path: str) -> None:
+        if not kernels.small_gemm_path_runs(path):
+            pytest.skip(f"the {path} small-M GEMM is not built here (this CPU lacks its ISA)")
+        monkeypatch.setenv("BATCHSERVE_SMALL_GEMM_PATH", path)
+        kernels.small_gemm_path.cache_clear()
+
+    yield force
+    kernels.small_gemm_path.cache_clear()

@@ -10,12 +10,17 @@ from batchserve.layers import kernels
 
 class CpuLinear(nn.Module):
     """A Linear laid out for this CPU's GEMMs, picked per call by the number of rows M (measured, see
-    benchmarks/roofline.py): the native small-M kernel (weight packed in 32-column panels) for decode-sized M, oneDNN
+    benchmarks/roofline.py): the native small-M kernel (weight packed in panels of two vectors' width) for decode-sized M, oneDNN
     with a pre-packed weight for the wide projections (gate/up, lm_head) up to prefill-sized M, a plain [in, out]
     weight (x @ W) otherwise. Each layout is a copy of the weight: memory traded for speed."""
 
-    SMALL_MIN_M = 2  # one row streams the weight fastest as x @ W
-    SMALL_MAX_M = {False: 48, True: 64}  # up to where the native kernel wins: {narrow projection?: M}
+    # from where the native kernel wins, per path: on AVX-512 one row streams the weight fastest as x @ W; on AVX2 the
+    # kernel streams it 1.5-2x faster than x @ W even then (SmolLM2's shapes, M = 1, 2 threads, AMD EPYC family 25)
+    SMALL_MIN_M = {"avx512": 2, "avx2": 1, "library": 2}
+    # up to where the native kernel wins, per path: {narrow projection?: M}
+    # (AVX2: the 8-wide kernel holds 93-100% of the FMA peak from M = 32 on and beats oneDNN / x @ W by 1.1-2.4x up to
+    # M = 160, by 0-10% at 192-384; SmolLM2's shapes, 2 threads, AMD EPYC family 25 with AVX2 only)
+    SMALL_MAX_M = {"avx512": {False: 48, True: 64}, "avx2": {False: 256, True: 384}, "library": {False: 0, True: 0}}
     # oneDNN's bf16 GEMM runs fewer than 4 rows slower than 4 (all of SmolLM2's projections and its lm_head at
     # M = 1 / 2 / 3 / 4, 1 thread, AMD EPYC with AVX512-BF16: 20.1 / 23.5 / 19.8 / 18.5 ms): zero rows pad up to 4.
     PACKED_MIN_M = 4
@@ -49,10 +54,10 @@ class CpuLinear(nn.Module):
         self.packed_only = self.packed_only and self.packed is not None
         # [in, out] for x @ W, which the packed-only path never runs: not kept there (SmolLM2 in bf16: 270 MB less)
         self.register_buffer("weight_t", None if self.packed_only else weight.t().contiguous())
-        self.small_max_m = self.SMALL_MAX_M[narrow]
-        native = kernels.for_tensors(weight)
-        small = native is not None and native.small_gemm_available()
-        self.register_buffer("small_packed", native.small_gemm_pack(weight) if small else None)
+        small_path = kernels.small_gemm_path() if kernels.for_tensors(weight) is not None else "library"
+        self.small_min_m, self.small_max_m = self.SMALL_MIN_M[small_path], self.SMALL_MAX_M[small_path][narrow]
+        small = small_path != "library"
+        self.register_buffer("small_packed", kernels.load().small_gemm_pack(weight, small_path) if small else None)
         path = self._amx_path(weight)
         self.amx_emulated = path == "amx_emulated"
         self.swiglu = swiglu and path is not None and bias is None
@@ -98,7 +103,7 @@ class CpuLinear(nn.Module):
             if m < self.PACKED_MIN_M:
                 return self._packed(torch.cat([x, x.new_zeros(self.PACKED_MIN_M - m, x.shape[1])]))[:m]
             return self._packed(x)
-        if m < self.SMALL_MIN_M:
+        if m < self.small_min_m:
             out = torch.matmul(x, self.weight_t)
         elif self.small_packed is not None and m <= self.small_max_m:
             out = kernels.load().small_gemm(x, self.small_packed, self.out_features)
@@ -119,7 +124,7 @@ class CpuLinear(nn.Module):
             small_packed=self.small_packed,
             out_features=self.out_features,
             small_max_m=self.small_max_m,
-            small_min_m=self.SMALL_MIN_M,
+            small_min_m=self.small_min_m,
             packed_min_m=self.PACKED_MIN_M,
             packed_max_m=self.PACKED_MAX_M,
             packed_only=self.packed_only,
@@ -161,7 +166,7 @@ def gemm_path(dtype: torch.dtype) -> str:
             )
             return f"{first}oneDNN {dtype} GEMMs on weights packed once ({dtype} matmul units)"
         return f"float32 GEMMs on widened weights (no {dtype} matmul units)"
-    native = kernels.load()
-    if native is not None and native.small_gemm_available():
-        return "float32 GEMMs: native small-M kernel, oneDNN packed or x @ W, by rows"
-    return "float32 GEMMs: oneDNN packed or x @ W, by rows (the native small-M kernel needs AVX-512)"
+    small = kernels.small_gemm_path() if kernels.load() is not None else "library"
+    if small != "library":
+        return f"float32 GEMMs: native small-M kernel ({small}), oneDNN packed or x @ W, by rows"
+    return "float32 GEMMs: oneDNN packed or x @ W, by rows (the native small-M kernel needs AVX2 + FMA)"

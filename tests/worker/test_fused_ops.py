@@ -98,37 +98,75 @@ def test_model_layers_take_the_same_values_either_way(native_kernels, monkeypatc
     torch.testing.assert_close(fast_rope, apply_rope(rot_in.clone(), angles.cos(), angles.sin()))
 
 
-def _check_small_gemm(native, m: int, n: int, k: int, tol: float) -> None:
-    if not native.small_gemm_available():
-        pytest.skip("small_gemm needs AVX-512")
+SMALL_PATHS = ["avx512", "avx2"]
+
+
+def _check_small_gemm(native, path: str, m: int, n: int, k: int, tol: float) -> None:
+    if path not in native.small_gemm_paths():
+        pytest.skip(f"the {path} small-M GEMM is not built here (this CPU lacks its ISA)")
     torch.manual_seed(m * 7919 + k)
     w, x = torch.randn(n, k), torch.randn(m, k)
-    out = native.small_gemm(x, native.small_gemm_pack(w), n)
+    packed = native.small_gemm_pack(w, path)
+    assert packed.shape[2] == {"avx512": 32, "avx2": 16}[path]  # two vectors' width of output columns
+    out = native.small_gemm(x, packed, n)
     assert out.shape == (m, n)
     torch.testing.assert_close(out, x @ w.t(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 12, 13, 25, 48])
+@pytest.mark.parametrize("path", SMALL_PATHS)
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 12, 13, 25, 48])
 @pytest.mark.parametrize("n, k", [(960, 576), (70, 33)])  # 70: a padded last panel; 33: odd K
-def test_small_gemm_matches_matmul(m, n, k, native_kernels):
-    _check_small_gemm(native_kernels, m, n, k, 1e-4)
+def test_small_gemm_matches_matmul(path, m, n, k, native_kernels):
+    _check_small_gemm(native_kernels, path, m, n, k, 1e-4)
 
 
-@pytest.mark.parametrize("m, n, k", [(13, 70, 2560), (50, 64, 8192), (400, 40, 385)])
-def test_small_gemm_partial_depth_slices_and_row_chunks(m, n, k, native_kernels):
-    """K past one slice with a partial last slice (accumulating), and M past one row chunk (400 rows at K=385)."""
-    _check_small_gemm(native_kernels, m, n, k, 2e-3)
+@pytest.mark.parametrize("path", SMALL_PATHS)
+@pytest.mark.parametrize("m, n, k", [(13, 70, 2560), (50, 64, 8192), (400, 40, 385), (1100, 24, 700)])
+def test_small_gemm_partial_depth_slices_and_row_chunks(path, m, n, k, native_kernels):
+    """K past one slice with a partial last slice (accumulating), and M past one row chunk (400 rows at K=385 on
+    AVX-512, 1100 rows at K=700 on AVX2)."""
+    _check_small_gemm(native_kernels, path, m, n, k, 2e-3)
 
 
-def test_cpu_linear_layouts_agree_at_every_m():
+def test_small_gemm_rejects_panels_of_no_path(native_kernels):
+    with pytest.raises(RuntimeError, match="small_gemm path"):
+        native_kernels.small_gemm_pack(torch.randn(8, 8), "avx1024")
+    with pytest.raises(RuntimeError, match="no path's"):
+        native_kernels.small_gemm(torch.randn(2, 8), torch.randn(1, 8, 24), 24)
+
+
+@pytest.mark.parametrize("path", [*SMALL_PATHS, "library"])
+def test_cpu_linear_layouts_agree_at_every_m(path, force_small_gemm):
     # Whatever kernel CpuLinear picks for M, the result is the Linear's.
+    force_small_gemm(path)
     torch.manual_seed(3)
     for out_features in (96, 2048):  # a narrow and a wide projection
         linear = torch.nn.Linear(64, out_features, bias=True)
         cpu = CpuLinear.from_linear(linear)
-        for m in (1, 2, 8, 48, 49, 64, 65, 511, 512, 600):
+        assert (cpu.small_packed is None) == (path == "library")
+        for m in (1, 2, 8, 48, 49, 64, 65, 256, 257, 384, 385, 511, 512, 600):
             x = torch.randn(m, 64)
             torch.testing.assert_close(cpu(x), linear(x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_forced_small_gemm_path_must_exist_and_run_here(monkeypatch):
+    monkeypatch.setenv("BATCHSERVE_SMALL_GEMM_PATH", "avx1024")
+    kernels.small_gemm_path.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="not one of auto"):
+            kernels.small_gemm_path()
+        missing = next((p for p in SMALL_PATHS if not kernels.small_gemm_path_runs(p)), None)
+        if missing is not None:
+            monkeypatch.setenv("BATCHSERVE_SMALL_GEMM_PATH", missing)
+            kernels.small_gemm_path.cache_clear()
+            with pytest.raises(ValueError, match="not built here"):
+                kernels.small_gemm_path()
+        monkeypatch.setenv("BATCHSERVE_SMALL_GEMM_PATH", "auto")
+        kernels.small_gemm_path.cache_clear()
+        built = kernels.load().small_gemm_paths() if kernels.load() is not None else []
+        assert kernels.small_gemm_path() == (built[0] if built else "library")  # the best built, by itself
+    finally:
+        kernels.small_gemm_path.cache_clear()
 
 
 @pytest.mark.parametrize("units", [False, True], ids=["no-bf16-units", "bf16-units"])

@@ -113,6 +113,35 @@ def bf16_gemm_path() -> str:
     return _chosen_path("bf16 GEMM path", "BATCHSERVE_GEMM_PATH", env.gemm_path(), GEMM_PATHS, gemm_path_runs, auto, {})
 
 
+# The float32 GEMM paths of decode-sized batches (layers/linear.py CpuLinear), best first: the native small-M kernel
+# in AVX-512 or in AVX2 + FMA (small_gemm.cpp; each packs its own panel width), the libraries' GEMMs (oneDNN, x @ W).
+SMALL_GEMM_PATHS = ("avx512", "avx2", "library")
+
+
+def small_gemm_path_runs(path: str) -> bool:
+    """Whether the native kernels are built here with `path` (built only where this CPU runs it)."""
+    if path == "library":
+        return True
+    native = load()
+    return native is not None and path in native.small_gemm_paths()
+
+
+@functools.cache
+def small_gemm_path() -> str:
+    """The float32 GEMM path of decode-sized batches, chosen once: BATCHSERVE_SMALL_GEMM_PATH when set (ValueError
+    when it names no path or one that cannot run here), else the best this build runs. Logged once."""
+    auto = next(p for p in SMALL_GEMM_PATHS if small_gemm_path_runs(p))
+    return _chosen_path(
+        "small-M float32 GEMM path",
+        "BATCHSERVE_SMALL_GEMM_PATH",
+        env.small_gemm_path(),
+        SMALL_GEMM_PATHS,
+        small_gemm_path_runs,
+        auto,
+        {},
+    )
+
+
 def _machine_tag() -> str:
     """-march=native code is only valid on the CPU it was built for: key the build on the CPU's flags (and ours)."""
     flags = cpu_flags()

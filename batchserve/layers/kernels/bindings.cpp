@@ -19,8 +19,8 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor argmax_rows(torch::Tensor logits);
 void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
                torch::Tensor slot_mapping);
-bool small_gemm_available();
-torch::Tensor small_gemm_pack(torch::Tensor weight);
+std::vector<std::string> small_gemm_paths();
+torch::Tensor small_gemm_pack(torch::Tensor weight, const std::string& path);
 torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
 bool amx_gemm_available();
 bool amx_gemm_takes(int64_t n, int64_t k);
@@ -52,8 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place on [T, heads, D] (rotate_half convention)", kNoGil);
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, -1) of [R, V] float32, parallel over rows", kNoGil);
   m.def("write_kv_", &write_kv_, "store one step's K/V [T, Hkv, D] at their pool slots (in place)", kNoGil);
-  m.def("small_gemm_available", &small_gemm_available, "whether small_gemm was built (AVX-512)");
-  m.def("small_gemm_pack", &small_gemm_pack, "[N, K] weight -> [N/32, K, 32] panels for small_gemm", kNoGil);
+  m.def("small_gemm_paths", &small_gemm_paths, "the small_gemm paths built here (avx512, avx2), best first");
+  m.def("small_gemm_pack", &small_gemm_pack, "[N, K] weight -> [N/P, K, P] panels of `path` for small_gemm", kNoGil,
+        pybind11::arg("weight"), pybind11::arg("path"));
   m.def("small_gemm", &small_gemm, "x [M, K] @ packed weight -> [M, n], for small M", kNoGil);
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm was built with AMX and may use the tiles");
   m.def("amx_gemm_takes", &amx_gemm_takes, "whether amx_gemm takes an [N, K] weight (both multiples of 32)");
