@@ -181,10 +181,14 @@ def decode_attention(
 
 def prefill_mode(like: torch.Tensor, head_dim: int, kv_cache: KVCache) -> str:
     """How prefill chunks of queries like `like` (its dtype and device) attend: "sdpa" (one fused attention per
-    chunk), "native" (the native prefill kernel) or "torch" (the torch code: gather, pad, SDPA)."""
-    if like.device.type == "cpu" and prefill_path(kv_cache[0].dtype) == "sdpa":
-        return "sdpa"
-    return "torch" if _native_prefill(like, head_dim, kv_cache) is None else "native"
+    chunk), "native" (the native prefill kernel) or "torch" (the torch code: gather, pad, SDPA). On the CPU a chunk
+    the native kernel cannot take (no AVX-512, another head size) goes to SDPA, which the native decoder loop runs too:
+    the torch code would send the whole step to the Python layers (7 of 280 ms a mixed step, AVX2-only AMD EPYC)."""
+    if like.device.type != "cpu":
+        return "torch"
+    if prefill_path(kv_cache[0].dtype) == "native" and _native_prefill(like, head_dim, kv_cache) is not None:
+        return "native"
+    return "sdpa"
 
 
 def prefill_attention(
@@ -205,6 +209,14 @@ def prefill_attention(
             kernels.attention_path(),
         )
         return out.to(query.dtype)
+    return _padded_prefill_attention(query, key, value, kv_cache, group, scale)
+
+
+def _padded_prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float
+) -> torch.Tensor:
+    """The torch code, off the CPU: whole prompts one SDPA each; chunks after earlier context gathered from the pool,
+    padded to the longest chunk and attended in one SDPA under the prefill mask."""
     if group.fresh:
         return _per_sequence_prefill_attention(query, key, value, kv_cache, group, scale)
     keys, values = gather_kv(kv_cache, group.block_tables)
@@ -240,14 +252,15 @@ def prefill_path(pool_dtype: torch.dtype) -> str:
     """How prefill chunks attend on the CPU, chosen once per pool dtype and logged: "sdpa" (torch's fused attention,
     one call per sequence) for a bfloat16 pool on a CPU with AMX, whose tiles it runs on: 2-5x faster there than the
     native kernel's AVX512-BF16 dot products (128-2048-token prompts, with and without earlier context; Intel Xeon with
-    amx_bf16); "native" (the native kernel where it runs, else the torch code) otherwise, a float32 pool included
+    amx_bf16); "native" (the native kernel where it runs, else SDPA: prefill_mode) otherwise, a float32 pool included
     (there the two are as fast). BATCHSERVE_PREFILL_ATTENTION forces one."""
     forced = env.prefill_attention()
     if forced is not None and forced not in PREFILL_PATHS:
         raise ValueError(f"BATCHSERVE_PREFILL_ATTENTION={forced!r}: not one of auto, {', '.join(PREFILL_PATHS)}")
     amx = pool_dtype == torch.bfloat16 and "amx_bf16" in kernels.cpu_flags().split()
     path = forced or ("sdpa" if amx else "native")
-    logger.info("prefill attention on a %s pool: %s%s", pool_dtype, path, " (forced)" if forced else "")
+    where = " where it takes the chunk, else sdpa" if path == "native" else ""
+    logger.info("prefill attention on a %s pool: %s%s%s", pool_dtype, path, where, " (forced)" if forced else "")
     return path
 
 

@@ -10,7 +10,7 @@ import torch
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.layers import kernels
-from batchserve.layers.attention import PREFILL_KERNEL_PATHS
+from batchserve.layers.attention import PREFILL_KERNEL_PATHS, prefill_mode
 from batchserve.layers.linear import CpuLinear
 from batchserve.models.llama import DecoderLayer
 from batchserve.sampling_params import SamplingParams
@@ -168,10 +168,9 @@ def test_steps_with_prompts_equal_the_python_layers(
     _check_gemm_layouts(model, units)
     batch, kv = step_batch(config, num_seqs, 8, dtype, seed=num_seqs, prompts=((0, 13), (11, 6), (16, 9)))
     assert batch.attn_metadata.prefill is not None
-    if prefill == "native" and not kernels.load().prefill_attention_available(config.head_dim):
-        # the prefill chunks would attend by the torch code, which the loop does not have: the Python layers run
-        assert model._native_step(model.embed_tokens(batch.input_ids), kv, batch.attn_metadata) is None
-        return
+    # a head size the native prefill kernel was not built for attends by SDPA, in the loop as in the Python layers
+    expected_mode = prefill if kernels.load().prefill_attention_available(config.head_dim) else "sdpa"
+    assert prefill_mode(model.embed_tokens(batch.input_ids), config.head_dim, kv[0]) == expected_mode
     native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)
     model.decoder_loop = None
     python_hidden, python_kv = forward(model, batch, kv)

@@ -278,14 +278,39 @@ def test_bf16_decode_is_the_same_bits_on_any_number_of_threads(num_seqs, force_p
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 128), (2, 2, 32)], ids=str)
 @pytest.mark.parametrize("block_size", [9, 16])
 def test_prefill_paths_bfloat16_pool(path, heads, block_size, force_path):
-    # Prefill chunks next to decodes on every path (on "avx2" and "portable" prefill is the torch code), bfloat16 pool.
+    # Prefill chunks next to decodes on every path (on "avx2" and "portable", which have no prefill kernel, SDPA),
+    # bfloat16 pool, NaN garbage in unwritten slots.
     force_path(path)
     seqs = [(0, 5), (0, 16), (0, 37), (13, 20), (40, 1), (7, 33), (16, 16), (0, 2), (100, 3)]
-    out, expected, batch = run_batch(
-        seqs, block_size, stale=path in attention.PREFILL_KERNEL_PATHS, heads=heads, dtype=torch.bfloat16
-    )
+    out, expected, batch = run_batch(seqs, block_size, stale=True, heads=heads, dtype=torch.bfloat16)
     assert batch.attn_metadata.prefill is not None and batch.attn_metadata.decode is not None
     torch.testing.assert_close(out.float(), expected, **BF16_TOLERANCE)
+
+
+@pytest.mark.parametrize("path", kernels.ATTENTION_PATHS)
+def test_prefill_without_a_kernel_takes_sdpa(path, force_path, monkeypatch):
+    # Where the native prefill kernel cannot run (no AVX-512: the "avx2" and "portable" paths), prefill chunks take
+    # SDPA on the CPU, which the native decoder loop runs too, not the torch code that sends a step to the Python
+    # layers.
+    force_path(path)
+    query = torch.zeros(3, 9, 64)
+    cache = (torch.zeros(4, 16, 3, 64), torch.zeros(4, 16, 3, 64))
+    expected = "native" if path in attention.PREFILL_KERNEL_PATHS else "sdpa"
+    assert attention.prefill_mode(query, 64, cache) == expected
+    assert attention.prefill_mode(query, 80, cache) == "sdpa"  # a head size the kernel was not built for
+    monkeypatch.setenv("BATCHSERVE_NATIVE_KERNELS", "0")
+    assert attention.prefill_mode(query, 64, cache) == "sdpa"
+
+
+@pytest.mark.parametrize("block_size", [9, 16])
+def test_torch_prefill_code(block_size, monkeypatch):
+    # The torch code that prefill chunks take off the CPU (gather, pad to the longest chunk, one SDPA under the
+    # prefill mask), forced here on the CPU: whole prompts, chunks after earlier context, next to decodes.
+    monkeypatch.setattr(attention, "prefill_mode", lambda *_: "torch")
+    seqs = [(0, 5), (0, 16), (0, 37), (13, 20), (40, 1), (7, 33), (16, 16), (0, 2), (100, 3)]
+    out, expected, batch = run_batch(seqs, block_size, heads=(9, 3, 64))
+    assert not batch.attn_metadata.prefill.fresh
+    torch.testing.assert_close(out, expected, **F32_TOLERANCE)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -326,7 +351,7 @@ def test_paths_float32_pool(path, force_path):
     # A float32 pool on every path: float32 accuracy (the bf16 dot-product path computes it as "avx512" does).
     force_path(path)
     seqs = [(0, 5), (0, 37), (13, 20), (40, 1), (129, 1), (255, 1), (7, 1)]
-    out, expected, _ = run_batch(seqs, 16, stale=path in attention.PREFILL_KERNEL_PATHS, heads=(9, 3, 64))
+    out, expected, _ = run_batch(seqs, 16, stale=True, heads=(9, 3, 64))
     torch.testing.assert_close(out, expected, **F32_TOLERANCE)
 
 
