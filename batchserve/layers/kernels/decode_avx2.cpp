@@ -10,9 +10,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "vec_math.h"
@@ -47,26 +49,51 @@ inline float reduce_max8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
+// How many blocks ahead of the one being computed the first kv head of an item pulls every kv head's rows toward
+// L2: one block of one head's scores is ~100 cycles of compute, a DRAM read several times that.
+constexpr int64_t kBlocksAhead = 4;
+
 // The rows of one head in the block after the one at `start` (if any) into L1 while this one is computed: a
-// sequence's blocks are scattered over the pool, where the hardware prefetchers do not follow.
+// sequence's blocks are scattered over the pool, where the hardware prefetchers do not follow. With `whole_tokens`
+// (the first kv head of an item that holds them all) every kv head's rows of the block kBlocksAhead on go toward L2
+// as well, one contiguous run, so the item's other kv heads find them there.
 template <typename T>
 inline void prefetch_next_block(const T* head, const int64_t* table, int64_t start, int64_t len, int64_t block_size,
-                                int64_t block_stride, int64_t token_stride, int64_t row_bytes) {
+                                int64_t block_stride, int64_t token_stride, int64_t row_bytes,
+                                const T* whole_tokens) {
+  const int64_t token_bytes = token_stride * sizeof(T);
+  const int64_t ahead = start + kBlocksAhead * block_size;
+  if (whole_tokens != nullptr && ahead < len)
+    prefetch_rows<_MM_HINT_T1>(whole_tokens + table[ahead / block_size] * block_stride,
+                               std::min(block_size, len - ahead), token_bytes, token_bytes);
   const int64_t next = start + block_size;
   if (next >= len) return;
-  prefetch_rows(head + table[next / block_size] * block_stride, std::min(block_size, len - next),
-                token_stride * sizeof(T), row_bytes);
+  prefetch_rows(head + table[next / block_size] * block_stride, std::min(block_size, len - next), token_bytes,
+                row_bytes);
+}
+
+// The first kBlocksAhead blocks' whole tokens, before a pass with `whole_tokens` starts.
+template <typename T>
+inline void prefetch_first_blocks(const T* whole_tokens, const int64_t* table, int64_t len, int64_t block_size,
+                                  int64_t block_stride, int64_t token_stride) {
+  if (whole_tokens == nullptr) return;
+  const int64_t token_bytes = token_stride * sizeof(T);
+  for (int64_t start = 0; start < std::min(len, kBlocksAhead * block_size); start += block_size)
+    prefetch_rows<_MM_HINT_T1>(whole_tokens + table[start / block_size] * block_stride,
+                               std::min(block_size, len - start), token_bytes, token_bytes);
 }
 
 // Pass 1 for one query head (qv: its scaled query, NC vectors): scores[t] for the sequence's `len` tokens, read
 // through its block table; scores has room for len + 8.
 template <int NC, typename T>
 void score_sequence(const __m256* qv, const T* k_head, const int64_t* table, int64_t len, int64_t block_size,
-                    int64_t block_stride, int64_t token_stride, float* scores) {
+                    int64_t block_stride, int64_t token_stride, const T* whole_tokens, float* scores) {
+  prefetch_first_blocks(whole_tokens, table, len, block_size, block_stride, token_stride);
   for (int64_t start = 0; start < len; start += block_size) {
     const T* k_block = k_head + table[start / block_size] * block_stride;
     const int64_t n = std::min(block_size, len - start);
-    prefetch_next_block(k_head, table, start, len, block_size, block_stride, token_stride, NC * 8 * sizeof(T));
+    prefetch_next_block(k_head, table, start, len, block_size, block_stride, token_stride, NC * 8 * sizeof(T),
+                        whole_tokens);
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
       __m256 dots[8];
       for (int t = 0; t < 8; ++t) {
@@ -104,13 +131,15 @@ inline float softmax_in_place(float* scores, int64_t len) {
 // Pass 3 for one query head and CH vectors of head_dim from `d0` on: out = sum_t p[t] * v[t] * inv.
 template <int CH, typename T>
 void values_chunk(const T* v_head, const int64_t* table, int64_t len, int64_t block_size, int64_t block_stride,
-                  int64_t token_stride, const float* p, float inv, float* out) {
+                  int64_t token_stride, const T* whole_tokens, const float* p, float inv, float* out) {
+  prefetch_first_blocks(whole_tokens, table, len, block_size, block_stride, token_stride);
   __m256 acc[CH];
   for (int c = 0; c < CH; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t start = 0; start < len; start += block_size) {
     const T* v_block = v_head + table[start / block_size] * block_stride;
     const int64_t n = std::min(block_size, len - start);
-    prefetch_next_block(v_head, table, start, len, block_size, block_stride, token_stride, CH * 8 * sizeof(T));
+    prefetch_next_block(v_head, table, start, len, block_size, block_stride, token_stride, CH * 8 * sizeof(T),
+                        whole_tokens);
     for (int64_t t = 0; t < n; ++t) {
       const __m256 pt = _mm256_set1_ps(p[start + t]);
       const T* v = v_block + t * token_stride;
@@ -133,8 +162,11 @@ inline bool has_nan(const float* x, int64_t n) {
   return false;
 }
 
-// NC = head_dim / 8. One work item = one (sequence, kv head); items are dealt to threads round-robin, as on the
-// AVX-512 path (a batch lists its longest contexts first).
+// NC = head_dim / 8. A work item is one sequence with all its kv heads, so that its blocks are read from memory as
+// contiguous runs of whole tokens (every kv head's rows) and its later kv heads find them in cache; with fewer
+// sequences than 4 per thread, an item is one (sequence, kv head) so that every thread has work. Items are claimed
+// one at a time, longest context first, as on the bf16 path: the threads end together however the lengths are
+// spread, and a thread the OS preempts holds up only the item it is on.
 template <int NC, typename T>
 void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                                 const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
@@ -144,18 +176,29 @@ void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cac
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
-  const int64_t num_items = num_seqs * num_kv_heads;
+  const int64_t splits = num_seqs < 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t heads_per_item = num_kv_heads / splits;
+  const int64_t num_items = num_seqs * splits;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::vector<int64_t> order(num_items);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return seq_lens[a / splits] > seq_lens[b / splits]; });
+  std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    if (begin >= end) return;
     std::vector<float> scores;
-    for (int64_t worker = begin; worker < end; ++worker)
-      for (int64_t item = worker; item < num_items; item += threads) {
-        const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-        const int64_t len = seq_lens[seq];
-        const int64_t* table = tables + seq * max_blocks;
+    for (int64_t claimed = next++; claimed < num_items; claimed = next++) {
+      const int64_t seq = order[claimed] / splits, first_kv = order[claimed] % splits * heads_per_item;
+      const int64_t len = seq_lens[seq];
+      const int64_t* table = tables + seq * max_blocks;
+      scores.resize(len + 8);  // the last tile of 8 may start at any token (a block size not a multiple of 8)
+      for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_item; ++kv_head) {
         const T* k_head = k_cache + kv_head * D;
         const T* v_head = v_cache + kv_head * D;
-        scores.resize(len + 8);  // the last tile of 8 may start at any token (a block size not a multiple of 8)
+        const bool first_of_many = heads_per_item > 1 && kv_head == first_kv;
+        const T* k_tokens = first_of_many ? k_cache : nullptr;
+        const T* v_tokens = first_of_many ? v_cache : nullptr;
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = kv_head * group + g;
           const float* qh = q + (seq * num_heads + h) * D;
@@ -166,13 +209,16 @@ void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cac
           }
           __m256 qv[NC];
           for (int c = 0; c < NC; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_set1_ps(scale));
-          score_sequence<NC>(qv, k_head, table, len, block_size, block_stride, token_stride, scores.data());
+          // the whole tokens are pulled once, by the first query head of the first kv head
+          score_sequence<NC>(qv, k_head, table, len, block_size, block_stride, token_stride,
+                             g == 0 ? k_tokens : nullptr, scores.data());
           const float inv = 1.f / softmax_in_place(scores.data(), len);
           for (int c0 = 0; c0 < NC; c0 += CH)
-            values_chunk<CH>(v_head + 8 * c0, table, len, block_size, block_stride, token_stride, scores.data(), inv,
-                             o + 8 * c0);
+            values_chunk<CH>(v_head + 8 * c0, table, len, block_size, block_stride, token_stride,
+                             g == 0 && c0 == 0 ? v_tokens : nullptr, scores.data(), inv, o + 8 * c0);
         }
       }
+    }
   });
 }
 
