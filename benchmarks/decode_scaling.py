@@ -19,10 +19,12 @@ preempted; the mean step time then says more than the median.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import random
 import statistics
 import time
+from collections.abc import Iterator
 
 from batchserve.bench.offline import build_engine
 from batchserve.config import EngineConfig
@@ -51,6 +53,20 @@ def keep_busy(fraction: float, period_s: float = 0.010) -> None:
         time.sleep(period_s * (1 - fraction))
 
 
+@contextlib.contextmanager
+def busy_neighbour(fraction: float) -> Iterator[None]:
+    """Another process keeping one core busy `fraction` of the time while the block runs (none at 0)."""
+    if fraction <= 0:
+        yield
+        return
+    neighbour = multiprocessing.Process(target=keep_busy, args=(fraction,), daemon=True)
+    neighbour.start()
+    try:
+        yield
+    finally:
+        neighbour.kill()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="1,8,16,32,64")
@@ -66,20 +82,15 @@ def main() -> None:
     for b in sizes:
         like = engines[0] if engines else None
         engines.append(filled_engine(b, max(sizes), args.prompt_len, like, rng, args.threads))
-    neighbour = None
-    if args.background_load > 0:
-        neighbour = multiprocessing.Process(target=keep_busy, args=(args.background_load,), daemon=True)
-        neighbour.start()
     times: dict[int, list[float]] = {b: [] for b in sizes}
     splits: dict[int, list[StepTimings]] = {b: [] for b in sizes}
-    for _ in range(args.rounds):
-        for b, engine in zip(sizes, engines, strict=True):
-            start = time.perf_counter()
-            engine.step()
-            times[b].append(time.perf_counter() - start)
-            splits[b].append(engine.last_timings)
-    if neighbour is not None:
-        neighbour.kill()
+    with busy_neighbour(args.background_load):
+        for _ in range(args.rounds):
+            for b, engine in zip(sizes, engines, strict=True):
+                start = time.perf_counter()
+                engine.step()
+                times[b].append(time.perf_counter() - start)
+                splits[b].append(engine.last_timings)
     phases = ("schedule", "prepare", "forward", "sample", "output")
     print(
         f"{'':6s} {'step ms':>8s} {'mean ms':>8s} {'tok/s':>7s} {'ms/seq':>6s} | "
