@@ -159,11 +159,15 @@ def for_tensors(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch
     return None
 
 
-@functools.cache
 def load():
-    """The compiled module, or None when native kernels are off or cannot be built here."""
-    if not env.native_kernels():
-        return None
+    """The compiled module, or None when native kernels are off (BATCHSERVE_NATIVE_KERNELS=0, read at every call as
+    the README says of every variable) or cannot be built here."""
+    return _build() if env.native_kernels() else None
+
+
+@functools.cache
+def _build():
+    """The module built (or found in torch's on-disk cache) once per process; None when it cannot be built here."""
     try:
         from torch.utils.cpp_extension import load as load_extension
 

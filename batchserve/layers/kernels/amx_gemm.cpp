@@ -22,7 +22,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
+
+#include "vec_math.h"
 
 #if defined(__x86_64__) && defined(__linux__) && \
     ((defined(__clang__) && __clang_major__ >= 11) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
@@ -120,6 +123,9 @@ struct AmxTiles {
       cfg.rows[t] = 16;
       cfg.colsb[t] = 64;
     }
+    // GCC's _tile_loadconfig tells the compiler it reads 8 bytes of cfg, which lets it drop the stores above
+    // (ldtilecfg then faults on a zeroed config): the barrier makes all 64 bytes reach memory first
+    asm volatile("" : : "m"(cfg) : "memory");
     _tile_loadconfig(&cfg);
   }
   AMX_TARGET static void release() { _tile_release(); }
@@ -155,7 +161,7 @@ struct AmxTiles {
     _tile_stored(2, c[2], 64);
     _tile_stored(3, c[3], 64);
   }
-  AMX_TARGET static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
+  AMX_TARGET static void prefetch(const char* p) { prefetch_line<_MM_HINT_T1>(p); }
   AMX_TARGET static void write_row(const float* c0, const float* c1, const float* bias, uint16_t* out) {
     __m512 v0 = _mm512_loadu_ps(c0), v1 = _mm512_loadu_ps(c1);
     if (bias) {
@@ -185,9 +191,36 @@ struct GemmArgs {
   bool swiglu;           // each panel is 16 gate and 16 up columns: out = silu(gate) * up
 };
 
+// A finished output block (one panel x one row block) whose rows are still to be written: its C tiles sit in a
+// buffer, and its rows are rounded (and SwiGLU'd) a few at a time in the tile steps of the next block, where the
+// vector units are otherwise idle while the tiles multiply.
+struct PendingRows {
+  int64_t panel = 0, block = 0, rows = 0, done = 0;
+};
+
+// Rows [pend.done, upto) of a pending block out of its C tiles c.
+template <class Tiles>
+__attribute__((always_inline)) inline void write_rows(const GemmArgs& g, const float (*c)[16][16], PendingRows& pend,
+                                                      int64_t upto) {
+  const float* bias = g.bias ? g.bias + pend.panel * kPanel : nullptr;
+  for (; pend.done < upto; ++pend.done) {
+    const int64_t r = pend.done, row = pend.block * kBlockRows + r;
+    const int t = static_cast<int>(r / 16) * 2;
+    if (g.swiglu) {  // rounded to bf16 first, as the unfused GEMM's output is
+      alignas(64) uint16_t gate_up[kPanel];
+      Tiles::write_row(c[t][r % 16], c[t + 1][r % 16], nullptr, gate_up);
+      silu_and_mul_bf16_row(gate_up, gate_up + 16, g.out + row * (g.N / 2) + pend.panel * 16, 16);
+    } else {
+      Tiles::write_row(c[t][r % 16], c[t + 1][r % 16], bias, g.out + row * g.N + pend.panel * kPanel);
+    }
+  }
+}
+
 // Panels [p0, p1) of the output, all rows. While a panel's blocks run, the next panel's bytes are prefetched, spread
 // over its (blocks x K blocks) tile steps: only the first row block reads a panel from memory. StreamA: x passes
 // through L1 once per panel without evicting the panel (more than one row block; with one, x stays in L1 instead).
+// Each block's output rows are written during the next block's tile steps (PendingRows): written after its own
+// steps instead, they took a third of a mixed step's GEMM time (SmolLM2, M = 160, SwiGLU's epilogue most of it).
 template <class Tiles, bool StreamA>
 __attribute__((always_inline)) inline void gemm_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
   Tiles::configure();
@@ -195,6 +228,8 @@ __attribute__((always_inline)) inline void gemm_panels(const GemmArgs& g, int64_
   const int64_t kblocks = g.K / kDepth, panel_bytes = kblocks * kKBlockBytes;
   const int64_t blocks = g.full_blocks + (g.tail_rows > 0), lines = panel_bytes / 64;
   const int64_t lines_per_step = (lines + blocks * kblocks - 1) / (blocks * kblocks);
+  const int64_t rows_per_step = (kBlockRows + kblocks - 1) / kblocks;
+  PendingRows pend;
   for (int64_t p = p0; p < p1; ++p) {
     const char* panel = g.packed + p * panel_bytes;
     const char* next = p + 1 < p1 ? panel + panel_bytes : nullptr;
@@ -207,22 +242,14 @@ __attribute__((always_inline)) inline void gemm_panels(const GemmArgs& g, int64_
         Tiles::template load_a<StreamA>(a + kb * kDepth, g.K * 2);
         Tiles::load_b(panel + kb * kKBlockBytes);
         Tiles::dot_all();
+        write_rows<Tiles>(g, c, pend, std::min(pend.rows, pend.done + rows_per_step));
       }
+      write_rows<Tiles>(g, c, pend, pend.rows);
       Tiles::store_c(c);
-      const int64_t rows = b < g.full_blocks ? kBlockRows : g.tail_rows;
-      const float* bias = g.bias ? g.bias + p * kPanel : nullptr;
-      for (int64_t r = 0; r < rows; ++r) {
-        const int t = static_cast<int>(r / 16) * 2;
-        if (g.swiglu) {  // rounded to bf16 first, as the unfused GEMM's output is
-          alignas(64) uint16_t gate_up[kPanel];
-          Tiles::write_row(c[t][r % 16], c[t + 1][r % 16], nullptr, gate_up);
-          silu_and_mul_bf16_row(gate_up, gate_up + 16, g.out + (b * kBlockRows + r) * (g.N / 2) + p * 16, 16);
-        } else {
-          Tiles::write_row(c[t][r % 16], c[t + 1][r % 16], bias, g.out + (b * kBlockRows + r) * g.N + p * kPanel);
-        }
-      }
+      pend = PendingRows{p, b, b < g.full_blocks ? kBlockRows : g.tail_rows, 0};
     }
   }
+  write_rows<Tiles>(g, c, pend, pend.rows);
   Tiles::release();
 }
 
