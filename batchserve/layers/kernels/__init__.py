@@ -159,9 +159,11 @@ def for_tensors(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch
     return None
 
 
+@functools.cache
 def load():
-    """The compiled module, or None when native kernels are off (BATCHSERVE_NATIVE_KERNELS=0, read at every call as
-    the README says of every variable) or cannot be built here."""
+    """The compiled module, or None when native kernels are off (BATCHSERVE_NATIVE_KERNELS=0) or cannot be built
+    here. Decided once, as the paths above are (layers ask at every call: a cached answer, not an environment
+    lookup); `load.cache_clear()` decides again without building again."""
     return _build() if env.native_kernels() else None
 
 

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "vec_math.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -68,7 +70,7 @@ inline void panel_block(const float* xb, int64_t kc, const float* panel, float* 
   for (int64_t k = 0; k < kc; ++k) {
     if (Prefetch && k < ahead_rows) {
       for (int64_t line = 0; line < P; line += 16)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + k * P + line), _MM_HINT_T1);
+        prefetch_line<_MM_HINT_T1>(ahead + k * P + line);
     }
     const auto w0 = Isa::load(panel + k * P);
     const auto w1 = Isa::load(panel + k * P + W);
