@@ -475,21 +475,30 @@ BF16_TARGET void decode_items_bf16(std::atomic<int64_t>& next, const int64_t* or
       _mm512_storeu_ps(&maxes[h * 16], _mm512_set1_ps(-3.0e38f));
     }
     // (1) scores, a block at a time (its kv heads are one run of memory). The pool's blocks are scattered, which the
-    // hardware prefetchers do not foresee: the next block's K is asked for, and this block's V (into L2, for (3)).
+    // hardware prefetchers do not foresee: the next block's K is asked for (into L1) and its V (into L2, for (3)), a
+    // slice per tile and head, spread over the block's work. Asked for all at a block's start, the same lines took
+    // longer: a layer of 64 sequences x 250 tokens from memory 0.87 -> 0.81 ms spread (2 threads, Intel Xeon with AMX).
     const int64_t row_bytes = heads_per_item * D * 2;
-    prefetch_rows(k_cache + table[0] * block_stride + first_kv * D, std::min(block_size, len), token_stride * 2,
-                  row_bytes);
+    const auto first_row = [&](const bf16_t* pool, int64_t start) {  // of the block holding token `start`
+      return pool + table[start / block_size] * block_stride + first_kv * D;
+    };
+    prefetch_rows(first_row(k_cache, 0), std::min(block_size, len), token_stride * 2, row_bytes);
+    prefetch_rows<_MM_HINT_T1>(first_row(v_cache, 0), std::min(block_size, len), token_stride * 2, row_bytes);
     for (int64_t start = 0; start < len; start += block_size) {
       const int64_t n = std::min(block_size, len - start);
       const int64_t base = table[start / block_size] * block_stride + first_kv * D;
-      if (start + block_size < len)
-        prefetch_rows(k_cache + table[start / block_size + 1] * block_stride + first_kv * D,
-                      std::min(block_size, len - start - block_size), token_stride * 2, row_bytes);
-      prefetch_rows<_MM_HINT_T1>(v_cache + base, n, token_stride * 2, row_bytes);
+      const int64_t next_rows = std::clamp<int64_t>(len - start - block_size, 0, block_size);
+      const int64_t steps = (n + 15) / 16 * item_heads;
+      RowPrefetcher next_k(next_rows ? first_row(k_cache, start + block_size) : k_cache, next_rows, token_stride * 2,
+                           row_bytes, steps);
+      RowPrefetcher<_MM_HINT_T1> next_v(next_rows ? first_row(v_cache, start + block_size) : v_cache, next_rows,
+                                        token_stride * 2, row_bytes, steps);
       for (int64_t i = 0; i < n; i += 16) {
         const int64_t m = std::min<int64_t>(16, n - i);
         const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
         for (int64_t h = 0; h < item_heads; ++h) {
+          next_k.step();
+          next_v.step();
           const __m512 s = score_tile_bf16<NP>(&qb[h * D], k_cache + base + i * token_stride + h / group * D,
                                                token_stride, m, scale);
           _mm512_storeu_ps(&scores[h * stride + start + i], s);
@@ -623,7 +632,19 @@ void decode_attention_avx512(const float* q, const T* k_cache, const T* v_cache,
         n = std::min<int64_t>({16, block_size - in_block, len - start});
         const int64_t offset =
             tables[seq * max_blocks + start / block_size] * block_stride + in_block * token_stride;
+        // the next tile's K and V asked for during this one's kv heads (the pool's blocks are scattered, which the
+        // hardware prefetchers do not foresee), a few lines a kv head (see RowPrefetcher)
+        const int64_t next = start + n, next_in_block = next % block_size;
+        const int64_t next_rows = std::max<int64_t>(0, std::min<int64_t>({16, block_size - next_in_block, len - next}));
+        const int64_t next_offset = next_rows ? tables[seq * max_blocks + next / block_size] * block_stride +
+                                                    next_in_block * token_stride + first_kv * D
+                                              : 0;
+        const int64_t row_bytes = heads_per_item * D * sizeof(T), steps = 2 * heads_per_item;
+        RowPrefetcher next_k(k_cache + next_offset, next_rows, token_stride * sizeof(T), row_bytes, steps);
+        RowPrefetcher next_v(v_cache + next_offset, next_rows, token_stride * sizeof(T), row_bytes, steps);
         for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_item && grouped; ++kv_head) {
+          next_k.step();
+          next_v.step();
           const int64_t h0 = kv_head * group;
           score_group<NC>(qs.data() + h0 * D, group, k_cache + offset + kv_head * D, token_stride, n, scores);
           for (int64_t g = 0; g < group; ++g)
@@ -636,6 +657,8 @@ void decode_attention_avx512(const float* q, const T* k_cache, const T* v_cache,
           softmax_update(s, n, m[h], l[h], corr[h], p.data() + h * 16);
         }
         for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_item; ++kv_head) {
+          next_k.step();
+          next_v.step();
           const int64_t h = kv_head * group;
           accumulate_group<NC>(v_cache + offset + kv_head * D, token_stride, n, p.data() + h * 16, corr.data() + h,
                                acc_store.data() + h * D, group);

@@ -1,6 +1,7 @@
 // Vector math shared by the kernels (AVX-512, and AVX2 + FMA).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__x86_64__)
@@ -34,6 +35,28 @@ inline void prefetch_rows(const void* first, int64_t rows, int64_t stride, int64
   for (int64_t r = 0; r < rows; ++r, p += stride)
     for (int64_t b = 0; b < row_bytes; b += 64) prefetch_line<kHint>(p + b);
 }
+
+// prefetch_rows' lines asked for a few at a time over `steps` steps of work (step() asks for the next few) rather
+// than all at its start, where a burst waits on the line-fill buffers that the loads need too.
+template <int kHint = _MM_HINT_T0>
+class RowPrefetcher {
+ public:
+  RowPrefetcher(const void* first, int64_t rows, int64_t stride, int64_t row_bytes, int64_t steps)
+      : row_(static_cast<const char*>(first)), rows_(rows), stride_(stride), row_bytes_(row_bytes) {
+    if (stride == row_bytes) row_bytes_ *= rows_, rows_ = rows_ > 0;  // one contiguous run
+    per_step_ = (rows_ * ((row_bytes_ + 63) / 64) + steps - 1) / std::max<int64_t>(steps, 1);
+  }
+  void step() {
+    for (int64_t k = 0; k < per_step_ && rows_ > 0; ++k) {
+      prefetch_line<kHint>(row_ + offset_);
+      if ((offset_ += 64) >= row_bytes_) offset_ = 0, row_ += stride_, --rows_;
+    }
+  }
+
+ private:
+  const char* row_;
+  int64_t rows_, stride_, row_bytes_, offset_ = 0, per_step_;
+};
 #endif
 
 #if defined(__AVX512F__)
