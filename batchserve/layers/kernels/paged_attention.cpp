@@ -221,7 +221,7 @@ void accumulate_group(const T* v_tile, int64_t token_stride, int64_t n, const fl
 // the accumulators' lanes in a fixed permuted order of d, undone once at the output. The softmax denominator sums the
 // rounded weights, so the weights applied to V sum to 1.
 // Decode runs in three passes per sequence instead of an online softmax (see decode_items_bf16), and asks for the
-// scattered blocks ahead of use (prefetch_rows); prefill keeps the online softmax of prefill_tile.
+// scattered blocks ahead of use (RowPrefetcher); prefill keeps the online softmax of prefill_tile.
 // On the Xeon this was written on, vdpbf16ps retires one per ~2 cycles (half the multiply-adds per cycle of float32
 // FMA), so the arithmetic alone is no faster than widening: the gain measured there comes from the passes and the
 // prefetching. Only for CPUs with avx512_bf16 (checked before a call: bf16_dot_supported()); compiled per function
