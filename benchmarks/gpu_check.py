@@ -135,6 +135,14 @@ def ttft(model, device, dtype, prompt_len: int, repeats: int, rng: random.Random
     return {"prompt_len": prompt_len, "ttft_ms": statistics.median(times) * 1e3, "runs": len(times)}
 
 
+def save(result: dict, out: Path, name: str) -> None:
+    """One JSON result in `out`, named `name` and the time."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"saved {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF directory or GGUF file (default: random weights of SmolLM2-135M's shapes)")
@@ -169,10 +177,7 @@ def main() -> None:
             print(f"decode B={batch}: {row['step_ms']:.2f} ms/step, {row['tok_per_s']:.0f} tok/s", flush=True)
         result["ttft"] = ttft(model, args.device, args.dtype, args.ttft_len, 3, rng)
         print(f"TTFT {args.ttft_len}-token prompt: {result['ttft']['ttft_ms']:.1f} ms", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"gpu_check-{args.device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"saved {path}")
+    save(result, args.out, f"gpu_check-{args.device}")
 
 
 if __name__ == "__main__":

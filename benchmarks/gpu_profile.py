@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_check import engine_for, greedy, prompts, random_checkpoint
+from gpu_check import engine_for, greedy, prompts, random_checkpoint, save
 from torch.profiler import ProfilerActivity, profile
 
 COUNTED = ("cudaLaunchKernel", "cudaStreamSynchronize", "cudaMemcpyAsync", "cudaDeviceSynchronize", "aten::item")
@@ -77,10 +77,7 @@ def main() -> None:
         model = str(random_checkpoint(Path(tmp)))
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             result["rows"].append(profile_decode(model, args.device, args.dtype, batch, args.steps, rng))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"gpu_profile-{args.device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"saved {path}")
+    save(result, args.out, f"gpu_profile-{args.device}")
 
 
 if __name__ == "__main__":
