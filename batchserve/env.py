@@ -71,6 +71,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BATCHSERVE_CACHE_DIR", Path.home() / ".cache" / "batchserve"))
 
 
+def kernel_build_dir() -> Path:
+    """BATCHSERVE_KERNEL_BUILD_DIR (default <cache dir>/kernels): where the native CPU kernels are built, one folder
+    per build key (layers/kernels/build.py)."""
+    value = os.environ.get("BATCHSERVE_KERNEL_BUILD_DIR")
+    return Path(value) if value else cache_dir() / "kernels"
+
+
 def api_key() -> str | None:
     """BATCHSERVE_API_KEY (default unset): the key `batchserve serve` requires when --api-key is not given (an empty
     value counts as unset)."""

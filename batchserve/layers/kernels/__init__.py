@@ -7,7 +7,6 @@ returns None and the torch reference path runs instead.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import platform
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from batchserve import env
+from batchserve.layers.kernels.build import build_or_load
 
 logger = logging.getLogger(__name__)
 
@@ -142,15 +142,6 @@ def small_gemm_path() -> str:
     )
 
 
-def _machine_tag() -> str:
-    """-march=native code is only valid on the CPU it was built for: key the build on the CPU's flags (and ours)."""
-    flags = cpu_flags()
-    sources = "".join(p.read_text() for p in (*_SOURCES, *sorted(Path(__file__).parent.glob("*.h"))))
-    # the compile command holds torch's include path as this interpreter spells it (a symlinked venv spells it
-    # two ways): one build folder per spelling, or each would rebuild the other's objects
-    return hashlib.sha1((flags + " ".join(CFLAGS) + sources + torch.__file__).encode()).hexdigest()[:12]
-
-
 def for_tensors(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
     """The compiled module when the kernels take these tensors (all on the CPU, each in one of `dtypes`) and it is
     built here; else None, and the caller runs its torch code."""
@@ -167,19 +158,11 @@ def load():
     return _build() if env.native_kernels() else None
 
 
-@functools.cache
 def _build():
-    """The module built (or found in torch's on-disk cache) once per process; None when it cannot be built here."""
+    """The module built (or found built under its build key) once per process; None when it cannot be built here."""
+    here = Path(__file__).parent
     try:
-        from torch.utils.cpp_extension import load as load_extension
-
-        return load_extension(
-            name=f"batchserve_cpu_kernels_{_machine_tag()}",
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        return build_or_load(tuple(_SOURCES), tuple(sorted(here.glob("*.h"))), tuple(CFLAGS), cpu_flags())
     except Exception as exc:  # a missing compiler must not stop the engine
         logger.warning("native CPU kernels unavailable (%s); using the torch attention path", exc)
         return None

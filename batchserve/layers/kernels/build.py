@@ -1,0 +1,104 @@
+"""Building the native CPU kernels: once per build key, in a folder of that key's own, said in the log while it runs.
+
+The key holds everything that changes the compiled objects or how the build tool reads its own records: the CPU's
+flags (the code is -march=native), the compile flags, the sources, torch (its headers and how this interpreter spells
+its path), the C++ compiler and the ninja binary. Two ninja versions sharing one folder each read the other's log as
+"command changed" and rebuild everything, silently; with the version in the key they never share one, and the
+ninja installed beside this interpreter (a dependency of ours) is preferred to the one on PATH, so an activated and
+a non-activated venv build once between them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from batchserve import env
+
+logger = logging.getLogger(__name__)
+
+LDFLAGS = ["-fopenmp"]
+
+
+def tool_version(command: str) -> str:
+    """`command --version`'s first line with the binary it resolved to, or "absent" when there is none."""
+    path = shutil.which(command)
+    if path is None:
+        return f"{command}: absent"
+    try:
+        result = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return f"{path}: unrunnable"
+    lines = (result.stdout or result.stderr).strip().splitlines()
+    return f"{os.path.realpath(path)}: {lines[0] if lines else ''}"
+
+
+@contextmanager
+def interpreter_tools_first() -> Iterator[None]:
+    """PATH with this interpreter's bin folder first while the build runs (torch calls `ninja` by name)."""
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), saved])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
+
+
+def build_key(files: list[Path], cflags: list[str], cpu_flags: str) -> str:
+    """A short hash of everything that changes the build's output or its tools' bookkeeping (module docstring)."""
+    parts = [
+        cpu_flags,
+        " ".join(cflags + LDFLAGS),
+        *(p.read_text() for p in files),
+        torch.__version__,
+        torch.__file__,  # a symlinked venv spells torch's include path two ways: one folder per spelling
+        tool_version(os.environ.get("CXX", "c++")),
+        tool_version("ninja"),
+    ]
+    return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def build_or_load(sources: tuple[Path, ...], headers: tuple[Path, ...], cflags: tuple[str, ...], cpu_flags: str):
+    """The compiled module of `sources` (which include `headers`), built first when this key has no library yet
+    (logged, with its time); torch's lock on the folder makes concurrent processes wait for one build."""
+
+    with interpreter_tools_first():
+        return _build_or_load(sources, headers, cflags, cpu_flags)
+
+
+def _build_or_load(sources: tuple[Path, ...], headers: tuple[Path, ...], cflags: tuple[str, ...], cpu_flags: str):
+    from torch.utils.cpp_extension import load as load_extension
+
+    key = build_key([*sources, *headers], list(cflags), cpu_flags)
+    directory = env.kernel_build_dir() / key
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"batchserve_cpu_kernels_{key}"
+    built = (directory / f"{name}.so").exists()
+    if not built:
+        logger.warning(
+            "building the native CPU kernels into %s (once for this CPU, compiler and torch; minutes)", directory
+        )
+    start = time.perf_counter()
+    module = load_extension(
+        name=name,
+        sources=[str(p) for p in sources],
+        extra_cflags=list(cflags),
+        extra_ldflags=LDFLAGS,
+        build_directory=str(directory),
+        verbose=False,
+    )
+    if not built:
+        logger.warning("built the native CPU kernels in %.0f s", time.perf_counter() - start)
+    return module
