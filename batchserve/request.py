@@ -1,4 +1,5 @@
-"""A request as the scheduler sees it: plain Python, derived counts as properties."""
+"""A request twice: as a front end hands it to an engine (EngineRequest, built and checked once, then passed
+unchanged down to the engine), and as the scheduler tracks it (Request: plain Python, derived counts as properties)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,24 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # client went away or the engine was asked to drop it
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request on its way down: built once, by engine/inputs.RequestBuilder (the one place its prompt and
+    sampling values are checked), then handed unchanged through EngineClient, the async engine, a Ray replica and
+    LLMEngine.add_request. `prompt`: the text the ids came from, when the caller gave text (an echo needs it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # within the engine's limits (truncated, if the engine truncates)
+    sampling_params: SamplingParams  # validated
+    priority: int = 0  # lower is served first under scheduling_order="priority"
+    arrival_time: float = field(default_factory=time.monotonic)
+    prompt: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
 @dataclass
 class Request:
     request_id: str
@@ -43,6 +62,17 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+
+    @classmethod
+    def of(cls, request: EngineRequest, eos_token_ids: tuple[int, ...]) -> Request:
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            eos_token_ids,
+            request.priority,
+            request.arrival_time,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

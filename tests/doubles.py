@@ -9,13 +9,15 @@ specials of a ChatML model (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>` = EOS)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from batchserve.config import EngineConfig, ModelConfig
-from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
+from batchserve.engine.llm_engine import LLMEngine
+from batchserve.engine.outputs import Completion, CompletionDelta
 from tests.fake_runner import FakeRunner, reference_generation, reference_next_token
 
 __all__ = [
@@ -108,16 +110,31 @@ def make_engine(
     return LLMEngine(config, runner=runner, tokenizer=tokenizer, model_config=model_config)
 
 
-def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, CompletionOutput]:
-    """Step until nothing is unfinished; the final output of each request by id. Fails past `max_steps` steps, so
-    a scheduler that never finishes a request fails the test instead of hanging it."""
-    done: dict[str, CompletionOutput] = {}
+def run_to_completion(
+    engine: LLMEngine, max_steps: int = 10_000, earlier: Iterable[CompletionDelta] = ()
+) -> dict[str, Completion]:
+    """Step until nothing is unfinished; each finished request's output by id, folded from its deltas (token ids,
+    text, logprobs; the prompt is the caller's, not known here), `earlier` ones first (of steps the caller ran).
+    Fails past `max_steps` steps, so a scheduler that never finishes a request fails the test instead of hanging."""
+    running: dict[str, Completion] = {}
+    done: dict[str, Completion] = {}
+
+    def fold(out: CompletionDelta) -> None:
+        completion = running.get(out.request_id)
+        if completion is None:
+            logprobs = [] if out.delta_logprobs is not None else None
+            completion = running[out.request_id] = Completion(out.request_id, None, [], logprobs)
+        completion.add(out)
+        if out.finished:
+            done[out.request_id] = running.pop(out.request_id)
+
+    for out in earlier:
+        fold(out)
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():
             return done
         for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+            fold(out)
     raise AssertionError(
         f"requests still unfinished after {max_steps} engine steps: {engine.last_stats} "
         f"(finished so far: {sorted(done)})"

@@ -161,7 +161,7 @@ class OfflineRun:
     def _add(self, req: BenchRequest, arrival: float) -> RequestResult:
         result = RequestResult(req.request_id, req.prompt_len, 0, arrival, category=req.category)
         try:
-            self.engine.add_request(
+            self.engine.add_prompt(
                 req.request_id, req.prompt_token_ids, _sampling_params(req),
                 arrival_time=arrival if self._arrival_to_engine else None,
             )  # fmt: skip
@@ -213,10 +213,10 @@ def _record_outputs(outputs: list[Any], live: dict[str, RequestResult], done: li
             continue
         if out.delta_token_ids:
             result.token_times.append(now)
+            result.output_len += len(out.delta_token_ids)  # outputs carry deltas: counted here, not sliced
         if not out.finished:
             continue
         m = out.metrics
-        result.output_len = len(out.token_ids)
         # the driver's clock, not the engine's (a lockstep run's clock is not the engine's)
         result.first_token_time = (result.token_times or [now])[0]
         result.finish_time = now

@@ -1,7 +1,7 @@
 """RemoteEngineClient: the serving layer's EngineClient over the EngineReplica deployment's handle.
 
-The ingress tokenizes and validates here (the serving layer does, with the engine's limits fetched once from a
-replica), then each request is one streaming call `generate(ReplicaRequest)`, routed by the deployment's request
+The ingress tokenizes and validates here (the serving layer builds the EngineRequest, with the engine's limits
+fetched once from a replica), then each request is one streaming call `generate(ReplicaRequest)`, routed by the deployment's request
 router. Its one message is the replica's admission (or its error), so a refused request is answered before any
 byte of a response goes out, as on one engine; the call then stays open until the request ends (Ray Serve counts
 it, and an abort cancels it). The outputs come on one `subscribe` call per replica this client has requests on,
@@ -31,8 +31,8 @@ from batchserve.config import EngineConfig
 from batchserve.core.outputs import SchedulerStats
 from batchserve.distributed.messages import EngineDescription, ReplicaRequest, StepOutputs, Subscribe
 from batchserve.engine.async_engine import RequestStream
-from batchserve.engine.inputs import EngineLimits, Prompt
-from batchserve.sampling_params import SamplingParams
+from batchserve.engine.inputs import EngineLimits
+from batchserve.request import EngineRequest
 from batchserve.serving.errors import ErrorKind, ServingError
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ class ReplicaLost(ServingError):
 class _InFlight:
     stream: RequestStream
     replica_id: str | None = None  # once admitted
-    prompt: tuple[str | None, list[int]] | None = None  # sent with the first output only
     watch: asyncio.Task[None] | None = None
 
 
@@ -98,12 +97,11 @@ class RemoteEngineClient:
     def stats(self) -> SchedulerStats | None:
         return None  # one scheduler per replica: their stats are on /metrics, labelled by replica
 
-    async def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
-    ) -> RequestStream:
+    async def add_request(self, request: EngineRequest) -> RequestStream:
+        request_id = request.request_id
         # registered before the call: the subscription may bring its first output before the admission does
-        entry = self._requests[request_id] = _InFlight(RequestStream(request_id, asyncio.get_running_loop()))
-        call = self._handle.generate.remote(ReplicaRequest(request_id, prompt, params, priority, self.caller_id))
+        entry = self._requests[request_id] = _InFlight(RequestStream(request, asyncio.get_running_loop()))
+        call = self._handle.generate.remote(ReplicaRequest(request, self.caller_id))
         try:
             admitted = await call.__anext__()
         except BaseException as exc:
@@ -157,10 +155,6 @@ class RemoteEngineClient:
             entry = self._requests.get(out.request_id)
             if entry is None:
                 continue  # aborted here meanwhile
-            if entry.prompt is None:
-                entry.prompt = (out.prompt, out.prompt_token_ids)
-            else:
-                out.prompt, out.prompt_token_ids = entry.prompt
             entry.stream.put(out)
             if out.finished:
                 del self._requests[out.request_id]  # its call ends by itself; the replica ends the subscription

@@ -5,30 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from batchserve.config import EngineConfig
-from batchserve.engine.inputs import EngineLimits, Prompt
-from batchserve.engine.llm_engine import CompletionOutput
-from batchserve.sampling_params import SamplingParams
+from batchserve.engine.inputs import EngineLimits
+from batchserve.engine.outputs import CompletionDelta
+from batchserve.request import EngineRequest
 
 
 @dataclass(frozen=True)
 class ReplicaRequest:
-    """One engine request. The ingress has tokenized the prompt already, so the router can hash its blocks.
-    `caller`: the ingress client's id; the request's outputs go out on that caller's subscription."""
+    """One engine request as the ingress's serving layer built it (tokenized and checked there, so the router can
+    hash its blocks), and `caller`: the ingress client's id; its deltas go out on that caller's subscription."""
 
-    request_id: str
-    prompt: Prompt
-    params: SamplingParams
-    priority: int = 0
+    request: EngineRequest
     caller: str = ""
 
     @property
-    def prompt_token_ids(self) -> list[int] | None:
-        prompt = self.prompt
-        if isinstance(prompt, dict):
-            prompt = prompt.get("prompt_token_ids")
-        if isinstance(prompt, list | tuple):
-            return list(prompt)
-        return None
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
 
 
 @dataclass(frozen=True)
@@ -82,5 +78,5 @@ class StepOutputs:
     """One message of a subscription: what one or more engine steps produced for the caller's requests there, and the
     requests that ended in an error instead (an engine that died, for one)."""
 
-    outputs: list[CompletionOutput] = field(default_factory=list)
+    outputs: list[CompletionDelta] = field(default_factory=list)
     errors: dict[str, BaseException] = field(default_factory=dict)

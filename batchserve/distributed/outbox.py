@@ -13,7 +13,6 @@ them at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 from batchserve.distributed.messages import StepOutputs
 from batchserve.engine.async_engine import RequestStream
@@ -23,7 +22,6 @@ class Outbox:
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
         self._ended: dict[str, asyncio.Future[None]] = {}  # resolved once the request's last output is collected
-        self._prompt_sent: set[str] = set()
         self._wake = asyncio.Event()
         self._subscriber = 0  # the token of the subscription that collects; a newer one replaces it
         self._subscriptions = 0  # open ones (an old one may still be returning)
@@ -77,8 +75,7 @@ class Outbox:
         return None
 
     def collect(self) -> StepOutputs | None:
-        """What every stream holds now, without waiting; None if nothing. The prompt (text and ids) goes with a
-        request's first output only: the caller keeps it."""
+        """What every stream holds now, without waiting; None if nothing (deltas only: the caller has the prompt)."""
         step = StepOutputs()
         for request_id, stream in list(self._streams.items()):
             try:
@@ -87,18 +84,13 @@ class Outbox:
                 step.errors[request_id] = exc
                 self._end(request_id)
                 continue
-            for out in outputs:
-                if request_id in self._prompt_sent:
-                    out = dataclasses.replace(out, prompt=None, prompt_token_ids=[])
-                self._prompt_sent.add(request_id)
-                step.outputs.append(out)
+            step.outputs += outputs
             if stream.finished:
                 self._end(request_id)
         return step if step.outputs or step.errors else None
 
     def _end(self, request_id: str, aborted: bool = False) -> None:
         self._streams.pop(request_id, None)
-        self._prompt_sent.discard(request_id)
         ended = self._ended.pop(request_id, None)
         if ended is not None and not ended.done():
             ended.cancel() if aborted else ended.set_result(None)

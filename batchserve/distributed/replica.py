@@ -12,7 +12,9 @@ replaces it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -55,7 +57,9 @@ class EngineReplica:
         """Admits the request (or raises its error: InvalidRequestError, QueueFullError, EngineDeadError), answers
         Admitted, and ends once its last output went to the caller's outbox; its outputs go out on the caller's
         subscription. Cancelled by the caller (a client gone, an abort): the engine drops the request."""
-        stream = await self.engine.add_request(request.request_id, request.prompt, request.params, request.priority)
+        # arrival re-stamped in this process's clock: the ingress's monotonic clock may be another host's
+        arrived = dataclasses.replace(request.request, arrival_time=time.monotonic())
+        stream = await self.engine.add_request(arrived)
         outbox = self._outboxes.setdefault(request.caller, Outbox())
         ended = outbox.add(stream)
         try:

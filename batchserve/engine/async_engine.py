@@ -7,7 +7,7 @@ Outputs go back through one ``asyncio.Queue`` per request, fed with ``loop.call_
 has produced them, so each token can be streamed the moment it is sampled.
 
     async_engine = AsyncLLMEngine(engine).start()
-    async for out in async_engine.generate("Hello", SamplingParams(max_tokens=8)):
+    async for out in async_engine.generate("Hello", SamplingParams(max_tokens=8)):  # a CompletionDelta per step
         print(out.delta_text, end="")
     async_engine.shutdown()
 """
@@ -30,7 +30,9 @@ from transformers import PreTrainedTokenizerBase
 from batchserve.config import EngineConfig
 from batchserve.core.outputs import SchedulerStats
 from batchserve.engine.inputs import EngineLimits, Prompt
-from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
+from batchserve.engine.llm_engine import LLMEngine
+from batchserve.engine.outputs import CompletionDelta
+from batchserve.request import EngineRequest
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.device import adopt_torch_threads, release_openmp_workers
 
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_STEP_PAUSE_S = 0.005
 
-StepListener = Callable[[LLMEngine, list[CompletionOutput]], None]  # called on the loop thread after each step
+StepListener = Callable[[LLMEngine, list[CompletionDelta]], None]  # called on the loop thread after each step
 
 
 class EngineDeadError(RuntimeError):
@@ -48,45 +50,46 @@ class EngineDeadError(RuntimeError):
 class RequestStream:
     """Outputs of one request, delivered to the event loop that asked for it."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
+    def __init__(self, request: EngineRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.request_id = request.request_id
         self._loop = loop
-        self._queue: asyncio.Queue[CompletionOutput | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[CompletionDelta | BaseException] = asyncio.Queue()
         self._held_error: BaseException | None = None  # met by ready() behind outputs; raised by the next call
         self.finished = False
         self.listener: Callable[[], None] | None = None  # called on the event loop after each delivery
 
     # loop thread
-    def put(self, item: CompletionOutput | BaseException) -> None:
+    def put(self, item: CompletionDelta | BaseException) -> None:
         _call_soon(self._loop, self._deliver, item)
 
     @staticmethod
-    def put_step(deliveries: list[tuple[RequestStream, CompletionOutput]]) -> None:
+    def put_step(deliveries: list[tuple[RequestStream, CompletionDelta]]) -> None:
         """One engine step's outputs, each to its stream: one wake-up of each event loop for all of them (and a
         listener sees the whole step at once)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, CompletionOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, CompletionDelta]]] = {}
         for stream, out in deliveries:
             by_loop.setdefault(stream._loop, []).append((stream, out))
         for loop, items in by_loop.items():
             _call_soon(loop, _deliver_all, items)
 
     # event loop
-    def _deliver(self, item: CompletionOutput | BaseException) -> None:
+    def _deliver(self, item: CompletionDelta | BaseException) -> None:
         self._queue.put_nowait(item)
         if self.listener is not None:
             self.listener()
 
     # event loop
-    async def get(self) -> CompletionOutput:
+    async def get(self) -> CompletionDelta:
         item = self._held_error or await self._queue.get()
         return self._take(item)
 
-    def ready(self) -> list[CompletionOutput]:
+    def ready(self) -> list[CompletionDelta]:
         """The outputs delivered so far, without waiting (a relay sends them together). An error behind them is
         held back and raised by the next call."""
         if self._held_error is not None:
             self._take(self._held_error)
-        items: list[CompletionOutput] = []
+        items: list[CompletionDelta] = []
         while not self.finished and not self._queue.empty():
             item = self._queue.get_nowait()
             if isinstance(item, BaseException) and items:
@@ -95,7 +98,7 @@ class RequestStream:
             items.append(self._take(item))
         return items
 
-    def _take(self, item: CompletionOutput | BaseException) -> CompletionOutput:
+    def _take(self, item: CompletionDelta | BaseException) -> CompletionDelta:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -106,7 +109,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> CompletionOutput:
+    async def __anext__(self) -> CompletionDelta:
         if self.finished:
             raise StopAsyncIteration
         return await self.get()
@@ -119,17 +122,14 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *
         pass
 
 
-def _deliver_all(items: list[tuple[RequestStream, CompletionOutput]]) -> None:
+def _deliver_all(items: list[tuple[RequestStream, CompletionDelta]]) -> None:
     for stream, out in items:
         stream._deliver(out)
 
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: Prompt
-    params: SamplingParams
-    priority: int
+    request: EngineRequest
     stream: RequestStream
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
@@ -241,20 +241,18 @@ class AsyncLLMEngine:
             self._cond.notify()
 
     # ------------------------------------------------------------------ event loop
-    async def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
-    ) -> RequestStream:
+    async def add_request(self, request: EngineRequest) -> RequestStream:
         """Hand a request to the loop; raises what ``engine.add_request`` raises (InvalidRequestError,
         QueueFullError) or EngineDeadError. Returns the stream of its outputs."""
         if self._thread is None:
             self.start()
-        stream = RequestStream(request_id, asyncio.get_running_loop())
-        command = _Add(request_id, prompt, params, priority, stream)
+        stream = RequestStream(request, asyncio.get_running_loop())
+        command = _Add(request, stream)
         self._submit(command)
         try:
             await asyncio.wrap_future(command.done)
         except asyncio.CancelledError:
-            self.abort(request_id)  # FIFO: lands after the add, whatever its outcome
+            self.abort(request.request_id)  # FIFO: lands after the add, whatever its outcome
             raise
         return stream
 
@@ -264,16 +262,17 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
-    ) -> AsyncIterator[CompletionOutput]:
-        """Yields a CompletionOutput per step in which the request progressed; aborts it if the caller stops early."""
-        request_id = request_id or uuid.uuid4().hex
-        stream = await self.add_request(request_id, prompt, params, priority)
+    ) -> AsyncIterator[CompletionDelta]:
+        """For scripts and tests: builds the request (``engine.requests``; a text is tokenized on this thread), then
+        yields its delta of each step in which it progressed; aborts it if the caller stops early."""
+        request = self.engine.requests.from_prompt(request_id or uuid.uuid4().hex, prompt, params, priority)
+        stream = await self.add_request(request)
         try:
             async for out in stream:
                 yield out
         finally:
             if not stream.finished:
-                self.abort(request_id)
+                self.abort(request.request_id)
 
     # ------------------------------------------------------------------ loop thread
     def _run(self) -> None:
@@ -315,13 +314,11 @@ class AsyncLLMEngine:
                 if not command.done.set_running_or_notify_cancel():
                     continue  # the caller gave up before the loop got to it
                 try:
-                    self.engine.add_request(
-                        command.request_id, command.prompt, command.params, priority=command.priority
-                    )
+                    self.engine.add_request(command.request)
                 except Exception as exc:  # noqa: BLE001 - handed back to the caller
                     command.done.set_exception(exc)
                     continue
-                self._streams[command.request_id] = command.stream
+                self._streams[command.request.request_id] = command.stream
                 command.done.set_result(None)
             else:
                 live = [rid for rid in command.request_ids if rid in self._streams]

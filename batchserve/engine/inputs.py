@@ -1,4 +1,4 @@
-"""What a prompt may be, and how long: the one validator every front end and the offline API go through."""
+"""What a prompt may be, and how long (EngineLimits), and the one builder of an EngineRequest, which checks it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from batchserve.config import EngineConfig, ModelConfig, Truncation
-from batchserve.sampling_params import InvalidRequestError
+from batchserve.request import EngineRequest
+from batchserve.sampling_params import InvalidRequestError, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
 
@@ -71,33 +72,67 @@ class EngineLimits:
         return ""
 
 
-def prompt_token_ids(
-    prompt: Prompt, tokenizer: PreTrainedTokenizerBase, limits: EngineLimits
-) -> tuple[str | None, list[int]]:
-    """(prompt text or None, its token ids within the limits); InvalidRequestError for anything else. A dict with
-    both "prompt" and "prompt_token_ids" is text a front end has tokenized already."""
-    text = None
-    if isinstance(prompt, dict):
-        text = prompt.get("prompt")
-        if text is not None and not isinstance(text, str):
-            raise InvalidRequestError("a prompt dict's 'prompt' must be a string", "prompt")
-        if "prompt_token_ids" in prompt:
-            prompt = prompt["prompt_token_ids"]
-            if not isinstance(prompt, list | tuple):
-                raise InvalidRequestError("prompt_token_ids must be a non-empty list of ints", "prompt")
-        elif text is not None:
+@dataclass(frozen=True)
+class RequestBuilder:
+    """Builds an EngineRequest, the one place where a request's prompt and sampling values are checked: every front
+    end (through the serving layer), the offline LLM and a script driving the engine build their requests here."""
+
+    tokenizer: PreTrainedTokenizerBase
+    limits: EngineLimits
+
+    def build(
+        self,
+        request_id: str,
+        prompt_token_ids: Any,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        param: str = "prompt",
+    ) -> EngineRequest:
+        """A request for token ids (a text's, when `prompt` is that text); InvalidRequestError naming `param` (the
+        field the ids came from) for ids out of the vocabulary or over max_input_len with truncation 'error'."""
+        params = params or SamplingParams()
+        params.validate()
+        if params.logit_bias:
+            self.limits.check_token_ids(list(params.logit_bias), "logit_bias token ids", "logit_bias")
+        if isinstance(prompt_token_ids, list | tuple) and not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param)
+        token_ids = self.limits.fit_prompt(self.limits.check_token_ids(prompt_token_ids, param=param))
+        if arrival_time is None:
+            return EngineRequest(request_id, token_ids, params, priority, prompt=prompt)
+        return EngineRequest(request_id, token_ids, params, priority, arrival_time, prompt)
+
+    def from_prompt(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> EngineRequest:
+        """As build, for a prompt in any of its forms (tokenized here, on the caller's thread)."""
+        text, token_ids = self.tokenized(prompt)
+        return self.build(request_id, token_ids, params, priority, prompt=text, arrival_time=arrival_time)
+
+    def tokenized(self, prompt: Prompt) -> tuple[str | None, Any]:
+        """(prompt text or None, its token ids, unchecked); InvalidRequestError for a prompt of no known form. A dict
+        with both "prompt" and "prompt_token_ids" is text a caller has tokenized already."""
+        text = None
+        if isinstance(prompt, dict):
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise InvalidRequestError("a prompt dict's 'prompt' must be a string", "prompt")
+            if "prompt_token_ids" in prompt:
+                return text, prompt["prompt_token_ids"]
+            if text is None:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
             prompt = text
-        else:
-            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
-    if isinstance(prompt, str):
-        ids = list(tokenizer(prompt).input_ids) if prompt else []
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        return prompt, limits.fit_prompt(ids)
-    if isinstance(prompt, list | tuple):
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        return text, limits.fit_prompt(limits.check_token_ids(prompt))
-    raise InvalidRequestError(
-        f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}", "prompt"
-    )
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt).input_ids) if prompt else []
+        if isinstance(prompt, list | tuple):
+            return text, prompt
+        raise InvalidRequestError(
+            f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}", "prompt"
+        )

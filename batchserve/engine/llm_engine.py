@@ -24,9 +24,10 @@ from batchserve.core.outputs import (
 )
 from batchserve.core.scheduler import Scheduler
 from batchserve.engine.detokenizer import IncrementalDetokenizer
-from batchserve.engine.inputs import EngineLimits, Prompt, prompt_token_ids
+from batchserve.engine.inputs import EngineLimits, Prompt, RequestBuilder
+from batchserve.engine.outputs import CompletionDelta, RequestMetrics
 from batchserve.engine.startup import load_runner
-from batchserve.request import FinishReason, Request
+from batchserve.request import EngineRequest, FinishReason, Request
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,37 +46,6 @@ class Runner(Protocol):
     last_timings: RunnerTimings  # of the latest execute()
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput: ...
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    num_preemptions: int = 0
-
-
-@dataclass
-class CompletionOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    delta_text: str
-    delta_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | str | None
-    logprobs: list[Logprobs] | None
-    metrics: RequestMetrics
-
-    @property
-    def outputs(self) -> list[CompletionOutput]:
-        """vLLM shape: result.outputs[0].text."""
-        return [self]
 
 
 @dataclass
@@ -108,10 +78,10 @@ class StepRecord:
 @dataclass
 class _Tracked:
     request: Request
-    prompt: str | None
     detokenizer: IncrementalDetokenizer
-    logprobs: list[Logprobs] | None
-    new_token_ids: list[int] = field(default_factory=list)
+    wants_logprobs: bool
+    new_token_ids: list[int] = field(default_factory=list)  # since the request's last delta
+    new_logprobs: list[Logprobs] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -134,6 +104,7 @@ class LLMEngine:
         assert model_config is not None and tokenizer is not None
         self.runner, self.model_config, self.tokenizer = runner, model_config, tokenizer
         self.limits = EngineLimits.of(config, model_config, self.max_kv_blocks * config.cache.block_size)
+        self.requests = RequestBuilder(tokenizer, self.limits)
         pool = BlockPool(runner.num_kv_blocks, config.cache.enable_prefix_caching)
         kv = KVCacheManager(pool, config.cache.block_size, HostBlockPool(runner.num_swap_blocks))
         self.scheduler = Scheduler(config.scheduler, kv, self.limits.max_model_len)
@@ -209,7 +180,26 @@ class LLMEngine:
         return target
 
     # ---- requests in ------------------------------------------------------------------------------------------
-    def add_request(
+    def add_request(self, request: EngineRequest) -> str:
+        """Admit a request built by RequestBuilder (`self.requests`), which checked it; refused here only for what
+        the engine's state decides: an id in use, a full waiting queue."""
+        request_id, params = request.request_id, request.sampling_params
+        if request_id in self._tracked or not self.scheduler.is_id_free(request_id):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        limit = self.config.scheduler.max_waiting_requests
+        if limit is not None and self.scheduler.num_waiting >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
+        if self.kv_pool_can_grow:  # room for this request at its longest (LLM.generate reserved a whole batch's)
+            self.reserve_kv_blocks(self.worst_case_blocks(request.num_prompt_tokens, params.max_tokens))
+        scheduled = Request.of(request, self.eos_token_ids)
+        self.scheduler.add_request(scheduled)
+        self._tracked[request_id] = _Tracked(scheduled, detokenizer, params.logprobs is not None)
+        return request_id
+
+    def add_prompt(
         self,
         request_id: str | None,
         prompt: Prompt,
@@ -217,33 +207,13 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> str:
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._tracked or not self.scheduler.is_id_free(request_id):
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        limit = self.config.scheduler.max_waiting_requests
-        if limit is not None and self.scheduler.num_waiting >= limit:
-            raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
-        params = sampling_params or SamplingParams()
-        params.validate()
-        if params.logit_bias:
-            self.limits.check_token_ids(list(params.logit_bias), "logit_bias token ids", "logit_bias")
-        text, token_ids = prompt_token_ids(prompt, self.tokenizer, self.limits)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            priority=priority,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-        )
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
-        )
-        if self.kv_pool_can_grow:  # room for this request at its longest (LLM.generate reserved a whole batch's)
-            self.reserve_kv_blocks(self.worst_case_blocks(request.num_prompt_tokens, params.max_tokens))
-        self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(request, text, detokenizer, [] if params.logprobs is not None else None)
-        return request_id
+        """Build a request (`self.requests`, tokenizing a text here) and add it: for scripts and benchmarks that
+        drive the engine directly. A None id is given one."""
+        request_id = request_id if request_id is not None else self.new_request_id()
+        return self.add_request(self.requests.from_prompt(request_id, prompt, sampling_params, priority, arrival_time))
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -253,7 +223,7 @@ class LLMEngine:
         return bool(self._tracked)
 
     # ---- one step -----------------------------------------------------------------------------------------------
-    def step(self) -> list[CompletionOutput]:
+    def step(self) -> list[CompletionDelta]:
         start = time.monotonic()
         scheduled = self.scheduler.schedule()
         scheduled_at = time.monotonic()
@@ -271,7 +241,7 @@ class LLMEngine:
         self.num_steps += 1
         return results
 
-    def _process(self, request_outputs: list[RequestOutput]) -> list[CompletionOutput]:
+    def _process(self, request_outputs: list[RequestOutput]) -> list[CompletionDelta]:
         stopped = []
         for out in request_outputs:
             tracked = self._tracked.get(out.request_id)
@@ -280,8 +250,8 @@ class LLMEngine:
             for token_id in out.new_token_ids:
                 tracked.detokenizer.add_token(token_id)
             tracked.new_token_ids += out.new_token_ids
-            if tracked.logprobs is not None:
-                tracked.logprobs += out.new_logprobs
+            if tracked.wants_logprobs:
+                tracked.new_logprobs += out.new_logprobs
             if tracked.detokenizer.stopped_by is not None and not out.finished:
                 stopped.append(out.request_id)
         if stopped:  # a stop string ends the request as EOS would
@@ -292,27 +262,25 @@ class LLMEngine:
         for out in request_outputs:
             if out.request_id in self._tracked and (out.finished or out.request_id not in finals):
                 finals[out.request_id] = out
-        return [self._completion(rid, out) for rid, out in finals.items()]
+        return [self._delta(rid, out) for rid, out in finals.items()]
 
-    def _completion(self, request_id: str, out: RequestOutput) -> CompletionOutput:
+    def _delta(self, request_id: str, out: RequestOutput) -> CompletionDelta:
         tracked = self._tracked[request_id]
         request = tracked.request
         if out.finished:
             del self._tracked[request_id]
-        stop_reason = tracked.detokenizer.stopped_by or out.stop_reason
         delta_ids, tracked.new_token_ids = tracked.new_token_ids, []
-        return CompletionOutput(
+        delta_logprobs, tracked.new_logprobs = tracked.new_logprobs, []
+        return CompletionDelta(
             request_id=request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=tracked.detokenizer.text,
-            delta_text=tracked.detokenizer.take_delta(out.finished),
             delta_token_ids=delta_ids,
+            delta_text=tracked.detokenizer.take_delta(out.finished),
+            delta_logprobs=delta_logprobs if tracked.wants_logprobs else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
             finished=out.finished,
             finish_reason=out.finish_reason.value if out.finish_reason else None,
-            stop_reason=stop_reason,
-            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,  # a snapshot per output
+            stop_reason=tracked.detokenizer.stopped_by or out.stop_reason,
             metrics=RequestMetrics(
                 arrival_time=request.arrival_time,
                 first_scheduled_time=request.first_scheduled_time,

@@ -14,9 +14,11 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from batchserve.config import EngineConfig
-from batchserve.engine.inputs import Prompt, prompt_token_ids
-from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
+from batchserve.engine.inputs import Prompt
+from batchserve.engine.llm_engine import LLMEngine
+from batchserve.engine.outputs import Completion
 from batchserve.entrypoints.engine_options import engine_config
+from batchserve.request import EngineRequest
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.chat import chat_prompt_ids
 from batchserve.worker.device import configure_torch
@@ -58,7 +60,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
-    ) -> list[CompletionOutput]:
+    ) -> list[Completion]:
         """Run every prompt to completion with continuous batching; outputs come back in input order. All prompts
         are admitted or none: a bad one raises InvalidRequestError and leaves nothing behind in the engine. A pool
         sized to the requests first grows to this batch's worst case (see the module's docstring)."""
@@ -67,21 +69,19 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise InvalidRequestError(f"{len(priorities)} priorities for {len(prompts)} prompts", "priority")
-        for p in params:
-            p.validate()
-        # every prompt tokenized and checked before the pool grows and before any is admitted
-        inputs = [prompt_token_ids(prompt, self.engine.tokenizer, self.engine.limits) for prompt in prompts]
-        self.engine.reserve_kv_for([(len(token_ids), p.max_tokens) for (_, token_ids), p in zip(inputs, params)])
+        # every request built (prompts tokenized, everything checked) before the pool grows and before any is admitted
+        build, new_id = self.engine.requests.from_prompt, self.engine.new_request_id
+        requests = [build(new_id(), prompt, p, prio) for prompt, p, prio in zip(prompts, params, priorities)]
+        self.engine.reserve_kv_for([(r.num_prompt_tokens, r.sampling_params.max_tokens) for r in requests])
         ids: list[str] = []
         try:
-            for (text, token_ids), p, prio in zip(inputs, params, priorities):
-                prompt = {"prompt": text, "prompt_token_ids": token_ids}  # tokenized already
-                ids.append(self.engine.add_request(None, prompt, p, priority=prio))
+            for request in requests:
+                ids.append(self.engine.add_request(request))
         except BaseException:
             self.engine.abort_request(ids)
             self.engine.step()  # reports the aborts, so the engine forgets them now
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(requests, use_tqdm)
 
     def chat(
         self,
@@ -89,7 +89,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
-    ) -> list[CompletionOutput]:
+    ) -> list[Completion]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the model's chat template."""
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise InvalidRequestError("messages must be a conversation or a list of conversations", "messages")
@@ -99,16 +99,21 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[CompletionOutput]:
-        finished: dict[str, CompletionOutput] = {}
-        wanted = set(request_ids)
-        with tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while wanted - finished.keys():
-                for output in self.engine.step():
-                    if output.finished and output.request_id in wanted:
-                        finished[output.request_id] = output
+    def _run(self, requests: list[EngineRequest], use_tqdm: bool) -> list[Completion]:
+        """Step until every request finished, folding each step's deltas into its Completion."""
+        completions = {r.request_id: Completion.of(r) for r in requests}
+        unfinished = len(completions)
+        with tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while unfinished:
+                for delta in self.engine.step():
+                    completion = completions.get(delta.request_id)
+                    if completion is None:
+                        continue
+                    completion.add(delta)
+                    if delta.finished:
+                        unfinished -= 1
                         bar.update(1)
-        return [finished[rid] for rid in request_ids]
+        return list(completions.values())
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

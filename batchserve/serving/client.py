@@ -9,12 +9,12 @@ from transformers import PreTrainedTokenizerBase
 from batchserve.config import EngineConfig
 from batchserve.core.outputs import SchedulerStats
 from batchserve.engine.async_engine import RequestStream
-from batchserve.engine.inputs import EngineLimits, Prompt
-from batchserve.sampling_params import SamplingParams
+from batchserve.engine.inputs import EngineLimits
+from batchserve.request import EngineRequest
 
 
 class EngineClient(Protocol):
-    """Implemented by batchserve.engine.async_engine.AsyncLLMEngine."""
+    """Implemented by batchserve.engine.async_engine.AsyncLLMEngine and, over Ray, distributed.client."""
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
@@ -31,10 +31,9 @@ class EngineClient(Protocol):
     @property
     def error(self) -> BaseException | None: ...
 
-    async def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
-    ) -> RequestStream:
-        """Raises InvalidRequestError, QueueFullError or EngineDeadError; else the stream of the request's outputs."""
+    async def add_request(self, request: EngineRequest) -> RequestStream:
+        """The request as the serving layer built it (checked there); raises InvalidRequestError (an id in use),
+        QueueFullError or EngineDeadError; else the stream of the request's deltas."""
         ...
 
     def abort(self, request_ids: str | list[str]) -> None: ...

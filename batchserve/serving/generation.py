@@ -13,7 +13,9 @@ from transformers import PreTrainedTokenizerBase
 
 from batchserve.config import Truncation
 from batchserve.engine.async_engine import RequestStream
-from batchserve.engine.inputs import EngineLimits, Prompt
+from batchserve.engine.inputs import EngineLimits, RequestBuilder
+from batchserve.engine.outputs import Completion, CompletionDelta
+from batchserve.request import EngineRequest
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.chat import chat_prompt_ids
 from batchserve.serving.client import EngineClient
@@ -37,6 +39,7 @@ class GenerationService:
         self.client = client
         self.tokenizer: PreTrainedTokenizerBase = client.tokenizer  # both fixed for the engine's life
         self.limits: EngineLimits = client.limits
+        self.requests = RequestBuilder(self.tokenizer, self.limits)  # the one place a request is checked
 
     # ------------------------------------------------------------------ inputs
     # Tokenizing a megabyte of text takes seconds: it runs in a worker thread (the Rust tokenizer releases the GIL),
@@ -44,8 +47,7 @@ class GenerationService:
 
     async def chat_prompt(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         self.check_text_length(sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, Mapping)))
-        ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, messages, add_generation_prompt)
-        return self.limits.check_token_ids(ids)
+        return await asyncio.to_thread(chat_prompt_ids, self.tokenizer, messages, add_generation_prompt)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.check_text_length(len(text))
@@ -75,29 +77,37 @@ class GenerationService:
         pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
         return max(1, *(len(p) for p in pieces if p))
 
-    async def _prepared(self, prompt: Prompt) -> Prompt:
-        """Text prompts tokenized here, off the event loop; the engine then takes their ids."""
-        if isinstance(prompt, str) and prompt:
-            return {"prompt": prompt, "prompt_token_ids": await self.tokenize(prompt)}
-        return prompt
+    async def request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> EngineRequest:
+        """The engine request for a prompt (a text tokenized here, off the event loop; token ids as they are),
+        checked by the builder."""
+        if isinstance(prompt, str):
+            token_ids = await self.tokenize(prompt) if prompt else []
+            return self.requests.build(request_id, token_ids, params, priority, prompt=prompt)
+        return self.requests.build(request_id, prompt, params, priority)
 
     # ------------------------------------------------------------------ submitting
     async def submit(
-        self, base_id: str, prompts: Sequence[Prompt], params: SamplingParams, priority: int = 0
+        self, base_id: str, prompts: Sequence[str | list[int]], params: SamplingParams, priority: int = 0
     ) -> list[RequestStream]:
-        """Every prompt admitted, or none: a failure aborts those already added and raises."""
+        """One request per prompt (ids `base_id`, or `base_id-i` for several), all built and checked before any is
+        admitted; then every one admitted, or none."""
         if not prompts:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
             raise InvalidRequestError(
                 f"a request may hold at most {MAX_PROMPTS_PER_REQUEST} prompts, got {len(prompts)}", "prompt"
             )
+        ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
+        return await self.admit([await self.request(rid, p, params, priority) for rid, p in zip(ids, prompts)])
+
+    async def admit(self, requests: Sequence[EngineRequest]) -> list[RequestStream]:
+        """Every request admitted, or none: a failure aborts those already added and raises."""
         streams: list[RequestStream] = []
         try:
-            for i, prompt in enumerate(prompts):
-                request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                prepared = await self._prepared(prompt)
-                streams.append(await self.client.add_request(request_id, prepared, params, priority))
+            for request in requests:
+                streams.append(await self.client.add_request(request))
         except BaseException:
             self.abort_unfinished(streams)
             raise
@@ -114,11 +124,11 @@ class GenerationService:
         completes first."""
 
         async def last(index: int, stream: RequestStream) -> GenerationResult:
-            final = None
+            final, completion = None, Completion.of(stream.request)
             async for out in stream:
-                final = out
+                final = _folded(out, completion, index)
             assert final is not None, "a request stream ends with its final output"
-            return GenerationResult.of(final, index)
+            return final
 
         gathering = asyncio.gather(*(last(i, s) for i, s in enumerate(streams)))
         watching = asyncio.ensure_future(caller_gone) if caller_gone is not None else None
@@ -139,9 +149,10 @@ class GenerationService:
 
     async def results(self, streams: Sequence[RequestStream]) -> AsyncIterator[GenerationResult]:
         """Every stream's results as they arrive, interleaved; the caller aborts the unfinished ones when it stops."""
+        completions = [Completion.of(stream.request) for stream in streams]
         if len(streams) == 1:
             async for out in streams[0]:
-                yield GenerationResult.of(out, 0)
+                yield _folded(out, completions[0], 0)
             return
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
@@ -160,7 +171,12 @@ class GenerationService:
                 if isinstance(item, BaseException):
                     raise item
                 remaining -= item.finished
-                yield GenerationResult.of(item, index)
+                yield _folded(item, completions[index], index)
         finally:
             for task in tasks:
                 task.cancel()
+
+
+def _folded(delta: CompletionDelta, completion: Completion, index: int) -> GenerationResult:
+    completion.add(delta)
+    return GenerationResult(index, delta, completion)

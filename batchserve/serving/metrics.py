@@ -15,7 +15,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from batchserve.core.outputs import SchedulerStats
 from batchserve.engine.async_engine import AsyncLLMEngine
-from batchserve.engine.llm_engine import CompletionOutput, LLMEngine
+from batchserve.engine.llm_engine import LLMEngine
+from batchserve.engine.outputs import CompletionDelta
 
 PREFIX = "batchserve:"
 STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")  # the fields of StepTimings, without "_s"
@@ -115,7 +116,7 @@ class EngineMetrics:
         return self
 
     # ------------------------------------------------------------------ engine loop thread
-    def _on_step(self, engine: LLMEngine, outputs: list[CompletionOutput]) -> None:
+    def _on_step(self, engine: LLMEngine, outputs: list[CompletionDelta]) -> None:
         self.observe_step(engine.last_stats, engine.last_step_time_s, outputs)
         for phase, counter in self._step_phases.items():
             counter.inc(getattr(engine.last_timings, f"{phase}_s"))
@@ -140,9 +141,9 @@ class EngineMetrics:
         self._last_prefix_hits = _advance(self.prefix_cache_hits, stats.prefix_cache_hits, self._last_prefix_hits)
 
     def observe_step(
-        self, stats: SchedulerStats | None, step_time_s: float | None, outputs: Iterable[CompletionOutput]
+        self, stats: SchedulerStats | None, step_time_s: float | None, outputs: Iterable[CompletionDelta]
     ) -> None:
-        """After one engine step: its stats, its wall time, and the CompletionOutputs it produced."""
+        """After one engine step: its stats, its wall time, and the CompletionDeltas it produced."""
         self.observe_stats(stats)
         if stats is not None:
             self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
@@ -151,28 +152,28 @@ class EngineMetrics:
         for out in outputs:
             self.observe_output(out)
 
-    def observe_output(self, out: CompletionOutput) -> None:
+    def observe_output(self, out: CompletionDelta) -> None:
         if out.delta_token_ids:
             self.generation_tokens.inc(len(out.delta_token_ids))
         if out.request_id not in self._seen_first_output:
             self._seen_first_output.add(out.request_id)
-            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.prompt_tokens.inc(out.num_prompt_tokens)
         if out.finished:
             self._seen_first_output.discard(out.request_id)
             self.observe_finished(out)
 
-    def observe_finished(self, out: CompletionOutput) -> None:
+    def observe_finished(self, out: CompletionDelta) -> None:
         self.request_success.labels(self.model_name, str(out.finish_reason or "abort")).inc()
-        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        self.request_generation_tokens.observe(len(out.token_ids))
+        self.request_prompt_tokens.observe(out.num_prompt_tokens)
+        self.request_generation_tokens.observe(out.num_output_tokens)
         m = out.metrics
         if m.first_scheduled_time is not None:
             self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.first_token_time is not None:
             self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
-            if m.finished_time is not None and len(out.token_ids) > 1:
+            if m.finished_time is not None and out.num_output_tokens > 1:
                 self.time_per_output_token.observe(
-                    max(0.0, m.finished_time - m.first_token_time) / (len(out.token_ids) - 1)
+                    max(0.0, m.finished_time - m.first_token_time) / (out.num_output_tokens - 1)
                 )
         if m.finished_time is not None:
             self.e2e_request_latency.observe(max(0.0, m.finished_time - m.arrival_time))

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from batchserve.core.outputs import Logprobs
-from batchserve.engine.llm_engine import CompletionOutput
+from batchserve.engine.outputs import Completion, CompletionDelta
 
 
 @dataclass(frozen=True)
@@ -21,29 +21,37 @@ class Usage:
 
     @classmethod
     def of(cls, results: Iterable[GenerationResult]) -> Usage:
-        results = list(results)
+        deltas = [r.delta for r in results]
         return cls(
-            sum(len(r.output.prompt_token_ids) for r in results),
-            sum(len(r.output.token_ids) for r in results),
-            sum(r.output.metrics.num_cached_tokens for r in results),
+            sum(d.num_prompt_tokens for d in deltas),
+            sum(d.num_output_tokens for d in deltas),
+            sum(d.metrics.num_cached_tokens for d in deltas),
         )
 
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """One request's progress after a step, placed in its front-end request: the engine's output as it is (text and
-    token ids so far, this step's deltas, finish and stop reasons), its choice index, and this step's logprobs."""
+    """One request's progress after a step, placed in its front-end request: its choice index, what this step
+    added (`delta`: token ids, text, logprobs, the counts so far, finish and stop reasons), and everything so far
+    (`completion`, folded from the deltas: the same object for all of a request's results, read once it finished
+    or for running totals)."""
 
     index: int  # the prompt's position in its front-end request (the choice index)
-    output: CompletionOutput
-    delta_logprobs: list[Logprobs]
-
-    @classmethod
-    def of(cls, out: CompletionOutput, index: int = 0) -> GenerationResult:
-        # the snapshot holds every sampled token's logprobs: this step's are its last len(delta) entries
-        delta = out.logprobs[len(out.logprobs) - len(out.delta_token_ids) :] if out.logprobs else []
-        return cls(index, out, delta)
+    delta: CompletionDelta
+    completion: Completion
 
     @property
     def finished(self) -> bool:
-        return self.output.finished
+        return self.delta.finished
+
+    @property
+    def delta_logprobs(self) -> list[Logprobs]:
+        return self.delta.delta_logprobs or []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.delta.finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.delta.stop_reason

@@ -94,6 +94,8 @@ class SimEngine:
         self._live[request_id] = request
         return request_id
 
+    add_prompt = add_request  # LLMEngine's name for a prompt given as it is (bench's OfflineRun drives both)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._live)
 

@@ -74,7 +74,7 @@ def _add(engine: Any, rng: random.Random, n: int, prompt_len: int, max_tokens: i
     vocab = engine.limits.vocab_size
     for i in range(n):
         ids = [rng.randrange(100, vocab) for _ in range(prompt_len)]  # random ids: no prefix hits between requests
-        engine.add_request(f"{tag}-{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+        engine.add_prompt(f"{tag}-{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
 
 
 def run_grid(engine: Any, grid: list[tuple[int, int]], seed: int = 0, progress: bool = True,
@@ -120,12 +120,12 @@ def _time_shared_decodes(engine: Any, rng: random.Random, t: Timings, recorder: 
     vocab = engine.limits.vocab_size
     prefix = [rng.randrange(100, vocab) for _ in range(prefix_len)]
     params = SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True, temperature=0.0)
-    engine.add_request(f"shared-{seqs}-{prefix_len}-first", prefix, params)
+    engine.add_prompt(f"shared-{seqs}-{prefix_len}-first", prefix, params)
     while engine.has_unfinished_requests():  # the prefix is computed and cached before the others arrive
         t.step(engine, recorder)
     for i in range(seqs):
         ids = prefix + [rng.randrange(100, vocab) for _ in range(16)]
-        engine.add_request(f"shared-{seqs}-{prefix_len}-{i}", ids, params)
+        engine.add_prompt(f"shared-{seqs}-{prefix_len}-{i}", ids, params)
     while engine.has_unfinished_requests():
         t.step(engine, recorder)
 
@@ -142,7 +142,7 @@ def _time_joins(engine: Any, rng: random.Random, t: Timings, recorder: ShapeReco
     for k in range(12):
         length = min(32 * 2 ** (k % 5), limit - 4 - len(prefix))
         ids = [rng.randrange(100, vocab) for _ in range(length)]
-        engine.add_request(f"joins-{running}-{k}", prefix + ids if k % 2 else ids, params)
+        engine.add_prompt(f"joins-{running}-{k}", prefix + ids if k % 2 else ids, params)
         for _ in range(3):
             t.step(engine, recorder)
     while engine.has_unfinished_requests():

@@ -1,5 +1,5 @@
 """The replica's Outbox over a real AsyncLLMEngine (fake runner): a caller's requests leave as one message per engine
-step, each request's prompt once, and every request's end is seen; no Ray needed."""
+step, deltas only (no prompt, no token seen twice), and every request's end is seen; no Ray needed."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from tests.server.fakes import fake_engine
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
 
 
+async def add(engine, request_id, prompt, params):
+    return await engine.add_request(engine.engine.requests.from_prompt(request_id, prompt, params))
+
+
 @pytest.fixture
 def engine():
     async_engine = AsyncLLMEngine(fake_engine(delay_s=0.01)).start()
@@ -26,7 +30,7 @@ def test_a_step_of_several_requests_is_one_message(engine):
     async def run():
         outbox = Outbox()
         steps_before = engine.engine.num_steps
-        streams = [await engine.add_request(f"r{i}", [1, 2, 3 + i], PARAMS) for i in range(4)]
+        streams = [await add(engine, f"r{i}", [1, 2, 3 + i], PARAMS) for i in range(4)]
         ended = [outbox.add(s) for s in streams]
         token = outbox.subscribe()
         messages = []
@@ -42,15 +46,15 @@ def test_a_step_of_several_requests_is_one_message(engine):
     assert all([len(o.delta_token_ids) for o in outs] == [1] * 6 for outs in by_request.values())
     # at most one message per engine step (not one per request and step: 24), a step's outputs never split
     assert len(messages) <= steps <= 9 and max(len(step.outputs) for step in messages) >= 4
-    for i, outs in enumerate(by_request.values()):
-        assert outs[0].prompt_token_ids == [1, 2, 3 + i] and all(o.prompt_token_ids == [] for o in outs[1:])
+    for outs in by_request.values():
+        assert all(o.num_prompt_tokens == 3 for o in outs) and [o.num_output_tokens for o in outs] == [1, 2, 3, 4, 5, 6]
     assert all(f.done() and not f.cancelled() for f in ended) and outbox.unused
 
 
 def test_an_aborted_request_ends_a_waiting_subscription(engine):
     async def run():
         outbox = Outbox()
-        stream = await engine.add_request("slow", [1, 2], SamplingParams(max_tokens=10_000, ignore_eos=True))
+        stream = await add(engine, "slow", [1, 2], SamplingParams(max_tokens=10_000, ignore_eos=True))
         ended = outbox.add(stream)
         token = outbox.subscribe()
         first = await outbox.next(token)
@@ -67,7 +71,7 @@ def test_an_aborted_request_ends_a_waiting_subscription(engine):
 def test_a_newer_subscription_takes_over(engine):
     async def run():
         outbox = Outbox()
-        outbox.add(await engine.add_request("r", [5], PARAMS))
+        outbox.add(await add(engine, "r", [5], PARAMS))
         old = outbox.subscribe()
         new = outbox.subscribe()
         assert await outbox.next(old) is None
@@ -83,7 +87,7 @@ def test_a_newer_subscription_takes_over(engine):
 def test_an_engine_error_reaches_the_caller_as_the_requests_error(engine):
     async def run():
         outbox = Outbox()
-        outbox.add(await engine.add_request("r", [5], SamplingParams(max_tokens=10_000, ignore_eos=True)))
+        outbox.add(await add(engine, "r", [5], SamplingParams(max_tokens=10_000, ignore_eos=True)))
         token = outbox.subscribe()
         await outbox.next(token)
         engine.shutdown(drain=False)  # every request in flight ends with EngineDeadError

@@ -21,12 +21,12 @@ def test_a_request_larger_than_the_pool_is_refused_and_the_queue_moves(make_engi
     engine = make_engine(scheduler_policy=policy, **SMALL_POOL)
     assert engine.limits.max_model_len == 256 and engine.limits.max_input_len == 255
     with pytest.raises(InvalidRequestError, match=r"300 tokens.*KV cache holds .* = 256") as refused:
-        engine.add_request("too-long", [1] * 300, SamplingParams(max_tokens=4, **GREEDY))
+        engine.add_prompt("too-long", [1] * 300, SamplingParams(max_tokens=4, **GREEDY))
     assert refused.value.param == "prompt"
     # fits the pool, but not with all of its max_tokens: it runs until the pool is full, then ends by length
-    engine.add_request("big", [1] * 200, SamplingParams(max_tokens=200, **GREEDY))
+    engine.add_prompt("big", [1] * 200, SamplingParams(max_tokens=200, **GREEDY))
     for i in range(4):
-        engine.add_request(f"small-{i}", [2] * 10, SamplingParams(max_tokens=5, **GREEDY))
+        engine.add_prompt(f"small-{i}", [2] * 10, SamplingParams(max_tokens=5, **GREEDY))
     done = run_to_completion(engine, max_steps=2000)
     assert len(done["big"].token_ids) == 56 and done["big"].finish_reason == "length"
     assert all(len(done[f"small-{i}"].token_ids) == 5 for i in range(4))
@@ -36,16 +36,17 @@ def test_a_request_larger_than_the_pool_is_refused_and_the_queue_moves(make_engi
 def test_a_prompt_over_the_pool_is_truncated_when_asked(make_engine):
     engine = make_engine(truncation="left", **SMALL_POOL)
     prompt = [i % 200 for i in range(300)]
-    engine.add_request("long", prompt, SamplingParams(max_tokens=3, **GREEDY))
+    request = engine.requests.from_prompt("long", prompt, SamplingParams(max_tokens=3, **GREEDY))
+    engine.add_request(request)
     done = run_to_completion(engine)
-    assert done["long"].prompt_token_ids == prompt[-255:] and len(done["long"].token_ids) == 1
+    assert request.prompt_token_ids == prompt[-255:] and len(done["long"].token_ids) == 1
 
 
 def test_without_chunked_prefill_a_prompt_longer_than_a_step_is_refused(make_engine):
     engine = make_engine(enable_chunked_prefill=False, max_num_tokens=64, max_model_len=None)
     with pytest.raises(InvalidRequestError, match="max_input_len"):
-        engine.add_request("r", [1] * 65, SamplingParams(max_tokens=2, **GREEDY))
-    engine.add_request("r", [1] * 64, SamplingParams(max_tokens=2, **GREEDY))
+        engine.add_prompt("r", [1] * 65, SamplingParams(max_tokens=2, **GREEDY))
+    engine.add_prompt("r", [1] * 64, SamplingParams(max_tokens=2, **GREEDY))
     assert len(run_to_completion(engine)["r"].token_ids) == 2
 
 

@@ -38,27 +38,28 @@ def test_stop_string_cuts_text_and_finishes(make_engine):
     expected = reference_generation([5, 6, 7], 10, LETTERS)
     stop = letters(expected[2:4])
     assert letters(expected).find(stop) == 2  # the stop string first appears after two tokens
-    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=10, stop=[stop], **GREEDY))
+    engine.add_prompt("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=10, stop=[stop], **GREEDY))
     out = run_all(engine)["a"]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == letters(expected[:2])
     assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.pool.num_blocks
 
 
-def test_streamed_deltas_concatenate_to_the_text(make_engine):
+def test_streamed_deltas_concatenate_to_the_text(make_engine, tokenizer):
     engine = make_engine()
-    engine.add_request("a", [3, 4], SamplingParams(max_tokens=12, **GREEDY))
-    pieces, final = [], None
+    engine.add_prompt("a", [3, 4], SamplingParams(max_tokens=12, **GREEDY))
+    pieces, ids, final = [], [], None
     for _ in range(MAX_STEPS):
         if not engine.has_unfinished_requests():
             break
         for out in engine.step():
             pieces.append(out.delta_text)
+            ids += out.delta_token_ids
             final = out
     else:
         pytest.fail(f"request unfinished after {MAX_STEPS} steps")
-    assert final.finished and len(final.token_ids) == 12
-    assert "".join(pieces) == final.text == letters(final.token_ids)
+    assert final.finished and len(ids) == final.num_output_tokens == 12
+    assert "".join(pieces) == tokenizer.decode(ids) == letters(ids)
 
 
 @pytest.mark.parametrize(
@@ -76,23 +77,24 @@ def test_streamed_deltas_concatenate_to_the_text(make_engine):
 )
 def test_bad_input_is_rejected_and_engine_keeps_serving(make_engine, prompt, params, message):
     engine = make_engine()
-    engine.add_request("good", [1, 2, 3], SamplingParams(max_tokens=3, **GREEDY))
+    engine.add_prompt("good", [1, 2, 3], SamplingParams(max_tokens=3, **GREEDY))
     with pytest.raises(InvalidRequestError, match=message):
-        engine.add_request("bad", prompt, SamplingParams(**params))
+        engine.add_prompt("bad", prompt, SamplingParams(**params))
     assert run_all(engine)["good"].token_ids == reference_generation([1, 2, 3], 3, LETTERS)
 
 
 @pytest.mark.parametrize("truncation, expected", [("left", list(range(11, 21))), ("right", list(range(1, 11)))])
 def test_truncation(make_engine, truncation, expected):
     engine = make_engine(max_input_len=10, truncation=truncation)
-    engine.add_request("a", list(range(1, 21)), SamplingParams(max_tokens=2, **GREEDY))
-    assert run_all(engine)["a"].prompt_token_ids == expected
+    request = engine.requests.from_prompt("a", list(range(1, 21)), SamplingParams(max_tokens=2, **GREEDY))
+    engine.add_request(request)
+    assert request.prompt_token_ids == expected and len(run_all(engine)["a"].token_ids) == 2
 
 
 def test_abort_reports_and_frees(make_engine):
     engine = make_engine()
-    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50, **GREEDY))
-    engine.add_request("b", [1, 2, 3], SamplingParams(max_tokens=5, **GREEDY))
+    engine.add_prompt("a", [1, 2, 3], SamplingParams(max_tokens=50, **GREEDY))
+    engine.add_prompt("b", [1, 2, 3], SamplingParams(max_tokens=5, **GREEDY))
     engine.step()
     engine.abort_request("a")
     done = run_all(engine)
@@ -102,18 +104,18 @@ def test_abort_reports_and_frees(make_engine):
 
 def test_bounded_waiting_queue(make_engine):
     engine = make_engine(max_waiting_requests=2)
-    engine.add_request("a", [1], SamplingParams(max_tokens=2, **GREEDY))
-    engine.add_request("b", [1], SamplingParams(max_tokens=2, **GREEDY))
+    engine.add_prompt("a", [1], SamplingParams(max_tokens=2, **GREEDY))
+    engine.add_prompt("b", [1], SamplingParams(max_tokens=2, **GREEDY))
     with pytest.raises(QueueFullError):
-        engine.add_request("c", [1], SamplingParams(max_tokens=2, **GREEDY))
+        engine.add_prompt("c", [1], SamplingParams(max_tokens=2, **GREEDY))
     run_all(engine)
-    engine.add_request("c", [1], SamplingParams(max_tokens=2, **GREEDY))
+    engine.add_prompt("c", [1], SamplingParams(max_tokens=2, **GREEDY))
 
 
 def test_step_records_and_stats(make_engine):
     engine = make_engine(record_steps=True, max_batch_size=4)
     for i in range(6):
-        engine.add_request(None, list(range(1, 10 + i)), SamplingParams(max_tokens=4, **GREEDY))
+        engine.add_prompt(None, list(range(1, 10 + i)), SamplingParams(max_tokens=4, **GREEDY))
     run_all(engine)
     records = engine.step_records
     assert records and all(r.stats.num_scheduled_seqs <= 4 for r in records)

@@ -88,14 +88,13 @@ def test_a_larger_batch_grows_the_pool_anew_and_a_smaller_one_keeps_it_and_its_c
 def test_the_engine_used_directly_grows_for_each_request_copying_the_blocks_in_use(make_engine):
     engine = make_engine(num_kv_blocks=1, max_kv_blocks=64)
     a, b = letter_prompts([20], seed=5)[0], None
-    engine.add_request("a", {"prompt_token_ids": a}, SamplingParams(max_tokens=10, **GREEDY))
+    engine.add_prompt("a", {"prompt_token_ids": a}, SamplingParams(max_tokens=10, **GREEDY))
     assert engine.runner.resizes == [(2, False)]  # nothing held a block: a new pool
-    engine.step()
-    engine.step()
+    earlier = engine.step() + engine.step()
     b = a[:16] + letter_prompts([24], seed=6)[0]  # its first block is a's, cached
-    engine.add_request("b", {"prompt_token_ids": b}, SamplingParams(max_tokens=30, **GREEDY))
+    engine.add_prompt("b", {"prompt_token_ids": b}, SamplingParams(max_tokens=30, **GREEDY))
     assert engine.runner.resizes == [(2, False), (5, True)]  # a holds blocks: copied, cache kept
-    done = run_to_completion(engine)
+    done = run_to_completion(engine, earlier=earlier)
     assert done["a"].token_ids == reference_generation(a, 10, LETTERS)
     assert done["b"].token_ids == reference_generation(b, 30, LETTERS)
     assert done["b"].metrics.num_cached_tokens == 16
@@ -153,13 +152,15 @@ def test_a_real_pool_grown_while_requests_run_keeps_their_kv(tiny, policy):
             scheduler_policy=policy, **({} if initial_kv_blocks else {"num_kv_blocks": 256}),
         )  # fmt: skip
         engine = LLMEngine(config, initial_kv_blocks=initial_kv_blocks)
-        outputs, step = {}, 0
-        while len(outputs) < len(requests):
+        outputs, finished, step = {}, 0, 0
+        while finished < len(requests):
             assert step < 2000, engine.last_stats
             if step < len(requests):
                 prompt, max_tokens = requests[step]
-                engine.add_request(str(step), prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
-            outputs |= {int(o.request_id): o.token_ids for o in engine.step() if o.finished}
+                engine.add_prompt(str(step), prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+            for o in engine.step():  # deltas: each request's ids gathered here
+                outputs.setdefault(int(o.request_id), []).extend(o.delta_token_ids)
+                finished += o.finished
             step += 1
         return [outputs[i] for i in range(len(requests))], engine
 

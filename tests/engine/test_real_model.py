@@ -41,16 +41,16 @@ def run(directory, requests, arrive_every=1, **options):
     engine = LLMEngine.from_options(
         model=str(directory), device="cpu", dtype="float32", **({"num_kv_blocks": 256} | options)
     )
-    outputs, step = {}, 0
-    while len(outputs) < len(requests):
+    outputs, finished, step = {}, 0, 0
+    while finished < len(requests):
         assert step < 5000, f"requests unfinished after {step} steps: {engine.last_stats}"
         for i in range(len(requests)):
             if i * arrive_every == step:
                 prompt, max_tokens = requests[i]
-                engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
-        for out in engine.step():
-            if out.finished:
-                outputs[int(out.request_id)] = out.token_ids
+                engine.add_prompt(str(i), prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+        for out in engine.step():  # deltas: each request's ids gathered here
+            outputs.setdefault(int(out.request_id), []).extend(out.delta_token_ids)
+            finished += out.finished
         step += 1
     assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.pool.num_blocks
     return [outputs[i] for i in range(len(requests))], engine
@@ -139,7 +139,7 @@ def test_static_padding_shares_prefix_blocks_and_matches(tiny):
 def test_step_timings_cover_the_step(tiny):
     _, directory = tiny
     engine = LLMEngine.from_options(model=str(directory), device="cpu", dtype="float32", num_kv_blocks=64)
-    engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, **GREEDY))
+    engine.add_prompt("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, **GREEDY))
     engine.step()
     timings = engine.last_timings
     assert timings.forward_s > 0 and timings.prepare_s > 0 and timings.sample_s > 0
@@ -152,13 +152,13 @@ def test_a_padded_request_id_cannot_be_reused_until_its_batch_is_done(tiny):
     engine = LLMEngine.from_options(
         model=str(directory), device="cpu", dtype="float32", num_kv_blocks=64, scheduler_policy="static"
     )
-    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))
-    engine.add_request("b", [8, 9, 10], SamplingParams(max_tokens=4, **GREEDY))
+    engine.add_prompt("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))
+    engine.add_prompt("b", [8, 9, 10], SamplingParams(max_tokens=4, **GREEDY))
     assert any(out.finished for out in engine.step())  # a is done and returned, now padding
     with pytest.raises(InvalidRequestError, match="in use"):
-        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))
+        engine.add_prompt("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))
     run_to_completion(engine)
-    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))  # free again
+    engine.add_prompt("a", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))  # free again
     run_to_completion(engine)
     engine.step()
     assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.pool.num_blocks

@@ -298,7 +298,8 @@ def test_async_engine_streams_and_drains():
     async def run():
         params = SamplingParams(max_tokens=6, temperature=0)
         outs = [o async for o in async_engine.generate("abc", params, "r1")]
-        assert [len(o.token_ids) for o in outs] == [1, 2, 3, 4, 5, 6] and outs[-1].finished
+        assert [o.num_output_tokens for o in outs] == [1, 2, 3, 4, 5, 6] and outs[-1].finished
+        assert all(len(o.delta_token_ids) == 1 for o in outs)  # each step's token, not all so far
         # an early exit aborts the request
         async for _ in async_engine.generate("abc", SamplingParams(max_tokens=100), "r2"):
             break
@@ -312,7 +313,8 @@ def test_async_engine_streams_and_drains():
         first = await agen.__anext__()
         await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
         rest = [o async for o in agen]
-        assert len(rest[-1].token_ids) == 20 and rest[-1].finished and not first.finished
+        assert rest[-1].num_output_tokens == 20 and rest[-1].finished and not first.finished
+        assert sum(len(o.delta_token_ids) for o in [first, *rest]) == 20
 
     asyncio.run(run())
     assert not async_engine.is_running

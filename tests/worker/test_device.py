@@ -126,7 +126,7 @@ def test_prefill_steps_reuse_the_memory_the_last_one_freed():
     for step in range(5):
         for i in range(8):
             prompt = [rng.randrange(100, 40_000) for _ in range(128)]
-            engine.add_request(f"{step}-{i}", prompt, SamplingParams(max_tokens=1))
+            engine.add_prompt(f"{step}-{i}", prompt, SamplingParams(max_tokens=1))
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         engine.step()
         assert engine.last_stats.num_prefill_tokens == 1024

@@ -35,15 +35,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             try:
                 prepared = await prepare_input(self.service, request)
-                default_max = self.service.limits.default_max_tokens(prepared.num_prompt_tokens)
+                default_max = self.service.limits.default_max_tokens(len(prepared.token_ids))
                 params = sampling_params(request.sampling, default_max)
                 if request_id in self._live:
                     raise invalid(f"request id {request_id!r} is already in use", "request_id")
-                streams = await self.service.submit(request_id, [prepared.prompt], params, request.priority)
+                built = self.service.requests.build(
+                    request_id, prepared.token_ids, params, request.priority, prompt=prepared.text, param=prepared.param
+                )
+                streams = await self.service.admit([built])
                 self._live[request_id] = streams[0]
                 if request.stream:
                     async for last in self.service.results(streams):
-                        if last.output.delta_token_ids or last.finished:
+                        if last.delta.delta_token_ids or last.finished:
                             yield _response(request_id, last, request.return_text, delta=True)
                 else:
                     (last,) = await self.service.final_results(streams)
@@ -108,20 +111,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 def _response(request_id: str, result: GenerationResult, return_text: bool, delta: bool) -> pb.GenerateResponse:
     """One message: this step's tokens (delta) or all of them, with the finish fields once the request is done."""
-    out = result.output
+    step, whole = result.delta, result.completion
     reply = pb.GenerateResponse(
         request_id=request_id,
-        token_ids=out.delta_token_ids if delta else out.token_ids,
-        logprobs=[_logprob(e) for e in (result.delta_logprobs if delta else out.logprobs or [])],
+        token_ids=step.delta_token_ids if delta else whole.token_ids,
+        logprobs=[_logprob(e) for e in (result.delta_logprobs if delta else whole.logprobs or [])],
     )
     if return_text:
-        reply.text = out.delta_text if delta else out.text
-    if out.finished:
-        reply.finish_reason = out.finish_reason or ""
-        if isinstance(out.stop_reason, str):
-            reply.stop_string = out.stop_reason
-        elif isinstance(out.stop_reason, int):
-            reply.stop_token_id = out.stop_reason
+        reply.text = step.delta_text if delta else whole.text
+    if result.finished:
+        reply.finish_reason = result.finish_reason or ""
+        if isinstance(result.stop_reason, str):
+            reply.stop_string = result.stop_reason
+        elif isinstance(result.stop_reason, int):
+            reply.stop_token_id = result.stop_reason
         reply.usage.CopyFrom(_usage(Usage.of([result])))
     return reply
 

@@ -1,13 +1,12 @@
 """batchserve.v1 request messages -> the engine's inputs: the prompt (text tokenized off the event loop, or token
-ids) and SamplingParams, every field the engine has. Values are checked by SamplingParams and the engine, as the
-HTTP server's are, so both front ends refuse the same input with the same message."""
+ids) and SamplingParams, every field the engine has. Values are checked by SamplingParams and the serving layer's
+request builder, as the HTTP server's are, so both front ends refuse the same input with the same message."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from batchserve.engine.inputs import Prompt
 from batchserve.entrypoints.grpc.pb import generation_pb2 as pb
 from batchserve.entrypoints.grpc.status import invalid
 from batchserve.sampling_params import SamplingParams
@@ -20,8 +19,9 @@ _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "pr
 
 @dataclass(frozen=True)
 class PreparedInput:
-    prompt: Prompt  # token ids, or {"prompt": text, "prompt_token_ids": ids}
-    num_prompt_tokens: int
+    token_ids: list[int]  # unchecked: the request builder checks them
+    text: str | None  # the text they came from, if any
+    param: str  # the field they came from, named in an error about them
 
 
 async def prepare_input(service: GenerationService, request: pb.GenerateRequest) -> PreparedInput:
@@ -29,11 +29,9 @@ async def prepare_input(service: GenerationService, request: pb.GenerateRequest)
     if which == "text":
         if not request.text:
             raise invalid("the prompt is empty", "text")
-        ids = await service.tokenize(request.text)
-        return PreparedInput({"prompt": request.text, "prompt_token_ids": ids}, len(ids))
+        return PreparedInput(await service.tokenize(request.text), request.text, "prompt")
     if which == "tokens":
-        ids = service.limits.check_token_ids(list(request.tokens.ids), "tokens.ids", "tokens")
-        return PreparedInput(ids, len(ids))
+        return PreparedInput(list(request.tokens.ids), None, "tokens")
     raise invalid("give the prompt as 'text' or 'tokens'", "input")
 
 

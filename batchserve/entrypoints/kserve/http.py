@@ -107,7 +107,7 @@ async def _events(
     try:
         if trt.stream:
             async for result in front.service.results(streams):
-                if result.output.delta_token_ids or result.finished:
+                if result.delta.delta_token_ids or result.finished:
                     yield _sse(_reply(name, body, outputs_of(trt, result, delta=True, prefix=prefix)))
                     prefix = ""
         else:

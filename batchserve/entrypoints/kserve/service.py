@@ -123,7 +123,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if trt.stream:
                 prefix = _prefix(trt)
                 async for result in self.service.results(streams):
-                    if result.output.delta_token_ids or result.finished:
+                    if result.delta.delta_token_ids or result.finished:
                         final = result.finished and not empty_final
                         queue.put_nowait(_stream_response(request, outputs_of(trt, result, True, prefix), final))
                         prefix = ""

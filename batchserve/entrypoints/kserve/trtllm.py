@@ -197,18 +197,18 @@ def _typed(name: str, kind: str, value: Any) -> Any:
 def outputs_of(request: TrtllmRequest, result: GenerationResult, delta: bool, prefix: str = "") -> list[Output]:
     """The response tensors for one step's result (delta: this step's tokens) or the whole output; `prefix` is put
     before the text (the prompt, when exclude_input_in_output is false)."""
-    out = result.output
-    ids = out.delta_token_ids if delta else out.token_ids
-    text = prefix + (out.delta_text if delta else out.text)
-    logprobs = result.delta_logprobs if delta else (out.logprobs or [])
+    step, whole = result.delta, result.completion
+    ids = step.delta_token_ids if delta else whole.token_ids
+    text = prefix + (step.delta_text if delta else whole.text)
+    logprobs = result.delta_logprobs if delta else (whole.logprobs or [])
     lead = (1,) if request.batched else ()
     values: dict[str, tuple[tuple[int, ...], list[Any]]] = {
         "text_output": ((*lead, 1), [text]),
         "output_ids": ((*lead, 1, len(ids)), list(ids)),
         "sequence_length": ((*lead, 1), [len(ids)]),
-        "cum_log_probs": ((*lead, 1), [sum(e.logprob for e in out.logprobs or [])]),
+        "cum_log_probs": ((*lead, 1), [whole.cumulative_logprob]),
         "output_log_probs": ((*lead, 1, len(logprobs)), [e.logprob for e in logprobs]),
-        "num_input_tokens": ((*lead, 1), [len(out.prompt_token_ids)]),
-        "num_output_tokens": ((*lead, 1), [len(out.token_ids)]),
+        "num_input_tokens": ((*lead, 1), [step.num_prompt_tokens]),
+        "num_output_tokens": ((*lead, 1), [step.num_output_tokens]),
     }
     return [Output(name, OUTPUTS[name], *values[name]) for name in request.outputs]

@@ -52,8 +52,8 @@ async def create_chat_completion(front: OpenAIFrontEnd, request: Request) -> Res
     (result,) = await service.final_results(streams, wait_for_disconnect(request))
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": result.output.text},
-        "logprobs": _logprobs(front, result.output.logprobs or []) if req.logprobs else None,
+        "message": {"role": "assistant", "content": result.completion.text},
+        "logprobs": _logprobs(front, result.completion.logprobs or []) if req.logprobs else None,
         **finish_fields(result),
     }
     return JSONResponse({**head, "choices": [choice], "usage": UsageInfo.of(Usage.of([result]))})
@@ -65,13 +65,13 @@ async def _stream(
     finals: list[GenerationResult] = []
     role_sent = False
     async for result in front.service.results(streams):
-        if not result.output.delta_text and not result.finished:
+        if not result.delta.delta_text and not result.finished:
             continue
         if result.finished:
             finals.append(result)
         # The role rides on the first token's chunk, not on a chunk of its own sent at arrival: clients time the
         # first chunk as the time to first token, so nothing may go out before the first token does.
-        delta = {"content": result.output.delta_text} if result.output.delta_text or not role_sent else {}
+        delta = {"content": result.delta.delta_text} if result.delta.delta_text or not role_sent else {}
         if not role_sent:
             delta, role_sent = {"role": "assistant", **delta}, True
         choice = {

@@ -38,14 +38,15 @@ async def create_completion(front: OpenAIFrontEnd, request: Request) -> Response
     choices = []
     for result in results:
         prefix = _echo(front, prompts[result.index], result) if req.echo else ""
-        logprobs = _logprobs(front, result.output.logprobs or [], len(prefix)) if req.logprobs is not None else None
-        text = prefix + result.output.text
+        completion = result.completion
+        logprobs = _logprobs(front, completion.logprobs or [], len(prefix)) if req.logprobs is not None else None
+        text = prefix + completion.text
         choices.append({"index": result.index, "text": text, "logprobs": logprobs, **finish_fields(result)})
     return JSONResponse({**head, "choices": choices, "usage": UsageInfo.of(Usage.of(results))})
 
 
 def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prompt]:
-    """One prompt or a batch of them; each is checked by the engine when it is added."""
+    """One prompt or a batch of them; each is checked when the serving layer builds its engine request."""
     if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
         return [prompt]  # type: ignore[list-item]
     if not prompt:
@@ -54,7 +55,7 @@ def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prom
 
 
 def _echo(front: OpenAIFrontEnd, prompt: Prompt, result: GenerationResult) -> str:
-    return prompt if isinstance(prompt, str) else front.service.tokenizer.decode(result.output.prompt_token_ids)
+    return prompt if isinstance(prompt, str) else front.service.tokenizer.decode(result.completion.prompt_token_ids)
 
 
 async def _stream(
@@ -64,7 +65,7 @@ async def _stream(
     finals: list[GenerationResult] = []
     sent: dict[int, int] = {}  # characters sent per choice (the logprobs' text offsets)
     async for result in front.service.results(streams):
-        delta = result.output.delta_text
+        delta = result.delta.delta_text
         if req.echo and result.index not in sent:
             delta = _echo(front, prompts[result.index], result) + delta
         if not delta and not result.finished:

@@ -136,7 +136,7 @@ def finish_fields(result: GenerationResult) -> dict[str, str | int | None]:
     """A choice's finish_reason, and vLLM's stop_reason once it has one."""
     if not result.finished:
         return {"finish_reason": None}
-    return {"finish_reason": result.output.finish_reason, "stop_reason": result.output.stop_reason}
+    return {"finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
 
 
 def chunk_usage(req: SamplingRequest, result: GenerationResult) -> dict[str, object]:
