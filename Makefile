@@ -34,11 +34,11 @@ serve: setup
 
 # every core (pytest-xdist), the 25 slowest tests listed at the end
 test: setup
-	$(BIN)/python -m pytest -q -n auto --durations=25
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=25
 
 FAST_TESTS := tests/core tests/engine/test_engine.py tests/bench tests/server tests/test_config.py tests/test_cli.py
 test-fast: setup
-	$(BIN)/python -m pytest -q -n auto -m "not slow" $(FAST_TESTS)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow" $(FAST_TESTS)
 
 bench: setup
 	$(BIN)/python benchmarks/engine_throughput.py

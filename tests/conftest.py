@@ -33,3 +33,13 @@ def make_engine_fixture(tokenizer):
         return doubles.make_engine(config, **({"tokenizer": tokenizer} | options))
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most `slow` tests first, each file's tests together and in their order: `make test` hands
+    whole files to its workers (--dist loadfile, so a module's server or model is set up once), and the longest
+    ones started first keep one worker from finishing alone at the end."""
+    slow_in_file: dict = {}
+    for item in items:
+        slow_in_file[item.path] = slow_in_file.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow_in_file[item.path])

@@ -1,4 +1,4 @@
-"""The two-minute soak of the real server (SmolLM2 in its own process, a 64-block pool): streaming and non-streaming
+"""The short soak of the real server (SmolLM2 in its own process, a 64-block pool): streaming and non-streaming
 clients, a quarter of the streams dropped mid-way, bad requests mixed in. The full soak (10,000 requests) is
 `python benchmarks/soak.py --num-requests 10000 --duration-s 3600`; its figures are in docs/BENCHMARKS.md."""
 
@@ -10,10 +10,11 @@ from batchserve.bench.soak import SoakOptions, format_report, run_soak
 
 
 @pytest.mark.slow
-def test_a_one_minute_soak_leaves_nothing_behind():
-    # a gross leak check only (benchmarks/soak.py runs the hour): in a minute RSS is still filling (allocator, oneDNN
-    # and kernel caches: +205 MB in the first 588 requests, against +305 MB over the 9,726 of the hour-long soak)
-    options = SoakOptions(num_requests=10_000, duration_s=60, seed=7, max_rss_growth_mb=400)
+def test_a_short_soak_leaves_nothing_behind():
+    # a gross leak check only (benchmarks/soak.py runs the hour): this early RSS is still filling (allocator, oneDNN
+    # and kernel caches; docs/BENCHMARKS.md has the hour's figures). A count of requests, not a duration, so that a
+    # busy host stretches the soak instead of thinning it below what the counts below need.
+    options = SoakOptions(num_requests=120, duration_s=300, seed=7, max_rss_growth_mb=400)
     report = run_soak(options)
     print(format_report(report))
     assert report.failures == []
