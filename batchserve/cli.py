@@ -9,6 +9,9 @@ import difflib
 import logging
 import sys
 
+from batchserve import __version__
+from batchserve.config import ConfigError
+
 USAGE = """batchserve <command> [options]
 
 commands:
@@ -18,8 +21,11 @@ commands:
   tune       sweep scheduler settings against an SLO and print the best configuration (--simulate: in seconds)
   profile    time engine steps on this machine and save a step-time profile for simulate
   simulate   bench's workloads on the real scheduler in virtual time, step times from a profile: no model runs
+  doctor     watch a running server (--url) or read a bench trace: what is wrong, what to change, the predicted effect
+
+batchserve --version prints the installed version; `batchserve <command> --help` lists a command's options.
 """
-COMMANDS = ("generate", "serve", "bench", "tune", "profile", "simulate")
+COMMANDS = ("generate", "serve", "bench", "tune", "profile", "simulate", "doctor")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"batchserve {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "generate":
         from batchserve.entrypoints.generate import main as command_main
@@ -45,12 +54,18 @@ def main(argv: list[str] | None = None) -> int:
         from batchserve.simulator.profiler import main as command_main
     elif command == "simulate":
         from batchserve.simulator.cli import main as command_main
+    elif command == "doctor":
+        from batchserve.doctor.cli import main as command_main
     else:
         close = difflib.get_close_matches(command, COMMANDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         print(f"unknown command {command!r}{hint}\n\n{USAGE}", file=sys.stderr)
         return 2
-    return command_main(rest) or 0
+    try:
+        return command_main(rest) or 0
+    except ConfigError as exc:  # a model not found, options that cannot work: one message, not a traceback
+        print(f"batchserve {command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -87,3 +87,9 @@ def test_every_flag_of_every_command_has_help_and_shows_its_default():
                     assert "default" in text, (parser.prog, action.option_strings, text)
     help_text = " ".join(bench_parser().format_help().split())
     assert "--timeline-steps TIMELINE_STEPS steps shown in the batch timeline (default: 600)" in help_text
+
+
+def test_version(capsys):
+    import batchserve
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"batchserve {batchserve.__version__}"

@@ -142,7 +142,86 @@ def test_help_shows_every_option_with_help_choices_and_default():
 def test_llm_checks_its_options_before_loading_a_model():
     from batchserve.entrypoints.llm import LLM
 
-    with pytest.raises(ConfigError, match=r"'max_batch_size' in LLM\(\.\.\.\): Input should be a valid integer"):
+    with pytest.raises(ConfigError, match=r"LLM\(\.\.\.\): option 'max_batch_size': Input should be a valid integer"):
         LLM(max_batch_size=8.5)
     with pytest.raises(ConfigError, match="did you mean 'enable_prefix_caching'"):
         LLM(enable_prefix_cache=True)
+
+
+# --- issue 47: TensorRT-LLM's LLM-API files, every problem at once, short errors, dtype spellings, --model -------------
+
+
+def test_a_trtllm_serve_extra_llm_api_options_yaml_maps_onto_our_options(tmp_path, caplog):
+    path = tmp_path / "extra_llm_api_options.yaml"
+    path.write_text(
+        "backend: pytorch\n"  # GPU execution only: dropped with a warning
+        "max_batch_size: 16\nmax_num_tokens: 1024\nmax_seq_len: 512\nenable_chunked_prefill: false\n"
+        "kv_cache_config:\n  free_gpu_memory_fraction: 0.5\n  enable_block_reuse: false\n  tokens_per_block: 32\n"
+        "  max_tokens: 1000\n"
+        "scheduler_config:\n  capacity_scheduler_policy: STATIC_BATCH\n"
+        "  context_chunking_policy: FIRST_COME_FIRST_SERVED\n"
+    )
+    config = engine_config({}, file=path)
+    assert (config.scheduler.max_batch_size, config.scheduler.max_num_tokens) == (16, 1024)
+    assert config.scheduler.max_model_len == 512 and config.scheduler.enable_chunked_prefill is False
+    assert config.scheduler.scheduler_policy is SchedulerPolicy.STATIC
+    assert config.cache.kv_cache_memory_fraction == 0.5 and config.cache.enable_prefix_caching is False
+    assert config.cache.block_size == 32 and config.cache.num_kv_blocks == 32  # ceil(1000 / 32)
+    assert "'backend' is ignored" in caplog.text
+
+
+@pytest.mark.parametrize("policy", ["STATIC_BATCH", "MAX_UTILIZATION", "GUARANTEED_NO_EVICT"])
+def test_trtllm_enum_names_are_ours_in_files_keywords_and_flags(policy):
+    ours = {"STATIC_BATCH": "static"}.get(policy, policy.lower())
+    assert engine_config({"scheduler_policy": policy}).scheduler.scheduler_policy == ours
+    assert engine_config({"scheduler_config": {"capacity_scheduler_policy": policy}}).scheduler.scheduler_policy == ours
+    args = _parser().parse_args(["--scheduler-policy", policy])
+    assert engine_config_from_args(args).scheduler.scheduler_policy == ours
+
+
+def test_every_config_problem_is_listed_at_once_in_a_few_lines(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "max_batch_sise: 4\nblock_size: big\ndtype: fp8\n"
+        "kv_cache_config:\n  free_gpu_memory_fraction: 0.5\n  host_cache_sise: 1\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        engine_config({}, file=path)
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"4 problems in {path}:" and len(lines) == 5, lines
+    text = str(err.value)
+    for word in ["'max_batch_sise' (did you mean 'max_batch_size'?)", "'block_size': Input should be a valid integer",
+                 "'dtype'", "'kv_cache_config.host_cache_sise'"]:  # fmt: skip
+        assert word in text, text
+    with pytest.raises(ConfigError) as err:  # ranges too: each option checked on its own
+        engine_config({"block_size": 4, "max_batch_size": 0, "kv_cache_memory_fraction": 2.0})
+    assert str(err.value).startswith("3 problems:"), str(err.value)
+
+
+def test_a_config_error_on_the_command_line_is_a_few_lines_without_the_usage(tmp_path, capsys):
+    from batchserve.entrypoints.openai.launch import main as serve_main
+
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"max_batch_sise": 4, "block_size": "big"}))
+    with pytest.raises(SystemExit) as exc:
+        serve_main(["--config", str(path)])  # fails before any model loads
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" not in err and len(err.splitlines()) <= 5, err
+    assert "2 problems" in err and "max_batch_sise" in err and "block_size" in err
+
+
+@pytest.mark.parametrize("spelling,ours", [("half", "float16"), ("fp16", "float16"), ("FLOAT16", "float16"),
+                                           ("bf16", "bfloat16"), ("fp32", "float32")])  # fmt: skip
+def test_dtype_spellings_of_vllm_and_torch(spelling, ours):
+    assert engine_config({"dtype": spelling}).dtype == ours
+    assert engine_config_from_args(_parser().parse_args(["--dtype", spelling])).dtype == ours
+
+
+def test_model_is_the_positional_or_vllms_model_flag():
+    from batchserve.entrypoints.openai.launch import make_parser
+
+    parser = make_parser()
+    assert parser.parse_args(["--model", "org/name"]).model == "org/name"
+    assert parser.parse_args(["org/name"]).model == "org/name"
+    assert parser.parse_args([]).model is None

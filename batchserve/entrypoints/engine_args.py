@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import enum
+from collections.abc import Callable
 from typing import Any
 
 from batchserve.config import EngineConfig
 from batchserve.entrypoints.engine_options import (
     SPECS,
     OptionSpec,
+    canonical_value,
     close_match,
     engine_config,
     read_config_file,
@@ -38,6 +40,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> Any:
+        """The message and where to read more, without argparse's usage line (which lists every flag: ~40 lines)."""
         if message.startswith("unrecognized arguments:"):
             known = [s for s in self._option_string_actions if s.startswith("--")]
             for word in message.removeprefix("unrecognized arguments:").split():
@@ -45,7 +48,7 @@ class ArgumentParser(argparse.ArgumentParser):
                 close = close_match(flag, known) if flag.startswith("--") else None
                 if close:
                     message += f"\n  {flag}: did you mean {close}?"
-        return super().error(message)
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists every option)\n")
 
 
 def _flag(name: str) -> str:
@@ -61,18 +64,44 @@ def _help(spec: OptionSpec) -> str:
 
 def add_engine_arguments(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
     group = parser.add_argument_group("engine options (also keys of --config; TensorRT-LLM and vLLM names accepted)")
-    group.add_argument("--config", help="JSON file of engine options, checked like the flags; flags override it")
+    group.add_argument(
+        "--config", "--extra-llm-api-options", "--extra_llm_api_options",
+        help="JSON or YAML file of engine options, checked like the flags (a TensorRT-LLM LLM-API file's "
+        "kv_cache_config / scheduler_config sections too); flags override it",
+    )  # fmt: skip
     for spec in SPECS:
         if spec.name == "model" and not include_model:
+            _add_model_flag_beside_positional(group, parser)
             continue
         flags = [_flag(spec.name), *(_flag(alias) for alias in spec.aliases)]
         common = {"dest": spec.name, "default": None, "help": _help(spec)}
         if spec.kind is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
         elif spec.choices is not None:
-            group.add_argument(*flags, type=str.lower, choices=spec.choices, **common)
+            group.add_argument(*flags, type=_value_of(spec.name), choices=spec.choices, **common)
         else:
             group.add_argument(*flags, type=spec.kind, metavar=spec.kind.__name__.upper(), **common)
+
+
+def _value_of(name: str) -> Callable[[str], Any]:
+    """A flag's value as ours: any case, and the other spellings the schema accepts (half, STATIC_BATCH)."""
+
+    def convert(text: str) -> Any:
+        value = canonical_value(name, text)
+        return value.lower() if isinstance(value, str) else value
+
+    convert.__name__ = name  # argparse names the type in its "invalid value" message
+    return convert
+
+
+def _add_model_flag_beside_positional(group: argparse._ArgumentGroup, parser: argparse.ArgumentParser) -> None:
+    """`--model X` as vLLM takes it, where the command's model is a positional argument (`serve MODEL`): both fill
+    args.model. The positional's default is suppressed, or its empty match would overwrite --model's value."""
+    positional = next((a for a in parser._actions if a.dest == "model" and not a.option_strings), None)
+    if positional is None or "--model" in parser._option_string_actions:
+        return
+    positional.default = argparse.SUPPRESS
+    group.add_argument("--model", dest="model", default=None, help="the model, as the positional argument gives it")
 
 
 def engine_options_from_args(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:

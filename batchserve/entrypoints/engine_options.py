@@ -31,12 +31,15 @@ from batchserve.config import (
     EngineConfig,
     SchedulerConfig,
 )
+from batchserve.entrypoints.llm_api_options import enum_value, flatten_llm_api_options
 
 # What each option does; "(default: ...)" where the default is not a plain value the dataclass holds.
 HELP: dict[str, str] = {
     "model": "HF directory or .gguf file (default: SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer directory (default: the model's)",
-    "dtype": "weights and activations; auto: bfloat16 where the device multiplies it natively, else float32",
+    "dtype": "weights and activations; auto: bfloat16 where the device multiplies it natively, else float32; "
+    "bfloat16 / float16 on a CPU without their matmul units compute in float32 on widened weights (half, fp16, bf16, "
+    "fp32 accepted)",
     "device": "auto: CUDA when torch sees a GPU, else the CPU",
     "seed": "seed of torch's RNG, and of sampling for requests without a seed of their own",
     "num_threads": "torch intra-op threads on CPU (default: torch's choice)",
@@ -66,6 +69,9 @@ HELP: dict[str, str] = {
     "swap_space_gb": "host memory for swapped-out KV blocks, GiB (preemption_mode swap)",
     "num_swap_blocks": "host swap pool size in blocks (default: from swap_space_gb)",
 }
+
+# vLLM's and torch's short names for our dtypes
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
 
 _CLASSES = (EngineConfig, SchedulerConfig, CacheConfig)
 _NESTED = {"scheduler", "cache"}
@@ -153,43 +159,100 @@ def suggestion(key: str, known: list[str]) -> str:
     return f" (did you mean {close!r}?)" if close else ""
 
 
+def canonical_value(name: str, value: Any) -> Any:
+    """Another spelling of a value as ours: dtype's short names (half, fp16, bf16, fp32), TensorRT-LLM's enum names
+    (STATIC_BATCH); anything else unchanged."""
+    if name == "dtype" and isinstance(value, str):
+        return DTYPE_ALIASES.get(value.lower(), value.lower())
+    return enum_value(name, value)
+
+
 def validate_options(options: Mapping[str, Any], source: str = "") -> dict[str, Any]:
-    """The options given, under our names, each of its field's type (enum values as members); ConfigError naming
-    the option (as the caller spelled it) and `source` for an unknown name, a name given twice or a wrong type."""
-    where = f" in {source}" if source else ""
+    """The options given, under our names, each of its field's type (enum values as members). TensorRT-LLM's nested
+    LLM-API sections (kv_cache_config, scheduler_config) are flattened first. Every problem (unknown name, a name
+    given twice, a wrong type) is reported at once in one ConfigError naming the options as the caller spelled
+    them, and `source`."""
+    flat, problems = flatten_llm_api_options(options)
     spelled: dict[str, str] = {}
     canonical: dict[str, Any] = {}
-    for key, value in options.items():
+    for key, value in flat.items():
         name = ALIASES.get(key, key)
         if name not in SPEC_BY_NAME:
-            raise ConfigError(f"unknown option {key!r}{where}{suggestion(key, [*SPEC_BY_NAME, *ALIASES])}")
-        if name in canonical:
-            raise ConfigError(f"option {name!r} given twice{where}: as {spelled[name]!r} and as {key!r}")
-        spelled[name], canonical[name] = key, value
+            problems.append(f"unknown option {key!r}{suggestion(key, [*SPEC_BY_NAME, *ALIASES])}")
+        elif name in canonical:
+            problems.append(f"option {name!r} given twice: as {spelled[name]!r} and as {key!r}")
+        else:
+            spelled[name], canonical[name] = key, canonical_value(name, value)
+    parsed = None
     try:
         parsed = EngineOptions.model_validate(canonical)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        name = str(error["loc"][0])
-        message = error["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"option {spelled[name]!r}{where}: {message}, got {error['input']!r}") from None
+        problems.extend(_type_problems(exc, spelled))
+    if problems or parsed is None:
+        raise ConfigError(problem_report(problems, source))
     return {name: getattr(parsed, name) for name in canonical}
 
 
+def _type_problems(exc: ValidationError, spelled: dict[str, str]) -> list[str]:
+    """One line per option pydantic refused (its first complaint: a union type lists one per member)."""
+    lines: dict[str, str] = {}
+    for error in exc.errors():
+        name = str(error["loc"][0])
+        message = error["msg"].removeprefix("Value error, ")
+        lines.setdefault(name, f"option {spelled.get(name, name)!r}: {message}, got {error['input']!r}")
+    return list(lines.values())
+
+
+def problem_report(problems: list[str], source: str = "") -> str:
+    """One problem on one line ("SOURCE: ..."); several as a count and one line each."""
+    if len(problems) == 1:
+        return f"{source}: {problems[0]}" if source else problems[0]
+    where = f" in {source}" if source else ""
+    return f"{len(problems)} problems{where}:\n" + "\n".join(f"  - {problem}" for problem in problems)
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A JSON file of options, validated (names and types)."""
+    """A JSON or YAML file of options (ours, vLLM's, or a TensorRT-LLM LLM-API file with its nested sections),
+    validated (names and types)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        text = Path(path).read_text()
+        data = _parse_yaml(text) if Path(path).suffix in (".yaml", ".yml") else json.loads(text)
+    except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a JSON object")
+        raise ConfigError(f"config file {path} must hold a mapping of options")
     return validate_options(data, str(path))
+
+
+def _parse_yaml(text: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(str(exc).replace("\n", " ")) from None
 
 
 def engine_config(options: Mapping[str, Any], source: str = "", file: str | Path | None = None) -> EngineConfig:
     """An EngineConfig from options (over those of a config file, when given), checked by type here and by range by
-    the dataclasses."""
+    the dataclasses; every option out of range is reported at once."""
     merged = read_config_file(file) if file else {}
     merged.update(validate_options(options, source))
-    return EngineConfig.from_options(**merged)
+    try:
+        return EngineConfig.from_options(**merged)
+    except ConfigError:
+        problems = _range_problems(merged)
+        if len(problems) > 1:
+            raise ConfigError(problem_report(problems)) from None
+        raise
+
+
+def _range_problems(options: Mapping[str, Any]) -> list[str]:
+    """Each option checked alone by the dataclasses (those wrong only together are left to the full check)."""
+    problems = []
+    for name, value in options.items():
+        try:
+            EngineConfig.from_options(**{name: value})
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems

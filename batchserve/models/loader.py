@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import json
 import logging
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from batchserve import env
-from batchserve.config import ModelConfig
+from batchserve.config import ConfigError, ModelConfig
 from batchserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -34,15 +35,17 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
-class ModelLoadError(RuntimeError):
-    """The model cannot be found or is not one this engine runs."""
+class ModelLoadError(ConfigError, RuntimeError):
+    """The model cannot be found or is not one this engine runs (a ConfigError: the command line answers it in one
+    line, not a traceback)."""
 
 
 # --- where the model is ------------------------------------------------------------------------------------------------
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
-    """None -> the default SmolLM2 GGUF; a directory -> HF model dir; a .gguf file -> GGUF."""
+    """None -> the default SmolLM2 GGUF; a directory -> HF model dir; a .gguf file -> GGUF; a Hub id
+    (`org/name`) -> its snapshot in the local Hugging Face cache (never downloaded here)."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
@@ -54,7 +57,32 @@ def resolve_model_path(model: str | Path | None) -> Path:
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: expected a Hugging Face model directory or a .gguf file")
         return path
+    if HUB_ID.fullmatch(str(model)):
+        return hub_snapshot(str(model))
     raise ModelLoadError(f"model {str(model)!r} not found: pass a local Hugging Face model directory or a .gguf file")
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The model folder (or single .gguf file) of `repo_id` in the local Hugging Face cache, looked up offline."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError), or a cache entry we cannot read
+        raise ModelLoadError(
+            f"model {repo_id!r} is not a local path and not in the Hugging Face cache ({constants.HF_HUB_CACHE}): "
+            f"download it first (`hf download {repo_id}`), then pass the same id, or pass its local folder"
+        ) from None
+    if (folder / "config.json").is_file():
+        return folder
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    found = ", ".join(p.name for p in ggufs) if ggufs else "no config.json and no .gguf file"
+    raise ModelLoadError(f"{repo_id!r} in the Hugging Face cache ({folder}) holds {found}: pass the file to run")
 
 
 def default_model_path() -> Path:

@@ -1,0 +1,34 @@
+"""`--dtype half` / float16 (issue 47): accepted in every spelling and run, on fp16 matmul units where the CPU has them,
+else by float32 GEMMs on widened weights; greedy tokens of a tiny Llama equal float32's."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from batchserve import LLM, SamplingParams
+from tests.tiny_models import VOCAB, build_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_llama_fp16")
+    build_hf_model("llama", directory)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    return directory
+
+
+def test_half_runs_and_matches_float32_greedy(tiny_dir):
+    prompts = [{"prompt_token_ids": [5, 17, 33, 8, 61]}, {"prompt_token_ids": [40, 41, 3]}]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for dtype in ("half", "float32"):
+        llm = LLM(model=str(tiny_dir), dtype=dtype, device="cpu", num_kv_blocks=16, max_batch_size=4)
+        outputs[dtype] = [out.token_ids for out in llm.generate(prompts, params)]
+        if dtype == "half":
+            assert llm.engine.config.dtype == "float16"
+    assert outputs["half"] == outputs["float32"] and all(len(ids) == 6 for ids in outputs["half"])
