@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI routes over the serving layer, plus /tokenize, /detokenize, /health and /metrics.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not), GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not), GET /v1/models, GET /health, GET|POST
+/ping (as /health: vLLM's name), GET /version,
 POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
 """
 
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from batchserve import __version__
 from batchserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from batchserve.engine.llm_engine import LLMEngine, QueueFullError
 from batchserve.entrypoints.kserve.http import add_kserve_routes
@@ -193,6 +195,14 @@ def _add_health(app: FastAPI, health_problem: Callable[[], Awaitable[str | None]
         if problem is not None:
             return as_api_error(EngineDeadError(problem)).response()
         return JSONResponse({"status": "ok"})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # vLLM's (and SageMaker's) liveness probe: /health's answer
+        return await health()
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
 
 
 # The routes read their bodies themselves (size limit first, then strict validation): their schemas go into the
