@@ -1,5 +1,5 @@
 """Imports run one way: config <- core <- layers <- models <- worker <- engine <- serving <- entrypoints <-
-distributed <- bench, with the CLI dispatcher (and the package's own __init__) on top. Every import counts, at the
+distributed <- bench <- doctor, with the CLI dispatcher (and the package's own __init__) on top. Every import counts, at the
 top of a file or inside a function, so that no lazy import hides an arrow that runs back up."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("batchserve.entrypoints",),
     ("batchserve.distributed",),
     ("batchserve.bench", "batchserve.simulator"),
+    ("batchserve.doctor",),  # reads servers and bench traces, asks the simulator
     ("batchserve.cli", "batchserve"),
 ]
 

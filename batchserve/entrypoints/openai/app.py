@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,10 +23,12 @@ from batchserve import __version__
 from batchserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from batchserve.engine.llm_engine import LLMEngine, QueueFullError
 from batchserve.entrypoints.kserve.http import add_kserve_routes
+from batchserve.entrypoints.openai.access_log import AccessLog
 from batchserve.entrypoints.openai.chat import chat_prompt, create_chat_completion
 from batchserve.entrypoints.openai.completions import create_completion
 from batchserve.entrypoints.openai.errors import APIError, APIKeyMiddleware, as_api_error
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES, OpenAIFrontEnd
+from batchserve.entrypoints.openai.observability import add_observability
 from batchserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,6 +43,9 @@ from batchserve.serving.errors import ServingError
 from batchserve.serving.generation import GenerationService
 from batchserve.serving.metrics import CONTENT_TYPE, EngineMetrics
 
+if TYPE_CHECKING:  # OpenTelemetry is an extra (batchserve[tracing]): imported only when traces are asked for
+    from batchserve.serving.tracing import RequestTracer
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_STALL_TIMEOUT_S = 120.0  # far above the longest step (a 2,048-token prefill takes ~2 s on 2 CPU cores)
 
@@ -54,11 +59,14 @@ def build_app(
     metrics: EngineMetrics | None = None,
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     lenient: bool = False,
+    tracer: RequestTracer | None = None,
+    access_log: AccessLog | None = None,
 ) -> FastAPI:
     """The app over an LLMEngine (wrapped and owned: its loop stops with the app) or an AsyncLLMEngine (shared: the
     caller starts and stops it; the app starts it if needed). /health answers 503 once the engine loop has made no
     progress for `stall_timeout_s` with requests pending. `lenient`: request fields the server does not act on are
-    dropped with a logged warning instead of answered 400."""
+    dropped with a logged warning instead of answered 400. `tracer`, `access_log`: request spans and JSON access
+    lines (--otlp-traces-endpoint, --log-format json)."""
     owned = isinstance(engine, LLMEngine)
     async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
     names = model_names(served_model_name, async_engine.config.model)
@@ -80,6 +88,7 @@ def build_app(
     )  # fmt: skip
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    add_observability(app, async_engine, tracer, access_log)  # /dashboard, X-Request-Id, traces, access log
     return app
 
 

@@ -13,7 +13,8 @@ from batchserve.core.outputs import Logprobs
 from batchserve.engine.async_engine import RequestStream
 from batchserve.entrypoints.openai.errors import APIError
 from batchserve.entrypoints.openai.front import OpenAIFrontEnd, chunk_usage, finish_fields, sampling_params
-from batchserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, UsageInfo, random_id
+from batchserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, UsageInfo
+from batchserve.entrypoints.openai.request_context import request_id_of
 from batchserve.entrypoints.openai.streaming import AbortOnCloseResponse, sse_events, wait_for_disconnect
 from batchserve.serving.generation import GenerationService
 from batchserve.serving.results import GenerationResult, Usage
@@ -43,7 +44,7 @@ async def create_chat_completion(front: OpenAIFrontEnd, request: Request) -> Res
         service.limits.default_max_tokens(len(prompt_ids)),
     )  # 0 is refused by SamplingParams, never read as "no limit"
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    request_id = random_id("chatcmpl")
+    request_id = request_id_of(request, "chatcmpl")  # X-Request-Id when the client sent one
     streams = await service.submit(request_id, [prompt_ids], params, req.priority)
     head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": front.model_name}
     if req.stream:

@@ -13,7 +13,8 @@ from batchserve.core.outputs import Logprobs
 from batchserve.engine.async_engine import RequestStream
 from batchserve.entrypoints.openai.errors import APIError
 from batchserve.entrypoints.openai.front import OpenAIFrontEnd, chunk_usage, finish_fields, sampling_params
-from batchserve.entrypoints.openai.protocol import CompletionRequest, UsageInfo, random_id
+from batchserve.entrypoints.openai.protocol import CompletionRequest, UsageInfo
+from batchserve.entrypoints.openai.request_context import request_id_of
 from batchserve.entrypoints.openai.streaming import AbortOnCloseResponse, sse_events, wait_for_disconnect
 from batchserve.serving.results import GenerationResult, Usage
 
@@ -28,7 +29,7 @@ async def create_completion(front: OpenAIFrontEnd, request: Request) -> Response
         raise APIError(400, "best_of must be 1", param="best_of")
     prompts = _prompts(req.prompt)
     params = sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
-    request_id = random_id("cmpl")
+    request_id = request_id_of(request, "cmpl")  # X-Request-Id when the client sent one
     streams = await front.service.submit(request_id, prompts, params, req.priority)
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": front.model_name}
     if req.stream:

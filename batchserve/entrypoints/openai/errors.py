@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from batchserve.serving.errors import ErrorKind, classify
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/dashboard")  # the dashboard page holds no data: /dashboard/data does
 RETRY_AFTER_S = 1
 
 # status, OpenAI error type, code

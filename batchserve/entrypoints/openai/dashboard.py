@@ -1,0 +1,37 @@
+"""GET /dashboard: one self-contained HTML page (no request leaves the server) drawing the engine's live state from
+GET /dashboard/data, which it polls once a second: waiting and running, the step strip against the budgets, KV
+usage, prefix hits, preemptions, the last minute's latency percentiles and the effective configuration.
+
+The page holds no data, so it is served without the API key (a browser cannot send a bearer token on navigation);
+/dashboard/data needs the key when one is set: the page asks for it, or takes it from the URL fragment (#key=...),
+which browsers never send to the server.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+
+from fastapi import FastAPI, Query
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from batchserve.serving.live_stats import LiveStats
+
+PAGE_PATH = "/dashboard"
+DATA_PATH = "/dashboard/data"
+
+
+@functools.cache
+def dashboard_html() -> str:
+    return resources.files("batchserve.entrypoints.openai").joinpath("static/dashboard.html").read_text("utf-8")
+
+
+def add_dashboard_routes(app: FastAPI, live_stats: LiveStats) -> None:
+    @app.get(PAGE_PATH, include_in_schema=False)
+    async def dashboard() -> Response:
+        return HTMLResponse(dashboard_html(), headers={"Cache-Control": "no-cache"})
+
+    @app.get(DATA_PATH, include_in_schema=False)
+    async def dashboard_data(since: int = Query(-1), requests: bool = Query(False)) -> Response:
+        """`since`: only the steps after that index; `requests`: each request finished in the last minute too."""
+        return JSONResponse(live_stats.snapshot(since, with_requests=requests))

@@ -1,0 +1,84 @@
+"""Each of doctor's rules on the situation it names, built on the fake runner (the real scheduler and KV manager);
+and no finding on a healthy run."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchserve.doctor.rules import diagnose
+from tests.doctor.load import Send, observe_load, steady
+
+WINDOW_S = 1.5
+
+
+def rules_of(diagnosis) -> set[str]:
+    return {f.rule for f in diagnosis.findings}
+
+
+def test_a_healthy_run_has_no_finding():
+    obs = observe_load(steady(25, WINDOW_S, 16, 8), WINDOW_S, max_batch_size=8, max_num_tokens=256)
+    diagnosis = diagnose(obs)
+    assert len(obs.requests) >= 20
+    assert diagnosis.findings == [], [f.to_dict() for f in diagnosis.findings]
+
+
+@pytest.fixture(scope="module")
+def backed_up():
+    """max_batch_size 2 against twice what two sequences can serve: the queue grows, the cap holds every step."""
+    obs = observe_load(steady(100, WINDOW_S, 16, 8), WINDOW_S, max_batch_size=2, max_num_tokens=256)
+    return obs, diagnose(obs)
+
+
+def test_a_queue_held_by_max_batch_size(backed_up):
+    obs, diagnosis = backed_up
+    finding = next(f for f in diagnosis.findings if f.rule == "queue_backed_up")
+    assert "max_batch_size 2 -> 4" in finding.change
+    p = finding.prediction
+    assert p is not None and p.change == {"max_batch_size": 4}
+    assert p.after["output_tok_s"] > p.before["output_tok_s"] and p.after["ttft_p99_ms"] < p.before["ttft_p99_ms"]
+    assert "predicted" in p.describe()
+
+
+def test_arrivals_exceed_capacity(backed_up):
+    obs, diagnosis = backed_up
+    finding = next(f for f in diagnosis.findings if f.rule == "arrivals_exceed")
+    assert obs.arrival_rate > 1.15 * obs.completion_rate
+    replicas = finding.prediction.change["replicas"]
+    assert replicas >= 2 and f"--replicas {replicas}" in finding.change
+    assert finding.prediction.after["e2e_p99_ms"] < finding.prediction.before["e2e_p99_ms"]
+
+
+@pytest.fixture(scope="module")
+def kv_starved():
+    """16 blocks of 16 tokens for up to 16 sequences of 20 + 30 tokens: the pool fills long before the budget."""
+    sends = steady(150, WINDOW_S, 20, 30)
+    obs = observe_load(sends, WINDOW_S, max_batch_size=16, max_num_tokens=256, num_kv_blocks=16, max_model_len=128)
+    return obs, diagnose(obs)
+
+
+def test_out_of_kv_memory(kv_starved):
+    obs, diagnosis = kv_starved
+    finding = next(f for f in diagnosis.findings if f.rule == "kv_full")
+    assert obs.kv_usage_peak >= 0.95
+    assert "block_size 16 -> 8" in finding.change or "num_kv_blocks 16 ->" in finding.change
+    assert finding.prediction is not None
+
+
+def test_preemption_thrash(kv_starved):
+    obs, diagnosis = kv_starved
+    finding = next(f for f in diagnosis.findings if f.rule == "preemption_thrash")
+    assert obs.preemptions >= 5
+    lower = finding.prediction.change["max_batch_size"]
+    assert lower < 16 and f"max_batch_size 16 -> {lower}" in finding.change
+    assert finding.prediction.after["preemptions"] < finding.prediction.before["preemptions"]
+
+
+def test_long_prompts_hold_the_window():
+    """One request in ten brings a 400-token prompt: its prefill takes the whole 32-token budget for 13 steps."""
+    sends = [Send(i / 30, 400 if i % 10 == 5 else 8, 4) for i in range(int(30 * WINDOW_S))]
+    obs = observe_load(sends, WINDOW_S, max_batch_size=16, max_num_tokens=32, max_model_len=512)
+    finding = next(f for f in diagnose(obs).findings if f.rule == "long_prompts")
+    assert "shortest_first" in finding.change and "max_input_len" in finding.change
+    p = finding.prediction
+    assert p.change == {"scheduling_order": "shortest_first"}
+    assert p.after["ttft_p99_ms"] <= p.before["ttft_p99_ms"]
