@@ -27,9 +27,10 @@ def low_precision_units() -> bool | None:
 
 def attention_path() -> str | None:
     """BATCHSERVE_ATTENTION_PATH (default unset or "auto": the CPU's flags decide): forces the native attention
-    kernels' path, "avx512_bf16" (bf16 K/V multiplied as they are, by AVX512-BF16), "avx512" (K/V widened to float32)
-    or "portable" (the plain C++ loop for decode, the torch code for prefill); to measure or test one path. A path this
-    build or CPU cannot run is an error, not a silent fallback."""
+    kernels' path, "avx512_bf16" (bf16 K/V multiplied as they are, by AVX512-BF16), "avx512" (K/V widened to float32),
+    "avx2" (8-wide AVX2 + FMA decode, the torch code for prefill) or "portable" (the plain C++ loop for decode, the
+    torch code for prefill); to measure or test one path. A path this build or CPU cannot run is an error, not a silent
+    fallback."""
     value = os.environ.get("BATCHSERVE_ATTENTION_PATH")
     return None if value in (None, "", "auto") else value
 
