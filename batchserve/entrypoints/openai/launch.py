@@ -24,6 +24,7 @@ from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_argume
 from batchserve.entrypoints.grpc.server import GrpcServer
 from batchserve.entrypoints.openai.app import DEFAULT_MODEL_NAME, DEFAULT_STALL_TIMEOUT_S, build_app
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
+from batchserve.entrypoints.openai.observability import add_observability_arguments, observability_from_args
 from batchserve.worker.device import configure_torch
 
 logger = logging.getLogger("batchserve.server")
@@ -77,6 +78,7 @@ def make_parser() -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug"],
         help="server log level",
     )
+    add_observability_arguments(parser)
     add_scale_out_arguments(parser)
     add_engine_arguments(parser, include_model=False)
     return parser
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_torch(config.num_threads, config.seed)
     async_engine = AsyncLLMEngine(LLMEngine(config))
     names = [n.strip() for n in args.served_model_name.split(",") if n.strip()] if args.served_model_name else None
+    observability = observability_from_args(parser, args)  # --otlp-traces-endpoint, --log-format
     app = build_app(
         async_engine,
         served_model_name=names,
@@ -140,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_bytes,
         stall_timeout_s=args.stall_timeout,
         lenient=args.lenient,
+        **observability,
     )
     grpc_server = None
     if args.grpc_port is not None:
@@ -147,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             async_engine, names or [config.model or DEFAULT_MODEL_NAME], host=args.host, port=args.grpc_port,
             api_key=api_key, max_request_bytes=args.max_body_bytes, stall_timeout_s=args.stall_timeout,
         )  # fmt: skip
-    return serve(app, async_engine, args.host, args.port, args.log_level, args.drain_timeout, grpc_server)
+    try:
+        return serve(app, async_engine, args.host, args.port, args.log_level, args.drain_timeout, grpc_server,
+                     json_logs=args.log_format == "json")  # fmt: skip
+    finally:
+        if observability["tracer"] is not None:
+            observability["tracer"].shutdown()  # the spans still batched go out
 
 
 def serve(
@@ -158,12 +167,15 @@ def serve(
     log_level: str = "info",
     drain_timeout: float | None = DEFAULT_DRAIN_TIMEOUT_S,
     grpc_server: GrpcServer | None = None,
+    json_logs: bool = False,
 ) -> int:
     """Run uvicorn in this (main) thread until SIGTERM/SIGINT; in-flight requests get `drain_timeout` seconds to
     finish (None: forever), then the rest are aborted. Returns 1 if a request was aborted that way (or the gRPC
     port could not be bound), else 0. `grpc_server` starts and drains with uvicorn, on its event loop."""
+    # json_logs: the root's JSON handler writes uvicorn's lines too, and the app's access log replaces uvicorn's
+    logs = {"log_config": None, "access_log": False} if json_logs else {}
     server = _DrainingServer(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None),
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None, **logs),
         async_engine,
         drain_timeout,
         grpc_server,
