@@ -12,8 +12,10 @@ from batchserve.bench.metrics import SLO
 from batchserve.bench.workloads import WORKLOADS, BenchRequest, WorkloadOptions, make_workload
 
 # vLLM's --dataset-name random: prompts of exactly --random-input-len tokens, outputs within --random-range-ratio of
-# --random-output-len: our uniform workload.
+# --random-output-len: our uniform workload, with vLLM's default lengths.
 VLLM_DATASETS = {"random": "uniform"}
+VLLM_RANDOM_LENGTHS = (1024, 128)  # vLLM's --random-input-len / --random-output-len defaults
+GOODPUT_KEYS = {"ttft": "slo_ttft_ms", "tpot": "slo_tpot_ms"}  # vLLM's --goodput KEY:MS
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's names for --percentile-metrics
 
 
@@ -42,8 +44,9 @@ def add_workload_arguments(p: argparse.ArgumentParser, slo_defaults: tuple[float
         help="shared-prefix: distinct system prompts, each shared by num_requests / num_prefixes users (default: 1)",
     )  # fmt: skip
     g.add_argument("--max-output-len", type=int, default=2048, help="longtail / sharegpt: clip output lengths")
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="generate every request's output length even past EOS (default: on, so runs compare)")  # fmt: skip
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="generate every request's output length even past EOS (default: on offline, so runs "
+                   "compare; off against a server, as vLLM's bench serve)")  # fmt: skip
     g = p.add_argument_group("arrivals")
     g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
     g.add_argument("--arrival", choices=PROCESSES, default="poisson", help="inter-arrival distribution")
@@ -58,10 +61,13 @@ def add_workload_arguments(p: argparse.ArgumentParser, slo_defaults: tuple[float
     g.add_argument("--percentile-metrics", default=",".join(PERCENTILE_METRICS),
                    help=f"latencies whose percentiles the table shows, of {','.join(PERCENTILE_METRICS)} "
                    "(default: all)")  # fmt: skip
-    g.add_argument("--warmup-requests", type=int, default=None,
+    g.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                   help="vLLM's form of the SLO: ttft:MS and/or tpot:MS (= --slo-ttft-ms / --slo-tpot-ms)")  # fmt: skip
+    g.add_argument("--warmup-requests", "--num-warmups", dest="warmup_requests", type=int, default=None,
                    help="requests shaped like the workload run before timing, outputs cut short (default: offline "
-                   "max_batch_size, HTTP 8; 0: none)")  # fmt: skip
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+                   "max_batch_size; against a server 0, as vLLM's --num-warmups)")  # fmt: skip
+    g.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true",
+                   help="no progress bar")  # fmt: skip
 
 
 def normalize(args: argparse.Namespace) -> argparse.Namespace:
@@ -69,9 +75,29 @@ def normalize(args: argparse.Namespace) -> argparse.Namespace:
     if args.workload in VLLM_DATASETS:
         args.workload = VLLM_DATASETS[args.workload]
         args.spread = 0.0 if args.spread is None else args.spread
+        args.input_len = VLLM_RANDOM_LENGTHS[0] if args.input_len is None else args.input_len
+        args.output_len = VLLM_RANDOM_LENGTHS[1] if args.output_len is None else args.output_len
     args.spread = 0.2 if args.spread is None else args.spread
     percentile_metrics(args)
+    goodput_slo(args)
     return args
+
+
+def goodput_slo(args: argparse.Namespace) -> None:
+    """vLLM's --goodput ttft:500 tpot:100 as --slo-ttft-ms / --slo-tpot-ms. Raises ValueError."""
+    for item in getattr(args, "goodput", None) or []:
+        key, _, value = item.partition(":")
+        if key not in GOODPUT_KEYS:
+            raise ValueError(f"--goodput takes {' and '.join(f'{k}:MS' for k in GOODPUT_KEYS)}, not {item!r}")
+        try:
+            setattr(args, GOODPUT_KEYS[key], float(value))
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
+
+
+def against_a_server(args: argparse.Namespace) -> bool:
+    """Whether the run drives a server (vLLM's defaults) rather than an in-process engine or a simulation."""
+    return not getattr(args, "offline", True)
 
 
 def percentile_metrics(args: argparse.Namespace) -> tuple[str, ...]:
@@ -94,8 +120,9 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
 def make_requests(args: argparse.Namespace, tokenizer: Any, count: int, seed: int) -> list[BenchRequest]:
     """`count` requests of the workload the flags describe."""
     requests = make_workload(args.workload, tokenizer, count, seed, workload_options(args))
+    ignore_eos = not against_a_server(args) if args.ignore_eos is None else args.ignore_eos
     for r in requests:
-        r.ignore_eos = args.ignore_eos
+        r.ignore_eos = ignore_eos
     return requests
 
 

@@ -6,6 +6,11 @@ Examples:
   batchserve bench --offline --workload mixed --sweep-rates 0.5,1,2,4
   batchserve bench --base-url http://localhost:8000 --workload longtail --request-rate 4
   batchserve bench --base-url http://localhost:8000 --grpc-target localhost:50051 --backend http,grpc
+  batchserve bench --backend openai-chat --host 127.0.0.1 --port 8000 --dataset-name random --num-prompts 32
+
+Against a server, `vllm bench serve`'s flags and defaults hold (no warm-up, ignore-eos off, prompts sent as text,
+http://127.0.0.1:8000 when no target is given); what still differs from vLLM (--num-prompts 64, not 1000; the
+default dataset; greedy sampling; files written unless --no-save-result): docs/bench-vllm-compat.md.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from batchserve.bench import offline
 from batchserve.bench.args import (
     add_workload_arguments,
@@ -28,7 +35,7 @@ from batchserve.bench.args import (
     slo_from_args,
 )
 from batchserve.bench.grpc_client import run_grpc
-from batchserve.bench.http_client import PROMPT_FORMATS, run_http
+from batchserve.bench.http_client import CHAT_COMPLETIONS, COMPLETIONS, PROMPT_FORMATS, run_http
 from batchserve.bench.metrics import summarize
 from batchserve.bench.outputs import compare_line, write_outputs
 from batchserve.bench.outputs import run_label as _label
@@ -39,14 +46,18 @@ from batchserve.bench.warmup import warm_up, warm_up_http
 from batchserve.bench.workloads import BenchRequest, describe
 from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
 
+# HTTP backends (ours and vLLM's names) -> the path they POST to unless --endpoint says
+BACKEND_ENDPOINTS = {"http": COMPLETIONS, "openai": COMPLETIONS, "vllm": COMPLETIONS, "openai-chat": CHAT_COMPLETIONS}
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="batchserve bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    target = p.add_mutually_exclusive_group(required=True)
+    target = p.add_mutually_exclusive_group()
     target.add_argument("--offline", action="store_true", help="drive an in-process engine (engine options below)")
-    target.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://localhost:8000")
+    target.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://localhost:8000 (default: "
+                        "http://--host:--port, as vLLM's bench serve)")  # fmt: skip
     p.add_argument("--compare-static", action="store_true",
                    help="offline: run the same workload under static and max_utilization batching, side by side")  # fmt: skip
     p.add_argument("--sweep-rates", help="comma-separated request rates: one run each, throughput-vs-latency plot")
@@ -57,13 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="no PNGs")
     p.add_argument("--timeline-steps", type=int, default=600, help="steps shown in the batch timeline")
     g = p.add_argument_group("HTTP target")
-    g.add_argument("--model-name", help="model field of the requests (default: the first of /v1/models)")
-    g.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="tokens", help="send token ids or text")
+    g.add_argument("--host", default="127.0.0.1", help="the server's host when --base-url is not given")
+    g.add_argument("--port", type=int, default=8000, help="the server's port when --base-url is not given")
+    g.add_argument("--endpoint", help="the path HTTP backends POST to (default: /v1/completions; openai-chat: "
+                   "/v1/chat/completions)")  # fmt: skip
+    g.add_argument("--model-name", "--served-model-name", dest="model_name",
+                   help="model field of the requests (default: the first of /v1/models)")  # fmt: skip
+    g.add_argument("--prompt-format", choices=PROMPT_FORMATS, default=None,
+                   help="send token ids or text (default: text, as vLLM; chat endpoints always text)")  # fmt: skip
     g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     g.add_argument("--grpc-target", help="HOST:PORT of `batchserve serve --grpc-port` (for --backend grpc)")
     g.add_argument("--backend", default="http",
-                   help="comma-separated runs in order, each 'http' (OpenAI streaming completions) or 'grpc' "
+                   help="comma-separated runs in order, each 'http' (OpenAI streaming completions; vLLM's names "
+                        "'openai' and 'vllm' too), 'openai-chat' (streaming chat completions) or 'grpc' "
                         "(batchserve.v1.Generate): 'http,grpc' puts the front ends side by side")  # fmt: skip
     add_workload_arguments(p)
     add_engine_arguments(p)
@@ -140,7 +158,8 @@ def run_http_runs(
 ) -> tuple[list[BenchRequest], dict[str, RunTrace], list[tuple]]:
     backends = _backends(args)  # checked before the tokenizer loads
     tokenizer = _http_tokenizer(args)
-    report = warm_up_http(args, tokenizer)
+    first_http = next((backend for backend, _ in backends if backend != "grpc"), "http")
+    report = warm_up_http(args, tokenizer, endpoint_of(args, first_http))
     if report is not None:
         log.note(report.describe())
     workloads: dict[int, list[BenchRequest]] = {}
@@ -160,6 +179,7 @@ def run_http_runs(
                 traces[label] = run_http(
                     args.base_url, requests, arrivals, run_seed, args.model_name, args.prompt_format, tokenizer,
                     label, not args.no_progress, args.timeout, args.api_key, on_result=log.recorder(label),
+                    endpoint=endpoint_of(args, backend),
                 )  # fmt: skip
             traces[label].meta.update(policy=backend, request_rate=arrivals.request_rate, seed=run_seed)
             log.finish(label, traces[label])
@@ -167,12 +187,16 @@ def run_http_runs(
     return workloads[0], traces, keys
 
 
+def endpoint_of(args: argparse.Namespace, backend: str) -> str:
+    return args.endpoint or BACKEND_ENDPOINTS[backend]
+
+
 def _backends(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(backend, run name) in order; a backend named twice is run twice (grpc, grpc-2)."""
     runs: list[tuple[str, str]] = []
     for backend in (b.strip() for b in args.backend.split(",") if b.strip()):
-        if backend not in ("http", "grpc"):
-            raise ValueError(f"--backend takes http and grpc, not {backend!r}")
+        if backend not in (*BACKEND_ENDPOINTS, "grpc"):
+            raise ValueError(f"--backend takes {', '.join(BACKEND_ENDPOINTS)} and grpc, not {backend!r}")
         if backend == "grpc" and not args.grpc_target:
             raise ValueError("--backend grpc needs --grpc-target HOST:PORT")
         count = sum(b == backend for b, _ in runs) + 1
@@ -191,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.compare_static and not args.offline:
         parser.error("--compare-static needs --offline (a server has one fixed policy)")
+    if not args.offline:
+        args.base_url = args.base_url or f"http://{args.host}:{args.port}"
+        args.prompt_format = args.prompt_format or "text"
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per request, over the progress bar
     out = Path(args.output_dir) / time.strftime("%Y%m%d-%H%M%S")
     log = ResultLog(out / "requests.jsonl" if args.save_result else None)
@@ -200,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         out = out.with_name(f"{args.workload}-{out.name}")
         log.path = out / "requests.jsonl" if args.save_result else None
         if args.offline:  # once for the process, whose engines share it
-            from batchserve.worker.device import configure_torch
+            from batchserve.host.process import configure_torch
 
             config = engine_config_from_args(args)
             configure_torch(config.num_threads, config.seed)
@@ -211,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         requests = []
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except httpx.TransportError as exc:
+        print(f"error: no server answers at {args.base_url} ({exc}): start one (`batchserve serve`), give its "
+              "--base-url or --host/--port, or run --offline", file=sys.stderr)  # fmt: skip
         return 2
     finally:
         log.close()

@@ -15,7 +15,7 @@ from typing import Any
 
 from batchserve.bench import offline
 from batchserve.bench.args import make_requests
-from batchserve.bench.http_client import run_http
+from batchserve.bench.http_client import COMPLETIONS, run_http
 from batchserve.bench.metrics import RequestResult
 from batchserve.bench.trace import RunTrace
 from batchserve.bench.workloads import BenchRequest
@@ -59,15 +59,16 @@ def warm_up(engine: Any, args: argparse.Namespace) -> WarmupReport | None:
     return report_of(offline.run_offline(engine, requests, progress=False, label="warmup"), started)
 
 
-def warm_up_http(args: argparse.Namespace, tokenizer: Any) -> WarmupReport | None:
-    """Over HTTP: 8 of them (the server's batch size is unknown here), unless --warmup-requests says how many."""
-    count = min(8, args.num_requests) if args.warmup_requests is None else args.warmup_requests
+def warm_up_http(args: argparse.Namespace, tokenizer: Any, endpoint: str = COMPLETIONS) -> WarmupReport | None:
+    """Over HTTP: none unless --warmup-requests / --num-warmups says how many (vLLM's default), sent to the first
+    HTTP backend's endpoint."""
+    count = 0 if args.warmup_requests is None else args.warmup_requests
     if count <= 0:
         return None
     requests = warmup_requests(lambda n, seed: make_requests(args, tokenizer, n, seed), count)
     started = time.monotonic()
     trace = run_http(args.base_url, requests, None, 0, args.model_name, args.prompt_format, tokenizer, "warmup",
-                     False, args.timeout, args.api_key)  # fmt: skip
+                     False, args.timeout, args.api_key, endpoint=endpoint)  # fmt: skip
     failed = [r.error for r in trace.requests if not r.success]
     if failed:
         raise OSError(f"the warm-up requests failed: {failed[0]}")

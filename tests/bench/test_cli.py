@@ -86,8 +86,11 @@ def test_bench_sweep_draws_the_curve(fake_build, tmp_path):
 
 
 def test_bench_argument_errors(capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["--workload", "uniform"])  # no target
+    from batchserve.entrypoints.openai.launch import free_port
+
+    port = free_port()  # no target: vLLM's default, --host:--port, where nothing listens
+    assert cli.main(["--workload", "uniform", "--port", str(port), "--disable-tqdm", "--no-save-result"]) == 2
+    assert f"no server answers at http://127.0.0.1:{port}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["--base-url", "http://x", "--compare-static"])
 

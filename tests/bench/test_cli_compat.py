@@ -58,7 +58,8 @@ def test_http_run_draws_pictures_states_the_warm_up_and_logs_no_line_per_request
         with caplog.at_level(logging.INFO):
             rc = cli.main(["--base-url", server.url, "--num-prompts", "6", "--dataset-name", "random",
                            "--random-input-len", "8", "--random-output-len", "5", "--no-progress",
-                           "--result-dir", str(tmp_path), "--percentile-metrics", "ttft,tpot"])  # fmt: skip
+                           "--result-dir", str(tmp_path), "--percentile-metrics", "ttft,tpot",
+                           "--num-warmups", "6"])  # fmt: skip
     finally:
         server.stop()
     assert rc == 0
