@@ -114,8 +114,10 @@ def load_model_config(path: Path) -> ModelConfig:
 
 
 # --- GGUF conversion cache ------------------------------------------------------------------------------------------
-# Parsing and dequantizing a GGUF file and converting its tokenizer takes ~30 s; the result is kept on disk as an HF-named
-# safetensors file plus a saved tokenizer, so every later start takes about a second.
+# Parsing and dequantizing a GGUF file and converting its tokenizer takes ~30 s; the result is kept on disk as a
+# complete Hugging Face model folder (config.json, generation_config.json, tokenizer files, HF-named safetensors), so
+# every later start takes about a second and other tools (transformers, `vllm bench serve --tokenizer DIR`) can read
+# it. A folder is keyed by the file's size and mtime: a reinstalled package converts again into a new one.
 
 
 def gguf_cache_dir(path: Path) -> Path:
@@ -128,6 +130,7 @@ def ensure_gguf_cache(path: Path) -> Path:
     """Convert the GGUF file once into the cache (atomically: a half-written cache is never used)."""
     target = gguf_cache_dir(path)
     if (target / "model_config.json").is_file():
+        _complete_hf_folder(target)
         return target
     from safetensors.torch import save_file
 
@@ -135,13 +138,72 @@ def ensure_gguf_cache(path: Path) -> Path:
     config = _gguf_config(path)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=_mkdir(target.parent)))
     save_file({name: t.contiguous() for name, t in iter_gguf_weights(path, config)}, str(tmp / "model.safetensors"))
-    _load_gguf_tokenizer(path).save_pretrained(str(tmp))
+    tokenizer = _load_gguf_tokenizer(path)
+    tokenizer.save_pretrained(str(tmp))
+    _portable_tokenizer_class(tmp)
+    _write_hf_configs(tmp, config)
     (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(config)))  # last: marks it complete
     try:
         tmp.rename(target)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def hf_config_json(config: ModelConfig) -> dict[str, Any]:
+    """A ModelConfig as a Hugging Face config.json that transformers' AutoConfig (and _hf_config) read back."""
+    eos = config.eos_token_ids
+    hf = {
+        "architectures": [HF_ARCHITECTURES[config.architecture]], "model_type": config.architecture,
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
+        "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": "silu", "torch_dtype": "float32",
+        "bos_token_id": config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
+    }  # fmt: skip
+    if config.architecture == "llama":
+        hf["attention_bias"] = config.attention_bias
+    return hf
+
+
+def _write_hf_configs(folder: Path, config: ModelConfig) -> None:
+    """config.json and generation_config.json (the stop tokens transformers and vLLM read from it)."""
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_ids}
+    for name, data in (("config.json", hf_config_json(config)), ("generation_config.json", generation)):
+        part = folder / f".{name}.part"
+        part.write_text(json.dumps(data, indent=2) + "\n")
+        part.replace(folder / name)
+
+
+def _portable_tokenizer_class(folder: Path) -> None:
+    """transformers 5 saves tokenizer_class "TokenizersBackend", which transformers 4 (vLLM's venv) does not know;
+    PreTrainedTokenizerFast is the same class under the name both read."""
+    path = folder / "tokenizer_config.json"
+    data = json.loads(path.read_text())
+    if data.get("tokenizer_class") == "TokenizersBackend":
+        data["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def _complete_hf_folder(folder: Path) -> None:
+    """A folder converted before it held config.json / generation_config.json gets them (written atomically)."""
+    if not (folder / "config.json").is_file() or not (folder / "generation_config.json").is_file():
+        config = ModelConfig(**json.loads((folder / "model_config.json").read_text()))
+        _write_hf_configs(folder, config)
+        logger.info("completed %s as a Hugging Face folder (config.json, generation_config.json)", folder)
+    _portable_tokenizer_class(folder)
+
+
+def tokenizer_folder(path: Path, tokenizer: str | Path | None = None) -> Path:
+    """Where the tokenizer is read from: the one given, the GGUF file's converted folder, or the model folder."""
+    if tokenizer is not None:
+        return Path(tokenizer)
+    return ensure_gguf_cache(path) if is_gguf(path) else path
 
 
 def _mkdir(path: Path) -> Path:
@@ -373,12 +435,7 @@ def load_tokenizer(path: Path, tokenizer: str | Path | None = None):
     """A transformers fast tokenizer with its chat template set (from the checkpoint, GGUF metadata, or a fallback)."""
     from transformers import AutoTokenizer
 
-    if tokenizer is not None:
-        tok = AutoTokenizer.from_pretrained(str(tokenizer))
-    elif is_gguf(path):
-        tok = AutoTokenizer.from_pretrained(str(ensure_gguf_cache(path)))
-    else:
-        tok = AutoTokenizer.from_pretrained(str(path))
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_folder(path, tokenizer)))
     if not tok.chat_template:
         logger.warning("%s has no chat template; using a ChatML fallback", tokenizer or path)
         tok.chat_template = FALLBACK_CHAT_TEMPLATE

@@ -1,0 +1,86 @@
+"""The GGUF conversion folder is a complete Hugging Face folder (issue 47): config.json, generation_config.json and
+tokenizer files that transformers' AutoConfig / AutoTokenizer load, and the start-up log names it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+
+from batchserve.models.loader import (
+    _complete_hf_folder,
+    _hf_config,
+    ensure_gguf_cache,
+    hf_config_json,
+    load_model_config,
+    resolve_model_path,
+)
+from tests.tiny_models import VOCAB, build_hf_model
+
+
+def save_tokenizer(directory):
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "llama3_rope", "llama_attn_bias_mha", "qwen2"])
+def test_our_config_json_reads_back_as_the_same_model(tmp_path, kind):
+    source, copy = tmp_path / "source", tmp_path / "copy"
+    build_hf_model(kind, source)
+    config = _hf_config(source)
+    copy.mkdir()
+    (copy / "config.json").write_text(json.dumps(hf_config_json(config)))
+    assert _hf_config(copy) == config
+    hf = AutoConfig.from_pretrained(copy)
+    assert (hf.num_hidden_layers, hf.num_key_value_heads, hf.tie_word_embeddings) == (
+        config.num_layers, config.num_kv_heads, config.tie_word_embeddings,
+    )  # fmt: skip
+
+
+def test_a_folder_converted_before_is_completed(tmp_path):
+    build_hf_model("llama", tmp_path / "source")
+    config = dataclasses.replace(_hf_config(tmp_path / "source"), eos_token_ids=[2, 5])
+    folder = tmp_path / "old-cache"
+    save_tokenizer(folder)
+    (folder / "model_config.json").write_text(json.dumps(dataclasses.asdict(config)))
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config | {"tokenizer_class": "TokenizersBackend"})
+    )
+    _complete_hf_folder(folder)
+    assert _hf_config(folder) == config
+    assert GenerationConfig.from_pretrained(folder).eos_token_id == [2, 5]
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert AutoTokenizer.from_pretrained(folder).encode("w3 w4", add_special_tokens=False) == [3, 4]
+
+
+def test_the_start_up_log_and_effective_config_name_the_tokenizer_folder(tmp_path, caplog):
+    from batchserve.engine.llm_engine import LLMEngine
+
+    build_hf_model("llama", tmp_path)
+    save_tokenizer(tmp_path)
+    with caplog.at_level(logging.INFO):
+        engine = LLMEngine.from_options(model=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=8)
+    assert f"tokenizer from {tmp_path}" in caplog.text
+    assert engine.effective_config()["tokenizer"] == str(tmp_path)
+    assert "tokenizer=None" not in caplog.text
+
+
+@pytest.mark.slow
+def test_the_default_models_conversion_folder_loads_in_transformers():
+    try:
+        path = resolve_model_path(None)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"default model not installed: {exc}")
+    folder = ensure_gguf_cache(path)
+    assert _hf_config(folder) == load_model_config(path)
+    assert AutoConfig.from_pretrained(folder).model_type == "llama"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    assert GenerationConfig.from_pretrained(folder).eos_token_id == load_model_config(path).eos_token_ids
