@@ -26,7 +26,13 @@ def load_runner(
     -> (runner, model_config, tokenizer). The KV pool: see ModelRunner (`initial_kv_blocks` for one that grows)."""
     from batchserve.layers import kernels
     from batchserve.layers.linear import gemm_path
-    from batchserve.models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path
+    from batchserve.models.loader import (
+        load_model,
+        load_model_config,
+        load_tokenizer,
+        resolve_model_path,
+        tokenizer_folder,
+    )
     from batchserve.worker.device import resolve_device, resolve_dtype
     from batchserve.worker.model_runner import ModelRunner
 
@@ -40,5 +46,7 @@ def load_runner(
         logger.info("CPU path: %s; native kernels %s", gemm_path(dtype), "on" if kernels.load() else "off")
     model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
+    config.tokenizer = str(tokenizer_folder(path, config.tokenizer))  # the effective value, as the logs report it
+    logger.info("tokenizer from %s (a Hugging Face folder other tools can load too)", config.tokenizer)
     runner = ModelRunner(config, model_config, model, device, dtype, initial_kv_blocks)
     return runner, model_config, tokenizer
