@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
             from batchserve.distributed.launch import main as command_main
     elif command == "bench":
         from batchserve.bench.cli import main as command_main
-    elif command == "tune":
+    elif command == "tune" and "--simulate" in rest:  # the search on the simulator: seconds, no model loaded
+        from batchserve.simulator.tune_sim import main as command_main
+    elif command == "tune":  # the search measured on the real engine
         from batchserve.bench.tune import main as command_main
     elif command == "profile":
         from batchserve.simulator.profiler import main as command_main

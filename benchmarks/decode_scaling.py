@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from batchserve.bench.offline import build_engine
 from batchserve.config import EngineConfig
 from batchserve.engine.llm_engine import StepTimings
+from batchserve.host.process import configure_torch
 from batchserve.sampling_params import SamplingParams
-from batchserve.worker.device import configure_torch
 
 
 def filled_engine(batch_size: int, max_batch: int, prompt_len: int, like, rng: random.Random, threads: int):

@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_results"))
     args = ap.parse_args()
     from batchserve.config import EngineConfig
-    from batchserve.worker.device import configure_torch
+    from batchserve.host.process import configure_torch
 
     configure_torch(None, EngineConfig().seed)
     rng = random.Random(0)

@@ -91,9 +91,9 @@ def host_speed(args: argparse.Namespace) -> dict:
 
     from batchserve.engine.llm_engine import LLMEngine
     from batchserve.entrypoints.engine_args import engine_config_from_args
+    from batchserve.host.process import configure_torch
     from batchserve.simulator.profile_file import Profile
     from batchserve.simulator.profiler import build_parser, check_speed
-    from batchserve.worker.device import configure_torch
 
     config = engine_config_from_args(build_parser().parse_args([*args.engine_flags.split(), "--num-kv-blocks", "256"]))
     configure_torch(config.num_threads, config.seed)

@@ -66,6 +66,23 @@ def test_serve_reports_a_bad_config_file_without_a_traceback(tmp_path, capsys):
     assert exc.value.code == 2 and "'max_batch_size'" in err and "'eight'" in err and "Traceback" not in err
 
 
+def test_the_cli_sends_tune_to_the_measured_or_the_simulated_search(capsys):
+    """`tune --simulate` is the simulator's search (its own flags); bench's measured tune refuses it, so that bench
+    never has to import the simulator."""
+    import pytest
+
+    from batchserve.bench import tune
+
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", "--simulate", "--help"])
+    simulated = capsys.readouterr().out
+    assert exc.value.code == 0 and "batchserve tune --simulate" in simulated and "--replicas-list" in simulated
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    assert "--replicas-list" not in capsys.readouterr().out
+    assert tune.main(["--simulate"]) == 2 and "batchserve tune --simulate" in capsys.readouterr().err
+
+
 def test_a_mistyped_command_gets_a_suggestion(capsys):
     assert main(["genrate"]) == 2
     assert "did you mean 'generate'?" in capsys.readouterr().err

@@ -94,14 +94,12 @@ def format_rows(rows: list[dict[str, Any]], best: dict[str, Any] | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from batchserve.worker.device import configure_torch
+    from batchserve.host.process import configure_torch
 
-    argv = sys.argv[1:] if argv is None else argv
-    if "--simulate" in argv:  # more knobs, and no model loaded unless --confirm
-        from batchserve.simulator.tune_sim import main as simulated
-
-        return simulated(argv)
     args = build_parser().parse_args(argv)
+    if args.simulate:  # the CLI sends `tune --simulate` to the simulator's search (simulator/tune_sim.py), not here
+        print("error: --simulate is the simulator's search: run `batchserve tune --simulate`", file=sys.stderr)
+        return 2
     try:
         normalize(args)
         base = engine_config_from_args(args)

@@ -32,8 +32,8 @@ from batchserve.distributed.outbox import Outbox
 from batchserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.entrypoints.engine_options import engine_config
+from batchserve.host.process import configure_torch
 from batchserve.serving.metrics import EngineMetrics
-from batchserve.worker.device import configure_torch
 
 logger = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ from batchserve.core.outputs import SchedulerStats
 from batchserve.engine.inputs import EngineLimits, Prompt
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.engine.outputs import CompletionDelta
+from batchserve.host.process import adopt_torch_threads, release_openmp_workers
 from batchserve.request import EngineRequest
 from batchserve.sampling_params import SamplingParams
-from batchserve.worker.device import adopt_torch_threads, release_openmp_workers
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 from transformers import PreTrainedTokenizerBase
 
 from batchserve.config import EngineConfig, ModelConfig
-from batchserve.core.block_pool import BlockPool, HostBlockPool
-from batchserve.core.kv_cache_manager import KVCacheManager, cdiv
+from batchserve.core.build import build_scheduler
+from batchserve.core.kv_cache_manager import cdiv
 from batchserve.core.outputs import (
     Logprobs,
     ModelOutput,
@@ -22,7 +22,6 @@ from batchserve.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from batchserve.core.scheduler import Scheduler
 from batchserve.engine.detokenizer import IncrementalDetokenizer
 from batchserve.engine.inputs import EngineLimits, Prompt, RequestBuilder
 from batchserve.engine.outputs import CompletionDelta, RequestMetrics
@@ -105,9 +104,9 @@ class LLMEngine:
         self.runner, self.model_config, self.tokenizer = runner, model_config, tokenizer
         self.limits = EngineLimits.of(config, model_config, self.max_kv_blocks * config.cache.block_size)
         self.requests = RequestBuilder(tokenizer, self.limits)
-        pool = BlockPool(runner.num_kv_blocks, config.cache.enable_prefix_caching)
-        kv = KVCacheManager(pool, config.cache.block_size, HostBlockPool(runner.num_swap_blocks))
-        self.scheduler = Scheduler(config.scheduler, kv, self.limits.max_model_len)
+        self.scheduler = build_scheduler(
+            config.scheduler, config.cache, runner.num_kv_blocks, runner.num_swap_blocks, self.limits.max_model_len
+        )
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[RequestOutput] = []  # finished outside a step (aborts), reported at the next step

@@ -18,10 +18,10 @@ from batchserve.engine.inputs import Prompt
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.engine.outputs import Completion
 from batchserve.entrypoints.engine_options import engine_config
+from batchserve.host.process import configure_torch
 from batchserve.request import EngineRequest
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.chat import chat_prompt_ids
-from batchserve.worker.device import configure_torch
 
 Message = Mapping[str, Any]
 

@@ -141,7 +141,7 @@ def roofline_model(shapes: Shapes, device: Device, dtype: str) -> RooflineStepMo
 
 
 def kv_bytes_per_token(shapes: Shapes, dtype: str) -> int:
-    """worker/kv_cache.block_bytes for a block of one token: K and V, every layer."""
+    """host/memory.block_bytes for a block of one token: K and V, every layer."""
     return 2 * shapes.num_layers * shapes.num_kv_heads * shapes.head_dim * DTYPE_BYTES[dtype]
 
 

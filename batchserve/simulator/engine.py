@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchserve.config import EngineConfig
-from batchserve.core.block_pool import BlockPool, HostBlockPool
-from batchserve.core.kv_cache_manager import KVCacheManager
+from batchserve.core.build import build_scheduler
 from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput, SchedulerStats
 from batchserve.core.scheduler import Scheduler
 from batchserve.request import Request
@@ -65,7 +64,7 @@ class SimOutput:
 
 
 class SimEngine:
-    """One simulated replica. `scheduler` is batchserve.core's Scheduler, built as LLMEngine builds it."""
+    """One simulated replica. `scheduler` is batchserve.core's Scheduler, built by core.build as LLMEngine's is."""
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel, num_kv_blocks: int, max_model_len: int,
                  clock: VirtualClock | None = None, num_swap_blocks: int = 0) -> None:  # fmt: skip
@@ -73,11 +72,9 @@ class SimEngine:
         self.config = config
         self.clock = clock or VirtualClock()
         cache = config.cache
-        pool = BlockPool(num_kv_blocks, cache.enable_prefix_caching)
-        kv = KVCacheManager(pool, cache.block_size, HostBlockPool(num_swap_blocks))
         limit = min(max_model_len, config.scheduler.max_model_len or max_model_len, num_kv_blocks * cache.block_size)
         self.max_model_len = limit
-        self.scheduler = Scheduler(config.scheduler, kv, limit, clock=self.clock)
+        self.scheduler = build_scheduler(config.scheduler, cache, num_kv_blocks, num_swap_blocks, limit, self.clock)
         self.runner = TimedRunner(step_model, self.clock, self.scheduler, num_kv_blocks, num_swap_blocks)
         self.last_stats: SchedulerStats | None = None
         self.num_steps = 0

@@ -235,8 +235,8 @@ def report(profile: Profile, path: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     from batchserve.bench.machine import describe, machine_info
     from batchserve.engine.llm_engine import LLMEngine
-    from batchserve.worker.device import configure_torch
-    from batchserve.worker.kv_cache import available_memory_bytes, block_bytes
+    from batchserve.host.memory import available_memory_bytes, block_bytes
+    from batchserve.host.process import configure_torch
 
     args = build_parser().parse_args(argv)
     if args.refit:

@@ -106,7 +106,7 @@ def confirm(args: argparse.Namespace, base: EngineConfig, rows: list[dict], arri
     """The best rows on the real engine (one replica's worth: replicas > 1 cannot run here)."""
     from batchserve.bench import offline
     from batchserve.bench.args import make_requests
-    from batchserve.worker.device import configure_torch
+    from batchserve.host.process import configure_torch
 
     configure_torch(base.num_threads, base.seed)
     slo, engine = slo_from_args(args), None

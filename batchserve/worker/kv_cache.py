@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from batchserve.config import CacheConfig, ConfigError, ModelConfig
+from batchserve.host.memory import available_memory_bytes, block_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -15,27 +16,6 @@ GiB = 1024**3
 # The CPU default pool stops here (vLLM's CPU default is 4 GiB too): zeroing a larger one costs start-up time, and
 # on a host short of memory minutes, for context a CPU cannot compute at a useful speed anyway.
 CPU_DEFAULT_MAX_BYTES = 4 * GiB
-
-
-def block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Memory free now: torch.cuda.mem_get_info on GPU, MemAvailable from /proc/meminfo on CPU."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; set num_kv_blocks explicitly")
 
 
 def num_blocks_for_budget(

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import random
 
-from batchserve.config import SchedulerConfig
-from batchserve.core.block_pool import BlockPool, HostBlockPool
-from batchserve.core.kv_cache_manager import KVCacheManager
+from batchserve.config import CacheConfig, SchedulerConfig
+from batchserve.core.build import build_scheduler
 from batchserve.core.scheduler import Scheduler
 from batchserve.request import Request
 from batchserve.sampling_params import SamplingParams
@@ -15,9 +14,10 @@ from tests.fake_runner import FakeRunner
 
 
 def make_scheduler(num_blocks=64, block_size=4, caching=True, host_blocks=0, clock=None, **config) -> Scheduler:
-    kv = KVCacheManager(BlockPool(num_blocks, caching), block_size, HostBlockPool(host_blocks))
+    """The engine's scheduler (core.build), over blocks smaller than an engine allows: 4 tokens fill one fast."""
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=caching)  # not validated: block_size 4 is ours
     kwargs = {"clock": clock} if clock else {}
-    return Scheduler(SchedulerConfig(**config), kv, **kwargs)
+    return build_scheduler(SchedulerConfig(**config), cache, num_blocks, host_blocks, **kwargs)
 
 
 def make_request(rid, prompt_len=8, max_tokens=4, prompt=None, priority=0, arrival=0.0, **params) -> Request:

@@ -67,7 +67,7 @@ def test_kv_pool_follows_the_memory_left_after_the_weights():
 @pytest.mark.parametrize("name", sorted(MODEL_SHAPES))
 def test_kv_bytes_equal_the_engines_block_bytes(name):
     torch = pytest.importorskip("torch")
-    from batchserve.worker.kv_cache import block_bytes
+    from batchserve.host.memory import block_bytes
 
     s = MODEL_SHAPES[name]  # a ModelConfig: the engine's own arithmetic takes it as it is
     assert kv_bytes_per_token(s, "bfloat16") * 16 == block_bytes(s, 16, torch.bfloat16)

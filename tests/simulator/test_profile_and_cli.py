@@ -125,7 +125,7 @@ def test_dispatcher_knows_the_new_commands(capsys):
 def test_tune_simulate_searches_the_knobs_and_writes_the_best(tmp_path, tokenizer, capsys):
     """A load one or two replicas cannot serve within the SLO (simulated: 11% and 33% attainment at best): the
     search must pick 4 replicas, the fewest that meet it, with the batch size that does."""
-    from batchserve.bench.tune import main
+    from batchserve.cli import main
 
     tokenizer.save_pretrained(tmp_path / "tok")
     Profile("measured", STEP_MODEL, "tiny", "float32", 1024, 1024 * 16 * 512, 4096).save(tmp_path / "p.json")
@@ -135,7 +135,7 @@ def test_tune_simulate_searches_the_knobs_and_writes_the_best(tmp_path, tokenize
             "--num-tokens", "256", "--policies", "max_utilization", "--replicas-list", "1,2,4",
             "--slo-ttft-ms", "300", "--slo-tpot-ms", "40", "--output", str(out), "--results-json",
             str(tmp_path / "rows.json")]  # fmt: skip
-    assert main(argv) == 0
+    assert main(["tune", *argv]) == 0  # the CLI sends --simulate to the simulator
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
     assert len(rows) == 6
     fewer = [r for r in rows if r["config"]["replicas"] < 4]
@@ -220,7 +220,7 @@ def test_tune_simulate_confirms_the_best_on_the_engine(tmp_path, tokenizer, make
     """--confirm N reruns the N best one-replica configurations through bench's driver on the engine (here the real
     LLMEngine over the FakeRunner) and records the measured summary beside the predicted one."""
     from batchserve.bench import offline
-    from batchserve.bench.tune import main
+    from batchserve.cli import main
 
     built = []
     monkeypatch.setattr(offline, "build_engine", lambda config, like=None, share_runner=True: built.append(
@@ -231,7 +231,7 @@ def test_tune_simulate_confirms_the_best_on_the_engine(tmp_path, tokenizer, make
             "--workload", "uniform", "--input-len", "16", "--output-len", "8", "--num-requests", "12",
             "--batch-sizes", "4,8", "--num-tokens", "256", "--policies", "max_utilization", "--confirm", "2",
             "--output", str(tmp_path / "best.json"), "--results-json", str(tmp_path / "rows.json"), "--no-progress"]  # fmt: skip
-    assert main(argv) == 0
+    assert main(["tune", *argv]) == 0  # the CLI sends --simulate to the simulator
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
     assert len(built) == 2 and [r["config"]["max_batch_size"] for r in rows[:2]] == [
         b.config.scheduler.max_batch_size for b in built

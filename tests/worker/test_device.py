@@ -16,9 +16,10 @@ import torch
 from batchserve.config import ConfigError, EngineConfig
 from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.llm_engine import LLMEngine
+from batchserve.host.process import keep_freed_memory, openmp_runtime, release_openmp_workers
 from batchserve.layers import kernels
 from batchserve.sampling_params import SamplingParams
-from batchserve.worker.device import keep_freed_memory, openmp_runtime, release_openmp_workers, resolve_dtype
+from batchserve.worker.device import resolve_dtype
 from tests.server.fakes import fake_engine
 
 

@@ -25,7 +25,7 @@ from batchserve.entrypoints.grpc.server import GrpcServer
 from batchserve.entrypoints.openai.app import DEFAULT_MODEL_NAME, DEFAULT_STALL_TIMEOUT_S, build_app
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
 from batchserve.entrypoints.openai.observability import add_observability_arguments, observability_from_args
-from batchserve.worker.device import configure_torch
+from batchserve.host.process import configure_torch
 
 logger = logging.getLogger("batchserve.server")
 
