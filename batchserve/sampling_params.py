@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,6 +28,30 @@ class InvalidRequestError(ValueError):
         return type(self), (str(self), self.param)
 
 
+class ConstraintKind(str, enum.Enum):
+    JSON = "json"  # a JSON Schema
+    JSON_OBJECT = "json_object"  # any JSON object
+    REGEX = "regex"
+    CHOICE = "choice"  # one of a few literal strings
+    GRAMMAR = "grammar"  # EBNF (GBNF-style: `root ::= ...`)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A request's output constraint, exactly one kind: frozen and plain, so it rides unchanged from the front end
+    to the worker, which compiles it and masks what it forbids. `spec`: the schema as canonical JSON text, the regex,
+    the grammar, or the choices as a JSON list; a string, so equal constraints share one compiled grammar."""
+
+    kind: ConstraintKind
+    spec: str = ""
+    # where the constraint came from (`response_format`, `guided_json`, `tool_choice`...): a 400 names it
+    source: str = "structured_outputs"
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        return self.kind.value, self.spec
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -47,6 +72,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow (worker masks)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -49,4 +49,5 @@ def load_runner(
     config.tokenizer = str(tokenizer_folder(path, config.tokenizer))  # the effective value, as the logs report it
     logger.info("tokenizer from %s (a Hugging Face folder other tools can load too)", config.tokenizer)
     runner = ModelRunner(config, model_config, model, device, dtype, initial_kv_blocks)
+    runner.structured_outputs.tokenizer = tokenizer
     return runner, model_config, tokenizer

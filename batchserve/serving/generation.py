@@ -21,6 +21,7 @@ from batchserve.serving.chat import chat_prompt_ids
 from batchserve.serving.client import EngineClient
 from batchserve.serving.errors import ErrorKind, ServingError
 from batchserve.serving.results import GenerationResult
+from batchserve.serving.structured import ConstraintChecker
 
 MAX_PROMPTS_PER_REQUEST = 128  # a batch of prompts in one request; more is a bulk job for the offline API
 
@@ -40,6 +41,7 @@ class GenerationService:
         self.tokenizer: PreTrainedTokenizerBase = client.tokenizer  # both fixed for the engine's life
         self.limits: EngineLimits = client.limits
         self.requests = RequestBuilder(self.tokenizer, self.limits)  # the one place a request is checked
+        self.constraints = ConstraintChecker(self.tokenizer)  # a structured-output constraint compiles, in time
 
     # ------------------------------------------------------------------ inputs
     # Tokenizing a megabyte of text takes seconds: it runs in a worker thread (the Rust tokenizer releases the GIL),
@@ -95,6 +97,7 @@ class GenerationService:
         admitted; then every one admitted, or none."""
         if not prompts:
             raise InvalidRequestError("the prompt is empty", "prompt")
+        await self.constraints.check(params.structured_outputs)
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
             raise InvalidRequestError(
                 f"a request may hold at most {MAX_PROMPTS_PER_REQUEST} prompts, got {len(prompts)}", "prompt"

@@ -19,6 +19,7 @@ from batchserve.worker.kv_cache import (
     num_swap_blocks_for_budget,
 )
 from batchserve.worker.sampler import Sampler, SamplingMetadata
+from batchserve.worker.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class ModelRunner:
             model_config, self.num_kv_blocks + 1, self.num_swap_blocks, self.block_size, dtype, device
         )
         self.sampler = Sampler()
+        # grammar matchers of constrained sequences; startup gives it the tokenizer its compiler needs
+        self.structured_outputs = StructuredOutputs(model_config.vocab_size, model_config.eos_token_ids)
         self.requests = RequestTable(self.block_size, scratch_slot=self.num_kv_blocks * self.block_size)
         self.last_timings = RunnerTimings()
         self._log_pool()
@@ -94,6 +97,7 @@ class ModelRunner:
         self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
         self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
         self.requests.apply(scheduler_output)
+        self._track_constraints(scheduler_output)
         if scheduler_output.is_empty:
             timings.prepare_s = time.perf_counter() - start
             return ModelOutput()
@@ -112,6 +116,14 @@ class ModelRunner:
         timings.sample_s = time.perf_counter() - forwarded
         return output
 
+    def _track_constraints(self, scheduler_output: SchedulerOutput) -> None:
+        """Matchers follow the request table: dropped with it, (re)built with a new or recomputed request."""
+        self.structured_outputs.remove(scheduler_output.finished_req_ids)
+        for new in scheduler_output.new_requests:
+            constraint = new.sampling_params.structured_outputs
+            if constraint is not None:
+                self.structured_outputs.add(new.req_id, constraint, new.token_ids[new.num_prompt_tokens :])
+
     def _sample(self, batch: InputBatch, logits: torch.Tensor) -> ModelOutput:
         table, rows = self.requests, batch.sample_rows.tolist()
         meta = SamplingMetadata.build(
@@ -121,8 +133,10 @@ class ModelRunner:
             eos_token_ids=self.model_config.eos_token_ids,
             vocab_size=logits.shape[-1],
             device=self.device,
+            token_bitmask=self.structured_outputs.fill_masks(batch.sample_req_ids),
         )
         out = self.sampler(logits, meta)
         sampled = out.token_ids.tolist()  # the step's one device -> host transfer
         table.append_sampled(batch.sample_rows, sampled)
+        self.structured_outputs.accept(batch.sample_req_ids, sampled)
         return ModelOutput(req_ids=list(batch.sample_req_ids), sampled_token_ids=sampled, logprobs=out.logprobs)

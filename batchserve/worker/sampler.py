@@ -1,6 +1,6 @@
 """Batched sampling: every request's SamplingParams applied to one [N, V] logits tensor in a few vectorized ops.
 
-Order (as vLLM v1): min_tokens mask -> logit_bias -> penalties -> greedy argmax, or temperature -> min_p -> top_k/top_p -> draw.
+Order (as vLLM v1): grammar mask (structured outputs) -> min_tokens mask -> logit_bias -> penalties -> greedy argmax, or temperature -> min_p -> top_k/top_p -> draw.
 Logprobs come from the raw model logits (vLLM's default "raw_logprobs"), so they never depend on the knobs.
 """
 
@@ -15,6 +15,7 @@ from torch import nn
 from batchserve.core.outputs import Logprobs
 from batchserve.layers import kernels
 from batchserve.sampling_params import SamplingParams
+from batchserve.worker.structured_output import apply_token_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -58,6 +59,7 @@ class SamplingMetadata:
     has_unseeded_random: bool
     num_logprobs: list[int | None]
     max_num_logprobs: int | None
+    token_bitmask: torch.Tensor | None = None  # [N, ceil(V / 32)] int32: the tokens each row's grammar allows
 
     @classmethod
     def build(
@@ -68,6 +70,7 @@ class SamplingMetadata:
         eos_token_ids: list[int],
         vocab_size: int,
         device: torch.device,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplingMetadata:
         num_outputs = [len(ids) - n for ids, n in zip(token_ids, num_prompt_tokens, strict=True)]
 
@@ -108,6 +111,7 @@ class SamplingMetadata:
             has_unseeded_random=any(not p.greedy and p.seed is None for p in params),
             num_logprobs=[p.logprobs for p in params],
             max_num_logprobs=max(asked) if asked else None,
+            token_bitmask=token_bitmask,
         )
 
 
@@ -263,6 +267,8 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logits = logits = logits.float()
+        if meta.token_bitmask is not None:  # first: no knob may bring back a token the grammar forbids
+            logits = apply_token_bitmask(logits, meta.token_bitmask)
         if meta.min_tokens_mask is not None:
             logits = logits.index_put(meta.min_tokens_mask, torch.tensor(_NEG_INF, device=logits.device))
         if meta.logit_bias is not None:  # out of place: the raw logits stay for logprobs

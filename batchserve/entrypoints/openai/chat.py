@@ -33,8 +33,6 @@ async def create_chat_completion(front: OpenAIFrontEnd, request: Request) -> Res
         raise APIError(400, "tools are not supported", param="tools")
     if req.tool_choice not in (None, "none", "auto"):  # "auto" without tools is "none"
         raise APIError(400, "tool_choice needs tools, which are not supported", param="tool_choice")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "only response_format type 'text' is supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     service = front.service

@@ -9,8 +9,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from batchserve.sampling_params import InvalidRequestError, SamplingParams
+from batchserve.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from batchserve.serving.results import Usage
+from batchserve.serving.structured import constraint_of
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def random_id(prefix: str) -> str:
@@ -66,6 +69,17 @@ class SamplingRequest(RequestBody):
     user: str | None = None  # an end-user id for the caller's own monitoring: it changes nothing computed
     priority: int = 0  # lower is served first under scheduling_order="priority"
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias added to its logit
+    # structured outputs: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs object
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        guided = {name: getattr(self, name) for name in GUIDED_FIELDS}
+        return constraint_of(self.response_format, guided, self.structured_outputs)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError for values the engine cannot serve."""
@@ -81,6 +95,7 @@ class SamplingRequest(RequestBody):
             "n": self.n,
             "logprobs": logprobs,
             "logit_bias": _token_id_keys(self.logit_bias),
+            "structured_outputs": self.constraint(),
         }
         for name in (
             "temperature",
@@ -159,7 +174,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extra
 
 

@@ -1,0 +1,184 @@
+"""Structured outputs in the worker: compile a request's constraint (xgrammar), keep one grammar matcher per
+constrained sequence, fill each step's token masks and advance the matchers by the sampled tokens.
+
+xgrammar was chosen over llguidance by per-token mask time on the default model's vocabulary (docs/
+structured-outputs.md). Its JSON Schema converter ignores keywords it does not implement, so a schema is first
+checked here against the keywords it does implement: an output that ignored part of its schema would not validate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from batchserve.sampling_params import ConstraintKind, InvalidRequestError, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# Keywords the converter implements (others would be dropped silently: refused instead). Annotations are harmless.
+SCHEMA_KEYWORDS = frozenset(
+    {
+        "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
+        "enum", "const", "anyOf", "oneOf", "$ref", "$defs", "definitions", "pattern", "minLength", "maxLength",
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "format", "title", "description", "default",
+        "examples", "$schema", "$id", "$comment", "nullable", "deprecated", "readOnly", "writeOnly",
+    }
+)  # fmt: skip
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keyword -> {name: schema}
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # keyword -> [schema]
+_SCHEMA_VALUES = ("items", "additionalProperties")  # keyword -> schema (or a bool)
+_MAX_SCHEMA_DEPTH = 64
+
+
+def check_schema_keywords(schema: Any, path: str = "") -> None:
+    """InvalidRequestError naming the first keyword the grammar cannot enforce (its JSON path in the message)."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"a JSON Schema must be an object or a boolean, got {schema!r} at '{path or '/'}'")
+    if path.count("/") > _MAX_SCHEMA_DEPTH:
+        raise InvalidRequestError(f"the JSON Schema nests deeper than {_MAX_SCHEMA_DEPTH} levels")
+    for key, value in schema.items():
+        if key not in SCHEMA_KEYWORDS:
+            raise InvalidRequestError(f"the JSON Schema keyword '{key}' (at '{path or '/'}') is not supported")
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                check_schema_keywords(sub, f"{path}/{key}/{name}")
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                check_schema_keywords(sub, f"{path}/{key}/{i}")
+        elif key in _SCHEMA_VALUES:
+            check_schema_keywords(value, f"{path}/{key}")
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    # JSON string literals are valid EBNF string literals (the same escapes)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def compile_constraint(compiler: xgr.GrammarCompiler, constraint: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    """The compiled grammar (cached by the compiler); InvalidRequestError naming the constraint's field."""
+    try:
+        return _compile(compiler, constraint)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{constraint.source}: {exc}", constraint.source) from None
+    except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse errors
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        reason = reason.split("] ", 1)[-1]  # drop xgrammar's "[time] file.cc:line:" prefix
+        raise InvalidRequestError(f"{constraint.source}: invalid {constraint.kind.value}: {reason}", constraint.source) from None
+
+
+def _compile(compiler: xgr.GrammarCompiler, constraint: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    kind, spec = constraint.kind, constraint.spec
+    if kind == ConstraintKind.JSON:
+        check_schema_keywords(json.loads(spec))
+        # compact JSON: "any whitespace" lets a small model pad forever and run out of tokens mid-object
+        return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
+    if kind == ConstraintKind.JSON_OBJECT:
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if kind == ConstraintKind.REGEX:
+        return compiler.compile_regex(spec)
+    if kind == ConstraintKind.CHOICE:
+        return compiler.compile_grammar(_choice_grammar(json.loads(spec)))
+    if kind == ConstraintKind.GRAMMAR:
+        return compiler.compile_grammar(spec)
+    raise InvalidRequestError(f"unknown constraint kind {kind!r}")
+
+
+def new_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> xgr.GrammarCompiler:
+    """A compiler over the tokenizer's vocabulary (`vocab_size`: the logits' width, which may pad the tokenizer's).
+    One thread: the engine's CPUs are the model's."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+@dataclass
+class _Sequence:
+    matcher: xgr.GrammarMatcher
+    broken: bool = False  # a token the grammar refused was appended (cannot happen through the mask): unconstrained
+
+
+class StructuredOutputs:
+    """The worker's per-sequence grammar state. The compiler is built at the first constrained request (it walks the
+    whole vocabulary once), so an engine that never sees one pays nothing."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], tokenizer: Any = None) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
+        self.tokenizer = tokenizer
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._sequences: dict[str, _Sequence] = {}
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._sequences
+
+    @property
+    def compiler(self) -> xgr.GrammarCompiler:
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise RuntimeError("structured outputs need the engine's tokenizer (StructuredOutputs.tokenizer)")
+            self._compiler = new_compiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._compiler
+
+    def add(self, req_id: str, constraint: StructuredOutputsParams, output_token_ids: Iterable[int] = ()) -> None:
+        """Start a sequence's matcher; `output_token_ids`: tokens it generated before a recompute preemption."""
+        try:
+            matcher = xgr.GrammarMatcher(compile_constraint(self.compiler, constraint))
+        except InvalidRequestError as exc:  # front ends refuse these first; the engine loop must not die of one
+            logger.error("request %s runs unconstrained: %s", req_id, exc)
+            return
+        state = self._sequences[req_id] = _Sequence(matcher)
+        for token_id in output_token_ids:
+            self._accept(req_id, state, token_id)
+
+    def remove(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self._sequences.pop(req_id, None)
+
+    def fill_masks(self, req_ids: Sequence[str]) -> torch.Tensor | None:
+        """[len(req_ids), ceil(V / 32)] int32 bitmask of the tokens each row may take next (all bits set for a free
+        row); None when no row is constrained, so a free batch skips the step entirely."""
+        rows = [(i, self._sequences.get(r)) for i, r in enumerate(req_ids)]
+        rows = [(i, s) for i, s in rows if s is not None and not s.broken]
+        if not rows:
+            return None
+        bitmask = xgr.allocate_token_bitmask(len(req_ids), self.vocab_size)  # all ones: every token allowed
+        for i, state in rows:
+            if state.matcher.is_terminated():
+                self._only_eos(bitmask, i)  # the grammar is done: only the end may follow (ignore_eos runs on)
+            else:
+                state.matcher.fill_next_token_bitmask(bitmask, i)
+        return bitmask
+
+    def _only_eos(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        for token_id in self.eos_token_ids:
+            bit = token_id % 32
+            bitmask[row, token_id // 32] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32: bit 31 is the sign
+
+    def accept(self, req_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        for req_id, token_id in zip(req_ids, token_ids, strict=True):
+            state = self._sequences.get(req_id)
+            if state is not None:
+                self._accept(req_id, state, token_id)
+
+    @staticmethod
+    def _accept(req_id: str, state: _Sequence, token_id: int) -> None:
+        if state.broken or state.matcher.is_terminated():
+            return
+        if not state.matcher.accept_token(token_id):
+            logger.warning("request %s: token %d is outside its grammar; no longer constrained", req_id, token_id)
+            state.broken = True
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The logits with every token the bitmask forbids at -inf (out of place: the raw logits stay for logprobs)."""
+    masked = logits.clone()
+    xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device), vocab_size=logits.shape[-1])
+    return masked
