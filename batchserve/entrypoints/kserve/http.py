@@ -1,6 +1,7 @@
 """KServe v2 over HTTP for Triton/TensorRT-LLM callers, on the OpenAI server's app: Triton's generate extension
 (POST /v2/models/{name}/generate, and generate_stream as server-sent events, one per engine step), with the
-TensorRT-LLM ensemble's names as top-level JSON keys, plus the v2 health and metadata routes. Errors are Triton's
+TensorRT-LLM ensemble's names as top-level JSON keys, v2 inference (POST /v2/models/{name}/infer, http_infer.py),
+plus the v2 health and metadata routes. Errors are Triton's
 shape, {"error": "<message>"}, with the status the OpenAI routes give the same failure."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pydantic import RootModel
 
 from batchserve.entrypoints.grpc.served import ServedModel
 from batchserve.entrypoints.grpc.status import invalid
+from batchserve.entrypoints.kserve.http_infer import add_infer_routes
 from batchserve.entrypoints.kserve.model import VERSION, KServeModel
 from batchserve.entrypoints.kserve.tensors import Output
 from batchserve.entrypoints.kserve.trtllm import TrtllmRequest, outputs_of, parse_request
@@ -33,6 +35,7 @@ class GenerateBody(RootModel[dict[str, Any]]):
 def add_kserve_routes(app: FastAPI, front: OpenAIFrontEnd) -> None:
     model = KServeModel(ServedModel(tuple(front.served_model_names), front.max_body_bytes))
     service = front.service
+    add_infer_routes(app, front, model)  # POST .../infer, as tritonclient.http calls it
 
     @app.get("/v2/health/live")
     async def live() -> Response:
