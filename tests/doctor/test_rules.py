@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from batchserve.doctor.observe import Finished, Observation, Step
 from batchserve.doctor.rules import diagnose
 from tests.doctor.load import Send, observe_load, steady
 
@@ -82,3 +83,14 @@ def test_long_prompts_hold_the_window():
     p = finding.prediction
     assert p.change == {"scheduling_order": "shortest_first"}
     assert p.after["ttft_p99_ms"] <= p.before["ttft_p99_ms"]
+
+
+def test_an_idle_device_with_an_empty_queue_is_a_note_not_a_finding():
+    """The seeds' other half of the first case: too few arrivals. Ten short steps in ten seconds, nobody waiting."""
+    steps = [Step(0.01, 8, 0, 1, 0, 1, 2, 0) for _ in range(30)]
+    requests = [Finished(8, 4, float(i), 0.01, 0.05) for i in range(10)]
+    diagnosis = diagnose(Observation(10.0, {"max_batch_size": 8, "max_num_tokens": 256}, steps, requests))
+    assert diagnosis.findings == []
+    (note,) = diagnosis.notes
+    assert "busy 3%" in note and "1.00 requests/s" in note
+    assert diagnose(Observation(5.0, {})).notes == ["no traffic in the 5 s window: nothing to judge"]
