@@ -61,6 +61,16 @@ def prefill_attention() -> str | None:
     return None if value in (None, "", "auto") else value
 
 
+def gpu_attention() -> str:
+    """BATCHSERVE_GPU_ATTENTION (default "triton"): how attention runs on a CUDA device, "triton" (the paged kernels
+    of layers/gpu, which read the K/V pool in place; the torch code where Triton is missing) or "torch" (gather, pad
+    and SDPA: the reference, and the "before" of benchmarks/gpu_check.py)."""
+    value = os.environ.get("BATCHSERVE_GPU_ATTENTION", "triton")
+    if value not in ("triton", "torch"):
+        raise ValueError(f"BATCHSERVE_GPU_ATTENTION={value!r}: not one of triton, torch")
+    return value
+
+
 def native_decoder_loop() -> bool:
     """BATCHSERVE_NATIVE_DECODER_LOOP (default "1"): "0" runs every step's decoder layers in Python instead of in one
     native call (the same operators either way; read when a model is laid out for the CPU)."""

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from batchserve import env
 from batchserve.layers import kernels
+from batchserve.layers.gpu import paged_attention as gpu_attention
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,8 @@ def decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float
 ) -> torch.Tensor:
     """One query per sequence over its whole context in the pool (this step's key/value are already there)."""
+    if gpu_attention.supports(query, kv_cache):  # CUDA: the Triton kernel reads the pool in place
+        return gpu_attention.decode_attention(query, key, value, kv_cache, group, scale)
     native = kernels.for_tensors(query, kv_cache[0], dtypes=(torch.float32, torch.bfloat16, torch.float16))
     if native is not None:
         out = native.paged_decode_attention(
@@ -194,6 +197,8 @@ def prefill_mode(like: torch.Tensor, head_dim: int, kv_cache: KVCache) -> str:
 def prefill_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float
 ) -> torch.Tensor:
+    if gpu_attention.supports(query, kv_cache):  # CUDA: the Triton kernel reads the pool in place
+        return gpu_attention.prefill_attention(query, key, value, kv_cache, group, scale)
     mode = prefill_mode(query, query.shape[-1], kv_cache)
     if mode == "sdpa":
         return _per_sequence_prefill_attention(query, key, value, kv_cache, group, scale)

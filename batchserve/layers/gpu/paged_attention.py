@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchserve import env
+
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TARGET_PROGRAMS = 264  # decode programs worth launching: about two per SM of a large GPU
 
@@ -28,8 +30,9 @@ def available() -> bool:
 
 
 def supports(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """The kernels take this call: CUDA tensors, a pool dtype they know, Triton importable."""
-    return query.is_cuda and kv_cache[0].dtype in POOL_DTYPES and available()
+    """The kernels take this call: CUDA tensors, a pool dtype they know, Triton importable, and not turned off
+    (BATCHSERVE_GPU_ATTENTION=torch)."""
+    return query.is_cuda and kv_cache[0].dtype in POOL_DTYPES and env.gpu_attention() == "triton" and available()
 
 
 @functools.cache
