@@ -34,6 +34,7 @@ from batchserve.bench.args import (
     percentile_metrics,
     slo_from_args,
 )
+from batchserve.bench.compare_checks import estimate_line, estimate_steps, noise_warning
 from batchserve.bench.grpc_client import run_grpc
 from batchserve.bench.http_client import CHAT_COMPLETIONS, COMPLETIONS, PROMPT_FORMATS, run_http
 from batchserve.bench.metrics import summarize
@@ -117,12 +118,14 @@ def run_offline_runs(
     config = engine_config_from_args(args)
     policies = ["static", "max_utilization"] if args.compare_static else [config.scheduler.scheduler_policy]
     engines: list[Any] = []
+    step_s = None  # the warm-up's median step: the estimate's unit
     for policy in policies:
         like = engines[0] if engines else None
         engine = offline.build_engine(_policy_config(config, policy), like=like, share_runner=False)
         report = warm_up(engine, args)
         if report is not None:
             log.note(f"{policy}: {report.describe()}")
+            step_s = step_s or report.typical_s
         engines.append(engine)
     tokenizer = engines[0].tokenizer
     traces: dict[str, RunTrace] = {}
@@ -131,6 +134,9 @@ def run_offline_runs(
     for k, rate in enumerate(_rates(args)):
         seed = (args.seed or 0) + k
         requests = make_requests(args, tokenizer, args.num_requests, seed)
+        if args.compare_static and not first:
+            steps = estimate_steps(requests, config.scheduler.max_batch_size, config.scheduler.max_num_tokens)
+            log.note(estimate_line(steps, step_s, runs=len(_rates(args))))
         first = first or requests
         arrivals = arrivals_from_args(args, rate)
         lockstep = len(engines) > 1
@@ -204,6 +210,18 @@ def _backends(args: argparse.Namespace) -> list[tuple[str, str]]:
     return runs or [("http", "http")]
 
 
+def _noise_warnings(traces: dict[str, RunTrace], summaries: dict[str, dict], keys: list[tuple]) -> list[str]:
+    """Per rate: whether same-shape steps varied more than the throughput ratio the comparison reports."""
+    warnings = []
+    for rate in dict.fromkeys(k[2] for k in keys):
+        static, dynamic = _label("static", rate), _label("max_utilization", rate)
+        s, d = summaries[static].get("output_throughput"), summaries[dynamic].get("output_throughput")
+        warning = noise_warning(traces[static], traces[dynamic], d / s if s and d else None)
+        if warning:
+            warnings.append(warning)
+    return warnings
+
+
 def _bar(label: str, total: int, disabled: bool) -> Any:
     from tqdm import tqdm
 
@@ -265,6 +283,8 @@ def report(
     print(format_table(summaries, title, latencies=percentile_metrics(args)))
     if args.compare_static and not interrupted:
         print(compare_line(summaries, keys))
+        for warning in _noise_warnings(traces, summaries, keys):
+            print(warning)
     if not args.save_result:
         return 130 if interrupted else 0
     document = {
