@@ -89,7 +89,7 @@ def main() -> None:
     def call(path: str, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if path == "default":
             return native.paged_decode_attention(query, k, v, tables, lens, scale)
-        return native.paged_decode_attention(query, k, v, tables, lens, scale, path)
+        return native.paged_decode_attention(query, k, v, tables, lens, scale, native.AttentionPath.__members__[path])
 
     pools = {
         "bfloat16": [(key.bfloat16(), value.bfloat16()) for _ in range(args.copies)],

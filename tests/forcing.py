@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchserve.layers.attention import prefill_path
+from batchserve.layers.attention import preferred_prefill_method
 
 
 @pytest.fixture
@@ -15,10 +15,10 @@ def force_prefill(monkeypatch):
 
     def force(path: str) -> None:
         monkeypatch.setenv("BATCHSERVE_PREFILL_ATTENTION", path)
-        prefill_path.cache_clear()
+        preferred_prefill_method.cache_clear()
 
     yield force
-    prefill_path.cache_clear()
+    preferred_prefill_method.cache_clear()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ so a prefix block computed in this very step is visible to the requests that sha
   place too, causal by absolute position, in tiles of 16 query rows; the torch path pads only their own queries and
   runs SDPA with a causal mask (or, for prompts with no earlier context, one causal SDPA per prompt on its own K/V).
 On a CPU with AMX a bfloat16 pool's prefill chunks take torch's fused SDPA instead, one call per sequence, which runs
-on the tiles (prefill_path(), or BATCHSERVE_PREFILL_ATTENTION).
+on the tiles (preferred_prefill_method(), or BATCHSERVE_PREFILL_ATTENTION).
 The native kernels' path (kernels.attention_path(), chosen once from the CPU's flags or BATCHSERVE_ATTENTION_PATH):
 "avx512_bf16" multiplies a bfloat16 pool's K/V as stored with AVX512-BF16, "avx512" widens them to float32 (a float32
 pool takes this code on both), "avx2" runs an 8-wide AVX2 decode kernel and the torch prefill, "portable" the plain
@@ -31,7 +31,7 @@ from batchserve.layers.gpu import paged_attention as gpu_attention
 logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
-PREFILL_PATHS = ("native", "sdpa")  # how prefill chunks attend on the CPU (prefill_path)
+PREFILL_METHODS = ("native", "sdpa")  # how prefill chunks attend on the CPU (preferred_prefill_method)
 PREFILL_KERNEL_PATHS = ("avx512_bf16", "avx512")  # the native kernel paths with a prefill kernel
 
 
@@ -182,14 +182,17 @@ def decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def prefill_mode(like: torch.Tensor, head_dim: int, kv_cache: KVCache) -> str:
+def prefill_method(like: torch.Tensor, head_dim: int, kv_cache: KVCache) -> str:
     """How prefill chunks of queries like `like` (its dtype and device) attend: "sdpa" (one fused attention per
     chunk), "native" (the native prefill kernel) or "torch" (the torch code: gather, pad, SDPA). On the CPU a chunk
     the native kernel cannot take (no AVX-512, another head size) goes to SDPA, which the native decoder loop runs too:
     the torch code would send the whole step to the Python layers (7 of 280 ms a mixed step, AVX2-only AMD EPYC)."""
     if like.device.type != "cpu":
         return "torch"
-    if prefill_path(kv_cache[0].dtype) == "native" and _native_prefill(like, head_dim, kv_cache) is not None:
+    if (
+        preferred_prefill_method(kv_cache[0].dtype) == "native"
+        and _native_prefill(like, head_dim, kv_cache) is not None
+    ):
         return "native"
     return "sdpa"
 
@@ -199,7 +202,7 @@ def prefill_attention(
 ) -> torch.Tensor:
     if gpu_attention.supports(query, kv_cache):  # CUDA: the Triton kernel reads the pool in place
         return gpu_attention.prefill_attention(query, key, value, kv_cache, group, scale)
-    mode = prefill_mode(query, query.shape[-1], kv_cache)
+    mode = prefill_method(query, query.shape[-1], kv_cache)
     if mode == "sdpa":
         return _per_sequence_prefill_attention(query, key, value, kv_cache, group, scale)
     if mode == "native":
@@ -249,19 +252,19 @@ def _native_prefill(like: torch.Tensor, head_dim: int, kv_cache: KVCache):
     native = kernels.for_tensors(like, kv_cache[0], dtypes=(torch.float32, torch.bfloat16))
     if native is None or not native.prefill_attention_available(head_dim):
         return None
-    return native if kernels.attention_path() in PREFILL_KERNEL_PATHS else None
+    return native if kernels.attention_path().name in PREFILL_KERNEL_PATHS else None
 
 
 @functools.cache
-def prefill_path(pool_dtype: torch.dtype) -> str:
+def preferred_prefill_method(pool_dtype: torch.dtype) -> str:
     """How prefill chunks attend on the CPU, chosen once per pool dtype and logged: "sdpa" (torch's fused attention,
     one call per sequence) for a bfloat16 pool on a CPU with AMX, whose tiles it runs on: 2-5x faster there than the
     native kernel's AVX512-BF16 dot products (128-2048-token prompts, with and without earlier context; Intel Xeon with
-    amx_bf16); "native" (the native kernel where it runs, else SDPA: prefill_mode) otherwise, a float32 pool included
+    amx_bf16); "native" (the native kernel where it runs, else SDPA: prefill_method) otherwise, a float32 pool included
     (there the two are as fast). BATCHSERVE_PREFILL_ATTENTION forces one."""
     forced = env.prefill_attention()
-    if forced is not None and forced not in PREFILL_PATHS:
-        raise ValueError(f"BATCHSERVE_PREFILL_ATTENTION={forced!r}: not one of auto, {', '.join(PREFILL_PATHS)}")
+    if forced is not None and forced not in PREFILL_METHODS:
+        raise ValueError(f"BATCHSERVE_PREFILL_ATTENTION={forced!r}: not one of auto, {', '.join(PREFILL_METHODS)}")
     amx = pool_dtype == torch.bfloat16 and "amx_bf16" in kernels.cpu_flags().split()
     path = forced or ("sdpa" if amx else "native")
     where = " where it takes the chunk, else sdpa" if path == "native" else ""

@@ -15,7 +15,7 @@ from torch import nn
 from batchserve import env
 from batchserve.config import ModelConfig
 from batchserve.layers import kernels
-from batchserve.layers.attention import AttentionMetadata, KVCache, paged_attention, prefill_mode
+from batchserve.layers.attention import AttentionMetadata, KVCache, paged_attention, prefill_method
 from batchserve.layers.linear import CpuLinear
 from batchserve.layers.mlp import MLP
 from batchserve.layers.norm import RMSNorm
@@ -141,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
             prefill is not None and prefill.token_range != (decode_rows, x.shape[0])
         ):
             return None  # the loop takes decodes as the first rows and prefill chunks as the rest
-        mode = "none" if prefill is None else prefill_mode(x, self.config.head_dim, kv_caches[0])
+        mode = "none" if prefill is None else prefill_method(x, self.config.head_dim, kv_caches[0])
         if mode == "torch":
             return None
         return kernels.load().StepAttention(

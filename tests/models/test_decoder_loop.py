@@ -10,7 +10,7 @@ import torch
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.layers import kernels
-from batchserve.layers.attention import PREFILL_KERNEL_PATHS, prefill_mode
+from batchserve.layers.attention import PREFILL_KERNEL_PATHS, prefill_method
 from batchserve.layers.linear import CpuLinear
 from batchserve.models.llama import DecoderLayer
 from batchserve.sampling_params import SamplingParams
@@ -159,7 +159,7 @@ def test_steps_with_prompts_equal_the_python_layers(
     tiny_models, monkeypatch, force_prefill, force_gemm, kind, dtype, units, prefill, num_seqs
 ):
     """Mixed steps: decodes, a fresh prompt, chunks after earlier context (mid-block and on a block edge)."""
-    if prefill == "native" and kernels.attention_path() not in PREFILL_KERNEL_PATHS:
+    if prefill == "native" and kernels.attention_path().name not in PREFILL_KERNEL_PATHS:
         pytest.skip("the native prefill kernel needs an AVX-512 attention path")
     _force_units(monkeypatch, force_gemm, units)
     force_prefill(prefill)
@@ -170,7 +170,7 @@ def test_steps_with_prompts_equal_the_python_layers(
     assert batch.attn_metadata.prefill is not None
     # a head size the native prefill kernel was not built for attends by SDPA, in the loop as in the Python layers
     expected_mode = prefill if kernels.load().prefill_attention_available(config.head_dim) else "sdpa"
-    assert prefill_mode(model.embed_tokens(batch.input_ids), config.head_dim, kv[0]) == expected_mode
+    assert prefill_method(model.embed_tokens(batch.input_ids), config.head_dim, kv[0]) == expected_mode
     native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)
     model.decoder_loop = None
     python_hidden, python_kv = forward(model, batch, kv)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.layers import attention, kernels
-from batchserve.layers.attention import paged_attention, prefill_path
+from batchserve.layers.attention import paged_attention, preferred_prefill_method
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.input_batch import RequestTable
 
@@ -182,7 +182,7 @@ def test_bfloat16_pool(native, monkeypatch, request):
         monkeypatch.setattr(kernels, "load", lambda: None)
     seqs = [(0, 37), (13, 20), (40, 1), (129, 1), (0, 2)]
     # stale NaN only for the prefill kernel: the torch code multiplies masked values by 0, and the pool never holds NaN
-    stale = native and kernels.attention_path() in attention.PREFILL_KERNEL_PATHS
+    stale = native and kernels.attention_path().name in attention.PREFILL_KERNEL_PATHS
     out, expected, batch = run_batch(seqs, 16, stale=stale, heads=(9, 3, 64), dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and batch.attn_metadata.prefill is not None
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
@@ -195,21 +195,22 @@ def test_kernels_refuse_malformed_inputs_and_keep_nan(native_kernels):
     cache = torch.zeros(4, 16, 3, 64)
     tables, lens = torch.tensor([[0, 1]]), torch.tensor([20])
     query = torch.randn(5, 9, 64)
+    path = native.AttentionPath.avx512  # prefill_attention_available: an AVX-512 build
     with pytest.raises(RuntimeError, match="query_starts"):
-        native.paged_prefill_attention(query, cache, cache, tables, lens, torch.tensor([-5, 5]), 0.125)
+        native.paged_prefill_attention(query, cache, cache, tables, lens, torch.tensor([-5, 5]), 0.125, path)
     with pytest.raises(RuntimeError, match="head sizes"):
         native.paged_prefill_attention(
-            query[..., :32].contiguous(), cache, cache, tables, lens, torch.tensor([0, 5]), 1
+            query[..., :32].contiguous(), cache, cache, tables, lens, torch.tensor([0, 5]), 1, path
         )
     with pytest.raises(RuntimeError, match="outside the pool"):
-        native.paged_decode_attention(query[:1].contiguous(), cache, cache, torch.tensor([[0, 9]]), lens, 0.125)
+        native.paged_decode_attention(query[:1].contiguous(), cache, cache, torch.tensor([[0, 9]]), lens, 0.125, path)
     with pytest.raises(RuntimeError, match="must match"):
-        native.paged_decode_attention(query[:1].contiguous(), cache, cache[:2], tables, lens, 0.125)
+        native.paged_decode_attention(query[:1].contiguous(), cache, cache[:2], tables, lens, 0.125, path)
     # a NaN query stays NaN (as in SDPA) instead of averaging V evenly; the other rows are untouched
     query[2, 4] = float("nan")
-    out = native.paged_prefill_attention(query, cache, cache, tables, lens, torch.tensor([0, 5]), 0.125)
+    out = native.paged_prefill_attention(query, cache, cache, tables, lens, torch.tensor([0, 5]), 0.125, path)
     assert out[2, 4].isnan().all() and not out[:2].isnan().any() and not out[3:].isnan().any()
-    out = native.paged_decode_attention(query[2:3].contiguous(), cache, cache, tables, lens, 0.125)
+    out = native.paged_decode_attention(query[2:3].contiguous(), cache, cache, tables, lens, 0.125, path)
     assert out[0, 4].isnan().all() and not out[0, :4].isnan().any()
 
 
@@ -229,12 +230,12 @@ def force_path(monkeypatch, native_kernels):
         monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", path)
         monkeypatch.setenv("BATCHSERVE_PREFILL_ATTENTION", "native")  # not SDPA, which an AMX CPU takes for bf16
         kernels.attention_path.cache_clear()
-        prefill_path.cache_clear()
+        preferred_prefill_method.cache_clear()
 
     kernels.attention_path.cache_clear()
     yield force
     kernels.attention_path.cache_clear()  # the next test chooses again, without the forced path
-    prefill_path.cache_clear()
+    preferred_prefill_method.cache_clear()
 
 
 BF16_TOLERANCE = {"atol": 1e-2, "rtol": 1e-2}  # as test_bfloat16_pool: bf16 K/V (and bf16 weights) against float32
@@ -296,12 +297,12 @@ def test_prefill_without_a_kernel_takes_sdpa(path, force_path, monkeypatch):
     query = torch.zeros(3, 9, 64)
     cache = (torch.zeros(4, 16, 3, 64), torch.zeros(4, 16, 3, 64))
     expected = "native" if path in attention.PREFILL_KERNEL_PATHS else "sdpa"
-    assert attention.prefill_mode(query, 64, cache) == expected
-    assert attention.prefill_mode(query, 80, cache) == "sdpa"  # a head size the kernel was not built for
+    assert attention.prefill_method(query, 64, cache) == expected
+    assert attention.prefill_method(query, 80, cache) == "sdpa"  # a head size the kernel was not built for
     monkeypatch.setenv("BATCHSERVE_NATIVE_KERNELS", "0")
     kernels.load.cache_clear()  # decided once per process, as the forced paths are
     try:
-        assert attention.prefill_mode(query, 64, cache) == "sdpa"
+        assert attention.prefill_method(query, 64, cache) == "sdpa"
     finally:
         monkeypatch.undo()
         kernels.load.cache_clear()  # the next test loads them again (the build stays cached)
@@ -311,7 +312,7 @@ def test_prefill_without_a_kernel_takes_sdpa(path, force_path, monkeypatch):
 def test_torch_prefill_code(block_size, monkeypatch):
     # The torch code that prefill chunks take off the CPU (gather, pad to the longest chunk, one SDPA under the
     # prefill mask), forced here on the CPU: whole prompts, chunks after earlier context, next to decodes.
-    monkeypatch.setattr(attention, "prefill_mode", lambda *_: "torch")
+    monkeypatch.setattr(attention, "prefill_method", lambda *_: "torch")
     seqs = [(0, 5), (0, 16), (0, 37), (13, 20), (40, 1), (7, 33), (16, 16), (0, 2), (100, 3)]
     out, expected, batch = run_batch(seqs, block_size, heads=(9, 3, 64))
     assert not batch.attn_metadata.prefill.fresh
@@ -342,13 +343,16 @@ def test_prefill_path_choice(monkeypatch, force_prefill):
     monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
     for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "sdpa"), ("avx512f avx512_bf16", "native")):
         monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: f"flags : fpu {flags}")
-        prefill_path.cache_clear()
-        assert prefill_path(torch.bfloat16) == bf16_path and prefill_path(torch.float32) == "native"
+        preferred_prefill_method.cache_clear()
+        assert (
+            preferred_prefill_method(torch.bfloat16) == bf16_path
+            and preferred_prefill_method(torch.float32) == "native"
+        )
     force_prefill("sdpa")
-    assert prefill_path(torch.float32) == "sdpa"
+    assert preferred_prefill_method(torch.float32) == "sdpa"
     force_prefill("fastest")
     with pytest.raises(ValueError, match="BATCHSERVE_PREFILL_ATTENTION"):
-        prefill_path(torch.bfloat16)
+        preferred_prefill_method(torch.bfloat16)
 
 
 @pytest.mark.parametrize("path", kernels.ATTENTION_PATHS)
@@ -386,12 +390,18 @@ def test_bf16_dot_path_matches_the_widening_path(force_path, native_kernels):
     tables = torch.randperm(40)[:36].view(4, 9)
     lens = torch.tensor([1, 17, 100, 144])
     query = torch.randn(4, 9, 64).bfloat16().float()
-    wide = native_kernels.paged_decode_attention(query, *cache, tables, lens, 0.125, "avx512")
-    dot = native_kernels.paged_decode_attention(query, *cache, tables, lens, 0.125, "avx512_bf16")
+    wide = native_kernels.paged_decode_attention(
+        query, *cache, tables, lens, 0.125, native_kernels.AttentionPath.avx512
+    )
+    dot = native_kernels.paged_decode_attention(
+        query, *cache, tables, lens, 0.125, native_kernels.AttentionPath.avx512_bf16
+    )
     torch.testing.assert_close(dot, wide, atol=4e-3, rtol=1e-2)
     assert not torch.equal(dot, wide)  # the weights are rounded to bf16 on one path only: two code paths ran
     query[2, 4] = float("nan")
-    dot = native_kernels.paged_decode_attention(query, *cache, tables, lens, 0.125, "avx512_bf16")
+    dot = native_kernels.paged_decode_attention(
+        query, *cache, tables, lens, 0.125, native_kernels.AttentionPath.avx512_bf16
+    )
     assert dot[2, 4].isnan().all() and not dot[2, :4].isnan().any() and not dot[[0, 1, 3]].isnan().any()
 
 
@@ -406,51 +416,54 @@ def test_avx2_path_matches_the_portable_loop(dtype, force_path, native_kernels):
     for heads, kv_heads, head_dim in ((9, 3, 64), (4, 1, 128), (2, 2, 32)):
         cache = [torch.randn(40, 9, kv_heads, head_dim).to(dtype) for _ in range(2)]
         query = torch.randn(len(lens), heads, head_dim)
-        avx2 = native_kernels.paged_decode_attention(query, *cache, tables, lens, head_dim**-0.5, "avx2")
-        plain = native_kernels.paged_decode_attention(query, *cache, tables, lens, head_dim**-0.5, "portable")
+        avx2 = native_kernels.paged_decode_attention(
+            query, *cache, tables, lens, head_dim**-0.5, native_kernels.AttentionPath.avx2
+        )
+        plain = native_kernels.paged_decode_attention(
+            query, *cache, tables, lens, head_dim**-0.5, native_kernels.AttentionPath.portable
+        )
         torch.testing.assert_close(avx2, plain, **F32_TOLERANCE)
     query[2, 1] = float("nan")
-    avx2 = native_kernels.paged_decode_attention(query, *cache, tables, lens, head_dim**-0.5, "avx2")
+    avx2 = native_kernels.paged_decode_attention(
+        query, *cache, tables, lens, head_dim**-0.5, native_kernels.AttentionPath.avx2
+    )
     assert avx2[2, 1].isnan().all() and not avx2[2, 0].isnan().any() and not avx2[[0, 1, 3, 4, 5]].isnan().any()
 
 
 def test_attention_path_choice(monkeypatch, native_kernels, caplog):
-    # Chosen once from the CPU's flags and logged once; BATCHSERVE_ATTENTION_PATH forces one, and a path that cannot
-    # run here is an error, not a silent fallback.
-    built = native_kernels.attention_paths()
-    assert built[-1] == "portable" and set(built) <= set(kernels.ATTENTION_PATHS)
+    # Chosen once (the best path this build and CPU run) and logged once, as the module's AttentionPath that every
+    # call takes; BATCHSERVE_ATTENTION_PATH forces one, and a path that cannot run here is an error, not a silent
+    # fallback, in Python and in the kernels alike.
+    paths = native_kernels.AttentionPath
+    built = [p.name for p in native_kernels.attention_paths()]
+    assert built[-1] == "portable" and built == [p for p in kernels.ATTENTION_PATHS if p in built]
+    best = native_kernels.best_attention_path()
+    assert native_kernels.attention_path_runs(best) and best.name == next(filter(kernels.attention_path_runs, built))
+    assert native_kernels.attention_path_runs(paths.avx512_bf16) == native_kernels.bf16_dot_supported()
     monkeypatch.delenv("BATCHSERVE_ATTENTION_PATH", raising=False)
     try:
-        if "avx512" in built:
-            monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu avx2 avx512f avx512bw")
-            kernels.attention_path.cache_clear()
-            assert kernels.attention_path() == "avx512"
-            monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", "avx512_bf16")
-            kernels.attention_path.cache_clear()
-            with pytest.raises(ValueError, match="avx512_bf16"):
-                kernels.attention_path()
-        if built[0] == "avx2":  # a CPU without AVX-512
-            monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu avx2 fma")
-            kernels.attention_path.cache_clear()
-            assert kernels.attention_path() == "avx2"
-        if native_kernels.bf16_dot_supported():
-            monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu avx512f avx512_bf16 amx_bf16")
-            monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", "auto")
-            kernels.attention_path.cache_clear()
-            with caplog.at_level("INFO", logger=kernels.__name__):
-                assert kernels.attention_path() == kernels.attention_path() == "avx512_bf16"
-            assert sum("native attention path: avx512_bf16" in r.getMessage() for r in caplog.records) == 1
-        monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", "portable")
         kernels.attention_path.cache_clear()
-        assert kernels.attention_path() == "portable"
+        with caplog.at_level("INFO", logger=kernels.__name__):
+            assert kernels.attention_path() == kernels.attention_path() == best
+        assert sum(f"native attention path: {best.name}" in r.getMessage() for r in caplog.records) == 1
+        for name in kernels.ATTENTION_PATHS:
+            monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", name)
+            kernels.attention_path.cache_clear()
+            if kernels.attention_path_runs(name):
+                assert kernels.attention_path() == paths.__members__[name]
+            else:
+                with pytest.raises(ValueError, match="not built here or not runnable"):
+                    kernels.attention_path()
         monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", "fastest")
         kernels.attention_path.cache_clear()
         with pytest.raises(ValueError, match="not one of"):
             kernels.attention_path()
-        with pytest.raises(RuntimeError, match="not built here"):
-            cache = torch.zeros(2, 16, 3, 64)
-            native_kernels.paged_decode_attention(
-                torch.zeros(1, 9, 64), cache, cache, torch.tensor([[0]]), torch.tensor([3]), 1.0, "fastest"
-            )
+        cache = torch.zeros(2, 16, 3, 64)
+        call = (torch.zeros(1, 9, 64), cache, cache, torch.tensor([[0]]), torch.tensor([3]), 1.0)
+        with pytest.raises(TypeError):
+            native_kernels.paged_decode_attention(*call, "avx2")  # a path is the enum, never a name parsed per call
+        for path in (p for p in paths.__members__.values() if not native_kernels.attention_path_runs(p)):
+            with pytest.raises(RuntimeError, match="not built here"):
+                native_kernels.paged_decode_attention(*call, path)
     finally:
         kernels.attention_path.cache_clear()

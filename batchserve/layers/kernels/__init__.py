@@ -46,28 +46,32 @@ def has_matmul_units(dtype: torch.dtype) -> bool:
     return any(flag in flags for flag in wanted.get(dtype, ()))
 
 
-# The native attention kernels' paths, best first (paged_attention.cpp): bf16 K/V by vdpbf16ps (float32 K/V as
-# "avx512"), K/V widened to float32 under AVX-512, K/V widened to float32 in 8-wide AVX2 + FMA (decode_avx2.cpp), the
-# plain loop. A path takes the next one down for what it does not cover (a head size other than 32/64/128 runs the
-# plain loop); prefill has a kernel on the AVX-512 paths only (on the others the torch code runs).
+# The native attention kernels' instruction-set paths by name, best first (kernels.h AttentionPath): bf16 K/V by
+# vdpbf16ps (float32 K/V as "avx512"), K/V widened to float32 under AVX-512, K/V widened to float32 in 8-wide AVX2 +
+# FMA, the plain loop. A path takes the next one down for what it does not cover (a head size other than 32/64/128
+# runs the plain loop); prefill has a kernel on the AVX-512 paths only (on the others the torch code runs).
 ATTENTION_PATHS = ("avx512_bf16", "avx512", "avx2", "portable")
 
 
 def attention_path_runs(path: str) -> bool:
-    """Whether the native kernels are built here with `path` and this CPU runs it."""
+    """Whether the native kernels are built here with the path named `path` and this CPU runs it."""
     native = load()
-    if native is None or path not in native.attention_paths():
+    if native is None or path not in ATTENTION_PATHS:
         return False
-    return path != "avx512_bf16" or ("avx512_bf16" in cpu_flags().split() and native.bf16_dot_supported())
+    return native.attention_path_runs(native.AttentionPath.__members__[path])
 
 
 @functools.cache
-def attention_path() -> str:
-    """The path the native attention kernels take, chosen once: BATCHSERVE_ATTENTION_PATH when set (ValueError when
-    it names no path or one that cannot run here), else the best this build and CPU run. Logged once."""
-    auto = next((p for p in ATTENTION_PATHS if attention_path_runs(p)), "portable")
-    return _chosen_path("native attention path", "BATCHSERVE_ATTENTION_PATH", env.attention_path(), ATTENTION_PATHS,
-                        attention_path_runs, auto, {"avx512_bf16": " (needs avx512_bf16)"})  # fmt: skip
+def attention_path():
+    """The path the native attention kernels take (the module's AttentionPath, handed to every call), chosen once:
+    BATCHSERVE_ATTENTION_PATH when set (ValueError when it names no path or one that cannot run here), else the best
+    this build and CPU run. Logged once. None where the native kernels are not built."""
+    native = load()
+    if native is None:
+        return None
+    name = _chosen_path("native attention path", "BATCHSERVE_ATTENTION_PATH", env.attention_path(), ATTENTION_PATHS,
+                        attention_path_runs, native.best_attention_path().name, {"avx512_bf16": " (needs avx512_bf16)"})  # fmt: skip
+    return native.AttentionPath.__members__[name]
 
 
 def _chosen_path(

@@ -1,33 +1,7 @@
 // The Python module of the native CPU kernels (one extension built from every .cpp in this folder).
 #include <torch/extension.h>
 
-#include <string>
-#include <vector>
-
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     const std::string& path);
-torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
-                                      double scale, const std::string& path);
-bool prefill_attention_available(int64_t head_dim);
-std::vector<std::string> attention_paths();
-bool bf16_dot_supported();
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor argmax_rows(torch::Tensor logits);
-void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-               torch::Tensor slot_mapping);
-std::vector<std::string> small_gemm_paths();
-torch::Tensor small_gemm_pack(torch::Tensor weight, const std::string& path);
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
-bool amx_gemm_available();
-bool amx_gemm_takes(int64_t n, int64_t k);
-torch::Tensor amx_gemm_pack(torch::Tensor weight);
-torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated,
-                       bool swiglu);
-void register_decoder_loop(pybind11::module& m);
+#include "kernels.h"
 
 // The kernels touch no Python object: each call lets go of the interpreter lock while it computes, as torch's own
 // operators do, so the threads serving HTTP or Ray messages in the same process run meanwhile (and the engine loop
@@ -35,15 +9,21 @@ void register_decoder_loop(pybind11::module& m);
 static const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::enum_<AttentionPath>(m, "AttentionPath", "the native attention kernels' instruction-set paths")
+      .value("avx512_bf16", AttentionPath::kAvx512Bf16)
+      .value("avx512", AttentionPath::kAvx512)
+      .value("avx2", AttentionPath::kAvx2)
+      .value("portable", AttentionPath::kPortable);
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", kNoGil,
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
-        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
-        pybind11::arg("path") = "auto");
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("path"));
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal paged attention of prefill rows (CPU)", kNoGil,
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_starts"),
-        pybind11::arg("scale"), pybind11::arg("path") = "auto");
+        pybind11::arg("scale"), pybind11::arg("path"));
   m.def("attention_paths", &attention_paths, "the attention paths built here, best first");
+  m.def("attention_path_runs", &attention_path_runs, "whether this path is built here and this CPU runs it");
+  m.def("best_attention_path", &best_attention_path, "the best attention path this build and CPU run");
   m.def("bf16_dot_supported", &bf16_dot_supported, "whether this build and CPU run the avx512_bf16 path");
   m.def("prefill_attention_available", &prefill_attention_available, "whether paged_prefill_attention takes head_dim");
   m.def("rms_norm", &rms_norm, "RMSNorm of x, or of residual += x (in place)", kNoGil, pybind11::arg("x"),

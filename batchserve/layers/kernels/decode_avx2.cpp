@@ -17,6 +17,7 @@
 #include <numeric>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -225,41 +226,27 @@ void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cac
 }  // namespace
 
 template <typename T>
-bool decode_attention_avx2(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
-                           const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                           float scale) {
+bool decode_attention_avx2(const PagedArgs<T>& a) {
   const auto run = [&](auto nc) {
-    decode_attention_avx2_impl<decltype(nc)::value, T>(q, k_cache, v_cache, tables, seq_lens, out, num_seqs,
-                                                       num_heads, num_kv_heads, block_size, max_blocks, scale);
+    decode_attention_avx2_impl<decltype(nc)::value, T>(a.q, a.k_cache, a.v_cache, a.tables, a.seq_lens, a.out,
+                                                       a.num_seqs, a.num_heads, a.num_kv_heads, a.block_size,
+                                                       a.max_blocks, a.scale);
     return true;
   };
-  if (head_dim == 32) return run(std::integral_constant<int, 4>{});
-  if (head_dim == 64) return run(std::integral_constant<int, 8>{});
-  if (head_dim == 128) return run(std::integral_constant<int, 16>{});
+  if (a.head_dim == 32) return run(std::integral_constant<int, 4>{});
+  if (a.head_dim == 64) return run(std::integral_constant<int, 8>{});
+  if (a.head_dim == 128) return run(std::integral_constant<int, 16>{});
   return false;
 }
 
 #else  // no AVX2 + FMA in this build: the caller runs the portable loop
 
 template <typename T>
-bool decode_attention_avx2(const float*, const T*, const T*, const int64_t*, const int64_t*, float*, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, float) {
+bool decode_attention_avx2(const PagedArgs<T>&) {
   return false;
 }
 
 #endif
 
-template bool decode_attention_avx2<float>(const float*, const float*, const float*, const int64_t*, const int64_t*,
-                                           float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);
-template bool decode_attention_avx2<c10::BFloat16>(const float*, const c10::BFloat16*, const c10::BFloat16*,
-                                                   const int64_t*, const int64_t*, float*, int64_t, int64_t, int64_t,
-                                                   int64_t, int64_t, int64_t, float);
-
-bool avx2_attention_built() {
-#if defined(__AVX2__) && defined(__FMA__)
-  return true;
-#else
-  return false;
-#endif
-}
+template bool decode_attention_avx2<float>(const PagedArgs<float>&);
+template bool decode_attention_avx2<c10::BFloat16>(const PagedArgs<c10::BFloat16>&);

@@ -8,20 +8,7 @@
 #include <string>
 #include <vector>
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     const std::string& path);
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-               torch::Tensor slot_mapping);
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
-torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated,
-                       bool swiglu);
-torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
-                                      double scale, const std::string& path);
+#include "kernels.h"
 
 namespace {
 
@@ -100,7 +87,7 @@ struct StepAttention {
   c10::optional<torch::Tensor> prefill_block_tables, prefill_seq_lens, prefill_query_starts;
   std::vector<std::tuple<int64_t, int64_t, int64_t>> spans;  // per prefill chunk: first row, end row, context
   std::string prefill_mode;  // "sdpa" (one fused attention per chunk) or "native" (the native prefill kernel)
-  std::string path;          // the native kernels' attention path
+  AttentionPath path;        // the native kernels' attention path
 };
 
 // Per prefill chunk after earlier context: its causal mask shifted by the context (SeqGroup.chunk_mask); none for a
@@ -251,7 +238,7 @@ void register_decoder_loop(pybind11::module& m) {
                        c10::optional<torch::Tensor> decode_seq_lens, c10::optional<torch::Tensor> prefill_block_tables,
                        c10::optional<torch::Tensor> prefill_seq_lens, c10::optional<torch::Tensor> prefill_query_starts,
                        std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, std::string prefill_mode,
-                       std::string path) {
+                       AttentionPath path) {
              TORCH_CHECK(decode_rows == 0 || (decode_block_tables.has_value() && decode_seq_lens.has_value()),
                          "decode rows need their block tables and lengths");
              TORCH_CHECK(!prefill_block_tables.has_value() || prefill_mode == "sdpa" ||
@@ -260,7 +247,7 @@ void register_decoder_loop(pybind11::module& m) {
              return StepAttention{std::move(slot_mapping), decode_rows, std::move(decode_block_tables),
                                   std::move(decode_seq_lens), std::move(prefill_block_tables),
                                   std::move(prefill_seq_lens), std::move(prefill_query_starts), std::move(spans),
-                                  std::move(prefill_mode), std::move(path)};
+                                  std::move(prefill_mode), path};
            }),
            py::arg("slot_mapping"), py::arg("decode_rows"), py::arg("decode_block_tables"), py::arg("decode_seq_lens"),
            py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"), py::arg("prefill_query_starts"),

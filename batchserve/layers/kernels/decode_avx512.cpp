@@ -1,0 +1,103 @@
+// Paged decode attention on the "avx512" path (and a float32 pool's on "avx512_bf16"): K/V widened to float32,
+// head_dim 32, 64 or 128, 16 tokens scored at once and every kv head of a tile read in one pass.
+#include "attention_avx512.h"
+
+#if defined(__AVX512F__)
+
+namespace {
+
+// NC = head_dim / 16 vectors per head. A work item is one sequence with all its kv heads, so each 16-token tile is
+// read as one contiguous run of memory; with fewer sequences than 4 per thread, an item is one (sequence, kv head)
+// so that both threads have work. Items are dealt to threads round-robin: a batch lists its sequences oldest (longest
+// context) first, and contiguous runs of items would give one thread the long contexts and the other the short ones.
+template <int NC, typename T>
+void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+                             const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+  constexpr int64_t D = NC * 16;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t splits = num_seqs < 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t heads_per_item = num_kv_heads / splits;
+  const bool grouped = group <= kMaxGroup;
+  const int64_t num_items = num_seqs * splits;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc_store(num_heads * D), m(num_heads), p(num_heads * 16), corr(num_heads), qs(num_heads * D);
+    std::vector<__m512> l(num_heads);  // per-lane partial sums of the softmax denominator
+    __m512 scores[kMaxGroup];
+    for (int64_t worker = begin; worker < end; ++worker)
+    for (int64_t item = worker; item < num_items; item += threads) {
+      const int64_t seq = item / splits, first_kv = item % splits * heads_per_item;
+      const int64_t first_head = first_kv * group, last_head = first_head + heads_per_item * group;
+      const float* q_seq = q + seq * num_heads * D;
+      for (int64_t h = first_head; h < last_head; ++h)  // scaled once per sequence, not per tile
+        for (int c = 0; c < NC; ++c)
+          _mm512_storeu_ps(qs.data() + h * D + 16 * c,
+                           _mm512_mul_ps(_mm512_loadu_ps(q_seq + h * D + 16 * c), _mm512_set1_ps(scale)));
+      std::fill(acc_store.begin(), acc_store.end(), 0.f);
+      std::fill(m.begin(), m.end(), -1e30f);  // finite: exp(m - max) must be 0, not NaN
+      std::fill(l.begin(), l.end(), _mm512_setzero_ps());
+      const int64_t len = seq_lens[seq];
+      for (int64_t start = 0, n = 0; start < len; start += n) {
+        // A tile: up to 16 tokens of one block.
+        const int64_t in_block = start % block_size;
+        n = std::min<int64_t>({16, block_size - in_block, len - start});
+        const int64_t offset =
+            tables[seq * max_blocks + start / block_size] * block_stride + in_block * token_stride;
+        // the next tile's K and V asked for during this one's kv heads (the pool's blocks are scattered, which the
+        // hardware prefetchers do not foresee), a few lines a kv head (see RowPrefetcher)
+        const int64_t next = start + n, next_in_block = next % block_size;
+        const int64_t next_rows = std::max<int64_t>(0, std::min<int64_t>({16, block_size - next_in_block, len - next}));
+        const int64_t next_offset = next_rows ? tables[seq * max_blocks + next / block_size] * block_stride +
+                                                    next_in_block * token_stride + first_kv * D
+                                              : 0;
+        const int64_t row_bytes = heads_per_item * D * sizeof(T), steps = 2 * heads_per_item;
+        RowPrefetcher next_k(k_cache + next_offset, next_rows, token_stride * sizeof(T), row_bytes, steps);
+        RowPrefetcher next_v(v_cache + next_offset, next_rows, token_stride * sizeof(T), row_bytes, steps);
+        for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_item && grouped; ++kv_head) {
+          next_k.step();
+          next_v.step();
+          const int64_t h0 = kv_head * group;
+          score_group<NC>(qs.data() + h0 * D, group, k_cache + offset + kv_head * D, token_stride, n, scores);
+          for (int64_t g = 0; g < group; ++g)
+            softmax_update(scores[g], n, m[h0 + g], l[h0 + g], corr[h0 + g], p.data() + (h0 + g) * 16);
+        }
+        for (int64_t h = first_head; h < last_head && !grouped; ++h) {
+          __m512 qv[NC];
+          for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(qs.data() + h * D + 16 * c);
+          const __m512 s = score_tile<NC>(qv, k_cache + offset + h / group * D, token_stride, n);
+          softmax_update(s, n, m[h], l[h], corr[h], p.data() + h * 16);
+        }
+        for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_item; ++kv_head) {
+          next_k.step();
+          next_v.step();
+          const int64_t h = kv_head * group;
+          accumulate_group<NC>(v_cache + offset + kv_head * D, token_stride, n, p.data() + h * 16, corr.data() + h,
+                               acc_store.data() + h * D, group);
+        }
+      }
+      for (int64_t h = first_head; h < last_head; ++h) {
+        float* o = out + (seq * num_heads + h) * D;
+        const float inv = 1.f / _mm512_reduce_add_ps(l[h]);
+        for (int64_t d = 0; d < D; ++d) o[d] = acc_store[h * D + d] * inv;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+template <typename T>
+bool decode_attention_avx512(const PagedArgs<T>& a) {
+  return with_vectors_per_head(a.head_dim, [&](auto nc) {
+    decode_heads_avx512<decltype(nc)::value, T>(a.q, a.k_cache, a.v_cache, a.tables, a.seq_lens, a.out, a.num_seqs,
+                                                a.num_heads, a.num_kv_heads, a.block_size, a.max_blocks, a.scale);
+  });
+}
+
+template bool decode_attention_avx512<float>(const PagedArgs<float>&);
+template bool decode_attention_avx512<c10::BFloat16>(const PagedArgs<c10::BFloat16>&);
+
+#endif  // __AVX512F__

@@ -1,0 +1,190 @@
+// Paged decode attention on the "avx512_bf16" path, for a bfloat16 pool: three passes a sequence (scores, weights,
+// P.V) with the scattered blocks asked for ahead of use. See attention_avx512_bf16.h for the arithmetic.
+#include "attention_avx512_bf16.h"
+
+#ifdef BATCHSERVE_BF16_DOT
+#include <atomic>
+#include <numeric>
+
+namespace {
+
+// P.V of HC query heads over a whole sequence's V rows of one kv head (v_head: that head's slice of the pool),
+// pb: the heads' bf16 weights by position, rows `p_stride` apart -> acc (HC * NC vectors, in the permuted order of
+// unpermute_store). Two tokens per vdpbf16ps; a block's odd last token is paired with zeros (the next row may be
+// garbage, NaN, or outside the pool). The accumulators stay in registers for the whole sequence.
+template <int NC, int HC>
+BF16_TARGET void values_bf16(const bf16_t* v_head, const int64_t* table, int64_t len, int64_t block_size,
+                             int64_t block_stride, int64_t token_stride, const uint16_t* pb, int64_t p_stride,
+                             float* acc_out) {
+  constexpr int NP = NC / 2;
+  __m512 acc[HC][NC];
+  for (int h = 0; h < HC; ++h)
+    for (int j = 0; j < NC; ++j) acc[h][j] = _mm512_setzero_ps();
+  for (int64_t start = 0; start < len; start += block_size) {
+    const int64_t n = std::min(block_size, len - start);
+    const bf16_t* v = v_head + table[start / block_size] * block_stride;
+    const uint16_t* p = pb + start;
+    for (int64_t t = 0; t < n; t += 2, v += 2 * token_stride, p += 2) {
+      const bool pair = t + 1 < n;
+      __m512i lo[NP], hi[NP];
+      for (int c = 0; c < NP; ++c) {
+        const __m512i a = _mm512_loadu_si512(v + 32 * c);
+        const __m512i b = pair ? _mm512_loadu_si512(v + token_stride + 32 * c) : _mm512_setzero_si512();
+        lo[c] = _mm512_unpacklo_epi16(a, b);
+        hi[c] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int h = 0; h < HC; ++h) {
+        int32_t p_pair = p[h * p_stride];  // (p[t], p[t + 1]) as one 32-bit broadcast
+        if (pair) std::memcpy(&p_pair, p + h * p_stride, sizeof p_pair);
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(p_pair);
+        for (int c = 0; c < NP; ++c) {
+          acc[h][2 * c] = _mm512_dpbf16_ps(acc[h][2 * c], pp, (__m512bh)lo[c]);
+          acc[h][2 * c + 1] = _mm512_dpbf16_ps(acc[h][2 * c + 1], pp, (__m512bh)hi[c]);
+        }
+      }
+    }
+  }
+  for (int h = 0; h < HC; ++h)
+    for (int j = 0; j < NC; ++j) _mm512_storeu_ps(acc_out + (h * NC + j) * 16, acc[h][j]);
+}
+
+// values_bf16 for `heads` query heads, in chunks of at most 16 accumulator registers.
+template <int NC>
+BF16_TARGET void values_group_bf16(const bf16_t* v_head, const int64_t* table, int64_t len, int64_t block_size,
+                                   int64_t block_stride, int64_t token_stride, const uint16_t* pb, int64_t p_stride,
+                                   float* acc_out, int64_t heads) {
+  constexpr int kChunk = NC <= 4 ? 4 : 2;
+  const auto run = [&](auto hc, int64_t h) {
+    values_bf16<NC, decltype(hc)::value>(v_head, table, len, block_size, block_stride, token_stride,
+                                         pb + h * p_stride, p_stride, acc_out + h * NC * 16);
+  };
+  int64_t h = 0;
+  for (; h + kChunk <= heads; h += kChunk) run(std::integral_constant<int, kChunk>{}, h);
+  if (heads - h == 3) run(std::integral_constant<int, 3>{}, h);
+  if (heads - h == 2) run(std::integral_constant<int, 2>{}, h);
+  if (heads - h == 1) run(std::integral_constant<int, 1>{}, h);
+}
+
+// The work items of decode_attention_bf16 this thread claims from `next` (positions in `order`), until none is left
+// (a function of its own: a lambda would not carry the target). A decode query sees its whole context at once, so
+// its softmax needs no online rescaling: (1) every score of the sequence, and their max; (2) the weights
+// exp(s - max) in bf16, and their sum; (3) P.V with the accumulators in registers from the first token to the last.
+template <int NC>
+BF16_TARGET void decode_items_bf16(std::atomic<int64_t>& next, const int64_t* order, int64_t num_items,
+                                   const float* q, const bf16_t* k_cache, const bf16_t* v_cache,
+                                   const int64_t* tables, const int64_t* seq_lens, float* out, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, int64_t splits,
+                                   float scale) {
+  constexpr int64_t D = NC * 16;
+  constexpr int NP = NC / 2;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t heads_per_item = num_kv_heads / splits;
+  const int64_t item_heads = heads_per_item * group;
+  std::vector<float> scores, acc(item_heads * D), maxes(item_heads * 16);
+  std::vector<uint16_t> qb(item_heads * D), pb;
+  std::vector<float> sums(item_heads);
+  for (int64_t claimed; (claimed = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+    const int64_t item = order[claimed];
+    const int64_t seq = item / splits, first_kv = item % splits * heads_per_item;
+    const int64_t first_head = first_kv * group;
+    const int64_t len = seq_lens[seq];
+    const int64_t stride = (len + 31) / 16 * 16;  // per head, room for a whole last vector
+    if (static_cast<int64_t>(scores.size()) < item_heads * stride) {
+      scores.resize(item_heads * stride);
+      pb.resize(item_heads * stride);
+    }
+    const int64_t* table = tables + seq * max_blocks;
+    for (int64_t h = 0; h < item_heads; ++h) {
+      query_to_bf16<NP>(q + (seq * num_heads + first_head + h) * D, &qb[h * D]);
+      _mm512_storeu_ps(&maxes[h * 16], _mm512_set1_ps(-3.0e38f));
+    }
+    // (1) scores, a block at a time (its kv heads are one run of memory). The pool's blocks are scattered, which the
+    // hardware prefetchers do not foresee: the next block's K is asked for (into L1) and its V (into L2, for (3)), a
+    // slice per tile and head, spread over the block's work. Asked for all at a block's start, the same lines took
+    // longer: a layer of 64 sequences x 250 tokens from memory 0.89-0.93 -> 0.78-0.84 ms spread (2 threads, Intel
+    // Xeon with AMX).
+    const int64_t row_bytes = heads_per_item * D * 2;
+    const auto first_row = [&](const bf16_t* pool, int64_t start) {  // of the block holding token `start`
+      return pool + table[start / block_size] * block_stride + first_kv * D;
+    };
+    prefetch_rows(first_row(k_cache, 0), std::min(block_size, len), token_stride * 2, row_bytes);
+    prefetch_rows<_MM_HINT_T1>(first_row(v_cache, 0), std::min(block_size, len), token_stride * 2, row_bytes);
+    for (int64_t start = 0; start < len; start += block_size) {
+      const int64_t n = std::min(block_size, len - start);
+      const int64_t base = table[start / block_size] * block_stride + first_kv * D;
+      const int64_t next_rows = std::clamp<int64_t>(len - start - block_size, 0, block_size);
+      const int64_t steps = (n + 15) / 16 * item_heads;
+      RowPrefetcher next_k(next_rows ? first_row(k_cache, start + block_size) : k_cache, next_rows, token_stride * 2,
+                           row_bytes, steps);
+      RowPrefetcher<_MM_HINT_T1> next_v(next_rows ? first_row(v_cache, start + block_size) : v_cache, next_rows,
+                                        token_stride * 2, row_bytes, steps);
+      for (int64_t i = 0; i < n; i += 16) {
+        const int64_t m = std::min<int64_t>(16, n - i);
+        const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
+        for (int64_t h = 0; h < item_heads; ++h) {
+          next_k.step();
+          next_v.step();
+          const __m512 s = score_tile_bf16<NP>(&qb[h * D], k_cache + base + i * token_stride + h / group * D,
+                                               token_stride, m, scale);
+          _mm512_storeu_ps(&scores[h * stride + start + i], s);
+          float* mx = &maxes[h * 16];
+          _mm512_storeu_ps(mx, _mm512_mask_max_ps(_mm512_loadu_ps(mx), valid, _mm512_loadu_ps(mx), s));
+        }
+      }
+    }
+    // (2) weights, rounded to bf16 as (3) uses them; the sum is of the rounded weights
+    for (int64_t h = 0; h < item_heads; ++h) {
+      const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(&maxes[h * 16])));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 valid = static_cast<__mmask16>(len - i >= 16 ? 0xFFFFu : (1u << (len - i)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(&scores[h * stride + i]), mx)));
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&pb[h * stride + i]), rounded);
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+      }
+      sums[h] = _mm512_reduce_add_ps(sum);
+    }
+    // (3) P.V, one kv head at a time
+    for (int64_t kv = 0; kv < heads_per_item; ++kv)
+      values_group_bf16<NC>(v_cache + (first_kv + kv) * D, table, len, block_size, block_stride, token_stride,
+                            &pb[kv * group * stride], stride, &acc[kv * group * D], group);
+    for (int64_t h = 0; h < item_heads; ++h)
+      unpermute_store<NC>(&acc[h * D], 1.f / sums[h], out + (seq * num_heads + first_head + h) * D);
+  }
+}
+
+// decode_heads_avx512's work split (decode_avx512.cpp), on the bf16 dot-product path.
+template <int NC>
+void decode_attention_bf16(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, const int64_t* tables,
+                           const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t splits = num_seqs < 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t num_items = num_seqs * splits;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  // Items are claimed one at a time, longest context first: the threads end together however the lengths are
+  // spread, and a thread the OS preempts holds up only the item it is on (the other takes the rest).
+  std::vector<int64_t> order(num_items);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return seq_lens[a / splits] > seq_lens[b / splits]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    if (begin < end)
+      decode_items_bf16<NC>(next, order.data(), num_items, q, k_cache, v_cache, tables, seq_lens, out, num_heads,
+                            num_kv_heads, block_size, max_blocks, splits, scale);
+  });
+}
+
+}  // namespace
+
+bool decode_attention_avx512_bf16(const PagedArgs<c10::BFloat16>& a) {
+  return with_vectors_per_head(a.head_dim, [&](auto nc) {
+    decode_attention_bf16<decltype(nc)::value>(a.q, a.k_cache, a.v_cache, a.tables, a.seq_lens, a.out, a.num_seqs,
+                                               a.num_heads, a.num_kv_heads, a.block_size, a.max_blocks, a.scale);
+  });
+}
+
+#endif  // BATCHSERVE_BF16_DOT

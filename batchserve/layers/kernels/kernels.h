@@ -1,0 +1,78 @@
+// The native CPU kernels' one shared header: the entry points each .cpp of this folder defines (the Python module,
+// bindings.cpp, and the operators that layers.cpp builds on call them by these prototypes), the attention paths, and
+// the per-instruction-set attention kernels that paged_attention.cpp dispatches to.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+// ---- Attention paths ----
+// The native attention kernels' instruction-set paths, best first: "avx512_bf16" (a bfloat16 pool's K/V multiplied
+// as stored by vdpbf16ps; a float32 pool as "avx512"), "avx512" (K/V widened to float32, AVX-512 FMA), "avx2" (8-wide
+// AVX2 + FMA; decode only), "portable" (the plain loop, any CPU; decode only). A path takes the next one down where
+// it does not apply (a head size other than 32/64/128: the portable loop). Chosen once, when the module is loaded
+// (Python kernels.attention_path()), and handed to every call as this enum.
+enum class AttentionPath { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
+
+std::vector<AttentionPath> attention_paths();     // built here, best first
+bool attention_path_runs(AttentionPath path);     // built here and runnable on this CPU
+AttentionPath best_attention_path();              // the first of attention_paths() that runs
+bool bf16_dot_supported();                        // this build and CPU run the avx512_bf16 path
+bool prefill_attention_available(int64_t head_dim);
+
+// ---- Entry points (each one coarse call a layer makes; see bindings.cpp for what each does) ----
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     AttentionPath path);
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+                                      double scale, AttentionPath path);
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor argmax_rows(torch::Tensor logits);
+void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+               torch::Tensor slot_mapping);
+std::vector<std::string> small_gemm_paths();
+torch::Tensor small_gemm_pack(torch::Tensor weight, const std::string& path);
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
+bool amx_gemm_available();
+bool amx_gemm_takes(int64_t n, int64_t k);
+torch::Tensor amx_gemm_pack(torch::Tensor weight);
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated,
+                       bool swiglu);
+void register_decoder_loop(pybind11::module& m);  // decoder_loop.cpp
+
+// ---- Per-instruction-set attention kernels (paged_attention.cpp checks the shapes before any of them runs) ----
+// One paged-attention call as raw pointers. Decode: one query row per sequence (q_stride = heads * head_dim,
+// query_starts unused). Prefill: the query rows of each sequence in order, query_starts [S + 1] cumulative.
+template <typename T>
+struct PagedArgs {
+  const float* q;
+  int64_t q_stride;  // floats from one query token to the next
+  const T* k_cache;
+  const T* v_cache;
+  const int64_t* tables;  // [num_seqs, max_blocks]
+  int64_t max_blocks;
+  const int64_t* seq_lens;
+  const int64_t* query_starts;
+  float* out;  // [rows, num_heads, head_dim], contiguous
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+};
+
+// Each returns false (and writes nothing) where it does not take the call: another head size, or a build without its
+// instruction set. decode_portable.cpp takes every call.
+template <typename T>
+void decode_attention_portable(const PagedArgs<T>& a);                     // decode_portable.cpp
+template <typename T>
+bool decode_attention_avx2(const PagedArgs<T>& a);                         // decode_avx2.cpp
+template <typename T>
+bool decode_attention_avx512(const PagedArgs<T>& a);                       // decode_avx512.cpp
+bool decode_attention_avx512_bf16(const PagedArgs<c10::BFloat16>& a);      // decode_avx512_bf16.cpp
+template <typename T>
+bool prefill_attention_avx512(const PagedArgs<T>& a);                      // prefill_avx512.cpp
+bool prefill_attention_avx512_bf16(const PagedArgs<c10::BFloat16>& a);     // prefill_avx512_bf16.cpp

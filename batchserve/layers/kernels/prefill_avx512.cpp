@@ -1,0 +1,71 @@
+// Paged prefill attention on the "avx512" path (and a float32 pool's on "avx512_bf16"): causal by absolute position,
+// tiles of up to 16 query rows of one sequence and one head, every key read in place from the pool.
+#include "attention_avx512.h"
+
+#if defined(__AVX512F__)
+
+namespace {
+
+// Prefill tiles: up to 16 consecutive query rows of one sequence and one head, at positions first_pos.. (their keys
+// are 0..position, this step's included, all read from the pool through the block table).
+template <int NC, typename T>
+void prefill_tile(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* table,
+                  int64_t first_pos, int64_t rows, int64_t kv_head, int64_t token_stride, int64_t block_size,
+                  float scale, float* out, int64_t out_stride) {
+  constexpr int64_t D = NC * 16;
+  alignas(64) float acc[16 * D], p[16 * 16], m[16], corr[16], q_scaled[16 * D];
+  __m512 l[16];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int c = 0; c < NC; ++c)
+      _mm512_store_ps(q_scaled + r * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(q + r * q_stride + 16 * c),
+                                                               _mm512_set1_ps(scale)));
+    m[r] = -1e30f;
+    l[r] = _mm512_setzero_ps();
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_keys = first_pos + rows;
+  for (int64_t start = 0, n = 0; start < num_keys; start += n) {
+    const int64_t in_block = start % block_size;
+    n = std::min<int64_t>({16, block_size - in_block, num_keys - start});
+    const int64_t offset = table[start / block_size] * block_stride + in_block * token_stride + kv_head * D;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = std::min<int64_t>(n, first_pos + r - start + 1);  // causal: keys up to the row's own
+      if (visible <= 0) {  // the whole tile is in this row's future: it contributes nothing
+        corr[r] = 1.f;
+        _mm512_storeu_ps(p + r * 16, _mm512_setzero_ps());
+        continue;
+      }
+      __m512 qv[NC];
+      for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(q_scaled + r * D + 16 * c);
+      softmax_update(score_tile<NC>(qv, k_cache + offset, token_stride, visible), visible, m[r], l[r], corr[r],
+                     p + r * 16);
+    }
+    accumulate_group<NC>(v_cache + offset, token_stride, n, p, corr, acc, rows);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / _mm512_reduce_add_ps(l[r]);
+    for (int64_t d = 0; d < D; ++d) out[r * out_stride + d] = acc[r * D + d] * inv;
+  }
+}
+
+}  // namespace
+
+template <typename T>
+bool prefill_attention_avx512(const PagedArgs<T>& a) {
+  return with_vectors_per_head(a.head_dim, [&](auto nc) {
+    constexpr int64_t D = decltype(nc)::value * 16;
+    const int64_t group = a.num_heads / a.num_kv_heads;
+    for_each_prefill_tile(a, [&](int64_t seq, int64_t row, int64_t head, int64_t rows, int64_t first_pos) {
+      prefill_tile<decltype(nc)::value, T>(a.q + row * a.q_stride + head * D, a.q_stride, a.k_cache, a.v_cache,
+                                           a.tables + seq * a.max_blocks, first_pos, rows, head / group,
+                                           a.num_kv_heads * D, a.block_size, a.scale,
+                                           a.out + (row * a.num_heads + head) * D, a.num_heads * D);
+    });
+  });
+}
+
+template bool prefill_attention_avx512<float>(const PagedArgs<float>&);
+template bool prefill_attention_avx512<c10::BFloat16>(const PagedArgs<c10::BFloat16>&);
+
+#endif  // __AVX512F__
