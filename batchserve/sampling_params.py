@@ -14,6 +14,7 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
 # logit_bias is turned into index tensors at every step of the request: bounded for the same reason.
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_N = 128  # choices of one prompt
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
 
 
@@ -97,9 +98,7 @@ class SamplingParams:
         _real("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:
             _integer("seed", self.seed, low=-(2**63), high=2**64 - 1)
-        _integer("n", self.n)
-        if self.n != 1:
-            raise InvalidRequestError(f"only n=1 is supported, got {self.n}", "n")
+        _integer("n", self.n, low=1, high=MAX_N)  # the serving layer runs n > 1 as n child requests
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, low=0, high=20)
         _integer("min_tokens", self.min_tokens, low=0, high=self.max_tokens)

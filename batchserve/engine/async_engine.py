@@ -79,6 +79,11 @@ class RequestStream:
         if self.listener is not None:
             self.listener()
 
+    @property
+    def has_output(self) -> bool:
+        """An output or an error waits to be taken (serving's n > 1 waits for a first child's first output)."""
+        return self._held_error is not None or not self._queue.empty()
+
     # event loop
     async def get(self) -> CompletionDelta:
         item = self._held_error or await self._queue.get()

@@ -95,6 +95,8 @@ class RequestBuilder:
         field the ids came from) for ids out of the vocabulary or over max_input_len with truncation 'error'."""
         params = params or SamplingParams()
         params.validate()
+        if params.n != 1:  # an engine request is one sequence; serving/fanout.py runs n choices as n of them
+            raise InvalidRequestError(f"this entry point serves n=1 only, got n={params.n}", "n")
         if params.logit_bias:
             self.limits.check_token_ids(list(params.logit_bias), "logit_bias token ids", "logit_bias")
         if isinstance(prompt_token_ids, list | tuple) and not prompt_token_ids:

@@ -81,7 +81,7 @@ def test_the_scheduler_ends_a_head_that_can_never_be_admitted():
         (lambda: SamplingParams(logprobs=21), "logprobs"),
         (lambda: SamplingParams(ignore_eos="yes"), "ignore_eos"),
         (lambda: SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),
-        (lambda: SamplingParams(n=2), "n"),
+        (lambda: SamplingParams(n=0), "n"),
     ],
 )
 def test_sampling_params_check_every_type_and_range(make_params, field):

@@ -144,7 +144,7 @@ BAD = [
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ({"max_tokens": 4}, 400, "prompt"),

@@ -71,7 +71,7 @@ def test_completion_first_chunk_is_the_first_token(server, client):
 
 
 def test_unknown_fields_are_refused_by_name(server):
-    for field, value in [("guided_json", {"type": "object"}), ("parallel_tool_calls", False), ("anything", 1)]:
+    for field, value in [("guided_decoding_backend", "xgrammar"), ("anything", 1)]:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
         r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 400, r.text
@@ -79,19 +79,19 @@ def test_unknown_fields_are_refused_by_name(server):
     nested = {"messages": [{"role": "user", "content": "hi", "mood": "happy"}], "max_tokens": 2}
     r = httpx.post(server.url + "/v1/chat/completions", json=nested, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.mood"
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "guided_regex": "a+"}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "guided_whitespace_pattern": " "}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_whitespace_pattern"
 
 
 def test_lenient_server_drops_unknown_fields_with_a_warning(caplog):
     s = start_server(fake_engine(), lenient=True)
     try:
-        body = {"messages": [{"role": "user", "content": "hi", "mood": "x"}], "max_tokens": 3, "guided_json": {}}
+        body = {"messages": [{"role": "user", "content": "hi", "mood": "x"}], "max_tokens": 3, "guided_decoding_backend": "x"}
         with caplog.at_level(logging.WARNING):
             r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         warned = [rec.getMessage() for rec in caplog.records if "--lenient" in rec.getMessage()]
-        assert warned and "guided_json" in warned[0] and "messages.0.mood" in warned[0]
+        assert warned and "guided_decoding_backend" in warned[0] and "messages.0.mood" in warned[0]
         # lenient is about unknown fields only: a bad value of a known one is still a 400
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": -1, "foo": 1}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

@@ -16,8 +16,9 @@ from batchserve.entrypoints.openai.front import OpenAIFrontEnd, chunk_usage, fin
 from batchserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, UsageInfo
 from batchserve.entrypoints.openai.request_context import request_id_of
 from batchserve.entrypoints.openai.streaming import AbortOnCloseResponse, sse_events, wait_for_disconnect
+from batchserve.serving.fanout import choices_usage, submit_choices
 from batchserve.serving.generation import GenerationService
-from batchserve.serving.results import GenerationResult, Usage
+from batchserve.serving.results import GenerationResult
 
 
 async def chat_prompt(
@@ -43,26 +44,29 @@ async def create_chat_completion(front: OpenAIFrontEnd, request: Request) -> Res
     )  # 0 is refused by SamplingParams, never read as "no limit"
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     request_id = request_id_of(request, "chatcmpl")  # X-Request-Id when the client sent one
-    streams = await service.submit(request_id, [prompt_ids], params, req.priority)
+    streams = await submit_choices(service, request_id, [prompt_ids], params, req.priority)
     head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": front.model_name}
     if req.stream:
         chunks = _stream(front, req, {**head, "object": "chat.completion.chunk"}, streams)
         return AbortOnCloseResponse(sse_events(chunks), lambda: service.abort_unfinished(streams))
-    (result,) = await service.final_results(streams, wait_for_disconnect(request))
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": result.completion.text},
-        "logprobs": _logprobs(front, result.completion.logprobs or []) if req.logprobs else None,
-        **finish_fields(result),
-    }
-    return JSONResponse({**head, "choices": [choice], "usage": UsageInfo.of(Usage.of([result]))})
+    results = await service.final_results(streams, wait_for_disconnect(request))
+    choices = [
+        {
+            "index": result.index,
+            "message": {"role": "assistant", "content": result.completion.text},
+            "logprobs": _logprobs(front, result.completion.logprobs or []) if req.logprobs else None,
+            **finish_fields(result),
+        }
+        for result in results
+    ]
+    return JSONResponse({**head, "choices": choices, "usage": UsageInfo.of(choices_usage(results, req.n))})
 
 
 async def _stream(
     front: OpenAIFrontEnd, req: ChatCompletionRequest, head: dict[str, Any], streams: list[RequestStream]
 ) -> AsyncIterator[dict[str, Any]]:
     finals: list[GenerationResult] = []
-    role_sent = False
+    role_sent: set[int] = set()  # the choices whose first chunk went out
     async for result in front.service.results(streams):
         if not result.delta.delta_text and not result.finished:
             continue
@@ -70,18 +74,20 @@ async def _stream(
             finals.append(result)
         # The role rides on the first token's chunk, not on a chunk of its own sent at arrival: clients time the
         # first chunk as the time to first token, so nothing may go out before the first token does.
-        delta = {"content": result.delta.delta_text} if result.delta.delta_text or not role_sent else {}
-        if not role_sent:
-            delta, role_sent = {"role": "assistant", **delta}, True
+        first = result.index not in role_sent
+        delta = {"content": result.delta.delta_text} if result.delta.delta_text or first else {}
+        if first:
+            delta = {"role": "assistant", **delta}
+            role_sent.add(result.index)
         choice = {
-            "index": 0,
+            "index": result.index,
             "delta": delta,
             "logprobs": _logprobs(front, result.delta_logprobs) if req.logprobs else None,
             **finish_fields(result),
         }
         yield {**head, "choices": [choice], **chunk_usage(req, result)}
     if req.include_usage:
-        yield {**head, "choices": [], "usage": UsageInfo.of(Usage.of(finals))}
+        yield {**head, "choices": [], "usage": UsageInfo.of(choices_usage(finals, req.n))}
 
 
 def _logprobs(front: OpenAIFrontEnd, entries: list[Logprobs]) -> dict[str, Any]:

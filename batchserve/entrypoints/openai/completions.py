@@ -16,7 +16,8 @@ from batchserve.entrypoints.openai.front import OpenAIFrontEnd, chunk_usage, fin
 from batchserve.entrypoints.openai.protocol import CompletionRequest, UsageInfo
 from batchserve.entrypoints.openai.request_context import request_id_of
 from batchserve.entrypoints.openai.streaming import AbortOnCloseResponse, sse_events, wait_for_disconnect
-from batchserve.serving.results import GenerationResult, Usage
+from batchserve.serving.fanout import choices_usage, submit_choices
+from batchserve.serving.results import GenerationResult
 
 Prompt = str | list[int]
 
@@ -30,7 +31,7 @@ async def create_completion(front: OpenAIFrontEnd, request: Request) -> Response
     prompts = _prompts(req.prompt)
     params = sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
     request_id = request_id_of(request, "cmpl")  # X-Request-Id when the client sent one
-    streams = await front.service.submit(request_id, prompts, params, req.priority)
+    streams = await submit_choices(front.service, request_id, prompts, params, req.priority)
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": front.model_name}
     if req.stream:
         chunks = _stream(front, req, head, prompts, streams)
@@ -38,12 +39,12 @@ async def create_completion(front: OpenAIFrontEnd, request: Request) -> Response
     results = await front.service.final_results(streams, wait_for_disconnect(request))
     choices = []
     for result in results:
-        prefix = _echo(front, prompts[result.index], result) if req.echo else ""
+        prefix = _echo(front, prompts[result.index // req.n], result) if req.echo else ""
         completion = result.completion
         logprobs = _logprobs(front, completion.logprobs or [], len(prefix)) if req.logprobs is not None else None
         text = prefix + completion.text
         choices.append({"index": result.index, "text": text, "logprobs": logprobs, **finish_fields(result)})
-    return JSONResponse({**head, "choices": choices, "usage": UsageInfo.of(Usage.of(results))})
+    return JSONResponse({**head, "choices": choices, "usage": UsageInfo.of(choices_usage(results, req.n))})
 
 
 def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prompt]:
@@ -68,7 +69,7 @@ async def _stream(
     async for result in front.service.results(streams):
         delta = result.delta.delta_text
         if req.echo and result.index not in sent:
-            delta = _echo(front, prompts[result.index], result) + delta
+            delta = _echo(front, prompts[result.index // req.n], result) + delta
         if not delta and not result.finished:
             continue
         offset = sent.get(result.index, 0)
@@ -79,7 +80,7 @@ async def _stream(
         choice = {"index": result.index, "text": delta, "logprobs": logprobs, **finish_fields(result)}
         yield {**head, "choices": [choice], **chunk_usage(req, result)}
     if req.include_usage:
-        yield {**head, "choices": [], "usage": UsageInfo.of(Usage.of(finals))}
+        yield {**head, "choices": [], "usage": UsageInfo.of(choices_usage(finals, req.n))}
 
 
 def _logprobs(front: OpenAIFrontEnd, entries: list[Logprobs], offset: int) -> dict[str, Any]:

@@ -122,8 +122,6 @@ def _refuse_constant(name: str) -> object:
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    if req.n != 1:
-        raise APIError(400, f"only n=1 is supported, got {req.n}", param="n")
     try:
         return req.sampling_params(max_tokens, logprobs)
     except (TypeError, ValueError) as exc:
