@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-result", action=argparse.BooleanOptionalAction, default=True,
                    help="write the files (--no-save-result: print the table only)")  # fmt: skip
     p.add_argument("--no-plots", action="store_true", help="no PNGs")
-    p.add_argument("--timeline-steps", type=int, default=600, help="steps shown in the batch timeline")
+    p.add_argument("--timeline-steps", type=int, default=None,
+                   help="draw only the first N steps in the batch timeline (default: all of them; past 1500 steps "
+                   "a column shows one step in every k, as its title says)")  # fmt: skip
     g = p.add_argument_group("HTTP target")
     g.add_argument("--host", default="127.0.0.1", help="the server's host when --base-url is not given")
     g.add_argument("--port", type=int, default=8000, help="the server's port when --base-url is not given")

@@ -18,9 +18,13 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from batchserve.bench.trace import RunTrace, assign_lanes  # noqa: E402
 
 IDLE = (0.94, 0.94, 0.94)
-
+MAX_TIMELINE_COLUMNS = 1500  # more steps than this are drawn one in every k (the title says so)
+PREFILL_DARKENING = 0.55
 
 _PALETTE = [plt.get_cmap("tab20")(i)[:3] for i in range(20) if i not in (14, 15)]  # no greys: grey means idle
+# The legend shows the kinds of cell in greys, which no request has, so that no request's colour reads as a kind
+LEGEND_DECODE = np.array((0.55, 0.55, 0.55))
+LEGEND_PREFILL = LEGEND_DECODE * PREFILL_DARKENING
 
 
 def _request_colour(index: int) -> np.ndarray:
@@ -31,24 +35,29 @@ def _padding_colour(colour: np.ndarray) -> np.ndarray:
     return 0.3 * colour + 0.7 * np.array(IDLE)
 
 
-def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int = 600) -> Path:
+def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int | None = None) -> Path:
     """One lane per batch slot (rows) over iterations (columns), coloured by request.
 
     Decode cells are the request's colour; prefill cells the same colour, darker and hatched with dots; padding
     (a finished member of a static batch, still computed) the same colour, faded; idle slots are light grey. A green
     triangle marks where a request enters the batch, a black cross where it finishes.
     The bottom panel shows the batch occupancy and the waiting queue per iteration.
+    Every step is drawn (`max_steps`: only the first ones); past MAX_TIMELINE_COLUMNS steps a column shows one step
+    in every k, the last of its k, and the title says so.
     """
-    steps = trace.steps[:max_steps]
+    steps = trace.steps[:max_steps] if max_steps else trace.steps
+    stride = -(-len(steps) // MAX_TIMELINE_COLUMNS) if steps else 1
     lanes = assign_lanes(steps, trace.max_batch_size)
     num_lanes = max(trace.max_batch_size, max((max(r, default=-1) + 1 for r in lanes), default=0))
-    img = np.ones((num_lanes, max(len(steps), 1), 3)) * np.array(IDLE)
+    columns = max(-(-len(steps) // stride), 1)
+    img = np.ones((num_lanes, columns, 3)) * np.array(IDLE)
     order = {r.request_id: i for i, r in enumerate(trace.requests)}
     inserts, exits, prefills = [], [], []
     for x, (step, row) in enumerate(zip(steps, lanes, strict=True)):
+        column = x // stride
         for lane, (rid, ntok, prefill) in row.items():
             colour = _request_colour(order.setdefault(rid, len(order)))
-            img[lane, x] = colour * 0.55 if prefill else colour if ntok else _padding_colour(colour)
+            img[lane, column] = colour * PREFILL_DARKENING if prefill else colour if ntok else _padding_colour(colour)
             if prefill:
                 prefills.append((x, lane))
             if x == 0 or lanes[x - 1].get(lane, ("",))[0] != rid:
@@ -58,31 +67,32 @@ def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int = 600)
 
     height = min(3 + num_lanes * 0.18, 14)
     fig, (ax, ax2) = plt.subplots(
-        2, 1, figsize=(min(6 + len(steps) * 0.03, 22), height + 2), sharex=True,
+        2, 1, figsize=(min(6 + columns * 0.03, 22), height + 2), sharex=True,
         gridspec_kw={"height_ratios": [height, 2]},
     )  # fmt: skip
     ax.imshow(img, aspect="auto", interpolation="nearest", origin="lower",
-              extent=(-0.5, max(len(steps), 1) - 0.5, -0.5, num_lanes - 0.5))  # fmt: skip
-    size = max(4, min(30, 3000 / max(len(steps), 1)))
+              extent=(-0.5, columns * stride - 0.5, -0.5, num_lanes - 0.5))  # fmt: skip
+    size = marker_size(columns, num_lanes)
     if prefills:
         px, py = zip(*prefills, strict=True)
         ax.scatter(px, py, s=size * 0.3, c="white", marker=".", linewidths=0)
     if inserts:
         ix, iy = zip(*inserts, strict=True)
-        ax.scatter(np.array(ix) - 0.2, iy, s=size, c="lime", marker=">", edgecolors="darkgreen", linewidths=0.5,
-                   zorder=3)  # fmt: skip
+        # above the crosses: a slot refilled at the next step shows both
+        ax.scatter(np.array(ix) - 0.2 * stride, iy, s=size, c="lime", marker=">", edgecolors="darkgreen",
+                   linewidths=0.8, zorder=5)  # fmt: skip
     if exits:
         ex, ey = zip(*exits, strict=True)
-        ax.scatter(ex, ey, s=size, c="black", marker="x", linewidths=1, zorder=4)
+        ax.scatter(ex, ey, s=size, c="black", marker="x", linewidths=1.5, zorder=4)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(num_lanes, 16)))
     ax.set_ylabel("batch slot")
-    shown = f"first {len(steps)} of {len(trace.steps)} steps" if len(trace.steps) > len(steps) else "all steps"
-    ax.set_title(f"Batch timeline: {trace.label} ({shown}, max_batch_size={trace.max_batch_size})")
+    ax.set_title(f"Batch timeline: {trace.label} ({_shown(len(steps), len(trace.steps), stride)}, "
+                 f"max_batch_size={trace.max_batch_size})", loc="left")  # fmt: skip
     ax.legend(
         handles=[
-            Patch(color=_request_colour(3), label="decode (colour = request)"),
-            Patch(color=_request_colour(3) * 0.55, label="prefill (darker, dotted)"),
-            Patch(color=_padding_colour(_request_colour(3)), label="padding (finished, still computed)"),
+            Patch(color=LEGEND_DECODE, label="decode (each request its own colour)"),
+            Patch(facecolor=LEGEND_PREFILL, edgecolor="white", hatch="..", label="prefill (its colour darker, dotted)"),
+            Patch(color=_padding_colour(LEGEND_DECODE), label="padding (finished, still computed; faded)"),
             Patch(color=IDLE, label="idle slot"),
             plt.Line2D([], [], color="lime", markeredgecolor="darkgreen", marker=">", ls="", label="enters batch"),
             plt.Line2D([], [], color="black", marker="x", ls="", label="finishes"),
@@ -98,6 +108,17 @@ def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int = 600)
     ax3.plot(xs, [s.num_waiting for s in steps], color="tab:orange", label="waiting")
     ax3.set_ylabel("waiting requests", color="tab:orange")
     return _save(fig, path)
+
+
+def marker_size(columns: int, lanes: int) -> float:
+    """Enter / finish marker area (points^2): about a cell, never smaller than a readable 6-point marker."""
+    cell_points = min(72 * min(6 + columns * 0.03, 22) / columns, 72 * min(3 + lanes * 0.18, 14) / max(lanes, 1))
+    return max(36.0, min(100.0, (0.9 * cell_points) ** 2))
+
+
+def _shown(drawn: int, total: int, stride: int) -> str:
+    first = f"first {drawn} of {total} steps" if total > drawn else f"all {total} steps"
+    return first if stride == 1 else f"{first}, one column per {stride} steps"
 
 
 def plot_kv_usage(trace: RunTrace, path: str | Path, timeline_steps: int | None = None) -> Path:
@@ -154,17 +175,36 @@ def plot_latency_cdfs(traces: Sequence[RunTrace], path: str | Path) -> Path:
     metrics = (("TTFT", lambda r: [r.ttft]), ("TPOT", lambda r: [r.tpot]), ("ITL", lambda r: r.itls),
                ("E2E latency", lambda r: [r.e2e]))  # fmt: skip
     for ax, (name, values_of) in zip(axes, metrics, strict=True):
+        everything: list[float] = []
         for trace in traces:
             values = sorted(1000 * v for r in trace.requests if r.success for v in values_of(r) if v is not None)
             if values:
                 ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=trace.label)
-        ax.set_xlabel(f"{name} (ms)")
+                everything += values
+        clip = cdf_axis_limit(everything)
+        ax.set_xlim(0, clip)
+        clipped = clip is not None and clip < max(everything)
+        ax.set_xlabel(
+            f"{name} (ms)" + (f"; axis ends at p{CDF_CLIP_PERCENTILE:g}, max {max(everything):.0f}" if clipped else "")
+        )
         ax.set_ylabel("share of requests" if name != "ITL" else "share of token gaps")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("Latency distributions (client timestamps)")
     return _save(fig, path)
+
+
+CDF_CLIP_PERCENTILE = 99.5
+
+
+def cdf_axis_limit(values: Sequence[float]) -> float | None:
+    """Where a latency CDF's x axis ends: a little past the high percentile, so that a few stragglers (or one
+    request that waited minutes) do not squeeze every other curve against the axis."""
+    if not values:
+        return None
+    high = float(np.percentile(values, CDF_CLIP_PERCENTILE))
+    return min(max(values), 1.05 * high) if high > 0 else max(max(values), 1.0)
 
 
 def plot_throughput_over_time(trace: RunTrace, path: str | Path, num_bins: int = 50) -> Path:
