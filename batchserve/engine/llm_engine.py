@@ -1,4 +1,5 @@
-"""The engine: input checks, then schedule -> execute -> update, one forward pass per step()."""
+"""The engine: requests admitted as built (engine/inputs.RequestBuilder checked them), then schedule -> execute ->
+update, one forward pass per step(), each returning a CompletionDelta per request that progressed."""
 
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ class _Tracked:
     wants_logprobs: bool
     new_token_ids: list[int] = field(default_factory=list)  # since the request's last delta
     new_logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs: list[Logprobs | None] | None = None  # until its next delta carries them
 
 
 class LLMEngine:
@@ -228,6 +230,9 @@ class LLMEngine:
         scheduled_at = time.monotonic()
         model_output = self.runner.execute(scheduled)
         executed_at = time.monotonic()
+        for request_id, scores in model_output.prompt_logprobs.items():
+            if request_id in self._tracked:
+                self._tracked[request_id].prompt_logprobs = scores
         request_outputs = self._pending + self.scheduler.update_from_output(scheduled, model_output)
         self._pending = []
         results = self._process(request_outputs)
@@ -270,6 +275,7 @@ class LLMEngine:
             del self._tracked[request_id]
         delta_ids, tracked.new_token_ids = tracked.new_token_ids, []
         delta_logprobs, tracked.new_logprobs = tracked.new_logprobs, []
+        prompt_logprobs, tracked.prompt_logprobs = tracked.prompt_logprobs, None
         return CompletionDelta(
             request_id=request_id,
             delta_token_ids=delta_ids,
@@ -288,4 +294,5 @@ class LLMEngine:
                 num_cached_tokens=request.num_cached_prompt_tokens,
                 num_preemptions=request.num_preemptions,
             ),
+            prompt_logprobs=prompt_logprobs,
         )

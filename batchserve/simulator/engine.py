@@ -53,7 +53,7 @@ class SimMetrics:
 
 @dataclass(slots=True)
 class SimOutput:
-    """The fields of engine.CompletionOutput that the bench driver reads."""
+    """The fields of engine.outputs.CompletionDelta that the bench driver reads (and the token list so far)."""
 
     request_id: str
     token_ids: list[int]

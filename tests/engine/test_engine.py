@@ -1,7 +1,13 @@
+import asyncio
+
 import pytest
 
+from batchserve.core.outputs import Logprobs
+from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.llm_engine import QueueFullError
+from batchserve.engine.outputs import Completion, CompletionDelta, RequestMetrics
 from batchserve.entrypoints.llm import LLM
+from batchserve.request import EngineRequest
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from tests.doubles import LETTERS, reference_generation, run_to_completion
 
@@ -132,3 +138,35 @@ def test_effective_config_is_logged_at_start_up_with_what_the_engine_resolved(ma
     assert effective["max_batch_size"] == "5" and effective["truncation"] == "left"
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("effective config:")]
     assert "max_batch_size=5" in line and "max_model_len=640" in line and "enable_prefix_caching=True" in line
+
+
+def test_a_built_request_reaches_the_scheduler_unchanged(make_engine, tokenizer):
+    """Built (tokenized, checked) once; the async engine's stream and the scheduler hold that very request's data."""
+    engine = make_engine(delay_s=0.005)
+    params = SamplingParams(max_tokens=200, **GREEDY)  # ~1 s of steps: still running when it is looked at
+    request = engine.requests.from_prompt("r", "abc", params, priority=2)
+    assert request.prompt == "abc" and request.prompt_token_ids == tokenizer.encode("abc")
+    async_engine = AsyncLLMEngine(engine).start()
+    try:
+        stream = asyncio.run(async_engine.add_request(request))
+        scheduled = engine.scheduler.requests["r"]
+    finally:
+        async_engine.shutdown(drain=False)
+    assert stream.request is request
+    assert scheduled.prompt_token_ids is request.prompt_token_ids and scheduled.sampling_params is params
+    assert (scheduled.priority, scheduled.arrival_time) == (2, request.arrival_time)
+
+
+def test_a_completion_folds_deltas_into_the_whole_output():
+    """Outputs carry deltas; a Completion gathers them: ids and logprobs in order, the text, the running sum."""
+    entries = [Logprobs(t, -0.1 * (t + 1), 1, {}) for t in range(5)]
+    params = SamplingParams(max_tokens=5, logprobs=0)
+    completion = Completion.of(EngineRequest("r", [7, 8], params, prompt="hi"))
+    metrics = RequestMetrics(arrival_time=0.0)
+    for start, stop, text in [(0, 2, "ab"), (2, 3, ""), (3, 5, "cde")]:
+        delta = CompletionDelta("r", list(range(start, stop)), text, entries[start:stop], 2, stop, stop == 5,
+                                "length" if stop == 5 else None, None, metrics)  # fmt: skip
+        completion.add(delta)
+    assert completion.token_ids == [0, 1, 2, 3, 4] and completion.logprobs == entries and completion.text == "abcde"
+    assert completion.cumulative_logprob == sum(e.logprob for e in entries) and completion.finish_reason == "length"
+    assert (completion.prompt, completion.prompt_token_ids, completion.outputs) == ("hi", [7, 8], [completion])
