@@ -35,6 +35,15 @@ def test_readme_is_short() -> None:
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; the rest belongs in docs/"
 
 
+def test_readme_links_point_at_files_that_exist() -> None:
+    readme = (REPO / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [t for t in targets if "://" not in t]
+    assert local, "the README links into the docs"
+    for target in local:
+        assert (REPO / target).exists(), f"README.md links to {target}, which does not exist"
+
+
 def test_configuration_page_lists_every_option_of_the_schema(site: Path) -> None:
     from batchserve.config import ALIASES
     from batchserve.entrypoints.engine_options import SPECS
