@@ -4,7 +4,7 @@ for each, a server configured into the situation, load sent over HTTP on a sched
 came out.
 
     .venv/bin/python benchmarks/doctor_situations.py                       # every situation (a few minutes)
-    .venv/bin/python benchmarks/doctor_situations.py --only healthy,kv_full --window 20
+    .venv/bin/python benchmarks/doctor_situations.py --only healthy,kv_starved --window 20
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ SITUATIONS = {
     "healthy": Situation({"max_batch_size": 16}, 1.0, 48, 16, set()),
     "queue_backed_up": Situation({"max_batch_size": 2}, 4.0, 32, 24, {"queue_backed_up"}),
     "arrivals_exceed": Situation({"max_batch_size": 32}, 24.0, 32, 48, {"arrivals_exceed"}),
-    "kv_full": Situation({"max_batch_size": 16, "num_kv_blocks": 12}, 4.0, 40, 48, {"kv_full"}),
-    "preemption_thrash": Situation({"max_batch_size": 16, "num_kv_blocks": 12}, 4.0, 40, 48, {"preemption_thrash"}),
+    # a pool of 12 blocks for 16 sequences: full before the token budget, and preempting over and over
+    "kv_starved": Situation({"max_batch_size": 16, "num_kv_blocks": 12}, 4.0, 40, 48, {"kv_full", "preemption_thrash"}),
     "long_prompts": Situation(
-        {"max_batch_size": 16, "max_num_tokens": 32}, 3.0, 12, 8, {"long_prompts"}, long_every=8, long_len=400
+        {"max_batch_size": 16, "max_num_tokens": 32}, 2.0, 12, 8, {"long_prompts"}, long_every=8, long_len=400
     ),  # fmt: skip
 }
 

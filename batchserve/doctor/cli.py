@@ -56,6 +56,12 @@ def render(obs: Observation, diagnosis: Diagnosis) -> str:
         f"{obs.arrival_rate:.2f} req/s arrived, {obs.output_throughput:.1f} output tok/s, device busy "
         f"{100 * obs.busy_share:.0f}%",
     ]
+    if obs.requests:
+        ms = {name: [1000 * (obs.latency(name, p) or 0.0) for p in (50, 99)] for name in ("ttft_s", "e2e_s")}
+        lines.append(
+            f"TTFT p50/p99 {ms['ttft_s'][0]:.0f}/{ms['ttft_s'][1]:.0f} ms, e2e p50/p99 {ms['e2e_s'][0]:.0f}/"
+            f"{ms['e2e_s'][1]:.0f} ms, prompt p50/p99 {obs.prompt_len(50):.0f}/{obs.prompt_len(99):.0f} tokens"
+        )
     if not diagnosis.findings:
         lines.append("no problem found")
     for i, f in enumerate(diagnosis.findings, 1):

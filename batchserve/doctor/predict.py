@@ -78,14 +78,19 @@ def _parse(value: Any) -> Any:
 
 
 def replay_requests(obs: Observation, seed: int = 0) -> list[BenchRequest]:
+    """As many requests as arrived in the window (not only those that finished: an overloaded window finishes
+    fewer), their lengths drawn from the finished ones'; at most MAX_REPLAYED."""
     rng = random.Random(seed)
-    pool = obs.requests or []
-    picked = pool if len(pool) <= MAX_REPLAYED else rng.sample(pool, MAX_REPLAYED)
+    arrived = round(obs.arrival_rate * obs.duration_s)
+    count = min(MAX_REPLAYED, max(len(obs.requests), arrived))
+    picked = [obs.requests[i % len(obs.requests)] for i in range(len(obs.requests))]
+    picked += [rng.choice(obs.requests) for _ in range(count - len(picked))]
+    rng.shuffle(picked)
     return [
         BenchRequest(
             f"r{i}", [rng.randrange(1, 30000) for _ in range(max(1, r.prompt_tokens))], max(1, r.output_tokens)
         )
-        for i, r in enumerate(picked)
+        for i, r in enumerate(picked[:count])
     ]
 
 

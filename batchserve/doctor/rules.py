@@ -27,7 +27,7 @@ WAITING_SHARE = 0.5  # requests waited in at least this share of the steps
 BOUND_SHARE = 0.6  # a limit held the batch in at least this share of the steps with requests waiting
 KV_FULL = 0.95
 QUEUE_GROWTH = 1.15  # arrivals over completions
-TAIL_RATIO = 4.0  # p99 over p50
+TAIL_RATIO = 3.0  # TTFT p99 over p50
 LONG_PROMPT_RATIO = 4.0  # a long prompt: at least this many times the median
 LONG_PROMPT_TOKEN_SHARE = 0.25
 THRASH_PER_REQUEST = 0.2
@@ -177,7 +177,7 @@ def long_prompts(obs: Observation, predictor: Predictor) -> Finding | None:
     long_share = sum(r.prompt_tokens for r in long) / total if total else 0.0
     if not long or long_share < LONG_PROMPT_TOKEN_SHARE:
         return None
-    cap = int(obs.prompt_len(90))
+    cap = int(LONG_PROMPT_RATIO * median)
     evidence = [
         f"TTFT p50 {1000 * ttft50:.0f} ms, p99 {1000 * ttft99:.0f} ms ({ttft99 / ttft50:.1f}x)",
         f"{len(long)} of {len(obs.requests)} requests have prompts of >= {LONG_PROMPT_RATIO:.0f}x the median "
@@ -185,7 +185,8 @@ def long_prompts(obs: Observation, predictor: Predictor) -> Finding | None:
         "the prompt tokens: their prefills fill the step budget the others wait for",
     ]
     text = (f"schedule short requests first: scheduling_order shortest_first (or priority); or cap "
-            f"max_input_len at ~{cap} tokens (the p90 prompt)")  # fmt: skip
+            f"max_input_len at ~{cap} tokens ({LONG_PROMPT_RATIO:.0f}x the median prompt: the {len(long)} longer "
+            "ones would be refused, or truncated with truncation=left)")  # fmt: skip
     return Finding("long_prompts", "a few very slow requests: long prompts hold the window", evidence, text,
                    predictor(obs, {"scheduling_order": "shortest_first"}))  # fmt: skip
 
