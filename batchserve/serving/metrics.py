@@ -38,72 +38,68 @@ class EngineMetrics:
     def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
-        reg = self.registry
+        family = _Family(self.registry, model_name)
+        self._add_scheduler_metrics(family)
+        self._add_token_metrics(family)
+        self._add_request_metrics(family)
+        self._last_preemptions_total = 0
+        self._last_prefix_queries = 0
+        self._last_prefix_hits = 0
+        self._seen_first_output: set[str] = set()
 
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
-
-        def counter(name: str, doc: str) -> Any:
-            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Any:
-            return Histogram(PREFIX + name, doc, labels, buckets=tuple(buckets), registry=reg).labels(model_name)
-
-        # Scheduler state (of the latest step).
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.num_requests_swapped = gauge("num_requests_swapped", "Waiting requests whose KV sits in host memory.")
-        self.kv_cache_usage_perc = gauge(
+    def _add_scheduler_metrics(self, f: _Family) -> None:
+        """Scheduler state (of the latest step)."""
+        self.num_requests_running = f.gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = f.gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_requests_swapped = f.gauge("num_requests_swapped", "Waiting requests whose KV sits in host memory.")
+        self.kv_cache_usage_perc = f.gauge(
             "kv_cache_usage_perc", "KV-cache usage: share of blocks owned by requests (0-1)."
         )
-        self.kv_cache_blocks_used = gauge("kv_cache_blocks_used", "KV blocks owned by at least one request.")
-        self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool.")
-        self.prefix_cache_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over prompt tokens (0-1).")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
-        # Tokens.
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests admitted.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
-        self.iteration_time = histogram(
+        self.kv_cache_blocks_used = f.gauge("kv_cache_blocks_used", "KV blocks owned by at least one request.")
+        self.kv_cache_blocks_total = f.gauge("kv_cache_blocks_total", "KV blocks in the pool.")
+        self.prefix_cache_hit_rate = f.gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over prompt tokens (0-1).")
+        self.prefix_cache_queries = f.counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = f.counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = f.counter("num_preemptions", "Cumulative number of preemptions.")
+
+    def _add_token_metrics(self, f: _Family) -> None:
+        self.prompt_tokens = f.counter("prompt_tokens", "Prompt tokens of the requests admitted.")
+        self.generation_tokens = f.counter("generation_tokens", "Tokens generated.")
+        self.iteration_tokens = f.histogram("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
+        self.iteration_time = f.histogram(
             "iteration_time_seconds", "Wall time of one engine step.", ITERATION_TIME_BUCKETS
         )
         self.step_phase_time = Counter(
             PREFIX + "step_phase_seconds",
             "Engine step wall time by phase: schedule, prepare, forward (the model and logits), sample, output.",
             ["model_name", "phase"],
-            registry=reg,
+            registry=f.registry,
         )
-        self._step_phases = {phase: self.step_phase_time.labels(model_name, phase) for phase in STEP_PHASES}
-        # Requests.
+        self._step_phases = {phase: self.step_phase_time.labels(f.model_name, phase) for phase in STEP_PHASES}
+
+    def _add_request_metrics(self, f: _Family) -> None:
         self.request_success = Counter(
             PREFIX + "request_success",
             "Finished requests by finish reason.",
             ["model_name", "finished_reason"],
-            registry=reg,
+            registry=f.registry,
         )
-        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.time_per_output_token = histogram(
+        self.time_to_first_token = f.histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.time_per_output_token = f.histogram(
             "time_per_output_token_seconds", "Mean time between output tokens of a request.", TPOT_BUCKETS
         )
-        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
-        self.request_queue_time = histogram(
+        self.e2e_request_latency = f.histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.request_queue_time = f.histogram(
             "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
         )
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram(
+        self.request_prompt_tokens = f.histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.request_generation_tokens = f.histogram(
             "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         )
         self.engine_config_info = Info(
-            PREFIX + "engine_config", "The engine's effective configuration (as vLLM's cache_config_info).", labels,
-            registry=reg,
-        ).labels(model_name)  # fmt: skip
-        self._last_preemptions_total = 0
-        self._last_prefix_queries = 0
-        self._last_prefix_hits = 0
-        self._seen_first_output: set[str] = set()
+            PREFIX + "engine_config", "The engine's effective configuration (as vLLM's cache_config_info).",
+            ["model_name"], registry=f.registry,
+        ).labels(f.model_name)  # fmt: skip
 
     def attach(self, engine: AsyncLLMEngine) -> EngineMetrics:
         """Observe every step of `engine` from now on; what is fixed for its life (the configuration, the pool's
@@ -181,6 +177,24 @@ class EngineMetrics:
     # ------------------------------------------------------------------ any thread
     def render(self) -> bytes:
         return generate_latest(_WithoutCreated(self.registry))
+
+
+class _Family:
+    """Metrics of one registry, each labelled with the one model name."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry = registry
+        self.model_name = model_name
+
+    def gauge(self, name: str, doc: str) -> Any:
+        return Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def counter(self, name: str, doc: str) -> Any:
+        return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def histogram(self, name: str, doc: str, buckets: Iterable[float]) -> Any:
+        metric = Histogram(PREFIX + name, doc, ["model_name"], buckets=tuple(buckets), registry=self.registry)
+        return metric.labels(self.model_name)
 
 
 class _WithoutCreated:
