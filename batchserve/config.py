@@ -149,6 +149,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     record_steps: bool = False  # keep a StepRecord per engine step (for traces and timelines)
+    enforce_eager: bool = False  # vLLM's name: no CUDA graphs, every step runs eagerly (worker/cuda_graphs.py)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 

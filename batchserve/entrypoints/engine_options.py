@@ -44,6 +44,8 @@ HELP: dict[str, str] = {
     "seed": "seed of torch's RNG, and of sampling for requests without a seed of their own",
     "num_threads": "torch intra-op threads on CPU (default: torch's choice)",
     "record_steps": "keep a record of every engine step (benchmark traces and timelines)",
+    "enforce_eager": "on a GPU, run every step eagerly: no CUDA graphs of decode steps (captured at start-up for "
+    "a ladder of batch sizes otherwise)",
     "max_batch_size": "sequences in one forward pass",
     "max_num_tokens": "tokens in one forward pass: prefill chunks plus one per decoding sequence",
     "scheduler_policy": "max_utilization: fill the budget, preempt when blocks run out; guaranteed_no_evict: reserve "

@@ -125,6 +125,15 @@ class StaticDecodeInputs:
             decode=decode,
         )
 
+    def pad_all(self, scratch_slot: int) -> None:
+        """Every row padding: what a capture runs on, so that it writes K/V to the scratch slot only (a recapture
+        after the pool grew keeps live sequences in it)."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slot_mapping.fill_(scratch_slot)
+        self.seq_lens.fill_(1)
+        self.block_tables.zero_()
+
     def fill(self, input_ids, positions, slot_mapping, seq_lens, block_tables, size: int, scratch_slot: int) -> None:
         """Copy a step's n decode rows in; rows n..size-1 become padding (see the module's docstring)."""
         n, width = block_tables.shape
@@ -158,14 +167,14 @@ class DecodeGraphs:
         kv_caches: Callable[[], list[KVCache]],
         sizes: list[int],
         max_blocks: int,
-        scratch_slot: int,
+        scratch_slot: Callable[[], int],
         device: torch.device,
         capture: GraphCapture,
     ) -> None:
         self.forward = forward
         self.kv_caches = kv_caches  # the runner's pool as it is now (a resize replaces its tensors)
         self.sizes = sorted(sizes)
-        self.scratch_slot = scratch_slot
+        self.scratch_slot = scratch_slot  # the runner's, as it is now (it moves when the pool grows)
         self.capture = capture
         self.inputs = StaticDecodeInputs.allocate(self.sizes[-1], max_blocks, device)
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
@@ -178,6 +187,7 @@ class DecodeGraphs:
         free_before = _free_memory(device)
         start = time.perf_counter()
         self.graphs.clear()
+        self.inputs.pad_all(self.scratch_slot())
         for size in reversed(self.sizes):
             self.graphs[size] = self.capture(self._step_fn(size))
         if device.type == "cuda":
@@ -220,9 +230,35 @@ class DecodeGraphs:
         n = decode.num_seqs
         size = padded_size(n, self.sizes)
         self.inputs.fill(input_ids, metadata.positions, metadata.slot_mapping, decode.seq_lens, decode.block_tables,
-                         size, self.scratch_slot)  # fmt: skip
+                         size, self.scratch_slot())  # fmt: skip
         self.replays[size] = self.replays.get(size, 0) + 1
         return self.graphs[size]()[:n]
+
+
+def decode_graphs_for(runner) -> DecodeGraphs | None:
+    """A ModelRunner's decode graphs, captured now; None (every step eager) off a CUDA device, with enforce_eager, or
+    where attention on this pool would not be the Triton kernels (the torch path gathers the static block table's
+    whole width at every step: slower than eager)."""
+    from batchserve.layers.gpu import paged_attention as gpu_attention
+
+    if runner.device.type != "cuda" or runner.engine_config.enforce_eager:
+        return None
+    pool = runner.kv_caches[0]
+    if not gpu_attention.supports(pool[0][:1, 0], pool):
+        logger.info("CUDA graphs off: attention on this pool is not the Triton kernels (BATCHSERVE_GPU_ATTENTION)")
+        return None
+    max_len = runner.engine_config.scheduler.max_model_len or runner.model_config.max_position_embeddings
+    graphs = DecodeGraphs(
+        forward=runner.model,
+        kv_caches=lambda: runner.kv_caches,
+        sizes=capture_sizes(runner.engine_config.scheduler.max_batch_size),
+        max_blocks=min(-(-max_len // runner.block_size), runner.max_kv_blocks),
+        scratch_slot=lambda: runner.requests.scratch_slot,
+        device=runner.device,
+        capture=CudaGraphCapture(),
+    )
+    graphs.capture_all()
+    return graphs
 
 
 def _free_memory(device: torch.device) -> int:

@@ -10,6 +10,7 @@ from torch import nn
 
 from batchserve.config import EngineConfig, ModelConfig
 from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput
+from batchserve.worker.cuda_graphs import decode_graphs_for
 from batchserve.worker.input_batch import InputBatch, RequestTable
 from batchserve.worker.kv_cache import (
     GiB,
@@ -59,6 +60,7 @@ class ModelRunner:
         self.requests = RequestTable(self.block_size, scratch_slot=self.num_kv_blocks * self.block_size)
         self.last_timings = RunnerTimings()
         self._log_pool()
+        self.decode_graphs = decode_graphs_for(self)  # None off CUDA and with enforce_eager
 
     def resize_kv_cache(self, num_blocks: int, keep_contents: bool) -> None:
         """Grow the device pool to num_blocks (at most max_kv_blocks), between steps. keep_contents: the blocks
@@ -71,6 +73,8 @@ class ModelRunner:
         self.kv_cache.resize(num_blocks + 1, keep_blocks=keep)
         self.num_kv_blocks = num_blocks
         self.requests.scratch_slot = num_blocks * self.block_size
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture_all()  # the graphs hold the old pool's addresses
         self._log_pool()
 
     def _log_pool(self) -> None:
@@ -104,7 +108,10 @@ class ModelRunner:
         batch = self.requests.build(scheduler_output, self.device)
         prepared = time.perf_counter()
         timings.prepare_s = prepared - start
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        if self.decode_graphs is not None and self.decode_graphs.takes(batch.attn_metadata):
+            hidden = self.decode_graphs.run(batch.input_ids, batch.attn_metadata)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         self.requests.advance(batch)
         if not batch.sample_req_ids:
             timings.forward_s = time.perf_counter() - prepared

@@ -29,6 +29,14 @@ class RecordingCapture:
         return fn
 
 
+def assert_only_slots_changed(before: torch.Tensor, after: torch.Tensor, slots: set[int]) -> set[int]:
+    """Pool tensors [num_blocks, block_size, ...] differ only at `slots` (block * block_size + offset) -> those that
+    changed."""
+    changed = set((before != after).flatten(2).any(-1).view(-1).nonzero().flatten().tolist())
+    assert changed <= slots, (changed, slots)
+    return changed
+
+
 def test_ladder_of_sizes():
     assert capture_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
     assert capture_sizes(1) == [1]
@@ -64,7 +72,7 @@ def graphs_for(runner: ModelRunner, sizes: list[int], max_blocks: int = 8) -> tu
         kv_caches=lambda: runner.kv_caches,
         sizes=sizes,
         max_blocks=max_blocks,
-        scratch_slot=runner.requests.scratch_slot,
+        scratch_slot=lambda: runner.requests.scratch_slot,
         device=runner.device,
         capture=capture,
     )
@@ -92,7 +100,12 @@ def prefill_then_decode(runner: ModelRunner, prompt_lens: list[int], tag: str, f
 
 def test_replay_of_padded_batch_equals_eager_and_touches_only_the_scratch_slot(runner):
     graphs, capture = graphs_for(runner, [1, 2, 4, 8])
+    runner.kv_caches[0][0].normal_()  # a pool with contents: the capture must leave them be
+    pool_before = [t.clone() for pair in runner.kv_caches for t in pair]
     report = graphs.capture_all()
+    scratch = runner.requests.scratch_slot
+    for before, after in zip(pool_before, [t for pair in runner.kv_caches for t in pair], strict=True):
+        assert_only_slots_changed(before, after, {scratch})
     assert capture.captured == [8, 4, 2, 1] and report.sizes == [1, 2, 4, 8]  # largest first
     batch = prefill_then_decode(runner, [5, 9, 3], "a", first_block=0)  # 3 sequences: padded to 4
     assert graphs.takes(batch.attn_metadata)
@@ -106,9 +119,7 @@ def test_replay_of_padded_batch_equals_eager_and_touches_only_the_scratch_slot(r
     # the replay wrote this step's K/V at the real slots and the padding row's at the scratch slot, nothing else
     written = set(batch.attn_metadata.slot_mapping.tolist()) | {runner.requests.scratch_slot}
     for before, after in zip(pool_before, pool_after, strict=True):
-        changed = set((before != after).flatten(2).any(-1).view(-1).nonzero().flatten().tolist())  # slot ids
-        assert changed <= written, changed - written
-        assert changed  # the step did write
+        assert assert_only_slots_changed(before, after, written) & set(batch.attn_metadata.slot_mapping.tolist())
 
 
 def test_steps_that_run_eagerly(runner):
