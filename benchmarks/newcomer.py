@@ -106,14 +106,34 @@ def wait_healthy(port: int, process: subprocess.Popen, timeout_s: float) -> bool
     return False
 
 
+def start(text: str, env: dict[str, str]) -> subprocess.Popen:
+    """The command in a session of its own, so that stopping it stops everything it started (make's children)."""
+    return subprocess.Popen(text, shell=True, env=env, cwd=ROOT, text=True, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+
+
 def stop(process: subprocess.Popen) -> str:
-    process.send_signal(signal.SIGTERM)
+    """SIGTERM to the command's whole process group (a server drains), SIGKILL a minute later; its output."""
+    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            return process.communicate(timeout=wait_s)[0]
+        except subprocess.TimeoutExpired:
+            continue
+    return ""
+
+
+def run_one(text: str, env: dict[str, str], timeout_s: float) -> tuple[str, str | None]:
+    """(output, why it failed or None)."""
+    process = start(text, env)
     try:
-        output, _ = process.communicate(timeout=60)
+        output = process.communicate(timeout=timeout_s)[0]
     except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate()
-    return output
+        return stop(process), f"ran past {timeout_s:.0f} s"
+    return output, failed(process.returncode, output)
 
 
 def run_all(commands: list[Command], env: dict[str, str], timeout_s: float, log_dir: Path) -> list[str]:
@@ -131,18 +151,12 @@ def run_all(commands: list[Command], env: dict[str, str], timeout_s: float, log_
         if command.server:
             end_server()
             server_cmd = command
-            server = subprocess.Popen(command.text, shell=True, env=env, cwd=ROOT, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+            server = start(command.text, env)
             if not wait_healthy(command.port, server, timeout_s):
                 results.append(_line(command.text, f"not healthy within {timeout_s:.0f} s: {stop(server)[-2000:]}"))
                 server = None
             continue
-        try:
-            done = subprocess.run(command.text, shell=True, env=env, cwd=ROOT, text=True, timeout=timeout_s,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-            output, reason = done.stdout, failed(done.returncode, done.stdout)
-        except subprocess.TimeoutExpired as exc:
-            output, reason = str(exc.output or ""), f"ran past {timeout_s:.0f} s"
+        output, reason = run_one(command.text, env, timeout_s)
         (log_dir / f"{len(results):02d}.log").write_text(f"$ {command.text}\n{output}")
         results.append(_line(command.text, reason))
     end_server()

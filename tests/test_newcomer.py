@@ -73,3 +73,8 @@ def test_a_traceback_or_an_exit_status_fails_a_command(newcomer, tmp_path):
     assert [line.split()[0] for line in results] == ["ok", "FAIL", "FAIL"]
     assert "printed a traceback" in results[1] and "exited 2" in results[2]
     assert "ValueError: 3" in (tmp_path / "01.log").read_text()
+
+
+def test_a_command_past_its_time_is_stopped_with_its_children(newcomer):
+    output, reason = newcomer.run_one("sleep 30 & echo started; wait", dict(os.environ), 1)
+    assert reason == "ran past 1 s" and "started" in output
