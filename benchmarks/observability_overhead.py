@@ -51,8 +51,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def _round(url: str, requests: list[dict], watched: bool) -> float:
-    headers = {"traceparent": TRACEPARENT} if watched else {}
+async def _round(url: str, requests: list[dict], traceparent: bool) -> float:
+    headers = {"traceparent": TRACEPARENT} if traceparent else {}
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def one(r: dict) -> int:
@@ -83,6 +83,11 @@ def main() -> None:
     )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--parts",
+        default="listeners,poll,traceparent",
+        help="what the watched rounds turn on: listeners (dashboard, tracer, access log), poll, traceparent",
+    )
     args = p.parse_args()
     requests = json.loads(WORKLOAD.read_text())["requests"][: args.limit]
 
@@ -109,12 +114,13 @@ def main() -> None:
     for pair in range(args.pairs):
         for watched in (True, False) if pair % 2 == 0 else (False, True):
             listeners = async_engine.step_listeners
-            listeners[:] = [fn for fn in listeners if fn not in watchers] + (watchers if watched else [])
+            on = set(args.parts.split(",")) if watched else set()
+            listeners[:] = [fn for fn in listeners if fn not in watchers] + (watchers if "listeners" in on else [])
             stop = threading.Event()
             poller = threading.Thread(target=_poll, args=(url, stop), daemon=True)
-            if watched:
+            if "poll" in on:
                 poller.start()
-            rate = asyncio.run(_round(url, requests, watched))
+            rate = asyncio.run(_round(url, requests, "traceparent" in on))
             stop.set()
             results[watched].append(rate)
             print(f"pair {pair} {'watched  ' if watched else 'unwatched'}: {rate:.1f} output tok/s", flush=True)

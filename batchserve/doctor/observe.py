@@ -123,25 +123,26 @@ def _finished(row: dict[str, Any]) -> Finished:
     return Finished(**{k: v for k, v in row.items() if k in names})
 
 
-def watch(fetch: Callable[[int], dict[str, Any]], window_s: float, sleep: Callable[[float], None] = time.sleep,
+def watch(fetch: Callable[[int, float], dict[str, Any]], window_s: float, sleep: Callable[[float], None] = time.sleep,
           clock: Callable[[], float] = time.monotonic) -> Observation:  # fmt: skip
-    """Poll `fetch(since_step)` (a /dashboard/data snapshot with requests) for `window_s` seconds: every step after
-    the first poll, every request that finished after it."""
-    first = fetch(-1)
+    """Poll `fetch(since_step, finished_after)` (a /dashboard/data snapshot with requests) for `window_s` seconds:
+    every step after the first poll, every request that finished after it."""
+    first = fetch(-1, 0.0)
+    # the engine's finish times, not this clock, mark what was seen: a request finished after the latest of them is new
+    after = max((r["finished_time"] for r in first.get("requests", [])), default=0.0)
     start, since = clock(), _last_index(first, -1)
-    seen = {r["request_id"] for r in first.get("requests", [])}
     obs = Observation(0.0, first["config"], in_flight_start=_in_flight(first), waiting_start=first["now"]["waiting"])
     while True:
         remaining = window_s - (clock() - start)
         if remaining <= 0:
             break
         sleep(min(POLL_INTERVAL_S, remaining))
-        snap = fetch(since)
+        snap = fetch(since, after)
         fields = snap["step_fields"]
         obs.steps += [_step(dict(zip(fields, row))) for row in snap["steps"]]
         since = _last_index(snap, since)
-        fresh = [r for r in snap.get("requests", []) if r["request_id"] not in seen]
-        seen.update(r["request_id"] for r in fresh)
+        fresh = snap.get("requests", [])
+        after = max([after, *(r["finished_time"] for r in fresh)])
         obs.requests += [_finished(r) for r in fresh]
         obs.in_flight_end, obs.waiting_end = _in_flight(snap), snap["now"]["waiting"]
     obs.duration_s = clock() - start
@@ -158,14 +159,14 @@ def _in_flight(snap: dict[str, Any]) -> int:
     return snap["now"]["waiting"] + snap["now"]["running"]
 
 
-def http_fetcher(url: str, api_key: str | None = None) -> Callable[[int], dict[str, Any]]:
+def http_fetcher(url: str, api_key: str | None = None) -> Callable[[int, float], dict[str, Any]]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    def fetch(since: int) -> dict[str, Any]:
-        response = httpx.get(f"{url.rstrip('/')}/dashboard/data", params={"since": since, "requests": True},
-                             headers=headers, timeout=10)  # fmt: skip
+    def fetch(since: int, finished_after: float) -> dict[str, Any]:
+        params = {"since": since, "requests": True, "finished_after": finished_after}
+        response = httpx.get(f"{url.rstrip('/')}/dashboard/data", params=params, headers=headers, timeout=10)
         response.raise_for_status()
         return response.json()
 

@@ -121,9 +121,12 @@ class LiveStats:
             self._requests.popleft()
 
     # ------------------------------------------------------------------ any thread
-    def snapshot(self, since_step: int = -1, with_requests: bool = False) -> dict[str, Any]:
+    def snapshot(
+        self, since_step: int = -1, with_requests: bool = False, finished_after: float = 0.0
+    ) -> dict[str, Any]:
         """A JSON-able view: the current state, the steps after `since_step`, the latency percentiles of the last
-        minute, the effective configuration; with_requests: each of the last minute's finished requests too."""
+        minute, the effective configuration; with_requests: each of the last minute's requests finished after
+        `finished_after` (wall time) too."""
         now = time.time()
         with self._lock:
             self._forget_old(now)
@@ -140,7 +143,7 @@ class LiveStats:
             "latency": latency_summary(requests, self.latency_window_s),
         }
         if with_requests:
-            snapshot["requests"] = [asdict(r) for r in requests]
+            snapshot["requests"] = [asdict(r) for r in requests if r.finished_time > finished_after]
         return snapshot
 
 

@@ -35,7 +35,7 @@ def observe_load(sends: list[Send], window_s: float, delay_s: float = 0.004, **o
     thread = threading.Thread(target=asyncio.run, args=(_send_all(engine, sends),), daemon=True)
     try:
         thread.start()
-        return watch(lambda since: live.snapshot(since, with_requests=True), window_s)
+        return watch(lambda since, after: live.snapshot(since, True, after), window_s)
     finally:
         thread.join(60)
         engine.shutdown(drain=False)

@@ -56,8 +56,10 @@ def test_the_data_agrees_with_metrics(server):
     assert max(s["waiting"] for s in steps) > 0, "8 clients against max_batch_size 4 must queue"
     ttft = sorted(r["ttft_s"] for r in data["requests"])
     assert ttft[0] <= data["latency"]["ttft_s"]["p50"] <= data["latency"]["ttft_s"]["p99"] <= ttft[-1]
-    later = httpx.get(server.url + "/dashboard/data", params={"since": steps[-1]["index"]}, timeout=10).json()
-    assert later["steps"] == []
+    last = max(r["finished_time"] for r in data["requests"])
+    params = {"since": steps[-1]["index"], "requests": True, "finished_after": last}
+    later = httpx.get(server.url + "/dashboard/data", params=params, timeout=10).json()
+    assert later["steps"] == [] and later["requests"] == []
 
 
 def test_the_data_needs_the_key_the_page_does_not():

@@ -32,6 +32,9 @@ def add_dashboard_routes(app: FastAPI, live_stats: LiveStats) -> None:
         return HTMLResponse(dashboard_html(), headers={"Cache-Control": "no-cache"})
 
     @app.get(DATA_PATH, include_in_schema=False)
-    async def dashboard_data(since: int = Query(-1), requests: bool = Query(False)) -> Response:
-        """`since`: only the steps after that index; `requests`: each request finished in the last minute too."""
-        return JSONResponse(live_stats.snapshot(since, with_requests=requests))
+    async def dashboard_data(
+        since: int = Query(-1), requests: bool = Query(False), finished_after: float = Query(0.0)
+    ) -> Response:
+        """`since`: only the steps after that index; `requests`: each request finished in the last minute (after
+        `finished_after`, a wall time) too."""
+        return JSONResponse(live_stats.snapshot(since, with_requests=requests, finished_after=finished_after))
