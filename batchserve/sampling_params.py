@@ -69,6 +69,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # number of top logprobs to return per sampled token
+    prompt_logprobs: int | None = None  # score every prompt token too, with this many top alternatives
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -101,6 +102,8 @@ class SamplingParams:
         _integer("n", self.n, low=1, high=MAX_N)  # the serving layer runs n > 1 as n child requests
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, low=0, high=20)
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, low=0, high=20)
         _integer("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):

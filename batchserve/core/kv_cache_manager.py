@@ -52,7 +52,7 @@ class KVCacheManager:
     def find_prefix_hit(self, request: Request) -> PrefixHit:
         """Cached blocks covering the request's known tokens, leaving at least one token to compute
         (the forward pass must produce logits at the last position)."""
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or _scores_prompt(request):
             return PrefixHit([], 0)
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVBlock] = []
@@ -157,3 +157,8 @@ class KVCacheManager:
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.blocks_of(request)]
+
+
+def _scores_prompt(request: Request) -> bool:
+    """A request that asks for its prompt's logprobs computes every prompt position (a cached one has no logits)."""
+    return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids

@@ -70,6 +70,8 @@ class ModelOutput:
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs | None] | None = None  # parallel to req_ids when any request asked for them
+    # req_id -> a score per prompt token (None for the first), with the request's first sampled token
+    prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
 
 
 @dataclass

@@ -35,6 +35,7 @@ class CompletionDelta:
     finish_reason: str | None
     stop_reason: int | str | None
     metrics: RequestMetrics
+    prompt_logprobs: list[Logprobs | None] | None = None  # once, on the first delta, when the request asked
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Completion:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None  # a score per prompt token, None for the first
     _pieces: list[str] = field(default_factory=list, repr=False)  # text, joined when read
 
     @classmethod
@@ -69,6 +71,8 @@ class Completion:
                 self.cumulative_logprob += entry.logprob
         self.finished, self.finish_reason, self.stop_reason = delta.finished, delta.finish_reason, delta.stop_reason
         self.metrics = delta.metrics
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
     @property
     def text(self) -> str:

@@ -19,6 +19,7 @@ from batchserve.worker.kv_cache import (
     num_blocks_for_budget,
     num_swap_blocks_for_budget,
 )
+from batchserve.worker.prompt_logprobs import PromptLogprobs
 from batchserve.worker.sampler import Sampler, SamplingMetadata
 from batchserve.worker.structured_output import StructuredOutputs
 
@@ -57,6 +58,7 @@ class ModelRunner:
         self.sampler = Sampler()
         # grammar matchers of constrained sequences; startup gives it the tokenizer its compiler needs
         self.structured_outputs = StructuredOutputs(model_config.vocab_size, model_config.eos_token_ids)
+        self.prompt_logprobs = PromptLogprobs()  # scores of prompt tokens, for the requests that ask
         self.requests = RequestTable(self.block_size, scratch_slot=self.num_kv_blocks * self.block_size)
         self.last_timings = RunnerTimings()
         self._log_pool()
@@ -102,6 +104,7 @@ class ModelRunner:
         self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
         self.requests.apply(scheduler_output)
         self._track_constraints(scheduler_output)
+        self.prompt_logprobs.follow(scheduler_output.new_requests, scheduler_output.finished_req_ids)
         if scheduler_output.is_empty:
             timings.prepare_s = time.perf_counter() - start
             return ModelOutput()
@@ -112,7 +115,10 @@ class ModelRunner:
             hidden = self.decode_graphs.run(batch.input_ids, batch.attn_metadata)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        scoring = self.prompt_logprobs.plan(self.requests, batch, self.device)  # before the table advances
         self.requests.advance(batch)
+        if scoring is not None:  # every scored prompt position of the step in one lm_head call
+            self.prompt_logprobs.score(self.model.compute_logits(hidden.index_select(0, scoring.packed_rows)), scoring)
         if not batch.sample_req_ids:
             timings.forward_s = time.perf_counter() - prepared
             return ModelOutput()
@@ -146,4 +152,9 @@ class ModelRunner:
         sampled = out.token_ids.tolist()  # the step's one device -> host transfer
         table.append_sampled(batch.sample_rows, sampled)
         self.structured_outputs.accept(batch.sample_req_ids, sampled)
-        return ModelOutput(req_ids=list(batch.sample_req_ids), sampled_token_ids=sampled, logprobs=out.logprobs)
+        return ModelOutput(
+            req_ids=list(batch.sample_req_ids),
+            sampled_token_ids=sampled,
+            logprobs=out.logprobs,
+            prompt_logprobs=self.prompt_logprobs.take(batch.sample_req_ids),
+        )

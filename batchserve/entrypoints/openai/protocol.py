@@ -131,6 +131,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's scores by position, with this many alternatives
     suffix: str | None = None
     best_of: int | None = None
 
