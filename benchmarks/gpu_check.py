@@ -1,28 +1,39 @@
-"""The GPU check of issue 6 as one prepared script: greedy parity with transformers on the device, decode tok/s at
-batch 1 / 64 / 256, and the TTFT of a 2048-token prompt. It runs on CPU too (a smoke test of the script itself).
+"""The GPU check of issue 50 as one prepared script (under 8 minutes on an H200): everything its "must hold" list asks
+for, written as one JSON and printed as a table. It runs on the CPU too, as a smoke test of the script itself.
 
-    python3 benchmarks/gpu_check.py --out "$OUT"                                 # on a lent GPU (cuda, defaults)
-    .venv/bin/python benchmarks/gpu_check.py --device cpu --batch-sizes 1,4 --ttft-len 128 \\
-        --parity-requests 2 --new-tokens 8 --decode-steps 3                       # smoke test here
+    python3 benchmarks/gpu_check.py --out "$OUT"                                   # on a lent GPU (cuda, defaults)
+    .venv/bin/python benchmarks/gpu_check.py --device cpu --smoke                  # the smoke test here (tiny shapes)
 
-Weights: `--model PATH` (an HF directory or a GGUF file) or, by default, SmolLM2-135M-Instruct's exact shapes with
-seeded random weights saved as an HF checkpoint in a temporary folder: the device machine cannot download, and the
-packaged GGUF (98 MB) is over what a device call carries. Timings depend only on the shapes. The random weights are
-drawn at a large scale (like the tests' tiny models) so that greedy decoding has decisive logits and no near-ties.
+Sections (each runs on its own: one that fails records its error and the rest go on):
+- environment: GPU, driver, torch, Triton;
+- kernels: the Triton paged-attention kernels against the torch gather-and-pad path on random pools (GPU only);
+- parity: greedy float32 tokens of batchserve (all requests in one batch, TF32 off) against transformers' `generate`
+  (one request at a time) on the same device;
+- decode: SmolLM2-135M shapes, --dtype, step time and tok/s at batch 1/64/256 with --context tokens of context,
+  "before" (torch attention, eager: BATCHSERVE_GPU_ATTENTION=torch, enforce_eager) and "after" (Triton kernels, CUDA
+  graphs), with kernel launches and host syncs per decode step from torch.profiler;
+- big: Llama-3.1-8B shapes with random weights built on the device, step time at batch 1 and 64 against the
+  weight-streaming bound (weight bytes / the device-to-device bandwidth measured here: bytes read + written by a
+  large copy per second), and its TTFT;
+- ttft: the time to the first token of a --ttft-len prompt (SmolLM2 shapes).
 
-Parity runs in float32 with TF32 off: every request's greedy tokens from batchserve (all requests batched together)
-against transformers' `generate` (one request at a time) on the same device. Timings run in `--dtype`.
-One JSON result goes to --out (default bench_results/).
+Weights: SmolLM2-135M-Instruct's exact shapes (tiny ones with --smoke) with seeded random weights saved as an HF checkpoint in a temporary
+folder (the device machine cannot download), drawn at a large scale so greedy decoding has decisive logits.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
+import os
 import random
 import statistics
+import subprocess
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -43,20 +54,38 @@ SMOLLM2_135M = dict(
     eos_token_id=2,
     pad_token_id=2,
 )
+SMOKE_SHAPES = {**SMOLLM2_135M, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+# batchserve ModelConfig fields of the big model; "tiny" keeps the smoke test cheap
+BIG_SHAPES = {
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                         num_kv_heads=8, head_dim=128, max_position_embeddings=131072, rope_theta=500000.0),
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=32, max_position_embeddings=4096),
+}  # fmt: skip
+# what counts as a launch and as a host sync in a profile (CUDA runtime and driver API calls, aten ops that sync)
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+MODES = {"before": ("torch", True), "after": ("triton", False)}  # BATCHSERVE_GPU_ATTENTION, enforce_eager
 
 
-def random_checkpoint(directory: Path, seed: int = 0) -> Path:
-    """SmolLM2-135M's shapes, random weights, and a word-level tokenizer over the same vocabulary."""
+# --- models and engines --------------------------------------------------------------------------------------------
+def word_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="w2", pad_token="w2")
+
+
+def random_checkpoint(directory: Path, shapes: dict = SMOLLM2_135M, seed: int = 0) -> Path:
+    """An HF checkpoint of these shapes with random weights, and a word-level tokenizer over its vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, initializer_range=0.08)).float().eval()
-    model.save_pretrained(directory)
-    vocab = {f"w{i}": i for i in range(SMOLLM2_135M["vocab_size"])}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="w2", pad_token="w2").save_pretrained(directory)
+    LlamaForCausalLM(LlamaConfig(**shapes, initializer_range=0.08)).float().eval().save_pretrained(directory)
+    word_tokenizer(shapes["vocab_size"]).save_pretrained(directory)
     return directory
 
 
@@ -64,6 +93,53 @@ def engine_for(model: str, device: str, dtype: str, **options):
     from batchserve.engine.llm_engine import LLMEngine
 
     return LLMEngine.from_options(model=model, device=device, dtype=dtype, **options)
+
+
+def big_engine(shapes: dict, device: str, dtype: str, **options):
+    """An engine over batchserve's Llama built on the device with random weights (no checkpoint: 16 GB of them)."""
+    from batchserve.config import EngineConfig, ModelConfig
+    from batchserve.engine.llm_engine import LLMEngine
+    from batchserve.models.llama import LlamaForCausalLM
+    from batchserve.worker.model_runner import ModelRunner
+
+    model_config = ModelConfig(**shapes, eos_token_ids=[2])
+    torch_dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_config, dtype=torch_dtype)
+    model.to_empty(device=device)
+    model.rotary.reset(torch.device(device))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+    model.eval().requires_grad_(False)
+    if device == "cpu":
+        model.use_cpu_linear_layouts()
+    config = EngineConfig.from_options(device=device, dtype=dtype, **options)
+    runner = ModelRunner(config, model_config, model, torch.device(device), torch_dtype)
+    return LLMEngine(config, runner=runner, tokenizer=word_tokenizer(shapes["vocab_size"]), model_config=model_config)
+
+
+def release(engine) -> None:
+    """Free an engine's device memory before the next one (the runner and its graphs hold one another)."""
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def mode(name: str):
+    """The "before" / "after" configuration: BATCHSERVE_GPU_ATTENTION for the block, enforce_eager to pass on."""
+    attention, eager = MODES[name]
+    old = os.environ.get("BATCHSERVE_GPU_ATTENTION")
+    os.environ["BATCHSERVE_GPU_ATTENTION"] = attention
+    try:
+        yield {"enforce_eager": eager}
+    finally:
+        os.environ.pop("BATCHSERVE_GPU_ATTENTION") if old is None else os.environ.update(BATCHSERVE_GPU_ATTENTION=old)
 
 
 def greedy(max_tokens: int):
@@ -76,20 +152,92 @@ def prompts(count: int, rng: random.Random, low: int, high: int, vocab: int) -> 
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(low, high + 1))] for _ in range(count)]
 
 
-def check_parity(model: str, device: str, count: int, new_tokens: int, rng: random.Random) -> dict:
-    """batchserve (one batch) vs transformers (one request at a time), float32, same device, prompts of 20-300."""
+def submit(engine, request_id: str, prompt: list[int], max_tokens: int) -> None:
+    engine.add_request(engine.requests.from_prompt(request_id, prompt, greedy(max_tokens)))
+
+
+def save(result: dict, out: Path, name: str) -> None:
+    """One JSON result in `out`, named `name` and the time (gpu_profile.py saves through this too)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"saved {path}")
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# --- sections ------------------------------------------------------------------------------------------------------
+def environment(device: str) -> dict:
+    info = {"device": device, "torch": torch.__version__}
+    with contextlib.suppress(ImportError):
+        import triton
+
+        info["triton"] = triton.__version__
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            query = ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"]
+            info["driver"] = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()
+    return info
+
+
+def kernel_check(device: str) -> dict:
+    """The Triton kernels against the torch path on random pools with shuffled block tables (a mixed step: decodes
+    and chunks after cached context), SmolLM2's and Llama-3.1-8B's head shapes, each pool dtype."""
+    from batchserve.core.outputs import NewRequestData, SchedulerOutput
+    from batchserve.layers import attention
+    from batchserve.layers.gpu import paged_attention as gpu
+    from batchserve.sampling_params import SamplingParams
+    from batchserve.worker.input_batch import RequestTable
+
+    assert gpu.available(), "triton is not importable"
+    rows, rng = [], random.Random(0)
+    seqs = [(700, 1), (33, 1), (1, 1), (1500, 1), (0, 300), (257, 64), (900, 17)]
+    block_size = 16
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 8
+    for (heads, kv_heads, head_dim), dtype in [(h, d) for h in ((9, 3, 64), (32, 8, 128))
+                                               for d in (torch.bfloat16, torch.float16, torch.float32)]:  # fmt: skip
+        free = list(range(num_blocks))
+        rng.shuffle(free)
+        new = []
+        for i, (cached, n) in enumerate(seqs):
+            blocks = [free.pop() for _ in range(-(-(cached + n) // block_size))]
+            new.append(NewRequestData(f"r{i}", [3] * (cached + n), cached + n, SamplingParams(), blocks, cached))
+        step = SchedulerOutput(new_requests=new, num_scheduled_tokens={r.req_id: n for r, (_, n) in zip(new, seqs)})
+        table = RequestTable(block_size)
+        table.apply(step)
+        meta = table.build(step, torch.device(device)).attn_metadata
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        pool = tuple(torch.randn(shape, device=device).to(dtype) for _ in range(2))
+        query = torch.randn(meta.slot_mapping.shape[0], heads, head_dim, device=device).to(dtype)
+        key, value = (c.view(-1, kv_heads, head_dim)[meta.slot_mapping] for c in pool)
+        out = {}
+        for name in ("torch", "triton"):
+            with mode("before" if name == "torch" else "after"):
+                out[name] = attention.paged_attention(query, key, value, pool, meta, head_dim**-0.5).float()
+        error = (out["torch"] - out["triton"]).abs().max().item()
+        rows.append({"heads": [heads, kv_heads, head_dim], "dtype": str(dtype), "max_abs_error": error,
+                     "ok": error < (1e-4 if dtype == torch.float32 else 3e-2)})  # fmt: skip
+    return {"rows": rows, "all_ok": all(r["ok"] for r in rows)}
+
+
+def parity(model: str, device: str, count: int, new_tokens: int, rng: random.Random) -> dict:
+    """batchserve (one batch, the "after" configuration) vs transformers (one request at a time), float32."""
     from transformers import AutoModelForCausalLM
 
-    engine = engine_for(model, device, "float32", max_batch_size=count)
+    engine = engine_for(model, device, "float32", max_batch_size=count, kv_cache_memory_fraction=0.3)
     requests = prompts(count, rng, 20, 300, engine.model_config.vocab_size)
     for i, prompt in enumerate(requests):
-        engine.add_request(str(i), prompt, greedy(new_tokens))
-    ours: dict[int, list[int]] = {}
+        submit(engine, str(i), prompt, new_tokens)
+    ours: dict[int, list[int]] = {i: [] for i in range(count)}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                ours[int(out.request_id)] = out.token_ids
-    del engine
+        for delta in engine.step():
+            ours[int(delta.request_id)] += delta.delta_token_ids
+    release(engine)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()
     same, rows = 0, []
     for i, prompt in enumerate(requests):
@@ -98,64 +246,191 @@ def check_parity(model: str, device: str, count: int, new_tokens: int, rng: rand
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                               eos_token_id=None, pad_token_id=0)  # fmt: skip
         theirs = out[0, len(prompt) :].tolist()
-        agree = next((k for k, (a, b) in enumerate(zip(ours[i], theirs, strict=True)) if a != b), new_tokens)
+        agree = next((k for k, (a, b) in enumerate(zip(ours[i], theirs)) if a != b), min(len(ours[i]), new_tokens))
         same += agree == new_tokens
         rows.append({"prompt_len": len(prompt), "tokens_in_agreement": agree})
-    return {"requests": len(requests), "identical": same, "rows": rows}
+    del hf
+    return {"requests": count, "identical": same, "rows": rows}
 
 
-def decode_rate(model, device, dtype, batch: int, prompt_len: int, steps: int, rng: random.Random) -> dict:
-    engine = engine_for(model, device, dtype, max_batch_size=batch, max_num_tokens=max(2048, batch))
-    vocab = engine.model_config.vocab_size
-    for i, prompt in enumerate(prompts(batch, rng, prompt_len, prompt_len, vocab)):
-        engine.add_request(str(i), prompt, greedy(steps + 8))
+def decode_steps(engine, batch: int, context: int, steps: int, rng: random.Random, device: str) -> dict:
+    """Fill the batch with `context`-token prompts, then time `steps` decode steps (median) and profile a few."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i, prompt in enumerate(prompts(batch, rng, context, context, engine.model_config.vocab_size)):
+        submit(engine, f"d{i}", prompt, steps + 16)
     while engine.scheduler.num_waiting or engine.last_stats is None or engine.last_stats.num_prefill_tokens:
         engine.step()
     engine.step()  # warm-up
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        engine.step()  # returns after the sampled ids reach the host: the step is complete
+        engine.step()  # returns once the sampled ids are on the host: the step is complete
         times.append(time.perf_counter() - start)
+    profiled = 4
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(profiled):
+            engine.step()
+    counts = {e.key: e.count / profiled for e in prof.key_averages() if e.key.startswith(("cu", "aten::_local"))}
     step = statistics.median(times)
-    return {"batch": batch, "step_ms": step * 1e3, "tok_per_s": batch / step}
+    graphs = getattr(engine.runner, "decode_graphs", None)
+    return {"batch": batch, "context": context, "step_ms": step * 1e3, "tok_per_s": batch / step,
+            "launches_per_step": sum(counts.get(k, 0) for k in LAUNCHES),
+            "syncs_per_step": sum(counts.get(k, 0) for k in SYNCS), "runtime_calls_per_step": counts,
+            "graph_replays": dict(graphs.replays) if graphs is not None else {}}  # fmt: skip
 
 
-def ttft(model, device, dtype, prompt_len: int, repeats: int, rng: random.Random) -> dict:
-    engine = engine_for(model, device, dtype, max_num_tokens=max(2048, prompt_len))
-    vocab = engine.model_config.vocab_size
+def decode(model: str, device: str, dtype: str, batches: list[int], context: int, steps: int, rng) -> dict:
+    result = {}
+    for name in MODES:
+        result[name] = []
+        for batch in batches:
+            with mode(name) as options:
+                engine = engine_for(model, device, dtype, max_batch_size=batch, max_num_tokens=max(2048, batch),
+                                    kv_cache_memory_fraction=0.3, **options)  # fmt: skip
+                row = decode_steps(engine, batch, context, steps, rng, device)
+                release(engine)
+            result[name].append(row)
+            print(f"decode {name} B={batch}: {row['step_ms']:.2f} ms/step, {row['tok_per_s']:.0f} tok/s, "
+                  f"{row['launches_per_step']:.0f} launches, {row['syncs_per_step']:.0f} syncs", flush=True)  # fmt: skip
+    return result
+
+
+def ttft_of(engine, prompt_len: int, repeats: int, rng: random.Random) -> dict:
     times = []
     for r in range(repeats + 1):  # the first is a warm-up
-        engine.add_request(f"t{r}", prompts(1, rng, prompt_len, prompt_len, vocab)[0], greedy(1))
+        submit(engine, f"t{r}", prompts(1, rng, prompt_len, prompt_len, engine.model_config.vocab_size)[0], 1)
         start = time.perf_counter()
-        while not any(out.token_ids for out in engine.step()):
+        while not any(delta.delta_token_ids for delta in engine.step()):
             pass
         if r:
             times.append(time.perf_counter() - start)
     return {"prompt_len": prompt_len, "ttft_ms": statistics.median(times) * 1e3, "runs": len(times)}
 
 
-def save(result: dict, out: Path, name: str) -> None:
-    """One JSON result in `out`, named `name` and the time."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"saved {path}")
+def copy_bandwidth(device: str, nbytes: int) -> float:
+    """Device-to-device copy: bytes read + written per second (the median of 10 copies)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(11):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times[1:])
 
 
-def main() -> None:
+def big(shapes_name: str, device: str, dtype: str, batches: list[int], context: int, steps: int, ttft_len: int,
+        rng: random.Random) -> dict:  # fmt: skip
+    shapes = BIG_SHAPES[shapes_name]
+    bandwidth = copy_bandwidth(device, 2 * 1024**3 if device == "cuda" else 64 * 1024**2)
+    result = {"shapes": shapes_name, "copy_bandwidth_gb_s": bandwidth / 1e9, "rows": []}
+    with mode("after") as options:
+        engine = big_engine(shapes, device, dtype, max_batch_size=max(batches), max_num_tokens=max(2048, ttft_len),
+                            kv_cache_memory_fraction=0.5, **options)  # fmt: skip
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+        bound_ms = weight_bytes / bandwidth * 1e3
+        result.update(weight_bytes=weight_bytes, weight_streaming_bound_ms=bound_ms)
+        result["ttft"] = ttft_of(engine, ttft_len, 2, rng)
+        for batch in batches:
+            row = decode_steps(engine, batch, context, steps, rng, device)
+            row["x_bound"] = row["step_ms"] / bound_ms
+            result["rows"].append(row)
+            print(f"{shapes_name} B={batch}: {row['step_ms']:.2f} ms/step = {row['x_bound']:.2f}x the weight-streaming "
+                  f"bound ({bound_ms:.2f} ms)", flush=True)  # fmt: skip
+            while engine.has_unfinished_requests():
+                engine.step()
+        release(engine)
+    return result
+
+
+def ttft(model: str, device: str, dtype: str, prompt_len: int, rng: random.Random) -> dict:
+    with mode("after") as options:
+        engine = engine_for(model, device, dtype, max_num_tokens=max(2048, prompt_len), kv_cache_memory_fraction=0.3,
+                            **options)  # fmt: skip
+        result = ttft_of(engine, prompt_len, 3, rng)
+        release(engine)
+    return result
+
+
+# --- the run -------------------------------------------------------------------------------------------------------
+def section(result: dict, name: str, fn, *args) -> None:
+    """Run one section into result[name]; a failure is recorded (with its traceback) and the next section runs."""
+    start = time.perf_counter()
+    try:
+        result[name] = fn(*args)
+    except Exception as exc:  # a one-shot device session must keep the other figures
+        result[name] = {"error": repr(exc), "traceback": traceback.format_exc()}
+        print(f"{name} FAILED: {exc!r}", flush=True)
+    result.setdefault("section_seconds", {})[name] = round(time.perf_counter() - start, 1)
+
+
+def table(result: dict) -> str:
+    """The figures against the issue's targets, as a markdown table."""
+    lines = ["| figure | value | target |", "|---|---|---|"]
+
+    def row(name, value, target=""):
+        lines.append(f"| {name} | {value} | {target} |")
+
+    env = result.get("environment", {})
+    row("device", f"{env.get('gpu', env.get('device'))}, driver {env.get('driver', '-')}, torch {env.get('torch')}, "
+        f"triton {env.get('triton', '-')}")  # fmt: skip
+    kernels = result.get("kernels", {})
+    if kernels:
+        row("Triton kernels = torch path", kernels.get("all_ok", kernels.get("error")), "True")
+    par = result.get("parity", {})
+    row("greedy float32 parity", f"{par.get('identical')}/{par.get('requests')}" if "requests" in par else par,
+        "all identical")  # fmt: skip
+    for name, rows in (result.get("decode") or {}).items():
+        if not isinstance(rows, list):
+            continue
+        for r in rows:
+            target = {1: "<= 1.5 ms", 256: ">= 60,000 tok/s"}.get(r["batch"], "") if name == "after" else ""
+            row(f"SmolLM2 decode {name} B={r['batch']} ctx {r['context']}",
+                f"{r['step_ms']:.2f} ms, {r['tok_per_s']:,.0f} tok/s, {r['launches_per_step']:.0f} launches, "
+                f"{r['syncs_per_step']:.0f} syncs", target)  # fmt: skip
+    b = result.get("big", {})
+    for r in b.get("rows", []):
+        target = {1: "<= 1.3x", 64: "<= 2x"}.get(r["batch"], "")
+        row(f"{b['shapes']} B={r['batch']} step", f"{r['step_ms']:.2f} ms = {r['x_bound']:.2f}x bound "
+            f"({b['weight_streaming_bound_ms']:.2f} ms at {b['copy_bandwidth_gb_s']:.0f} GB/s)", target)  # fmt: skip
+    if "ttft" in b:
+        row(f"{b['shapes']} TTFT {b['ttft']['prompt_len']} tokens", f"{b['ttft']['ttft_ms']:.1f} ms")
+    t = result.get("ttft", {})
+    if "ttft_ms" in t:
+        row(f"SmolLM2 TTFT {t['prompt_len']} tokens", f"{t['ttft_ms']:.1f} ms")
+    for name, value in result.items():
+        if isinstance(value, dict) and "error" in value:
+            row(f"{name} FAILED", value["error"][:100])
+    return "\n".join(lines)
+
+
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="HF directory or GGUF file (default: random weights of SmolLM2-135M's shapes)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the timings (parity is float32)")
     ap.add_argument("--batch-sizes", default="1,64,256")
-    ap.add_argument("--prompt-len", type=int, default=128, help="prompt length of the decode runs")
+    ap.add_argument("--context", type=int, default=512, help="tokens of context of the decode runs")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--ttft-len", type=int, default=2048)
     ap.add_argument("--parity-requests", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per parity request")
+    ap.add_argument("--big", default="llama-3.1-8b", choices=[*BIG_SHAPES, "none"])
+    ap.add_argument("--big-batch-sizes", default="1,64")
+    ap.add_argument("--smoke", action="store_true", help="tiny everything: the CPU smoke test of this script")
     ap.add_argument("--out", type=Path, default=Path("bench_results"))
     args = ap.parse_args()
+    if args.smoke:
+        args.batch_sizes, args.context, args.decode_steps, args.ttft_len = "1,4", 24, 3, 64
+        args.parity_requests, args.new_tokens, args.big, args.big_batch_sizes = 2, 4, "tiny", "1,2"
+    return args
+
+
+def main() -> None:
+    args = arguments()
     from batchserve.config import EngineConfig
     from batchserve.host.process import configure_torch
 
@@ -163,21 +438,24 @@ def main() -> None:
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 means float32
     rng = random.Random(0)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "environment": environment(args.device)}
+    print(json.dumps(result["environment"]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or str(random_checkpoint(Path(tmp)))
-        result = {"device": args.device, "dtype": args.dtype, "model": args.model or "random SmolLM2-135M shapes"}
+        model = str(random_checkpoint(Path(tmp), SMOKE_SHAPES if args.smoke else SMOLLM2_135M))
         if args.device == "cuda":
-            result["gpu"] = torch.cuda.get_device_name()
-        result["parity"] = check_parity(model, args.device, args.parity_requests, args.new_tokens, rng)
-        print(f"parity: {result['parity']['identical']}/{args.parity_requests} identical", flush=True)
-        result["decode"] = []
-        for batch in (int(b) for b in args.batch_sizes.split(",")):
-            row = decode_rate(model, args.device, args.dtype, batch, args.prompt_len, args.decode_steps, rng)
-            result["decode"].append(row)
-            print(f"decode B={batch}: {row['step_ms']:.2f} ms/step, {row['tok_per_s']:.0f} tok/s", flush=True)
-        result["ttft"] = ttft(model, args.device, args.dtype, args.ttft_len, 3, rng)
-        print(f"TTFT {args.ttft_len}-token prompt: {result['ttft']['ttft_ms']:.1f} ms", flush=True)
+            section(result, "kernels", kernel_check, args.device)
+        section(result, "parity", parity, model, args.device, args.parity_requests, args.new_tokens, rng)
+        section(result, "decode", decode, model, args.device, args.dtype, batches, args.context, args.decode_steps, rng)
+        section(result, "ttft", ttft, model, args.device, args.dtype, args.ttft_len, rng)
+    if args.big != "none":
+        big_batches = [int(b) for b in args.big_batch_sizes.split(",")]
+        section(result, "big", big, args.big, args.device, args.dtype, big_batches, args.context, args.decode_steps,
+                args.ttft_len, rng)  # fmt: skip
+    result["table"] = table(result)
+    print(result["table"], flush=True)
     save(result, args.out, f"gpu_check-{args.device}")
+    (args.out / "gpu_check.md").write_text(result["table"] + "\n")
 
 
 if __name__ == "__main__":
