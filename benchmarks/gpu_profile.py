@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_check import engine_for, greedy, prompts, random_checkpoint, save
+from gpu_check import engine_for, prompts, random_checkpoint, save, submit
 from torch.profiler import ProfilerActivity, profile
 
 COUNTED = ("cudaLaunchKernel", "cudaStreamSynchronize", "cudaMemcpyAsync", "cudaDeviceSynchronize", "aten::item")
@@ -26,7 +26,7 @@ COUNTED = ("cudaLaunchKernel", "cudaStreamSynchronize", "cudaMemcpyAsync", "cuda
 def profile_decode(model: str, device: str, dtype: str, batch: int, steps: int, rng: random.Random) -> dict:
     engine = engine_for(model, device, dtype, max_batch_size=batch, max_num_tokens=max(2048, batch))
     for i, prompt in enumerate(prompts(batch, rng, 128, 128, engine.model_config.vocab_size)):
-        engine.add_request(str(i), prompt, greedy(2 * steps + 16))
+        submit(engine, str(i), prompt, 2 * steps + 16)
     while engine.scheduler.num_waiting or engine.last_stats is None or engine.last_stats.num_prefill_tokens:
         engine.step()
     for _ in range(3):
