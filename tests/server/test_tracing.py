@@ -188,3 +188,24 @@ def test_the_serve_flags_build_the_tracer_and_the_access_log(monkeypatch):
     options["tracer"].provider.shutdown()
     plain = observability_from_args(parser, parser.parse_args([]))
     assert plain == {"tracer": None, "access_log": None}
+
+
+def test_x_request_id_is_used_checked_and_echoed():
+    server = start_server(fake_engine(delay_s=0.02))
+    try:
+        url, body = server.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 3}  # fmt: skip
+        chat = httpx.post(url, json=body, headers={"X-Request-Id": "chat-7"}, timeout=30)
+        assert chat.json()["id"] == "chat-7" and chat.headers["x-request-id"] == "chat-7"
+        odd = httpx.post(url, json=body, headers={"X-Request-Id": "no spaces <allowed>"}, timeout=30)
+        assert odd.status_code == 200 and odd.json()["id"].startswith("chatcmpl-")
+        assert odd.headers["x-request-id"] == odd.json()["id"]
+        with ThreadPoolExecutor(2) as pool:  # the same id twice at once: the second is refused while the first runs
+            slow = {**body, "max_tokens": 60, "ignore_eos": True}
+            replies = list(pool.map(lambda _: httpx.post(url, json=slow, headers={"X-Request-Id": "dup"}, timeout=30),
+                                    range(2)))  # fmt: skip
+        assert sorted(r.status_code for r in replies) == [200, 400]
+        health = httpx.get(server.url + "/health", headers={"X-Request-Id": "probe-1"}, timeout=10)
+        assert health.headers["x-request-id"] == "probe-1"
+    finally:
+        server.stop()
