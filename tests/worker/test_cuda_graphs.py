@@ -11,7 +11,7 @@ from batchserve.config import CacheConfig, EngineConfig
 from batchserve.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from batchserve.models.loader import load_model, load_model_config
 from batchserve.sampling_params import SamplingParams
-from batchserve.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
+from batchserve.worker.cuda_graphs import DecodeGraphs, capture_sizes, decode_graphs_for, padded_size
 from batchserve.worker.model_runner import ModelRunner
 from tests.tiny_models import VOCAB, build_hf_model
 
@@ -147,3 +147,9 @@ def test_a_reallocated_pool_needs_a_new_capture(runner):
     assert not graphs.takes(batch.attn_metadata)
     graphs.capture_all()
     assert graphs.takes(batch.attn_metadata)
+
+
+def test_no_graphs_off_cuda(runner):
+    """The CPU runs every step eagerly: the runner built no graphs, and asking again builds none."""
+    assert runner.decode_graphs is None
+    assert decode_graphs_for(runner) is None

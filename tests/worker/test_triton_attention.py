@@ -84,10 +84,10 @@ def _step_kv(group, pool):
     return tuple(cache.view(-1, num_kv_heads, head_dim)[index] for cache in pool)
 
 
-def run_case(seqs, heads, head_dim, dtype, tiling, monkeypatch, seed=0):
+def run_case(seqs, heads, head_dim, dtype, tiling, monkeypatch, seed=0, block_size=16):
     num_heads, num_kv_heads = heads
-    pool, meta = make_step(seqs, num_kv_heads, head_dim, 16, dtype, seed)
-    nan_pool, _ = make_step(seqs, num_kv_heads, head_dim, 16, dtype, seed, garbage=float("nan"))
+    pool, meta = make_step(seqs, num_kv_heads, head_dim, block_size, dtype, seed)
+    nan_pool, _ = make_step(seqs, num_kv_heads, head_dim, block_size, dtype, seed, garbage=float("nan"))
     query = torch.randn(meta.slot_mapping.shape[0], num_heads, head_dim).to(dtype)
     scale = head_dim**-0.5
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -129,6 +129,13 @@ def test_mixed_step_in_half_precision(dtype, monkeypatch):
     seqs = [(40, 1), (5, 1), (0, 13), (17, 9)]
     tiling = gpu.Tiling(block_n=16, block_m=16, num_splits=2)
     assert run_case(seqs, (6, 2), 64, dtype, tiling, monkeypatch, seed=3) == 2
+
+
+def test_tiles_spanning_several_pool_blocks(monkeypatch):
+    """A K/V tile of 32 tokens over pool blocks of 8 (each token looks up its own block), decode and prefill."""
+    seqs = [(29, 1), (3, 1), (0, 21), (45, 6)]
+    tiling = gpu.Tiling(block_n=32, block_m=16, num_splits=2)
+    assert run_case(seqs, (3, 1), 64, torch.float32, tiling, monkeypatch, seed=5, block_size=8) == 2
 
 
 def test_default_tiling_splits_by_batch_only():
