@@ -9,10 +9,13 @@ so a prefix block computed in this very step is visible to the requests that sha
   runs SDPA with a causal mask (or, for prompts with no earlier context, one causal SDPA per prompt on its own K/V).
 On a CPU with AMX a bfloat16 pool's prefill chunks take torch's fused SDPA instead, one call per sequence, which runs
 on the tiles (preferred_prefill_method(), or BATCHSERVE_PREFILL_ATTENTION).
-The native kernels' path (kernels.attention_path(), chosen once from the CPU's flags or BATCHSERVE_ATTENTION_PATH):
-"avx512_bf16" multiplies a bfloat16 pool's K/V as stored with AVX512-BF16, "avx512" widens them to float32 (a float32
-pool takes this code on both), "avx2" runs an 8-wide AVX2 decode kernel and the torch prefill, "portable" the plain
-C++ decode loop and the torch prefill.
+On the CPU all of this is one native call a layer (kernels/step_attention.cpp paged_attention, the same function the
+native decoder loop calls) on the step's StepAttention (native_step: built once a step); the Python code below is the
+torch path, for other devices and for what the native kernels do not take.
+The native kernels' instruction-set path (kernels.attention_path(), chosen once from the CPU or
+BATCHSERVE_ATTENTION_PATH): "avx512_bf16" multiplies a bfloat16 pool's K/V as stored with AVX512-BF16, "avx512" widens
+them to float32 (a float32 pool takes this code on both), "avx2" runs an 8-wide AVX2 decode kernel and SDPA for
+prefill, "portable" the plain C++ decode loop and SDPA for prefill.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class AttentionMetadata:
     query_pad_index: torch.Tensor | None = None  # [T] rows in the whole batch's padded layout
     decode: SeqGroup | None = None
     prefill: SeqGroup | None = None
+    _native_steps: dict = field(default_factory=dict, repr=False)  # native_step's, per (dtypes, head size)
 
     @property
     def num_seqs(self) -> int:
@@ -140,8 +144,11 @@ def paged_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, Hkv, D] (this step's tokens, packed) -> output [T, H, D]."""
-    write_kv(key, value, kv_cache, metadata.slot_mapping)
     scale = scale if scale is not None else query.shape[-1] ** -0.5
+    step = native_step(query, query.shape[-1], kv_cache, metadata)
+    if step is not None:
+        return kernels.load().paged_attention(query, key, value, kv_cache[0], kv_cache[1], step, scale)
+    write_kv(key, value, kv_cache, metadata.slot_mapping)
     groups = [
         (g, path) for g, path in ((metadata.decode, decode_attention), (metadata.prefill, prefill_attention)) if g
     ]
@@ -153,6 +160,44 @@ def paged_attention(
         rows = slice(*group.token_range)
         out[rows] = path(query[rows], key[rows], value[rows], kv_cache, group, scale)
     return out
+
+
+def native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, metadata: AttentionMetadata):
+    """The step's attention as the native kernels take it (the module's StepAttention, built once a step and read by
+    every layer, the native decoder loop's included), or None where the torch path runs: off the CPU or without the
+    native kernels, a pool not of the queries' dtype (the native K/V store takes that only), decode rows that are not
+    the batch's first, or prefill chunks that attend by the torch code."""
+    key = (like.dtype, kv_cache[0].dtype, head_dim)
+    if key not in metadata._native_steps:
+        metadata._native_steps[key] = _make_native_step(like, head_dim, kv_cache, metadata)
+    return metadata._native_steps[key]
+
+
+def _make_native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, meta: AttentionMetadata):
+    native = kernels.for_tensors(like, kv_cache[0], dtypes=kernels.FUSED_DTYPES)
+    if native is None or kv_cache[0].dtype != like.dtype:
+        return None
+    decode, prefill = meta.decode, meta.prefill
+    decode_rows = 0 if decode is None else decode.token_range[1]
+    if (decode is not None and decode.token_range[0] != 0) or (
+        prefill is not None and tuple(prefill.token_range) != (decode_rows, like.shape[0])
+    ):
+        return None  # the native call takes decodes as the first rows and prefill chunks as the rest
+    method = None if prefill is None else prefill_method(like, head_dim, kv_cache)
+    if method == "torch":
+        return None
+    return native.StepAttention(
+        slot_mapping=meta.slot_mapping,
+        decode_rows=decode_rows,
+        decode_block_tables=None if decode is None else decode.block_tables,
+        decode_seq_lens=None if decode is None else decode.seq_lens,
+        prefill_block_tables=None if prefill is None else prefill.block_tables,
+        prefill_seq_lens=None if prefill is None else prefill.seq_lens,
+        prefill_query_starts=None if prefill is None else prefill.query_starts,
+        spans=[] if prefill is None else prefill.spans,
+        native_prefill=method == "native",
+        path=kernels.attention_path(),
+    )
 
 
 def decode_attention(
@@ -185,8 +230,8 @@ def decode_attention(
 def prefill_method(like: torch.Tensor, head_dim: int, kv_cache: KVCache) -> str:
     """How prefill chunks of queries like `like` (its dtype and device) attend: "sdpa" (one fused attention per
     chunk), "native" (the native prefill kernel) or "torch" (the torch code: gather, pad, SDPA). On the CPU a chunk
-    the native kernel cannot take (no AVX-512, another head size) goes to SDPA, which the native decoder loop runs too:
-    the torch code would send the whole step to the Python layers (7 of 280 ms a mixed step, AVX2-only AMD EPYC)."""
+    the native kernel cannot take (no AVX-512, another head size) goes to SDPA, which the native step runs too: the
+    torch code would send the whole step to the torch path, a slower one."""
     if like.device.type != "cpu":
         return "torch"
     if (
@@ -258,10 +303,9 @@ def _native_prefill(like: torch.Tensor, head_dim: int, kv_cache: KVCache):
 @functools.cache
 def preferred_prefill_method(pool_dtype: torch.dtype) -> str:
     """How prefill chunks attend on the CPU, chosen once per pool dtype and logged: "sdpa" (torch's fused attention,
-    one call per sequence) for a bfloat16 pool on a CPU with AMX, whose tiles it runs on: 2-5x faster there than the
-    native kernel's AVX512-BF16 dot products (128-2048-token prompts, with and without earlier context; Intel Xeon with
-    amx_bf16); "native" (the native kernel where it runs, else SDPA: prefill_method) otherwise, a float32 pool included
-    (there the two are as fast). BATCHSERVE_PREFILL_ATTENTION forces one."""
+    one call per sequence) for a bfloat16 pool on a CPU with AMX, whose tiles it runs on, well ahead there of the
+    native kernel's AVX512-BF16 dot products; "native" (the native kernel where it runs, else SDPA: prefill_method)
+    otherwise, a float32 pool included (there the two are as fast). BATCHSERVE_PREFILL_ATTENTION forces one."""
     forced = env.prefill_attention()
     if forced is not None and forced not in PREFILL_METHODS:
         raise ValueError(f"BATCHSERVE_PREFILL_ATTENTION={forced!r}: not one of auto, {', '.join(PREFILL_METHODS)}")

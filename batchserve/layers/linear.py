@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from batchserve.layers import kernels
@@ -10,24 +11,24 @@ from batchserve.layers import kernels
 
 class CpuLinear(nn.Module):
     """A Linear laid out for this CPU's GEMMs, picked per call by the number of rows M (measured, see
-    benchmarks/roofline.py): the native small-M kernel (weight packed in panels of two vectors' width) for decode-sized M, oneDNN
-    with a pre-packed weight for the wide projections (gate/up, lm_head) up to prefill-sized M, a plain [in, out]
-    weight (x @ W) otherwise. Each layout is a copy of the weight: memory traded for speed."""
+    benchmarks/roofline.py and docs/cpu-kernels-figures.md): the native AMX kernel for bf16 on AMX, the native small-M
+    kernel (weight packed in panels of two vectors' width) for decode-sized float32 M, oneDNN with a pre-packed weight
+    for the wide projections (gate/up, lm_head) up to prefill-sized M, a plain [in, out] weight (x @ W) otherwise. Each
+    layout is a copy of the weight: memory traded for speed. The choice by rows is made in one place, the native
+    Projection (kernels/projection.cpp) this layer holds and calls, which the native decoder loop calls too; without
+    the native kernels the torch code runs (oneDNN packed or x @ W)."""
 
     # from where the native kernel wins, per path: on AVX-512 one row streams the weight fastest as x @ W; on AVX2 the
-    # kernel streams it 1.5-2x faster than x @ W even then (SmolLM2's shapes, M = 1, 2 threads, AMD EPYC family 25)
+    # kernel streams it faster than x @ W even then
     SMALL_MIN_M = {"avx512": 2, "avx2": 1, "library": 2}
-    # up to where the native kernel wins, per path: {narrow projection?: M}
-    # (AVX2: the 8-wide kernel holds 93-100% of the FMA peak from M = 32 on and beats oneDNN / x @ W by 1.1-2.4x up to
-    # M = 160, by 0-10% at 192-384; SmolLM2's shapes, 2 threads, AMD EPYC family 25 with AVX2 only)
+    # up to where the native kernel wins, per path: {narrow projection?: M} (on AVX2 the 8-wide kernel runs near the
+    # FMA peak and beats oneDNN and x @ W well into prefill-sized M)
     SMALL_MAX_M = {"avx512": {False: 48, True: 64}, "avx2": {False: 256, True: 384}, "library": {False: 0, True: 0}}
-    # oneDNN's bf16 GEMM runs fewer than 4 rows slower than 4 (all of SmolLM2's projections and its lm_head at
-    # M = 1 / 2 / 3 / 4, 1 thread, AMD EPYC with AVX512-BF16: 20.1 / 23.5 / 19.8 / 18.5 ms): zero rows pad up to 4.
+    # oneDNN's bf16 GEMM runs fewer than 4 rows slower than 4: zero rows pad up to 4
     PACKED_MIN_M = 4
     PACKED_MAX_M = 512  # from here on (prefill chunks) x @ W is as fast
-    # bf16 on AMX: the native AMX kernel below this M, oneDNN's packed GEMM from here on (SmolLM2's 30 layers, 2
-    # threads, Intel Xeon with AMX: 11.2 / 21.2 / 47.8 / 118 / 135 ms against oneDNN's 15.8 / 26.5 / 66.2 / 130 / 138
-    # at M = 32 / 160 / 512 / 1152 / 1280; at 2048 oneDNN's cache blocking wins, 176 vs 322)
+    # bf16 on AMX: the native AMX kernel below this M, oneDNN's packed GEMM from here on (where oneDNN's cache blocking
+    # starts to win)
     AMX_MAX_M = 1280
     NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
 
@@ -38,11 +39,11 @@ class CpuLinear(nn.Module):
         self.out_features = weight.shape[0]
         weight = weight.detach()
         low_precision = weight.dtype in (torch.bfloat16, torch.float16)
-        # With bf16/fp16 matmul units (AMX, AVX512-BF16) oneDNN's GEMM on a pre-packed weight runs 1.3-2x faster
-        # than torch.matmul in that dtype at every M (measured at M 1-512 on SmolLM2's shapes): one path for all.
+        # With bf16/fp16 matmul units (AMX, AVX512-BF16) oneDNN's GEMM on a pre-packed weight runs faster than
+        # torch.matmul in that dtype at every M: one path for all.
         self.packed_only = low_precision and kernels.has_matmul_units(weight.dtype)
         if low_precision and not self.packed_only:
-            # Without bf16/fp16 matmul units torch's GEMM in them runs at ~1/4 of float32's. A product of two bf16
+            # Without bf16/fp16 matmul units torch's GEMM in them runs far slower than float32's. A product of two bf16
             # (or fp16) values is exact in float32, so a float32 GEMM on widened copies, its result rounded back, is
             # what a bf16 GEMM with float32 accumulation computes, in another summation order.
             weight = weight.float()
@@ -52,7 +53,7 @@ class CpuLinear(nn.Module):
         narrow = self.out_features <= self.NARROW_OUT
         self.register_buffer("packed", None if narrow and not self.packed_only else _mkldnn_pack(weight))
         self.packed_only = self.packed_only and self.packed is not None
-        # [in, out] for x @ W, which the packed-only path never runs: not kept there (SmolLM2 in bf16: 270 MB less)
+        # [in, out] for x @ W, which the packed-only path never runs: not kept there (a whole weight's copy less)
         self.register_buffer("weight_t", None if self.packed_only else weight.t().contiguous())
         small_path = kernels.small_gemm_path() if kernels.for_tensors(weight) is not None else "library"
         self.small_min_m, self.small_max_m = self.SMALL_MIN_M[small_path], self.SMALL_MAX_M[small_path][narrow]
@@ -62,6 +63,7 @@ class CpuLinear(nn.Module):
         self.amx_emulated = path == "amx_emulated"
         self.swiglu = swiglu and path is not None and bias is None
         self.register_buffer("amx_packed", self._amx_layout(weight) if path is not None else None)
+        self.native = self._native_projection()
 
     def _amx_path(self, weight: torch.Tensor) -> str | None:
         """This CPU's bf16 GEMM path ("amx" or "amx_emulated") where it is the AMX kernel and the kernel takes the
@@ -86,36 +88,30 @@ class CpuLinear(nn.Module):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this gate/up projection's output [M, 2I] -> [M, I]: one AMX call where it takes the
         rows (bit for bit the unfused result), else the GEMM and then the native silu_and_mul."""
-        if self.swiglu and x.shape[0] < self.AMX_MAX_M and x.dtype == self.gemm_dtype:
-            return kernels.load().amx_gemm(x, self.amx_packed, None, self.amx_emulated, swiglu=True)
-        return kernels.load().silu_and_mul(self(x))
+        if self.native is not None and x.dtype in kernels.FUSED_DTYPES:
+            return self.native.silu_and_mul(x)
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.gemm_dtype:  # bf16/fp16 activations, float32 layouts (see __init__)
-            return self._forward(x.to(self.gemm_dtype)).to(x.dtype)
-        return self._forward(x)
+        if self.native is not None:
+            return self.native(x)
+        return self._torch_forward(x)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        if self.packed_only:
-            if self.amx_packed is not None and m < self.AMX_MAX_M and not self.swiglu:
-                return kernels.load().amx_gemm(x, self.amx_packed, self.bias, self.amx_emulated)
-            if m < self.PACKED_MIN_M:
-                return self._packed(torch.cat([x, x.new_zeros(self.PACKED_MIN_M - m, x.shape[1])]))[:m]
-            return self._packed(x)
-        if m < self.small_min_m:
-            out = torch.matmul(x, self.weight_t)
-        elif self.small_packed is not None and m <= self.small_max_m:
-            out = kernels.load().small_gemm(x, self.small_packed, self.out_features)
-        elif self.packed is not None and m < self.PACKED_MAX_M:
-            return self._packed(x)
-        else:
-            out = torch.matmul(x, self.weight_t)
-        return out if self.bias is None else out + self.bias
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Without the native kernels: oneDNN's GEMM on the packed copy where there is one, else x @ W."""
+        y = x.to(self.gemm_dtype)
+        if self.packed is not None:
+            return self._packed(y).to(x.dtype)
+        out = torch.matmul(y, self.weight_t)
+        return (out if self.bias is None else out + self.bias).to(x.dtype)
 
-    def native_projection(self, native):
-        """This projection's layouts and thresholds as the native decoder loop's Projection (it picks the GEMM by rows
-        as _forward does)."""
+    def _native_projection(self):
+        """This projection's layouts and thresholds as the native Projection that picks the GEMM by rows, or None
+        where the native kernels are not built."""
+        native = kernels.load()
+        if native is None:
+            return None
         return native.Projection(
             # packed-only: no [in, out] copy, only its dtype (the GEMM's) is read
             weight_t=self.weight_t if self.weight_t is not None else torch.empty(0, dtype=self.gemm_dtype),

@@ -19,7 +19,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.gate_up_proj, CpuLinear) and self.gate_up_proj.swiglu:
+        if isinstance(self.gate_up_proj, CpuLinear):  # the native Projection's silu_and_mul (AMX-fused where it can)
             return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         gate_up = self.gate_up_proj(x)
         native = kernels.for_tensors(gate_up, dtypes=kernels.FUSED_DTYPES)

@@ -6,6 +6,7 @@ are one Linear: the loader concatenates the checkpoint's separate weights into t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -14,12 +15,30 @@ from torch import nn
 
 from batchserve import env
 from batchserve.config import ModelConfig
-from batchserve.layers import kernels
-from batchserve.layers.attention import AttentionMetadata, KVCache, paged_attention, prefill_method
+from batchserve.layers import capabilities, kernels
+from batchserve.layers.attention import AttentionMetadata, KVCache, native_step, paged_attention
+from batchserve.layers.capabilities import Capability
 from batchserve.layers.linear import CpuLinear
 from batchserve.layers.mlp import MLP
 from batchserve.layers.norm import RMSNorm
 from batchserve.layers.rotary import RotaryEmbedding, apply_rope
+
+logger = logging.getLogger(__name__)
+
+
+def model_capabilities(config: ModelConfig) -> frozenset[Capability]:
+    """What this model's layers compute for `config` (layers/capabilities.py): every runner of its layers must
+    implement all of it."""
+    declared = {Capability.ROPE, Capability.RMS_NORM, Capability.SWIGLU}
+    if config.num_kv_heads < config.num_heads:
+        declared.add(Capability.GQA)
+    if config.attention_bias:
+        declared.add(Capability.QKV_BIAS)
+        if config.architecture != "qwen2":  # Qwen2: bias on q/k/v only
+            declared.add(Capability.O_BIAS)
+    if config.tie_word_embeddings:
+        declared.add(Capability.TIED_EMBEDDINGS)
+    return frozenset(declared)
 
 
 class Attention(nn.Module):
@@ -73,6 +92,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
         super().__init__()
         self.config = config
+        self.capabilities = model_capabilities(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -106,11 +126,16 @@ class LlamaForCausalLM(nn.Module):
         self.decoder_loop = self._native_decoder_loop()
 
     def _native_decoder_loop(self):
-        """The layers as one native call (kernels/decoder_loop.cpp: the same operators as the Python
-        layers, without ~20 interpreter round trips a layer), or None where the native kernels do not run them."""
+        """The layers as one native call (kernels/decoder_loop.cpp: it sequences the operators the Python layers call,
+        without some twenty interpreter round trips a layer), or None where it does not run them: native kernels off
+        or not built, a dtype they do not take, or a capability of this model the loop does not implement (logged)."""
         dtype = self.embed_tokens.weight.dtype
         native = kernels.for_tensors(self.embed_tokens.weight, dtypes=kernels.FUSED_DTYPES)
         if native is None or not env.native_decoder_loop():
+            return None
+        lacking = capabilities.missing(self.capabilities, native.DecoderLoop.capabilities())
+        if lacking:
+            logger.info("native decoder loop: off, it does not implement %s; the Python layers run", ", ".join(lacking))
             return None
         attn = self.layers[0].self_attn
         loop = native.DecoderLoop(
@@ -126,36 +151,8 @@ class LlamaForCausalLM(nn.Module):
             if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
                 return None
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            loop.add_layer(*(w.detach() for w in norms), *(p.native_projection(native) for p in projections))
+            loop.add_layer(*(w.detach() for w in norms), *(p.native for p in projections))
         return loop
-
-    def _native_step(self, x: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata):
-        """The step's attention metadata for the native decoder loop (which exists only on the CPU), or None where the
-        step takes the Python layers: a K/V pool not of the model's dtype (the native K/V store takes that only), or
-        prefill chunks that attend by the torch code."""
-        if self.decoder_loop is None or kv_caches[0][0].dtype != x.dtype:
-            return None
-        decode, prefill = meta.decode, meta.prefill
-        decode_rows = 0 if decode is None else decode.token_range[1]
-        if (decode is not None and decode.token_range[0] != 0) or (
-            prefill is not None and prefill.token_range != (decode_rows, x.shape[0])
-        ):
-            return None  # the loop takes decodes as the first rows and prefill chunks as the rest
-        mode = "none" if prefill is None else prefill_method(x, self.config.head_dim, kv_caches[0])
-        if mode == "torch":
-            return None
-        return kernels.load().StepAttention(
-            slot_mapping=meta.slot_mapping,
-            decode_rows=decode_rows,
-            decode_block_tables=None if decode is None else decode.block_tables,
-            decode_seq_lens=None if decode is None else decode.seq_lens,
-            prefill_block_tables=None if prefill is None else prefill.block_tables,
-            prefill_seq_lens=None if prefill is None else prefill.seq_lens,
-            prefill_query_starts=None if prefill is None else prefill.query_starts,
-            spans=[] if prefill is None else prefill.spans,
-            prefill_mode=mode,
-            path=kernels.attention_path(),
-        )
 
     def forward(
         self,
@@ -167,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         """Packed tokens [T] at positions [T] -> final hidden states [T, H] (normed)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        step = self._native_step(x, kv_caches, attn_metadata)
+        step = None if self.decoder_loop is None else native_step(x, self.config.head_dim, kv_caches[0], attn_metadata)
         if step is not None:
             keys, values = [k for k, _ in kv_caches], [v for _, v in kv_caches]
             x, residual = self.decoder_loop.forward(x, cos, sin, keys, values, step)

@@ -1,6 +1,6 @@
-"""The native decoder loop (kernels/decoder_loop.cpp) against the Python layers it stands in for:
-the same operators in the same order, so the hidden states and the K/V it writes must be bit for bit the same,
-whatever GEMM path the rows take (x @ W, the small-M kernel, oneDNN packed, bf16 rows padded to 4, the AMX kernel
+"""The native decoder loop (kernels/decoder_loop.cpp) against the Python layers it stands in for: both call the same
+native operators (layer_ops.h) in the same order, so the hidden states and the K/V it writes must be bit for bit the
+same, whatever GEMM path the rows take (x @ W, the small-M kernel, oneDNN packed, bf16 rows padded to 4, the AMX kernel
 or its emulation)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.layers import kernels
-from batchserve.layers.attention import PREFILL_KERNEL_PATHS, prefill_method
+from batchserve.layers.attention import PREFILL_KERNEL_PATHS, native_step, prefill_method
 from batchserve.layers.linear import CpuLinear
 from batchserve.models.llama import DecoderLayer
 from batchserve.sampling_params import SamplingParams
@@ -208,9 +208,9 @@ def test_a_pool_of_another_dtype_takes_the_python_layers(tiny_models):
     config, model = load_ours(directory)
     batch, kv = decode_step(config, 2, block_size=8, dtype=torch.float32, seed=0)
     x = model.embed_tokens(batch.input_ids)
-    assert model._native_step(x, kv, batch.attn_metadata) is not None
+    assert native_step(x, config.head_dim, kv[0], batch.attn_metadata) is not None
     bf16_pool = [(k.bfloat16(), v.bfloat16()) for k, v in kv]  # the native K/V store takes the model's dtype only
-    assert model._native_step(x, bf16_pool, batch.attn_metadata) is None
+    assert native_step(x, config.head_dim, bf16_pool[0], batch.attn_metadata) is None
 
 
 def test_the_loop_can_be_turned_off(tiny_models, monkeypatch):

@@ -294,7 +294,9 @@ def test_a_kernel_lets_other_python_threads_run_while_it_computes(native_kernels
         tables = (torch.arange(num_seqs * context // block_size) % pool_blocks).view(num_seqs, -1)
         seq_lens = torch.full((num_seqs,), context, dtype=torch.int64)
         started = time.perf_counter()
-        native_kernels.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, 0.125, native_kernels.AttentionPath.portable)
+        native_kernels.paged_decode_attention(
+            query, key_cache, value_cache, tables, seq_lens, 0.125, native_kernels.AttentionPath.portable
+        )
         return time.perf_counter() - started
 
     try:

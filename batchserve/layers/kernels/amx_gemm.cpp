@@ -1,11 +1,10 @@
 // x [M, K] @ W -> [M, N] in bfloat16 on AMX tiles (float32 accumulation); CpuLinear's GEMM for bf16 models on a CPU
 // with `amx_bf16`, from decode-sized M up to a few hundred rows (mixed steps).
 //
-// Why not oneDNN's packed GEMM at these M: its time is the weight's streaming plus its compute, one after the other
-// (SmolLM2's 30 layers at M = 32 / 160 / 512: 16.0 / 24.9 / 66.4 ms, 2 threads, Intel Xeon with AMX), while this
-// kernel pulls the next weight panel toward L2 during the current one's tile products and keeps the panel in L1
-// while the rows pass over it (11.1 / 21.4 / 50.1 ms). Large M (prefill chunks of 1024 rows and more) stays on
-// oneDNN, which blocks rows for cache as this kernel does not.
+// Why not oneDNN's packed GEMM at these M: its time is the weight's streaming plus its compute, one after the other,
+// while this kernel pulls the next weight panel toward L2 during the current one's tile products and keeps the panel
+// in L1 while the rows pass over it (the figures: docs/cpu-kernels-figures.md). Large M (prefill chunks of 1024 rows
+// and more) stays on oneDNN, which blocks rows for cache as this kernel does not.
 //
 // Layout: W is packed once into panels of 32 output columns, each [K / 32][2 tiles][16][32]: one K block of a
 // panel is two B tiles (columns 0-15 and 16-31), row kk of a tile holding k = 2kk and 2kk + 1 of each column, the
@@ -220,9 +219,7 @@ __attribute__((always_inline)) inline void write_rows(const GemmArgs& g, const f
 // over its (blocks x K blocks) tile steps: only the first row block reads a panel from memory. StreamA: x passes
 // through L1 once per panel without evicting the panel (more than one row block; with one, x stays in L1 instead).
 // Each block's output rows are written during the next block's tile steps (PendingRows): written after its own
-// steps instead, the rows took a fifth to a quarter of the GEMMs' time at M = 160-288 (SmolLM2's 30 layers, 2
-// threads, Intel Xeon with AMX; the SwiGLU epilogue most of it), and 30 layers at M = 160 / 288 went from 23.4-25.4 /
-// 32.9-36.7 ms to 19.5-21.0 / 26.9-29.4 ms with this and the prefetches (prefetch_line) that had been compiled out.
+// steps instead, the rows (the SwiGLU epilogue most of all) took a large share of the GEMMs' time at mixed-step M.
 template <class Tiles, bool StreamA>
 __attribute__((always_inline)) inline void gemm_panels(const GemmArgs& g, int64_t p0, int64_t p1) {
   Tiles::configure();
@@ -256,7 +253,7 @@ __attribute__((always_inline)) inline void gemm_panels(const GemmArgs& g, int64_
 }
 
 #ifdef BATCHSERVE_AMX
-// Each variant is its own flattened function: both inlined into one ran the single-block case ~8% slower.
+// Each variant is its own flattened function: both inlined into one ran the single-block case slower.
 AMX_TARGET __attribute__((flatten, noinline)) void amx_panels_streaming(const GemmArgs& g, int64_t p0, int64_t p1) {
   gemm_panels<AmxTiles, true>(g, p0, p1);
 }

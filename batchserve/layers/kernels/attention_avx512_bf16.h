@@ -8,9 +8,8 @@
 // rounded weights, so the weights applied to V sum to 1.
 // Decode runs in three passes per sequence instead of an online softmax (see decode_items_bf16), and asks for the
 // scattered blocks ahead of use (RowPrefetcher); prefill keeps the online softmax of prefill_tile.
-// On the Xeon this was written on, vdpbf16ps retires one per ~2 cycles (half the multiply-adds per cycle of float32
-// FMA), so the arithmetic alone is no faster than widening: the gain measured there comes from the passes and the
-// prefetching. Only for CPUs with avx512_bf16 (checked before a call: bf16_dot_supported()); compiled per function
+// On the Xeon this was written on, vdpbf16ps retires at half the multiply-adds per cycle of float32 FMA, so the
+// arithmetic alone is no faster than widening: the gain comes from the passes and the prefetching. Only for CPUs with avx512_bf16 (checked before a call: bf16_dot_supported()); compiled per function
 // for that target, so the library still builds and runs on CPUs without it.
 #pragma once
 

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "kernels.h"
+#include "layer_ops.h"
 
 // The kernels touch no Python object: each call lets go of the interpreter lock while it computes, as torch's own
 // operators do, so the threads serving HTTP or Ray messages in the same process run meanwhile (and the engine loop
@@ -44,5 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "swiglu_interleaved order -> silu(gate) * up [M, N / 2]",
         kNoGil, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("emulated") = false,
         pybind11::arg("swiglu") = false);
+  register_projection(m);
+  register_step_attention(m);
   register_decoder_loop(m);
 }

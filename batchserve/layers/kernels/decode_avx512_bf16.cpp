@@ -103,8 +103,7 @@ BF16_TARGET void decode_items_bf16(std::atomic<int64_t>& next, const int64_t* or
     // (1) scores, a block at a time (its kv heads are one run of memory). The pool's blocks are scattered, which the
     // hardware prefetchers do not foresee: the next block's K is asked for (into L1) and its V (into L2, for (3)), a
     // slice per tile and head, spread over the block's work. Asked for all at a block's start, the same lines took
-    // longer: a layer of 64 sequences x 250 tokens from memory 0.89-0.93 -> 0.78-0.84 ms spread (2 threads, Intel
-    // Xeon with AMX).
+    // longer (the burst waits on the line-fill buffers the loads need too).
     const int64_t row_bytes = heads_per_item * D * 2;
     const auto first_row = [&](const bf16_t* pool, int64_t start) {  // of the block holding token `start`
       return pool + table[start / block_size] * block_stride + first_kv * D;

@@ -1,6 +1,6 @@
 // The native CPU kernels' one shared header: the entry points each .cpp of this folder defines (the Python module,
-// bindings.cpp, and the operators that layers.cpp builds on call them by these prototypes), the attention paths, and
-// the per-instruction-set attention kernels that paged_attention.cpp dispatches to.
+// bindings.cpp, and the layer operators of layer_ops.h call them by these prototypes), the attention paths, and the
+// per-instruction-set attention kernels that paged_attention.cpp dispatches to.
 #pragma once
 
 #include <torch/extension.h>
@@ -44,7 +44,6 @@ bool amx_gemm_takes(int64_t n, int64_t k);
 torch::Tensor amx_gemm_pack(torch::Tensor weight);
 torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated,
                        bool swiglu);
-void register_decoder_loop(pybind11::module& m);  // decoder_loop.cpp
 
 // ---- Per-instruction-set attention kernels (paged_attention.cpp checks the shapes before any of them runs) ----
 // One paged-attention call as raw pointers. Decode: one query row per sequence (q_stride = heads * head_dim,

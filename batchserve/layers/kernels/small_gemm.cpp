@@ -127,8 +127,8 @@ void small_gemm_on(const float* xp, int64_t M, int64_t K, const float* wp, int64
   pack_rows(xp, M, K, kRows, xb);
   // Cache blocking, weight-stationary: a kDepth x P slice of one panel stays in L1 while every row block of the
   // chunk streams past it (from L2), so each weight is read from memory once per row chunk and the accumulators
-  // are reloaded only once per slice. (Keeping the inputs in L1 and streaming the panels from L2 instead is ~1.5x
-  // slower on AVX-512: L2 cannot feed two weight vectors per 24 FMAs.)
+  // are reloaded only once per slice. (Keeping the inputs in L1 and streaming the panels from L2 instead is slower
+  // on AVX-512: L2 cannot feed two weight vectors per 24 FMAs.)
   const int64_t kc = std::min<int64_t>(K, Isa::kDepth);
   const int64_t row_chunk = std::max<int64_t>(kRows, Isa::kRowChunkBytes / (K * sizeof(float)) / kRows * kRows);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {

@@ -39,7 +39,7 @@ inline void prefetch_rows(const void* first, int64_t rows, int64_t stride, int64
 // prefetch_rows' lines asked for a few at a time over `steps` steps of work (step() asks for the next few) rather
 // than all at its start, where a burst waits on the line-fill buffers that the loads need too. Not prefetch_rows
 // itself (a RowPrefetcher of one step): its per-line bookkeeping made the AVX2 decode attention, which asks for whole
-// blocks, ~3% slower.
+// blocks, slower.
 template <int kHint = _MM_HINT_T0>
 class RowPrefetcher {
  public:
