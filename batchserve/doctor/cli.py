@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from batchserve.doctor.observe import Observation, from_trace_file, http_fetcher, watch
+from batchserve.doctor.observe import Observation, SourceError, from_trace_file, http_fetcher, watch
 from batchserve.doctor.rules import Diagnosis, diagnose
 from batchserve.simulator.profile_file import Profile
 
@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.url) == bool(args.trace):
         parser.error("give --url of a running server or a bench trace file")
-    obs = observe(args)
+    try:
+        obs = observe(args)
+    except SourceError as exc:
+        print(f"batchserve doctor: {exc}", file=sys.stderr)
+        return 1
     model = Profile.load(args.profile).step_model if args.profile else None
     diagnosis = diagnose(obs, model, simulate=not args.no_simulate)
     print(json.dumps(as_json(obs, diagnosis), indent=2) if args.json else render(obs, diagnosis))

@@ -17,6 +17,10 @@ from batchserve.serving.live_stats import percentile
 POLL_INTERVAL_S = 1.0
 
 
+class SourceError(RuntimeError):
+    """The server or the trace file could not be read."""
+
+
 @dataclass
 class Step:
     duration_s: float
@@ -166,9 +170,12 @@ def http_fetcher(url: str, api_key: str | None = None) -> Callable[[int, float],
 
     def fetch(since: int, finished_after: float) -> dict[str, Any]:
         params = {"since": since, "requests": True, "finished_after": finished_after}
-        response = httpx.get(f"{url.rstrip('/')}/dashboard/data", params=params, headers=headers, timeout=10)
-        response.raise_for_status()
-        return response.json()
+        try:
+            response = httpx.get(f"{url.rstrip('/')}/dashboard/data", params=params, headers=headers, timeout=10)
+            response.raise_for_status()
+            return response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise SourceError(f"cannot read {url}/dashboard/data: {exc}") from exc
 
     return fetch
 
@@ -176,8 +183,10 @@ def http_fetcher(url: str, api_key: str | None = None) -> Callable[[int, float],
 # ---------------------------------------------------------------------- from a bench trace
 def from_trace_file(path: str | Path) -> Observation:
     """A bench trace (`batchserve bench --trace-json`): its steps and requests; the configuration from its meta."""
-    data = json.loads(Path(path).read_text())
-    trace = RunTrace.from_dict(data)
+    try:
+        trace = RunTrace.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SourceError(f"cannot read the bench trace {path}: {exc!r}") from exc
     config = dict(trace.meta.get("config") or trace.meta.get("engine_config") or {})
     config.setdefault("max_batch_size", trace.max_batch_size)
     if trace.steps:

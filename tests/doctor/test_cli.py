@@ -57,3 +57,11 @@ def test_doctor_reads_a_bench_trace(tmp_path, capsys):
     )
     assert batchserve_main(["doctor", str(tmp_path / "calm.json"), *args]) == 0
     assert "no problem found" in capsys.readouterr().out
+
+
+def test_doctor_says_what_it_cannot_read(tmp_path, capsys):
+    (tmp_path / "bad.json").write_text("{}")
+    assert batchserve_main(["doctor", str(tmp_path / "bad.json")]) == 1
+    assert "cannot read the bench trace" in capsys.readouterr().err
+    assert batchserve_main(["doctor", "--url", "http://127.0.0.1:9", "--window", "0"]) == 1
+    assert "cannot read http://127.0.0.1:9/dashboard/data" in capsys.readouterr().err
