@@ -44,7 +44,7 @@ class Situation:
 SITUATIONS = {
     "healthy": Situation({"max_batch_size": 16}, 1.0, 48, 16, set()),
     "queue_backed_up": Situation({"max_batch_size": 2}, 4.0, 32, 24, {"queue_backed_up"}),
-    "arrivals_exceed": Situation({"max_batch_size": 32}, 24.0, 32, 48, {"arrivals_exceed"}),
+    "arrivals_exceed": Situation({"max_batch_size": 32}, 24.0, 32, 16, {"arrivals_exceed"}),
     # a pool of 12 blocks for 16 sequences: full before the token budget, and preempting over and over
     "kv_starved": Situation({"max_batch_size": 16, "num_kv_blocks": 12}, 4.0, 40, 48, {"kv_full", "preemption_thrash"}),
     "long_prompts": Situation(

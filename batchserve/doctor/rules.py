@@ -117,22 +117,27 @@ def _queue_trend(obs: Observation) -> tuple[float, float]:
 
 
 def arrivals_exceed(obs: Observation, predictor: Predictor) -> Finding | None:
-    if len(obs.steps) < MIN_STEPS or not obs.requests:
+    if len(obs.steps) < MIN_STEPS:
         return None
     start, end = _queue_trend(obs)
     arrivals, completions = obs.arrival_rate, obs.completion_rate
     grew = end - start >= max(3.0, 0.25 * obs.knob("max_batch_size", 1))
-    if not grew or arrivals < QUEUE_GROWTH * completions:
+    if not grew or arrivals <= 0 or arrivals < QUEUE_GROWTH * completions:
         return None
-    ratio = arrivals / completions
-    replicas = math.ceil(ratio)
+    if completions:
+        ratio = arrivals / completions
+        replicas, how_much = math.ceil(ratio), f"{ratio:.2f}x the throughput"
+        finished = f"{completions:.2f}/s finished over {obs.duration_s:.0f} s ({ratio:.2f}x)"
+    else:  # not one request finished in the window: the ratio is unknown, more than one engine is not
+        replicas, how_much = 2, "more throughput (no request finished in the window: watch longer for the ratio)"
+        finished = f"none finished in {obs.duration_s:.0f} s"
     evidence = [
-        f"{arrivals:.2f} requests/s arrived, {completions:.2f}/s finished over {obs.duration_s:.0f} s ({ratio:.2f}x)",
+        f"{arrivals:.2f} requests/s arrived, {finished}",
         f"the waiting queue grew from {start:.0f} to {end:.0f}; the device was busy {100 * obs.busy_share:.0f}% "
         "of the time",
     ]
-    text = (f"add capacity: at least {replicas} replicas (serve --replicas {replicas}) for {ratio:.2f}x the "
-            "throughput, or admit less (max_waiting_requests answers 429 beyond a bound)")  # fmt: skip
+    text = (f"add capacity: at least {replicas} replicas (serve --replicas {replicas}) for {how_much}, or admit "
+            "less (max_waiting_requests answers 429 beyond a bound)")  # fmt: skip
     return Finding("arrivals_exceed", "the queue grows: requests arrive faster than the engine finishes them",
                    evidence, text, predictor(obs, {"replicas": replicas}))  # fmt: skip
 

@@ -94,3 +94,13 @@ def test_an_idle_device_with_an_empty_queue_is_a_note_not_a_finding():
     (note,) = diagnosis.notes
     assert "busy 3%" in note and "1.00 requests/s" in note
     assert diagnose(Observation(5.0, {})).notes == ["no traffic in the 5 s window: nothing to judge"]
+
+
+def test_a_queue_growing_with_nothing_finished_still_exceeds_capacity():
+    """A window too short for any request to finish (a slow device, long outputs): the queue's growth is enough."""
+    steps = [Step(0.5, 0, 32, 32, i, 32, 100, 0) for i in range(40)]
+    obs = Observation(20.0, {"max_batch_size": 32, "max_num_tokens": 2048, "num_kv_blocks": 1000}, steps,
+                      in_flight_start=40, in_flight_end=100, waiting_start=8, waiting_end=68)  # fmt: skip
+    finding = next(f for f in diagnose(obs).findings if f.rule == "arrivals_exceed")
+    assert "3.00 requests/s arrived, none finished in 20 s" in finding.evidence[0]
+    assert "--replicas 2" in finding.change and finding.prediction is None
