@@ -11,7 +11,7 @@ from batchserve.layers import kernels
 
 class CpuLinear(nn.Module):
     """A Linear laid out for this CPU's GEMMs, picked per call by the number of rows M (measured, see
-    benchmarks/roofline.py and docs/cpu-kernels-figures.md): the native AMX kernel for bf16 on AMX, the native small-M
+    benchmarks/roofline.py and docs/cpu-kernels.md): the native AMX kernel for bf16 on AMX, the native small-M
     kernel (weight packed in panels of two vectors' width) for decode-sized float32 M, oneDNN with a pre-packed weight
     for the wide projections (gate/up, lm_head) up to prefill-sized M, a plain [in, out] weight (x @ W) otherwise. Each
     layout is a copy of the weight: memory traded for speed. The choice by rows is made in one place, the native

@@ -3,7 +3,7 @@
 //
 // Why not oneDNN's packed GEMM at these M: its time is the weight's streaming plus its compute, one after the other,
 // while this kernel pulls the next weight panel toward L2 during the current one's tile products and keeps the panel
-// in L1 while the rows pass over it (the figures: docs/cpu-kernels-figures.md). Large M (prefill chunks of 1024 rows
+// in L1 while the rows pass over it (the figures: docs/cpu-kernels.md). Large M (prefill chunks of 1024 rows
 // and more) stays on oneDNN, which blocks rows for cache as this kernel does not.
 //
 // Layout: W is packed once into panels of 32 output columns, each [K / 32][2 tiles][16][32]: one K block of a
