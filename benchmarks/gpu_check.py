@@ -4,21 +4,23 @@ for, written as one JSON and printed as a table. It runs on the CPU too, as a sm
     python3 benchmarks/gpu_check.py --out "$OUT"                                   # on a lent GPU (cuda, defaults)
     .venv/bin/python benchmarks/gpu_check.py --device cpu --smoke                  # the smoke test here (tiny shapes)
 
-Sections (each runs on its own: one that fails records its error and the rest go on):
+Sections, most important first (each on its own: one that fails records its error and the rest go on; none starts
+after --budget-s; the JSON is rewritten after each, so a run cut short keeps what it measured):
 - environment: GPU, driver, torch, Triton;
 - kernels: the Triton paged-attention kernels against the torch gather-and-pad path on random pools (GPU only);
 - parity: greedy float32 tokens of batchserve (all requests in one batch, TF32 off) against transformers' `generate`
   (one request at a time) on the same device;
-- decode: SmolLM2-135M shapes, --dtype, step time and tok/s at batch 1/64/256 with --context tokens of context,
-  "before" (torch attention, eager: BATCHSERVE_GPU_ATTENTION=torch, enforce_eager) and "after" (Triton kernels, CUDA
-  graphs), with kernel launches and host syncs per decode step from torch.profiler;
+- decode_after, decode_before: SmolLM2-135M shapes, --dtype, step time and tok/s at batch 1/64/256 with --context
+  tokens of context, "after" (Triton kernels, CUDA graphs) and "before" (torch attention, eager:
+  BATCHSERVE_GPU_ATTENTION=torch, enforce_eager), with kernel launches and host syncs per decode step (torch.profiler);
 - big: Llama-3.1-8B shapes with random weights built on the device, step time at batch 1 and 64 against the
   weight-streaming bound (weight bytes / the device-to-device bandwidth measured here: bytes read + written by a
   large copy per second), and its TTFT;
 - ttft: the time to the first token of a --ttft-len prompt (SmolLM2 shapes).
 
-Weights: SmolLM2-135M-Instruct's exact shapes (tiny ones with --smoke) with seeded random weights saved as an HF checkpoint in a temporary
-folder (the device machine cannot download), drawn at a large scale so greedy decoding has decisive logits.
+Weights: SmolLM2-135M-Instruct's exact shapes (tiny ones with --smoke) with seeded random weights saved as an HF
+checkpoint in a temporary folder (the device machine cannot download), drawn at a large scale so greedy decoding has
+decisive logits.
 """
 
 from __future__ import annotations
@@ -281,20 +283,19 @@ def decode_steps(engine, batch: int, context: int, steps: int, rng: random.Rando
             "graph_replays": dict(graphs.replays) if graphs is not None else {}}  # fmt: skip
 
 
-def decode(model: str, device: str, dtype: str, batches: list[int], context: int, steps: int, rng) -> dict:
-    result = {}
-    for name in MODES:
-        result[name] = []
-        for batch in batches:
-            with mode(name) as options:
-                engine = engine_for(model, device, dtype, max_batch_size=batch, max_num_tokens=max(2048, batch),
-                                    kv_cache_memory_fraction=0.3, **options)  # fmt: skip
-                row = decode_steps(engine, batch, context, steps, rng, device)
-                release(engine)
-            result[name].append(row)
-            print(f"decode {name} B={batch}: {row['step_ms']:.2f} ms/step, {row['tok_per_s']:.0f} tok/s, "
-                  f"{row['launches_per_step']:.0f} launches, {row['syncs_per_step']:.0f} syncs", flush=True)  # fmt: skip
-    return result
+def decode(model: str, device: str, dtype: str, name: str, batches: list[int], context: int, steps: int, rng) -> list:
+    """Decode rows of one configuration (MODES), a fresh engine per batch size."""
+    rows = []
+    for batch in batches:
+        with mode(name) as options:
+            engine = engine_for(model, device, dtype, max_batch_size=batch, max_num_tokens=max(2048, batch),
+                                kv_cache_memory_fraction=0.3, **options)  # fmt: skip
+            row = decode_steps(engine, batch, context, steps, rng, device)
+            release(engine)
+        rows.append(row)
+        print(f"decode {name} B={batch}: {row['step_ms']:.2f} ms/step, {row['tok_per_s']:.0f} tok/s, "
+              f"{row['launches_per_step']:.0f} launches, {row['syncs_per_step']:.0f} syncs", flush=True)  # fmt: skip
+    return rows
 
 
 def ttft_of(engine, prompt_len: int, repeats: int, rng: random.Random) -> dict:
@@ -357,15 +358,26 @@ def ttft(model: str, device: str, dtype: str, prompt_len: int, rng: random.Rando
 
 
 # --- the run -------------------------------------------------------------------------------------------------------
-def section(result: dict, name: str, fn, *args) -> None:
-    """Run one section into result[name]; a failure is recorded (with its traceback) and the next section runs."""
-    start = time.perf_counter()
-    try:
-        result[name] = fn(*args)
-    except Exception as exc:  # a one-shot device session must keep the other figures
-        result[name] = {"error": repr(exc), "traceback": traceback.format_exc()}
-        print(f"{name} FAILED: {exc!r}", flush=True)
-    result.setdefault("section_seconds", {})[name] = round(time.perf_counter() - start, 1)
+class Run:
+    """The result being built: each section runs on its own (a failure is recorded with its traceback and the next
+    runs), none starts past the time budget, and the JSON is rewritten after each (a run cut short keeps its figures)."""
+
+    def __init__(self, result: dict, path: Path, budget_s: float) -> None:
+        self.result, self.path, self.deadline = result, path, time.monotonic() + budget_s
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def section(self, name: str, fn, *args) -> None:
+        start = time.monotonic()
+        if start > self.deadline:
+            self.result[name] = {"error": "skipped: past the time budget (--budget-s)"}
+        else:
+            try:
+                self.result[name] = fn(*args)
+            except Exception as exc:  # a one-shot device session must keep the other figures
+                self.result[name] = {"error": repr(exc), "traceback": traceback.format_exc()}
+                print(f"{name} FAILED: {exc!r}", flush=True)
+        self.result.setdefault("section_seconds", {})[name] = round(time.monotonic() - start, 1)
+        self.path.write_text(json.dumps(self.result, indent=1))
 
 
 def table(result: dict) -> str:
@@ -384,10 +396,9 @@ def table(result: dict) -> str:
     par = result.get("parity", {})
     row("greedy float32 parity", f"{par.get('identical')}/{par.get('requests')}" if "requests" in par else par,
         "all identical")  # fmt: skip
-    for name, rows in (result.get("decode") or {}).items():
-        if not isinstance(rows, list):
-            continue
-        for r in rows:
+    for name in ("before", "after"):
+        rows = result.get(f"decode_{name}")
+        for r in rows if isinstance(rows, list) else []:
             target = {1: "<= 1.5 ms", 256: ">= 60,000 tok/s"}.get(r["batch"], "") if name == "after" else ""
             row(f"SmolLM2 decode {name} B={r['batch']} ctx {r['context']}",
                 f"{r['step_ms']:.2f} ms, {r['tok_per_s']:,.0f} tok/s, {r['launches_per_step']:.0f} launches, "
@@ -421,6 +432,7 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--big", default="llama-3.1-8b", choices=[*BIG_SHAPES, "none"])
     ap.add_argument("--big-batch-sizes", default="1,64")
     ap.add_argument("--smoke", action="store_true", help="tiny everything: the CPU smoke test of this script")
+    ap.add_argument("--budget-s", type=float, default=420, help="no section starts after this many seconds")
     ap.add_argument("--out", type=Path, default=Path("bench_results"))
     args = ap.parse_args()
     if args.smoke:
@@ -441,21 +453,26 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "environment": environment(args.device)}
     print(json.dumps(result["environment"]), flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    run = Run(result, args.out / f"gpu_check-{args.device}-{time.strftime('%Y%m%d-%H%M%S')}.json", args.budget_s)
+    steps = args.decode_steps
+    with tempfile.TemporaryDirectory() as tmp:  # most important first: a run cut short loses the least
         model = str(random_checkpoint(Path(tmp), SMOKE_SHAPES if args.smoke else SMOLLM2_135M))
         if args.device == "cuda":
-            section(result, "kernels", kernel_check, args.device)
-        section(result, "parity", parity, model, args.device, args.parity_requests, args.new_tokens, rng)
-        section(result, "decode", decode, model, args.device, args.dtype, batches, args.context, args.decode_steps, rng)
-        section(result, "ttft", ttft, model, args.device, args.dtype, args.ttft_len, rng)
-    if args.big != "none":
-        big_batches = [int(b) for b in args.big_batch_sizes.split(",")]
-        section(result, "big", big, args.big, args.device, args.dtype, big_batches, args.context, args.decode_steps,
-                args.ttft_len, rng)  # fmt: skip
+            run.section("kernels", kernel_check, args.device)
+        run.section("parity", parity, model, args.device, args.parity_requests, args.new_tokens, rng)
+        run.section("decode_after", decode, model, args.device, args.dtype, "after", batches, args.context, steps, rng)
+        if args.big != "none":
+            big_batches = [int(b) for b in args.big_batch_sizes.split(",")]
+            run.section("big", big, args.big, args.device, args.dtype, big_batches, args.context, steps, args.ttft_len,
+                        rng)  # fmt: skip
+        run.section("ttft", ttft, model, args.device, args.dtype, args.ttft_len, rng)
+        run.section("decode_before", decode, model, args.device, args.dtype, "before", batches, args.context, steps,
+                    rng)  # fmt: skip
     result["table"] = table(result)
     print(result["table"], flush=True)
-    save(result, args.out, f"gpu_check-{args.device}")
+    run.path.write_text(json.dumps(result, indent=1))
     (args.out / "gpu_check.md").write_text(result["table"] + "\n")
+    print(f"saved {run.path} and {args.out / 'gpu_check.md'}")
 
 
 if __name__ == "__main__":
