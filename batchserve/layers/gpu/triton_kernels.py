@@ -2,9 +2,9 @@
 
 Pool layout: K and V are each [num_blocks, block_size, num_kv_heads, head_dim]; token t of a sequence lives in block
 block_tables[seq, t // block_size] at offset t % block_size. Every kernel accumulates in float32 with an online
-softmax (running max and sum per query row). DOT_FP32 widens both operands of each product to float32 first: for a
-float32 pool (exact products, no TF32, so greedy output matches the reference) and under the interpreter, whose
-bfloat16 products are not usable (PRECISION "ieee" then: no TF32); on a GPU a bfloat16 / float16 pool multiplies as stored on the tensor cores.
+softmax (running max and sum per query row). DOT_FP32 widens both operands of each product to float32 first, with
+PRECISION "ieee" (no TF32): for a float32 pool (so greedy output matches the reference) and under the interpreter,
+whose bfloat16 products are not usable; on a GPU a bfloat16 / float16 pool multiplies as stored, on the tensor cores.
 """
 
 from __future__ import annotations
