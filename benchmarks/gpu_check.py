@@ -360,7 +360,7 @@ def ttft(model: str, device: str, dtype: str, prompt_len: int, rng: random.Rando
 # --- the run -------------------------------------------------------------------------------------------------------
 class Run:
     """The result being built: each section runs on its own (a failure is recorded with its traceback and the next
-    runs), none starts past the time budget, and the JSON is rewritten after each (a cut-short run keeps its figures)."""
+    runs), none starts past the time budget, and the JSON is rewritten after each (a cut-short run keeps figures)."""
 
     def __init__(self, result: dict, path: Path, budget_s: float) -> None:
         self.result, self.path, self.deadline = result, path, time.monotonic() + budget_s

@@ -150,6 +150,7 @@ def paged_prefill(
         query, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_starts, out, scale * 1.4426950408889634,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *common["strides"],
         GROUP=group, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, **common["consts"],
+        num_warps=8 if common["consts"]["BLOCK_D"] >= 128 else 4,  # a [64, 128] float32 accumulator in registers
     )  # fmt: skip
     return out
 
