@@ -257,7 +257,11 @@ def decode_graphs_for(runner) -> DecodeGraphs | None:
         device=runner.device,
         capture=CudaGraphCapture(),
     )
-    graphs.capture_all()
+    try:
+        graphs.capture_all()
+    except Exception:  # a GPU without a path through capture still serves, eagerly
+        logger.exception("CUDA graph capture failed; every step runs eagerly (as with --enforce-eager)")
+        return None
     return graphs
 
 
