@@ -120,14 +120,14 @@ def run_offline_runs(
     config = engine_config_from_args(args)
     policies = ["static", "max_utilization"] if args.compare_static else [config.scheduler.scheduler_policy]
     engines: list[Any] = []
-    step_s = None  # the warm-up's median step: the estimate's unit
+    step_s = None  # the warm-up's median decode step (else its median step): the estimate's unit
     for policy in policies:
         like = engines[0] if engines else None
         engine = offline.build_engine(_policy_config(config, policy), like=like, share_runner=False)
         report = warm_up(engine, args)
         if report is not None:
             log.note(f"{policy}: {report.describe()}")
-            step_s = step_s or report.typical_s
+            step_s = step_s or report.decode_step_s or report.typical_s
         engines.append(engine)
     tokenizer = engines[0].tokenizer
     traces: dict[str, RunTrace] = {}

@@ -4,7 +4,8 @@ host's noise during the runs was larger than the difference it reports.
 The estimate comes from the workload alone (bench may not import the simulator, and a simulator profile of this host
 takes minutes to measure): static batching runs batches of max_batch_size in arrival order, each its prompts' prefill
 chunks then its longest output; continuous batching needs at least the decode steps the batch size forces and the
-longest request. Times are those steps at the warm-up's median step, so a rough figure: steps grow with the context.
+longest request. Times are those steps at the warm-up's median decode step, so a rough figure: steps grow with the
+context.
 """
 
 from __future__ import annotations
@@ -39,9 +40,8 @@ def estimate_line(steps: tuple[int, int], step_s: float | None, runs: int = 1) -
     static, dynamic = steps[0] * runs, steps[1] * runs
     line = f"estimate: at least {static} static + {dynamic} continuous steps"
     if step_s:
-        line += (
-            f", about {_duration((static + dynamic) * step_s)} at the warm-up's median step ({1000 * step_s:.0f} ms)"
-        )
+        seconds = (static + dynamic) * step_s
+        line += f", about {_duration(seconds)} at the warm-up's median decode step ({1000 * step_s:.0f} ms)"
     return line + " (a rough figure: steps grow with the context; prompts in a static batch wait for its end)"
 
 

@@ -31,6 +31,7 @@ class WarmupReport:
     first_s: float  # offline: the first step; HTTP: the first request's TTFT
     typical_s: float  # offline: the median step; HTTP: the median TTFT
     unit: str  # "step" or "TTFT"
+    decode_step_s: float | None = None  # offline: the median step without prefill tokens (most of a run's steps)
 
     def describe(self) -> str:
         return (
@@ -80,7 +81,9 @@ def report_of(trace: RunTrace, started: float) -> WarmupReport:
     duration = time.monotonic() - started
     if trace.steps:
         times = [s.end - s.start for s in trace.steps]
-        return WarmupReport(len(trace.requests), duration, times[0], statistics.median(times), "step")
+        decode = [s.end - s.start for s in trace.steps if s.num_prefill_tokens == 0 and s.num_decode_tokens]
+        decode_s = statistics.median(decode) if decode else None
+        return WarmupReport(len(trace.requests), duration, times[0], statistics.median(times), "step", decode_s)
     ttfts = [r.ttft for r in sorted(trace.requests, key=_arrival) if r.ttft is not None] or [0.0]
     return WarmupReport(len(trace.requests), duration, ttfts[0], statistics.median(ttfts), "TTFT")
 

@@ -62,3 +62,13 @@ def test_compare_static_prints_its_estimate_before_it_runs(monkeypatch, make_eng
     # static: 2 batches x (1 prefill step + 4 decode steps); continuous: 1 prefill step + max(8, 4) decode steps
     assert "estimate: at least 10 static + 9 continuous steps, about" in out
     assert out.index("estimate:") < out.index("dynamic vs static")
+
+
+def test_the_estimate_is_timed_by_the_warm_ups_decode_steps():
+    import time
+
+    from batchserve.bench.warmup import report_of
+
+    prefill = [StepSample(start=0.0, end=0.9, num_scheduled_seqs=4, num_prefill_tokens=400)] * 3
+    report = report_of(RunTrace("warmup", 0.0, 4, prefill + steps([0.02] * 2), []), time.monotonic())
+    assert report.typical_s == pytest.approx(0.9) and report.decode_step_s == pytest.approx(0.02)
