@@ -33,6 +33,10 @@ class OpenAIFrontEnd:
         self.model_name = self.served_model_names[0]
         self.max_body_bytes = max_body_bytes
         self.lenient = lenient
+        # chat output parsing (serve --tool-call-parser / --reasoning-parser / --chat-template): None is the default
+        self.tool_call_parser: str | None = None  # None: the family the chat template writes calls in
+        self.reasoning_parser: str | None = None  # None: no reasoning_content
+        self.chat_template: str | None = None  # a template's text in place of the model's
 
     async def parse(self, request: Request, model: type[Body]) -> Body:
         """The body as `model`: 413 over the size limit, 400 for malformed JSON, invalid fields or another model."""

@@ -145,6 +145,9 @@ class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None  # given to the chat template, for templates that name participants
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, in a conversation's history
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's thinking (not sent back to the template)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -175,6 +178,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template (enable_thinking)
     add_generation_prompt: bool = True  # vLLM extra
 
 
