@@ -99,3 +99,18 @@ def test_bad_tools_are_a_400_naming_the_field(real_server, body, param):
     r = httpx.post(real_server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_reasoning_parser_splits_reasoning_content_in_whole_and_streamed_answers(real_server, client):
+    front = real_server.app.state.front
+    front.reasoning_parser = "deepseek_r1"  # SmolLM2 never closes a <think>: all of its output is reasoning
+    try:
+        args = dict(model=_model(real_server), messages=ASK, max_tokens=8, temperature=0)
+        whole = client.chat.completions.create(**args).choices[0].message
+        reasoning = whole.model_extra["reasoning_content"]
+        assert reasoning and whole.content is None
+        streamed = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                           for c in client.chat.completions.create(stream=True, **args) if c.choices)  # fmt: skip
+        assert streamed == reasoning
+    finally:
+        front.reasoning_parser = None
