@@ -22,8 +22,8 @@ from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
 from batchserve.entrypoints.grpc.server import GrpcServer
-from batchserve.entrypoints.openai.chat_options import add_chat_arguments, apply_chat_options
 from batchserve.entrypoints.openai.app import DEFAULT_MODEL_NAME, DEFAULT_STALL_TIMEOUT_S, build_app
+from batchserve.entrypoints.openai.chat_options import add_chat_arguments, apply_chat_options
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
 from batchserve.entrypoints.openai.observability import add_observability_arguments, observability_from_args
 from batchserve.host.process import configure_torch
