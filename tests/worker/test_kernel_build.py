@@ -3,6 +3,7 @@ its key built (set-up builds it) loads without building, whichever ninja its PAT
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -62,3 +63,17 @@ def test_a_built_key_loads_without_building_whatever_ninja_is_on_path(activated,
     assert result.returncode == 0, result.stderr
     assert "building the native CPU kernels" not in result.stderr
     assert result.stdout.strip() == kernels.load().__file__
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_process():
+    if kernels.load() is None:
+        pytest.skip("native kernels cannot be built here")
+    directory = Path(kernels.load().__file__).parent
+    with open(directory / "build.flock", "w") as handle:  # as a builder would hold it, so no process is mid-load
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / "lock").write_text("")  # the file torch's lock leaves when its build is killed
+    code = "from batchserve.layers import kernels; print(kernels.load().__file__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == kernels.load().__file__
+    assert not (directory / "lock").exists()

@@ -10,6 +10,7 @@ a non-activated venv build once between them.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -79,12 +80,31 @@ def build_or_load(sources: tuple[Path, ...], headers: tuple[Path, ...], cflags: 
 
 
 def _build_or_load(sources: tuple[Path, ...], headers: tuple[Path, ...], cflags: tuple[str, ...], cpu_flags: str):
-    from torch.utils.cpp_extension import load as load_extension
-
     key = build_key([*sources, *headers], list(cflags), cpu_flags)
     directory = env.kernel_build_dir() / key
     directory.mkdir(parents=True, exist_ok=True)
-    name = f"batchserve_cpu_kernels_{key}"
+    with _exclusive(directory):
+        return _load(directory, f"batchserve_cpu_kernels_{key}", sources, cflags)
+
+
+@contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """One process at a time builds or loads in `directory`, by a lock the kernel drops when its holder dies. torch's
+    own lock is a file that a killed build leaves behind, on which every later process would wait for ever: while
+    this lock is held, any such file is a leftover, and is removed."""
+    with open(directory / "build.flock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("waiting for another process building the native CPU kernels in %s", directory)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
+
+
+def _load(directory: Path, name: str, sources: tuple[Path, ...], cflags: tuple[str, ...]):
+    from torch.utils.cpp_extension import load as load_extension
+
     built = (directory / f"{name}.so").exists()
     if not built:
         logger.warning(
