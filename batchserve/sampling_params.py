@@ -6,6 +6,7 @@ import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 # Below this a temperature is greedy (as vLLM's _SAMPLING_EPS): dividing logits by 1e-40 overflows to inf and NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -15,6 +16,13 @@ MAX_STOP_STRING_CHARS = 512
 # logit_bias is turned into index tensors at every step of the request: bounded for the same reason.
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_N = 128  # choices of one prompt
+# Stop ids are checked at every token and masked at every step under min_tokens: bounded like stop strings.
+MAX_STOP_TOKEN_IDS = 1024
+# Above these a knob changes nothing measurable (top_k >= the vocabulary is off; such a temperature is uniform
+# sampling), so a larger value is a client's mistake, refused rather than carried.
+MAX_TOP_K = 1 << 20
+MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs bound)
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
 
 
@@ -83,6 +91,11 @@ class SamplingParams:
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")
         self.validate()
 
+    @cached_property
+    def sorted_stop_token_ids(self) -> tuple[int, ...]:
+        """The stop ids, unique and sorted: computed once per request, not at every step that masks them."""
+        return tuple(sorted(set(self.stop_token_ids)))
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
@@ -90,9 +103,9 @@ class SamplingParams:
     def validate(self) -> None:
         """Every field's type and range; InvalidRequestError naming the first field that is wrong."""
         _integer("max_tokens", self.max_tokens, low=1)
-        _real("temperature", self.temperature, low=0.0)
+        _real("temperature", self.temperature, low=0.0, high=MAX_TEMPERATURE)
         _real("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        _integer("top_k", self.top_k, low=-1)
+        _integer("top_k", self.top_k, low=-1, high=MAX_TOP_K)
         _real("min_p", self.min_p, low=0.0, high=1.0)
         _real("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
         _real("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
@@ -101,9 +114,9 @@ class SamplingParams:
             _integer("seed", self.seed, low=-(2**63), high=2**64 - 1)
         _integer("n", self.n, low=1, high=MAX_N)  # the serving layer runs n > 1 as n child requests
         if self.logprobs is not None:
-            _integer("logprobs", self.logprobs, low=0, high=20)
+            _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
-            _integer("prompt_logprobs", self.prompt_logprobs, low=0, high=20)
+            _integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _integer("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
@@ -114,6 +127,10 @@ class SamplingParams:
             )
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", "stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}", "stop_token_ids"
+            )
         for token_id in self.stop_token_ids:
             _integer("stop_token_ids", token_id, low=0)
         if self.logit_bias is not None:

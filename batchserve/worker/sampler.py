@@ -6,6 +6,7 @@ Logprobs come from the raw model logits (vLLM's default "raw_logprobs"), so they
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -143,9 +144,12 @@ def _min_tokens_mask(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """(rows, token ids) that can't be sampled yet: below min_tokens, EOS (even with ignore_eos) and stop tokens."""
     mask_rows, mask_ids = [], []
+    eos = [t for t in eos_token_ids if t < vocab_size]
     for i, (p, n_out) in enumerate(zip(params, num_outputs, strict=True)):
         if n_out < p.min_tokens:
-            ids = sorted({t for t in (*eos_token_ids, *p.stop_token_ids) if t < vocab_size})
+            # sorted once per request (a cached property); a repeat of an EOS id is harmless: both write -inf
+            stop = p.sorted_stop_token_ids
+            ids = eos + list(stop[: bisect.bisect_left(stop, vocab_size)])
             mask_rows += [i] * len(ids)
             mask_ids += ids
     if not mask_rows:

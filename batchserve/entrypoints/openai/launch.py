@@ -24,6 +24,12 @@ from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_argume
 from batchserve.entrypoints.grpc.server import GrpcServer
 from batchserve.entrypoints.openai.app import DEFAULT_MODEL_NAME, DEFAULT_STALL_TIMEOUT_S, build_app
 from batchserve.entrypoints.openai.chat_options import add_chat_arguments, apply_chat_options
+from batchserve.entrypoints.openai.connections import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    ConnectionLimits,
+)
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
 from batchserve.entrypoints.openai.observability import add_observability_arguments, observability_from_args
 from batchserve.host.process import configure_torch
@@ -80,10 +86,37 @@ def make_parser() -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug"],
         help="server log level",
     )
+    add_connection_arguments(parser)
     add_observability_arguments(parser)
     add_scale_out_arguments(parser)
     add_engine_arguments(parser, include_model=False)
     return parser
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connections (slow or idle clients, too many sockets)")
+    group.add_argument(
+        "--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+        help="close a connection whose request headers have not all arrived this long (seconds) after its first "
+        f"byte (default: {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )  # fmt: skip
+    group.add_argument(
+        "--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+        help=f"close a connection whose request body stalls this long between two reads (default: "
+        f"{DEFAULT_BODY_TIMEOUT_S:g})",
+    )  # fmt: skip
+    group.add_argument(
+        "--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        help=f"close an idle keep-alive connection after this long (default: {DEFAULT_KEEP_ALIVE_TIMEOUT_S:g})",
+    )
+    group.add_argument(
+        "--max-connections", type=int, default=None,
+        help="open connections (or requests in progress) over this many are answered 503 (default: no cap)",
+    )  # fmt: skip
+
+
+def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(args.header_timeout, args.body_timeout, args.keep_alive_timeout, args.max_connections)
 
 
 SCALE_OUT_FLAGS = ("--replicas", "--max-replicas", "--ray-address")
@@ -156,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     try:
         return serve(app, async_engine, args.host, args.port, args.log_level, args.drain_timeout, grpc_server,
-                     json_logs=args.log_format == "json")  # fmt: skip
+                     json_logs=args.log_format == "json", limits=connection_limits_from_args(args))  # fmt: skip
     finally:
         if observability["tracer"] is not None:
             observability["tracer"].shutdown()  # the spans still batched go out
@@ -171,6 +204,7 @@ def serve(
     drain_timeout: float | None = DEFAULT_DRAIN_TIMEOUT_S,
     grpc_server: GrpcServer | None = None,
     json_logs: bool = False,
+    limits: ConnectionLimits | None = None,
 ) -> int:
     """Run uvicorn in this (main) thread until SIGTERM/SIGINT; in-flight requests get `drain_timeout` seconds to
     finish (None: forever), then the rest are aborted. Returns 1 if a request was aborted that way (or the gRPC
@@ -178,7 +212,10 @@ def serve(
     # json_logs: the root's JSON handler writes uvicorn's lines too, and the app's access log replaces uvicorn's
     logs = {"log_config": None, "access_log": False} if json_logs else {}
     server = _DrainingServer(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None, **logs),
+        uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None, **logs,
+            **(limits or ConnectionLimits()).uvicorn_options(),
+        ),
         async_engine,
         drain_timeout,
         grpc_server,
@@ -235,6 +272,10 @@ class _DrainingServer(uvicorn.Server):
         await asyncio.gather(self.grpc_server.stop(grace), super().shutdown(sockets))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:  # a second signal during the drain: stop now (the convention), aborting what is left
+            logger.warning("second signal during the drain: aborting in-flight requests and exiting")
+            self.force_exit = True
+            threading.Thread(target=self.engine.shutdown, kwargs={"drain": False}, daemon=True).start()
         if self._deadline is None and self.drain_timeout is not None:
             self._deadline = threading.Timer(self.drain_timeout, self.engine.shutdown, kwargs={"drain": False})
             self._deadline.daemon = True

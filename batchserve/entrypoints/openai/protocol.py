@@ -14,6 +14,9 @@ from batchserve.serving.results import Usage
 from batchserve.serving.structured import constraint_of
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# Any token array of a body (a prompt, /detokenize's tokens): longer than any context this server runs, and parsed
+# before the engine can say so (docs/limits.md).
+MAX_TOKEN_IDS = 1 << 18
 
 
 def random_id(prefix: str) -> str:
@@ -77,6 +80,13 @@ class SamplingRequest(RequestBody):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
+    @field_validator("response_format")
+    @classmethod
+    def _response_format_has_type(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and not isinstance(value.get("type"), str):
+            raise PydanticCustomError("missing_type", "response_format needs a string `type`")
+        return value
+
     def constraint(self) -> StructuredOutputsParams | None:
         guided = {name: getattr(self, name) for name in GUIDED_FIELDS}
         return constraint_of(self.response_format, guided, self.structured_outputs)
@@ -120,10 +130,11 @@ def _token_id_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias keys are token ids written as JSON strings."""
     if bias is None:
         return None
-    try:
-        return {int(key): value for key, value in bias.items()}
-    except ValueError:
-        raise InvalidRequestError("logit_bias keys must be token ids (integers)", "logit_bias") from None
+    # strictly ASCII digits: Python's int() also reads "1_0", " 1", "+1" and other scripts' digits
+    bad = next((key for key in bias if not (key.isascii() and key.isdigit() and len(key) <= 10)), None)
+    if bad is not None:
+        raise InvalidRequestError(f"logit_bias keys must be token ids (decimal digits), got {bad!r}", "logit_bias")
+    return {int(key): value for key, value in bias.items()}
 
 
 class CompletionRequest(SamplingRequest):
@@ -134,6 +145,14 @@ class CompletionRequest(SamplingRequest):
     prompt_logprobs: int | None = None  # vLLM's: the prompt's scores by position, with this many alternatives
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _token_arrays_bounded(cls, prompt: Any) -> Any:
+        arrays = [prompt] if prompt and isinstance(prompt[0], int) else prompt if isinstance(prompt, list) else []
+        if sum(len(a) for a in arrays if isinstance(a, list)) > MAX_TOKEN_IDS:
+            raise PydanticCustomError("too_long", "at most {limit} prompt token ids", {"limit": MAX_TOKEN_IDS})
+        return prompt
 
 
 class TextContentPart(RequestBody):
@@ -193,7 +212,7 @@ class TokenizeRequest(RequestBody):
 
 class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[int] = Field(max_length=MAX_TOKEN_IDS)
 
 
 class PromptTokensDetails(BaseModel):

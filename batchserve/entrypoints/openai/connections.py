@@ -1,0 +1,109 @@
+"""Read deadlines on HTTP connections, which uvicorn does not have: its keep-alive timeout runs only after a
+response, so a client that sends half a request line (or half a body) and waits holds a socket forever.
+
+A request's headers must arrive within `header_timeout` of its first byte (of the connection, for the first
+request), and while its body is read no gap between two reads may exceed `body_timeout` (nginx's
+client_header_timeout and client_body_timeout). Past either the connection is closed. Once a request is read,
+the time the app takes is not a read and is never timed out here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+logger = logging.getLogger("batchserve.server")
+
+DEFAULT_HEADER_TIMEOUT_S = 30.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # uvicorn's: an idle keep-alive connection is closed after it
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    max_connections: int | None = None  # over it, uvicorn answers 503 (its limit_concurrency)
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        """uvicorn.Config keywords: the guarded protocol class, the keep-alive timeout and the connection cap."""
+        return {
+            "http": guarded_protocol(self.header_timeout_s, self.body_timeout_s),
+            "timeout_keep_alive": self.keep_alive_timeout_s,
+            "limit_concurrency": self.max_connections,
+        }
+
+
+class _ReadDeadlines:
+    """Mixed into uvicorn's HTTP protocol class (httptools' or h11's: both keep the request in `self.cycle`, with
+    `more_body` and `response_complete`)."""
+
+    header_timeout_s: float
+    body_timeout_s: float
+    cycle: Any
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._arm(self.header_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self._read_timer is None and self._phase() == "headers":
+            self._arm(self.header_timeout_s)  # the next request on a kept-alive connection: its clock starts
+        super().data_received(data)  # type: ignore[misc]
+        self._after_read()
+
+    def on_response_complete(self) -> None:
+        self._disarm()
+        super().on_response_complete()  # type: ignore[misc]
+        self._after_read()  # a pipelined request may have started from buffered bytes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _phase(self) -> str:
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            return "headers"
+        return "body" if cycle.more_body else "read"
+
+    def _after_read(self) -> None:
+        phase = self._phase()
+        if phase == "body":
+            self._arm(self.body_timeout_s)  # the gap between reads, restarted at each one
+        elif phase == "read":
+            self._disarm()
+
+    def _arm(self, timeout_s: float) -> None:
+        self._disarm()
+        self._read_timer = self.loop.call_later(timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        timer, self._read_timer = getattr(self, "_read_timer", None), None
+        if timer is not None:
+            timer.cancel()
+
+    def _expired(self) -> None:
+        self._read_timer = None
+        phase = self._phase()
+        if phase == "read" or self.transport.is_closing():
+            return
+        logger.info("closing a connection whose request %s did not arrive in time", phase)
+        self.transport.close()
+
+
+def guarded_protocol(header_timeout_s: float, body_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's own HTTP protocol class (httptools when installed, else h11) with read deadlines."""
+    return type(
+        "GuardedHTTPProtocol",
+        (_ReadDeadlines, AutoHTTPProtocol),
+        {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s},
+    )

@@ -1,0 +1,65 @@
+"""Slow and idle sockets are closed (header and body read deadlines, keep-alive timeout) and a request read in
+time is served whatever the app then takes."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from batchserve.entrypoints.openai.app import build_app
+from batchserve.entrypoints.openai.connections import ConnectionLimits
+from tests.server.fakes import fake_engine
+
+LIMITS = ConnectionLimits(header_timeout_s=0.6, body_timeout_s=0.6, keep_alive_timeout_s=0.6, max_connections=64)
+
+
+@pytest.fixture(scope="module")
+def port():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(build_app(fake_engine(delay_s=0.005)), log_level="warning", **LIMITS.uvicorn_options())
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(30)
+
+
+def seconds_until_closed(port: int, first: bytes, limit_s: float = 10.0) -> float:
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.settimeout(limit_s)
+        start = time.monotonic()
+        conn.sendall(first)
+        data = b""
+        while chunk := conn.recv(4096):  # until the server closes (or the timeout raises)
+            data += chunk
+        return time.monotonic() - start
+
+
+def test_half_a_request_line_is_disconnected_after_the_header_timeout(port):
+    assert 0.5 <= seconds_until_closed(port, b"GET /hea") < 3.0
+
+
+def test_a_stalled_body_is_disconnected_after_the_body_timeout(port):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    assert 0.5 <= seconds_until_closed(port, head + b'{"prompt":') < 3.0
+
+
+def test_an_idle_keep_alive_connection_is_closed(port):
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    assert 0.5 <= seconds_until_closed(port, request) < 3.0
+
+
+def test_a_request_read_in_time_is_served_past_the_deadlines(port):
+    # a completion that runs longer than every deadline: reading is over, so nothing times it out
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                          json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True})
+    assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
