@@ -259,8 +259,10 @@ def decode_steps(engine, batch: int, context: int, steps: int, rng: random.Rando
     """Fill the batch with `context`-token prompts, then time `steps` decode steps (median) and profile a few."""
     from torch.profiler import ProfilerActivity, profile
 
+    # the first admitted decode while the rest prefill: enough tokens that none finishes before the timed steps end
+    prefill_steps = -(-batch * context // engine.config.scheduler.max_num_tokens)
     for i, prompt in enumerate(prompts(batch, rng, context, context, engine.model_config.vocab_size)):
-        submit(engine, f"d{i}", prompt, steps + 16)
+        submit(engine, f"d{i}", prompt, steps + prefill_steps + 16)
     while engine.scheduler.num_waiting or engine.last_stats is None or engine.last_stats.num_prefill_tokens:
         engine.step()
     engine.step()  # warm-up
@@ -277,7 +279,9 @@ def decode_steps(engine, batch: int, context: int, steps: int, rng: random.Rando
     counts = {e.key: e.count / profiled for e in prof.key_averages() if e.key.startswith(("cu", "aten::_local"))}
     step = statistics.median(times)
     graphs = getattr(engine.runner, "decode_graphs", None)
-    return {"batch": batch, "context": context, "step_ms": step * 1e3, "tok_per_s": batch / step,
+    decoding = engine.last_stats.num_decode_tokens  # the batch still decoding at the end (all of it, as planned)
+    return {"batch": batch, "context": context, "step_ms": step * 1e3, "tok_per_s": decoding / step,
+            "decoding_at_end": decoding,
             "launches_per_step": sum(counts.get(k, 0) for k in LAUNCHES),
             "syncs_per_step": sum(counts.get(k, 0) for k in SYNCS), "runtime_calls_per_step": counts,
             "graph_replays": dict(graphs.replays) if graphs is not None else {}}  # fmt: skip
