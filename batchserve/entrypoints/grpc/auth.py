@@ -3,11 +3,12 @@ counterpart of the HTTP server's open /health), compared in constant time."""
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+
+from batchserve.entrypoints.api_key import api_key_matches
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 UNAUTHENTICATED_MESSAGE = "invalid or missing API key (metadata 'authorization: Bearer <key>')"
@@ -15,7 +16,7 @@ UNAUTHENTICATED_MESSAGE = "invalid or missing API key (metadata 'authorization: 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, api_key: str) -> None:
-        self._expected = ("Bearer " + api_key).encode()
+        self._api_key = api_key.encode()
 
     async def intercept_service(
         self,
@@ -29,8 +30,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
         given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
-        given_bytes = given if isinstance(given, bytes) else str(given).encode()
-        return hmac.compare_digest(given_bytes, self._expected)
+        return api_key_matches(given if isinstance(given, bytes) else str(given), self._api_key)
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

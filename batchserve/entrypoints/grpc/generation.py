@@ -23,7 +23,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, service: GenerationService, served: ServedModel) -> None:
         self.service = service
         self.served = served
-        self._live: dict[str, RequestStream] = {}  # Generate's requests in flight, by id: what Abort may end
+        # Generate's requests in flight, by id: what Abort may end (None: the id is claimed, the request not admitted)
+        self._live: dict[str, RequestStream | None] = {}
         self._aborted: set[str] = set()  # ended by Abort: their streams close with finish_reason "abort"
 
     async def Generate(  # noqa: N802 - the RPC's name
@@ -32,6 +33,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         last: GenerationResult | None = None
+        owner = False  # whether this call claimed request_id: only the owner may let it go
         try:
             try:
                 prepared = await prepare_input(self.service, request)
@@ -39,6 +41,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 params = sampling_params(request.sampling, default_max)
                 if request_id in self._live:
                     raise invalid(f"request id {request_id!r} is already in use", "request_id")
+                self._live[request_id], owner = None, True  # claimed with no await since the check
                 built = self.service.requests.build(
                     request_id, prepared.token_ids, params, request.priority, prompt=prepared.text, param=prepared.param
                 )
@@ -58,12 +61,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except Exception as exc:  # noqa: BLE001 - every failure becomes the RPC's status
             await abort_rpc(context, exc)
         finally:  # done, failed, or cancelled by the caller (CancelledError): the engine lets go at its next step
-            self._live.pop(request_id, None)
-            self._aborted.discard(request_id)
+            if owner:  # a refused duplicate must not remove the running request's entry
+                self._live.pop(request_id, None)
+                self._aborted.discard(request_id)
             self.service.abort_unfinished(streams)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:  # noqa: N802
-        ids = [rid for rid in dict.fromkeys(request.request_ids) if rid in self._live]
+        ids = [rid for rid in dict.fromkeys(request.request_ids) if self._live.get(rid) is not None]
         self._aborted.update(ids)
         self.service.client.abort(ids)
         return pb.AbortResponse(aborted_ids=ids)

@@ -98,7 +98,7 @@ async def _parse(
     model.check(name, version)
     body = (await front.parse(request, GenerateBody)).root
     inputs = {k: v for k, v in body.items() if k not in RESERVED_KEYS}
-    values = {k: _flat(v) for k, v in inputs.items()}
+    values = {k: _flat(v, k) for k, v in inputs.items()}
     ranks = {k: _rank(v) for k, v in inputs.items()}
     return body, parse_request(values, ranks, [])
 
@@ -139,14 +139,30 @@ def _priority(body: dict[str, Any]) -> int:
     return priority
 
 
-def _flat(value: Any) -> list[Any]:
-    if not isinstance(value, list):
-        return [value]
-    return [item for element in value for item in _flat(element)]
+MAX_TENSOR_RANK = 8  # Triton's own bound on dims; deeper nesting is a client's mistake (or an attack on recursion)
+
+
+def _flat(value: Any, name: str) -> list[Any]:
+    """A tensor's elements in order, nested lists read without recursion; deeper than MAX_TENSOR_RANK is a 400."""
+    flat: list[Any] = []
+    pending: list[tuple[Any, int]] = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if not isinstance(item, list):
+            flat.append(item)
+            continue
+        if depth >= MAX_TENSOR_RANK:
+            raise invalid(f"input '{name}' is nested deeper than {MAX_TENSOR_RANK} dimensions", name)
+        pending.extend((element, depth + 1) for element in reversed(item))
+    return flat
 
 
 def _rank(value: Any) -> int:
-    return 1 + _rank(value[0]) if isinstance(value, list) and value else int(isinstance(value, list))
+    rank = 0
+    while isinstance(value, list):  # bounded: _flat has refused nesting past MAX_TENSOR_RANK
+        rank += 1
+        value = value[0] if value else None
+    return rank
 
 
 def _sse(payload: dict[str, Any]) -> str:

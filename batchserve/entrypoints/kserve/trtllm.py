@@ -4,6 +4,7 @@ extension both call it, with each input given as a flat list of values (one elem
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -187,9 +188,9 @@ def _typed(name: str, kind: str, value: Any) -> Any:
         "texts": isinstance(value, str),
         "int": isinstance(value, int) and not isinstance(value, bool),
         "bool": isinstance(value, bool),
-    }.get(kind, isinstance(value, int | float) and not isinstance(value, bool))
+    }.get(kind, isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value))
     if not ok:
-        wanted = {"text": "text", "texts": "text", "int": "an integer", "bool": "a boolean"}.get(kind, "a number")
+        wanted = {"text": "text", "texts": "text", "int": "an integer", "bool": "a boolean"}.get(kind, "a finite number")
         raise invalid(f"input '{name}' must be {wanted}, got {value!r}", name)
     return value
 

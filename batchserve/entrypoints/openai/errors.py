@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -10,6 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from batchserve.entrypoints.api_key import api_key_matches
 from batchserve.serving.errors import ErrorKind, classify
 
 OPEN_PATHS = ("/health", "/metrics", "/dashboard")  # the dashboard page holds no data: /dashboard/data does
@@ -75,14 +75,14 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = ("Bearer " + api_key).encode()
+        self.api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        if hmac.compare_digest(given, self.expected):
+        if api_key_matches(given, self.api_key):
             await self.app(scope, receive, send)
             return
         error = APIError(

@@ -9,6 +9,7 @@ from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from batchserve.entrypoints.openai.errors import APIError, validation_error
 from batchserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
@@ -49,10 +50,14 @@ class OpenAIFrontEnd:
             if too_big:
                 raise self._too_big()
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise self._too_big()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self.max_body_bytes:
+                    raise self._too_big()
+        except ClientDisconnect:  # gone mid-body: nobody to answer, and no fault of the server's to log
+            raise APIError(499, "the client closed the connection before its body arrived",
+                           code="client_closed_request") from None  # fmt: skip
         data = _json(bytes(body))
         try:
             parsed = model.model_validate(data)

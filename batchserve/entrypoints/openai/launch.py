@@ -39,6 +39,7 @@ logger = logging.getLogger("batchserve.server")
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 GRPC_GRACE_MARGIN_S = 5.0  # past the drain deadline, for aborted RPCs to send their status
 GRPC_NO_DEADLINE_S = 365 * 24 * 3600.0
+SECOND_SIGNAL_GRACE_S = 1.0
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -274,8 +275,11 @@ class _DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:  # a second signal during the drain: stop now (the convention), aborting what is left
             logger.warning("second signal during the drain: aborting in-flight requests and exiting")
-            self.force_exit = True
             threading.Thread(target=self.engine.shutdown, kwargs={"drain": False}, daemon=True).start()
+            # the aborted streams get a moment to send their error event; a connection that still holds on is cut
+            force = threading.Timer(SECOND_SIGNAL_GRACE_S, setattr, args=(self, "force_exit", True))
+            force.daemon = True
+            force.start()
         if self._deadline is None and self.drain_timeout is not None:
             self._deadline = threading.Timer(self.drain_timeout, self.engine.shutdown, kwargs={"drain": False})
             self._deadline.daemon = True
