@@ -8,6 +8,8 @@ Sections, most important first (each on its own: one that fails records its erro
 after --budget-s; the JSON is rewritten after each, so a run cut short keeps what it measured):
 - environment: GPU, driver, torch, Triton;
 - kernels: the Triton paged-attention kernels against the torch gather-and-pad path on random pools (GPU only);
+- fused_norm: RMSNorm + residual, torch's code against the fused Triton kernel (layers/gpu/fused_norm.py), time a call
+  (GPU only; the kernel is not wired into the layers until this says it pays);
 - parity: greedy float32 tokens of batchserve (all requests in one batch, TF32 off) against transformers' `generate`
   (one request at a time) on the same device;
 - decode_after, decode_before: SmolLM2-135M shapes, --dtype, step time and tok/s at batch 1/64/256 with --context
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -227,6 +230,43 @@ def kernel_check(device: str) -> dict:
     return {"rows": rows, "all_ok": all(r["ok"] for r in rows)}
 
 
+def time_call(call, device: str, repeats: int = 200) -> float:
+    """Microseconds a call, the mean of `repeats` after one warm-up."""
+    call()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    sync(device)
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+@torch.no_grad()
+def fused_norm_check(device: str, dtype: str, shapes=((1, 576), (256, 576), (64, 4096), (2048, 4096))) -> dict:
+    """RMSNorm + residual: torch's code (layers/norm.py on the GPU) against the fused Triton kernel, microseconds a
+    call at decode and prefill shapes (SmolLM2's hidden 576, Llama-3.1-8B's 4096), and their largest difference."""
+    from batchserve.layers.gpu import fused_norm
+    from batchserve.layers.norm import RMSNorm
+
+    rows, torch_dtype = [], getattr(torch, dtype)
+    for num_rows, hidden in shapes:
+        norm = RMSNorm(hidden, 1e-5, torch_dtype).to(device)
+        x, residual = (torch.randn(num_rows, hidden, device=device).to(torch_dtype) for _ in range(2))
+        calls = {
+            "torch": functools.partial(lambda n, a, r: n(a, r.clone()), norm, x, residual),
+            "triton": functools.partial(lambda w, a, r: fused_norm.rms_norm(a, w, 1e-5, r.clone()), norm.weight, x,
+                                        residual),
+        }  # fmt: skip
+        row = {
+            "rows": num_rows,
+            "hidden": hidden,
+            **{f"{name}_us": time_call(call, device) for name, call in calls.items()},
+        }
+        row["max_abs_difference"] = (calls["torch"]()[0].float() - calls["triton"]()[0].float()).abs().max().item()
+        rows.append(row)
+    return {"dtype": dtype, "rows": rows, "note": "each call includes one clone of the residual (both sides)"}
+
+
 def parity(model: str, device: str, count: int, new_tokens: int, rng: random.Random) -> dict:
     """batchserve (one batch, the "after" configuration) vs transformers (one request at a time), float32."""
     from transformers import AutoModelForCausalLM
@@ -397,6 +437,9 @@ def table(result: dict) -> str:
     kernels = result.get("kernels", {})
     if kernels:
         row("Triton kernels = torch path", kernels.get("all_ok", kernels.get("error")), "True")
+    for r in result.get("fused_norm", {}).get("rows", []):
+        row(f"RMSNorm+residual {r['rows']}x{r['hidden']}: torch / Triton",
+            f"{r['torch_us']:.1f} / {r['triton_us']:.1f} us")  # fmt: skip
     par = result.get("parity", {})
     row("greedy float32 parity", f"{par.get('identical')}/{par.get('requests')}" if "requests" in par else par,
         "all identical")  # fmt: skip
@@ -463,6 +506,8 @@ def main() -> None:
         model = str(random_checkpoint(Path(tmp), SMOKE_SHAPES if args.smoke else SMOLLM2_135M))
         if args.device == "cuda":
             run.section("kernels", kernel_check, args.device)
+        if args.device == "cuda":
+            run.section("fused_norm", fused_norm_check, args.device, args.dtype)
         run.section("parity", parity, model, args.device, args.parity_requests, args.new_tokens, rng)
         run.section("decode_after", decode, model, args.device, args.dtype, "after", batches, args.context, steps, rng)
         if args.big != "none":

@@ -156,9 +156,10 @@ from batchserve.layers.gpu import triton_kernels as K
 INTS = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_kt", "stride_kh", "stride_bt")
 
 
-def compile_for_sm90(fn, pointers, consts, num_warps):
+def compile_for_sm90(fn, pointers, consts, num_warps, scalars=None):
     jitted = triton.jit(fn)
-    types = {**pointers, **dict.fromkeys(INTS, "i32"), "qk_scale": "fp32", **dict.fromkeys(consts, "constexpr")}
+    types = {**pointers, **dict.fromkeys(INTS, "i32"), "qk_scale": "fp32", **(scalars or {}),
+             **dict.fromkeys(consts, "constexpr")}
     signature = {name: types[name] for name in jitted.arg_names}
     source = ASTSource(fn=jitted, signature=signature, constexprs=consts)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
@@ -173,6 +174,9 @@ compile_for_sm90(K.decode_split, {**bf16, **parts}, dict(GROUP=4, GROUP_PAD=16, 
 compile_for_sm90(K.decode_combine, dict(out_ptr="*bf16", **parts),
                  dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4, SPLITS_PAD=4), 4)
 compile_for_sm90(K.prefill, {**bf16, "query_starts": "*i64"}, dict(GROUP=4, BLOCK_M=64, **shapes), 8)
+compile_for_sm90(K.rms_norm_residual, dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16"),
+                 dict(BLOCK=4096, HAS_RESIDUAL=True), 8,
+                 dict(eps="fp32", stride_x="i32", stride_r="i32", stride_o="i32", hidden="i32"))
 """
 
 
@@ -184,4 +188,5 @@ def test_kernels_compile_for_hopper():
         [sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:3] == ["decode_split compiled", "decode_combine compiled", "prefill compiled"]
+    compiled = ["decode_split", "decode_combine", "prefill", "rms_norm_residual"]
+    assert done.stdout.split("\n")[:4] == [f"{name} compiled" for name in compiled]

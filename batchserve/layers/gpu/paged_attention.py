@@ -36,7 +36,7 @@ def supports(query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -
 
 
 @functools.cache
-def _kernel(name: str):
+def jitted(name: str):
     """A kernel of triton_kernels, jitted: compiled for the GPU, or interpreted when TRITON_INTERPRET=1 was set before
     Triton was first imported (the interpreter replaces the whole of triton.language then, so it is a process-wide
     choice)."""
@@ -112,7 +112,7 @@ def paged_decode(
     part_acc = query.new_empty((*stats, consts["BLOCK_D"]), dtype=torch.float32) if splits > 1 else out
     part_max = query.new_empty(stats, dtype=torch.float32) if splits > 1 else out
     part_sum = query.new_empty(stats, dtype=torch.float32) if splits > 1 else out
-    _kernel("decode_split")[(num_seqs, num_kv_heads, splits)](
+    jitted("decode_split")[(num_seqs, num_kv_heads, splits)](
         query, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, part_acc, part_max, part_sum,
         scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *common["strides"],
@@ -120,7 +120,7 @@ def paged_decode(
         **consts,
     )  # fmt: skip
     if splits > 1:
-        _kernel("decode_combine")[(num_seqs, num_heads)](
+        jitted("decode_combine")[(num_seqs, num_heads)](
             out, part_acc, part_max, part_sum, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=consts["BLOCK_D"], NUM_SPLITS=splits,
             SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()),
@@ -146,7 +146,7 @@ def paged_prefill(
     common = _common(query, kv_cache, block_tables)
     out = torch.empty_like(query)
     grid = (num_seqs, num_heads, -(-max_query_len // tiling.block_m))
-    _kernel("prefill")[grid](
+    jitted("prefill")[grid](
         query, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_starts, out, scale * 1.4426950408889634,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *common["strides"],
         GROUP=group, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, **common["consts"],

@@ -160,4 +160,30 @@ def prefill(
              out.to(out_ptr.dtype.element_ty), mask=q_mask)  # fmt: skip
 
 
-KERNELS = {"decode_split": decode_split, "decode_combine": decode_combine, "prefill": prefill}
+def rms_norm_residual(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, eps, stride_x, stride_r, stride_o, hidden,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """One program per row: (x + residual) rounded to the dtype and stored back as the residual, then RMSNorm of it
+    in float32, rounded to the dtype, times the weight: layers/norm.py's arithmetic in half precision."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    y = xf / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = w * y.to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+KERNELS = {
+    "decode_split": decode_split,
+    "decode_combine": decode_combine,
+    "prefill": prefill,
+    "rms_norm_residual": rms_norm_residual,
+}
