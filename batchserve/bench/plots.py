@@ -4,6 +4,7 @@ CDFs and throughput over time from the client's timestamps (any run, HTTP includ
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,47 +48,70 @@ def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int | None
     """
     steps = trace.steps[:max_steps] if max_steps else trace.steps
     stride = -(-len(steps) // MAX_TIMELINE_COLUMNS) if steps else 1
-    lanes = assign_lanes(steps, trace.max_batch_size)
-    num_lanes = max(trace.max_batch_size, max((max(r, default=-1) + 1 for r in lanes), default=0))
-    columns = max(-(-len(steps) // stride), 1)
-    img = np.ones((num_lanes, columns, 3)) * np.array(IDLE)
-    order = {r.request_id: i for i, r in enumerate(trace.requests)}
-    inserts, exits, prefills = [], [], []
-    for x, (step, row) in enumerate(zip(steps, lanes, strict=True)):
-        column = x // stride
-        for lane, (rid, ntok, prefill) in row.items():
-            colour = _request_colour(order.setdefault(rid, len(order)))
-            img[lane, column] = colour * PREFILL_DARKENING if prefill else colour if ntok else _padding_colour(colour)
-            if prefill:
-                prefills.append((x, lane))
-            if x == 0 or lanes[x - 1].get(lane, ("",))[0] != rid:
-                inserts.append((x, lane))
-            if rid in step.finished:
-                exits.append((x, lane))
-
+    cells = _timeline_cells(trace, steps, stride)
+    num_lanes, columns = cells.image.shape[:2]
     height = min(3 + num_lanes * 0.18, 14)
     fig, (ax, ax2) = plt.subplots(
         2, 1, figsize=(min(6 + columns * 0.03, 22), height + 2), sharex=True,
         gridspec_kw={"height_ratios": [height, 2]},
     )  # fmt: skip
-    ax.imshow(img, aspect="auto", interpolation="nearest", origin="lower",
+    ax.imshow(cells.image, aspect="auto", interpolation="nearest", origin="lower",
               extent=(-0.5, columns * stride - 0.5, -0.5, num_lanes - 0.5))  # fmt: skip
-    size = marker_size(columns, num_lanes)
-    if prefills:
-        px, py = zip(*prefills, strict=True)
-        ax.scatter(px, py, s=size * 0.3, c="white", marker=".", linewidths=0)
-    if inserts:
-        ix, iy = zip(*inserts, strict=True)
-        # above the crosses: a slot refilled at the next step shows both
-        ax.scatter(np.array(ix) - 0.2 * stride, iy, s=size, c="lime", marker=">", edgecolors="darkgreen",
-                   linewidths=0.8, zorder=5)  # fmt: skip
-    if exits:
-        ex, ey = zip(*exits, strict=True)
-        ax.scatter(ex, ey, s=size, c="black", marker="x", linewidths=1.5, zorder=4)
+    _draw_markers(ax, cells, marker_size(columns, num_lanes), stride)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(num_lanes, 16)))
     ax.set_ylabel("batch slot")
     ax.set_title(f"Batch timeline: {trace.label} ({_shown(len(steps), len(trace.steps), stride)}, "
                  f"max_batch_size={trace.max_batch_size})", loc="left")  # fmt: skip
+    _timeline_legend(ax)
+    _occupancy_panel(ax2, steps)
+    return _save(fig, path)
+
+
+@dataclass
+class _TimelineCells:
+    image: np.ndarray  # [lanes, columns, rgb]
+    prefills: list[tuple[int, int]] = field(default_factory=list)  # (step, lane) of each prefill cell
+    inserts: list[tuple[int, int]] = field(default_factory=list)  # where a request enters its lane
+    exits: list[tuple[int, int]] = field(default_factory=list)  # where it finishes
+
+
+def _timeline_cells(trace: RunTrace, steps: list, stride: int) -> _TimelineCells:
+    """Each lane's cells coloured by request (one column per `stride` steps), and where the markers go."""
+    lanes = assign_lanes(steps, trace.max_batch_size)
+    num_lanes = max(trace.max_batch_size, max((max(r, default=-1) + 1 for r in lanes), default=0))
+    columns = max(-(-len(steps) // stride), 1)
+    cells = _TimelineCells(np.ones((num_lanes, columns, 3)) * np.array(IDLE))
+    order = {r.request_id: i for i, r in enumerate(trace.requests)}
+    for x, (step, row) in enumerate(zip(steps, lanes, strict=True)):
+        for lane, (rid, ntok, prefill) in row.items():
+            colour = _request_colour(order.setdefault(rid, len(order)))
+            cells.image[lane, x // stride] = (
+                colour * PREFILL_DARKENING if prefill else colour if ntok else _padding_colour(colour)
+            )
+            if prefill:
+                cells.prefills.append((x, lane))
+            if x == 0 or lanes[x - 1].get(lane, ("",))[0] != rid:
+                cells.inserts.append((x, lane))
+            if rid in step.finished:
+                cells.exits.append((x, lane))
+    return cells
+
+
+def _draw_markers(ax, cells: _TimelineCells, size: float, stride: int) -> None:
+    if cells.prefills:
+        px, py = zip(*cells.prefills, strict=True)
+        ax.scatter(px, py, s=size * 0.3, c="white", marker=".", linewidths=0)
+    if cells.inserts:
+        ix, iy = zip(*cells.inserts, strict=True)
+        # above the crosses: a slot refilled at the next step shows both
+        ax.scatter(np.array(ix) - 0.2 * stride, iy, s=size, c="lime", marker=">", edgecolors="darkgreen",
+                   linewidths=0.8, zorder=5)  # fmt: skip
+    if cells.exits:
+        ex, ey = zip(*cells.exits, strict=True)
+        ax.scatter(ex, ey, s=size, c="black", marker="x", linewidths=1.5, zorder=4)
+
+
+def _timeline_legend(ax) -> None:
     ax.legend(
         handles=[
             Patch(color=LEGEND_DECODE, label="decode (each request its own colour)"),
@@ -99,6 +123,10 @@ def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int | None
         ],
         loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
     )  # fmt: skip
+
+
+def _occupancy_panel(ax2, steps: list) -> None:
+    """Batch occupancy and the waiting queue per iteration, under the timeline."""
     xs = np.arange(len(steps))
     ax2.plot(xs, [100 * s.num_scheduled_seqs / s.max_batch_size for s in steps], color="tab:blue", label="occupancy %")
     ax2.set_ylabel("occupancy %")
@@ -107,7 +135,6 @@ def plot_batch_timeline(trace: RunTrace, path: str | Path, max_steps: int | None
     ax3 = ax2.twinx()
     ax3.plot(xs, [s.num_waiting for s in steps], color="tab:orange", label="waiting")
     ax3.set_ylabel("waiting requests", color="tab:orange")
-    return _save(fig, path)
 
 
 def marker_size(columns: int, lanes: int) -> float:
