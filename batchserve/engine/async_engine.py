@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 from batchserve.config import EngineConfig
 from batchserve.core.outputs import SchedulerStats
 from batchserve.engine.inputs import EngineLimits, Prompt
-from batchserve.engine.llm_engine import LLMEngine
+from batchserve.engine.llm_engine import LLMEngine, QueueFullError
 from batchserve.engine.outputs import CompletionDelta
 from batchserve.host.process import adopt_torch_threads, release_openmp_workers
 from batchserve.request import EngineRequest
@@ -251,6 +251,7 @@ class AsyncLLMEngine:
         QueueFullError) or EngineDeadError. Returns the stream of its outputs."""
         if self._thread is None:
             self.start()
+        self._refuse_if_queue_full()
         stream = RequestStream(request, asyncio.get_running_loop())
         command = _Add(request, stream)
         self._submit(command)
@@ -260,6 +261,18 @@ class AsyncLLMEngine:
             self.abort(request.request_id)  # FIFO: lands after the add, whatever its outcome
             raise
         return stream
+
+    def _refuse_if_queue_full(self) -> None:
+        """The engine's own refusal, answered here without waiting for the step in progress to end (under overload
+        a 503 must not queue behind the engine): the waiting queue as of the latest step plus the adds not yet
+        applied. It may refuse one step early (the running step may admit some waiting requests), never late."""
+        limit = self.engine.config.scheduler.max_waiting_requests
+        if limit is None:
+            return
+        with self._cond:  # held by the loop only to swap the command queue, never during a step
+            pending = sum(isinstance(c, _Add) for c in self._commands)
+        if self.engine.scheduler.num_waiting + pending >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
 
     async def generate(
         self,

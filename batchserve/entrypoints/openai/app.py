@@ -189,7 +189,8 @@ def _add_routes(
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         req = await front.parse(request, DetokenizeRequest)
-        return JSONResponse({"prompt": service.detokenize(req.tokens)})
+        # off the event loop: hundreds of thousands of ids take long enough to stall every stream
+        return JSONResponse({"prompt": await asyncio.to_thread(service.detokenize, req.tokens)})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

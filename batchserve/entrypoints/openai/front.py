@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from batchserve.serving.generation import GenerationService
 from batchserve.serving.results import GenerationResult, Usage
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+OFF_LOOP_BODY_BYTES = 64 * 1024  # bodies larger than this are parsed on a worker thread
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -58,15 +60,21 @@ class OpenAIFrontEnd:
         except ClientDisconnect:  # gone mid-body: nobody to answer, and no fault of the server's to log
             raise APIError(499, "the client closed the connection before its body arrived",
                            code="client_closed_request") from None  # fmt: skip
-        data = _json(bytes(body))
+        if len(body) > OFF_LOOP_BODY_BYTES:  # a large body's parse would hold up every other connection
+            parsed = await asyncio.to_thread(self._validated, bytes(body), model)
+        else:
+            parsed = self._validated(bytes(body), model)
+        self.check_model(getattr(parsed, "model", None))
+        return parsed
+
+    def _validated(self, body: bytes, model: type[Body]) -> Body:
+        data = _json(body)
         try:
-            parsed = model.model_validate(data)
+            return model.model_validate(data)
         except ValidationError as exc:
             if not self.lenient:
                 raise validation_error(exc) from None
-            parsed = _validate_without_unknown_fields(model, data, exc)
-        self.check_model(getattr(parsed, "model", None))
-        return parsed
+            return _validate_without_unknown_fields(model, data, exc)
 
     def _too_big(self) -> APIError:
         return APIError(413, f"request body is over {self.max_body_bytes} bytes", code="body_too_large")
