@@ -272,7 +272,8 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logits = logits = logits.float()
         if meta.token_bitmask is not None:  # first: no knob may bring back a token the grammar forbids
-            logits = apply_token_bitmask(logits, meta.token_bitmask)
+            # in place unless logprobs need the raw logits (the runner's logits are not read after sampling)
+            logits = apply_token_bitmask(logits, meta.token_bitmask, in_place=meta.max_num_logprobs is None)
         if meta.min_tokens_mask is not None:
             logits = logits.index_put(meta.min_tokens_mask, torch.tensor(_NEG_INF, device=logits.device))
         if meta.logit_bias is not None:  # out of place: the raw logits stay for logprobs

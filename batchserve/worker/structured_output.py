@@ -177,8 +177,9 @@ class StructuredOutputs:
             state.broken = True
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """The logits with every token the bitmask forbids at -inf (out of place: the raw logits stay for logprobs)."""
-    masked = logits.clone()
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """The logits with every token the bitmask forbids at -inf. Out of place unless `in_place` (a copy of a step's
+    [N, V] logits is a fresh allocation each step, as costly as the masking itself)."""
+    masked = logits if in_place else logits.clone()
     xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device), vocab_size=logits.shape[-1])
     return masked

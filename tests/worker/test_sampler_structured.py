@@ -54,7 +54,7 @@ def constrained_decode(structured: StructuredOutputs, req_id: str, steps: int, e
         mask = structured.fill_masks([req_id])
         meta = SamplingMetadata.build([SamplingParams(temperature=0.0)], [[1]], [1], [eos], structured.vocab_size,
                                       CPU, token_bitmask=mask)  # fmt: skip
-        token = Sampler()(logits, meta).token_ids.tolist()
+        token = Sampler()(logits.clone(), meta).token_ids.tolist()  # masked in place
         structured.accept([req_id], token)
         if token[0] == eos:
             return out
