@@ -1,0 +1,260 @@
+"""Issue 48's hostile-client probes, re-run against `batchserve serve` on loopback (bounded in time), with the
+figures that must hold:
+
+    python benchmarks/hostile.py                 # the default model (SmolLM2-135M), about 2 minutes
+    python benchmarks/hostile.py --fake          # the tests' model-free engine (steps sleep: no GIL contention)
+
+Rounds: bad bodies (0 5xx), the stop-ids attack (another stream slowed <= 1.2x), the overload (300 clients,
+--max-waiting-requests 32: 503 and /health p99 <= 100 ms, measured by a prober in its own process), slow sockets
+(closed after --header-timeout), and after each round KV blocks back to 0 and the server's RSS. Prints the figures
+and writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from batchserve.bench.soak import _free_port, rss_mb, wait_ready
+from batchserve.sampling_params import MAX_STOP_TOKEN_IDS
+from batchserve.serving.metrics import parse_metrics
+
+HEADER_TIMEOUT_S = 2.0
+COMPLETIONS = "/v1/completions"
+FAKE_SERVER = textwrap.dedent(
+    """
+    import sys
+    from batchserve.engine.async_engine import AsyncLLMEngine
+    from batchserve.entrypoints.openai.app import build_app
+    from batchserve.entrypoints.openai.connections import ConnectionLimits
+    from batchserve.entrypoints.openai.launch import serve
+    from tests.server.fakes import fake_engine
+    engine = AsyncLLMEngine(fake_engine(delay_s=0.01, max_batch_size=16, max_waiting_requests=32))
+    limits = ConnectionLimits(header_timeout_s=float(sys.argv[2]))
+    sys.exit(serve(build_app(engine), engine, port=int(sys.argv[1]), log_level="warning", limits=limits))
+    """
+)
+
+
+def start(fake: bool, port: int) -> subprocess.Popen:
+    if fake:
+        root = Path(__file__).resolve().parents[1]
+        return subprocess.Popen([sys.executable, "-c", FAKE_SERVER, str(port), str(HEADER_TIMEOUT_S)], cwd=root)
+    return subprocess.Popen([
+        sys.executable, "-m", "batchserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--log-level", "warning", "--max-batch-size", "16", "--max-waiting-requests", "32", "--dtype", "float32",
+        "--max-model-len", "512", "--header-timeout", str(HEADER_TIMEOUT_S),
+    ])  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ bad bodies
+def bad_bodies() -> list[tuple[str, str, dict[str, str]]]:
+    """(path, raw body, extra headers): each must be answered 4xx."""
+    ok = {"prompt": "hi", "max_tokens": 2}
+    bodies = [
+        {**ok, "top_k": 10**12}, {**ok, "temperature": 1e6}, {**ok, "logit_bias": {"1_0": 1}},
+        {**ok, "logit_bias": {" 1": 1}}, {**ok, "stop_token_ids": list(range(590_000))}, {**ok, "stop": ["x"] * 1000},
+        {**ok, "logprobs": 10**6}, {**ok, "n": 10**6}, {**ok, "max_tokens": -1}, {**ok, "prompt": [10**9]},
+        {**ok, "prompt": [[1] * 300_000]}, {**ok, "seed": 2**70}, {**ok, "min_p": -1}, {"prompt": 5},
+    ]
+    raw = [(COMPLETIONS, json.dumps(b), {}) for b in bodies]
+    raw += [
+        (COMPLETIONS, '{"prompt": "hi", "max_tokens": NaN}', {}), (COMPLETIONS, "[" * 5000 + "]" * 5000, {}),
+        (COMPLETIONS, '{"prompt": "\\ud800"}', {}), (COMPLETIONS, "{", {}),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                             "response_format": {"json_schema": {}}}), {}),
+        ("/detokenize", json.dumps({"tokens": [1] * 300_000}), {}),
+        ("/v2/models/ensemble/generate", '{"text_input": ' + "[" * 900 + '"x"' + "]" * 900 + ', "max_tokens": 2}', {}),
+        ("/v2/models/ensemble/generate", '{"text_input": "x", "max_tokens": 2, "top_p": 1e400}', {}),
+    ]
+    return raw
+
+
+def probe_bad_bodies(url: str) -> dict[str, Any]:
+    statuses = []
+    with httpx.Client(timeout=60) as client:
+        for path, body, headers in bad_bodies():
+            statuses.append(client.post(url + path, content=body,
+                                        headers={"Content-Type": "application/json", **headers}).status_code)
+    return {"bad_bodies": len(statuses), "bad_bodies_5xx": sum(s >= 500 for s in statuses),
+            "bad_bodies_2xx": sum(s < 300 for s in statuses)}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ stop-ids attack
+def stream_seconds(url: str, max_tokens: int = 48) -> float:
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    start = time.monotonic()
+    with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=300) as response:
+        for _ in response.iter_lines():
+            pass
+    return time.monotonic() - start
+
+
+def probe_stop_ids_attack(url: str, attackers: int = 8) -> dict[str, Any]:
+    baseline = statistics.median(stream_seconds(url) for _ in range(3))
+    attack = {"prompt": "x", "max_tokens": 64, "min_tokens": 64, "ignore_eos": True,
+              "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS, 0, -1))}  # the largest list still accepted
+    refused = httpx.post(url + COMPLETIONS, json={**attack, "stop_token_ids": list(range(590_000))}, timeout=60)
+
+    async def attackers_and_victim() -> float:
+        async with httpx.AsyncClient(timeout=300) as client:
+            tasks = [asyncio.create_task(client.post(url + COMPLETIONS, json=attack)) for _ in range(attackers)]
+            await asyncio.sleep(0.3)
+            victim = await asyncio.to_thread(stream_seconds, url)
+            await asyncio.gather(*tasks)
+            return victim
+
+    attacked = asyncio.run(attackers_and_victim())
+    # the attackers' own load (8 more requests in the batch) slows the victim too: compare with as many plain ones
+    plain = {**attack, "stop_token_ids": [], "min_tokens": 0}
+
+    async def plain_and_victim() -> float:
+        async with httpx.AsyncClient(timeout=300) as client:
+            tasks = [asyncio.create_task(client.post(url + COMPLETIONS, json=plain)) for _ in range(attackers)]
+            await asyncio.sleep(0.3)
+            victim = await asyncio.to_thread(stream_seconds, url)
+            await asyncio.gather(*tasks)
+            return victim
+
+    loaded = asyncio.run(plain_and_victim())
+    return {"victim_alone_s": baseline, "victim_beside_plain_s": loaded, "victim_beside_attack_s": attacked,
+            "attack_slowdown_vs_same_load": attacked / loaded, "590k_stop_ids_status": refused.status_code}
+
+
+# ------------------------------------------------------------------------------------------------ overload
+def _load(url: str, clients: int, duration_s: float, out: multiprocessing.Queue) -> None:
+    async def run() -> dict[str, int]:
+        counts: dict[str, int] = {}
+        deadline = time.monotonic() + duration_s
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            async def one_client(i: int) -> None:
+                while time.monotonic() < deadline:
+                    body = {"prompt": f"client {i} says", "max_tokens": 16, "ignore_eos": True}
+                    try:
+                        status = (await client.post(url + COMPLETIONS, json=body)).status_code
+                    except httpx.HTTPError:
+                        status = 0
+                    counts[str(status)] = counts.get(str(status), 0) + 1
+                    if status == 503:
+                        await asyncio.sleep(0.05)
+
+            await asyncio.gather(*(one_client(i) for i in range(clients)))
+        return counts
+
+    out.put(asyncio.run(run()))
+
+
+def probe_overload(url: str, clients: int, duration_s: float) -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: none of this process's threads or locks
+    results = context.Queue()
+    load = context.Process(target=_load, args=(url, clients, duration_s, results))
+    load.start()
+    time.sleep(min(3.0, duration_s / 4))  # the queue fills
+    health, refusals, other = [], [], []
+    deadline = time.monotonic() + duration_s - 3.0
+    with httpx.Client(timeout=120) as client:
+        while time.monotonic() < deadline:
+            start = time.monotonic()
+            client.get(url + "/health")
+            health.append(time.monotonic() - start)
+            start = time.monotonic()
+            status = client.post(url + COMPLETIONS, json={"prompt": "probe", "max_tokens": 4}).status_code
+            (refusals if status == 503 else other).append(time.monotonic() - start)
+            time.sleep(0.05)
+    counts = results.get(timeout=duration_s + 300)
+    load.join()
+    return {"clients": clients, "duration_s": duration_s, "load_statuses": counts,
+            "health_p50_ms": _pct(health, 50), "health_p99_ms": _pct(health, 99), "health_max_ms": _pct(health, 100),
+            "503_p50_ms": _pct(refusals, 50), "503_p99_ms": _pct(refusals, 99), "503_max_ms": _pct(refusals, 100),
+            "probe_503s": len(refusals), "probe_admitted": len(other)}  # fmt: skip
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(1000 * ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))], 1)
+
+
+# ------------------------------------------------------------------------------------------------ slow sockets
+def probe_slow_sockets(port: int, count: int = 15) -> dict[str, Any]:
+    sockets = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(b"GET /heal")  # half a request line, then nothing
+        sock.settimeout(HEADER_TIMEOUT_S * 5)
+        sockets.append(sock)
+    start, closed_after = time.monotonic(), []
+    for sock in sockets:
+        try:
+            while sock.recv(4096):
+                pass
+            closed_after.append(time.monotonic() - start)
+        except TimeoutError:
+            pass
+        sock.close()
+    return {"slow_sockets": count, "slow_sockets_closed": len(closed_after),
+            "slow_socket_closed_after_max_s": round(max(closed_after, default=float("nan")), 2)}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ round checks
+def settle(url: str, pid: int, round_name: str, report: dict[str, Any]) -> None:
+    deadline = time.monotonic() + 60
+    used = None
+    while time.monotonic() < deadline:
+        metrics = parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
+        used = metrics.get("batchserve:kv_cache_blocks_used")
+        if used == 0 and not metrics.get("batchserve:num_requests_running"):
+            break
+        time.sleep(0.5)
+    report.setdefault("kv_blocks_after", {})[round_name] = used
+    report.setdefault("rss_mb_after", {})[round_name] = round(rss_mb(pid))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fake", action="store_true", help="the tests' model-free engine instead of the model")
+    parser.add_argument("--clients", type=int, default=300)
+    parser.add_argument("--overload-s", type=float, default=20.0)
+    parser.add_argument("--output", default="bench_results/hostile.json")
+    args = parser.parse_args(argv)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(args.fake, port)
+    report: dict[str, Any] = {"engine": "fake" if args.fake else "default model"}
+    try:
+        wait_ready(proc, url)
+        report["rss_mb_start"] = round(rss_mb(proc.pid))
+        rounds = [("bad_bodies", lambda: probe_bad_bodies(url)), ("stop_ids", lambda: probe_stop_ids_attack(url)),
+                  ("overload", lambda: probe_overload(url, args.clients, args.overload_s)),
+                  ("slow_sockets", lambda: probe_slow_sockets(port))]  # fmt: skip
+        for name, probe in rounds:
+            report[name] = probe()
+            settle(url, proc.pid, name, report)
+            print(name, json.dumps(report[name]), flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        report["exit_code"] = proc.wait(60)
+    print(json.dumps(report, indent=2))
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
