@@ -53,6 +53,23 @@ def timed_masks(runner) -> list[tuple[int, float]]:
     return record
 
 
+def timed_steps(engine) -> dict[str, float]:
+    """Wraps engine.step: the runner's phases summed over the steps (forward and sampling apart, so the grammar's
+    share is read from the sampling phase, whatever a busy host does to the rest), and the step count."""
+    totals: dict[str, float] = {}
+    step = engine.step
+
+    def timed():
+        out = step()
+        for name in ("prepare_s", "forward_s", "sample_s"):
+            totals[name] = totals.get(name, 0.0) + getattr(engine.last_timings, name, 0.0)
+        totals["steps"] = totals.get("steps", 0) + 1
+        return out
+
+    engine.step = timed
+    return totals
+
+
 def run(llm, requests, constraint) -> tuple[float, int]:
     from batchserve.sampling_params import SamplingParams
 
@@ -132,7 +149,10 @@ def main() -> None:
 
     long_schema = json_schema_constraint(LONG_SCHEMA, "bench")
     run(llm, requests, None)  # warm: the first run of a fresh engine pays for allocations the others reuse
+    steps = timed_steps(llm.engine)
     free_s, free_tokens = run(llm, requests, None)
+    free_steps = dict(steps)
+    steps.clear()
     masks.clear()
     constrained_s, constrained_tokens = run(llm, requests, long_schema)
     assert free_tokens == constrained_tokens, (free_tokens, constrained_tokens)
@@ -147,6 +167,10 @@ def main() -> None:
     print(f"free:        {free_s:7.2f} s  {free_tokens / free_s:7.1f} out tok/s")
     print(f"JSON schema: {constrained_s:7.2f} s  {constrained_tokens / constrained_s:7.1f} out tok/s  "
           f"cost {100 * (constrained_s / free_s - 1):+.1f}%")  # fmt: skip
+    for name, phases in (("free", free_steps), ("JSON schema", steps)):
+        per_step = {k: 1e3 * v / phases["steps"] for k, v in phases.items() if k != "steps"}
+        print(f"{name:12} per step ({phases['steps']:.0f} steps): prepare {per_step['prepare_s']:.2f} ms, forward "
+              f"{per_step['forward_s']:.2f} ms, sampling {per_step['sample_s']:.2f} ms")  # fmt: skip
     by_batch: dict[int, list[float]] = {}
     for rows, seconds in masks:
         by_batch.setdefault(rows, []).append(seconds)
