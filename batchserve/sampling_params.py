@@ -96,6 +96,11 @@ class SamplingParams:
         """The stop ids, unique and sorted: computed once per request, not at every step that masks them."""
         return tuple(sorted(set(self.stop_token_ids)))
 
+    @cached_property
+    def stop_token_id_set(self) -> frozenset[int]:
+        """The stop ids as a set: each new token is looked up in it (once per request, not a list scan a token)."""
+        return frozenset(self.stop_token_ids)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE

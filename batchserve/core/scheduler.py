@@ -390,7 +390,7 @@ class Scheduler:
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return FinishReason.STOP
-            if token_id in params.stop_token_ids:
+            if token_id in params.stop_token_id_set:
                 request.stop_reason = token_id
                 return FinishReason.STOP
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:

@@ -63,3 +63,15 @@ def test_a_request_read_in_time_is_served_past_the_deadlines(port):
     response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                           json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True})
     assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
+
+
+def test_connections_over_the_cap_are_answered_503(port):
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(LIMITS.max_connections)]
+    try:
+        time.sleep(0.1)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 503
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(0.2)
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
