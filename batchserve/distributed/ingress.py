@@ -25,6 +25,7 @@ from batchserve.distributed.metrics import ROUTER_METRICS, relabelled, replica_m
 from batchserve.distributed.options import RayAppOptions
 from batchserve.entrypoints.grpc.server import GrpcServer
 from batchserve.entrypoints.openai.app import build_front_app, model_names
+from batchserve.entrypoints.openai.connections import ConnectionLimits
 
 HTTP_START_TIMEOUT_S = 30.0
 
@@ -65,8 +66,13 @@ class OpenAIIngress:
         """Bound here first, so a port in use fails the replica's start with the OSError (uvicorn would exit the
         process instead)."""
         listener = socket.create_server((host, port), reuse_port=False)
+        options = self.options
+        limits = ConnectionLimits(
+            options.header_timeout_s, options.body_timeout_s, options.keep_alive_timeout_s, options.max_connections
+        )
         config = uvicorn.Config(
-            self._front_app(), log_config=None, access_log=False, timeout_graceful_shutdown=self.options.drain_timeout_s
+            self._front_app(), log_config=None, access_log=False, timeout_graceful_shutdown=options.drain_timeout_s,
+            **limits.uvicorn_options(),
         )
         self.http_server = uvicorn.Server(config)
         self._http_task = asyncio.ensure_future(self.http_server.serve(sockets=[listener]))

@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             served_model_name=[n.strip() for n in (args.served_model_name or "").split(",") if n.strip()],
             api_key=args.api_key or env.api_key(), max_body_bytes=args.max_body_bytes, lenient=args.lenient,
             stall_timeout_s=args.stall_timeout, grpc_port=args.grpc_port, grpc_host=args.host,
-            drain_timeout_s=args.drain_timeout,
+            drain_timeout_s=args.drain_timeout, header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+            max_connections=args.max_connections,
         )  # fmt: skip
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))

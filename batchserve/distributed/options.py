@@ -35,6 +35,11 @@ class RayAppOptions(BaseModel):
     stall_timeout_s: float = Field(120.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0, description="a replica being stopped finishes its requests this long")
     health_check_period_s: float = Field(2.0, gt=0)
+    # the ingress's own HTTP server: read deadlines, idle keep-alive, connection cap (serve's flags of those names)
+    header_timeout_s: float = Field(30.0, gt=0)
+    body_timeout_s: float = Field(60.0, gt=0)
+    keep_alive_timeout_s: float = Field(5.0, gt=0)
+    max_connections: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> RayAppOptions:

@@ -75,3 +75,15 @@ def test_connections_over_the_cap_are_answered_503(port):
             sock.close()
     time.sleep(0.2)
     assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+
+
+def test_the_connection_flags_reach_the_ray_ingress(monkeypatch):
+    from batchserve.distributed import launch
+
+    captured = {}
+    monkeypatch.setattr(launch, "run", lambda options, *args, **kwargs: captured.setdefault("options", options) and 0)
+    launch.main(["--replicas", "1", "--header-timeout", "7", "--body-timeout", "8", "--keep-alive-timeout", "9",
+                 "--max-connections", "100"])  # fmt: skip
+    options = captured["options"]
+    assert (options.header_timeout_s, options.body_timeout_s, options.keep_alive_timeout_s) == (7, 8, 9)
+    assert options.max_connections == 100
