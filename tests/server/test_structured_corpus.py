@@ -35,14 +35,25 @@ def test_the_corpus_is_large_and_varied():
         jsonschema.validators.validator_for(entry["schema"]).check_schema(entry["schema"])
 
 
+def test_a_sample_of_the_corpus_validates_greedy(llm):
+    """The always-run part: a few varied schemas ($ref, anyOf, pattern, bounded arrays, enums, ranges), greedy."""
+    titles = ("ref_defs", "anyof_objects", "pattern_date", "tags_bounded", "weather", "optional_fields")
+    _check(llm, [e for e in CORPUS if e["title"] in titles], temperatures=(0.0,), max_tokens=96)
+
+
 @pytest.mark.slow
 def test_every_output_parses_and_validates_greedy_and_at_temperature_1(llm):
+    _check(llm, CORPUS, temperatures=(0.0, 1.0), max_tokens=MAX_TOKENS)
+
+
+def _check(llm, corpus: list[dict], temperatures: tuple[float, ...], max_tokens: int) -> None:
     conversations, params, schemas = [], [], []
-    for temperature in (0.0, 1.0):
-        for i, entry in enumerate(CORPUS):
+    for temperature in temperatures:
+        for i, entry in enumerate(corpus):
             constraint = json_schema_constraint(entry["schema"], "response_format")
             conversations.append(_prompt(entry))
-            params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=i, structured_outputs=constraint))
+            params.append(SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
+                                         structured_outputs=constraint))
             schemas.append(entry)
     outputs = llm.chat(conversations, params, use_tqdm=False)
     failures = []
