@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -95,6 +96,11 @@ class SamplingParams:
     def sorted_stop_token_ids(self) -> tuple[int, ...]:
         """The stop ids, unique and sorted: computed once per request, not at every step that masks them."""
         return tuple(sorted(set(self.stop_token_ids)))
+
+    @cached_property
+    def sorted_stop_token_array(self) -> array:
+        """The same as 64-bit integers in one buffer, which the sampler reads as a tensor without a copy."""
+        return array("q", self.sorted_stop_token_ids)
 
     @cached_property
     def stop_token_id_set(self) -> frozenset[int]:

@@ -103,35 +103,31 @@ def stream_seconds(url: str, max_tokens: int = 48) -> float:
     return time.monotonic() - start
 
 
-def probe_stop_ids_attack(url: str, attackers: int = 8) -> dict[str, Any]:
-    baseline = statistics.median(stream_seconds(url) for _ in range(3))
+def probe_stop_ids_attack(url: str, attackers: int = 8, repeats: int = 3) -> dict[str, Any]:
+    """A victim stream beside `attackers` requests holding the largest stop-id list accepted (min_tokens keeps it
+    masked at every step), against the same load without stop ids, alternated `repeats` times (medians): on a
+    shared host the load around moves either figure by more than the attack could."""
     attack = {"prompt": "x", "max_tokens": 64, "min_tokens": 64, "ignore_eos": True,
-              "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS, 0, -1))}  # the largest list still accepted
+              "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS, 0, -1))}
+    plain = {**attack, "stop_token_ids": [], "min_tokens": 0}
     refused = httpx.post(url + COMPLETIONS, json={**attack, "stop_token_ids": list(range(590_000))}, timeout=60)
 
-    async def attackers_and_victim() -> float:
+    async def victim_beside(body: dict[str, Any]) -> float:
         async with httpx.AsyncClient(timeout=300) as client:
-            tasks = [asyncio.create_task(client.post(url + COMPLETIONS, json=attack)) for _ in range(attackers)]
+            tasks = [asyncio.create_task(client.post(url + COMPLETIONS, json=body)) for _ in range(attackers)]
             await asyncio.sleep(0.3)
             victim = await asyncio.to_thread(stream_seconds, url)
             await asyncio.gather(*tasks)
             return victim
 
-    attacked = asyncio.run(attackers_and_victim())
-    # the attackers' own load (8 more requests in the batch) slows the victim too: compare with as many plain ones
-    plain = {**attack, "stop_token_ids": [], "min_tokens": 0}
-
-    async def plain_and_victim() -> float:
-        async with httpx.AsyncClient(timeout=300) as client:
-            tasks = [asyncio.create_task(client.post(url + COMPLETIONS, json=plain)) for _ in range(attackers)]
-            await asyncio.sleep(0.3)
-            victim = await asyncio.to_thread(stream_seconds, url)
-            await asyncio.gather(*tasks)
-            return victim
-
-    loaded = asyncio.run(plain_and_victim())
-    return {"victim_alone_s": baseline, "victim_beside_plain_s": loaded, "victim_beside_attack_s": attacked,
-            "attack_slowdown_vs_same_load": attacked / loaded, "590k_stop_ids_status": refused.status_code}
+    beside_plain, beside_attack = [], []
+    for _ in range(repeats):
+        beside_plain.append(asyncio.run(victim_beside(plain)))
+        beside_attack.append(asyncio.run(victim_beside(attack)))
+    loaded, attacked = statistics.median(beside_plain), statistics.median(beside_attack)
+    return {"victim_beside_plain_s": [round(v, 2) for v in beside_plain],
+            "victim_beside_attack_s": [round(v, 2) for v in beside_attack],
+            "attack_slowdown_vs_same_load": round(attacked / loaded, 3), "590k_stop_ids_status": refused.status_code}
 
 
 # ------------------------------------------------------------------------------------------------ overload

@@ -144,17 +144,19 @@ def _min_tokens_mask(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """(rows, token ids) that can't be sampled yet: below min_tokens, EOS (even with ignore_eos) and stop tokens."""
     mask_rows, mask_ids = [], []
-    eos = [t for t in eos_token_ids if t < vocab_size]
+    eos = torch.tensor([t for t in eos_token_ids if t < vocab_size], dtype=torch.long)
     for i, (p, n_out) in enumerate(zip(params, num_outputs, strict=True)):
         if n_out < p.min_tokens:
-            # sorted once per request (a cached property); a repeat of an EOS id is harmless: both write -inf
-            stop = p.sorted_stop_token_ids
-            ids = eos + list(stop[: bisect.bisect_left(stop, vocab_size)])
-            mask_rows += [i] * len(ids)
-            mask_ids += ids
-    if not mask_rows:
+            # the stop ids sorted once per request, read as a tensor without a copy: a long list costs once, not at
+            # every step; a repeat of an EOS id is harmless (both write -inf)
+            ids = eos
+            if num_stop := bisect.bisect_left(p.sorted_stop_token_ids, vocab_size):
+                ids = torch.cat([eos, torch.frombuffer(p.sorted_stop_token_array, dtype=torch.long)[:num_stop]])
+            mask_rows.append(torch.full((len(ids),), i, dtype=torch.long))
+            mask_ids.append(ids)
+    if not mask_rows or not sum(len(ids) for ids in mask_ids):
         return None
-    return torch.tensor(mask_rows, device=device), torch.tensor(mask_ids, device=device)
+    return torch.cat(mask_rows).to(device), torch.cat(mask_ids).to(device)
 
 
 def _logit_bias(
