@@ -19,6 +19,7 @@ from batchserve.request import EngineRequest
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.chat import chat_prompt_ids
 from batchserve.serving.client import EngineClient
+from batchserve.serving.decoding import decode_releasing_gil
 from batchserve.serving.errors import ErrorKind, ServingError
 from batchserve.serving.results import GenerationResult
 from batchserve.serving.structured import ConstraintChecker
@@ -56,7 +57,7 @@ class GenerationService:
         return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
 
     def detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(self.limits.check_token_ids(token_ids, "token ids", "tokens"))
+        return decode_releasing_gil(self.tokenizer, self.limits.check_token_ids(token_ids, "token ids", "tokens"))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

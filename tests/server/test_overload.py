@@ -44,3 +44,31 @@ def test_a_full_queue_is_refused_without_waiting_for_the_step(server):
     for thread in filling:
         thread.join()
     server.wait_idle()
+
+
+def test_detokenize_goes_through_the_gil_free_call_with_the_same_text():
+    from batchserve.serving.decoding import decode_releasing_gil
+    from tests.doubles import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    ids = tokenizer.encode("Héllo , world !<|im_end|> again") * 50
+    calls = []
+    backend = tokenizer._tokenizer
+    original = backend.decode_batch
+
+    class Spy:  # the Rust object's attributes are read-only: wrap it
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        def decode_batch(self, *args, **kwargs):
+            calls.append(len(args[0][0]))
+            return original(*args, **kwargs)
+
+    tokenizer.clean_up_tokenization_spaces = False
+    tokenizer._tokenizer = Spy()
+    try:
+        assert decode_releasing_gil(tokenizer, ids) == byte_tokenizer().decode(ids) and calls == [len(ids)]
+        tokenizer.clean_up_tokenization_spaces = True  # Python-side clean-up: decode itself, for the same text
+        assert decode_releasing_gil(tokenizer, ids) == tokenizer.decode(ids) and calls == [len(ids)]
+    finally:
+        tokenizer._tokenizer = backend
