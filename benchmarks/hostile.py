@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from batchserve.bench.soak import _free_port, rss_mb, wait_ready
+from batchserve.entrypoints.openai.protocol import MAX_TOKEN_IDS
 from batchserve.sampling_params import MAX_STOP_TOKEN_IDS
 from batchserve.serving.metrics import parse_metrics
 
@@ -130,6 +131,37 @@ def probe_stop_ids_attack(url: str, attackers: int = 8, repeats: int = 3) -> dic
             "attack_slowdown_vs_same_load": round(attacked / loaded, 3), "590k_stop_ids_status": refused.status_code}
 
 
+# ------------------------------------------------------------------------------------------------ big detokenize
+def largest_gap_s(url: str, max_tokens: int = 32) -> float:
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    gaps, last = [], None
+    with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=300) as response:
+        for _ in response.iter_lines():
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+    return max(gaps, default=0.0)
+
+
+def probe_big_detokenize(url: str, callers: int = 16) -> dict[str, Any]:
+    """A stream's largest gap between chunks, alone and beside `callers` concurrent /detokenize of the largest
+    token array accepted."""
+    alone = statistics.median(largest_gap_s(url, 96) for _ in range(2))
+    tokens = [(i * 7919) % 200 for i in range(MAX_TOKEN_IDS)]  # ids every vocabulary here holds
+
+    async def beside() -> float:
+        async with httpx.AsyncClient(timeout=300) as client:
+            victim = asyncio.create_task(asyncio.to_thread(largest_gap_s, url, 96))
+            await asyncio.sleep(0.2)
+            replies = await asyncio.gather(*(client.post(url + "/detokenize", json={"tokens": tokens})
+                                             for _ in range(callers)))  # fmt: skip
+            assert all(r.status_code == 200 for r in replies), [r.status_code for r in replies]
+            return await victim
+
+    return {"gap_alone_ms": round(1000 * alone), "gap_beside_detokenize_ms": round(1000 * asyncio.run(beside()))}
+
+
 # ------------------------------------------------------------------------------------------------ overload
 def _load(url: str, clients: int, duration_s: float, out: multiprocessing.Queue) -> None:
     async def run() -> dict[str, int]:
@@ -227,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=300)
     parser.add_argument("--overload-s", type=float, default=20.0)
     parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S)
-    parser.add_argument("--rounds", default="bad_bodies,stop_ids,overload,slow_sockets", help="comma-separated")
+    parser.add_argument("--rounds", default="bad_bodies,stop_ids,detokenize,overload,slow_sockets",
+                        help="comma-separated")
     parser.add_argument("--output", default="bench_results/hostile.json")
     args = parser.parse_args(argv)
     port = _free_port()
@@ -238,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_ready(proc, url)
         report["rss_mb_start"] = round(rss_mb(proc.pid))
         rounds = [("bad_bodies", lambda: probe_bad_bodies(url)), ("stop_ids", lambda: probe_stop_ids_attack(url)),
+                  ("detokenize", lambda: probe_big_detokenize(url)),
                   ("overload", lambda: probe_overload(url, args.clients, args.overload_s)),
                   ("slow_sockets", lambda: probe_slow_sockets(port, args.header_timeout))]  # fmt: skip
         for name, probe in [(name, probe) for name, probe in rounds if name in args.rounds.split(",")]:

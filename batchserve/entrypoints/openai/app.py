@@ -190,7 +190,7 @@ def _add_routes(
     async def detokenize(request: Request) -> Response:
         req = await front.parse(request, DetokenizeRequest)
         # off the event loop: hundreds of thousands of ids take long enough to stall every stream
-        return JSONResponse({"prompt": await asyncio.to_thread(service.detokenize, req.tokens)})
+        return JSONResponse({"prompt": await front.off_loop(service.detokenize, req.tokens)})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -22,6 +22,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 OFF_LOOP_BODY_BYTES = 64 * 1024  # bodies larger than this are parsed on a worker thread
 
 Body = TypeVar("Body", bound=BaseModel)
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ class OpenAIFrontEnd:
         self.tool_call_parser: str | None = None  # None: the family the chat template writes calls in
         self.reasoning_parser: str | None = None  # None: no reasoning_content
         self.chat_template: str | None = None  # a template's text in place of the model's
+        # large bodies are parsed (and /detokenize decoded) on worker threads one at a time: those threads hold the
+        # GIL, and several at once would each take a turn before the event loop got its next one
+        self._off_loop = asyncio.Semaphore(1)
 
     async def parse(self, request: Request, model: type[Body]) -> Body:
         """The body as `model`: 413 over the size limit, 400 for malformed JSON, invalid fields or another model."""
@@ -61,11 +65,16 @@ class OpenAIFrontEnd:
             raise APIError(499, "the client closed the connection before its body arrived",
                            code="client_closed_request") from None  # fmt: skip
         if len(body) > OFF_LOOP_BODY_BYTES:  # a large body's parse would hold up every other connection
-            parsed = await asyncio.to_thread(self._validated, bytes(body), model)
+            parsed = await self.off_loop(self._validated, bytes(body), model)
         else:
             parsed = self._validated(bytes(body), model)
         self.check_model(getattr(parsed, "model", None))
         return parsed
+
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` on a worker thread, one such call at a time."""
+        async with self._off_loop:
+            return await asyncio.to_thread(work, *args)
 
     def _validated(self, body: bytes, model: type[Body]) -> Body:
         data = _json(body)
