@@ -137,3 +137,12 @@ def test_a_second_sigterm_during_the_drain_exits_at_once():
         assert proc.wait(10) == 1  # something was aborted: the exit status says so
         assert time.monotonic() - signalled < 5
         assert events[-1] == "[DONE]" and "error" in events[-2]
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "\\ud800"}', b'{"prompt": "\xed\xa0\x80"}',
+                                  '{"prompt": "\ud800"}'.encode("utf-16", "surrogatepass")])
+def test_a_lone_surrogate_is_a_400_however_it_is_written(servers, body):
+    http, _ = servers
+    reply = httpx.post(http.url + "/v1/completions", content=body, timeout=30,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert reply.status_code == 400 and "surrogate" in reply.json()["error"]["message"]

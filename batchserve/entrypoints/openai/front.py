@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -133,7 +134,8 @@ def _json(body: bytes) -> object:
     a lone surrogate (\\ud800), which no tokenizer or response could encode."""
     try:
         data = json.loads(body, parse_constant=_refuse_constant)
-        json.dumps(data, ensure_ascii=False).encode()
+        if _MAY_HOLD_SURROGATE.search(body):  # the full check only when the bytes could make one (a cheap scan)
+            json.dumps(data, ensure_ascii=False).encode()
     except RecursionError:
         raise APIError(400, "the JSON body is nested too deeply", code="invalid_json") from None
     except UnicodeEncodeError:
@@ -141,6 +143,11 @@ def _json(body: bytes) -> object:
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
     return data
+
+
+# what json.loads can turn into a lone surrogate: a \uD800-\uDFFF escape, UTF-8 bytes of one (it decodes with
+# surrogatepass), or a UTF-16/32 body (NUL bytes, which UTF-8 JSON cannot hold)
+_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]|\x00")
 
 
 def _refuse_constant(name: str) -> object:
