@@ -47,7 +47,8 @@ class EngineLimits:
         if not isinstance(token_ids, list | tuple) or not token_ids:
             raise InvalidRequestError(f"{what} must be a non-empty list of ints", param)
         vocab = self.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+        # type() and min/max run in C: a long list is checked at a fraction of a Python loop's cost (and GIL time)
+        if not (set(map(type, token_ids)) <= {int} and 0 <= min(token_ids) and max(token_ids) < vocab):
             raise InvalidRequestError(f"{what} must be ints in [0, {vocab})", param)
         return list(token_ids)
 
