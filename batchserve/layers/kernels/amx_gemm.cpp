@@ -18,7 +18,7 @@
 //
 // The tile operations sit behind a backend: AmxTiles issues them, EmulatedTiles runs the same ones in scalar code,
 // so the packing, blocking, row tails and output rounding are tested on any CPU (BATCHSERVE_GEMM_PATH=amx_emulated).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -280,8 +280,8 @@ bool amx_gemm_available() {  // built with AMX, and the kernel lets this process
 
 bool amx_gemm_takes(int64_t n, int64_t k) { return n > 0 && k > 0 && n % kPanel == 0 && k % kDepth == 0; }
 
-torch::Tensor amx_gemm_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "weight: [N, K] bfloat16");
+at::Tensor amx_gemm_pack(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight: [N, K] bfloat16");
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(amx_gemm_takes(N, K), "amx_gemm needs N a multiple of 32 and K a multiple of 32");
   // [panel][K block][tile][kk][n][j] = W[panel * 32 + tile * 16 + n][K block * 32 + 2kk + j]
@@ -292,11 +292,11 @@ torch::Tensor amx_gemm_pack(torch::Tensor weight) {
       .view({N / kPanel, K / kDepth, 2, 16, 32});
 }
 
-torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated,
+at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, bool emulated,
                        bool swiglu) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "x: [M, K] bfloat16, CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x: [M, K] bfloat16, CPU");
   TORCH_CHECK(packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 32 &&
-                  packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16,
+                  packed.is_contiguous() && packed.scalar_type() == at::kBFloat16,
               "packed: amx_gemm_pack's [N / 32, K / 32, 2, 16, 32]");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kPanel;
   TORCH_CHECK(packed.size(1) * kDepth == K && K > 0, "x and the packed weight disagree on K");
@@ -304,16 +304,16 @@ torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torc
   TORCH_CHECK(emulated || amx_gemm_available(), "amx_gemm needs a CPU with amx_bf16 (or emulated=True)");
   TORCH_CHECK(!swiglu || !bias.has_value(), "amx_gemm: no bias with swiglu");
   x = x.contiguous();
-  auto out = torch::empty({M, swiglu ? N / 2 : N}, x.options());
+  auto out = at::empty({M, swiglu ? N / 2 : N}, x.options());
   if (M == 0) return out;
-  torch::Tensor bias32, tail;
+  at::Tensor bias32, tail;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "bias: [N]");
-    bias32 = bias->to(torch::kFloat32).contiguous();
+    bias32 = bias->to(at::kFloat).contiguous();
   }
   const int64_t full_blocks = M / kBlockRows, tail_rows = M % kBlockRows;
   if (tail_rows) {
-    tail = torch::zeros({kBlockRows, K}, x.options());
+    tail = at::zeros({kBlockRows, K}, x.options());
     tail.narrow(0, 0, tail_rows).copy_(x.narrow(0, full_blocks * kBlockRows, tail_rows));
   }
   const GemmArgs g{reinterpret_cast<const uint16_t*>(x.data_ptr()),

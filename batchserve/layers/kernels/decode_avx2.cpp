@@ -6,7 +6,7 @@
 // reduction (sum8) rather than one horizontal sum per token; (2) their max, exp(s - max) and the sum; (3) P.V with the
 // accumulators in registers from the first token to the last, at most 8 vectors of head_dim at a time (AVX2 has 16
 // registers).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

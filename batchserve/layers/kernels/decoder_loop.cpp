@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include <torch/extension.h>  // pybind11: this file registers its classes
+
 #include "layer_ops.h"
 
 namespace {
@@ -15,7 +17,7 @@ const std::vector<std::string> kCapabilities = {"rope", "rms_norm", "gqa", "swig
                                                 "tied_embeddings"};
 
 struct DecoderLayerWeights {
-  torch::Tensor input_norm, post_attention_norm;
+  at::Tensor input_norm, post_attention_norm;
   Projection qkv, o, gate_up, down;
 };
 
@@ -24,7 +26,7 @@ class DecoderLoop {
   DecoderLoop(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, Projection qkv, Projection o,
+  void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, Projection qkv, Projection o,
                  Projection gate_up, Projection down) {
     layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
                        std::move(gate_up), std::move(down)});
@@ -33,16 +35,16 @@ class DecoderLoop {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // x [T, H] (the step's embedded tokens) -> (x, residual) after the last layer, before the final norm.
-  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                                   const std::vector<torch::Tensor>& key_caches,
-                                                   const std::vector<torch::Tensor>& value_caches,
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                                   const std::vector<at::Tensor>& key_caches,
+                                                   const std::vector<at::Tensor>& value_caches,
                                                    const StepAttention& step) const {
     TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
-    torch::Tensor residual;
+    at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecoderLayerWeights& layer = layers_[i];
-      torch::Tensor h;
+      at::Tensor h;
       if (i == 0) {
         residual = x;
         h = rms_norm(x, c10::nullopt, layer.input_norm, eps_);
@@ -58,16 +60,16 @@ class DecoderLoop {
 
  private:
   // models/llama.py Attention.forward
-  torch::Tensor attention(const DecoderLayerWeights& layer, const torch::Tensor& h, const torch::Tensor& cos,
-                          const torch::Tensor& sin, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+  at::Tensor attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
                           const StepAttention& step) const {
     const int64_t tokens = h.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const auto parts = layer.qkv(h).split_with_sizes({q_size + kv_size, kv_size}, -1);
-    const torch::Tensor qk = parts[0].view({tokens, num_heads_ + num_kv_heads_, head_dim_});
+    const at::Tensor qk = parts[0].view({tokens, num_heads_ + num_kv_heads_, head_dim_});
     rope_(qk, cos, sin);
     const auto q_k = qk.split_with_sizes({num_heads_, num_kv_heads_}, 1);
-    const torch::Tensor v = parts[1].view({tokens, num_kv_heads_, head_dim_});
-    const torch::Tensor out = paged_attention(q_k[0], q_k[1], v, key_cache, value_cache, step, scale_);
+    const at::Tensor v = parts[1].view({tokens, num_kv_heads_, head_dim_});
+    const at::Tensor out = paged_attention(q_k[0], q_k[1], v, key_cache, value_cache, step, scale_);
     return layer.o(out.reshape({tokens, q_size}));
   }
 

@@ -2,7 +2,7 @@
 // torch ops (and as many temporaries) it replaces. At prefill sizes those torch ops took a large share of a step, at
 // decode sizes their per-op overhead adds up over the layers. Same math as the torch references in batchserve/layers/ (norm.py, mlp.py,
 // rotary.py).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -18,8 +18,8 @@ namespace {
 // where waking the pool would cost more than the work.
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
               ": float32 or bfloat16 expected");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": 2-D with contiguous rows expected");
 }
@@ -190,11 +190,11 @@ void silu_and_mul_bf16_row(const uint16_t* gate, const uint16_t* up, uint16_t* o
 
 // x [T, H] -> normalized [T, H]; with residual (same shape): residual += x in place, the sum normalized. float32
 // or bfloat16, all of one type.
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps) {
   check_rows(x, "x");
   TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(), "weight: contiguous, x's dtype");
   TORCH_CHECK(weight.numel() == x.size(1), "weight: one value per hidden unit");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
   if (residual.has_value()) {
     check_rows(*residual, "residual");
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
@@ -211,10 +211,10 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 }
 
 // gate_up [T, 2I] -> silu(gate) * up [T, I]
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t inter = gate_up.size(1) / 2;
-  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
   dispatch_float_or_bf16(gate_up.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     silu_and_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), gate_up.stride(0), out.data_ptr<scalar_t>(),
@@ -225,9 +225,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 
 // x [T, heads, D] float32 or bfloat16 with contiguous heads (any token stride), cos/sin [T, D/2] contiguous, of
 // x's dtype: rotated in place.
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && x.dim() == 3,
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.dim() == 3,
               "x: [T, heads, D] float32 or bfloat16");
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "x: heads must be contiguous within a token");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == dtype && sin.scalar_type() == dtype,
@@ -241,11 +241,11 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 
 // logits [R, V] float32 with contiguous rows -> [R] int64: torch.argmax(logits, dim=-1), parallel over rows.
-torch::Tensor argmax_rows(torch::Tensor logits) {
+at::Tensor argmax_rows(at::Tensor logits) {
   check_rows(logits, "logits");
-  TORCH_CHECK(logits.scalar_type() == torch::kFloat32, "logits: float32 expected");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat, "logits: float32 expected");
   TORCH_CHECK(logits.size(1) > 0, "argmax of an empty row");
-  auto out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kInt64));
+  auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* idx = out.data_ptr<int64_t>();
   const int64_t stride = logits.stride(0), n = logits.size(1);
@@ -257,16 +257,16 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 
 // key/value [T, Hkv, D] float32 (heads contiguous, any token stride) -> rows slot_mapping[t] of the caches viewed as
 // [num_slots, Hkv, D]: one call per layer instead of two index_copy_.
-void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-               torch::Tensor slot_mapping) {
+void write_kv_(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+               at::Tensor slot_mapping) {
   const auto dtype = key.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && value.scalar_type() == dtype &&
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && value.scalar_type() == dtype &&
                   key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
               "write_kv_: key, value and caches all float32 or all bfloat16");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "key and value caches must match");
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3, "key/value: [T, Hkv, D]");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slots: contiguous int64");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots: contiguous int64");
   const int64_t tokens = key.size(0), row = key.size(1) * key.size(2);
   TORCH_CHECK(value.sizes() == key.sizes() && slot_mapping.size(0) == tokens, "key/value/slots disagree");
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&

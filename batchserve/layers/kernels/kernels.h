@@ -3,7 +3,9 @@
 // per-instruction-set attention kernels that paged_attention.cpp dispatches to.
 #pragma once
 
-#include <torch/extension.h>
+// ATen, not <torch/extension.h>: pybind11 and torch's C++ API on top of it cost each translation unit 4x the compile
+// time, so only the files that register Python classes (bindings.cpp and the layer operators') include that.
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <string>
@@ -24,25 +26,25 @@ bool bf16_dot_supported();                        // this build and CPU run the 
 bool prefill_attention_available(int64_t head_dim);
 
 // ---- Entry points (each one coarse call a layer makes; see bindings.cpp for what each does) ----
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                     at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                      AttentionPath path);
-torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                      at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
                                       double scale, AttentionPath path);
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor argmax_rows(torch::Tensor logits);
-void write_kv_(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-               torch::Tensor slot_mapping);
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
+at::Tensor silu_and_mul(at::Tensor gate_up);
+void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor argmax_rows(at::Tensor logits);
+void write_kv_(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+               at::Tensor slot_mapping);
 std::vector<std::string> small_gemm_paths();
-torch::Tensor small_gemm_pack(torch::Tensor weight, const std::string& path);
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n);
+at::Tensor small_gemm_pack(at::Tensor weight, const std::string& path);
+at::Tensor small_gemm(at::Tensor x, at::Tensor packed, int64_t n);
 bool amx_gemm_available();
 bool amx_gemm_takes(int64_t n, int64_t k);
-torch::Tensor amx_gemm_pack(torch::Tensor weight);
-torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, bool emulated,
+at::Tensor amx_gemm_pack(at::Tensor weight);
+at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, bool emulated,
                        bool swiglu);
 
 // ---- Per-instruction-set attention kernels (paged_attention.cpp checks the shapes before any of them runs) ----

@@ -3,7 +3,7 @@
 // once, so the two ways of running a step compute the same thing, bit for bit.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <tuple>
@@ -15,40 +15,40 @@
 // picks its GEMM by the number of rows M: the native AMX kernel, oneDNN's packed GEMM (bf16 rows padded up to its
 // minimum), the native small-M kernel, or x @ W (projection.cpp).
 struct Projection {
-  torch::Tensor weight_t;  // [in, out] (empty when packed_only); its dtype is the GEMM's (float32 for bf16 weights
+  at::Tensor weight_t;  // [in, out] (empty when packed_only); its dtype is the GEMM's (float32 for bf16 weights
                            // without bf16 units)
-  c10::optional<torch::Tensor> bias, packed, small_packed, amx_packed;
+  c10::optional<at::Tensor> bias, packed, small_packed, amx_packed;
   int64_t out_features, small_max_m, small_min_m, packed_min_m, packed_max_m, amx_max_m;
   bool packed_only, amx_emulated;
   bool swiglu = false;  // a gate/up projection whose AMX panels are in swiglu order: AMX only through silu_and_mul_of
 
   // x [M, in] -> [M, out] in x's dtype (the GEMM runs in weight_t's).
-  torch::Tensor operator()(const torch::Tensor& x) const;
+  at::Tensor operator()(const at::Tensor& x) const;
   // silu(gate) * up of this gate/up projection's output: fused into the AMX GEMM where it takes the rows.
-  torch::Tensor silu_and_mul_of(const torch::Tensor& x) const;
+  at::Tensor silu_and_mul_of(const at::Tensor& x) const;
 
  private:
-  torch::Tensor gemm(const torch::Tensor& x) const;
+  at::Tensor gemm(const at::Tensor& x) const;
 };
 
 // One step's attention metadata (layers/attention.py AttentionMetadata): decodes are the batch's first rows, prefill
 // chunks the rest; either group may be absent. Built once a step, read by every layer (step_attention.cpp).
 struct StepAttention {
-  torch::Tensor slot_mapping;
+  at::Tensor slot_mapping;
   int64_t decode_rows = 0;  // rows 0..decode_rows-1 decode
-  c10::optional<torch::Tensor> decode_block_tables, decode_seq_lens;
-  c10::optional<torch::Tensor> prefill_block_tables, prefill_seq_lens, prefill_query_starts;
+  c10::optional<at::Tensor> decode_block_tables, decode_seq_lens;
+  c10::optional<at::Tensor> prefill_block_tables, prefill_seq_lens, prefill_query_starts;
   std::vector<std::tuple<int64_t, int64_t, int64_t>> spans;  // per prefill chunk: first row, end row, context
   bool native_prefill = false;  // prefill chunks take the native prefill kernel, else one SDPA per sequence
   AttentionPath path = AttentionPath::kPortable;  // the native kernels' attention path
   // per prefill chunk after earlier context (SDPA only): its causal mask shifted by the context; none for a fresh one
-  std::vector<c10::optional<torch::Tensor>> chunk_masks;
+  std::vector<c10::optional<at::Tensor>> chunk_masks;
 };
 
 // Attention of one layer over a step: this step's K/V stored at their pool slots, then the decode rows and the
 // prefill rows each on their own path. q [T, H, D], k/v [T, Hkv, D] -> [T, H, D] in q's dtype.
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const StepAttention& step, double scale);
 
 void register_projection(pybind11::module& m);      // projection.cpp

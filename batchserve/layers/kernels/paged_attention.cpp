@@ -60,8 +60,8 @@ namespace {
 
 // Shapes the kernels index with, checked before any pointer is formed from them: a bad call raises, never reads or
 // writes outside its tensors.
-void check_paged_inputs(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                        const torch::Tensor& tables, const torch::Tensor& lens) {
+void check_paged_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& tables, const at::Tensor& lens) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, H, D] and caches [blocks, block_size, Hkv, D]");
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes() && value_cache.scalar_type() == key_cache.scalar_type(),
               "key and value caches must match");
@@ -85,9 +85,9 @@ void check_paged_inputs(const torch::Tensor& query, const torch::Tensor& key_cac
 
 // The call's raw pointers, for a pool of element type T.
 template <typename T>
-PagedArgs<T> paged_args(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                        const torch::Tensor& tables, const torch::Tensor& lens, const int64_t* query_starts,
-                        double scale, torch::Tensor& out) {
+PagedArgs<T> paged_args(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& tables, const at::Tensor& lens, const int64_t* query_starts,
+                        double scale, at::Tensor& out) {
   return {query.data_ptr<float>(),   query.stride(0),         key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
           tables.data_ptr<int64_t>(), tables.size(1),         lens.data_ptr<int64_t>(), query_starts,
           out.data_ptr<float>(),      lens.size(0),           query.size(1),           key_cache.size(2),
@@ -118,18 +118,18 @@ void decode_on_path(const PagedArgs<T>& a, AttentionPath path) {
 
 // query [B, H, D] float32 contiguous; caches [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int64;
 // seq_lens [B] int64 -> [B, H, D] float32. `path` must run here (attention_path_runs).
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                     at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                      AttentionPath path) {
   TORCH_CHECK(attention_path_runs(path), "this attention path is not built here or does not run on this CPU");
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.is_contiguous(), "query: contiguous float32");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.is_contiguous(), "query: contiguous float32");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64, "int64 indices");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 indices");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   check_paged_inputs(query, key_cache, value_cache, tables, lens);
   TORCH_CHECK(lens.size(0) == query.size(0), "one query per sequence");
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_decode_attention", [&] {
     decode_on_path<scalar_t>(paged_args<scalar_t>(query, key_cache, value_cache, tables, lens, nullptr, scale, out),
                              path);
@@ -142,21 +142,21 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 // (this step's included); block_tables [S, max_blocks]; seq_lens [S] context after this step; query_starts [S + 1]
 // cumulative query rows -> [T, H, D] float32. Needs an AVX-512 path and head_dim in {32, 64, 128}: see
 // prefill_attention_available().
-torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                      at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
                                       double scale, AttentionPath path) {
   TORCH_CHECK(attention_path_runs(path), "this attention path is not built here or does not run on this CPU");
   TORCH_CHECK(path == AttentionPath::kAvx512 || path == AttentionPath::kAvx512Bf16,
               "paged_prefill_attention runs on the AVX-512 paths only (on the others the torch code runs)");
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.dim() == 3 && query.stride(2) == 1 &&
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3 && query.stride(2) == 1 &&
                   query.stride(1) == query.size(2),
               "query: float32 [T, H, D] with contiguous heads");
   const auto cache_type = key_cache.scalar_type();
-  TORCH_CHECK((cache_type == torch::kFloat32 || cache_type == torch::kBFloat16) &&
+  TORCH_CHECK((cache_type == at::kFloat || cache_type == at::kBFloat16) &&
                   value_cache.scalar_type() == cache_type && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "caches: contiguous float32 or bfloat16");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64 &&
-                  query_starts.scalar_type() == torch::kInt64,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_starts.scalar_type() == at::kLong,
               "int64 indices");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
@@ -171,9 +171,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
     TORCH_CHECK(start[s + 1] > start[s] && start[s + 1] - start[s] <= len[s], "sequence ", s,
                 ": query rows must be 1..seq_len");
   TORCH_CHECK(prefill_attention_available(query.size(2)), "paged_prefill_attention: head_dim 32, 64 or 128 only");
-  auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
 #if defined(__AVX512F__)
-  if (cache_type == torch::kFloat32) {
+  if (cache_type == at::kFloat) {
     prefill_attention_avx512<float>(paged_args<float>(query, key_cache, value_cache, tables, lens, start, scale, out));
     return out;
   }

@@ -4,13 +4,15 @@
 
 #include <string>
 
+#include <torch/extension.h>  // pybind11: this file registers its classes
+
 #include "layer_ops.h"
 
 namespace {
 
 // torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""): oneDNN's GEMM on a weight reordered once.
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                            const c10::optional<at::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack;
   stack.reserve(6);
@@ -26,35 +28,35 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 }  // namespace
 
-torch::Tensor Projection::silu_and_mul_of(const torch::Tensor& x) const {
+at::Tensor Projection::silu_and_mul_of(const at::Tensor& x) const {
   if (swiglu && x.size(0) < amx_max_m && x.scalar_type() == weight_t.scalar_type())
     return amx_gemm(x, *amx_packed, c10::nullopt, amx_emulated, true);
   return silu_and_mul((*this)(x));
 }
 
-torch::Tensor Projection::operator()(const torch::Tensor& x) const {
+at::Tensor Projection::operator()(const at::Tensor& x) const {
   if (x.scalar_type() != weight_t.scalar_type()) return gemm(x.to(weight_t.scalar_type())).to(x.scalar_type());
   return gemm(x);
 }
 
-torch::Tensor Projection::gemm(const torch::Tensor& x) const {
+at::Tensor Projection::gemm(const at::Tensor& x) const {
   const int64_t m = x.size(0);
   if (packed_only) {
     if (amx_packed.has_value() && m < amx_max_m && !swiglu)  // swiglu panels: only through silu_and_mul_of
       return amx_gemm(x, *amx_packed, bias, amx_emulated, false);
     if (m < packed_min_m)
-      return packed_linear(torch::cat({x, x.new_zeros({packed_min_m - m, x.size(1)})}), *packed, bias).narrow(0, 0, m);
+      return packed_linear(at::cat({x, x.new_zeros({packed_min_m - m, x.size(1)})}), *packed, bias).narrow(0, 0, m);
     return packed_linear(x, *packed, bias);
   }
-  torch::Tensor out;
+  at::Tensor out;
   if (m < small_min_m) {
-    out = torch::matmul(x, weight_t);
+    out = at::matmul(x, weight_t);
   } else if (small_packed.has_value() && m <= small_max_m) {
     out = small_gemm(x, *small_packed, out_features);
   } else if (packed.has_value() && m < packed_max_m) {
     return packed_linear(x, *packed, bias);
   } else {
-    out = torch::matmul(x, weight_t);
+    out = at::matmul(x, weight_t);
   }
   return bias.has_value() ? out + *bias : out;
 }
@@ -63,10 +65,10 @@ void register_projection(pybind11::module& m) {
   namespace py = pybind11;
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   py::class_<Projection>(m, "Projection")
-      .def(py::init([](torch::Tensor weight_t, c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> packed,
-                       c10::optional<torch::Tensor> small_packed, int64_t out_features, int64_t small_max_m,
+      .def(py::init([](at::Tensor weight_t, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> packed,
+                       c10::optional<at::Tensor> small_packed, int64_t out_features, int64_t small_max_m,
                        int64_t small_min_m, int64_t packed_min_m, int64_t packed_max_m, bool packed_only,
-                       c10::optional<torch::Tensor> amx_packed, int64_t amx_max_m, bool amx_emulated, bool swiglu) {
+                       c10::optional<at::Tensor> amx_packed, int64_t amx_max_m, bool amx_emulated, bool swiglu) {
              TORCH_CHECK(!packed_only || packed.has_value(), "packed_only needs a packed weight");
              TORCH_CHECK(!swiglu || (packed_only && amx_packed.has_value() && !bias.has_value()),
                          "swiglu: a packed-only gate/up projection with AMX panels and no bias");
@@ -77,7 +79,7 @@ void register_projection(pybind11::module& m) {
            }),
            py::arg("weight_t"), py::arg("bias"), py::arg("packed"), py::arg("small_packed"), py::arg("out_features"),
            py::arg("small_max_m"), py::arg("small_min_m"), py::arg("packed_min_m"), py::arg("packed_max_m"),
-           py::arg("packed_only"), py::arg("amx_packed") = c10::optional<torch::Tensor>(), py::arg("amx_max_m") = 0,
+           py::arg("packed_only"), py::arg("amx_packed") = c10::optional<at::Tensor>(), py::arg("amx_max_m") = 0,
            py::arg("amx_emulated") = false, py::arg("swiglu") = false)
       .def("__call__", &Projection::operator(), "x [M, in] -> [M, out], the GEMM chosen by M", no_gil)
       .def("silu_and_mul", &Projection::silu_and_mul_of, "silu(gate) * up of this gate/up projection of x", no_gil);

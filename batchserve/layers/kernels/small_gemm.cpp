@@ -9,7 +9,7 @@
 //   avx512: 32-column panels, 12-row blocks: 24 zmm accumulators + 2 weight vectors + 1 broadcast (of 32);
 //   avx2:   16-column panels,  6-row blocks: 12 ymm accumulators + 2 weight vectors + 1 broadcast (of 16).
 // Both are built wherever the compiler targets them (-march=native), so an AVX-512 CPU runs and tests both.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -122,7 +122,7 @@ template <class Isa>
 void small_gemm_on(const float* xp, int64_t M, int64_t K, const float* wp, int64_t panels, float* op) {
   constexpr int64_t P = 2 * Isa::kWidth, kRows = Isa::kRows;
   const int64_t N = panels * P;
-  auto xpacked = torch::empty({(M + kRows - 1) / kRows * K * kRows}, torch::kFloat32);
+  auto xpacked = at::empty({(M + kRows - 1) / kRows * K * kRows}, at::kFloat);
   float* xb = xpacked.data_ptr<float>();
   pack_rows(xp, M, K, kRows, xb);
   // Cache blocking, weight-stationary: a kDepth x P slice of one panel stays in L1 while every row block of the
@@ -182,26 +182,26 @@ std::vector<std::string> small_gemm_paths() {
 }
 
 // weight [N, K] (nn.Linear layout) -> panels [ceil(N / P), K, P] for `path` (P = its panel width), zero-padded.
-torch::Tensor small_gemm_pack(torch::Tensor weight, const std::string& path) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "weight: [N, K] float32");
+at::Tensor small_gemm_pack(at::Tensor weight, const std::string& path) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight: [N, K] float32");
   const int64_t P = panel_width(path);
   const int64_t N = weight.size(0), K = weight.size(1);
   const int64_t panels = (N + P - 1) / P;
-  auto padded = torch::zeros({panels * P, K}, weight.options());
+  auto padded = at::zeros({panels * P, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
   return padded.view({panels, P, K}).transpose(1, 2).contiguous();
 }
 
 // x [M, K] float32 (contiguous rows) @ packed panels -> [M, n] float32, on the path the panels were packed for
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, K] float32");
+at::Tensor small_gemm(at::Tensor x, at::Tensor packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: [M, K] float32");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), "packed: [P, K, panel] from small_gemm_pack");
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), panels = packed.size(0), P = packed.size(2);
   TORCH_CHECK(packed.size(1) == K, "x and the packed weight disagree on K");
   TORCH_CHECK(K > 0, "small_gemm needs K > 0");
   TORCH_CHECK(n <= panels * P, "n exceeds the packed columns");
-  auto out = torch::empty({M, panels * P}, xc.options());
+  auto out = at::empty({M, panels * P}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();

@@ -2,19 +2,21 @@
 // (layers/attention.py paged_attention, on the CPU) and the native decoder loop call this same function.
 #include <string>
 
+#include <torch/extension.h>  // pybind11: this file registers its classes
+
 #include "layer_ops.h"
 
 namespace {
 
-torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const StepAttention& step, double scale) {
-  return paged_decode_attention(q.to(torch::kFloat32).contiguous(), key_cache, value_cache, *step.decode_block_tables,
+  return paged_decode_attention(q.to(at::kFloat).contiguous(), key_cache, value_cache, *step.decode_block_tables,
                                 *step.decode_seq_lens, scale, step.path)
       .to(q.scalar_type());
 }
 
 // One sequence's first `num_keys` K or V from the pool through its block table -> [1, Hkv, num_keys, D].
-torch::Tensor sequence_kv(const torch::Tensor& cache, const torch::Tensor& blocks, int64_t num_keys,
+at::Tensor sequence_kv(const at::Tensor& cache, const at::Tensor& blocks, int64_t num_keys,
                           at::ScalarType dtype) {
   return cache.index_select(0, blocks)
       .view({-1, cache.size(2), cache.size(3)})
@@ -26,16 +28,16 @@ torch::Tensor sequence_kv(const torch::Tensor& cache, const torch::Tensor& block
 
 // One SDPA per sequence on its own rows: a fresh prompt attends to this step's K/V as they are (causal); a chunk after
 // earlier context reads its sequence's blocks from the pool, this chunk's included, under its shifted causal mask.
-torch::Tensor prefill_by_sdpa(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const StepAttention& step, double scale) {
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const bool gqa = q.size(1) != k.size(1);
   const int64_t block_size = key_cache.size(1);
   for (size_t i = 0; i < step.spans.size(); ++i) {
     const auto [start, stop, context] = step.spans[i];
-    const auto rows = [&](const torch::Tensor& t) { return t.slice(0, start, stop).transpose(0, 1).unsqueeze(0); };
-    torch::Tensor o;
+    const auto rows = [&](const at::Tensor& t) { return t.slice(0, start, stop).transpose(0, 1).unsqueeze(0); };
+    at::Tensor o;
     if (context == 0) {
       o = at::scaled_dot_product_attention(rows(q), rows(k), rows(v), {}, 0.0, true, scale, gqa);
     } else {
@@ -50,18 +52,18 @@ torch::Tensor prefill_by_sdpa(const torch::Tensor& q, const torch::Tensor& k, co
   return out;
 }
 
-torch::Tensor prefill(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                      const torch::Tensor& key_cache, const torch::Tensor& value_cache, const StepAttention& step,
+at::Tensor prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& key_cache, const at::Tensor& value_cache, const StepAttention& step,
                       double scale) {
   if (!step.native_prefill) return prefill_by_sdpa(q, k, v, key_cache, value_cache, step, scale);
-  return paged_prefill_attention(q.to(torch::kFloat32), key_cache, value_cache, *step.prefill_block_tables,
+  return paged_prefill_attention(q.to(at::kFloat), key_cache, value_cache, *step.prefill_block_tables,
                                  *step.prefill_seq_lens, *step.prefill_query_starts, scale, step.path)
       .to(q.scalar_type());
 }
 
-StepAttention make_step(torch::Tensor slot_mapping, int64_t decode_rows, c10::optional<torch::Tensor> decode_block_tables,
-                        c10::optional<torch::Tensor> decode_seq_lens, c10::optional<torch::Tensor> prefill_block_tables,
-                        c10::optional<torch::Tensor> prefill_seq_lens, c10::optional<torch::Tensor> prefill_query_starts,
+StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optional<at::Tensor> decode_block_tables,
+                        c10::optional<at::Tensor> decode_seq_lens, c10::optional<at::Tensor> prefill_block_tables,
+                        c10::optional<at::Tensor> prefill_seq_lens, c10::optional<at::Tensor> prefill_query_starts,
                         std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, bool native_prefill,
                         AttentionPath path) {
   TORCH_CHECK(decode_rows == 0 || (decode_block_tables.has_value() && decode_seq_lens.has_value()),
@@ -72,24 +74,24 @@ StepAttention make_step(torch::Tensor slot_mapping, int64_t decode_rows, c10::op
                      std::move(prefill_query_starts), std::move(spans),     native_prefill, path, {}};
   if (!native_prefill)
     for (const auto& [start, stop, context] : step.spans)
-      step.chunk_masks.push_back(context == 0 ? c10::optional<torch::Tensor>()
-                                              : torch::ones({stop - start, context + stop - start},
-                                                            torch::TensorOptions().dtype(torch::kBool))
+      step.chunk_masks.push_back(context == 0 ? c10::optional<at::Tensor>()
+                                              : at::ones({stop - start, context + stop - start},
+                                                            at::TensorOptions().dtype(at::kBool))
                                                     .tril(context));
   return step;
 }
 
 }  // namespace
 
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const StepAttention& step, double scale) {
   TORCH_CHECK(step.decode_rows == q.size(0) || step.prefill_block_tables.has_value(), "rows without a group");
   write_kv_(k, v, key_cache, value_cache, step.slot_mapping);
   const int64_t tokens = q.size(0), d = step.decode_rows;
   if (d == tokens) return decode(q, key_cache, value_cache, step, scale);
   if (d == 0) return prefill(q, k, v, key_cache, value_cache, step, scale);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   out.narrow(0, 0, d).copy_(decode(q.narrow(0, 0, d), key_cache, value_cache, step, scale));
   out.narrow(0, d, tokens - d)
       .copy_(prefill(q.narrow(0, d, tokens - d), k.narrow(0, d, tokens - d), v.narrow(0, d, tokens - d), key_cache,
