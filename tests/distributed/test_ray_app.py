@@ -1,18 +1,27 @@
 """End to end on Ray Serve: a local Ray instance started here, 2 engine replicas of SmolLM2-135M-Instruct (1 thread
 each) behind the OpenAI ingress and the prefix-aware router; Ray's HTTP proxy on a free port, and the ingress's own
 HTTP server on another. Ray runs with the environment `batchserve serve --replicas` gives the Ray instance it
-starts (conftest.py)."""
+starts (conftest.py). First, before this module's Ray instance exists, `batchserve serve --replicas N` as a user
+runs it (it would join an instance already running here): a local Ray instance of its own, the ingress serving HTTP
+on --port itself (Ray Serve's proxy off), and a clean exit on SIGINT. One file, so that the test runner's workers
+never run the two side by side."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from batchserve.bench.soak import wait_ready
+from batchserve.entrypoints.openai.launch import free_port
 from batchserve.serving.metrics import parse_metrics
 
 pytestmark = pytest.mark.slow
@@ -22,6 +31,32 @@ START_TIMEOUT_S = 240.0
 PROMPT = "The three primary colors are"
 
 
+def test_serve_replicas_serves_http_from_the_ingress_and_exits_cleanly_on_sigint(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        sys.executable, "-m", "batchserve.cli", "serve", "--replicas", "1", "--num-threads", "1", "--port", str(port),
+        "--dtype", "float32", "--num-kv-blocks", "64", "--drain-timeout", "5",
+    ]  # fmt: skip
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_ready(server, url, timeout_s=300)
+            body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 4
+            server.send_signal(signal.SIGINT)
+            assert server.wait(120) == 0
+        finally:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+    text = log_path.read_text()
+    assert "HTTP served by the ingress" in text, text[-2000:]
+
+
 @pytest.fixture(scope="module")
 def ray_app():
     import ray
@@ -29,7 +64,6 @@ def ray_app():
 
     from batchserve.distributed.app import build_application
     from batchserve.distributed.options import RayAppOptions
-    from batchserve.entrypoints.openai.launch import free_port
     from batchserve.layers import kernels
 
     kernels.load()  # built (and cached on disk) here once, before the replicas start and look for them
