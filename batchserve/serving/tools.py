@@ -57,7 +57,12 @@ class ToolRequest:
              "required": ["name", "parameters"], "additionalProperties": False}
             for name, f in self.functions.items()
         ]  # fmt: skip
-        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+        schema = {
+            "type": "array",
+            "items": {"anyOf": calls},
+            "minItems": 1,
+            **({} if self.parallel else {"maxItems": 1}),
+        }
         return json_schema_constraint(schema, "tool_choice")
 
 
@@ -74,7 +79,11 @@ def tool_request(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_ca
     names = set()
     for tool in tools:
         function = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function" or not isinstance(function, Mapping):
+        if (
+            not isinstance(tool, Mapping)
+            or tool.get("type", "function") != "function"
+            or not isinstance(function, Mapping)
+        ):
             raise InvalidRequestError("tools must be objects of type 'function' with a 'function' object", "tools")
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidRequestError("each tool's function needs a name", "tools")
@@ -110,8 +119,13 @@ def conversation_with_tools(messages: Sequence[Mapping[str, Any]]) -> list[dict[
     return out
 
 
-def _call_for_template(call: Mapping[str, Any]) -> dict[str, Any]:
-    function = dict(call.get("function") or {})
+def _call_for_template(call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError(
+            "messages: each tool call must be {'function': {'name': ..., 'arguments': ...}}", "messages"
+        )
+    function = dict(function)
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:

@@ -93,10 +93,13 @@ def test_tool_choice_none_and_auto_answer(real_server, client):
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "tools"),
         ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"messages": [{"role": "tool", "tool_calls": [{"function": True}]}]}, "messages"),  # found by the fuzzer
+        ({"messages": [{"role": "assistant", "tool_calls": ["f"]}]}, "messages.0.tool_calls.0"),
     ],
 )
 def test_bad_tools_are_a_400_naming_the_field(real_server, body, param):
-    r = httpx.post(real_server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **body}, timeout=60)
+    body = {"messages": ASK, "max_tokens": 2, **body}
+    r = httpx.post(real_server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
