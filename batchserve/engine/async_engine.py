@@ -258,9 +258,15 @@ class AsyncLLMEngine:
         try:
             await asyncio.wrap_future(command.done)
         except asyncio.CancelledError:
-            self.abort(request.request_id)  # FIFO: lands after the add, whatever its outcome
+            command.done.add_done_callback(lambda done: self._abort_if_added(done, request.request_id))
             raise
         return stream
+
+    def _abort_if_added(self, done: concurrent.futures.Future, request_id: str) -> None:
+        """A caller gave up on its add: abort the request once the loop has added it, and only then (an add that
+        never ran, or failed on a taken id, would otherwise abort the other request holding that id)."""
+        if not done.cancelled() and done.exception() is None:
+            self.abort(request_id)
 
     def _refuse_if_queue_full(self) -> None:
         """The engine's own refusal, answered here without waiting for the step in progress to end (under overload

@@ -170,3 +170,27 @@ def test_a_completion_folds_deltas_into_the_whole_output():
     assert completion.token_ids == [0, 1, 2, 3, 4] and completion.logprobs == entries and completion.text == "abcde"
     assert completion.cumulative_logprob == sum(e.logprob for e in entries) and completion.finish_reason == "length"
     assert (completion.prompt, completion.prompt_token_ids, completion.outputs) == ("hi", [7, 8], [completion])
+
+
+def test_a_cancelled_add_of_a_taken_id_leaves_the_running_request_alone(make_engine):
+    """A caller that gives up while its add waits must not abort another request that holds the same id (a
+    client's X-Request-Id is the engine request's id): the add never ran, so there is nothing of its to abort."""
+    engine = make_engine(delay_s=0.002)
+    async_engine = AsyncLLMEngine(engine).start()
+
+    async def scenario():
+        params = SamplingParams(max_tokens=40, **GREEDY)
+        first = await async_engine.add_request(engine.requests.from_prompt("x", [1, 2, 3], params))
+        with async_engine._cond:  # the loop cannot take the second add until the caller has given up on it
+            second = asyncio.ensure_future(async_engine.add_request(engine.requests.from_prompt("x", [4], params)))
+            await asyncio.sleep(0.05)
+            second.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await second
+        return [out async for out in first]
+
+    try:
+        outputs = asyncio.run(scenario())
+    finally:
+        async_engine.shutdown(drain=False)
+    assert outputs[-1].finish_reason == "length" and outputs[-1].num_output_tokens == 40
