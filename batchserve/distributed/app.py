@@ -22,9 +22,8 @@ from batchserve.entrypoints.engine_options import engine_config
 
 # How often Serve's controller asks each replica for its load and metrics and hands them to the routers: each round
 # wakes the replica, the controller and the ingress. The routers count their own requests in flight, so queue lengths
-# stay current between reports; 2 s instead of 0.5 s gave one replica through Ray 498.5 / 514.2 / 520.4 against
-# 492.2 / 512.6 / 495.3 out tok/s under ray_router_compare.py's saturated load (alternated; 2 cores, Intel Xeon
-# with AMX).
+# stay current between reports, and a slower round leaves the engine threads more CPU (docs/scale-out.md has the
+# alternated runs).
 ROUTING_STATS_PERIOD_S = 2.0
 
 

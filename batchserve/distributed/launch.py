@@ -34,13 +34,10 @@ APP_NAME = "batchserve"
 
 # Ray's periodic work that this application does not use, slowed down or off in a Ray instance that `serve
 # --replicas` starts itself (the processes it spawns inherit the environment). On a small machine every wake-up of
-# Ray's threads preempts an engine thread: under ray_router_compare.py's saturated load these took Ray's processes
-# other than the replica and the ingress from 1.9 to 1.0 CPU-seconds, and one replica through Ray from ~400 to
-# 414-435 out tok/s (2 cores, Intel Xeon with AMX). Ray Serve's throughput-optimized mode (deployment handles over
-# gRPC, user code and the router on the replica's own event loop) then took the ingress from 1.6 to 1.3 CPU-seconds
-# and one replica through Ray from 430-438 to 447-465 out tok/s, TTFT p50 from ~2.3 to ~1.6 s; its direct ingress
-# (Serve's own HTTP server in the ingress replica) stays off, the ingress serves HTTP itself. A value the user
-# exported wins.
+# Ray's threads preempts an engine thread, so fewer wake-ups raise a replica's throughput through Ray; Ray Serve's
+# throughput-optimized mode (deployment handles over gRPC, user code and the router on the replica's own event loop)
+# raises it and cuts TTFT further (docs/scale-out.md has the alternated runs). Its direct ingress (Serve's own HTTP
+# server in the ingress replica) stays off, the ingress serves HTTP itself. A value the user exported wins.
 LOCAL_RAY_ENVIRONMENT = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
