@@ -20,8 +20,8 @@ case "${1:-}" in
     ;;
   run)
     mkdir -p "${OUT:-bench_results}"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 BATCHSERVE_NATIVE_KERNELS=0
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target bench_results/gpu-site .whl/*.whl
+    export PYTHONPATH="$PWD/bench_results/gpu-site:$PWD" PYTHONUNBUFFERED=1 BATCHSERVE_NATIVE_KERNELS=0
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
     python3 benchmarks/gpu_check.py --out "${OUT:-bench_results}" "${@:2}" 2>&1 | tee "${OUT:-bench_results}/gpu_check.log"
     ;;

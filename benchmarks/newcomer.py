@@ -1,6 +1,6 @@
 """Run the README's shell commands in order, as a newcomer would on a fresh clone, and fail on any traceback.
 
-    python benchmarks/newcomer.py --venv /tmp/newcomer-venv          # a fresh venv there, then every command
+    python benchmarks/newcomer.py --venv bench_results/newcomer-venv        # a fresh venv there, then every command
     python benchmarks/newcomer.py --venv .venv --reuse-venv --list   # only print the commands it would run
 
 Commands come from the README's ```bash blocks (a line ending in a backslash continues; a `#` comment is dropped).
@@ -169,7 +169,7 @@ def _line(text: str, reason: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--venv", type=Path, default=Path("/tmp/batchserve-newcomer-venv"), help="the venv to use")
+    parser.add_argument("--venv", type=Path, default=Path("bench_results/newcomer-venv"), help="the venv to use")
     parser.add_argument("--reuse-venv", action="store_true", help="use --venv as it is (no fresh install)")
     parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
     parser.add_argument("--skip", default=DEFAULT_SKIP, help="regex of commands not to run ('' runs all)")
