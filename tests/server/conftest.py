@@ -16,3 +16,11 @@ def real_server():
     server = start_server(engine, max_body_bytes=256 * 1024)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def client(real_server):
+    """The official openai client on the real server (a test module may define its own `client`)."""
+    import openai
+
+    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)

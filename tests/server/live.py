@@ -39,6 +39,10 @@ class LiveServer:
     def async_engine(self):
         return self.app.state.async_engine
 
+    def model_id(self) -> str:
+        """The name the server answers to (its first /v1/models entry)."""
+        return httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -11,21 +10,12 @@ pytestmark = pytest.mark.slow
 LONG = "Tell me a story about a lighthouse keeper who finds a message in a bottle on the shore at dawn. " * 3
 
 
-@pytest.fixture(scope="module")
-def client(real_server):
-    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def _model(real_server) -> str:
-    return httpx.get(real_server.url + "/v1/models").json()["data"][0]["id"]
-
-
 def _metric(real_server, name: str) -> float:
     return sum(v for k, v in real_server.metrics().items() if k.startswith(f"batchserve:{name}"))
 
 
 def test_n4_chat_returns_four_choices_counts_the_prompt_once_and_prefills_once(real_server, client):
-    model, messages = _model(real_server), [{"role": "user", "content": LONG}]
+    model, messages = real_server.model_id(), [{"role": "user", "content": LONG}]
     one = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0)
     real_server.wait_idle()
     hits_before = _metric(real_server, "prefix_cache_hits")
@@ -42,7 +32,7 @@ def test_n4_chat_returns_four_choices_counts_the_prompt_once_and_prefills_once(r
 
 
 def test_greedy_choices_are_equal_and_completions_number_prompt_major(real_server, client):
-    out = client.completions.create(model=_model(real_server), prompt=["The sea is", "A cat"], n=2, max_tokens=6,
+    out = client.completions.create(model=real_server.model_id(), prompt=["The sea is", "A cat"], n=2, max_tokens=6,
                                     temperature=0, echo=True)  # fmt: skip
     assert [c.index for c in sorted(out.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
     by_index = {c.index: c.text for c in out.choices}
@@ -54,7 +44,7 @@ def test_greedy_choices_are_equal_and_completions_number_prompt_major(real_serve
 
 
 def test_streamed_choices_assemble_per_index(real_server, client):
-    model = _model(real_server)
+    model = real_server.model_id()
     args = dict(model=model, messages=[{"role": "user", "content": "Name a color."}], max_tokens=6, temperature=0)
     full = client.chat.completions.create(n=3, **args)
     texts = {0: "", 1: "", 2: ""}

@@ -16,17 +16,8 @@ pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 
-@pytest.fixture(scope="module")
-def client(real_server):
-    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def _model(real_server) -> str:
-    return httpx.get(real_server.url + "/v1/models").json()["data"][0]["id"]
-
-
 def test_chat_streams_incrementally_and_matches_non_streaming(real_server, client):
-    model = _model(real_server)
+    model = real_server.model_id()
     full = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=24, temperature=0)
     expected = full.choices[0].message.content
     assert expected and full.usage.completion_tokens == 24 or full.choices[0].finish_reason == "stop"
@@ -58,7 +49,7 @@ def test_chat_streams_incrementally_and_matches_non_streaming(real_server, clien
 
 
 def test_completion_streams_incrementally_and_matches_non_streaming(real_server, client):
-    model = _model(real_server)
+    model = real_server.model_id()
     prompt = "The three primary colors are"
     full = client.completions.create(
         model=model, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
@@ -83,7 +74,7 @@ def test_64_concurrent_streams_with_16_killed(real_server):
     """64 streaming chat clients at once; 16 leave mid-stream. The rest get exact usage, /metrics shows a batch of
     requests running together, and afterwards no KV block is left in use."""
     url = real_server.url
-    model = _model(real_server)
+    model = real_server.model_id()
     prompts = [f"Count from {i} to {i + 10}." for i in range(64)]
     prompt_tokens = {
         p: httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": p}]}).json()["count"]
@@ -159,7 +150,7 @@ def test_64_concurrent_streams_with_16_killed(real_server):
 
 
 def test_bad_inputs_then_good_request(real_server, client):
-    model = _model(real_server)
+    model = real_server.model_id()
     url = real_server.url
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
@@ -185,7 +176,7 @@ def test_bad_inputs_then_good_request(real_server, client):
 
 
 def test_logit_bias_bans_and_forces_tokens(real_server, client):
-    model = _model(real_server)
+    model = real_server.model_id()
 
     def first_token(**extra) -> str:
         out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=1, temperature=0,

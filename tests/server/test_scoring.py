@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import httpx
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -13,21 +12,12 @@ pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is Paris, and the capital of Italy is Rome."
 
 
-@pytest.fixture(scope="module")
-def client(real_server):
-    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def _model(real_server) -> str:
-    return httpx.get(real_server.url + "/v1/models").json()["data"][0]["id"]
-
-
 def _num_prompt_tokens(real_server, prompt: str) -> int:
     return httpx.post(real_server.url + "/tokenize", json={"prompt": prompt}).json()["count"]
 
 
 def test_echo_logprobs_max_tokens_0_scores_every_prompt_token(real_server, client):
-    out = client.completions.create(model=_model(real_server), prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)
+    out = client.completions.create(model=real_server.model_id(), prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)
     choice, count = out.choices[0], _num_prompt_tokens(real_server, PROMPT)
     assert choice.text == PROMPT and choice.finish_reason == "length"
     lp = choice.logprobs
@@ -42,7 +32,7 @@ def test_echo_logprobs_max_tokens_0_scores_every_prompt_token(real_server, clien
 
 
 def test_echo_with_generation_lists_prompt_then_output_and_matches_the_stream(real_server, client):
-    args = dict(model=_model(real_server), prompt=PROMPT, echo=True, logprobs=2, max_tokens=4, temperature=0)
+    args = dict(model=real_server.model_id(), prompt=PROMPT, echo=True, logprobs=2, max_tokens=4, temperature=0)
     full = client.completions.create(**args).choices[0]
     count = _num_prompt_tokens(real_server, PROMPT)
     assert len(full.logprobs.tokens) == count + 4 and full.text.startswith(PROMPT)
@@ -55,7 +45,7 @@ def test_echo_with_generation_lists_prompt_then_output_and_matches_the_stream(re
 
 
 def test_vllm_prompt_logprobs_and_scores_equal_the_generated_tokens_logprob(real_server, client):
-    model = _model(real_server)
+    model = real_server.model_id()
     gen = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
     token, logprob = gen.choices[0].logprobs.tokens[0], gen.choices[0].logprobs.token_logprobs[0]
     scored = httpx.post(real_server.url + "/v1/completions", json={"prompt": PROMPT + token, "max_tokens": 1,

@@ -6,7 +6,6 @@ import json
 import re
 
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
@@ -21,18 +20,9 @@ class City(BaseModel):
     coastal: bool
 
 
-@pytest.fixture(scope="module")
-def client(real_server):
-    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def _model(real_server) -> str:
-    return httpx.get(real_server.url + "/v1/models").json()["data"][0]["id"]
-
-
 def test_parse_with_a_pydantic_model_returns_a_parsed_object(real_server, client):
     completion = client.chat.completions.parse(
-        model=_model(real_server), messages=ASK_JSON, response_format=City, max_tokens=64, temperature=0
+        model=real_server.model_id(), messages=ASK_JSON, response_format=City, max_tokens=64, temperature=0
     )
     city = completion.choices[0].message.parsed
     assert isinstance(city, City)
@@ -43,7 +33,7 @@ def test_streamed_json_schema_equals_non_streamed_and_validates(real_server, cli
     schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]},
               "minItems": 1, "maxItems": 3}}, "required": ["tags"], "additionalProperties": False}  # fmt: skip
     response_format = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
-    args = dict(model=_model(real_server), messages=ASK_JSON, max_tokens=40, temperature=0,
+    args = dict(model=real_server.model_id(), messages=ASK_JSON, max_tokens=40, temperature=0,
                 response_format=response_format)  # fmt: skip
     full = client.chat.completions.create(**args).choices[0].message.content
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **args)
@@ -53,7 +43,7 @@ def test_streamed_json_schema_equals_non_streamed_and_validates(real_server, cli
 
 
 def test_json_object_in_chat_and_completions(real_server, client):
-    model = _model(real_server)
+    model = real_server.model_id()
     chat = client.chat.completions.create(model=model, messages=ASK_JSON, max_tokens=48, temperature=0,
                                           response_format={"type": "json_object"})  # fmt: skip
     assert isinstance(json.loads(chat.choices[0].message.content), dict)
@@ -74,7 +64,7 @@ def test_json_object_in_chat_and_completions(real_server, client):
     ],
 )
 def test_vllm_guided_fields_on_completions(real_server, client, extra, check):
-    out = client.completions.create(model=_model(real_server), prompt="The weather today:", max_tokens=12,
+    out = client.completions.create(model=real_server.model_id(), prompt="The weather today:", max_tokens=12,
                                     temperature=1.0, seed=1, extra_body=extra)  # fmt: skip
     assert check(out.choices[0].text), out.choices[0].text
     assert out.choices[0].finish_reason == "stop"

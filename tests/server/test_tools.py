@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -20,15 +19,6 @@ TOOLS = [
                     "required": ["city"]}}},
 ]  # fmt: skip
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def client(real_server):
-    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def _model(real_server) -> str:
-    return httpx.get(real_server.url + "/v1/models").json()["data"][0]["id"]
 
 
 def _assemble(stream) -> tuple[list[dict], str | None]:
@@ -48,7 +38,7 @@ def _assemble(stream) -> tuple[list[dict], str | None]:
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_streamed_tool_call_assembles_to_the_non_streamed_one(real_server, client, tool_choice):
-    args = dict(model=_model(real_server), messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=80,
+    args = dict(model=real_server.model_id(), messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=80,
                 temperature=0, parallel_tool_calls=False)  # fmt: skip
     full = client.chat.completions.create(**args).choices[0]
     assert full.finish_reason == "tool_calls" and len(full.message.tool_calls) == 1
@@ -69,7 +59,7 @@ def test_history_with_tool_calls_and_tool_results_renders(real_server, client):
          "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'},
     ]  # fmt: skip
-    out = client.chat.completions.create(model=_model(real_server), messages=messages, tools=TOOLS, max_tokens=24,
+    out = client.chat.completions.create(model=real_server.model_id(), messages=messages, tools=TOOLS, max_tokens=24,
                                          temperature=0)  # fmt: skip
     choice = out.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
@@ -78,7 +68,7 @@ def test_history_with_tool_calls_and_tool_results_renders(real_server, client):
 
 def test_tool_choice_none_and_auto_answer(real_server, client):
     for choice in ("none", "auto"):
-        out = client.chat.completions.create(model=_model(real_server), messages=ASK, tools=TOOLS, tool_choice=choice,
+        out = client.chat.completions.create(model=real_server.model_id(), messages=ASK, tools=TOOLS, tool_choice=choice,
                                              max_tokens=16, temperature=0)  # fmt: skip
         message = out.choices[0].message
         assert message.content or message.tool_calls
@@ -108,7 +98,7 @@ def test_reasoning_parser_splits_reasoning_content_in_whole_and_streamed_answers
     front = real_server.app.state.front
     front.reasoning_parser = "deepseek_r1"  # SmolLM2 never closes a <think>: all of its output is reasoning
     try:
-        args = dict(model=_model(real_server), messages=ASK, max_tokens=8, temperature=0)
+        args = dict(model=real_server.model_id(), messages=ASK, max_tokens=8, temperature=0)
         whole = client.chat.completions.create(**args).choices[0].message
         reasoning = whole.model_extra["reasoning_content"]
         assert reasoning and whole.content is None
