@@ -144,9 +144,11 @@ def _min_tokens_mask(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """(rows, token ids) that can't be sampled yet: below min_tokens, EOS (even with ignore_eos) and stop tokens."""
     mask_rows, mask_ids = [], []
-    eos = torch.tensor([t for t in eos_token_ids if t < vocab_size], dtype=torch.long)
+    eos = None  # built only in a step where some request is below its min_tokens
     for i, (p, n_out) in enumerate(zip(params, num_outputs, strict=True)):
         if n_out < p.min_tokens:
+            if eos is None:
+                eos = torch.tensor([t for t in eos_token_ids if t < vocab_size], dtype=torch.long)
             # the stop ids sorted once per request, read as a tensor without a copy: a long list costs once, not at
             # every step; a repeat of an EOS id is harmless (both write -inf)
             ids = eos
