@@ -104,6 +104,11 @@ class OpenAIIngress:
     async def render_metrics(self) -> bytes:
         return relabelled(replica_metrics()) + generate_latest(ROUTER_METRICS)
 
+    def engine_config(self) -> dict[str, str]:
+        """The replicas' options as they run them (they all run the same): Ray Serve keeps replicas' own logs out
+        of the launcher's console, so the launcher logs this."""
+        return self.client.description.effective_config
+
     async def health_problem(self) -> str | None:
         if not replica_metrics():
             return "no running engine replica has reported yet"

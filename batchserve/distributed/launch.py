@@ -11,7 +11,7 @@ cores.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import logging
 import math
 import os
@@ -20,6 +20,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 from batchserve import env
 from batchserve.config import ConfigError
@@ -95,21 +96,42 @@ def run(options: RayAppOptions, host: str, port: int, ray_address: str | None, r
         else:  # the ingress serves HTTP itself
             serve.start(proxy_location="Disabled")
             options = options.model_copy(update={"http_host": host, "http_port": port})
-        ingress = serve.run(build_application(options), name=APP_NAME, route_prefix="/")
+        # no route prefix when the ingress serves HTTP: Serve would log its disabled proxy's address as the app's
+        ingress = serve.run(build_application(options), name=APP_NAME, route_prefix="/" if ray_proxy else None)
+        calls = _HandleCalls()
+        logger.info("replicas run: %s", calls.call(ingress, "engine_config", timeout_s=60))
         logger.info("serving on http://%s:%d (Ray Serve, %s)", host, port, _describe(options, ray_proxy))
         stop.wait()
         logger.info("stopping: requests in flight get %.0f s to finish", options.drain_timeout_s)
-        with contextlib.suppress(Exception):
-            ingress.drain.remote().result(timeout_s=options.drain_timeout_s + 15)
+        try:
+            calls.call(ingress, "drain", timeout_s=options.drain_timeout_s + 15)
+        except Exception as exc:  # stopping regardless: say why the requests in flight may have been cut
+            logger.warning("draining the ingress failed: %r", exc)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if joined:  # a cluster that was there before us: take our application away, leave the rest running
             serve.delete(APP_NAME)
-        else:
-            serve.shutdown()
+        # a Ray instance of our own goes down whole, Serve's controller with it: serve.shutdown() would have the
+        # controller kill itself inside its graceful_shutdown call, which Ray reports as a failed task on exit
         ray.shutdown()
     return 0
+
+
+class _HandleCalls:
+    """Calls on Serve deployment handles from this (synchronous) launcher. Serve's throughput-optimized mode runs a
+    handle's router on the caller's event loop, so the calls run on one loop of their own in a daemon thread (one
+    loop for all of them: the handle's router stays bound to the loop of its first call)."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="serve-handle-calls", daemon=True).start()
+
+    def call(self, handle: Any, method: str, timeout_s: float) -> Any:
+        async def remote() -> Any:  # even looking the method up binds the handle to the running loop
+            return await getattr(handle, method).remote()
+
+        return asyncio.run_coroutine_threadsafe(remote(), self._loop).result(timeout=timeout_s)
 
 
 def _connect(options: RayAppOptions, ray_address: str | None) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchserve.config import EngineConfig
 from batchserve.engine.inputs import EngineLimits
@@ -34,6 +35,7 @@ class EngineDescription:
     config: EngineConfig
     limits: EngineLimits
     num_kv_blocks: int
+    effective_config: dict[str, Any] = field(default_factory=dict)  # every option as the replica runs it
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ class EngineReplica:
         logger.info("replica %s ready: %s", self.replica_id, self.engine.engine.effective_config())
 
     def describe(self) -> EngineDescription:
-        return EngineDescription(self.engine.config, self.engine.limits, self.engine.engine.runner.num_kv_blocks)
+        engine = self.engine.engine
+        return EngineDescription(self.engine.config, self.engine.limits, engine.runner.num_kv_blocks, engine.effective_config())
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Admitted]:
         """Admits the request (or raises its error: InvalidRequestError, QueueFullError, EngineDeadError), answers

@@ -55,6 +55,9 @@ def test_serve_replicas_serves_http_from_the_ingress_and_exits_cleanly_on_sigint
                 server.wait()
     text = log_path.read_text()
     assert "HTTP served by the ingress" in text, text[-2000:]
+    assert "replicas run: {" in text and "'num_kv_blocks': '64'" in text, text[-2000:]  # the replicas' config
+    assert "ready at" not in text, text[-2000:]  # no address but the one that serves
+    assert "failed" not in text and "Traceback" not in text, text[-2000:]
 
 
 @pytest.fixture(scope="module")
