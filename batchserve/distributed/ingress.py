@@ -21,11 +21,13 @@ from fastapi import FastAPI
 from prometheus_client import generate_latest
 
 from batchserve.distributed.client import RemoteEngineClient
+from batchserve.distributed.dashboard import ReplicaDashboards
 from batchserve.distributed.metrics import ROUTER_METRICS, relabelled, replica_metrics
 from batchserve.distributed.options import RayAppOptions
 from batchserve.entrypoints.grpc.server import GrpcServer
 from batchserve.entrypoints.openai.app import build_front_app, model_names
 from batchserve.entrypoints.openai.connections import ConnectionLimits
+from batchserve.entrypoints.openai.dashboard import add_dashboard_routes
 
 HTTP_START_TIMEOUT_S = 30.0
 
@@ -52,7 +54,7 @@ class OpenAIIngress:
 
     def _front_app(self) -> FastAPI:
         options = self.options
-        return build_front_app(
+        app = build_front_app(
             self.client,
             self.names,
             api_key=options.api_key,
@@ -61,6 +63,8 @@ class OpenAIIngress:
             render_metrics=self.render_metrics,
             health_problem=self.health_problem,
         )
+        add_dashboard_routes(app, ReplicaDashboards())
+        return app
 
     async def _start_http(self, host: str, port: int) -> None:
         """Bound here first, so a port in use fails the replica's start with the OSError (uvicorn would exit the

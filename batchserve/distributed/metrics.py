@@ -59,18 +59,26 @@ def metrics_report(metrics_text: str) -> dict[str, Any]:
 def replica_metrics(routers: Iterable[Any] | None = None, now: float | None = None) -> dict[str, str]:
     """{replica id: its rendered metrics} for every running replica the routers know that reported them in the
     last STALE_AFTER_S; `routers`: objects with Ray Serve's RequestRouter.curr_replicas (default: ROUTERS)."""
+    now = time.time() if now is None else now
+    texts = {}
+    for replica_id, stats in routers_replica_stats(routers).items():
+        text, reported_at = stats.get(METRICS_KEY), stats.get(REPORTED_AT_KEY, 0.0)
+        if isinstance(text, str) and now - reported_at <= STALE_AFTER_S:
+            texts[replica_id] = text
+    return texts
+
+
+def routers_replica_stats(routers: Iterable[Any] | None = None) -> dict[str, dict[str, Any]]:
+    """{replica id: the routing stats it last reported} for every running replica the routers know (default: the
+    routers of this process)."""
     if routers is None:
         with _ROUTERS_LOCK:
             routers = list(ROUTERS)
-    now = time.time() if now is None else now
-    texts = {}
-    for router in routers:
-        for replica_id, replica in dict(router.curr_replicas).items():
-            stats = replica.routing_stats or {}
-            text, reported_at = stats.get(METRICS_KEY), stats.get(REPORTED_AT_KEY, 0.0)
-            if isinstance(text, str) and now - reported_at <= STALE_AFTER_S:
-                texts[replica_id.unique_id] = text
-    return texts
+    return {
+        replica_id.unique_id: replica.routing_stats or {}
+        for router in routers
+        for replica_id, replica in dict(router.curr_replicas).items()
+    }
 
 
 def relabelled(texts: Mapping[str, str], label: str = "replica") -> bytes:

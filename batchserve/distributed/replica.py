@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from batchserve.config import EngineConfig
+from batchserve.distributed.dashboard import dashboard_report
 from batchserve.distributed.messages import (
     Admitted,
     EngineDescription,
@@ -33,6 +34,7 @@ from batchserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.entrypoints.engine_options import engine_config
 from batchserve.host.process import configure_torch
+from batchserve.serving.live_stats import LiveStats
 from batchserve.serving.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class EngineReplica:
         config = engine_config(engine_options, "the Ray Serve app")
         self.engine = await asyncio.to_thread(_started_engine, config)
         self.metrics = EngineMetrics(model_name=model_name).attach(self.engine)
+        self.live_stats = LiveStats().attach(self.engine)  # for the ingress's /dashboard
         self.stall_timeout_s = stall_timeout_s
         self.replica_id = _replica_id()
         self._outboxes: dict[str, Outbox] = {}  # by caller
@@ -99,8 +102,8 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Called by Ray Serve every request_routing_stats_period_s; the routers read it as replica.routing_stats:
-        the load, and the rendered metrics for the ingress's /metrics (a few KB, rendered in ~1 ms)."""
-        return {**self.load().as_dict(), **metrics_report(self.metrics_text())}
+        the load, the rendered metrics for the ingress's /metrics and a dashboard snapshot for its /dashboard."""
+        return {**self.load().as_dict(), **metrics_report(self.metrics_text()), **dashboard_report(self.live_stats)}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Called by Ray Serve for the autoscaling policy (distributed/autoscaling.py)."""

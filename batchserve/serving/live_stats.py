@@ -122,11 +122,11 @@ class LiveStats:
 
     # ------------------------------------------------------------------ any thread
     def snapshot(
-        self, since_step: int = -1, with_requests: bool = False, finished_after: float = 0.0
+        self, since_step: int = -1, with_requests: bool = False, finished_after: float = 0.0, replica: str = ""
     ) -> dict[str, Any]:
         """A JSON-able view: the current state, the steps after `since_step`, the latency percentiles of the last
         minute, the effective configuration; with_requests: each of the last minute's requests finished after
-        `finished_after` (wall time) too."""
+        `finished_after` (wall time) too. `replica` is for the Ray app's reports (one engine here: ignored)."""
         now = time.time()
         with self._lock:
             self._forget_old(now)

@@ -195,6 +195,35 @@ def test_requests_sharing_a_prefix_land_on_the_same_replica(base_url):
     assert decisions - decisions_before >= 5
 
 
+def test_the_ingress_serves_the_dashboard_from_each_replicas_reports(base_url):
+    """/dashboard on the Ray ingress: the page, and per replica the steps and finished requests its reports carry."""
+    page = httpx.get(base_url + "/dashboard", timeout=30)
+    assert page.status_code == 200 and 'id="replica"' in page.text
+    body = {"prompt": "Dashboard check:", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(base_url + "/v1/completions", json=body, timeout=120).status_code == 200
+    started = time.time() - 1
+
+    def reported() -> dict | None:  # a replica's next routing-stats report carries the finished request
+        data = httpx.get(base_url + "/dashboard/data", params={"requests": True}, timeout=30).json()
+        finished = []
+        for replica in data["replicas"]:
+            one = httpx.get(
+                base_url + "/dashboard/data", params={"requests": True, "replica": replica}, timeout=30
+            ).json()
+            assert one["replica"] == replica
+            finished += [(one, r) for r in one["requests"] if r["finished_time"] > started]
+        return finished[0] if finished else None
+
+    data, request = _wait_for(reported, 15, "a replica's dashboard report")
+    assert len(data["replicas"]) == 2
+    assert request["output_tokens"] == 6 and request["finish_reason"] == "length"
+    assert data["steps"] and data["limits"]["num_kv_blocks"] == int(data["config"]["num_kv_blocks"])
+    fields = data["step_fields"]
+    last = data["steps"][-1][fields.index("index")]
+    again = httpx.get(base_url + "/dashboard/data", params={"since": last, "replica": data["replica"]}).json()
+    assert all(s[fields.index("index")] > last for s in again["steps"]) and "requests" not in again
+
+
 def test_clients_leaving_mid_stream_free_their_engine_requests(ray_app):
     """Streams dropped after their first chunk, beside streams read to the end, on the ingress's own port: every
     engine request ends (aborted ones too), so the replicas hold no running request and no KV block afterwards."""

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import functools
 from importlib import resources
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-
-from batchserve.serving.live_stats import LiveStats
 
 PAGE_PATH = "/dashboard"
 DATA_PATH = "/dashboard/data"
@@ -26,15 +25,26 @@ def dashboard_html() -> str:
     return resources.files("batchserve.entrypoints.openai").joinpath("static/dashboard.html").read_text("utf-8")
 
 
-def add_dashboard_routes(app: FastAPI, live_stats: LiveStats) -> None:
+class SnapshotSource(Protocol):
+    """LiveStats beside a local engine; the replicas' reports on the Ray ingress (distributed/dashboard.py), which
+    also take `replica`."""
+
+    def snapshot(self, since_step: int = -1, with_requests: bool = False, finished_after: float = 0.0,
+                 replica: str = "") -> dict[str, Any]: ...  # fmt: skip
+
+
+def add_dashboard_routes(app: FastAPI, source: SnapshotSource) -> None:
     @app.get(PAGE_PATH, include_in_schema=False)
     async def dashboard() -> Response:
         return HTMLResponse(dashboard_html(), headers={"Cache-Control": "no-cache"})
 
     @app.get(DATA_PATH, include_in_schema=False)
     async def dashboard_data(
-        since: int = Query(-1), requests: bool = Query(False), finished_after: float = Query(0.0)
+        since: int = Query(-1),
+        requests: bool = Query(False),
+        finished_after: float = Query(0.0),
+        replica: str = Query(""),
     ) -> Response:
         """`since`: only the steps after that index; `requests`: each request finished in the last minute (after
-        `finished_after`, a wall time) too."""
-        return JSONResponse(live_stats.snapshot(since, with_requests=requests, finished_after=finished_after))
+        `finished_after`, a wall time) too; `replica`: which engine replica's (Ray app only)."""
+        return JSONResponse(source.snapshot(since, requests, finished_after, replica))
