@@ -33,7 +33,6 @@ async def submit_choices(
         raise InvalidRequestError(
             f"prompts x n may be at most {MAX_PROMPTS_PER_REQUEST}, got {len(prompts)} x {params.n}", "n"
         )
-    await service.constraints.check(params.structured_outputs)
     children = child_params(params)
     groups: list[list[EngineRequest]] = []
     for p, prompt in enumerate(prompts):  # tokenized and checked once per prompt, every choice built before any runs

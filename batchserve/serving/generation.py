@@ -98,7 +98,6 @@ class GenerationService:
         admitted; then every one admitted, or none."""
         if not prompts:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        await self.constraints.check(params.structured_outputs)
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
             raise InvalidRequestError(
                 f"a request may hold at most {MAX_PROMPTS_PER_REQUEST} prompts, got {len(prompts)}", "prompt"
@@ -107,7 +106,10 @@ class GenerationService:
         return await self.admit([await self.request(rid, p, params, priority) for rid, p in zip(ids, prompts)])
 
     async def admit(self, requests: Sequence[EngineRequest]) -> list[RequestStream]:
-        """Every request admitted, or none: a failure aborts those already added and raises."""
+        """Every request admitted, or none: a failure aborts those already added and raises. Each output constraint
+        compiles (in time) before any request is added: every front end's requests pass here."""
+        for constraint in {r.sampling_params.structured_outputs for r in requests}:
+            await self.constraints.check(constraint)
         streams: list[RequestStream] = []
         try:
             for request in requests:

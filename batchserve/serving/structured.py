@@ -63,6 +63,12 @@ def from_response_format(response_format: Mapping[str, Any] | None) -> Structure
     )
 
 
+def constraint_for(field: str, value: Any, source: str) -> StructuredOutputsParams:
+    """The constraint of one of vLLM's structured_outputs fields (json, regex, choice, grammar, json_object) given
+    by another front end; errors name `source`."""
+    return _one(_STRUCTURED_FIELDS[field], value, source)
+
+
 def _one(kind: ConstraintKind, value: Any, source: str) -> StructuredOutputsParams:
     if kind == ConstraintKind.JSON:
         return json_schema_constraint(value, source)

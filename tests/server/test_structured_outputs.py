@@ -91,3 +91,51 @@ def test_a_bad_constraint_is_a_400_naming_its_field_and_the_server_carries_on(re
     assert response.json()["error"]["param"] == param
     ok = httpx.post(real_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_constraints_through_the_native_grpc_service(real_server):
+    import grpc
+
+    from batchserve.entrypoints.grpc.pb import generation_pb2 as pb
+    from tests.server.grpc_live import LiveGrpc
+
+    live = LiveGrpc(real_server.async_engine, [real_server.model_id()])
+    try:
+        schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                  "required": ["n"], "additionalProperties": False}  # fmt: skip
+        cases = [
+            (pb.SamplingParams(max_tokens=24, temperature=0, json_schema=json.dumps(schema)),
+             lambda text: 0 <= json.loads(text)["n"] <= 9),
+            (pb.SamplingParams(max_tokens=8, temperature=1, seed=3, choice=pb.Choices(values=["yes", "no"])),
+             lambda text: text in ("yes", "no")),
+            (pb.SamplingParams(max_tokens=12, temperature=0, regex="[0-9]{3}-[a-z]{2}"),
+             lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text)),
+        ]  # fmt: skip
+        for sampling, check in cases:
+            request = pb.GenerateRequest(text="Answer:", sampling=sampling, return_text=True)
+            (reply,) = live.generation.Generate(request, timeout=120)
+            assert check(reply.text) and reply.finish_reason == "stop", (sampling, reply.text)
+        bad = pb.GenerateRequest(text="Answer:", sampling=pb.SamplingParams(max_tokens=4, regex="(unclosed"))
+        with pytest.raises(grpc.RpcError) as info:
+            list(live.generation.Generate(bad, timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.regex" in info.value.details()
+    finally:
+        live.stop()
+
+
+def test_tensorrt_llm_guided_decoding_inputs_on_the_kserve_generate_endpoint(real_server):
+    url = f"{real_server.url}/v2/models/{real_server.model_id()}/generate"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    body = {"text_input": "Reply in JSON:", "max_tokens": 24, "guided_decoding_guide_type": "json_schema",
+            "guided_decoding_guide": json.dumps(schema)}  # fmt: skip
+    reply = httpx.post(url, json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert isinstance(json.loads(reply.json()["text_output"])["ok"], bool)
+    body = {"text_input": "Pick:", "max_tokens": 8, "guided_decoding_guide_type": "regex",
+            "guided_decoding_guide": "(red|green)"}  # fmt: skip
+    assert httpx.post(url, json=body, timeout=120).json()["text_output"] in ("red", "green")
+    for wrong, field in (({"guided_decoding_guide_type": "structural_tag", "guided_decoding_guide": "{}"},
+                          "guided_decoding_guide_type"), ({"guided_decoding_guide_type": "regex"},
+                          "guided_decoding_guide")):  # fmt: skip
+        reply = httpx.post(url, json={"text_input": "x", "max_tokens": 4, **wrong}, timeout=60)
+        assert reply.status_code == 400 and field in reply.text, reply.text

@@ -11,6 +11,7 @@ from batchserve.entrypoints.grpc.pb import generation_pb2 as pb
 from batchserve.entrypoints.grpc.status import invalid
 from batchserve.sampling_params import SamplingParams
 from batchserve.serving.generation import GenerationService
+from batchserve.serving.structured import constraint_for
 
 # optional scalar fields copied as they are when set; unset ones keep SamplingParams' defaults
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -48,4 +49,14 @@ def sampling_params(message: pb.SamplingParams, default_max_tokens: int) -> Samp
     options.update({name: getattr(message, name) for name in _OPTIONAL if message.HasField(name)})
     if message.logit_bias:  # only when given: the engine's other callers need not know the field
         options["logit_bias"] = dict(message.logit_bias)
+    options["structured_outputs"] = _constraint(message)
     return SamplingParams(**options)
+
+
+def _constraint(message: pb.SamplingParams):
+    """The oneof `constraint` as the HTTP server's guided_* field of the same kind (same checks, same errors)."""
+    which = message.WhichOneof("constraint")
+    if which is None or (which == "json_object" and not message.json_object):
+        return None
+    value = list(message.choice.values) if which == "choice" else getattr(message, which)
+    return constraint_for("json" if which == "json_schema" else which, value, f"sampling.{which}")

@@ -13,6 +13,7 @@ from batchserve.entrypoints.grpc.status import invalid
 from batchserve.entrypoints.kserve.tensors import Output
 from batchserve.sampling_params import SamplingParams
 from batchserve.serving.results import GenerationResult
+from batchserve.serving.structured import constraint_for
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,13 @@ INPUTS: dict[str, Field] = {
     "return_generation_logits": Field("bool", "BOOL"),
     "embedding_bias_words": Field("texts", "BYTES"),
     "embedding_bias_weights": Field("reals", "FP32"),
+    "guided_decoding_guide_type": Field("text", "BYTES"),
+    "guided_decoding_guide": Field("text", "BYTES"),
 }
 # ensemble inputs that need a feature batchserve does not have: refused by name, whatever their value
 REFUSED: dict[str, str] = {
     **dict.fromkeys(("prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_id"), "p-tuning"),
     **dict.fromkeys(("lora_task_id", "lora_weights", "lora_config"), "LoRA adapters"),
-    **dict.fromkeys(("guided_decoding_guide_type", "guided_decoding_guide"), "guided decoding"),
     **dict.fromkeys(("top_p_decay", "top_p_min", "top_p_reset_ids"), "top-p decay"),
     "no_repeat_ngram_size": "n-gram bans",
     "early_stopping": "beam search",
@@ -71,6 +73,9 @@ OUTPUTS: dict[str, str] = {
     "num_output_tokens": "INT32",
 }
 LOG_PROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
+# TensorRT-LLM's guided_decoding_guide_type -> the structured_outputs field of the same meaning (structural_tag:
+# none here); "json" needs no guide: any JSON object
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,23 @@ def _sampling_params(get: _Reader) -> SamplingParams:
         options["stop_token_ids"] = [end_id] if end_id >= 0 else []
     if get.one("return_log_probs", False):
         options["logprobs"] = 0
+    options["structured_outputs"] = _guide(get)
     return SamplingParams(**options)
+
+
+def _guide(get: _Reader):
+    kind, guide = get.one("guided_decoding_guide_type", None), get.one("guided_decoding_guide", None)
+    if kind is None:
+        _refuse_unless(guide is None, "guided_decoding_guide", "guided_decoding_guide needs guided_decoding_guide_type")
+        return None
+    _refuse_unless(
+        kind in GUIDE_TYPES, "guided_decoding_guide_type",
+        f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, got {kind!r}",
+    )  # fmt: skip
+    if GUIDE_TYPES[kind] == "json_object":
+        return constraint_for("json_object", "", "guided_decoding_guide_type")
+    _refuse_unless(bool(guide), "guided_decoding_guide", f"guided_decoding_guide_type {kind} needs guided_decoding_guide")
+    return constraint_for(GUIDE_TYPES[kind], guide, "guided_decoding_guide")
 
 
 def _outputs(requested: Sequence[str], get: _Reader) -> tuple[str, ...]:
