@@ -115,6 +115,24 @@ def test_abort_by_request_id(servers):
     assert blocks_used(http) == 0
 
 
+def test_n_choices_unary_and_streamed_agree_and_abort_ends_them_all(servers):
+    http, live = servers
+    sampling = {"max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 3}
+    unary = generate(live, text=PROMPT, sampling=sampling)
+    assert sorted(r.index for r in unary) == [0, 1, 2] and all(r.finish_reason == "length" for r in unary)
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for reply in generate(live, text=PROMPT, sampling=sampling, stream=True):
+        streamed[reply.index] += reply.token_ids
+    assert streamed == {r.index: list(r.token_ids) for r in unary}
+    request = pb.GenerateRequest(request_id="abort-n", text=PROMPT, stream=True,
+                                 sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True, n=2))  # fmt: skip
+    call = live.generation.Generate(request, timeout=30)
+    next(call)
+    assert live.generation.Abort(pb.AbortRequest(request_ids=["abort-n"])).aborted_ids == ["abort-n"]
+    assert list(call)[-1].finish_reason == "abort"
+    assert blocks_used(http) == 0
+
+
 BAD = [
     ({}, "input"),
     ({"text": ""}, "empty"),
@@ -126,6 +144,7 @@ BAD = [
     ({"text": "x", "sampling": {"top_p": 0}}, "top_p"),
     ({"text": "x", "sampling": {"top_k": -2}}, "top_k"),
     ({"text": "x", "sampling": {"logprobs": 21}}, "logprobs"),
+    ({"text": "x", "sampling": {"n": 0}}, "n"),
     ({"text": "x", "sampling": {"max_tokens": 4, "min_tokens": 5}}, "min_tokens"),
     ({"text": "x", "sampling": {"stop": [""]}}, "stop"),
     ({"text": "x", "sampling": {"stop": ["s"] * 33}}, "stop"),

@@ -15,6 +15,7 @@ from batchserve.entrypoints.grpc.pb import generation_pb2 as pb
 from batchserve.entrypoints.grpc.pb import generation_pb2_grpc as pb_grpc
 from batchserve.entrypoints.grpc.served import ServedModel
 from batchserve.entrypoints.grpc.status import abort_rpc, invalid
+from batchserve.serving.fanout import submit_choices
 from batchserve.serving.generation import GenerationService
 from batchserve.serving.results import GenerationResult, Usage
 
@@ -23,8 +24,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, service: GenerationService, served: ServedModel) -> None:
         self.service = service
         self.served = served
-        # Generate's requests in flight, by id: what Abort may end (None: the id is claimed, the request not admitted)
-        self._live: dict[str, RequestStream | None] = {}
+        # Generate's requests in flight, by id: what Abort may end (their choices' streams; None: the id is claimed,
+        # the request not admitted)
+        self._live: dict[str, list[RequestStream] | None] = {}
         self._aborted: set[str] = set()  # ended by Abort: their streams close with finish_reason "abort"
 
     async def Generate(  # noqa: N802 - the RPC's name
@@ -42,18 +44,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if request_id in self._live:
                     raise invalid(f"request id {request_id!r} is already in use", "request_id")
                 self._live[request_id], owner = None, True  # claimed with no await since the check
-                built = self.service.requests.build(
-                    request_id, prepared.token_ids, params, request.priority, prompt=prepared.text, param=prepared.param
-                )
-                streams = await self.service.admit([built])
-                self._live[request_id] = streams[0]
+                streams = await self._admit(request_id, prepared, params, request.priority)
+                self._live[request_id] = streams
                 if request.stream:
                     async for last in self.service.results(streams):
                         if last.delta.delta_token_ids or last.finished:
                             yield _response(request_id, last, request.return_text, delta=True)
                 else:
-                    (last,) = await self.service.final_results(streams)
-                    yield _response(request_id, last, request.return_text, delta=False)
+                    for last in await self.service.final_results(streams):
+                        yield _response(request_id, last, request.return_text, delta=False)
             except EngineDeadError:
                 if request_id not in self._aborted:
                     raise
@@ -66,10 +65,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 self._aborted.discard(request_id)
             self.service.abort_unfinished(streams)
 
+    async def _admit(self, request_id: str, prepared, params, priority: int) -> list[RequestStream]:
+        """One engine request, or n choices (ids request_id-0-i) that share the prompt's prefill."""
+        if params.n > 1:
+            return await submit_choices(self.service, request_id, [prepared.token_ids], params, priority)
+        built = self.service.requests.build(
+            request_id, prepared.token_ids, params, priority, prompt=prepared.text, param=prepared.param
+        )
+        return await self.service.admit([built])
+
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:  # noqa: N802
         ids = [rid for rid in dict.fromkeys(request.request_ids) if self._live.get(rid) is not None]
         self._aborted.update(ids)
-        self.service.client.abort(ids)
+        self.service.client.abort([s.request_id for rid in ids for s in self._live[rid]])
         return pb.AbortResponse(aborted_ids=ids)
 
     async def ModelInfo(  # noqa: N802
@@ -118,6 +126,7 @@ def _response(request_id: str, result: GenerationResult, return_text: bool, delt
     step, whole = result.delta, result.completion
     reply = pb.GenerateResponse(
         request_id=request_id,
+        index=result.index,
         token_ids=step.delta_token_ids if delta else whole.token_ids,
         logprobs=[_logprob(e) for e in (result.delta_logprobs if delta else whole.logprobs or [])],
     )
