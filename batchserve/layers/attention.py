@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from batchserve import env
 from batchserve.layers import kernels
 from batchserve.layers.gpu import paged_attention as gpu_attention
+from batchserve.layers.windowed_attention import windowed_attention
 
 logger = logging.getLogger(__name__)
 
@@ -142,9 +143,16 @@ def paged_attention(
     kv_cache: KVCache,
     metadata: AttentionMetadata,
     scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """query [T, H, D], key/value [T, Hkv, D] (this step's tokens, packed) -> output [T, H, D]."""
+    """query [T, H, D], key/value [T, Hkv, D] (this step's tokens, packed) -> output [T, H, D]. A layer with a
+    sliding `window` (each query sees its last `window` positions) or soft-capped scores (`softcap`) takes the torch
+    code of layers/windowed_attention.py: the native kernels implement neither."""
     scale = scale if scale is not None else query.shape[-1] ** -0.5
+    if window is not None or softcap is not None:
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        return windowed_attention(query, key, value, kv_cache, metadata, scale, window, softcap)
     step = native_step(query, query.shape[-1], kv_cache, metadata)
     if step is not None:
         return kernels.load().paged_attention(query, key, value, kv_cache[0], kv_cache[1], step, scale)

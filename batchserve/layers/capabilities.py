@@ -21,6 +21,8 @@ class Capability(str, enum.Enum):
     SLIDING_WINDOW = "sliding_window"  # attention to the last W tokens only
     SOFTCAP = "softcap"  # tanh soft-capping of attention scores or logits
     MOE = "moe"  # a mixture-of-experts MLP
+    GEGLU = "geglu"  # gelu(gate, tanh approximation) * up MLP (Gemma)
+    SANDWICH_NORM = "sandwich_norm"  # (1 + w) RMSNorms after attention and MLP too, scaled embeddings (Gemma)
 
 
 def missing(declared: Iterable[Capability], implemented: Iterable[str]) -> list[str]:

@@ -1,0 +1,22 @@
+"""The GeGLU MLP (Gemma): one gate/up projection, gelu(gate, tanh approximation) * up, the down projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchserve.layers.mlp import MLP
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2I] (gate columns, then up columns) -> gelu_tanh(gate) * up [M, I]: transformers' gelu_pytorch_tanh."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class GeGLUMLP(MLP):
+    """The MLP's projections and weight layout; only the activation differs. Its gate/up projection must keep the
+    plain [gate rows; up rows] layout on the CPU (CpuLinear without swiglu=True), since no native kernel fuses GELU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
