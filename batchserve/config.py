@@ -150,6 +150,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     record_steps: bool = False  # keep a StepRecord per engine step (for traces and timelines)
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs, every step runs eagerly (worker/cuda_graphs.py)
+    # a request's tokens do not depend on what shares its batch: one reduction order per row (docs/determinism.md)
+    deterministic: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 

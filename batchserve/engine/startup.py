@@ -25,7 +25,7 @@ def load_runner(
     """Load `config.model` (default: SmolLM2-135M-Instruct) on the configured device and dtype
     -> (runner, model_config, tokenizer). The KV pool: see ModelRunner (`initial_kv_blocks` for one that grows)."""
     from batchserve.layers import kernels
-    from batchserve.layers.linear import gemm_path
+    from batchserve.layers.linear import deterministic_gemm_path, deterministic_gemms, gemm_path
     from batchserve.models.loader import (
         load_model,
         load_model_config,
@@ -44,7 +44,14 @@ def load_runner(
     logger.info("loading %s (%s) on %s as %s", path, model_config.architecture, device, dtype)
     if device.type == "cpu":
         logger.info("CPU path: %s; native kernels %s", gemm_path(dtype), "on" if kernels.load() else "off")
-    model = load_model(path, model_config, dtype, device)
+    if config.deterministic:
+        logger.info(
+            "deterministic mode: GEMMs: %s; attention: every row by the decode kernel in 16-token tiles of the pool's "
+            "blocks (prefill chunks too); logits in float32", deterministic_gemm_path(dtype) if device.type == "cpu"
+            else "the device's own (not made invariant off the CPU)",
+        )
+    with deterministic_gemms(config.deterministic):
+        model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
     config.tokenizer = str(tokenizer_folder(path, config.tokenizer))  # the effective value, as the logs report it
     logger.info("tokenizer from %s (a Hugging Face folder other tools can load too)", config.tokenizer)

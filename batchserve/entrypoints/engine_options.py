@@ -46,6 +46,8 @@ HELP: dict[str, str] = {
     "record_steps": "keep a record of every engine step (benchmark traces and timelines)",
     "enforce_eager": "on a GPU, run every step eagerly: no CUDA graphs of decode steps (captured at start-up for "
     "a ladder of batch sizes otherwise)",
+    "deterministic": "a request's output does not depend on what shares its batch (or on chunking, preemption, "
+    "prefix-cache hits): GEMMs and attention in one reduction order per row, at a cost (docs/determinism.md)",
     "max_batch_size": "sequences in one forward pass",
     "max_num_tokens": "tokens in one forward pass: prefill chunks plus one per decoding sequence",
     "scheduler_policy": "max_utilization: fill the budget, preempt when blocks run out; guaranteed_no_evict: reserve "

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from batchserve.layers import kernels
+
+logger = logging.getLogger(__name__)
+
+# Set by deterministic_gemms() around a model's layouts: CpuLinear then takes one GEMM for every M (docs/determinism.md)
+_deterministic = contextvars.ContextVar("deterministic_gemms", default=False)
+ALL_ROWS = 2**62  # a row-count threshold no batch reaches
+
+
+@contextlib.contextmanager
+def deterministic_gemms(on: bool = True):
+    """CpuLinear layouts made inside compute each output row in one reduction order, whatever the number of rows and
+    the row's position: one kernel for every M whose order is fixed (bf16_gemm on AVX512-BF16, the small-M float32
+    kernel otherwise), never the libraries' GEMMs, whose blocking follows M."""
+    token = _deterministic.set(on)
+    try:
+        yield
+    finally:
+        _deterministic.reset(token)
 
 
 class CpuLinear(nn.Module):
@@ -32,16 +54,30 @@ class CpuLinear(nn.Module):
     AMX_MAX_M = 1280
     NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False, float_output: bool = False
+    ):
         """`swiglu`: a gate/up projection (gate rows, then as many up rows) that MLP reads through `silu_and_mul`:
-        on the AMX path its panels interleave the two, so that the kernel writes silu(gate) * up itself."""
+        on the AMX path its panels interleave the two, so that the kernel writes silu(gate) * up itself.
+        `float_output`: the result is the GEMM's float32 accumulator, never rounded to the model's dtype (the output
+        projection: rounded logits make ties). Inside deterministic_gemms() one GEMM serves every M."""
         super().__init__()
         self.out_features = weight.shape[0]
+        self.float_output = float_output
+        self.deterministic = _deterministic.get()
         weight = weight.detach()
         low_precision = weight.dtype in (torch.bfloat16, torch.float16)
         # With bf16/fp16 matmul units (AMX, AVX512-BF16) oneDNN's GEMM on a pre-packed weight runs faster than
         # torch.matmul in that dtype at every M: one path for all.
         self.packed_only = low_precision and kernels.has_matmul_units(weight.dtype)
+        # bf16 pairs by AVX512-BF16 at every M: a float32 result in one order per row (deterministic mode, logits)
+        self.bf16_pairs = (self.deterministic or float_output) and self._bf16_gemm_runs(weight)
+        if self.bf16_pairs:
+            self._init_bf16_pairs(weight, bias)
+            return
+        if low_precision and (self.deterministic or float_output):
+            # no bf16 kernel with a float32 result or a fixed order here: the float32 GEMMs on a widened copy give both
+            self.packed_only = False
         if low_precision and not self.packed_only:
             # Without bf16/fp16 matmul units torch's GEMM in them runs far slower than float32's. A product of two bf16
             # (or fp16) values is exact in float32, so a float32 GEMM on widened copies, its result rounded back, is
@@ -58,6 +94,11 @@ class CpuLinear(nn.Module):
         small_path = kernels.small_gemm_path() if kernels.for_tensors(weight) is not None else "library"
         self.small_min_m, self.small_max_m = self.SMALL_MIN_M[small_path], self.SMALL_MAX_M[small_path][narrow]
         small = small_path != "library"
+        if self.deterministic:
+            # the small-M kernel's order is one per row at any M (threads split columns, K runs in one order); without
+            # it x @ W serves every M (the library's order, not guaranteed: the start-up log says so)
+            self.small_min_m, self.small_max_m = (1, ALL_ROWS) if small else (ALL_ROWS, 0)
+            self.register_buffer("packed", None)
         self.register_buffer("small_packed", kernels.load().small_gemm_pack(weight, small_path) if small else None)
         path = self._amx_path(weight)
         self.amx_emulated = path == "amx_emulated"
@@ -65,10 +106,32 @@ class CpuLinear(nn.Module):
         self.register_buffer("amx_packed", self._amx_layout(weight) if path is not None else None)
         self.native = self._native_projection()
 
+    @staticmethod
+    def _bf16_gemm_runs(weight: torch.Tensor) -> bool:
+        native = kernels.load()
+        return (
+            weight.dtype == torch.bfloat16
+            and kernels.has_matmul_units(weight.dtype)
+            and native is not None
+            and native.bf16_gemm_available()
+        )
+
+    def _init_bf16_pairs(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """The layout of bf16_gemm alone: one kernel at every M, its float32 result rounded to bf16 unless
+        float_output (no oneDNN, AMX or [in, out] copy: never read)."""
+        self.packed_only, self.amx_emulated, self.swiglu = False, False, False
+        self.gemm_dtype = weight.dtype
+        self.small_min_m, self.small_max_m = ALL_ROWS, 0
+        self.register_buffer("bias", None if bias is None else bias.detach())
+        for name in ("packed", "weight_t", "small_packed", "amx_packed"):
+            self.register_buffer(name, None)
+        self.register_buffer("bf16_packed", kernels.load().bf16_gemm_pack(weight.contiguous()))
+        self.native = self._native_projection()
+
     def _amx_path(self, weight: torch.Tensor) -> str | None:
         """This CPU's bf16 GEMM path ("amx" or "amx_emulated") where it is the AMX kernel and the kernel takes the
-        weight's shape; else None."""
-        if not self.packed_only or weight.dtype != torch.bfloat16:
+        weight's shape; else None (deterministic mode: the AMX kernel hands large M to oneDNN)."""
+        if not self.packed_only or weight.dtype != torch.bfloat16 or self.deterministic:
             return None
         path = kernels.bf16_gemm_path()
         native = kernels.load()
@@ -101,10 +164,11 @@ class CpuLinear(nn.Module):
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Without the native kernels: oneDNN's GEMM on the packed copy where there is one, else x @ W."""
         y = x.to(self.gemm_dtype)
+        dtype = torch.float32 if self.float_output else x.dtype
         if self.packed is not None:
-            return self._packed(y).to(x.dtype)
+            return self._packed(y).to(dtype)
         out = torch.matmul(y, self.weight_t)
-        return (out if self.bias is None else out + self.bias).to(x.dtype)
+        return (out if self.bias is None else out + self.bias).to(dtype)
 
     def _native_projection(self):
         """This projection's layouts and thresholds as the native Projection that picks the GEMM by rows, or None
@@ -128,6 +192,8 @@ class CpuLinear(nn.Module):
             amx_max_m=self.AMX_MAX_M,
             amx_emulated=self.amx_emulated,
             swiglu=self.swiglu,
+            bf16_packed=getattr(self, "bf16_packed", None),
+            float_output=self.float_output,
         )
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,3 +232,15 @@ def gemm_path(dtype: torch.dtype) -> str:
     if small != "library":
         return f"float32 GEMMs: native small-M kernel ({small}), oneDNN packed or x @ W, by rows"
     return "float32 GEMMs: oneDNN packed or x @ W, by rows (the native small-M kernel needs AVX2 + FMA)"
+
+
+def deterministic_gemm_path(dtype: torch.dtype) -> str:
+    """The one GEMM deterministic mode runs for a model in `dtype` on this CPU, in words (the start-up log says it)."""
+    native = kernels.load()
+    if dtype == torch.bfloat16 and kernels.has_matmul_units(dtype) and native and native.bf16_gemm_available():
+        return "bf16_gemm (AVX512-BF16 pairs, one order per row) at every M"
+    small = kernels.small_gemm_path() if native is not None else "library"
+    widened = " on widened weights" if dtype != torch.float32 else ""
+    if small != "library":
+        return f"float32 small-M kernel ({small}){widened} at every M (one order per row)"
+    return f"x @ W{widened} at every M: the library's GEMM, whose order per row is NOT guaranteed fixed"

@@ -121,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
                 CpuLinear.from_linear(mlp.down_proj),
             )
         # tied embeddings: the output projection is a transposed copy, the embedding table stays for lookups
-        self.output_proj = CpuLinear(self.output_weight)
+        self.output_proj = CpuLinear(self.output_weight, float_output=True)  # float32 logits: no ties by rounding
         self.lm_head = None
         self.decoder_loop = self._native_decoder_loop()
 
@@ -175,7 +175,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] (in the model dtype)."""
+        """hidden [N, H] -> logits [N, V]: on the CPU float32 from the GEMM's accumulator (bf16 logits tie: two
+        tokens a bf16 step apart read the same), elsewhere in the model dtype."""
         if self.output_proj is not None:
             return self.output_proj(hidden)
         return F.linear(hidden, self.output_weight)

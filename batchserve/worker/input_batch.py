@@ -55,8 +55,16 @@ class RowTokens(Sequence):
 class RequestTable:
     """Per-request state in arrays indexed by row. Rows and token capacity grow on demand."""
 
-    def __init__(self, block_size: int, rows: int = 64, max_tokens: int = 1024, scratch_slot: int | None = None):
+    def __init__(
+        self,
+        block_size: int,
+        rows: int = 64,
+        max_tokens: int = 1024,
+        scratch_slot: int | None = None,
+        deterministic: bool = False,
+    ):
         self.block_size = block_size
+        self.deterministic = deterministic  # every row attends as a decode of its own (_rows_as_decodes)
         self.scratch_slot = scratch_slot  # a KV slot outside the pool: where padding rows write (static batching)
         self.token_ids = np.zeros((rows, max_tokens), np.int64)
         self.num_tokens = np.zeros(rows, np.int64)
@@ -169,8 +177,11 @@ class RequestTable:
         t("query_pad_index", query_pad_index), t("seq_lens", seq_lens), t("query_start_loc", query_start_loc)
         t("logits_indices", logits_indices), t("block_tables", block_tables)
         is_decode = query_lens == 1
-        decode = self._group(host, "decode", is_decode, rows, query_start_loc, offset, query_lens, seq_lens)
-        prefill = self._group(host, "prefill", ~is_decode, rows, query_start_loc, offset, query_lens, seq_lens)
+        if self.deterministic:
+            decode, prefill = self._rows_as_decodes(host, token_rows, positions), None
+        else:
+            decode = self._group(host, "decode", is_decode, rows, query_start_loc, offset, query_lens, seq_lens)
+            prefill = self._group(host, "prefill", ~is_decode, rows, query_start_loc, offset, query_lens, seq_lens)
         dev = host.to(device)
         metadata = AttentionMetadata(
             slot_mapping=dev["slot_mapping"],
@@ -226,6 +237,27 @@ class RequestTable:
                 query_pad_index=dev.get(f"{name}.query_pad_index"),
                 query_starts=dev.get(f"{name}.query_starts"),
                 spans=spans,
+            )
+
+        return build
+
+    def _rows_as_decodes(self, host, token_rows: np.ndarray, positions: np.ndarray):
+        """Deterministic mode: every row attends as a decode of its own (its keys up to its position, through its
+        sequence's block table; this step's K/V are stored before any row reads), so a token's attention runs one
+        kernel in one tile order whether it is decoded, prefilled whole or in chunks, recomputed after a preemption
+        or prefilled after a prefix-cache hit. Returns a SeqGroup factory over device tensors."""
+        seq_lens = positions + 1
+        host.add("rows.seq_lens", seq_lens)
+        host.add("rows.block_tables", self.block_table[token_rows, : -(-int(seq_lens.max()) // self.block_size)])
+        num_tokens = len(positions)
+
+        def build(dev: dict[str, torch.Tensor]) -> SeqGroup:
+            return SeqGroup(
+                token_range=(0, num_tokens),
+                block_tables=dev["rows.block_tables"],
+                seq_lens=dev["rows.seq_lens"],
+                positions=dev["positions"],
+                max_query_len=1,
             )
 
         return build

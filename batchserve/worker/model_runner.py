@@ -59,7 +59,11 @@ class ModelRunner:
         # grammar matchers of constrained sequences; startup gives it the tokenizer its compiler needs
         self.structured_outputs = StructuredOutputs(model_config.vocab_size, model_config.eos_token_ids)
         self.prompt_logprobs = PromptLogprobs()  # scores of prompt tokens, for the requests that ask
-        self.requests = RequestTable(self.block_size, scratch_slot=self.num_kv_blocks * self.block_size)
+        self.requests = RequestTable(
+            self.block_size,
+            scratch_slot=self.num_kv_blocks * self.block_size,
+            deterministic=engine_config.deterministic,
+        )
         self.last_timings = RunnerTimings()
         self._log_pool()
         self.decode_graphs = decode_graphs_for(self)  # None off CUDA and with enforce_eager

@@ -21,6 +21,9 @@ struct Projection {
   int64_t out_features, small_max_m, small_min_m, packed_min_m, packed_max_m, amx_max_m;
   bool packed_only, amx_emulated;
   bool swiglu = false;  // a gate/up projection whose AMX panels are in swiglu order: AMX only through silu_and_mul_of
+  // bf16 pairs for bf16_gemm (bf16_gemm.cpp): when set, every M takes it (one reduction order per row, float32 out)
+  c10::optional<at::Tensor> bf16_packed;
+  bool float_output = false;  // the result stays in the GEMM's float32 (the output projection: logits), else x's dtype
 
   // x [M, in] -> [M, out] in x's dtype (the GEMM runs in weight_t's).
   at::Tensor operator()(const at::Tensor& x) const;
@@ -50,6 +53,11 @@ struct StepAttention {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const StepAttention& step, double scale);
+
+// bf16_gemm.cpp: x [M, K] bf16 @ W -> [M, n] float32 by AVX512-BF16, in one reduction order per row whatever M.
+bool bf16_gemm_available();
+at::Tensor bf16_gemm_pack(at::Tensor weight);
+at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n);
 
 void register_projection(pybind11::module& m);      // projection.cpp
 void register_step_attention(pybind11::module& m);  // step_attention.cpp

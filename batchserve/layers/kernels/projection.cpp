@@ -35,12 +35,17 @@ at::Tensor Projection::silu_and_mul_of(const at::Tensor& x) const {
 }
 
 at::Tensor Projection::operator()(const at::Tensor& x) const {
-  if (x.scalar_type() != weight_t.scalar_type()) return gemm(x.to(weight_t.scalar_type())).to(x.scalar_type());
-  return gemm(x);
+  const auto out = gemm(x.scalar_type() == weight_t.scalar_type() ? x : x.to(weight_t.scalar_type()));
+  const auto wanted = float_output ? at::kFloat : x.scalar_type();
+  return out.scalar_type() == wanted ? out : out.to(wanted);
 }
 
 at::Tensor Projection::gemm(const at::Tensor& x) const {
   const int64_t m = x.size(0);
+  if (bf16_packed.has_value()) {
+    const auto out = bf16_gemm(x, *bf16_packed, out_features);
+    return bias.has_value() ? out + *bias : out;
+  }
   if (packed_only) {
     if (amx_packed.has_value() && m < amx_max_m && !swiglu)  // swiglu panels: only through silu_and_mul_of
       return amx_gemm(x, *amx_packed, bias, amx_emulated, false);
@@ -68,19 +73,25 @@ void register_projection(pybind11::module& m) {
       .def(py::init([](at::Tensor weight_t, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> packed,
                        c10::optional<at::Tensor> small_packed, int64_t out_features, int64_t small_max_m,
                        int64_t small_min_m, int64_t packed_min_m, int64_t packed_max_m, bool packed_only,
-                       c10::optional<at::Tensor> amx_packed, int64_t amx_max_m, bool amx_emulated, bool swiglu) {
+                       c10::optional<at::Tensor> amx_packed, int64_t amx_max_m, bool amx_emulated, bool swiglu,
+                       c10::optional<at::Tensor> bf16_packed, bool float_output) {
              TORCH_CHECK(!packed_only || packed.has_value(), "packed_only needs a packed weight");
              TORCH_CHECK(!swiglu || (packed_only && amx_packed.has_value() && !bias.has_value()),
                          "swiglu: a packed-only gate/up projection with AMX panels and no bias");
              return Projection{std::move(weight_t), std::move(bias),  std::move(packed), std::move(small_packed),
                                std::move(amx_packed), out_features, small_max_m,       small_min_m,
                                packed_min_m,          packed_max_m, amx_max_m,         packed_only,
-                               amx_emulated,          swiglu};
+                               amx_emulated,          swiglu,           std::move(bf16_packed), float_output};
            }),
            py::arg("weight_t"), py::arg("bias"), py::arg("packed"), py::arg("small_packed"), py::arg("out_features"),
            py::arg("small_max_m"), py::arg("small_min_m"), py::arg("packed_min_m"), py::arg("packed_max_m"),
            py::arg("packed_only"), py::arg("amx_packed") = c10::optional<at::Tensor>(), py::arg("amx_max_m") = 0,
-           py::arg("amx_emulated") = false, py::arg("swiglu") = false)
+           py::arg("amx_emulated") = false, py::arg("swiglu") = false,
+           py::arg("bf16_packed") = c10::optional<at::Tensor>(), py::arg("float_output") = false)
       .def("__call__", &Projection::operator(), "x [M, in] -> [M, out], the GEMM chosen by M", no_gil)
       .def("silu_and_mul", &Projection::silu_and_mul_of, "silu(gate) * up of this gate/up projection of x", no_gil);
+  m.def("bf16_gemm_available", &bf16_gemm_available, "whether bf16_gemm is built here and this CPU has AVX512-BF16");
+  m.def("bf16_gemm_pack", &bf16_gemm_pack, "[N, K] bf16 weight -> [N/32, K/2, 32, 2] pairs for bf16_gemm", no_gil);
+  m.def("bf16_gemm", &bf16_gemm, "x [M, K] bf16 @ packed weight -> [M, n] float32, one reduction order per row",
+        no_gil, py::arg("x"), py::arg("packed"), py::arg("n"));
 }
