@@ -18,5 +18,7 @@ class GeGLUMLP(MLP):
     """The MLP's projections and weight layout; only the activation differs. Its gate/up projection must keep the
     plain [gate rows; up rows] layout on the CPU (CpuLinear without swiglu=True), since no native kernel fuses GELU."""
 
+    swiglu = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))

@@ -12,6 +12,8 @@ from batchserve.layers.linear import CpuLinear
 
 
 class MLP(nn.Module):
+    swiglu = True  # gate/up read through silu_and_mul: CpuLinear may interleave its gate and up panels
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
         super().__init__()
         self.intermediate_size = config.intermediate_size

@@ -221,19 +221,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.output_proj: CpuLinear | None = None
         self.decoder_loop = None
 
-    def use_cpu_linear_layouts(self) -> None:
-        """Every projection becomes a CpuLinear; gate/up keeps the plain layout (GeGLU is not fused natively)."""
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj, attn.o_proj = CpuLinear.from_linear(attn.qkv_proj), CpuLinear.from_linear(attn.o_proj)
-            mlp.gate_up_proj, mlp.down_proj = (
-                CpuLinear.from_linear(mlp.gate_up_proj),
-                CpuLinear.from_linear(mlp.down_proj),
-            )
-        self.output_proj = CpuLinear(self.output_weight)
-        self.lm_head = None
-        self.decoder_loop = self._native_decoder_loop()  # None: logs what the loop lacks
-
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], attn_metadata
     ) -> torch.Tensor:

@@ -117,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
                 CpuLinear.from_linear(attn.o_proj),
             )
             mlp.gate_up_proj, mlp.down_proj = (
-                CpuLinear.from_linear(mlp.gate_up_proj, swiglu=True),
+                CpuLinear.from_linear(mlp.gate_up_proj, swiglu=mlp.swiglu),
                 CpuLinear.from_linear(mlp.down_proj),
             )
         # tied embeddings: the output projection is a transposed copy, the embedding table stays for lookups
