@@ -48,4 +48,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_projection(m);
   register_step_attention(m);
   register_decoder_loop(m);
+  register_quant_gemm(m);
 }

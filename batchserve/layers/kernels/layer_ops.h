@@ -6,10 +6,12 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <tuple>
 #include <vector>
 
 #include "kernels.h"
+#include "quant_gemm.h"
 
 // A projection laid out for this CPU's GEMMs (layers/linear.py CpuLinear makes the layouts and the thresholds), which
 // picks its GEMM by the number of rows M: the native AMX kernel, oneDNN's packed GEMM (bf16 rows padded up to its
@@ -24,6 +26,8 @@ struct Projection {
   // bf16 pairs for bf16_gemm (bf16_gemm.cpp): when set, every M takes it (one reduction order per row, float32 out)
   c10::optional<at::Tensor> bf16_packed;
   bool float_output = false;  // the result stays in the GEMM's float32 (the output projection: logits), else x's dtype
+  // a weight kept quantized (quant_gemm.h): when set, every M takes quant_gemm (weight_t is an empty float32)
+  std::shared_ptr<const QuantWeight> quant;
 
   // x [M, in] -> [M, out] in x's dtype (the GEMM runs in weight_t's).
   at::Tensor operator()(const at::Tensor& x) const;
@@ -62,3 +66,4 @@ at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n);
 void register_projection(pybind11::module& m);      // projection.cpp
 void register_step_attention(pybind11::module& m);  // step_attention.cpp
 void register_decoder_loop(pybind11::module& m);    // decoder_loop.cpp
+void register_quant_gemm(pybind11::module& m);      // quant_projection.cpp

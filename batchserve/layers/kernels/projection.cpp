@@ -42,6 +42,10 @@ at::Tensor Projection::operator()(const at::Tensor& x) const {
 
 at::Tensor Projection::gemm(const at::Tensor& x) const {
   const int64_t m = x.size(0);
+  if (quant) {
+    const auto out = quant_gemm(x, *quant);
+    return bias.has_value() ? out + *bias : out;
+  }
   if (bf16_packed.has_value()) {
     const auto out = bf16_gemm(x, *bf16_packed, out_features);
     return bias.has_value() ? out + *bias : out;

@@ -1,0 +1,246 @@
+// x [M, K] float32 @ a weight kept quantized (int8 or packed int4 codes, group-wise scales; quant_gemm.h) -> [M, N].
+//
+// Decode is bound by the bytes of weight streamed per step: here each weight is read as stored (1 or 0.5 byte) and
+// widened to float32 in registers. Small M (decode): threads split the output columns; each column's codes are read
+// once per block of up to 4 rows, widened 32 k at a time, multiplied by their group's scale and FMA'd with the rows'
+// activations. A row's result is the same whatever M and the row's place in the batch (one order per row). Large M
+// (prefill): tiles of the weight dequantized to float32 and multiplied by the library GEMM, where compute dominates.
+//
+// One code path per instruction set (AVX-512, AVX2 + FMA, portable), chosen once in Python (kernels.quant_gemm_path)
+// and stored with the weight.
+#include "quant_gemm.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kSub = 32;      // k per subblock: one int4 subblock is 16 bytes
+constexpr int kRowBlock = 4;      // rows sharing one widening of the codes
+constexpr int64_t kTileRows = 256;  // output columns per dequantized tile (large M)
+
+// The plain loop: any CPU.
+struct Portable {
+  using Vec = float;
+  static constexpr int kWidth = 1, kVecs = 32;
+  static Vec load(const float* p) { return *p; }
+  static Vec zero() { return 0.0f; }
+  static Vec set1(float v) { return v; }
+  static Vec mul(Vec a, Vec b) { return a * b; }
+  static Vec add(Vec a, Vec b) { return a + b; }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return a * b + c; }
+  static float hsum(Vec v) { return v; }
+  static void load_int8(const int8_t* p, Vec* w) {
+    for (int j = 0; j < 32; ++j) w[j] = static_cast<float>(p[j]);
+  }
+  static void load_int4(const uint8_t* p, Vec* w) {
+    for (int j = 0; j < 16; ++j) {
+      w[j] = static_cast<float>((p[j] & 15) - 8);
+      w[j + 16] = static_cast<float>((p[j] >> 4) - 8);
+    }
+  }
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 16 int4 codes of a subblock's 16 bytes, centred, as int8: low nibbles (k = j) and high nibbles (k = j + 16)
+inline void int4_halves(const uint8_t* p, __m128i* lo, __m128i* hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  *lo = _mm_sub_epi8(_mm_and_si128(bytes, mask), eight);
+  *hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), eight);
+}
+
+struct Avx2 {
+  using Vec = __m256;
+  static constexpr int kWidth = 8, kVecs = 4;
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec set1(float v) { return _mm256_set1_ps(v); }
+  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static float hsum(Vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+  }
+  static Vec widen(__m128i low8) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(low8)); }
+  static void load_int8(const int8_t* p, Vec* w) {
+    for (int j = 0; j < 4; ++j) w[j] = widen(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j)));
+  }
+  static void load_int4(const uint8_t* p, Vec* w) {
+    __m128i lo, hi;
+    int4_halves(p, &lo, &hi);
+    w[0] = widen(lo);
+    w[1] = widen(_mm_srli_si128(lo, 8));
+    w[2] = widen(hi);
+    w[3] = widen(_mm_srli_si128(hi, 8));
+  }
+};
+#endif
+
+#if defined(__AVX512F__)
+struct Avx512 {
+  using Vec = __m512;
+  static constexpr int kWidth = 16, kVecs = 2;
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec set1(float v) { return _mm512_set1_ps(v); }
+  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
+  static Vec widen(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)); }
+  static void load_int8(const int8_t* p, Vec* w) {
+    w[0] = widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    w[1] = widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
+  static void load_int4(const uint8_t* p, Vec* w) {
+    __m128i lo, hi;
+    int4_halves(p, &lo, &hi);
+    w[0] = widen(lo);
+    w[1] = widen(hi);
+  }
+};
+#endif
+
+// out[r * N] = sum over k of x[r * K + k] * code(k) * scale(k's group), for R rows and one output column.
+template <class Isa, int Bits, int R>
+void column_rows(const float* x, int64_t K, const uint8_t* codes, const float* scales, int64_t group, float* out,
+                 int64_t N) {
+  typename Isa::Vec acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Isa::zero();
+  const int64_t groups = K / group;
+  for (int64_t g = 0; g < groups; ++g) {
+    const auto s = Isa::set1(scales[g]);
+    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kSub) {
+      typename Isa::Vec w[Isa::kVecs];
+      if constexpr (Bits == 8) {
+        Isa::load_int8(reinterpret_cast<const int8_t*>(codes) + k0, w);
+      } else {
+        Isa::load_int4(codes + k0 / 2, w);
+      }
+      for (int j = 0; j < Isa::kVecs; ++j) w[j] = Isa::mul(w[j], s);
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < Isa::kVecs; ++j)
+          acc[r][j & 1] = Isa::fmadd(Isa::load(x + r * K + k0 + j * Isa::kWidth), w[j], acc[r][j & 1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = Isa::hsum(Isa::add(acc[r][0], acc[r][1]));
+}
+
+template <class Isa, int Bits>
+void small_m(const float* x, int64_t M, int64_t K, const QuantWeight& w, float* out) {
+  const int64_t N = w.out_features, row_bytes = Bits == 8 ? K : K / 2, groups = K / w.group;
+  const auto* codes = static_cast<const uint8_t*>(w.codes.data_ptr());
+  const float* scales = w.scales.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* c = codes + n * row_bytes;
+      const float* s = scales + n * groups;
+      for (int64_t m = 0; m < M; m += kRowBlock) {
+        const float* xr = x + m * K;
+        float* o = out + m * N + n;
+        switch (std::min<int64_t>(kRowBlock, M - m)) {
+          case 1: column_rows<Isa, Bits, 1>(xr, K, c, s, w.group, o, N); break;
+          case 2: column_rows<Isa, Bits, 2>(xr, K, c, s, w.group, o, N); break;
+          case 3: column_rows<Isa, Bits, 3>(xr, K, c, s, w.group, o, N); break;
+          default: column_rows<Isa, Bits, 4>(xr, K, c, s, w.group, o, N); break;
+        }
+      }
+    }
+  });
+}
+
+template <class Isa>
+void small_m_of(const float* x, int64_t M, int64_t K, const QuantWeight& w, float* out) {
+  if (w.bits == 8) {
+    small_m<Isa, 8>(x, M, K, w, out);
+  } else {
+    small_m<Isa, 4>(x, M, K, w, out);
+  }
+}
+
+void small_m_on_path(const float* x, int64_t M, int64_t K, const QuantWeight& w, float* out) {
+  switch (w.path) {
+#if defined(__AVX512F__)
+    case QuantPath::kAvx512: return small_m_of<Avx512>(x, M, K, w, out);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    case QuantPath::kAvx2: return small_m_of<Avx2>(x, M, K, w, out);
+#endif
+    case QuantPath::kPortable: return small_m_of<Portable>(x, M, K, w, out);
+    default: TORCH_CHECK(false, "quant_gemm: this path is not built here");
+  }
+}
+
+// rows [n0, n1) of the weight as float32 into dst [(n1 - n0), K]: code * scale, the products the kernels form
+void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, float* dst) {
+  const int64_t K = w.in_features, row_bytes = w.bits == 8 ? K : K / 2, groups = K / w.group;
+  const auto* codes = static_cast<const uint8_t*>(w.codes.data_ptr());
+  const float* scales = w.scales.data_ptr<float>();
+  at::parallel_for(n0, n1, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* c = codes + n * row_bytes;
+      float* d = dst + (n - n0) * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const float s = scales[n * groups + k / w.group];
+        float code;
+        if (w.bits == 8) {
+          code = static_cast<float>(static_cast<int8_t>(c[k]));
+        } else {
+          const int64_t base = k / kSub * kSub, j = k - base;
+          const uint8_t byte = c[base / 2 + j % 16];
+          code = static_cast<float>((j < 16 ? byte & 15 : byte >> 4) - 8);
+        }
+        d[k] = code * s;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<std::string> quant_gemm_paths() {
+  std::vector<std::string> paths;
+#if defined(__AVX512F__)
+  if (__builtin_cpu_supports("avx512f")) paths.push_back("avx512");
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths.push_back("avx2");
+#endif
+  paths.push_back("portable");
+  return paths;
+}
+
+at::Tensor quant_dequantize(const QuantWeight& w) {
+  auto out = at::empty({w.out_features, w.in_features}, at::kFloat);
+  dequantize_rows(w, 0, w.out_features, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor quant_gemm(const at::Tensor& x, const QuantWeight& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.in_features,
+              "quant_gemm: x [M, in_features] float32");
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), N = w.out_features, K = w.in_features;
+  auto out = at::empty({M, N}, xc.options());
+  if (M == 0) return out;
+  if (M <= w.small_max_m) {
+    small_m_on_path(xc.data_ptr<float>(), M, K, w, out.data_ptr<float>());
+    return out;
+  }
+  auto tile = at::empty({std::min(kTileRows, N), K}, at::kFloat);
+  for (int64_t n0 = 0; n0 < N; n0 += kTileRows) {
+    const int64_t n1 = std::min(N, n0 + kTileRows);
+    dequantize_rows(w, n0, n1, tile.data_ptr<float>());
+    out.narrow(1, n0, n1 - n0).copy_(at::mm(xc, tile.narrow(0, 0, n1 - n0).t()));
+  }
+  return out;
+}

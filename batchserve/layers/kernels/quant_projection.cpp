@@ -1,0 +1,78 @@
+// Python entry points of the quantized GEMM (quant_gemm.cpp): a Projection (layer_ops.h) holding a weight kept
+// quantized, which CpuLinear's quantized counterpart (layers/quantization.py QuantizedLinear) and the native decoder
+// loop call like any other; and the GEMM and dequantization alone, for tests.
+#include <memory>
+#include <string>
+
+#include <torch/extension.h>  // pybind11: this file registers functions
+
+#include "layer_ops.h"
+
+namespace {
+
+QuantPath path_named(const std::string& name) {
+  if (name == "avx512") return QuantPath::kAvx512;
+  if (name == "avx2") return QuantPath::kAvx2;
+  TORCH_CHECK(name == "portable", "quantized GEMM path: avx512, avx2 or portable, not ", name);
+  return QuantPath::kPortable;
+}
+
+std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group,
+                                                const std::string& path, int64_t small_max_m) {
+  TORCH_CHECK(bits == 8 || bits == 4, "quantized weight: 8 or 4 bits, not ", bits);
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "codes: [N, K] (int8) or [N, K / 2] (packed int4)");
+  TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "codes: int8 for 8 bits, uint8 for 4");
+  const int64_t N = codes.size(0), K = bits == 8 ? codes.size(1) : codes.size(1) * 2;
+  TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, "group: a multiple of 32 dividing K = ", K);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == K / group,
+              "scales: [N, K / group] float32");
+  auto w = std::make_shared<QuantWeight>();
+  w->codes = std::move(codes);
+  w->scales = std::move(scales);
+  w->bits = bits;
+  w->group = group;
+  w->in_features = K;
+  w->out_features = N;
+  w->small_max_m = small_max_m;
+  w->path = path_named(path);
+  return w;
+}
+
+}  // namespace
+
+void register_quant_gemm(pybind11::module& m) {
+  namespace py = pybind11;
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("quant_gemm_paths", &quant_gemm_paths, "the quantized GEMM paths built here and runnable, best first");
+  m.def(
+      "quantized_projection",
+      [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> bias,
+         const std::string& path, int64_t small_max_m, bool float_output) {
+        Projection p{};
+        p.quant = quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m);
+        p.weight_t = at::empty({0}, at::kFloat);  // the GEMM's dtype: activations enter it as float32
+        p.bias = std::move(bias);
+        p.out_features = p.quant->out_features;
+        p.float_output = float_output;
+        return p;
+      },
+      "a Projection over a weight kept quantized (quant_gemm.h), its GEMM quant_gemm at every M", py::arg("codes"),
+      py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("bias"), py::arg("path"),
+      py::arg("small_max_m"), py::arg("float_output") = false);
+  m.def(
+      "quant_gemm",
+      [](at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, const std::string& path,
+         int64_t small_max_m) {
+        return quant_gemm(x, *quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m));
+      },
+      "x [M, K] float32 @ a quantized weight -> [M, N] float32", no_gil, py::arg("x"), py::arg("codes"),
+      py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("path"), py::arg("small_max_m"));
+  m.def(
+      "quant_dequantize",
+      [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group) {
+        return quant_dequantize(*quant_weight(std::move(codes), std::move(scales), bits, group, "portable", 0));
+      },
+      "a quantized weight as float32 [N, K]", no_gil, py::arg("codes"), py::arg("scales"), py::arg("bits"),
+      py::arg("group"));
+}
