@@ -56,11 +56,29 @@ KINDS = {
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
 }
 
+# Models with sliding-window layers (window 8: prompts of a few dozen tokens span several windows), built by
+# build_hf_model like KINDS; untied output matrices except gemma3_tied (tied ones echo their input token).
+GEMMA = dict(COMMON, num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=24)
+WINDOWED_KINDS = {
+    "gemma2": lambda: transformers.Gemma2Config(
+        **GEMMA, tie_word_embeddings=False, attn_logit_softcapping=5.0, final_logit_softcapping=8.0
+    ),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **GEMMA,
+        tie_word_embeddings=False,
+        sliding_window_pattern=2,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        rope_local_base_freq=1000.0,
+    ),
+    "gemma3_tied": lambda: transformers.Gemma3TextConfig(**GEMMA, tie_word_embeddings=True, sliding_window_pattern=3),
+    "mistral_window": lambda: transformers.MistralConfig(**COMMON, sliding_window=8),
+}
+
 
 def build_hf_model(kind: str, directory: Path) -> nn.Module:
     """Build, randomise (biases and norms too, which HF initialises to constants) and save a tiny model."""
     torch.manual_seed(sum(map(ord, kind)))
-    config = KINDS[kind]()
+    config = {**KINDS, **WINDOWED_KINDS}[kind]()
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():

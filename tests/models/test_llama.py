@@ -17,11 +17,13 @@ def prompt_ids(seed: int, length: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=g).tolist()
 
 
-def our_prefill_logits(model, config, tokens: list[int], block_size: int = 16) -> torch.Tensor:
+def our_prefill_logits(
+    model, config, tokens: list[int], block_size: int = 16, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """One sequence, whole prompt in one step, through the real input-batch builder and paged attention."""
     num_blocks = -(-len(tokens) // block_size) + 1
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
+    kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(config.num_layers)]
     blocks = list(range(num_blocks))[::-1]
     out = SchedulerOutput(
         new_requests=[NewRequestData("r", tokens, len(tokens), SamplingParams(temperature=0.0), blocks, 0)],
