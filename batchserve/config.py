@@ -41,6 +41,8 @@ class Truncation(enum.StrEnum):
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+# weights kept quantized (layers/quantization.py): int4 is int4_g32
+QUANTIZATIONS = ("none", "int8", "int4", "int4_g32", "int4_g64", "int4_g128")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -138,6 +140,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"
+    sliding_window: int | None = None  # every layer attends to its last W positions only (Mistral)
 
 
 @dataclass
@@ -152,12 +155,14 @@ class EngineConfig:
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs, every step runs eagerly (worker/cuda_graphs.py)
     # a request's tokens do not depend on what shares its batch: one reduction order per row (docs/determinism.md)
     deterministic: bool = False
+    quantization: str = "none"  # vLLM's name: weights kept quantized on the CPU (docs/quantization.md)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def validate(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         _require(self.device in DEVICES, f"device must be one of {DEVICES}")
+        _require(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}")
         self.scheduler.validate()
         self.cache.validate()
 

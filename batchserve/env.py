@@ -53,6 +53,14 @@ def small_gemm_path() -> str | None:
     return None if value in (None, "", "auto") else value
 
 
+def quant_gemm_path() -> str | None:
+    """BATCHSERVE_QUANT_GEMM_PATH (default unset or "auto": the CPU's flags decide): forces the quantized GEMM's path
+    (layers/kernels/quant_gemm.cpp), "avx512", "avx2" or "portable"; to measure or test one path. A path this build
+    or CPU cannot run is an error. Read once, when the first quantized model is laid out."""
+    value = os.environ.get("BATCHSERVE_QUANT_GEMM_PATH")
+    return None if value in (None, "", "auto") else value
+
+
 def prefill_attention() -> str | None:
     """BATCHSERVE_PREFILL_ATTENTION (default unset or "auto": the pool's dtype and the CPU's flags decide): "native"
     (the native kernel, or the torch code where it does not run) or "sdpa" (torch's fused attention, one call per

@@ -26,6 +26,7 @@ def load_runner(
     -> (runner, model_config, tokenizer). The KV pool: see ModelRunner (`initial_kv_blocks` for one that grows)."""
     from batchserve.layers import kernels
     from batchserve.layers.linear import deterministic_gemm_path, deterministic_gemms, gemm_path
+    from batchserve.layers.quantization import quantized_linears
     from batchserve.models.loader import (
         load_model,
         load_model_config,
@@ -50,7 +51,9 @@ def load_runner(
             "blocks (prefill chunks too); logits in float32", deterministic_gemm_path(dtype) if device.type == "cpu"
             else "the device's own (not made invariant off the CPU)",
         )
-    with deterministic_gemms(config.deterministic):
+    if config.quantization != "none":
+        logger.info("weights kept quantized: %s (docs/quantization.md)", config.quantization)
+    with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, device):
         model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
     config.tokenizer = str(tokenizer_folder(path, config.tokenizer))  # the effective value, as the logs report it

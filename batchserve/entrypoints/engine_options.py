@@ -25,6 +25,7 @@ from batchserve.config import (
     ALIASES,
     DEVICES,
     DTYPES,
+    QUANTIZATIONS,
     VLLM_ALIASES,
     CacheConfig,
     ConfigError,
@@ -48,6 +49,8 @@ HELP: dict[str, str] = {
     "a ladder of batch sizes otherwise)",
     "deterministic": "a request's output does not depend on what shares its batch (or on chunking, preemption, "
     "prefix-cache hits): GEMMs and attention in one reduction order per row, at a cost (docs/determinism.md)",
+    "quantization": "weights kept quantized on the CPU, quantized at load: int8 (per output channel), int4 (groups "
+    "of 32 k; int4_g64, int4_g128), none (docs/quantization.md)",
     "max_batch_size": "sequences in one forward pass",
     "max_num_tokens": "tokens in one forward pass: prefill chunks plus one per decoding sequence",
     "scheduler_policy": "max_utilization: fill the budget, preempt when blocks run out; guaranteed_no_evict: reserve "
@@ -103,7 +106,7 @@ def _without_none(annotation: Any) -> Any:
 def _choices(name: str, kind: Any) -> tuple[str, ...] | None:
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return tuple(m.value for m in kind)
-    return {"dtype": DTYPES, "device": DEVICES}.get(name)
+    return {"dtype": DTYPES, "device": DEVICES, "quantization": QUANTIZATIONS}.get(name)
 
 
 def option_specs() -> list[OptionSpec]:

@@ -146,6 +146,12 @@ class CpuLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, swiglu: bool = False) -> CpuLinear:
+        """The layout of a decoder layer's projection: kept quantized inside quantization.quantized_linears()."""
+        from batchserve.layers import quantization  # it builds on this module
+
+        scheme = quantization.active_scheme()
+        if scheme is not None:
+            return quantization.QuantizedLinear(linear.weight, linear.bias, scheme)
         return cls(linear.weight, linear.bias, swiglu=swiglu)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,204 @@
+"""Weights kept quantized (the `quantization` option, vLLM's name): int8 per output channel or int4 in groups of 32, 64
+or 128 k, both symmetric, quantized once at load and run as stored by the native quantized GEMM
+(kernels/quant_gemm.cpp), whose Projection the native decoder loop calls like any other (docs/quantization.md).
+
+Codes are laid out in 32-k subblocks: int8 [N, K]; int4 packed [N, K / 2], per subblock 16 bytes whose low nibble is
+k = j and high nibble k = j + 16 (GGUF Q4_0's order, so its blocks repack without re-quantizing), stored + 8.
+Scales float32 [N, K / group]. A weight value is code * scale, the product the kernels form in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from batchserve import env
+from batchserve.config import QUANTIZATIONS, ConfigError
+from batchserve.layers import kernels
+from batchserve.layers.linear import ALL_ROWS, CpuLinear, _deterministic
+
+logger = logging.getLogger(__name__)
+
+SUBBLOCK = 32  # k per subblock of the kernels' code layout
+INT4_GROUPS = (32, 64, 128)
+# The quantized GEMM's instruction-set paths, best first (quant_gemm.h QuantPath)
+QUANT_GEMM_PATHS = ("avx512", "avx2", "portable")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """bits 8 or 4; group: k per scale (None: one scale per output channel, the whole row)."""
+
+    bits: int
+    group: int | None
+
+    @property
+    def name(self) -> str:
+        return "int8" if self.bits == 8 else f"int4_g{self.group}"
+
+    def group_for(self, in_features: int) -> int:
+        return in_features if self.group is None else self.group
+
+
+def parse_quantization(name: str) -> QuantScheme | None:
+    """An option value -> its scheme (None for "none"). "int4" is int4 in groups of 32 (GGUF Q4_0's group)."""
+    if name not in QUANTIZATIONS:
+        raise ConfigError(f"quantization {name!r}: not one of {', '.join(QUANTIZATIONS)}")
+    if name == "none":
+        return None
+    if name == "int8":
+        return QuantScheme(8, None)
+    return QuantScheme(4, int(name.removeprefix("int4").removeprefix("_g") or 32))
+
+
+# ---- quantize / dequantize (torch; the layout of quant_gemm.h) -------------------------------------------------------
+
+
+def quantize(weight: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (codes, scales float32 [N, K / group]); round to nearest, so |w - dequantized| <= scale / 2."""
+    n, k = weight.shape
+    group = scheme.group_for(k)
+    check_shape(scheme, k)
+    w = weight.detach().float().reshape(n, k // group, group)
+    levels = 127.0 if scheme.bits == 8 else 7.0
+    scales = w.abs().amax(dim=-1) / levels
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group: codes 0 whatever the scale
+    codes = torch.round(w / scales.unsqueeze(-1)).clamp(-levels, levels).reshape(n, k)
+    if scheme.bits == 8:
+        return codes.to(torch.int8).contiguous(), scales.contiguous()
+    return pack_int4(codes.to(torch.int16) + 8), scales.contiguous()
+
+
+def pack_int4(unsigned: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K / 2] uint8 in the subblock order (module docstring)."""
+    n, k = unsigned.shape
+    halves = unsigned.to(torch.uint8).reshape(n, k // SUBBLOCK, 2, SUBBLOCK // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4's inverse: [N, K / 2] uint8 -> [N, K] values 0..15 (int16)."""
+    n, half = packed.shape
+    sub = packed.reshape(n, half * 2 // SUBBLOCK, SUBBLOCK // 2).to(torch.int16)
+    return torch.stack((sub & 15, sub >> 4), dim=2).reshape(n, half * 2)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """(codes, scales) -> float32 [N, K], each value code * scale in float32 (what the kernels multiply by)."""
+    values = codes.to(torch.int16) if bits == 8 else unpack_int4(codes) - 8
+    group = values.shape[1] // scales.shape[1]
+    return values.float() * scales.repeat_interleave(group, dim=1)
+
+
+def check_shape(scheme: QuantScheme, in_features: int) -> None:
+    """ConfigError naming what would work where a weight's K does not fit the scheme's groups."""
+    group = scheme.group_for(in_features)
+    if in_features % SUBBLOCK or in_features % group:
+        fits = [f"int4_g{g}" for g in INT4_GROUPS if in_features % g == 0]
+        raise ConfigError(
+            f"quantization {scheme.name}: a projection's input size {in_features} is not a multiple of "
+            f"{group if in_features % SUBBLOCK == 0 else SUBBLOCK}; "
+            + (f"{', '.join(fits)} would work" if fits else "use quantization none for this model")
+        )
+
+
+# ---- the kernel path -------------------------------------------------------------------------------------------------
+
+
+def quant_gemm_path_runs(path: str) -> bool:
+    native = kernels.load()
+    return native is not None and path in native.quant_gemm_paths()
+
+
+@functools.cache
+def quant_gemm_path() -> str:
+    """The quantized GEMM's path, chosen once: BATCHSERVE_QUANT_GEMM_PATH when set (ValueError naming the paths that
+    run here when it names one that does not), else the best this build and CPU run. Logged once."""
+    runs = [p for p in QUANT_GEMM_PATHS if quant_gemm_path_runs(p)]
+    forced = env.quant_gemm_path()
+    if forced is not None and forced not in runs:
+        raise ValueError(
+            f"BATCHSERVE_QUANT_GEMM_PATH={forced!r}: not built here or not runnable on this CPU; "
+            f"runnable: {', '.join(runs) or 'none (native kernels off: the torch code runs)'}"
+        )
+    path = forced or runs[0]
+    logger.info("quantized GEMM path: %s (%s)", path, "BATCHSERVE_QUANT_GEMM_PATH" if forced else "the CPU's flags")
+    return path
+
+
+# ---- the layer -------------------------------------------------------------------------------------------------------
+
+_active: contextvars.ContextVar[QuantScheme | None] = contextvars.ContextVar("quantized_linears", default=None)
+
+
+def active_scheme() -> QuantScheme | None:
+    """The scheme CpuLinear.from_linear quantizes projections with (set by quantized_linears), else None."""
+    return _active.get()
+
+
+@contextlib.contextmanager
+def quantized_linears(name: str, device: torch.device | None = None):
+    """Projections laid out inside (CpuLinear.from_linear: a decoder layer's qkv, o, gate/up and down; not the
+    output projection, whose float32 logits stay unquantized) are kept quantized in `name`'s scheme. A device other
+    than the CPU is refused for any scheme but none, naming what works."""
+    scheme = parse_quantization(name)
+    if scheme is not None and device is not None and device.type != "cpu":
+        raise ConfigError(
+            f"quantization {name}: the quantized kernels run on the CPU; on {device.type} use quantization none "
+            "(or --device cpu)"
+        )
+    if scheme is not None and kernels.load() is not None:
+        quant_gemm_path()  # a forced path this CPU cannot run is refused here, at load
+    token = _active.set(scheme)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+class QuantizedLinear(CpuLinear):
+    """A projection whose weight is kept quantized: the native quantized GEMM at every M (registers below
+    SMALL_MAX_M rows, dequantized tiles and a library GEMM above; one order per row at every M in deterministic
+    mode), through a native Projection as CpuLinear's; without the native kernels the torch code on the weight
+    dequantized per call."""
+
+    SMALL_MAX_M = 16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme):
+        torch.nn.Module.__init__(self)
+        self.out_features, self.in_features = weight.shape
+        self.scheme, self.float_output, self.swiglu = scheme, False, False
+        self.deterministic = _deterministic.get()
+        self.group = scheme.group_for(self.in_features)
+        codes, scales = quantize(weight, scheme)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.native = self._quantized_projection()
+
+    def _quantized_projection(self):
+        native = kernels.load()
+        if native is None:
+            return None
+        return native.quantized_projection(
+            codes=self.codes,
+            scales=self.scales,
+            bits=self.scheme.bits,
+            group=self.group,
+            bias=self.bias,
+            path=quant_gemm_path(),
+            small_max_m=ALL_ROWS if self.deterministic else self.SMALL_MAX_M,
+        )
+
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = dequantize(self.codes, self.scales, self.scheme.bits)
+        out = torch.nn.functional.linear(x.float(), weight, self.bias)
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.scheme.name}"

@@ -1,0 +1,137 @@
+"""Weights kept quantized (issue 43, layers/quantization.py, kernels/quant_gemm.cpp): quantize/dequantize round trips
+within the format's bound; each quantized GEMM path, forced, equals the float32 product of the dequantized weight
+within float32 rounding, at decode-sized and prefill-sized M; the quantized Projection is a drop-in (bias, bf16 rows,
+the native decoder loop's object)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchserve.config import ConfigError
+from batchserve.layers import kernels, quantization
+from batchserve.layers.quantization import (
+    QuantizedLinear,
+    QuantScheme,
+    dequantize,
+    pack_int4,
+    parse_quantization,
+    quantize,
+    unpack_int4,
+)
+
+SCHEMES = [QuantScheme(8, None), QuantScheme(4, 32), QuantScheme(4, 64), QuantScheme(4, 128)]
+
+
+@pytest.fixture
+def force_quant_gemm(monkeypatch):
+    """force_quant_gemm(path): quantized projections built after this take `path`; skips where it cannot run."""
+
+    def force(path: str) -> None:
+        if not quantization.quant_gemm_path_runs(path):
+            pytest.skip(f"the {path} quantized GEMM is not built here or not runnable on this CPU")
+        monkeypatch.setenv("BATCHSERVE_QUANT_GEMM_PATH", path)
+        quantization.quant_gemm_path.cache_clear()
+
+    yield force
+    quantization.quant_gemm_path.cache_clear()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_round_trip_within_half_a_step(scheme):
+    torch.manual_seed(0)
+    weight = torch.randn(48, 256) * torch.rand(48, 1) * 3
+    codes, scales = quantize(weight, scheme)
+    restored = dequantize(codes, scales, scheme.bits)
+    step = scales.repeat_interleave(scheme.group_for(256), dim=1)
+    # round to nearest: at most half a step from the original (plus float32 rounding of w / s and q * s)
+    assert ((restored - weight).abs() <= step * (0.5 + 1e-5)).all()
+    # quantizing the dequantized weight again changes nothing: codes and scales are a fixed point
+    again_codes, again_scales = quantize(restored, scheme)
+    assert torch.equal(again_codes, codes)
+    torch.testing.assert_close(again_scales, scales, rtol=1e-6, atol=0)
+
+
+def test_int4_packing_is_the_q4_0_nibble_order():
+    values = torch.arange(64).remainder(16).reshape(1, 64)
+    packed = pack_int4(values)
+    assert packed.shape == (1, 32)
+    # byte j of a 32-k subblock: k = j in the low nibble, k = j + 16 in the high one
+    assert packed[0, 3].item() == (values[0, 3] | (values[0, 19] << 4)).item()
+    assert torch.equal(unpack_int4(packed), values.to(torch.int16))
+
+
+def test_parse_and_refusals():
+    assert parse_quantization("none") is None
+    assert parse_quantization("int4") == QuantScheme(4, 32)
+    assert parse_quantization("int4_g128") == QuantScheme(4, 128)
+    with pytest.raises(ConfigError, match="not one of"):
+        parse_quantization("int3")
+    with pytest.raises(ConfigError, match="int4_g32, int4_g64 would work"):
+        quantize(torch.randn(8, 576), QuantScheme(4, 128))
+    with pytest.raises(ConfigError, match="the quantized kernels run on the CPU"):
+        with quantization.quantized_linears("int8", torch.device("cuda")):
+            pass
+
+
+def _native():
+    native = kernels.load()
+    if native is None:
+        pytest.skip("native kernels not built here")
+    return native
+
+
+def _bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 accumulation over K terms: K * eps * sum |x_k w_k|, per output element."""
+    return x.shape[1] * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
+
+
+@pytest.mark.parametrize("path", quantization.QUANT_GEMM_PATHS)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("rows", [1, 3, 7, 40])
+def test_each_path_equals_the_dequantized_product(force_quant_gemm, path, scheme, rows):
+    _native()
+    force_quant_gemm(path)
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(80, 384), torch.randn(80)
+    layer = QuantizedLinear(weight, bias, scheme)
+    x = torch.randn(rows, 384)
+    reference = dequantize(layer.codes, layer.scales, scheme.bits)
+    expected = x.double() @ reference.double().T + bias.double()
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 80)
+    assert ((got.double() - expected).abs() <= _bound(x, reference) + 1e-6).all()
+    # the quantization error against the float weight stays within the format's: half a step per weight
+    step = layer.scales.repeat_interleave(layer.group, dim=1)
+    format_bound = 0.5 * (x.abs().double() @ step.double().T) + _bound(x, weight)
+    assert ((got.double() - (x.double() @ weight.double().T + bias.double())).abs() <= format_bound + 1e-5).all()
+
+
+def test_native_dequantize_matches_torch():
+    native = _native()
+    for scheme in SCHEMES:
+        codes, scales = quantize(torch.randn(40, 256), scheme)
+        group = scheme.group_for(256)
+        assert torch.equal(native.quant_dequantize(codes, scales, scheme.bits, group), dequantize(codes, scales, scheme.bits))
+
+
+def test_rows_do_not_depend_on_the_batch(force_quant_gemm):
+    """Below SMALL_MAX_M a row's result is the same bits whatever else shares the call."""
+    _native()
+    force_quant_gemm(quantization.QUANT_GEMM_PATHS[0] if quantization.quant_gemm_path_runs("avx512") else "portable")
+    layer = QuantizedLinear(torch.randn(64, 128), None, QuantScheme(4, 32))
+    x = torch.randn(9, 128)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(layer(x), alone)
+
+
+def test_bf16_rows_and_the_torch_fallback_agree():
+    _native()
+    layer = QuantizedLinear(torch.randn(64, 96), torch.randn(64), QuantScheme(8, None))
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    native_out = layer(x)
+    assert native_out.dtype == torch.bfloat16
+    torch.testing.assert_close(native_out, layer._torch_forward(x), rtol=1e-2, atol=1e-2)
+    gate_up = layer.silu_and_mul(x.float())
+    gate, up = layer(x.float()).chunk(2, dim=-1)
+    torch.testing.assert_close(gate_up, torch.nn.functional.silu(gate) * up)
