@@ -38,6 +38,8 @@ def model_capabilities(config: ModelConfig) -> frozenset[Capability]:
             declared.add(Capability.O_BIAS)
     if config.tie_word_embeddings:
         declared.add(Capability.TIED_EMBEDDINGS)
+    if config.sliding_window is not None:
+        declared.add(Capability.SLIDING_WINDOW)
     return frozenset(declared)
 
 
@@ -56,6 +58,7 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
         self.scale = self.head_dim**-0.5
+        self.window = config.sliding_window
 
     def forward(self, x, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -64,7 +67,7 @@ class Attention(nn.Module):
         qk = apply_rope(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, attn_metadata, scale=self.scale)
+        out = paged_attention(q, k, v, kv_cache, attn_metadata, scale=self.scale, window=self.window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

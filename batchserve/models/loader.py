@@ -242,9 +242,9 @@ def _hf_config(path: Path) -> ModelConfig:
         raise ModelLoadError("mlp_bias=True is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-    window = cfg.get("sliding_window")
-    if window and (arch == "mistral" or cfg.get("use_sliding_window")):
-        logger.warning("sliding_window=%s is ignored: attention is full (exact up to %s tokens)", window, window)
+    window = cfg.get("sliding_window") if arch == "mistral" else None  # honoured: layers/windowed_attention.py
+    if arch != "mistral" and cfg.get("sliding_window") and cfg.get("use_sliding_window"):
+        logger.warning("sliding_window=%s is ignored: attention is full (exact up to it)", cfg["sliding_window"])
     rope_theta, rope_scaling = _hf_rope(cfg)
     eos = _as_id_list(cfg.get("eos_token_id"))
     gen_path = path / "generation_config.json"
@@ -269,6 +269,7 @@ def _hf_config(path: Path) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_dedupe(eos),
         architecture=arch,
+        sliding_window=window,
     )
 
 

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.layers.attention import paged_attention
+from batchserve.layers.capabilities import Capability
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.input_batch import RequestTable
+from tests.models.conftest import MiniScheduler, make_runner
+from tests.models.test_llama import prompt_ids
+from tests.tiny_models import hf_greedy
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
 # (context before this step, tokens this step): decodes first, then a fresh prompt and chunks after context
@@ -102,3 +107,24 @@ def test_long_prefill_tiles_queries(monkeypatch):
     out = paged_attention(q, k, v, kv, batch.attn_metadata, scale=0.3, window=6, softcap=2.0)
     ref = dense_reference(q, kv, tables, 4, 0.3, 6, 2.0)  # after the call: it wrote this step's K/V to the pool
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_mistral_honours_its_window(tiny_models):
+    """Mistral with sliding_window=8: prompts of 37 and 20 tokens in chunks of 5, beside another request's decodes,
+    block size 4; greedy float32 tokens equal transformers' (which masks by the window), on the Python layers."""
+    hf, directory = tiny_models("mistral_window")
+    runner = make_runner(directory, block_size=4, num_kv_blocks=64)
+    assert runner.model_config.sliding_window == 8 and runner.model.decoder_loop is None
+    assert Capability.SLIDING_WINDOW in runner.model.capabilities
+    prompts = {"a": prompt_ids(2, 37), "b": prompt_ids(3, 4), "c": prompt_ids(4, 20)}
+    sched = MiniScheduler(runner, chunk=5)
+    sched.add("b", prompts["b"], 16)
+    outputs = sched.run(hooks={2: lambda s: s.add("a", prompts["a"], 10), 3: lambda s: s.add("c", prompts["c"], 5)})
+    assert outputs == {"a": hf_greedy(hf, prompts["a"], 10), "b": hf_greedy(hf, prompts["b"], 16),
+                       "c": hf_greedy(hf, prompts["c"], 5)}  # fmt: skip
+    full = transformers.AutoModelForCausalLM.from_config(
+        transformers.MistralConfig(**{**hf.config.to_dict(), "sliding_window": None}), attn_implementation="eager"
+    ).eval()
+    full.load_state_dict(hf.state_dict())
+    full.generation_config.eos_token_id = None
+    assert outputs["a"] != hf_greedy(full, prompts["a"], 10), "the window must change these tokens"
