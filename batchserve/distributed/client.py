@@ -8,10 +8,12 @@ it, and an abort cancels it). The outputs come on one `subscribe` call per repli
 pinned to it by the routers: a message per engine step for all of them (distributed/outbox.py), relayed into
 RequestStreams the front ends read as they read a local engine's.
 
-Failures: an error the replica raised (invalid request, queue full) comes back as itself; a replica that died or
-cannot be reached (its subscription or a request's call fails) ends its requests with ServingError(UNAVAILABLE)
-(HTTP 503, or an error event in a stream), never a hang. An abort cancels the call, and the replica drops the
-request.
+Failures: an error the replica raised (invalid request, queue full) comes back as itself. A replica that died or
+cannot be reached (its subscription or a request's call fails) hands its requests on (distributed/migration.py):
+each goes to another replica as its prompt plus the tokens it has already streamed, with the budget that is left,
+and its stream carries on there, so its reader sees one stream (greedy: the same tokens as without the failure);
+only a request that cannot be placed within MAX_MIGRATIONS attempts ends with ServingError(UNAVAILABLE) (HTTP 503,
+or an error event in a stream), never a hang. An abort cancels the call, and the replica drops the request.
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ from transformers import PreTrainedTokenizerBase
 from batchserve.config import EngineConfig
 from batchserve.core.outputs import SchedulerStats
 from batchserve.distributed.messages import EngineDescription, ReplicaRequest, StepOutputs, Subscribe
+from batchserve.distributed.metrics import REQUESTS_MOVED
+from batchserve.distributed.migration import MAX_MIGRATIONS, Handover
 from batchserve.engine.async_engine import RequestStream
 from batchserve.engine.inputs import EngineLimits
 from batchserve.request import EngineRequest
 from batchserve.serving.errors import ErrorKind, ServingError
 
 logger = logging.getLogger(__name__)
+# A moved request's admission may have been routed to the lost replica before its routers heard of the loss (the
+# call then waits): after this long it is tried again, elsewhere. A live replica admits within milliseconds.
+MIGRATION_ADMIT_TIMEOUT_S = 3.0
 
 
 class ReplicaLost(ServingError):
@@ -46,8 +53,12 @@ class ReplicaLost(ServingError):
 @dataclass
 class _InFlight:
     stream: RequestStream
-    replica_id: str | None = None  # once admitted
+    replica_id: str | None = None  # once admitted (None again while it moves to another replica)
     watch: asyncio.Task[None] | None = None
+    handover: Handover = None  # type: ignore[assignment]  # set in __post_init__
+
+    def __post_init__(self) -> None:
+        self.handover = Handover(self.stream.request)
 
 
 class RemoteEngineClient:
@@ -101,17 +112,46 @@ class RemoteEngineClient:
         request_id = request.request_id
         # registered before the call: the subscription may bring its first output before the admission does
         entry = self._requests[request_id] = _InFlight(RequestStream(request, asyncio.get_running_loop()))
+        try:
+            await self._place(entry, request)
+        except BaseException:
+            self._requests.pop(request_id, None)
+            raise
+        return entry.stream
+
+    async def _place(self, entry: _InFlight, request: EngineRequest, timeout_s: float | None = None) -> None:
+        """Admit `request` on a replica the router picks, and follow it there."""
         call = self._handle.generate.remote(ReplicaRequest(request, self.caller_id))
         try:
-            admitted = await call.__anext__()
+            admitted = await asyncio.wait_for(call.__anext__(), timeout_s)
+        except TimeoutError as exc:
+            call.cancel()
+            raise ReplicaLost(exc) from None
         except BaseException as exc:
             call.cancel()
-            self._requests.pop(request_id, None)
             raise _unwrapped(exc) from None
         entry.replica_id = admitted.replica_id
         self._ensure_subscription(admitted.replica_id)
-        entry.watch = asyncio.ensure_future(self._watch(request_id, call))
-        return entry.stream
+        entry.watch = asyncio.ensure_future(self._watch(request.request_id, call))
+
+    async def _migrate(self, request_id: str, entry: _InFlight, lost: BaseException) -> None:
+        """Hand a request whose replica was lost to another replica (a few tries: the router may not know yet
+        that the replica is gone); its stream's reader only sees the outputs go on."""
+        for attempt in range(MAX_MIGRATIONS):
+            if self._requests.get(request_id) is not entry:
+                return  # aborted meanwhile
+            try:
+                await self._place(entry, entry.handover.continuation(), MIGRATION_ADMIT_TIMEOUT_S)
+                REQUESTS_MOVED.labels("continue" if entry.handover.sent else "retry").inc()
+                logger.info("request %s moved to replica %s after %r", request_id, entry.replica_id, lost)
+                return
+            except ReplicaLost as exc:
+                lost = exc
+                await asyncio.sleep(0.2 * (attempt + 1))
+            except BaseException as exc:  # noqa: BLE001 - refused there (full queue, ...): the reader gets it
+                lost = exc
+                break
+        self._fail(request_id, lost, migrate=False)
 
     async def _watch(self, request_id: str, call: Any) -> None:
         """The request's own call ends once its last output is on the way, or fails with its replica; cancelling
@@ -136,7 +176,7 @@ class RemoteEngineClient:
         try:
             while self._on(replica_id):
                 async for step in self._handle.subscribe.remote(Subscribe(self.caller_id, replica_id)):
-                    self._relay(step)
+                    self._relay(step, replica_id)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - every request there gets it
@@ -150,26 +190,35 @@ class RemoteEngineClient:
     def _on(self, replica_id: str) -> list[str]:
         return [rid for rid, entry in self._requests.items() if entry.replica_id == replica_id]
 
-    def _relay(self, step: StepOutputs) -> None:
+    def _relay(self, step: StepOutputs, replica_id: str) -> None:
         for out in step.outputs:
             entry = self._requests.get(out.request_id)
-            if entry is None:
-                continue  # aborted here meanwhile
-            entry.stream.put(out)
+            if entry is None or entry.replica_id != replica_id:
+                continue  # aborted here meanwhile, or a lost replica's late output of a request that moved
+            entry.stream.put(entry.handover.relayed(out))
             if out.finished:
                 del self._requests[out.request_id]  # its call ends by itself; the replica ends the subscription
         for request_id, exc in step.errors.items():
             self._fail(request_id, _unwrapped(exc))
 
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        entry = self._requests.pop(request_id, None)
+    def _fail(self, request_id: str, exc: BaseException, migrate: bool = True) -> None:
+        entry = self._requests.get(request_id)
         if entry is None:
             return
-        entry.stream.put(exc)
+        replica_id = entry.replica_id
+        moving = migrate and isinstance(exc, ReplicaLost) and entry.handover.moves
+        if moving and replica_id is None:
+            return  # already on its way to another replica
         if entry.watch is not None and entry.watch is not asyncio.current_task():
             entry.watch.cancel()  # the replica, if it is alive, drops the request (nobody would collect it)
-        if entry.replica_id is not None and not self._on(entry.replica_id):
-            task = self._subscriptions.get(entry.replica_id)
+        entry.watch, entry.replica_id = None, None
+        if moving:
+            asyncio.ensure_future(self._migrate(request_id, entry, exc))
+        else:
+            del self._requests[request_id]
+            entry.stream.put(exc)
+        if replica_id is not None and not self._on(replica_id):
+            task = self._subscriptions.get(replica_id)
             if task is not None and task is not asyncio.current_task():
                 task.cancel()  # a lost replica's subscription could wait for it forever
 

@@ -35,6 +35,13 @@ ROUTER_DECISIONS = Counter(
     ["decision"],
     registry=ROUTER_METRICS,
 )
+REQUESTS_MOVED = Counter(
+    "batchserve:requests_moved",
+    "Requests handed to another replica because theirs was lost: kind retry (nothing streamed yet) or continue (from "
+    "the tokens already streamed).",
+    ["kind"],
+    registry=ROUTER_METRICS,
+)
 ROUTER_MATCHED_BLOCKS = Counter(
     "batchserve:router_matched_blocks",
     "Prompt blocks the chosen replica was expected to hold.",
