@@ -1,0 +1,98 @@
+"""Accuracy of the weight formats (issue 43): over a fixed text shipped beside this script (benchmarks/quant_text.txt),
+each format's next-token distribution against float32's: mean KL(float32 || format), top-1 agreement, and the text's
+perplexity under each. The model is the default one (SmolLM2-135M-Instruct's GGUF, dequantized at load to float32:
+the reference) or --model; windows of --window tokens, each its own prefill (the same windows for every format).
+
+    .venv/bin/python benchmarks/quant_accuracy.py [--formats none int8 int4 int4_g64] [--tokens 2048] [--json out]
+
+The KV cache stays float32 here (helper H's kv_cache_dtype is measured separately). Prefill rows take the quantized
+GEMM's dequantized-tile path (same weights as decode's register path, another float32 summation order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from batchserve.core.outputs import NewRequestData, SchedulerOutput  # noqa: E402
+from batchserve.layers import kernels  # noqa: E402
+from batchserve.layers.quantization import quantized_linears  # noqa: E402
+from batchserve.models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path  # noqa: E402
+from batchserve.sampling_params import SamplingParams  # noqa: E402
+from batchserve.worker.input_batch import RequestTable  # noqa: E402
+
+TEXT = Path(__file__).resolve().parent / "quant_text.txt"
+BLOCK = 16
+
+
+def window_logits(model, config, tokens: list[int]) -> torch.Tensor:
+    """log-softmax [T, V] of one window's prefill, through the real input batch and paged attention."""
+    blocks = -(-len(tokens) // BLOCK) + 1
+    shape = (blocks, BLOCK, config.num_kv_heads, config.head_dim)
+    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
+    out = SchedulerOutput(
+        new_requests=[NewRequestData("r", tokens, len(tokens), SamplingParams(temperature=0.0), list(range(blocks)), 0)],
+        num_scheduled_tokens={"r": len(tokens)},
+    )
+    table = RequestTable(BLOCK)
+    table.apply(out)
+    batch = table.build(out, torch.device("cpu"))
+    with torch.inference_mode():
+        hidden = model(batch.input_ids, batch.positions, kv, batch.attn_metadata)
+        return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+
+
+def text_log_probs(path: Path, config, fmt: str, windows: list[list[int]]) -> torch.Tensor:
+    with quantized_linears(fmt):
+        model = load_model(path, config, torch.float32, torch.device("cpu"))
+    return torch.cat([window_logits(model, config, w) for w in windows])
+
+
+def compare(reference: torch.Tensor, other: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """KL(reference || other) per position, averaged; top-1 agreement; perplexity of the targets under `other`."""
+    kl = (reference.exp() * (reference - other)).sum(-1)
+    return {
+        "mean_kl": kl.mean().item(),
+        "max_kl": kl.max().item(),
+        "top1_agreement": (reference.argmax(-1) == other.argmax(-1)).float().mean().item(),
+        "perplexity": other.gather(-1, targets[:, None]).neg().mean().exp().item(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the default SmolLM2)")
+    parser.add_argument("--formats", nargs="+", default=["int8", "int4", "int4_g64"])
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens of the text scored (at most the text's)")
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    path = resolve_model_path(args.model)
+    config = load_model_config(path)
+    ids = load_tokenizer(path, None).encode(TEXT.read_text())[: args.tokens + 1]
+    windows = [ids[i : i + args.window + 1] for i in range(0, len(ids) - 1, args.window)]
+    targets = torch.tensor([t for w in windows for t in w[1:]])
+    inputs = [w[:-1] for w in windows]
+    started = time.perf_counter()
+    reference = text_log_probs(path, config, "none", inputs)
+    rows = [{"format": "none (float32)", **compare(reference, reference, targets)}]
+    for fmt in args.formats:
+        rows.append({"format": fmt, **compare(reference, text_log_probs(path, config, fmt, inputs), targets)})
+    print(f"model {path.name}, {len(targets)} tokens of {TEXT.name}, windows of {args.window}, "
+          f"{time.perf_counter() - started:.0f} s; CPU flags avx512_bf16: {'avx512_bf16' in kernels.cpu_flags()}")  # fmt: skip
+    print(f"{'format':<16}{'mean KL':>12}{'max KL':>10}{'top-1':>8}{'ppl':>9}")
+    for r in rows:
+        print(f"{r['format']:<16}{r['mean_kl']:>12.5f}{r['max_kl']:>10.3f}{r['top1_agreement']:>8.3f}{r['perplexity']:>9.3f}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"model": path.name, "tokens": len(targets), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
