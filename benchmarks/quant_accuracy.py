@@ -38,7 +38,9 @@ def window_logits(model, config, tokens: list[int]) -> torch.Tensor:
     shape = (blocks, BLOCK, config.num_kv_heads, config.head_dim)
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
     out = SchedulerOutput(
-        new_requests=[NewRequestData("r", tokens, len(tokens), SamplingParams(temperature=0.0), list(range(blocks)), 0)],
+        new_requests=[
+            NewRequestData("r", tokens, len(tokens), SamplingParams(temperature=0.0), list(range(blocks)), 0)
+        ],
         num_scheduled_tokens={"r": len(tokens)},
     )
     table = RequestTable(BLOCK)

@@ -15,6 +15,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchserve import env
@@ -60,15 +61,22 @@ def parse_quantization(name: str) -> QuantScheme | None:
 
 
 def quantize(weight: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (codes, scales float32 [N, K / group]); round to nearest, so |w - dequantized| <= scale / 2."""
+    """weight [N, K] -> (codes, scales float32 [N, K / group]); round to nearest, so |w - dequantized| <= |scale| / 2
+    (int4: but for a value clamped to code 7, within one |scale|)."""
     n, k = weight.shape
     group = scheme.group_for(k)
     check_shape(scheme, k)
     w = weight.detach().float().reshape(n, k // group, group)
-    levels = 127.0 if scheme.bits == 8 else 7.0
-    scales = w.abs().amax(dim=-1) / levels
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group: codes 0 whatever the scale
-    codes = torch.round(w / scales.unsqueeze(-1)).clamp(-levels, levels).reshape(n, k)
+    if scheme.bits == 8:
+        scales = w.abs().amax(dim=-1) / 127.0
+    else:
+        # GGUF Q4_0's choice: the group's largest-magnitude value maps to code -8, so all 16 levels are used (a
+        # signed scale); a value of the other sign and that magnitude clamps to 7, a whole step away
+        extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+        scales = extreme / -8.0
+    scales = torch.where(scales != 0, scales, torch.ones_like(scales))  # an all-zero group: codes 0 whatever the scale
+    low, high = (-127.0, 127.0) if scheme.bits == 8 else (-8.0, 7.0)
+    codes = torch.round(w / scales.unsqueeze(-1)).clamp(low, high).reshape(n, k)
     if scheme.bits == 8:
         return codes.to(torch.int8).contiguous(), scales.contiguous()
     return pack_int4(codes.to(torch.int16) + 8), scales.contiguous()
@@ -93,6 +101,29 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Te
     values = codes.to(torch.int16) if bits == 8 else unpack_int4(codes) - 8
     group = values.shape[1] // scales.shape[1]
     return values.float() * scales.repeat_interleave(group, dim=1)
+
+
+# GGUF block types whose blocks are these layouts as stored: type -> (bits, bytes per block of 32)
+GGUF_REPACKABLE = {"Q8_0": (8, 34), "Q4_0": (4, 18)}
+
+
+def repack_gguf(blocks: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor, QuantScheme]:
+    """A GGUF tensor's raw blocks [N, K / 32 * block bytes] (uint8, as gguf.GGUFReader holds a Q8_0 or Q4_0 tensor)
+    -> (codes, scales, scheme) of the kernels' layout, exactly: Q8_0's int8 and Q4_0's nibbles are the codes as they
+    are, each block's float16 d the float32 scale of its 32 values (no re-quantization: the dequantized values equal
+    gguf's own dequantization bit for bit). Another type is refused, naming what works."""
+    if type_name not in GGUF_REPACKABLE:
+        raise ConfigError(
+            f"GGUF tensor type {type_name} cannot be run as stored; {', '.join(GGUF_REPACKABLE)} can (or load the "
+            "file with quantization none, int8 or int4: dequantized, then quantized again)"
+        )
+    bits, block_bytes = GGUF_REPACKABLE[type_name]
+    n = blocks.shape[0]
+    raw = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8)).reshape(n, -1, block_bytes)
+    scales = raw[:, :, :2].contiguous().view(torch.float16).reshape(n, -1).float()
+    payload = raw[:, :, 2:].reshape(n, -1).contiguous()
+    codes = payload.view(torch.int8) if bits == 8 else payload
+    return codes.contiguous(), scales.contiguous(), QuantScheme(bits, SUBBLOCK)
 
 
 def check_shape(scheme: QuantScheme, in_features: int) -> None:
@@ -172,10 +203,24 @@ class QuantizedLinear(CpuLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme):
         torch.nn.Module.__init__(self)
         self.out_features, self.in_features = weight.shape
+        self._setup(*quantize(weight, scheme), bias, scheme)
+
+    @classmethod
+    def from_codes(
+        cls, codes: torch.Tensor, scales: torch.Tensor, scheme: QuantScheme, bias: torch.Tensor | None = None
+    ) -> QuantizedLinear:
+        """A layer over codes and scales already in the kernels' layout (repack_gguf's), kept as they are."""
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.out_features = codes.shape[0]
+        layer.in_features = codes.shape[1] * (8 // scheme.bits)
+        layer._setup(codes, scales, bias, scheme)
+        return layer
+
+    def _setup(self, codes, scales, bias, scheme: QuantScheme) -> None:
         self.scheme, self.float_output, self.swiglu = scheme, False, False
         self.deterministic = _deterministic.get()
         self.group = scheme.group_for(self.in_features)
-        codes, scales = quantize(weight, scheme)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())

@@ -43,9 +43,11 @@ def test_round_trip_within_half_a_step(scheme):
     weight = torch.randn(48, 256) * torch.rand(48, 1) * 3
     codes, scales = quantize(weight, scheme)
     restored = dequantize(codes, scales, scheme.bits)
-    step = scales.repeat_interleave(scheme.group_for(256), dim=1)
-    # round to nearest: at most half a step from the original (plus float32 rounding of w / s and q * s)
-    assert ((restored - weight).abs() <= step * (0.5 + 1e-5)).all()
+    step = scales.abs().repeat_interleave(scheme.group_for(256), dim=1)
+    # round to nearest: at most half a step from the original (plus float32 rounding of w / s and q * s); int4's
+    # code 7, where a value of the largest magnitude's opposite sign clamps, within a whole step
+    clamped = unpack_int4(codes) == 15 if scheme.bits == 4 else torch.zeros_like(weight, dtype=torch.bool)
+    assert ((restored - weight).abs() <= step * torch.where(clamped, 1.0, 0.5) * (1 + 1e-5)).all()
     # quantizing the dequantized weight again changes nothing: codes and scales are a fixed point
     again_codes, again_scales = quantize(restored, scheme)
     assert torch.equal(again_codes, codes)
@@ -102,8 +104,8 @@ def test_each_path_equals_the_dequantized_product(force_quant_gemm, path, scheme
     assert got.dtype == torch.float32 and got.shape == (rows, 80)
     assert ((got.double() - expected).abs() <= _bound(x, reference) + 1e-6).all()
     # the quantization error against the float weight stays within the format's: half a step per weight
-    step = layer.scales.repeat_interleave(layer.group, dim=1)
-    format_bound = 0.5 * (x.abs().double() @ step.double().T) + _bound(x, weight)
+    step = layer.scales.abs().repeat_interleave(layer.group, dim=1)
+    format_bound = (x.abs().double() @ step.double().T) + _bound(x, weight)  # a whole step: int4's clamped code 7
     assert ((got.double() - (x.double() @ weight.double().T + bias.double())).abs() <= format_bound + 1e-5).all()
 
 
@@ -112,7 +114,9 @@ def test_native_dequantize_matches_torch():
     for scheme in SCHEMES:
         codes, scales = quantize(torch.randn(40, 256), scheme)
         group = scheme.group_for(256)
-        assert torch.equal(native.quant_dequantize(codes, scales, scheme.bits, group), dequantize(codes, scales, scheme.bits))
+        assert torch.equal(
+            native.quant_dequantize(codes, scales, scheme.bits, group), dequantize(codes, scales, scheme.bits)
+        )
 
 
 def test_rows_do_not_depend_on_the_batch(force_quant_gemm):
@@ -135,3 +139,25 @@ def test_bf16_rows_and_the_torch_fallback_agree():
     gate_up = layer.silu_and_mul(x.float())
     gate, up = layer(x.float()).chunk(2, dim=-1)
     torch.testing.assert_close(gate_up, torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0"])
+def test_gguf_blocks_repack_exactly(type_name):
+    """A GGUF Q8_0 / Q4_0 tensor (written by the gguf package's quantizer) repacks into the kernels' layout with its
+    dequantized values equal to gguf's own, bit for bit, and the quantized GEMM over it equals their product."""
+    gguf = pytest.importorskip("gguf")
+    qtype = gguf.GGMLQuantizationType[type_name]
+    weight = torch.randn(48, 192).numpy()
+    blocks = gguf.quants.quantize(weight, qtype)
+    codes, scales, scheme = quantization.repack_gguf(blocks, type_name)
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).float()
+    assert torch.equal(dequantize(codes, scales, scheme.bits), expected)
+    _native()
+    layer = QuantizedLinear.from_codes(codes, scales, scheme)
+    x = torch.randn(3, 192)
+    assert ((layer(x).double() - x.double() @ expected.double().T).abs() <= _bound(x, expected) + 1e-6).all()
+
+
+def test_gguf_types_not_run_as_stored_are_refused():
+    with pytest.raises(ConfigError, match="Q4_1 cannot be run as stored; Q8_0, Q4_0 can"):
+        quantization.repack_gguf(torch.zeros(2, 20, dtype=torch.uint8).numpy(), "Q4_1")

@@ -85,4 +85,3 @@ def test_int4_gives_the_dequantized_models_tokens(tiny_dir, tmp_path_factory):
 def test_unknown_quantization_is_refused():
     with pytest.raises(ConfigError, match="quantization must be one of"):
         EngineConfig.from_options(quantization="int2")
-
