@@ -62,24 +62,46 @@ def parse_quantization(name: str) -> QuantScheme | None:
 
 def quantize(weight: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (codes, scales float32 [N, K / group]); round to nearest, so |w - dequantized| <= |scale| / 2
-    (int4: but for a value clamped to code 7, within one |scale|)."""
+    but where int4 clamps a value to code -8 or 7 (its scale may be up to 1 / 0.8 finer than the extreme needs):
+    there within two |scale|."""
     n, k = weight.shape
     group = scheme.group_for(k)
     check_shape(scheme, k)
     w = weight.detach().float().reshape(n, k // group, group)
-    if scheme.bits == 8:
-        scales = w.abs().amax(dim=-1) / 127.0
-    else:
-        # GGUF Q4_0's choice: the group's largest-magnitude value maps to code -8, so all 16 levels are used (a
-        # signed scale); a value of the other sign and that magnitude clamps to 7, a whole step away
-        extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
-        scales = extreme / -8.0
-    scales = torch.where(scales != 0, scales, torch.ones_like(scales))  # an all-zero group: codes 0 whatever the scale
     low, high = (-127.0, 127.0) if scheme.bits == 8 else (-8.0, 7.0)
+    if scheme.bits == 8:
+        scales = _nonzero(w.abs().amax(dim=-1) / 127.0)
+    else:
+        scales = _int4_scales(w)
     codes = torch.round(w / scales.unsqueeze(-1)).clamp(low, high).reshape(n, k)
     if scheme.bits == 8:
         return codes.to(torch.int8).contiguous(), scales.contiguous()
     return pack_int4(codes.to(torch.int16) + 8), scales.contiguous()
+
+
+# int4 scales tried per group, as fractions of GGUF Q4_0's (the largest-magnitude value at code -8): the one with the
+# least squared error wins (smaller steps clamp the extremes, but resolve the many small values better)
+INT4_SCALE_FRACTIONS = (0.8, 0.825, 0.85, 0.875, 0.9, 0.925, 0.95, 0.975, 1.0)
+
+
+def _nonzero(scales: torch.Tensor) -> torch.Tensor:
+    return torch.where(scales != 0, scales, torch.ones_like(scales))  # an all-zero group: codes 0 whatever the scale
+
+
+def _int4_scales(w: torch.Tensor) -> torch.Tensor:
+    """Per group [N, G] of w [N, G, group]: a signed scale (so all 16 levels are used), the best of the fractions."""
+    extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    best, best_error = None, None
+    for fraction in INT4_SCALE_FRACTIONS:
+        scales = _nonzero(extreme / -8.0 * fraction)
+        codes = torch.round(w / scales.unsqueeze(-1)).clamp(-8.0, 7.0)
+        error = (codes * scales.unsqueeze(-1) - w).square().sum(-1)
+        if best is None:
+            best, best_error = scales, error
+        else:
+            better = error < best_error
+            best, best_error = torch.where(better, scales, best), torch.where(better, error, best_error)
+    return best
 
 
 def pack_int4(unsigned: torch.Tensor) -> torch.Tensor:
