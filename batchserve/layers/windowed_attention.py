@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from batchserve.layers.attention import AttentionMetadata, KVCache, SeqGroup
@@ -51,19 +50,22 @@ def windowed_attention(
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
 ) -> torch.Tensor:
-    """q [..., Hkv, G, Q, D] (G query heads per KV head), k/v [..., Hkv, K, D], mask [..., 1, 1, Q, K] (True: visible)
-    -> [..., Hkv, G, Q, D]. Without a cap: SDPA, the groups folded into its query dim. Soft-capped scores go the
-    explicit way (SDPA has no cap): matmul in the query dtype, softmax in float32, as transformers' eager attention."""
-    if softcap is None:
-        *lead, num_kv_heads, groups, num_queries, head_dim = q.shape
-        folded = mask.expand(*mask.shape[:-4], 1, groups, num_queries, mask.shape[-1]).flatten(-3, -2)
-        out = F.scaled_dot_product_attention(q.flatten(-3, -2), k, v, attn_mask=folded, scale=scale)
-        return out.view(q.shape)
-    scores = torch.matmul(q, k.unsqueeze(-3).transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v.unsqueeze(-3))
+    """q [..., Hkv, G, Q, D] (G query heads per KV head), k/v [..., K, Hkv, D] as read from the pool, mask [..., Q, K]
+    (True: visible) -> [..., Hkv, G, Q, D]. One KV head at a time: its K/V are a strided view the batched GEMM reads in
+    place (a [..., Hkv, K, D] copy of the whole context would cost more than the attention), its G query heads folded
+    into the query dim. Scores in the query dtype, capped, masked, softmax in float32: transformers' eager attention."""
+    *lead, num_kv_heads, groups, num_queries, head_dim = q.shape
+    out = torch.empty_like(q)
+    hidden = ~mask.unsqueeze(-3)  # [..., 1, Q, K]: the same for the G heads
+    for h in range(num_kv_heads):
+        q_h = q[..., h, :, :, :].reshape(*lead, groups * num_queries, head_dim)
+        scores = torch.matmul(q_h, k[..., h, :].transpose(-1, -2)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.view(*lead, groups, num_queries, -1).masked_fill(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[..., h, :, :, :] = torch.matmul(probs.flatten(-3, -2), v[..., h, :]).view(*lead, groups, num_queries, -1)
+    return out
 
 
 def _decode(
@@ -73,7 +75,7 @@ def _decode(
     tables, mask = _decode_window(group, kv_cache[0].shape[1], window)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache[0].shape[2]
-    keys, values = (_gather(cache, tables, query.dtype) for cache in kv_cache)  # [B, Hkv, K, D]
+    keys, values = (_gather(cache, tables, query.dtype) for cache in kv_cache)  # [B, K, Hkv, D]
     q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, 1, head_dim)
     out = attend(q, keys, values, mask, scale, softcap)
     return out.reshape(num_seqs, num_heads, head_dim)
@@ -81,7 +83,7 @@ def _decode(
 
 def _decode_window(group: SeqGroup, block_size: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence, the block ids that hold its window ([B, span]) and which of their slots its query sees
-    ([B, 1, 1, 1, span * block_size]); computed once a step per window and shared by the layers."""
+    ([B, 1, span * block_size]); computed once a step per window and shared by the layers."""
     cache_key = ("window-decode", window, block_size)
     if cache_key not in group._masks:
         seq_lens, tables = group.seq_lens, group.block_tables
@@ -99,7 +101,7 @@ def _decode_window(group: SeqGroup, block_size: int, window: int | None) -> tupl
         slots = torch.arange(block_size, device=seq_lens.device)
         key_pos = (index[:, :, None] * block_size + slots).flatten(1)
         mask = _visible(key_pos, (seq_lens - 1)[:, None], window)
-        group._masks[cache_key] = (window_tables, mask[:, None, None, None, :])
+        group._masks[cache_key] = (window_tables, mask[:, None, :])
     return group._masks[cache_key]
 
 
@@ -136,17 +138,17 @@ def _prefill(
             query_pos = torch.arange(first_pos, end_pos, device=query.device)[:, None]
             mask = _visible(torch.arange(lo, end_pos, device=query.device)[None, :], query_pos, window)
             q = query[a:b].reshape(b - a, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(1, 2, 0, 3)
-            o = attend(q, k.transpose(0, 1), v.transpose(0, 1), mask[None, None], scale, softcap)
+            o = attend(q, k, v, mask, scale, softcap)
             out[a:b] = o.permute(2, 0, 1, 3).reshape(b - a, num_heads, head_dim)
     return out
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Blocks [B, span] of a pool [N, block_size, Hkv, D] -> [B, Hkv, span * block_size, D]."""
+    """Blocks [B, span] of a pool [N, block_size, Hkv, D] -> [B, span * block_size, Hkv, D]."""
     num_seqs, span = tables.shape
     block_size, num_kv_heads, head_dim = cache.shape[1:]
     blocks = cache.index_select(0, tables.reshape(-1)).view(num_seqs, span * block_size, num_kv_heads, head_dim)
-    return blocks.transpose(1, 2).to(dtype)
+    return blocks.to(dtype)
 
 
 def _sequence_range(
