@@ -4,7 +4,7 @@
 // widened to float32 in registers. Small M (decode): threads split the output columns; each column's codes are read
 // once per block of up to 4 rows, widened 32 k at a time, multiplied by their group's scale and FMA'd with the rows'
 // activations. A row's result is the same whatever M and the row's place in the batch (one order per row). Large M
-// (prefill): tiles of the weight dequantized to float32 and multiplied by the library GEMM, where compute dominates.
+// (prefill): tiles of the weight (whole, up to 16 MiB of float32) dequantized to float32 and multiplied by the library GEMM, where compute dominates.
 //
 // One code path per instruction set (AVX-512, AVX2 + FMA, portable), chosen once in Python (kernels.quant_gemm_path)
 // and stored with the weight.
@@ -22,7 +22,7 @@ namespace {
 
 constexpr int64_t kSub = 32;      // k per subblock: one int4 subblock is 16 bytes
 constexpr int kRowBlock = 4;      // rows sharing one widening of the codes
-constexpr int64_t kTileRows = 256;  // output columns per dequantized tile (large M)
+constexpr int64_t kTileFloats = int64_t{1} << 22;  // a dequantized tile (large M): 16 MiB of float32
 
 // The plain loop: any CPU.
 struct Portable {
@@ -189,17 +189,20 @@ void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, float* dst) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* c = codes + n * row_bytes;
       float* d = dst + (n - n0) * K;
-      for (int64_t k = 0; k < K; ++k) {
-        const float s = scales[n * groups + k / w.group];
-        float code;
-        if (w.bits == 8) {
-          code = static_cast<float>(static_cast<int8_t>(c[k]));
-        } else {
-          const int64_t base = k / kSub * kSub, j = k - base;
-          const uint8_t byte = c[base / 2 + j % 16];
-          code = static_cast<float>((j < 16 ? byte & 15 : byte >> 4) - 8);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float s = scales[n * groups + g];
+        for (int64_t k0 = g * w.group; k0 < (g + 1) * w.group; k0 += kSub) {
+          if (w.bits == 8) {
+            const auto* q = reinterpret_cast<const int8_t*>(c) + k0;
+            for (int j = 0; j < 32; ++j) d[k0 + j] = static_cast<float>(q[j]) * s;
+          } else {
+            const uint8_t* b = c + k0 / 2;
+            for (int j = 0; j < 16; ++j) {
+              d[k0 + j] = static_cast<float>((b[j] & 15) - 8) * s;
+              d[k0 + 16 + j] = static_cast<float>((b[j] >> 4) - 8) * s;
+            }
+          }
         }
-        d[k] = code * s;
       }
     }
   });
@@ -236,9 +239,11 @@ at::Tensor quant_gemm(const at::Tensor& x, const QuantWeight& w) {
     small_m_on_path(xc.data_ptr<float>(), M, K, w, out.data_ptr<float>());
     return out;
   }
-  auto tile = at::empty({std::min(kTileRows, N), K}, at::kFloat);
-  for (int64_t n0 = 0; n0 < N; n0 += kTileRows) {
-    const int64_t n1 = std::min(N, n0 + kTileRows);
+  // as few tiles as fit kTileFloats: each is one parallel region and one library GEMM
+  const int64_t tile_rows = std::min(N, std::max<int64_t>(1, kTileFloats / K));
+  auto tile = at::empty({tile_rows, K}, at::kFloat);
+  for (int64_t n0 = 0; n0 < N; n0 += tile_rows) {
+    const int64_t n1 = std::min(N, n0 + tile_rows);
     dequantize_rows(w, n0, n1, tile.data_ptr<float>());
     out.narrow(1, n0, n1 - n0).copy_(at::mm(xc, tile.narrow(0, 0, n1 - n0).t()));
   }
