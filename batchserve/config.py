@@ -141,6 +141,48 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"
     sliding_window: int | None = None  # every layer attends to its last W positions only (Mistral)
+    extra: dict[str, Any] = field(default_factory=dict)  # what one family reads beyond these (models/gemma.py)
+
+
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's speculative_config shape (docs/speculative-decoding.md). Speculation switches off once the running
+    batch reaches disable_by_batch_size, and k shrinks linearly toward it."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 16
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config is not JSON: {exc}") from exc
+        _require(isinstance(value, dict), "speculative_config must be an object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - names
+        _require(not unknown, f"speculative_config: unknown key(s) {', '.join(sorted(unknown))}")
+        config = cls(**value)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS, f"speculative_config.method {self.method!r}: one of {SPECULATIVE_METHODS}")
+        k = self.num_speculative_tokens
+        _require(1 <= k <= MAX_SPECULATIVE_TOKENS, f"num_speculative_tokens {k}: 1 to {MAX_SPECULATIVE_TOKENS}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        _require(1 <= lo <= hi, f"prompt_lookup_min {lo} / prompt_lookup_max {hi}: need 1 <= min <= max")
+        _require(self.disable_by_batch_size >= 1, "disable_by_batch_size must be >= 1")
 
 
 @dataclass
@@ -158,8 +200,11 @@ class EngineConfig:
     quantization: str = "none"  # vLLM's name: weights kept quantized on the CPU (docs/quantization.md)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # speculative decoding (vLLM's shape: a dict or JSON string is accepted); None: off
+    speculative_config: SpeculativeConfig | None = None
 
     def validate(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         _require(self.device in DEVICES, f"device must be one of {DEVICES}")
         _require(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}")

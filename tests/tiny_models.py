@@ -57,7 +57,8 @@ KINDS = {
 }
 
 # Models with sliding-window layers (window 8: prompts of a few dozen tokens span several windows), built by
-# build_hf_model like KINDS; untied output matrices except gemma3_tied (tied ones echo their input token).
+# build_hf_model like KINDS but tested in test_gemma.py / test_sliding_window.py; untied output matrices except
+# gemma3_tied (tied ones echo their input token, so greedy tokens would barely depend on the window).
 GEMMA = dict(COMMON, num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=24)
 WINDOWED_KINDS = {
     "gemma2": lambda: transformers.Gemma2Config(

@@ -41,7 +41,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 @dataclass(frozen=True)
 class GemmaSettings:
-    """What a Gemma config sets beyond ModelConfig's Llama-family shapes (read from ModelConfig.extra)."""
+    """What a Gemma config sets beyond ModelConfig's Llama-family shapes (kept in ModelConfig.extra)."""
 
     version: int  # 2 or 3
     layer_types: tuple[str, ...]  # SLIDING or FULL, one per layer
@@ -53,8 +53,8 @@ class GemmaSettings:
 
     @classmethod
     def of(cls, config: ModelConfig) -> GemmaSettings:
-        extra = dict(getattr(config, "extra", None) or {})
-        return cls(**{f.name: extra[f.name] for f in dataclasses.fields(cls)})
+        extra = {f.name: config.extra[f.name] for f in dataclasses.fields(cls)}
+        return cls(**{**extra, "layer_types": tuple(extra["layer_types"])})  # a list once through JSON
 
 
 def config_fields(hf: dict[str, Any]) -> dict[str, Any]:

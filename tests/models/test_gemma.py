@@ -5,58 +5,20 @@ on the Python layers (the native decoder loop refuses these models) and the wind
 from __future__ import annotations
 
 import copy
-import json
 import logging
 
 import pytest
 import torch
 import transformers
 
-from batchserve.config import CacheConfig, EngineConfig, ModelConfig
 from batchserve.layers import attention, kernels
 from batchserve.layers.capabilities import Capability
 from batchserve.models import gemma
-from batchserve.models.loader import iter_hf_weights
-from batchserve.worker.model_runner import ModelRunner
-from tests.models.conftest import MiniScheduler
+from tests.models.conftest import MiniScheduler, load_ours, make_runner
 from tests.models.test_llama import our_prefill_logits, prompt_ids
 from tests.tiny_models import hf_greedy
 
 GEMMA_KINDS = ["gemma2", "gemma3", "gemma3_tied"]
-
-
-def load_ours(directory, dtype=torch.float32):
-    """The saved model's config and our model with its weights. models/loader.py does not route Gemma to this module
-    yet (the model registry will): this reads config.json as the loader's generic part does, plus config_fields."""
-    hf = json.loads((directory / "config.json").read_text())
-    fields = gemma.config_fields(hf)
-    extra = fields.pop("extra")
-    config = ModelConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf["num_key_value_heads"],
-        max_position_embeddings=hf["max_position_embeddings"],
-        rms_norm_eps=hf["rms_norm_eps"],
-        bos_token_id=hf["bos_token_id"],
-        eos_token_ids=[hf["eos_token_id"]],
-        architecture=hf["model_type"],
-        **fields,
-    )
-    config.extra = extra
-    model = gemma.GemmaForCausalLM(config, dtype=dtype)
-    model.load_weights((name, t.to(dtype)) for name, t in iter_hf_weights(directory))
-    model.eval().requires_grad_(False)
-    model.use_cpu_linear_layouts()
-    return config, model
-
-
-def make_runner(directory, block_size: int, num_kv_blocks: int) -> ModelRunner:
-    config, model = load_ours(directory)
-    engine = EngineConfig(device="cpu", cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks))
-    return ModelRunner(engine, config, model, torch.device("cpu"), torch.float32)
 
 
 def test_config_read_from_hf_directory(tiny_models):
