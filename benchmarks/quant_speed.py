@@ -2,7 +2,7 @@
 --model), decode tokens per second as (tokens - 1) / (time of a --tokens generation - time of a 1-token one), best of
 --repeats, each format in its own engine, one after the other in one process.
 
-    .venv/bin/python benchmarks/quant_speed.py [--formats none int8 int4] [--dtype auto] [--tokens 64]
+    .venv/bin/python benchmarks/quant_speed.py [--formats none int8 int4] [--dtype auto] [--tokens 64] [--threads 1]
 """
 
 from __future__ import annotations
@@ -28,7 +28,15 @@ def timed(llm: LLM, tokens: int) -> float:
 
 
 def decode_rate(fmt: str, args) -> float:
-    llm = LLM(model=args.model, dtype=args.dtype, device="cpu", quantization=fmt, num_kv_blocks=64, max_batch_size=1)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device="cpu",
+        quantization=fmt,
+        num_kv_blocks=64,
+        max_batch_size=1,
+        num_threads=args.threads,
+    )
     timed(llm, 4)  # warm-up
     best = float("inf")
     for _ in range(args.repeats):
@@ -43,6 +51,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="activations (and the weights of format none)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1: steadier on a busy host)")
     args = parser.parse_args()
     flags = kernels.cpu_flags().split()
     print(f"bf16 matmul units: {'yes' if 'avx512_bf16' in flags or 'amx_bf16' in flags else 'no'}; "
