@@ -201,10 +201,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     # speculative decoding (vLLM's shape: a dict or JSON string is accepted); None: off
-    speculative_config: SpeculativeConfig | None = None
+    speculative_config: dict | None = None
 
     def validate(self) -> None:
-        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        SpeculativeConfig.from_value(self.speculative_config)  # refuses a bad one here, with the reason
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         _require(self.device in DEVICES, f"device must be one of {DEVICES}")
         _require(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}")

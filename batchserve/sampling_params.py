@@ -84,6 +84,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow (worker masks)
+    speculate: bool = True  # False: never speculate for this request (docs/speculative-decoding.md)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from batchserve.config import CacheConfig, SchedulerConfig
+from batchserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from batchserve.core.block_pool import BlockPool, HostBlockPool
 from batchserve.core.kv_cache_manager import KVCacheManager
 from batchserve.core.scheduler import Scheduler
@@ -19,10 +19,11 @@ def build_scheduler(
     num_swap_blocks: int = 0,
     max_model_len: int | None = None,
     clock: Callable[[], float] = time.monotonic,
+    speculative: SpeculativeConfig | None = None,
 ) -> Scheduler:
     """A Scheduler over a fresh pool of num_kv_blocks device blocks and num_swap_blocks host blocks. The pools' sizes
     are given (the runner's, once it has sized them from memory): `cache` gives the block size and whether prefix
     caching is on. max_model_len None: the scheduler config's, else the pool's capacity (Scheduler)."""
     pool = BlockPool(num_kv_blocks, cache.enable_prefix_caching)
     kv = KVCacheManager(pool, cache.block_size, HostBlockPool(num_swap_blocks))
-    return Scheduler(config, kv, max_model_len, clock)
+    return Scheduler(config, kv, max_model_len, clock, speculative)

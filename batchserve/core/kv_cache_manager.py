@@ -106,6 +106,7 @@ class KVCacheManager:
         a step computes only tokens that are already in the request."""
         if not self.pool.enable_caching:
             return
+        num_tokens = min(num_tokens, request.num_tokens)  # speculative drafts are not known tokens: never hashed
         keys = self.req_keys.setdefault(request.request_id, [])
         blocks = self.req_blocks[request.request_id]
         for i in range(len(keys), num_tokens // self.block_size):
@@ -113,6 +114,15 @@ class KVCacheManager:
             key = BlockKey(parent, token_range(request, i * self.block_size, (i + 1) * self.block_size))
             keys.append(key)
             self.pool.register(blocks[i], key)
+
+    def trim(self, request: Request) -> None:
+        """Speculative rollback: return the blocks past the request's computed tokens (allocated for drafts that were
+        rejected). Only unhashed blocks can be among them: hashes cover known tokens only."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if blocks is not None and len(blocks) > keep:
+            self.pool.release(blocks[keep:][::-1])
+            del blocks[keep:]
 
     def free(self, request: Request) -> None:
         """Return its blocks; the tail of the sequence is freed first so it is evicted first."""

@@ -43,6 +43,9 @@ class SchedulerOutput:
     # static batching's padding: finished batch members recomputing their last position; the worker runs them as
     # decodes over their context, writes their K/V nowhere and samples nothing for them
     padding_req_ids: set[str] = field(default_factory=set)
+    # speculative decoding: req_id -> draft tokens scheduled after its last known token (its scheduled count is
+    # 1 + len(drafts)); the worker verifies them against the target's own predictions
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -72,6 +75,8 @@ class ModelOutput:
     logprobs: list[Logprobs | None] | None = None  # parallel to req_ids when any request asked for them
     # req_id -> a score per prompt token (None for the first), with the request's first sampled token
     prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
+    # speculative decoding: req_id -> the accepted prefix of its drafts; its sampled token follows them
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

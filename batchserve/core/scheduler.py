@@ -21,7 +21,7 @@ import bisect
 import time
 from collections.abc import Callable, Iterable
 
-from batchserve.config import PreemptionMode, SchedulerConfig, SchedulerPolicy, SchedulingOrder
+from batchserve.config import PreemptionMode, SchedulerConfig, SchedulerPolicy, SchedulingOrder, SpeculativeConfig
 from batchserve.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
 from batchserve.core.outputs import (
     CachedRequestData,
@@ -32,6 +32,7 @@ from batchserve.core.outputs import (
     SchedulerStats,
 )
 from batchserve.core.request_queue import make_request_queue
+from batchserve.core.speculative import SpeculationPlanner
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.sampling_params import InvalidRequestError
 
@@ -89,6 +90,7 @@ class Scheduler:
         kv_cache: KVCacheManager,
         max_model_len: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         config.validate()
         self.config = config
@@ -106,6 +108,8 @@ class Scheduler:
         self._rejected: list[RequestOutput] = []  # ended by schedule() (never schedulable), reported by the update
         self.num_preemptions_total = 0
         self._last_step: _StepBuilder | None = None
+        speculates = speculative is not None and config.scheduler_policy != SchedulerPolicy.STATIC
+        self.speculation = SpeculationPlanner(speculative) if speculates else None
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -201,6 +205,8 @@ class Scheduler:
             num_tokens = self._tokens_to_schedule(request, hit, budget)
             if num_tokens == 0:
                 continue
+            drafts = self._drafts(request, budget) if is_decode and not resumed else []
+            num_tokens += len(drafts)
             new_blocks = self._allocate_or_preempt(request, num_tokens, hit, step)
             if new_blocks is None:
                 if request.status != RequestStatus.RUNNING:
@@ -208,6 +214,17 @@ class Scheduler:
                 continue
             self._on_scheduled(request)
             step.add(request, num_tokens, self.kv.block_ids(request) if resumed else new_blocks, resumed)
+            if drafts:
+                step.output.spec_token_ids[request.request_id] = drafts
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Speculative tokens for a decode, only where their blocks are free now: a draft never preempts anyone."""
+        if self.speculation is None:
+            return []
+        drafts = self.speculation.propose(request, len(self.running), budget, self.max_model_len)
+        if drafts and self.kv.blocks_needed(request, 1 + len(drafts)) > self.kv.pool.num_free_blocks:
+            return []
+        return drafts
 
     def _allocate_or_preempt(
         self, request: Request, num_tokens: int, hit: PrefixHit | None, step: _StepBuilder
@@ -365,20 +382,39 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            outputs.append(self._append_token(request, token_id, logprob))
+            accepted = self._verified(request, scheduled, model_output)
+            outputs.append(self._append_tokens(request, accepted + [token_id], logprob))
         return outputs
 
-    def _append_token(self, request: Request, token_id: int, logprob) -> RequestOutput:
-        request.output_token_ids.append(token_id)
+    def _verified(self, request: Request, scheduled: SchedulerOutput, model_output: ModelOutput) -> list[int]:
+        """The accepted drafts of a speculated request; the rejected ones' K/V is dropped (computed count and the
+        blocks past it)."""
+        drafts = scheduled.spec_token_ids.get(request.request_id)
+        if not drafts:
+            return []
+        accepted = model_output.accepted_token_ids.get(request.request_id, [])
+        request.num_computed_tokens -= len(drafts) - len(accepted)
+        self.kv.trim(request)
+        self.speculation.stats.record(len(drafts), len(accepted))
+        return accepted
+
+    def _append_tokens(self, request: Request, token_ids: list[int], logprob) -> RequestOutput:
+        """Append a step's tokens (one, or several after speculation) up to the first that ends the request."""
+        reason = None
+        for count, token_id in enumerate(token_ids, 1):
+            request.output_token_ids.append(token_id)
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                token_ids = token_ids[:count]
+                break
         if request.first_token_time is None:
             request.first_token_time = self.clock()
-        reason = self._stop_reason(request, token_id)
         if reason is not None:
             self.running.remove(request)
             self._finish(request, reason)
         return RequestOutput(
             request.request_id,
-            [token_id],
+            token_ids,
             reason is not None,
             reason,
             request.stop_reason,

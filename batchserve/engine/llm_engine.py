@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from batchserve.config import EngineConfig, ModelConfig
+from batchserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from batchserve.core.build import build_scheduler
 from batchserve.core.kv_cache_manager import cdiv
 from batchserve.core.outputs import (
@@ -107,7 +107,12 @@ class LLMEngine:
         self.limits = EngineLimits.of(config, model_config, self.max_kv_blocks * config.cache.block_size)
         self.requests = RequestBuilder(tokenizer, self.limits)
         self.scheduler = build_scheduler(
-            config.scheduler, config.cache, runner.num_kv_blocks, runner.num_swap_blocks, self.limits.max_model_len
+            config.scheduler,
+            config.cache,
+            runner.num_kv_blocks,
+            runner.num_swap_blocks,
+            self.limits.max_model_len,
+            speculative=SpeculativeConfig.from_value(config.speculative_config),
         )
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -79,8 +80,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser, include_model: bool = 
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
         elif spec.choices is not None:
             group.add_argument(*flags, type=_value_of(spec.name), choices=spec.choices, **common)
+        elif spec.kind is dict:
+            group.add_argument(*flags, type=_json_object, metavar="JSON", **common)
         else:
             group.add_argument(*flags, type=spec.kind, metavar=spec.kind.__name__.upper(), **common)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _value_of(name: str) -> Callable[[str], Any]:

@@ -42,6 +42,9 @@ HELP: dict[str, str] = {
     "bfloat16 / float16 on a CPU without their matmul units compute in float32 on widened weights (half, fp16, bf16, "
     "fp32 accepted)",
     "device": "auto: CUDA when torch sees a GPU, else the CPU",
+    "speculative_config": "speculative decoding, vLLM's shape as JSON: {\"method\": \"ngram\", "
+    "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} "
+    "(docs/speculative-decoding.md; default: off)",
     "seed": "seed of torch's RNG, and of sampling for requests without a seed of their own",
     "num_threads": "torch intra-op threads on CPU (default: torch's choice)",
     "record_steps": "keep a record of every engine step (benchmark traces and timelines)",

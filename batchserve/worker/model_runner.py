@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -21,6 +23,7 @@ from batchserve.worker.kv_cache import (
 )
 from batchserve.worker.prompt_logprobs import PromptLogprobs
 from batchserve.worker.sampler import Sampler, SamplingMetadata
+from batchserve.worker.speculative import draft_hidden_rows, stage_drafts, unstage_drafts, verify
 from batchserve.worker.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -112,7 +115,10 @@ class ModelRunner:
         if scheduler_output.is_empty:
             timings.prepare_s = time.perf_counter() - start
             return ModelOutput()
+        drafts = scheduler_output.spec_token_ids
+        stage_drafts(self.requests, drafts)  # query tokens of this step, not known tokens: unstaged once built
         batch = self.requests.build(scheduler_output, self.device)
+        unstage_drafts(self.requests, drafts)
         prepared = time.perf_counter()
         timings.prepare_s = prepared - start
         if self.decode_graphs is not None and self.decode_graphs.takes(batch.attn_metadata):
@@ -126,6 +132,10 @@ class ModelRunner:
         if not batch.sample_req_ids:
             timings.forward_s = time.perf_counter() - prepared
             return ModelOutput()
+        if drafts:
+            output = self._sample_speculative(batch, hidden, drafts)
+            timings.forward_s = time.perf_counter() - prepared
+            return output
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices)).float()
         forwarded = time.perf_counter()
         timings.forward_s = forwarded - prepared
@@ -162,3 +172,35 @@ class ModelRunner:
             logprobs=out.logprobs,
             prompt_logprobs=self.prompt_logprobs.take(batch.sample_req_ids),
         )
+
+    def _sample_speculative(self, batch: InputBatch, hidden: torch.Tensor, drafts: dict[str, list[int]]) -> ModelOutput:
+        """Plain sampling for the requests without drafts; verification (worker/speculative.py) for the others, whose
+        rejected positions leave the table: computed count and blocks, as the scheduler rolls them back."""
+        keep = [i for i, req_id in enumerate(batch.sample_req_ids) if req_id not in drafts]
+        output = ModelOutput()
+        if keep:
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            plain = dataclasses.replace(
+                batch,
+                sample_req_ids=[batch.sample_req_ids[i] for i in keep],
+                sample_rows=batch.sample_rows[keep],
+                logits_indices=batch.logits_indices.index_select(0, index),
+            )
+            output = self._sample(plain, self.model.compute_logits(hidden.index_select(0, plain.logits_indices)).float())
+        spec_ids, spec_rows = draft_hidden_rows(batch, drafts)
+        rows = torch.tensor(spec_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        verified = verify(logits, self.requests, spec_ids, drafts, self.model_config.eos_token_ids)
+        table = self.requests
+        for req_id in spec_ids:
+            row, accepted = table.row_of[req_id], verified.accepted[req_id]
+            for token in accepted + [verified.next_token[req_id]]:
+                table.append_sampled(np.array([row]), [token])
+            table.num_computed[row] -= len(drafts[req_id]) - len(accepted)
+            table.num_blocks[row] = min(int(table.num_blocks[row]), -(-int(table.num_computed[row]) // self.block_size))
+        output.req_ids += spec_ids
+        output.sampled_token_ids += [verified.next_token[r] for r in spec_ids]
+        output.accepted_token_ids = verified.accepted
+        if output.logprobs is not None:
+            output.logprobs += [None] * len(spec_ids)
+        return output

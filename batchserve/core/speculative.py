@@ -1,0 +1,96 @@
+"""Speculative decoding on the scheduler's side: model-free proposals (n-gram prompt lookup) and the plan of how
+many tokens a decode sequence speculates this step (k by load, per-request eligibility). No torch here: proposals
+are plain token ids, verified by the worker (worker/speculative.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from batchserve.config import SpeculativeConfig
+from batchserve.request import Request
+
+
+class NgramProposer:
+    """Prompt lookup: find the most recent earlier occurrence of the sequence's last n tokens (n from max_n down to
+    min_n) in prompt + output, and propose the tokens that followed it."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = list(tokens[length - n :])
+            first = suffix[0]
+            # scan right to left: the most recent match predicts best; the suffix itself (start = length - n) is
+            # excluded, so a match always has at least one following token
+            for start in range(length - n - 1, -1, -1):
+                if tokens[start] == first and list(tokens[start : start + n]) == suffix:
+                    return list(tokens[start + n : start + n + k])
+        return []
+
+
+@dataclass
+class SpeculationStats:
+    """Since start: draft tokens proposed and accepted, verification steps, and the tokens each step produced."""
+
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+    num_emitted: int = 0  # accepted drafts + one target token per verification step
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.num_emitted / self.num_verify_steps if self.num_verify_steps else 0.0
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_proposed += num_proposed
+        self.num_accepted += num_accepted
+        self.num_verify_steps += 1
+        self.num_emitted += num_accepted + 1
+
+
+class SpeculationPlanner:
+    """Draft tokens for one decode sequence this step, or none. k shrinks linearly as the running batch grows and is
+    0 from disable_by_batch_size on: a large batch is compute-bound and verifying drafts would cost throughput."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpeculationStats()
+
+    def k_for_load(self, num_running: int) -> int:
+        limit = self.config.disable_by_batch_size
+        if num_running >= limit:
+            return 0
+        return -(-self.config.num_speculative_tokens * (limit - num_running) // limit)
+
+    def propose(self, request: Request, num_running: int, token_budget: int, max_model_len: int) -> list[int]:
+        if not eligible(request):
+            return []
+        params = request.sampling_params
+        k = min(
+            self.k_for_load(num_running),
+            token_budget - 1,
+            params.max_tokens - request.num_output_tokens - 1,  # the verified step also yields one target token
+            max_model_len - request.num_tokens - 1,
+        )
+        if k <= 0:
+            return []
+        return self.proposer.propose(request.all_token_ids, k)
+
+
+def eligible(request: Request) -> bool:
+    """Requests whose outputs speculation would change in form are never speculated: logprobs (one record per
+    token), prompt logprobs, structured outputs (grammar state per draft), and those that opt out."""
+    params = request.sampling_params
+    if not params.speculate:
+        return False
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        return False
+    return params.structured_outputs is None
