@@ -85,3 +85,13 @@ def test_int4_gives_the_dequantized_models_tokens(tiny_dir, tmp_path_factory):
 def test_unknown_quantization_is_refused():
     with pytest.raises(ConfigError, match="quantization must be one of"):
         EngineConfig.from_options(quantization="int2")
+
+
+def test_bf16_activations_serve_in_the_native_loop(tiny_dir, float32_tokens):
+    """A bfloat16 model's rows enter the quantized GEMM widened (W8A16) and leave rounded to bf16; the step stays one
+    native call. The prompts' first tokens are float32's."""
+    llm = LLM(model=str(tiny_dir), dtype="bfloat16", device="cpu", quantization="int8", num_kv_blocks=16)
+    tokens = [out.token_ids for out in llm.generate(PROMPTS, PARAMS)]
+    assert llm.engine.runner.model.decoder_loop is not None
+    assert all(len(ids) == PARAMS.max_tokens for ids in tokens)
+    assert [ids[0] for ids in tokens] == [ids[0] for ids in float32_tokens]
