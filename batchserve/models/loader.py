@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -22,6 +21,7 @@ from batchserve import env
 from batchserve.config import ConfigError, ModelConfig
 from batchserve.models.gemma import GemmaForCausalLM
 from batchserve.models.gemma import config_fields as gemma_config_fields
+from batchserve.models.gguf_weights import iter_gguf_tensors, write_gguf_as_safetensors
 from batchserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -135,12 +135,10 @@ def ensure_gguf_cache(path: Path) -> Path:
     if (target / "model_config.json").is_file():
         _complete_hf_folder(target)
         return target
-    from safetensors.torch import save_file
-
     logger.info("converting %s once into %s", path.name, target)
     config = _gguf_config(path)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=_mkdir(target.parent)))
-    save_file({name: t.contiguous() for name, t in iter_gguf_weights(path, config)}, str(tmp / "model.safetensors"))
+    write_gguf_as_safetensors(gguf_reader(path), tmp / "model.safetensors", gguf_to_hf_name, _permuted_qk_heads(config))
     tokenizer = _load_gguf_tokenizer(path)
     tokenizer.save_pretrained(str(tmp))
     _portable_tokenizer_class(tmp)
@@ -398,29 +396,14 @@ def gguf_to_hf_name(name: str) -> str | None:
     return None
 
 
-def unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's convert-time permutation of q/k rows (its RoPE pairs adjacent dims; HF pairs halves)."""
-    dim = weights.shape[0] // num_heads // 2
-    w = weights.reshape(num_heads, dim, 2, *weights.shape[1:])
-    return w.swapaxes(2, 1).reshape(weights.shape)
+def _permuted_qk_heads(config: ModelConfig) -> tuple[int, int] | None:
+    """llama.cpp permutes q/k rows for llama only (not qwen2)."""
+    return (config.num_heads, config.num_kv_heads) if config.architecture == "llama" else None
 
 
 def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    import gguf
-
-    reader = gguf_reader(path)
-    permuted = config.architecture == "llama"  # llama.cpp permutes q/k for llama only (not qwen2)
-    for tensor in reader.tensors:
-        name = gguf_to_hf_name(tensor.name)
-        if name is None:
-            continue
-        # dequantize returns [rows, cols] in row-major order: already torch's [out, in] (GGUF lists shapes reversed)
-        weights = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if permuted and name.endswith("q_proj.weight"):
-            weights = unpermute_qk(weights, config.num_heads)
-        elif permuted and name.endswith("k_proj.weight"):
-            weights = unpermute_qk(weights, config.num_kv_heads)
-        yield name, torch.tensor(weights)
+    """The GGUF file's tensors under HF names, one at a time (models/gguf_weights.py)."""
+    return iter_gguf_tensors(gguf_reader(path), gguf_to_hf_name, _permuted_qk_heads(config))
 
 
 def _load_gguf_tokenizer(path: Path):
