@@ -43,6 +43,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 # weights kept quantized (layers/quantization.py): int4 is int4_g32
 QUANTIZATIONS = ("none", "int8", "int4", "int4_g32", "int4_g64", "int4_g128")
+# the KV pool's element type (vLLM's option); auto: the model's dtype; int8 with per-token-per-head scales
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -108,6 +110,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space_gb: float = 1.0  # host memory for swapped-out blocks (preemption_mode="swap")
     num_swap_blocks: int | None = None  # None: sized from swap_space_gb
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES (docs/kv-cache-quantization.md)
 
     def validate(self) -> None:
         _require(8 <= self.block_size <= 128, "block_size must be in [8, 128]")
@@ -118,6 +121,11 @@ class CacheConfig:
         )
         _require(self.swap_space_gb >= 0, "swap_space_gb must be >= 0")
         _require(self.num_swap_blocks is None or self.num_swap_blocks >= 0, "num_swap_blocks must be >= 0")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}")
+        _require(
+            self.kv_cache_dtype != "fp8_e4m3",
+            "kv_cache_dtype fp8_e4m3 is not implemented here; int8 stores the same bytes per element",
+        )
 
 
 @dataclass

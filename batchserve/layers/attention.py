@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from batchserve import env
-from batchserve.layers import kernels
+from batchserve.layers import kernels, kv_quant
 from batchserve.layers.gpu import paged_attention as gpu_attention
 from batchserve.layers.windowed_attention import windowed_attention
 
@@ -115,6 +115,9 @@ class AttentionMetadata:
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """Store this step's K/V ([T, Hkv, D]) into the pool at their slots."""
+    if kv_quant.is_quantized(kv_cache):
+        kv_quant.write(key, value, kv_cache, slot_mapping)
+        return
     key_cache, value_cache = kv_cache
     native = kernels.for_tensors(key, value, key_cache, dtypes=kernels.FUSED_DTYPES)
     if native is not None:
@@ -125,12 +128,18 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_map
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
-def gather_kv(kv_cache: KVCache, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read each sequence's context through its block table -> K, V as [B, Hkv, max_blocks * block_size, D]."""
+def gather_kv(
+    kv_cache: KVCache, block_tables: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read each sequence's context through its block table -> K, V as [B, Hkv, max_blocks * block_size, D] (an
+    int8 pool's dequantized to `dtype`)."""
     key_cache, value_cache = kv_cache
     num_seqs, max_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     flat = block_tables.reshape(-1)
+    if kv_quant.is_quantized(kv_cache):
+        key_cache, value_cache = kv_quant.read_blocks(kv_cache, flat, dtype)
+        flat = torch.arange(flat.shape[0], device=flat.device)
     keys = key_cache.index_select(0, flat).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
     values = value_cache.index_select(0, flat).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
     return keys.transpose(1, 2), values.transpose(1, 2)
@@ -151,12 +160,17 @@ def paged_attention(
     code of layers/windowed_attention.py: the native kernels implement neither."""
     scale = scale if scale is not None else query.shape[-1] ** -0.5
     if window is not None or softcap is not None:
+        if kv_quant.is_quantized(kv_cache):
+            raise NotImplementedError("an int8 KV cache with sliding-window or soft-capped attention")
         write_kv(key, value, kv_cache, metadata.slot_mapping)
         return windowed_attention(query, key, value, kv_cache, metadata, scale, window, softcap)
     step = native_step(query, query.shape[-1], kv_cache, metadata)
     if step is not None:
         return kernels.load().paged_attention(query, key, value, kv_cache[0], kv_cache[1], step, scale)
-    write_kv(key, value, kv_cache, metadata.slot_mapping)
+    if kv_quant.is_quantized(kv_cache):  # attend to the K/V as the pool holds them, as later steps will
+        key, value = kv_quant.write(key, value, kv_cache, metadata.slot_mapping)
+    else:
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
     groups = [
         (g, path) for g, path in ((metadata.decode, decode_attention), (metadata.prefill, prefill_attention)) if g
     ]
@@ -227,7 +241,7 @@ def decode_attention(
         )
         return out.to(query.dtype)
     # Torch path: one query per sequence; fold the query heads sharing a KV head into SDPA's query-length dim.
-    keys, values = gather_kv(kv_cache, group.block_tables)
+    keys, values = gather_kv(kv_cache, group.block_tables, query.dtype)
     num_seqs, num_kv_heads, num_keys, head_dim = keys.shape
     num_heads = query.shape[1]
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -280,7 +294,7 @@ def _padded_prefill_attention(
     padded to the longest chunk and attended in one SDPA under the prefill mask."""
     if group.fresh:
         return _per_sequence_prefill_attention(query, key, value, kv_cache, group, scale)
-    keys, values = gather_kv(kv_cache, group.block_tables)
+    keys, values = gather_kv(kv_cache, group.block_tables, query.dtype)
     num_seqs, num_kv_heads, num_keys, head_dim = keys.shape
     num_tokens, num_heads, _ = query.shape
     max_q = group.max_query_len
@@ -352,6 +366,8 @@ def _sequence_kv(
     """One sequence's first `num_keys` K and V from the pool through its block table -> each [1, Hkv, num_keys, D]."""
     block_size, num_kv_heads, head_dim = kv_cache[0].shape[1:]
     blocks = block_table[: -(-num_keys // block_size)]
+    if kv_quant.is_quantized(kv_cache):
+        kv_cache, blocks = kv_quant.read_blocks(kv_cache, blocks, dtype), torch.arange(blocks.shape[0])
     return tuple(
         cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:num_keys].transpose(0, 1).unsqueeze(0).to(dtype)
         for cache in kv_cache

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from batchserve.config import CacheConfig, ConfigError, ModelConfig
-from batchserve.host.memory import available_memory_bytes, block_bytes
+from batchserve.host.memory import available_memory_bytes
+from batchserve.host.memory import block_bytes as _element_block_bytes
+from batchserve.layers.kv_quant import SCALE_DTYPE, QuantizedKV
 
 logger = logging.getLogger(__name__)
 
@@ -16,6 +18,21 @@ GiB = 1024**3
 # The CPU default pool stops here (vLLM's CPU default is 4 GiB too): zeroing a larger one costs start-up time, and
 # on a host short of memory minutes, for context a CPU cannot compute at a useful speed anyway.
 CPU_DEFAULT_MAX_BYTES = 4 * GiB
+
+
+def pool_dtype(cache_config: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type: kv_cache_dtype, or the model's dtype for "auto"."""
+    named = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+    return named.get(cache_config.kv_cache_dtype, model_dtype)
+
+
+def block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V; an int8 pool's scales (one per slot and KV head) included."""
+    data = _element_block_bytes(model_config, block_size, dtype)
+    if dtype != torch.int8:
+        return data
+    scale = torch.empty((), dtype=SCALE_DTYPE).element_size()
+    return data + 2 * model_config.num_layers * block_size * model_config.num_kv_heads * scale
 
 
 def num_blocks_for_budget(
@@ -73,6 +90,9 @@ class KVCache:
         shape = (block_size, model_config.num_kv_heads, model_config.head_dim)
         device_caches = _zeroed_pool(model_config.num_layers, num_blocks, shape, dtype, device)
         pin = device.type == "cuda"
+        if dtype == torch.int8:
+            host = [QuantizedKV.zeros((num_swap_blocks, *shape), torch.device("cpu"), pin) for _ in device_caches]
+            return cls(device_caches, host)
         # Only whole swapped-out blocks are ever read back from the host pool, so it may start uninitialised.
         host_caches = [
             (
@@ -93,9 +113,9 @@ class KVCache:
         old = self.device_caches if keep_blocks else []  # else nothing holds the old pool now: freed here
         self.device_caches = []
         new = _zeroed_pool(num_layers, num_blocks, shape, dtype, device)
-        for (new_k, new_v), (old_k, old_v) in zip(new, old):
-            new_k[:keep_blocks].copy_(old_k[:keep_blocks])
-            new_v[:keep_blocks].copy_(old_v[:keep_blocks])
+        for new_layer, old_layer in zip(new, old):
+            for new_t, old_t in zip(_parts(new_layer), _parts(old_layer), strict=True):
+                new_t[:keep_blocks].copy_(old_t[:keep_blocks])
         self.device_caches = new
 
     @property
@@ -111,9 +131,9 @@ class KVCache:
         if not pairs:
             return
         src, dst = _index_pair(pairs, self.device_caches[0][0].device)
-        for (dev_k, dev_v), (host_k, host_v) in zip(self.device_caches, self.host_caches, strict=True):
-            host_k.index_copy_(0, dst, dev_k.index_select(0, src).to("cpu"))
-            host_v.index_copy_(0, dst, dev_v.index_select(0, src).to("cpu"))
+        for dev, host in zip(self.device_caches, self.host_caches, strict=True):
+            for dev_t, host_t in zip(_parts(dev), _parts(host), strict=True):
+                host_t.index_copy_(0, dst, dev_t.index_select(0, src).to("cpu"))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host blocks back to device blocks: pairs of (device block id, host block id)."""
@@ -121,15 +141,17 @@ class KVCache:
             return
         device = self.device_caches[0][0].device
         dst, src = _index_pair(pairs, device)
-        for (dev_k, dev_v), (host_k, host_v) in zip(self.device_caches, self.host_caches, strict=True):
-            dev_k.index_copy_(0, dst, host_k.index_select(0, src).to(device, non_blocking=True))
-            dev_v.index_copy_(0, dst, host_v.index_select(0, src).to(device, non_blocking=True))
+        for dev, host in zip(self.device_caches, self.host_caches, strict=True):
+            for dev_t, host_t in zip(_parts(dev), _parts(host), strict=True):
+                dev_t.index_copy_(0, dst, host_t.index_select(0, src).to(device, non_blocking=True))
 
 
 def _zeroed_pool(
     num_layers: int, num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # zeros, not empty: stale NaNs in unwritten slots would leak through masked attention (0 * NaN = NaN).
+    if dtype == torch.int8:
+        return [QuantizedKV.zeros((num_blocks, *shape), device) for _ in range(num_layers)]
     return [
         (
             torch.zeros((num_blocks, *shape), dtype=dtype, device=device),
@@ -137,6 +159,11 @@ def _zeroed_pool(
         )
         for _ in range(num_layers)
     ]
+
+
+def _parts(layer: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The tensors a copy of blocks moves: K and V, and an int8 pool's scales."""
+    return layer.parts() if isinstance(layer, QuantizedKV) else tuple(layer)
 
 
 def _index_pair(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from batchserve.worker.kv_cache import (
     block_bytes,
     num_blocks_for_budget,
     num_swap_blocks_for_budget,
+    pool_dtype,
 )
 from batchserve.worker.prompt_logprobs import PromptLogprobs
 from batchserve.worker.sampler import Sampler, SamplingMetadata
@@ -49,14 +50,15 @@ class ModelRunner:
         cache = engine_config.cache
         self.block_size = cache.block_size
         swap_enabled = engine_config.scheduler.preemption_mode == "swap"
-        self.max_kv_blocks = num_blocks_for_budget(cache, model_config, dtype, device)
+        self.kv_dtype = pool_dtype(cache, dtype)  # the pool's element type (kv_cache_dtype)
+        self.max_kv_blocks = num_blocks_for_budget(cache, model_config, self.kv_dtype, device)
         self.num_kv_blocks = self.max_kv_blocks
         if initial_kv_blocks is not None:
             self.num_kv_blocks = max(1, min(initial_kv_blocks, self.max_kv_blocks))
-        self.num_swap_blocks = num_swap_blocks_for_budget(cache, model_config, dtype, enabled=swap_enabled)
+        self.num_swap_blocks = num_swap_blocks_for_budget(cache, model_config, self.kv_dtype, enabled=swap_enabled)
         # one block past the pool's: the scratch slot where static batching's padding rows write their K/V
         self.kv_cache = KVCache.allocate(
-            model_config, self.num_kv_blocks + 1, self.num_swap_blocks, self.block_size, dtype, device
+            model_config, self.num_kv_blocks + 1, self.num_swap_blocks, self.block_size, self.kv_dtype, device
         )
         self.sampler = Sampler()
         # grammar matchers of constrained sequences; startup gives it the tokenizer its compiler needs
@@ -87,7 +89,7 @@ class ModelRunner:
         self._log_pool()
 
     def _log_pool(self) -> None:
-        per_block = block_bytes(self.model_config, self.block_size, self.dtype)
+        per_block = block_bytes(self.model_config, self.block_size, self.kv_dtype)
         budget = "" if self.num_kv_blocks == self.max_kv_blocks else f", may grow to {self.max_kv_blocks} blocks"
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s%s)",

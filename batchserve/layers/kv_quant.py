@@ -1,0 +1,84 @@
+"""The 8-bit KV cache (kv_cache_dtype="int8"): symmetric int8 K/V with one float32 scale per (slot, KV head).
+
+A layer's pool is a QuantizedKV: the (K, V) pair of int8 tensors that every reader indexes as kv_cache[0] and
+kv_cache[1], carrying the two scale tensors beside it. A token's K (and its V) of one head is stored as
+round(x / s) with s = max|x| / 127, so each element is off by at most s / 2 after dequantization.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX = 127.0
+SCALE_DTYPE = torch.float32
+# A head whose K (or V) is all zeros gets this scale instead of 0 (which would divide by zero); it reads back as zeros.
+MIN_SCALE = 1e-12
+
+
+class QuantizedKV(tuple):
+    """(K, V) int8 pools [num_blocks, block_size, Hkv, D] with their scales [num_blocks, block_size, Hkv]."""
+
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    def __new__(cls, key: torch.Tensor, value: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor):
+        pair = super().__new__(cls, (key, value))
+        pair.k_scale, pair.v_scale = k_scale, v_scale
+        return pair
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...], device: torch.device, pin: bool = False) -> QuantizedKV:
+        """A pool of `shape` (num_blocks, block_size, Hkv, D): zeros dequantize to zeros (never NaN)."""
+        kw = {"device": device} if not pin else {"pin_memory": True}
+        data = [torch.zeros(shape, dtype=torch.int8, **kw) for _ in range(2)]
+        scales = [torch.zeros(shape[:-1], dtype=SCALE_DTYPE, **kw) for _ in range(2)]
+        return cls(*data, *scales)
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V and their scales: what a copy of blocks (swap, resize) must move together."""
+        return self[0], self[1], self.k_scale, self.v_scale
+
+
+def is_quantized(kv_cache) -> bool:
+    return isinstance(kv_cache, QuantizedKV)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D], float32 scale [...]): symmetric, one scale per row of D."""
+    x = x.float()
+    scale = (x.abs().amax(dim=-1) / QMAX).clamp_min(MIN_SCALE)
+    q = torch.round(x / scale.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of quantize, to within scale / 2 per element."""
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def write(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: QuantizedKV, slot_mapping: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize this step's K/V ([T, Hkv, D]) and store them with their scales at their slots -> the K/V as stored
+    (dequantized, in their dtype), which this step attends to so that a prompt sees what its later chunks will."""
+    num_kv_heads, head_dim = kv_cache[0].shape[2], kv_cache[0].shape[3]
+    stored = []
+    for x, data, scales in ((key, kv_cache[0], kv_cache.k_scale), (value, kv_cache[1], kv_cache.v_scale)):
+        q, s = quantize(x)
+        data.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, q)
+        scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, s)
+        stored.append(dequantize(q, s, x.dtype))
+    return stored[0], stored[1]
+
+
+def read_blocks(kv_cache: QuantizedKV, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the given block ids, dequantized -> each [len(blocks), block_size, Hkv, D] in `dtype`."""
+    return (
+        dequantize(kv_cache[0].index_select(0, blocks), kv_cache.k_scale.index_select(0, blocks), dtype),
+        dequantize(kv_cache[1].index_select(0, blocks), kv_cache.v_scale.index_select(0, blocks), dtype),
+    )
+
+
+def dequantized_pool(kv_cache: QuantizedKV, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole pool dequantized (tests' reference: float attention over exactly the values int8 stores)."""
+    return dequantize(kv_cache[0], kv_cache.k_scale, dtype), dequantize(kv_cache[1], kv_cache.v_scale, dtype)
