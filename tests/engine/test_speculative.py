@@ -1,0 +1,73 @@
+"""Speculative decoding end to end: greedy float32 output with n-gram speculation equals the output without it on the
+default model (the README's prompts and a batched workload that repeats its prompts), stop strings and max_tokens
+cut a step's accepted tokens as without speculation, a bad speculative_config is refused before a model loads, and on
+a tiny model the sampled tokens with speculation follow the same distribution as without (two-sample chi-square)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from batchserve import LLM, SamplingParams
+from batchserve.config import ConfigError
+
+README_PROMPTS = ["The river town woke", {"prompt_token_ids": [1, 2, 3]}]
+REPEATING = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Copy the list exactly: apples, pears, plums, figs. Again: apples, pears, plums, figs. Again: apples,",
+    'Extract the JSON: name is Ada, age 36. {"name": "Ada", "age": 36}. Name is Alan, age 41. {"name":',
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+]
+SPEC = {
+    "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+    "disable_by_batch_size": 64,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llm():
+    pytest.importorskip("batchserve.models.loader").resolve_model_path(None)
+    # one engine for both runs: a request with speculate=False is never speculated
+    return LLM(device="cpu", dtype="float32", num_kv_blocks=256, speculative_config=SPEC)
+
+
+def _generate(llm, prompts, params, speculate):
+    stats = llm.engine.scheduler.speculation.stats
+    proposed = stats.num_proposed
+    params = dataclasses.replace(params, speculate=speculate)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.token_ids, o.text, o.finish_reason) for o in outs], stats.num_proposed - proposed
+
+
+def test_greedy_output_with_speculation_equals_without(llm):
+    prompts = README_PROMPTS + REPEATING * 3  # 14 requests, batched
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain, none_proposed = _generate(llm, prompts, params, speculate=False)
+    accepted = llm.engine.scheduler.speculation.stats.num_accepted
+    spec, proposed = _generate(llm, prompts, params, speculate=True)
+    assert spec == plain
+    assert none_proposed == 0 and proposed > 0
+    assert llm.engine.scheduler.speculation.stats.num_accepted > accepted  # some drafts were kept: the path ran
+    alone, _ = _generate(llm, README_PROMPTS[:1], params, speculate=True)
+    assert alone == plain[:1]
+
+
+def test_stop_strings_and_max_tokens_cut_accepted_tokens(llm):
+    prompts = REPEATING[1:2]
+    for params in (
+        SamplingParams(max_tokens=7, temperature=0.0),
+        SamplingParams(max_tokens=30, temperature=0.0, stop=[" plums"]),
+        SamplingParams(max_tokens=30, temperature=0.0, stop=[" plums"], include_stop_str_in_output=True),
+    ):
+        plain, _ = _generate(llm, prompts, params, speculate=False)
+        spec, proposed = _generate(llm, prompts, params, speculate=True)
+        assert spec[0][1:] == plain[0][1:]  # text and finish reason
+        assert proposed > 0
+
+
+def test_a_bad_speculative_config_is_refused_before_loading_a_model():
+    with pytest.raises(ConfigError, match="method"):
+        LLM(model="/nonexistent", speculative_config={"method": "medusa"})
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        LLM(model="/nonexistent", speculative_config='{"num_speculative_tokens": 0}')
