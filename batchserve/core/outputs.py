@@ -115,6 +115,11 @@ class SchedulerStats:
     # req_id -> (tokens scheduled, is a prefill chunk) for this step, in batch order
     scheduled: dict[str, tuple[int, bool]] = field(default_factory=dict)
     padding: list[str] = field(default_factory=list)  # static batching: finished members computed as padding
+    # speculative decoding, since start: draft tokens proposed, accepted, verification steps, tokens they emitted
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_num_emitted_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:

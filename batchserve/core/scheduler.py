@@ -32,7 +32,7 @@ from batchserve.core.outputs import (
     SchedulerStats,
 )
 from batchserve.core.request_queue import make_request_queue
-from batchserve.core.speculative import SpeculationPlanner
+from batchserve.core.speculative import SpeculationPlanner, SpeculationStats
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.sampling_params import InvalidRequestError
 
@@ -458,7 +458,12 @@ class Scheduler:
         step = self._last_step
         pool = self.kv.pool
         scheduled = step.scheduled if step else {}
+        spec = self.speculation.stats if self.speculation else SpeculationStats()
         return SchedulerStats(
+            spec_num_draft_tokens=spec.num_proposed,
+            spec_num_accepted_tokens=spec.num_accepted,
+            spec_num_drafts=spec.num_verify_steps,
+            spec_num_emitted_tokens=spec.num_emitted,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_swapped=len(self.kv.req_host_blocks),

@@ -61,6 +61,18 @@ class EngineMetrics:
         self.prefix_cache_queries = f.counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = f.counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = f.counter("num_preemptions", "Cumulative number of preemptions.")
+        self.spec_counters = {  # SchedulerStats field -> counter (speculative decoding, vLLM's names)
+            "spec_num_draft_tokens": f.counter("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+            "spec_num_accepted_tokens": f.counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+            "spec_num_drafts": f.counter("spec_decode_num_drafts", "Verification steps of a sequence with drafts."),
+            "spec_num_emitted_tokens": f.counter(
+                "spec_decode_num_emitted_tokens", "Tokens emitted by verification steps (accepted drafts + 1 each)."
+            ),
+        }
+        self.spec_mean_acceptance_length = f.gauge(
+            "spec_decode_mean_acceptance_length", "Tokens emitted per verification step, since start."
+        )
+        self._last_spec = dict.fromkeys(self.spec_counters, 0)
 
     def _add_token_metrics(self, f: _Family) -> None:
         self.prompt_tokens = f.counter("prompt_tokens", "Prompt tokens of the requests admitted.")
@@ -135,6 +147,10 @@ class EngineMetrics:
             self.prefix_cache_queries, stats.prefix_cache_queries, self._last_prefix_queries
         )
         self._last_prefix_hits = _advance(self.prefix_cache_hits, stats.prefix_cache_hits, self._last_prefix_hits)
+        for name, counter in self.spec_counters.items():
+            self._last_spec[name] = _advance(counter, getattr(stats, name), self._last_spec[name])
+        if stats.spec_num_drafts:
+            self.spec_mean_acceptance_length.set(stats.spec_num_emitted_tokens / stats.spec_num_drafts)
 
     def observe_step(
         self, stats: SchedulerStats | None, step_time_s: float | None, outputs: Iterable[CompletionDelta]

@@ -71,3 +71,18 @@ def test_a_bad_speculative_config_is_refused_before_loading_a_model():
         LLM(model="/nonexistent", speculative_config={"method": "medusa"})
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         LLM(model="/nonexistent", speculative_config='{"num_speculative_tokens": 0}')
+
+
+def test_prometheus_counts_proposed_accepted_and_acceptance_length(llm):
+    from batchserve.serving.metrics import EngineMetrics, parse_metrics
+
+    _generate(llm, REPEATING[:2], SamplingParams(max_tokens=12, temperature=0.0), speculate=True)
+    stats = llm.engine.scheduler.stats()
+    metrics = EngineMetrics("m")
+    metrics.observe_stats(stats)
+    values = parse_metrics(metrics.render().decode())
+    assert stats.spec_num_draft_tokens > 0
+    assert values["batchserve:spec_decode_num_draft_tokens_total"] == stats.spec_num_draft_tokens
+    assert values["batchserve:spec_decode_num_accepted_tokens_total"] == stats.spec_num_accepted_tokens
+    length = values["batchserve:spec_decode_mean_acceptance_length"]
+    assert length == stats.spec_num_emitted_tokens / stats.spec_num_drafts >= 1.0
