@@ -53,6 +53,8 @@ def load_runner(
         )
     if config.quantization != "none":
         logger.info("weights kept quantized: %s (docs/quantization.md)", config.quantization)
+    if config.quantization == "none":  # quantized weights are smaller than this count
+        check_memory_before_loading(config, path, model_config, dtype, device)
     with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, device):
         model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
@@ -61,3 +63,19 @@ def load_runner(
     runner = ModelRunner(config, model_config, model, device, dtype, initial_kv_blocks)
     runner.structured_outputs.tokenizer = tokenizer
     return runner, model_config, tokenizer
+
+
+def check_memory_before_loading(config: EngineConfig, path, model_config, dtype, device) -> None:
+    """Weights (from the checkpoint's headers, at the load dtype) + the smallest KV pool against the memory free now
+    (host/memory.py): a model that cannot fit is refused before anything is allocated."""
+    from batchserve.host.memory import available_memory_bytes, min_kv_blocks, require_memory_for
+    from batchserve.models.gguf_weights import checkpoint_weight_bytes
+    from batchserve.models.loader import gguf_reader, gguf_to_hf_name, is_gguf
+    from batchserve.worker.kv_cache import block_bytes, pool_dtype
+
+    reader = gguf_reader(path) if is_gguf(path) else None
+    weights = checkpoint_weight_bytes(path, gguf_to_hf_name, dtype, reader)
+    cache = config.cache
+    blocks = min_kv_blocks(cache.num_kv_blocks, config.scheduler.max_model_len, cache.block_size)
+    kv = blocks * block_bytes(model_config, cache.block_size, pool_dtype(cache, dtype))
+    require_memory_for(weights, kv, available_memory_bytes(device))

@@ -140,3 +140,10 @@ def safetensors_num_elements(folder: Path) -> int:
             header = json.loads(f.read(length))
         total += sum(int(np.prod(v["shape"], dtype=np.int64)) for k, v in header.items() if k != "__metadata__")
     return total
+
+
+def checkpoint_weight_bytes(path: Path, to_hf_name: Callable[[str], str | None], dtype: torch.dtype, reader=None) -> int:
+    """Bytes the loaded weights take at `dtype`, from the checkpoint's headers (a GGUF file via `reader`, or an HF
+    folder's *.safetensors); 0 when the folder has none (pytorch_model*.bin: not counted)."""
+    elements = gguf_num_elements(reader, to_hf_name) if reader is not None else safetensors_num_elements(path)
+    return elements * torch.empty((), dtype=dtype).element_size()
