@@ -111,3 +111,48 @@ def test_deterministic_mode_is_in_the_effective_configuration(tiny_dir):
     """What batchserve:engine_config_info reports (effective_config)."""
     llm = _llm(tiny_dir, num_kv_blocks=32)
     assert llm.engine.effective_config()["deterministic"] == "True"
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Name three prime numbers.",
+    "Translate 'good morning' into Spanish.",
+]
+DEFAULT_MODEL_CONFIGS = {
+    "large pool": dict(num_kv_blocks=128, enable_prefix_caching=False),
+    "tiny pool, recompute": dict(num_kv_blocks=7, enable_prefix_caching=False),
+    "chunked prefill, 19 tokens a step": dict(num_kv_blocks=128, max_num_tokens=19, enable_prefix_caching=False),
+    "prefix caching": dict(num_kv_blocks=128, enable_prefix_caching=True),
+}
+
+
+@pytest.mark.slow
+def test_default_model_chat_tokens_do_not_depend_on_the_configuration():
+    """The issue's case on SmolLM2 in bf16: chat prompts, greedy, four configurations and each prompt alone (this test
+    found the norm's alignment-dependent sum: one row at layer 10 apart when prefilled in chunks of 16)."""
+    from batchserve.models.loader import resolve_model_path
+
+    try:
+        resolve_model_path(None)
+    except Exception as exc:  # noqa: BLE001  (whatever stops the default model from loading: not installed here)
+        pytest.skip(f"default model not installed: {exc}")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    results = {}
+    for name, options in DEFAULT_MODEL_CONFIGS.items():
+        llm = LLM(dtype="bfloat16", device="cpu", deterministic=True, max_batch_size=8, **options)
+        runs = 2 if name == "prefix caching" else 1  # the second run hits the first one's blocks
+        for _ in range(runs):
+            outs = llm.chat(conversations, params, use_tqdm=False)
+        results[name] = [(tuple(o.token_ids), tuple(lp.logprob for lp in o.logprobs)) for o in outs]
+        if name == "large pool":
+            results["alone"] = [
+                (tuple(o.token_ids), tuple(lp.logprob for lp in o.logprobs))
+                for c in conversations[:3]
+                for o in llm.chat([c], params, use_tqdm=False)
+            ]
+    assert "Paris" in llm.tokenizer.decode(results["large pool"][0][0])
+    for name, got in results.items():
+        expected = results["large pool"][: len(got)]
+        assert got == expected, name

@@ -10,7 +10,7 @@ import torch
 from batchserve.layers import kernels
 from batchserve.layers.linear import CpuLinear, deterministic_gemms
 
-K, N = 320, 200  # K over one slice of the kernels' K blocking (192 floats / 384 bf16 pairs) for float32; odd panels
+K, N = 800, 200  # K over several slices of the kernels' K blocking (192 floats, 192 bf16 pairs); a partial panel
 
 
 def _force(path: str, force_gemm, force_small_gemm, monkeypatch) -> torch.dtype:
@@ -105,3 +105,27 @@ def test_output_projection_is_float32_on_every_gemm_path(path, native_kernels, f
 def test_model_dtype_projections_stay_in_the_model_dtype(native_kernels):
     layer = CpuLinear(torch.randn(N, K).bfloat16())
     assert layer(torch.randn(5, K).bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_norm_row_bits_do_not_depend_on_the_rows_address(dtype, native_kernels):
+    """RMSNorm sums a row's squares in one order wherever the row sits in memory (a batch's tensor and a row's offset
+    in it change its alignment), with and without the fused residual add."""
+    torch.manual_seed(2)
+    hidden = 576
+    weight = torch.rand(hidden).to(dtype) + 0.5
+    rows = (torch.randn(64, hidden) * torch.rand(64, 1) * 10).to(dtype)
+    residual = torch.randn(64, hidden).to(dtype)
+    alone = torch.cat([native_kernels.rms_norm(rows[i : i + 1].clone(), None, weight, 1e-5) for i in range(64)])
+    for shift in range(1, 17):  # every alignment of a row's first element (bf16: 2 bytes a step, float32: 4)
+        flat = torch.empty(64 * hidden + shift, dtype=dtype)
+        moved = flat[shift:].view(64, hidden)
+        moved.copy_(rows)
+        assert torch.equal(native_kernels.rms_norm(moved, None, weight, 1e-5), alone), shift
+    summed = torch.cat([
+        native_kernels.rms_norm(rows[i : i + 1].clone(), residual[i : i + 1].clone(), weight, 1e-5) for i in range(64)
+    ])  # fmt: skip
+    flat = torch.empty(64 * hidden + 5, dtype=dtype)
+    moved_residual = flat[5:].view(64, hidden)
+    moved_residual.copy_(residual)
+    assert torch.equal(native_kernels.rms_norm(rows, moved_residual, weight, 1e-5), summed)

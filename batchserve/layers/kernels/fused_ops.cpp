@@ -41,6 +41,41 @@ void dispatch_float_or_bf16(at::ScalarType dtype, F&& f) {
   }
 }
 
+// sum of src[i]^2 in one order whatever the row's address: 16 lanes (lane j takes i = j mod 16) in unaligned loads,
+// then the lanes, then the tail. A `#pragma omp simd reduction` may peel iterations to align its loads, and a row's
+// alignment follows the batch's tensor, so the last bit of a norm changed with the rows around it (deterministic
+// mode, docs/determinism.md).
+inline float sum_of_squares(const float* src, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(src + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += src[i] * src[i];
+  return sum;
+}
+
+inline float sum_of_squares(const c10::BFloat16* src, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += static_cast<float>(src[i]) * static_cast<float>(src[i]);
+  return sum;
+}
+
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, and with a residual: residual[r] += x[r] first, normalizing
 // the sum (the residual stream of the next layer).
 template <typename T>
@@ -56,9 +91,7 @@ void rms_norm_rows(const T* x, int64_t x_stride, T* residual, int64_t res_stride
         for (int64_t i = 0; i < hidden; ++i) rr[i] = from_float<T>(as_float(rr[i]) + as_float(xr[i]));
         src = rr;
       }
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < hidden; ++i) sum += as_float(src[i]) * as_float(src[i]);
+      const float sum = sum_of_squares(src, hidden);
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
       T* o = out + r * hidden;
 #pragma omp simd
