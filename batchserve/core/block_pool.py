@@ -96,6 +96,7 @@ class BlockPool:
         self.cached: dict[int, KVBlock] = {}  # key hash -> block holding that content
         self.num_evictions = 0
         self._num_cached_free = 0  # kept incrementally: stats read it every step
+        self.null_block: KVBlock | None = None  # reserve_null_block (sliding windows only)
 
     @property
     def num_free_blocks(self) -> int:
@@ -119,11 +120,19 @@ class BlockPool:
         self.free_queue.prepend(new)
         self.num_blocks = num_blocks
 
+    def reserve_null_block(self) -> KVBlock:
+        """One block taken for good: the placeholder a sliding-window request's table keeps where blocks that left
+        the window were (attention masks those positions, so whatever it holds is never used)."""
+        if self.null_block is None:
+            [self.null_block] = self.take_new(1)
+        return self.null_block
+
     def drop_cached(self) -> None:
         """Forget the content of every cached block (the worker reallocated the K/V behind them). Only while no
         request owns a block: an owned block's content is still needed."""
-        if self.num_used_blocks:
-            raise BlockAccountingError(f"{self.num_used_blocks} blocks are owned: their content cannot be dropped")
+        owned = self.num_used_blocks - (self.null_block is not None)
+        if owned:
+            raise BlockAccountingError(f"{owned} blocks are owned: their content cannot be dropped")
         for block in self.cached.values():
             block.key = None
         self.cached = {}

@@ -38,8 +38,21 @@ class SwapInPlan:
 
 
 class KVCacheManager:
-    def __init__(self, block_pool: BlockPool, block_size: int, host_pool: HostBlockPool | None = None) -> None:
+    """`sliding_window` (tokens; only when every attention layer is windowed): blocks whose every token is older
+    than the window are returned to the pool while the request runs, and its table keeps the pool's null block in
+    their place so later positions still index correctly (attention masks those positions: docs/loading.md)."""
+
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        host_pool: HostBlockPool | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
         self.pool = block_pool
+        self.sliding_window = sliding_window
+        self.null_block = block_pool.reserve_null_block() if sliding_window else None
+        self.req_first_live: dict[str, int] = {}  # windowed: table entries before this index are the null block
         self.block_size = block_size
         self.host_pool = host_pool or HostBlockPool(0)
         self.req_blocks: dict[str, list[KVBlock]] = {}
@@ -77,11 +90,12 @@ class KVCacheManager:
         hit_blocks = hit.blocks if hit else []
         computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         new = max(0, cdiv(computed + num_new_tokens, self.block_size) - held - len(hit_blocks))
-        return new + sum(1 for b in hit_blocks if b.ref_count == 0)
+        return max(0, new - self._num_out_of_window(request)) + sum(1 for b in hit_blocks if b.ref_count == 0)
 
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
         """Room for num_new_tokens more tokens (after taking the hit blocks). None, changing nothing, if it can't."""
         held = self.req_blocks.get(request.request_id)
+        self._release_out_of_window(request)
         end = request.num_computed_tokens + num_new_tokens
         if held is not None and hit is None and end <= len(held) * self.block_size:  # most decodes: room already held
             self._register_full_blocks(request, end)
@@ -89,17 +103,19 @@ class KVCacheManager:
         if self.blocks_needed(request, num_new_tokens, hit) > self.pool.num_free_blocks:
             return None
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        start = len(blocks)
         added: list[KVBlock] = []
         if hit and hit.blocks:
             self.pool.take_cached(hit.blocks)
             added += hit.blocks
             request.num_computed_tokens += hit.num_tokens
         blocks += added
+        self._release_out_of_window(request)
         total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
         fresh = self.pool.take_new(max(0, total - len(blocks)))
         blocks += fresh
         self._register_full_blocks(request, request.num_computed_tokens + num_new_tokens)
-        return [b.block_id for b in added + fresh]
+        return [b.block_id for b in blocks[start:]]  # hit blocks already out of the window: the null block
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Blocks that will be full once this step runs become findable by content. Their tokens are known now:
@@ -113,7 +129,39 @@ class KVCacheManager:
             parent = keys[-1].hash if keys else None
             key = BlockKey(parent, token_range(request, i * self.block_size, (i + 1) * self.block_size))
             keys.append(key)
-            self.pool.register(blocks[i], key)
+            if blocks[i] is not self.null_block:  # a block that left the window is released, not registered
+                self.pool.register(blocks[i], key)
+
+    # ---- sliding window -------------------------------------------------------------------------------------
+    def _num_out_of_window(self, request: Request) -> int:
+        """Held blocks whose every token is older than the window: position p < computed - W is never read again
+        (a query at q >= computed attends to keys > q - W)."""
+        blocks = self.req_blocks.get(request.request_id)
+        if self.sliding_window is None or not blocks:
+            return 0
+        limit = min(len(blocks), max(0, request.num_computed_tokens - self.sliding_window) // self.block_size)
+        return max(0, limit - self.req_first_live.get(request.request_id, 0))
+
+    def _release_out_of_window(self, request: Request) -> None:
+        count = self._num_out_of_window(request)
+        if count == 0:
+            return
+        blocks = self.req_blocks[request.request_id]
+        first = self.req_first_live.get(request.request_id, 0)
+        self.pool.release(blocks[first : first + count])  # oldest first: evicted first, as in free()
+        blocks[first : first + count] = [self.null_block] * count
+        self.req_first_live[request.request_id] = first + count
+
+    def max_live_blocks(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a request of num_tokens holds at once (scheduler reservations): all of them, or with a
+        window the window's blocks plus one step's (a partial block at either end)."""
+        full = cdiv(num_tokens, self.block_size)
+        if self.sliding_window is None:
+            return full
+        return min(full, cdiv(self.sliding_window + max_step_tokens, self.block_size) + 1)
+
+    def _live(self, request_id: str, blocks: list[KVBlock]) -> list[KVBlock]:
+        return blocks[self.req_first_live.get(request_id, 0) :]
 
     def trim(self, request: Request) -> None:
         """Speculative rollback: return the blocks past the request's computed tokens (allocated for drafts that were
@@ -126,18 +174,20 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Return its blocks; the tail of the sequence is freed first so it is evicted first."""
-        blocks = self.req_blocks.pop(request.request_id, [])
+        blocks = self._live(request.request_id, self.req_blocks.pop(request.request_id, []))
+        self.req_first_live.pop(request.request_id, None)
         self.pool.release(blocks[::-1])
         self.req_keys.pop(request.request_id, None)
         self.host_pool.release(self.req_host_blocks.pop(request.request_id, []))
 
     # ---- swap -----------------------------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
-        return len(self.req_blocks.get(request.request_id, ())) <= self.host_pool.num_free_blocks
+        return self.num_blocks_of(request) <= self.host_pool.num_free_blocks
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Park the request's blocks in host memory; its device blocks return to the pool."""
-        blocks = self.req_blocks.pop(request.request_id)
+        first_live = self.req_first_live.get(request.request_id, 0)  # kept: the null entries come back on swap-in
+        blocks = self.req_blocks.pop(request.request_id)[first_live:]
         host = self.host_pool.take(len(blocks))
         self.req_host_blocks[request.request_id] = host
         self.pool.release(blocks[::-1])
@@ -145,14 +195,16 @@ class KVCacheManager:
 
     def plan_swap_in(self, request: Request, num_new_tokens: int) -> SwapInPlan | None:
         host = self.req_host_blocks[request.request_id]
+        first_live = self.req_first_live.get(request.request_id, 0)
         total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        if total > self.pool.num_free_blocks:
+        if total - first_live > self.pool.num_free_blocks:
             return None
-        blocks = self.pool.take_new(total)
+        live = self.pool.take_new(total - first_live)
+        blocks = [self.null_block] * first_live + live
         self.req_blocks[request.request_id] = blocks
         self.host_pool.release(self.req_host_blocks.pop(request.request_id))
         self._register_full_blocks(request, request.num_computed_tokens + num_new_tokens)
-        return SwapInPlan([b.block_id for b in blocks], [(b.block_id, h) for b, h in zip(blocks, host)])
+        return SwapInPlan([b.block_id for b in blocks], [(b.block_id, h) for b, h in zip(live, host)])
 
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self.req_host_blocks
@@ -163,7 +215,9 @@ class KVCacheManager:
         return self.req_blocks.get(request.request_id, [])
 
     def num_blocks_of(self, request: Request) -> int:
-        return len(self.blocks_of(request))
+        """Blocks it holds (a windowed request's null entries are not its own)."""
+        blocks = self.blocks_of(request)
+        return len(blocks) - self.req_first_live.get(request.request_id, 0) if blocks else 0
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.blocks_of(request)]

@@ -113,6 +113,7 @@ class LLMEngine:
             runner.num_swap_blocks,
             self.limits.max_model_len,
             speculative=SpeculativeConfig.from_value(config.speculative_config),
+            sliding_window=model_config.sliding_window,  # set only when every layer is windowed (ModelConfig)
         )
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
