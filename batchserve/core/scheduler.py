@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from batchserve.config import PreemptionMode, SchedulerConfig, SchedulerPolicy, SchedulingOrder, SpeculativeConfig
-from batchserve.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
+from batchserve.core.kv_cache_manager import KVCacheManager, PrefixHit
 from batchserve.core.outputs import (
     CachedRequestData,
     ModelOutput,
@@ -300,7 +300,8 @@ class Scheduler:
 
     # ---- capacity policies ------------------------------------------------------------------------------------
     def _worst_case_blocks(self, request: Request) -> int:
-        return cdiv(min(request.max_total_tokens, self.max_model_len), self.kv.block_size)
+        """All its blocks, or with a sliding window the most it holds at once (kv.max_live_blocks)."""
+        return self.kv.max_live_blocks(min(request.max_total_tokens, self.max_model_len), self.config.max_num_tokens)
 
     def _reservation_fits(self, request: Request, hit: PrefixHit) -> bool:
         """guaranteed_no_evict and static: the newcomer's worst case plus every running request's remaining
