@@ -152,7 +152,7 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # what one family reads beyond these (models/gemma.py)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -166,6 +166,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 16
+    # method "suffix": context depth, finished outputs kept, and the confidence below which a draft stops
+    suffix_decoding_max_tree_depth: int = 8
+    suffix_decoding_max_cached_requests: int = 64
+    suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -191,6 +195,9 @@ class SpeculativeConfig:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         _require(1 <= lo <= hi, f"prompt_lookup_min {lo} / prompt_lookup_max {hi}: need 1 <= min <= max")
         _require(self.disable_by_batch_size >= 1, "disable_by_batch_size must be >= 1")
+        _require(self.suffix_decoding_max_tree_depth >= 1, "suffix_decoding_max_tree_depth must be >= 1")
+        _require(self.suffix_decoding_max_cached_requests >= 0, "suffix_decoding_max_cached_requests must be >= 0")
+        _require(0.0 <= self.suffix_decoding_min_token_prob <= 1.0, "suffix_decoding_min_token_prob: 0 to 1")
 
 
 @dataclass

@@ -440,6 +440,8 @@ class Scheduler:
         request.finish_reason = reason
         request.finished_time = self.clock()
         del self.requests[request.request_id]
+        if self.speculation is not None:
+            self.speculation.finished(request)
         static = self.config.scheduler_policy == SchedulerPolicy.STATIC
         if static and self.config.static_padding and batch_member:
             self._padding[request.request_id] = request  # keeps its blocks and its worker row until the batch is done

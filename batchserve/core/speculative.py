@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from batchserve.config import SpeculativeConfig
+from batchserve.core.suffix_proposer import SuffixProposer
 from batchserve.request import Request
 
 
@@ -62,6 +63,13 @@ class SpeculationPlanner:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.suffix = None
+        if config.method == "suffix":
+            self.suffix = SuffixProposer(
+                config.suffix_decoding_max_tree_depth,
+                config.suffix_decoding_min_token_prob,
+                config.suffix_decoding_max_cached_requests,
+            )
         self.stats = SpeculationStats()
 
     def k_for_load(self, num_running: int) -> int:
@@ -82,7 +90,13 @@ class SpeculationPlanner:
         )
         if k <= 0:
             return []
+        if self.suffix is not None:
+            return self.suffix.propose_for(request.request_id, request.all_token_ids, k)
         return self.proposer.propose(request.all_token_ids, k)
+
+    def finished(self, request: Request) -> None:
+        if self.suffix is not None:
+            self.suffix.finished(request.request_id, request.output_token_ids)
 
 
 def eligible(request: Request) -> bool:

@@ -100,3 +100,32 @@ def test_a_saturated_batch_never_speculates():
     s.update_from_output(step := s.schedule(), ModelOutput(["a", "b"], [3, 3]))
     step = s.schedule()
     assert step.spec_token_ids == {} and step.num_scheduled_tokens == {"a": 1, "b": 1}
+
+
+def test_suffix_proposes_the_most_frequent_continuation_while_confident():
+    from batchserve.core.suffix_proposer import SuffixProposer
+
+    proposer = SuffixProposer(max_depth=3, min_token_prob=0.4, max_cached_requests=2)
+    # "1 2" was followed by 3 twice and by 4 once: 3 (confidence 2/3), then "1 2 3" -> 5 always (2/3), then
+    # "2 3 5" -> 1 or 9 (2/3 * 1/2 = 1/3 < 0.4): stop
+    assert proposer.propose_for("a", [1, 2, 3, 5, 1, 2, 4, 1, 2, 3, 5, 9, 1, 2], 4) == [3, 5]
+    strict = SuffixProposer(max_depth=3, min_token_prob=0.7, max_cached_requests=2)
+    assert strict.propose_for("a", [1, 2, 3, 5, 1, 2, 4, 1, 2, 3, 5, 9, 1, 2], 4) == []  # 2/3 < 0.7
+    # another request's finished output is searched too, and leaves once more recent ones push it out
+    proposer.finished("a", [7, 8, 9, 6])
+    assert proposer.propose_for("b", [40, 7, 8], 2) == [9, 6]
+    proposer.finished("c", [50, 51])
+    proposer.finished("d", [52, 53])
+    assert proposer.propose_for("e", [40, 7, 8], 2) == []
+    assert set(proposer.own) == {"b", "e"}
+
+
+def test_suffix_method_in_the_scheduler_learns_from_finished_requests():
+    s = _scheduler(method="suffix", num_speculative_tokens=3)
+    s.add_request(make_request("a", prompt=[1, 2], max_tokens=4))
+    for token in (30, 31, 32, 33):
+        s.update_from_output(s.schedule(), ModelOutput(["a"], [token]))
+    assert "a" not in s.requests
+    s.add_request(make_request("b", prompt=[5, 6], max_tokens=8))
+    s.update_from_output(s.schedule(), ModelOutput(["b"], [30]))
+    assert s.schedule().spec_token_ids == {"b": [31, 32, 33]}
