@@ -228,6 +228,10 @@ def decode_attention(
     """One query per sequence over its whole context in the pool (this step's key/value are already there)."""
     if gpu_attention.supports(query, kv_cache):  # CUDA: the Triton kernel reads the pool in place
         return gpu_attention.decode_attention(query, key, value, kv_cache, group, scale)
+    if kv_quant.is_quantized(kv_cache):
+        out = kv_quant.native_decode(query, kv_cache, group.block_tables, group.seq_lens, scale)
+        if out is not None:
+            return out
     native = kernels.for_tensors(query, kv_cache[0], dtypes=(torch.float32, torch.bfloat16, torch.float16))
     if native is not None:
         out = native.paged_decode_attention(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from batchserve.layers import kernels
+
 QMAX = 127.0
 SCALE_DTYPE = torch.float32
 # A head whose K (or V) is all zeros gets this scale instead of 0 (which would divide by zero); it reads back as zeros.
@@ -82,3 +84,17 @@ def read_blocks(kv_cache: QuantizedKV, blocks: torch.Tensor, dtype: torch.dtype)
 def dequantized_pool(kv_cache: QuantizedKV, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole pool dequantized (tests' reference: float attention over exactly the values int8 stores)."""
     return dequantize(kv_cache[0], kv_cache.k_scale, dtype), dequantize(kv_cache[1], kv_cache.v_scale, dtype)
+
+
+def native_decode(
+    query: torch.Tensor, kv_cache: QuantizedKV, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor | None:
+    """Decode attention reading the int8 pool in place (kernels/decode_int8.cpp: each key row's scale on its q.k,
+    each value row's on its weight) -> [B, H, D] in the query's dtype; None off the CPU or without native kernels."""
+    if query.device.type != "cpu" or kernels.load() is None:
+        return None
+    out = torch.ops.batchserve_int8.paged_decode(
+        query.float().contiguous(), kv_cache[0], kv_cache[1], kv_cache.k_scale, kv_cache.v_scale,
+        block_tables, seq_lens, scale,
+    )  # fmt: skip
+    return out.to(query.dtype)

@@ -168,3 +168,21 @@ def test_swap_and_resize_move_the_scales_with_the_blocks():
         k_now, v_now = kv_quant.dequantized_pool(layer)
         assert torch.equal(k_now[3], k[2]) and torch.equal(v_now[0], v[1])
         assert torch.equal(k_now[4:], torch.zeros_like(k_now[4:]))
+
+
+def test_native_int8_decode_reads_the_pool_in_place(native_kernels):
+    torch.manual_seed(2)
+    pool = kv_quant.QuantizedKV.zeros((12, 8, 3, 64), CPU)
+    kv_quant.write(torch.randn(96, 3, 64) * 4, torch.randn(96, 3, 64), pool, torch.arange(96))
+    tables, lens = torch.randperm(12)[:8].view(2, 4), torch.tensor([29, 3])
+    query = torch.randn(2, 9, 64)
+    out = kv_quant.native_decode(query, pool, tables, lens, 0.125)
+    assert out is not None
+    keys, values = kv_quant.dequantized_pool(pool)
+    for b in range(2):
+        n = int(lens[b])
+        k, v = (t[tables[b]].reshape(-1, 3, 64)[:n].repeat_interleave(3, 1).transpose(0, 1) for t in (keys, values))
+        expected = F.scaled_dot_product_attention(query[b][:, None], k, v, scale=0.125)[:, 0]
+        torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="block id outside the pool"):
+        kv_quant.native_decode(query, pool, tables + 100, lens, 0.125)

@@ -1,0 +1,110 @@
+// Decode attention over an int8 KV pool (kv_cache_dtype="int8", layers/kv_quant.py), reading the blocks in place:
+// each key row's scale multiplies its q.k dot, each value row's scale its softmax weight. Plain C++ loops that the
+// build's -march=native vectorises; registered as a torch op (torch.ops.batchserve_int8.paged_decode) so that it
+// needs no entry in bindings.cpp.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace {
+
+// One (sequence, KV head): the `group` query heads sharing it, online softmax over the context, float32 throughout.
+void decode_one(const float* q, int64_t group, int64_t head_dim, const int8_t* key, const int8_t* value,
+                const float* k_scale, const float* v_scale, const int64_t* table, int64_t seq_len,
+                int64_t block_size, int64_t kv_heads, int64_t kv_head, float scale, float* out, int64_t out_stride) {
+  std::vector<float> acc(group * head_dim, 0.0f), max_logit(group, -std::numeric_limits<float>::infinity()),
+      denom(group, 0.0f);
+  const int64_t row_stride = kv_heads * head_dim;  // between slots of a block
+  for (int64_t pos = 0; pos < seq_len; ++pos) {
+    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+    const int8_t* k = key + slot * row_stride + kv_head * head_dim;
+    const int8_t* v = value + slot * row_stride + kv_head * head_dim;
+    const float ks = k_scale[slot * kv_heads + kv_head], vs = v_scale[slot * kv_heads + kv_head];
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * head_dim;
+      float dot = 0.0f;
+      for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
+      const float logit = dot * ks * scale;
+      float* a = acc.data() + g * head_dim;
+      if (logit > max_logit[g]) {
+        const float shrink = std::exp(max_logit[g] - logit);
+        for (int64_t d = 0; d < head_dim; ++d) a[d] *= shrink;
+        denom[g] *= shrink;
+        max_logit[g] = logit;
+      }
+      const float w = std::exp(logit - max_logit[g]);
+      denom[g] += w;
+      const float wv = w * vs;
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += wv * static_cast<float>(v[d]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = denom[g] > 0.0f ? 1.0f / denom[g] : 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) out[g * out_stride + d] = acc[g * head_dim + d] * inv;
+  }
+}
+
+// query [B, H, D] float32; key/value [N, block_size, Hkv, D] int8; scales [N, block_size, Hkv] float32;
+// block_tables [B, max_blocks] int64; seq_lens [B] int64 -> [B, H, D] float32.
+at::Tensor paged_decode_int8(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(), "query: [B, H, D] f32");
+  TORCH_CHECK(key.dim() == 4 && key.scalar_type() == at::kChar && key.is_contiguous() && value.sizes() == key.sizes() &&
+                  value.scalar_type() == at::kChar && value.is_contiguous(),
+              "key/value: contiguous int8 [N, block_size, Hkv, D] of one shape");
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat && k_scale.is_contiguous() &&
+                  v_scale.is_contiguous() && k_scale.sizes() == key.sizes().slice(0, 3) &&
+                  v_scale.sizes() == key.sizes().slice(0, 3),
+              "scales: contiguous float32 [N, block_size, Hkv]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  block_tables.dim() == 2 && seq_lens.dim() == 1 && block_tables.size(0) == query.size(0) &&
+                  seq_lens.size(0) == query.size(0),
+              "block_tables [B, max_blocks] and seq_lens [B], int64");
+  const int64_t num_seqs = query.size(0), heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = key.size(0), block_size = key.size(1), kv_heads = key.size(2);
+  TORCH_CHECK(key.size(3) == head_dim && kv_heads > 0 && heads % kv_heads == 0, "head sizes do not match");
+  const auto tables = block_tables.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const int64_t max_blocks = tables.size(1);
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
+  const int64_t* tables_p = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    TORCH_CHECK(lens_p[b] >= 0 && lens_p[b] <= max_blocks * block_size, "seq_len beyond its block table");
+    for (int64_t i = 0; i < (lens_p[b] + block_size - 1) / block_size; ++i) {
+      const int64_t id = tables_p[b * max_blocks + i];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block id outside the pool");
+    }
+  }
+  auto out = at::empty_like(query);
+  const int64_t group = heads / kv_heads;
+  const float* q_p = query.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const int64_t first_head = h * group;
+      decode_one(q_p + (b * heads + first_head) * head_dim, group, head_dim, key.data_ptr<int8_t>(),
+                 value.data_ptr<int8_t>(), k_scale.data_ptr<float>(), v_scale.data_ptr<float>(),
+                 tables_p + b * max_blocks, lens_p[b], block_size, kv_heads, h, static_cast<float>(scale),
+                 out_p + (b * heads + first_head) * head_dim, head_dim);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchserve_int8, m) {
+  m.def("paged_decode(Tensor query, Tensor key, Tensor value, Tensor k_scale, Tensor v_scale, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(batchserve_int8, CPU, m) { m.impl("paged_decode", &paged_decode_int8); }
