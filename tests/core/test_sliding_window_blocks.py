@@ -4,7 +4,9 @@ hits stop where content is gone."""
 
 from __future__ import annotations
 
+from batchserve.config import CacheConfig, SchedulerConfig
 from batchserve.core.block_pool import BlockPool, HostBlockPool
+from batchserve.core.build import build_scheduler
 from batchserve.core.kv_cache_manager import KVCacheManager
 from tests.core.helpers import make_request
 
@@ -134,3 +136,17 @@ def test_accounting_counts_only_live_blocks():
     assert kv.blocks_needed(request, 1) <= 1
     assert kv.max_live_blocks(4 * WINDOW, 1) == WINDOW // BLOCK_SIZE + 2
     assert manager(window=None).max_live_blocks(4 * WINDOW, 1) == 4 * WINDOW // BLOCK_SIZE
+
+
+def test_guaranteed_no_evict_reserves_the_window_not_the_length():
+    def admitted(window):
+        config = SchedulerConfig(scheduler_policy="guaranteed_no_evict", max_num_tokens=16, max_batch_size=4)
+        s = build_scheduler(config, CacheConfig(block_size=BLOCK_SIZE), 17, sliding_window=window)
+        for i in range(2):
+            s.add_request(make_request(f"r{i}", prompt_len=8, max_tokens=42))
+        s.schedule()
+        return len(s.running)
+
+    # 50 tokens: 13 blocks each, two do not fit in 16; with W=8 each holds at most cdiv(8 + 16, 4) + 1 = 7
+    assert admitted(None) == 1
+    assert admitted(8) == 2
