@@ -257,8 +257,11 @@ class LLMEngine:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
-            for token_id in out.new_token_ids:
+            for count, token_id in enumerate(out.new_token_ids, 1):
                 tracked.detokenizer.add_token(token_id)
+                if tracked.detokenizer.stopped_by is not None:  # a step may bring several tokens (speculation)
+                    out.new_token_ids = out.new_token_ids[:count]
+                    break
             tracked.new_token_ids += out.new_token_ids
             if tracked.wants_logprobs:
                 tracked.new_logprobs += out.new_logprobs
