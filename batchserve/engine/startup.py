@@ -70,11 +70,15 @@ def check_memory_before_loading(config: EngineConfig, path, model_config, dtype,
     (host/memory.py): a model that cannot fit is refused before anything is allocated."""
     from batchserve.host.memory import available_memory_bytes, min_kv_blocks, require_memory_for
     from batchserve.models.gguf_weights import checkpoint_weight_bytes
-    from batchserve.models.loader import gguf_reader, gguf_to_hf_name, is_gguf
+    from batchserve.models.loader import gguf_cache_dir, gguf_reader, gguf_to_hf_name, is_gguf
     from batchserve.worker.kv_cache import block_bytes, pool_dtype
 
-    reader = gguf_reader(path) if is_gguf(path) else None
-    weights = checkpoint_weight_bytes(path, gguf_to_hf_name, dtype, reader)
+    converted = gguf_cache_dir(path) if is_gguf(path) else path
+    if is_gguf(path) and (converted / "model_config.json").is_file():  # its safetensors header: no GGUF parse
+        weights = checkpoint_weight_bytes(converted, gguf_to_hf_name, dtype)
+    else:
+        reader = gguf_reader(path) if is_gguf(path) else None  # the conversion parses it next anyway
+        weights = checkpoint_weight_bytes(path, gguf_to_hf_name, dtype, reader)
     cache = config.cache
     blocks = min_kv_blocks(cache.num_kv_blocks, config.scheduler.max_model_len, cache.block_size)
     kv = blocks * block_bytes(model_config, cache.block_size, pool_dtype(cache, dtype))
