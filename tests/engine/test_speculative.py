@@ -86,3 +86,18 @@ def test_prometheus_counts_proposed_accepted_and_acceptance_length(llm):
     assert values["batchserve:spec_decode_num_accepted_tokens_total"] == stats.spec_num_accepted_tokens
     length = values["batchserve:spec_decode_mean_acceptance_length"]
     assert length == stats.spec_num_emitted_tokens / stats.spec_num_drafts >= 1.0
+
+
+def test_sampled_requests_with_speculation_are_reproducible_and_free_every_block(llm):
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.8, seed=i, top_k=40, repetition_penalty=1.1, min_tokens=4)
+        for i in range(len(REPEATING))
+    ]
+    stats = llm.engine.scheduler.speculation.stats
+    proposed = stats.num_proposed
+    first = [o.token_ids for o in llm.generate(REPEATING, params, use_tqdm=False)]
+    again = [o.token_ids for o in llm.generate(REPEATING, params, use_tqdm=False)]
+    assert first == again and all(len(t) >= 4 for t in first)
+    assert stats.num_proposed > proposed
+    pool = llm.engine.scheduler.kv.pool
+    assert pool.num_used_blocks == 0
