@@ -142,13 +142,16 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # HF's rope_scaling dict (llama3 / linear), None for plain RoPE
+    rope_scaling: dict[str, Any] | None = None  # HF's rope_scaling dict, its type as rope_type (layers/rotary.py)
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has a bias on q/k/v
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"
     sliding_window: int | None = None  # every layer attends to its last W positions only (Mistral)
+    qk_norm: bool = False  # an RMSNorm on each q and k head before RoPE (Qwen3)
+    rotary_dim: int | None = None  # RoPE on a head's first rotary_dim dims only (partial_rotary_factor); None: all
+    hidden_act: str = "silu"
     extra: dict[str, Any] = field(default_factory=dict)  # what one family reads beyond these (models/gemma.py)
 
 

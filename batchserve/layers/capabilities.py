@@ -18,6 +18,7 @@ class Capability(str, enum.Enum):
     TIED_EMBEDDINGS = "tied_embeddings"  # the embedding table is the output matrix
     # not computed by the native decoder loop yet
     QK_NORM = "qk_norm"  # a norm on q and k per head before RoPE
+    PARTIAL_ROTARY = "partial_rotary"  # RoPE on a head's first dims only (Phi-4-mini)
     SLIDING_WINDOW = "sliding_window"  # attention to the last W tokens only
     SOFTCAP = "softcap"  # tanh soft-capping of attention scores or logits
     MOE = "moe"  # a mixture-of-experts MLP

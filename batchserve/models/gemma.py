@@ -33,6 +33,7 @@ from batchserve.layers.linear import CpuLinear
 from batchserve.layers.norm import RMSNorm
 from batchserve.layers.rotary import RotaryEmbedding, apply_rope
 from batchserve.models.llama import Attention, LlamaForCausalLM
+from batchserve.models.registry import ArchitectureSpec, register
 
 logger = logging.getLogger(__name__)
 
@@ -245,3 +246,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
             for module in self.modules():
                 if isinstance(module, GemmaRMSNorm):
                     module.weight.add_(1.0)
+
+
+for _spec in (
+    ArchitectureSpec("gemma2", ("Gemma2ForCausalLM",), (), "batchserve.models.gemma:GemmaForCausalLM", config_fields,
+                     "exact (soft-capping, sliding/global layers, sandwich norms; Python layers)"),
+    ArchitectureSpec("gemma3_text", ("Gemma3ForCausalLM",), (), "batchserve.models.gemma:GemmaForCausalLM",
+                     config_fields, "exact, text only (q/k norms, per-layer RoPE bases; Python layers)"),
+):  # fmt: skip
+    register(_spec)

