@@ -75,11 +75,34 @@ WINDOWED_KINDS = {
     "mistral_window": lambda: transformers.MistralConfig(**COMMON, sliding_window=8),
 }
 
+# Architectures of issue 42 beyond the Llama family's first kinds (tests/models/test_architectures.py). RoPE scalings
+# that depend on the sequence length get a short original context (24 or 32), so generations cross it.
+SCALED = {**COMMON, "max_position_embeddings": 24}
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.15 * i for i in range(8)],
+            "long_factor": [1.5 + 0.5 * i for i in range(8)]}  # fmt: skip
+ARCH_KINDS = {
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=False),
+    "llama_yarn": lambda: transformers.LlamaConfig(
+        **COMMON, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    ),
+    "llama_dynamic": lambda: transformers.LlamaConfig(**SCALED, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    "phi3": lambda: transformers.Phi3Config(
+        **{**COMMON, "max_position_embeddings": 128}, original_max_position_embeddings=32, rope_scaling=LONGROPE
+    ),
+    # Phi-4-mini's shape of it: partial rotary (12 of 16 dims), tied embeddings
+    "phi4_mini": lambda: transformers.Phi3Config(
+        **{**COMMON, "max_position_embeddings": 128}, original_max_position_embeddings=32, partial_rotary_factor=0.75,
+        tie_word_embeddings=True, rope_scaling={**LONGROPE, "short_factor": LONGROPE["short_factor"][:6],
+                                                 "long_factor": LONGROPE["long_factor"][:6],
+                                                 "partial_rotary_factor": 0.75},
+    ),  # fmt: skip
+}
+
 
 def build_hf_model(kind: str, directory: Path) -> nn.Module:
     """Build, randomise (biases and norms too, which HF initialises to constants) and save a tiny model."""
     torch.manual_seed(sum(map(ord, kind)))
-    config = {**KINDS, **WINDOWED_KINDS}[kind]()
+    config = {**KINDS, **WINDOWED_KINDS, **ARCH_KINDS}[kind]()
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -1,0 +1,164 @@
+"""Architectures of issue 42 against transformers: Qwen3 (q/k RMSNorm, explicit head_dim), Llama with YaRN and dynamic
+NTK RoPE, Phi-3 (fused qkv / gate_up, LongRoPE) and Phi-4-mini's partial rotary. Tiny random models saved by
+transformers go through our loader; greedy float32 tokens are transformers' own, with chunked prefills batched beside
+other requests' decodes, and each test asserts which sequencing ran (the native decoder loop, or the Python layers
+when the model declares a capability the loop lacks)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from batchserve.layers import kernels, rotary
+from batchserve.layers.capabilities import Capability
+from batchserve.models.hf_config import hf_rope
+from tests.models.conftest import MiniScheduler, load_ours, make_runner
+from tests.models.test_llama import our_prefill_logits, prompt_ids
+from tests.tiny_models import ARCH_KINDS, hf_greedy
+
+NATIVE = kernels.load() is not None
+# kind -> the capability that keeps it off the native decoder loop (None: the loop runs it)
+PYTHON_LAYERS_FOR = {"qwen3": Capability.QK_NORM, "phi4_mini": Capability.PARTIAL_ROTARY}
+
+
+def test_qwen3_config(tiny_models):
+    config, model = load_ours(tiny_models("qwen3")[1])
+    assert config.architecture == "qwen3" and config.qk_norm and config.head_dim == 24 != 64 // 4
+    assert model.layers[0].self_attn.q_norm.weight.shape == (24,)
+    assert Capability.QK_NORM in model.capabilities
+
+
+def test_phi3_configs(tiny_models):
+    config, _ = load_ours(tiny_models("phi3")[1])
+    assert config.architecture == "phi3" and config.rotary_dim is None and config.sliding_window is None
+    scaling = config.rope_scaling
+    assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 32
+    assert len(scaling["short_factor"]) == len(scaling["long_factor"]) == 8
+    config, model = load_ours(tiny_models("phi4_mini")[1])
+    assert config.rotary_dim == 12 and config.tie_word_embeddings
+    assert Capability.PARTIAL_ROTARY in model.capabilities
+
+
+def test_transformers_4_rope_spellings():
+    """rope_scaling with "type" (Phi-3's "su" = longrope) and a top-level original_max_position_embeddings."""
+    theta, scaling = hf_rope({"rope_theta": 1e4, "max_position_embeddings": 131072,
+                              "original_max_position_embeddings": 4096,
+                              "rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [2.0]}})  # fmt: skip
+    assert theta == 1e4
+    assert scaling == {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0],
+                       "original_max_position_embeddings": 4096}  # fmt: skip
+    _, scaling = hf_rope({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})
+    assert scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert hf_rope({"rope_theta": 5e5, "rope_scaling": {"rope_type": "default"}}) == (5e5, None)
+
+
+@pytest.mark.parametrize("kind", ["llama_yarn", "llama_dynamic", "phi3", "phi4_mini"])
+def test_rope_tables_match_transformers(tiny_models, kind):
+    """cos/sin at every position, past the original context too, against transformers' rotary module run one
+    position at a time (as generate decodes)."""
+    hf, directory = tiny_models(kind)
+    config, model = load_ours(directory)
+    positions = torch.arange(0, 60)
+    cos, sin = model.rotary(positions, torch.float32)
+    ref = hf.model.rotary_emb
+    for p in positions.tolist():
+        ref_cos, ref_sin = ref(torch.zeros(1, 1, 8), torch.tensor([[p]]))
+        half = ref_cos.shape[-1] // 2
+        torch.testing.assert_close(cos[p], ref_cos[0, 0, :half], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(sin[p], ref_sin[0, 0, :half], atol=1e-6, rtol=1e-6)
+
+
+
+@pytest.mark.parametrize("kind", list(ARCH_KINDS))
+def test_logits_match_transformers(tiny_models, kind):
+    hf, directory = tiny_models(kind)
+    config, model = load_ours(directory)
+    tokens = prompt_ids(1, 20)  # within every kind's original context: one frequency set in transformers too
+    ours = our_prefill_logits(model, config, tokens)
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+class CountingLoop:
+    """The native decoder loop, its forward calls counted (it is a C++ object: no attribute to spy on)."""
+
+    def __init__(self, loop):
+        self.loop, self.calls = loop, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.loop.forward(*args)
+
+
+@pytest.mark.parametrize("kind,block_size,chunk", [("qwen3", 8, 5), ("llama_yarn", 16, 7), ("llama_dynamic", 8, 6),
+                                                   ("phi3", 8, 9), ("phi4_mini", 16, 4)])  # fmt: skip
+def test_greedy_generation_matches_transformers(tiny_models, caplog, kind, block_size, chunk):
+    """Prompts shorter than the original context, generations past it (dynamic NTK grows its base there; YaRN scales
+    cos/sin), prefilled in chunks beside another request's decodes; the sequencing the model's capabilities call for."""
+    hf, directory = tiny_models(kind)
+    with caplog.at_level(logging.INFO):
+        runner = make_runner(directory, block_size=block_size, num_kv_blocks=64)
+    model = runner.model
+    lacking = PYTHON_LAYERS_FOR.get(kind)
+    counter = None
+    if lacking is not None:
+        assert lacking in model.capabilities and model.decoder_loop is None
+        if NATIVE:
+            refusals = [r.getMessage() for r in caplog.records if "native decoder loop: off" in r.getMessage()]
+            assert len(refusals) == 1 and lacking.value in refusals[0]
+    elif NATIVE:
+        assert model.decoder_loop is not None
+        counter = model.decoder_loop = CountingLoop(model.decoder_loop)
+    prompts = {"a": prompt_ids(2, 19), "b": prompt_ids(3, 4), "c": prompt_ids(4, 13)}
+    # LongRoPE: transformers recomputes a whole sequence with the long factors once it outgrows the original context
+    # (Phi3ForCausalLM.prepare_inputs_for_generation); this engine keeps the keys it stored (docs/models.md)
+    length = 32 if kind.startswith("phi") else 50
+    max_new = {"a": min(20, length - 19), "b": min(30, length - 4), "c": 6}
+    sched = MiniScheduler(runner, chunk=chunk)
+    sched.add("b", prompts["b"], max_new["b"])
+    outputs = sched.run(hooks={2: lambda s: s.add("a", prompts["a"], max_new["a"]),
+                               3: lambda s: s.add("c", prompts["c"], max_new["c"])})  # fmt: skip
+    for req_id, prompt in prompts.items():
+        assert outputs[req_id] == hf_greedy(hf, prompt, max_new[req_id]), req_id
+    if counter is not None:
+        assert counter.calls > 0, "the native decoder loop must have run the steps"
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
+def test_bfloat16_as_near_float32_as_transformers_bfloat16(tiny_models, kind):
+    hf, directory = tiny_models(kind)
+    config, model = load_ours(directory, dtype=torch.bfloat16)
+    tokens = prompt_ids(5, 20)
+    ours = our_prefill_logits(model, config, tokens, dtype=torch.bfloat16).float()
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)(
+            torch.tensor([tokens])
+        ).logits[0].float()
+    assert (ours - ref).abs().mean() <= 1.5 * (theirs - ref).abs().mean()
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope", "llama3"])
+def test_inverse_frequencies_are_transformers(rope_type):
+    """Our rope init against transformers' ROPE_INIT_FUNCTIONS for a full-size shape (head 128, base 5e5)."""
+    scaling = {
+        "yarn": {"factor": 4.0, "original_max_position_embeddings": 32768, "beta_fast": 32, "beta_slow": 1},
+        "dynamic": {"factor": 2.0},
+        "longrope": {"short_factor": [1.0 + i / 64 for i in range(64)], "long_factor": [1.0 + i / 8 for i in range(64)],
+                     "original_max_position_embeddings": 4096},
+        "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192},
+    }[rope_type] | {"rope_type": rope_type}  # fmt: skip
+    hf_config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
+                                         rope_theta=5e5, rope_scaling=dict(scaling))  # fmt: skip
+    from batchserve.models.hf_config import common_fields
+
+    ours = common_fields({**hf_config.to_dict(), "vocab_size": 8, "intermediate_size": 8, "num_hidden_layers": 1})
+    ref_inv_freq, ref_scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    assert torch.equal(rotary.rope_inv_freq(ours), ref_inv_freq)
+    assert rotary.attention_scaling(ours) == pytest.approx(ref_scale, rel=1e-12)
