@@ -152,6 +152,12 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm on each q and k head before RoPE (Qwen3)
     rotary_dim: int | None = None  # RoPE on a head's first rotary_dim dims only (partial_rotary_factor); None: all
     hidden_act: str = "silu"
+    # mixture of experts (models/moe.py; num_experts 0: every MLP is dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts a token is routed to
+    moe_intermediate_size: int | None = None  # each expert's; None: intermediate_size
+    norm_topk_prob: bool = True  # the top-k router weights renormalised to sum 1 (Mixtral always; Qwen3-MoE per config)
+    dense_mlp_layers: list[int] = field(default_factory=list)  # layers with a dense MLP of intermediate_size
     extra: dict[str, Any] = field(default_factory=dict)  # what one family reads beyond these (models/gemma.py)
 
 
