@@ -150,9 +150,10 @@ def llama3_scaling_from_factors(factors: list[float], theta: float, dim: int, or
     x = inv_freq[medium] / (2 * math.pi)
     a, b = np.polyfit(x.numpy(), s.numpy(), 1)
     low, high = -b * original / a, -b * original / a + original / a
-    fitted = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
-              "high_freq_factor": float(high), "original_max_position_embeddings": original}  # fmt: skip
     expected = inv_freq.float() / f.float()
-    if not torch.allclose(_llama3_inv_freq(inv_freq.float(), fitted), expected, rtol=1e-4, atol=0):
-        return None
-    return fitted
+    for low_freq, high_freq in ((round(low, 4), round(high, 4)), (low, high)):  # the config's round values first
+        fitted = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low_freq),
+                  "high_freq_factor": float(high_freq), "original_max_position_embeddings": original}  # fmt: skip
+        if torch.allclose(_llama3_inv_freq(inv_freq.float(), fitted), expected, rtol=1e-4, atol=0):
+            return fitted
+    return None

@@ -6,19 +6,26 @@ when the model declares a capability the loop lacks)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
+import math
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from batchserve import env
 from batchserve.layers import kernels, rotary
 from batchserve.layers.capabilities import Capability
+from batchserve.models.gguf_config import llama3_scaling_from_factors
 from batchserve.models.hf_config import hf_rope
 from tests.models.conftest import MiniScheduler, load_ours, make_runner
 from tests.models.test_llama import our_prefill_logits, prompt_ids
-from tests.tiny_models import ARCH_KINDS, hf_greedy
+from tests.tiny_models import ARCH_KINDS, VOCAB, hf_greedy
 
 NATIVE = kernels.load() is not None
 # kind -> the capability that keeps it off the native decoder loop (None: the loop runs it)
@@ -162,3 +169,134 @@ def test_inverse_frequencies_are_transformers(rope_type):
     ref_inv_freq, ref_scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     assert torch.equal(rotary.rope_inv_freq(ours), ref_inv_freq)
     assert rotary.attention_scaling(ours) == pytest.approx(ref_scale, rel=1e-12)
+
+
+# --- GGUF files written by the gguf package from the tiny models ---------------------------------------------------
+
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}  # fmt: skip
+GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}  # fmt: skip
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[hf_name]
+    _, _, index, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{index}.{GGUF_LAYER_NAMES[module]}.{kind}"
+
+
+def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: llama.cpp's RoPE pairs adjacent dims."""
+    return weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape
+    )
+
+
+def llama3_rope_factors(hf_config) -> list[float]:
+    """convert_hf_to_gguf.py's rope_freqs for llama3 scaling (one divisor per frequency)."""
+    scaling = hf_config.rope_parameters
+    dim = hf_config.hidden_size // hf_config.num_attention_heads
+    freqs = 1.0 / (scaling["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return factors
+
+
+def write_tiny_gguf(hf, arch: str, path, matrix_type: str) -> None:
+    """The model as llama.cpp's converter lays it out: metadata, a byte-level BPE vocabulary of VOCAB tokens, q/k
+    rows permuted for llama, matrices in `matrix_type` (F32 or F16), norms in F32, rope_freqs for llama3 scaling."""
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([chr(33 + i) for i in range(VOCAB - 1)] + ['!"'])
+    writer.add_token_types([1] * VOCAB)
+    writer.add_token_scores([0.0] * VOCAB)
+    writer.add_token_merges(['! "'])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in hf.state_dict().items():
+        data = tensor.numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
+            data = llama_cpp_permute(data, heads)
+        writer.add_tensor(gguf_name(name), data.astype(np.float16) if data.ndim == 2 and matrix_type == "F16" else data)
+    if c.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", np.array(llama3_rope_factors(c), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def rounded_through_float16(hf):
+    """transformers' model with its matrices rounded to float16 (what an F16 GGUF holds), computing in float32."""
+    rounded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for param in rounded.parameters():
+            if param.dim() == 2:
+                param.copy_(param.half().float())
+    return rounded
+
+
+@pytest.mark.parametrize("kind,arch,matrix_type", [("llama3_rope", "llama", "F32"), ("qwen3", "qwen3", "F16")])
+def test_gguf_from_the_gguf_package_gives_transformers_tokens(tiny_models, tmp_path, monkeypatch, kind, arch,
+                                                              matrix_type):  # fmt: skip
+    """A GGUF written by the gguf package loads (Llama 3's rope_freqs tensor as llama.cpp applies it; Qwen3's q/k norms
+    and head_dim) and gives transformers' greedy tokens (F16: transformers on the same float16-rounded matrices)."""
+    monkeypatch.setattr(env, "cache_dir", lambda: tmp_path / "cache")  # the conversion folder stays in tmp_path
+    hf, _ = tiny_models(kind)
+    path = tmp_path / f"{kind}.gguf"
+    write_tiny_gguf(hf, arch, path, matrix_type)
+    config, _ = load_ours(path)
+    assert config.architecture == arch and config.head_dim == hf.config.head_dim
+    if kind == "llama3_rope":
+        assert config.rope_scaling["rope_type"] == "freq_factors"
+        hf_style = dataclasses.replace(config, rope_scaling=hf_rope(hf.config.to_dict())[1])
+        torch.testing.assert_close(rotary.rope_inv_freq(config), rotary.rope_inv_freq(hf_style), rtol=1e-6, atol=0)
+    reference = rounded_through_float16(hf) if matrix_type == "F16" else hf
+    prompts = {"a": prompt_ids(21, 40), "b": prompt_ids(22, 6)}  # past llama3_rope's original context (32)
+    sched = MiniScheduler(make_runner(path, block_size=8, num_kv_blocks=48), chunk=16)
+    for req_id, prompt in prompts.items():
+        sched.add(req_id, prompt, 10)
+    outputs = sched.run()
+    assert outputs == {req_id: hf_greedy(reference, prompt, 10) for req_id, prompt in prompts.items()}
+
+
+def test_llama31_rope_freqs_read_back_as_llama3_scaling_for_config_json():
+    """The conversion folder's config.json: Llama 3.1's rope_freqs (head 128, base 5e5) become its llama3 parameters;
+    factors that are no llama3 scaling give none."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # fmt: skip
+    hf_config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
+                                         rope_theta=5e5, rope_scaling=dict(scaling))  # fmt: skip
+    assert llama3_scaling_from_factors(llama3_rope_factors(hf_config), 5e5, 128) == scaling
+    assert llama3_scaling_from_factors([1.0] * 32 + [2.0] * 32, 5e5, 128) is None
