@@ -24,12 +24,14 @@ from batchserve.layers.capabilities import Capability
 from batchserve.models.gguf_config import llama3_scaling_from_factors
 from batchserve.models.hf_config import hf_rope
 from tests.models.conftest import MiniScheduler, load_ours, make_runner
+from tests.models.test_gemma import widened_window_greedy
 from tests.models.test_llama import our_prefill_logits, prompt_ids
 from tests.tiny_models import ARCH_KINDS, VOCAB, hf_greedy
 
 NATIVE = kernels.load() is not None
 # kind -> the capability that keeps it off the native decoder loop (None: the loop runs it)
-PYTHON_LAYERS_FOR = {"qwen3": Capability.QK_NORM, "phi4_mini": Capability.PARTIAL_ROTARY}
+PYTHON_LAYERS_FOR = {"qwen3": Capability.QK_NORM, "phi4_mini": Capability.PARTIAL_ROTARY,
+                     "phi3_window": Capability.SLIDING_WINDOW}  # fmt: skip
 
 
 def test_qwen3_config(tiny_models):
@@ -103,7 +105,7 @@ class CountingLoop:
 
 
 @pytest.mark.parametrize("kind,block_size,chunk", [("qwen3", 8, 5), ("llama_yarn", 16, 7), ("llama_dynamic", 8, 6),
-                                                   ("phi3", 8, 9), ("phi4_mini", 16, 4)])  # fmt: skip
+                                                   ("phi3", 8, 9), ("phi4_mini", 16, 4), ("phi3_window", 8, 5)])  # fmt: skip
 def test_greedy_generation_matches_transformers(tiny_models, caplog, kind, block_size, chunk):
     """Prompts shorter than the original context, generations past it (dynamic NTK grows its base there; YaRN scales
     cos/sin), prefilled in chunks beside another request's decodes; the sequencing the model's capabilities call for."""
@@ -134,6 +136,8 @@ def test_greedy_generation_matches_transformers(tiny_models, caplog, kind, block
         assert outputs[req_id] == hf_greedy(hf, prompt, max_new[req_id]), req_id
     if counter is not None:
         assert counter.calls > 0, "the native decoder loop must have run the steps"
+    if kind == "phi3_window":
+        assert outputs["a"] != widened_window_greedy(hf, prompts["a"], max_new["a"]), "the window must change these"
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "phi3"])
