@@ -65,3 +65,13 @@ def test_a_missing_family_module_is_skipped_but_a_broken_one_fails(tmp_path, mon
     monkeypatch.setattr(registry, "_FAMILY_MODULES", ("broken_family",))
     with pytest.raises(ModuleNotFoundError, match="a_module_that_is_not_installed"):
         registry.supported()
+
+
+def test_the_docs_table_lists_every_registered_architecture():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
+    for spec in registry.supported():
+        assert f"`{spec.model_type}`" in page, spec.model_type
+        for name in spec.gguf_names:
+            assert f"`{name}`" in page, name
