@@ -122,6 +122,8 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         hf["attention_bias"] = config.attention_bias
     if config.rotary_dim is not None:
         hf["partial_rotary_factor"] = config.rotary_dim / config.head_dim
+    if config.sliding_window is not None:
+        hf["sliding_window"] = config.sliding_window
     return hf
 
 

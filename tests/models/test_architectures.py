@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import math
 
@@ -26,7 +27,7 @@ from batchserve.models.hf_config import hf_rope
 from tests.models.conftest import MiniScheduler, load_ours, make_runner
 from tests.models.test_gemma import widened_window_greedy
 from tests.models.test_llama import our_prefill_logits, prompt_ids
-from tests.tiny_models import ARCH_KINDS, VOCAB, hf_greedy
+from tests.tiny_models import ARCH_KINDS, VOCAB, build_hf_model, hf_greedy
 
 NATIVE = kernels.load() is not None
 # kind -> the capability that keeps it off the native decoder loop (None: the loop runs it)
@@ -304,3 +305,53 @@ def test_llama31_rope_freqs_read_back_as_llama3_scaling_for_config_json():
                                          rope_theta=5e5, rope_scaling=dict(scaling))  # fmt: skip
     assert llama3_scaling_from_factors(llama3_rope_factors(hf_config), 5e5, 128) == scaling
     assert llama3_scaling_from_factors([1.0] * 32 + [2.0] * 32, 5e5, 128) is None
+
+
+# --- config.json round trip and chat templates ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "phi3", "phi4_mini", "phi3_window", "llama_yarn", "llama_dynamic"])
+def test_our_config_json_reads_back_as_the_same_model(tiny_models, tmp_path, kind):
+    """What a GGUF conversion folder's config.json says (models/gguf_config.hf_config_json) reads back the same."""
+    from batchserve.models.gguf_config import hf_config_json
+    from batchserve.models.hf_config import read_hf_config
+
+    config = read_hf_config(tiny_models(kind)[1])
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_json(config)))
+    assert read_hf_config(tmp_path) == config
+    assert transformers.AutoConfig.from_pretrained(tmp_path).model_type == config.architecture
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}w3 {{ 'w7' if m['role'] == 'user' else 'w8' }} {{ m['content'] }} w4 "
+                 "{% endfor %}{% if add_generation_prompt %}w5 w6{% endif %}")  # fmt: skip
+
+
+def test_the_models_own_chat_template_through_chat_completions(tmp_path):
+    """A Qwen3 folder's own chat template renders /v1/chat/completions' messages, and the reply is transformers'
+    greedy continuation of exactly those tokens."""
+    import httpx
+
+    from batchserve.engine.llm_engine import LLMEngine
+    from tests.models.test_hf_folder import save_tokenizer
+    from tests.server.live import start_server
+
+    hf = build_hf_model("qwen3", tmp_path)
+    save_tokenizer(tmp_path)
+    tokenizer_config = tmp_path / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps(json.loads(tokenizer_config.read_text()) | {"chat_template": CHAT_TEMPLATE}))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "w10 w11 w12"}, {"role": "assistant", "content": "w13"},
+                {"role": "user", "content": "w14"}]  # fmt: skip
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert prompt == [3, 7, 10, 11, 12, 4, 3, 8, 13, 4, 3, 7, 14, 4, 5, 6]
+    engine = LLMEngine.from_options(model=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=32)
+    server = start_server(engine)
+    try:
+        reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": server.model_id(), "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        }).json()  # fmt: skip
+    finally:
+        server.stop()
+    assert reply["usage"]["prompt_tokens"] == len(prompt)
+    expected = tokenizer.decode(hf_greedy(hf, prompt, 8))
+    assert reply["choices"][0]["message"]["content"] == expected
