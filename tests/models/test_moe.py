@@ -23,6 +23,8 @@ from tests.tiny_models import COMMON, hf_greedy
 MOE = dict(COMMON, num_local_experts=4, num_experts_per_tok=2)
 MOE_KINDS = {
     "mixtral": lambda: transformers.MixtralConfig(**{**MOE, "intermediate_size": 48}, sliding_window=None),
+    # a window of 8 under prompts of up to 19 tokens and generations past 30
+    "mixtral_window": lambda: transformers.MixtralConfig(**{**MOE, "intermediate_size": 48}, sliding_window=8),
     # layer 1 of 3 dense (mlp_only_layers), the others routed to 2 of 4 experts, top-k weights left unnormalised
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **{**MOE, "num_hidden_layers": 3},
@@ -31,13 +33,13 @@ MOE_KINDS = {
         norm_topk_prob=False,
         mlp_only_layers=[1],
         tie_word_embeddings=False,
-    ),  # fmt: skip
+    ),
     "qwen3_moe_norm_topk": lambda: transformers.Qwen3MoeConfig(
         **{**MOE, "num_local_experts": 6, "num_experts_per_tok": 3},
         moe_intermediate_size=40,
         norm_topk_prob=True,
         decoder_sparse_step=2,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -148,6 +150,7 @@ def test_configs(moe_models):
     config, model = load_ours(moe_models("mixtral")[1])
     assert (config.architecture, config.num_experts, config.num_experts_per_tok) == ("mixtral", 4, 2)
     assert config.norm_topk_prob and config.dense_mlp_layers == [] and Capability.MOE in model.capabilities
+    assert load_ours(moe_models("mixtral_window")[1])[0].sliding_window == 8
     config, model = load_ours(moe_models("qwen3_moe")[1])
     assert (config.architecture, config.moe_intermediate_size, config.norm_topk_prob) == ("qwen3_moe", 40, False)
     assert config.qk_norm and config.head_dim == 24 and config.dense_mlp_layers == [1]
@@ -219,8 +222,8 @@ def test_logits_match_transformers(moe_models, kind):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind,block_size,chunk", [("mixtral", 8, 5), ("qwen3_moe", 16, 7),
-                                                   ("qwen3_moe_norm_topk", 8, 6)])  # fmt: skip
+@pytest.mark.parametrize("kind,block_size,chunk", [("mixtral", 8, 5), ("mixtral_window", 8, 5),
+                                                   ("qwen3_moe", 16, 7), ("qwen3_moe_norm_topk", 8, 6)])  # fmt: skip
 def test_greedy_generation_matches_transformers(moe_models, caplog, kind, block_size, chunk):
     """Chunked prefills beside another request's decodes, greedy float32 tokens identical to transformers', run by
     the Python layers: the native decoder loop refuses the model for Capability.MOE and the MoE blocks run."""
