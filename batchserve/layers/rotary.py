@@ -126,10 +126,16 @@ def _longrope_inv_freq(base: float, dim: int, factors: list[float]) -> torch.Ten
     return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** _exponents(dim))
 
 
+def _dynamic_original(config: ModelConfig) -> int:
+    """Where dynamic NTK starts growing the base: config.json's max_position_embeddings (models/hf_config.py keeps it
+    in the scaling dict, ModelConfig.max_position_embeddings being the stretched context served)."""
+    return config.rope_scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+
+
 def _dynamic_inv_freq(config: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
-    """[T, dim // 2]: each token's frequencies for a sequence of max(position + 1, max_position_embeddings) tokens
+    """[T, dim // 2]: each token's frequencies for a sequence of max(position + 1, original length) tokens
     (transformers' _compute_dynamic_ntk_parameters, in float32 as it computes them)."""
-    dim, max_len = rotary_dim(config), config.max_position_embeddings
+    dim, max_len = rotary_dim(config), _dynamic_original(config)
     factor = config.rope_scaling["factor"]
     seq_len = torch.clamp(positions + 1, min=max_len)
     base = config.rope_theta * ((factor * seq_len / max_len) - (factor - 1)) ** (dim / (dim - 2))
@@ -159,8 +165,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, rotary_dim / 2]: the two halves of a head share their angles."""
         pos = positions.float()[:, None]
-        if self.rope_type == "dynamic":  # up to max_position_embeddings transformers' unscaled frequencies, as is
-            grown = (positions >= self.config.max_position_embeddings)[:, None]
+        if self.rope_type == "dynamic":  # up to the original length transformers' unscaled frequencies, as they are
+            grown = (positions >= _dynamic_original(self.config))[:, None]
             freqs = pos * torch.where(grown, _dynamic_inv_freq(self.config, positions), self.inv_freq[None, :])
         elif self.rope_type == "longrope":
             is_long = (positions >= self.config.rope_scaling["original_max_position_embeddings"])[:, None]

@@ -19,7 +19,7 @@ import torch
 from batchserve.config import ModelConfig
 from batchserve.layers.rotary import _llama3_inv_freq
 from batchserve.models import registry
-from batchserve.models.hf_config import as_id_list
+from batchserve.models.hf_config import as_id_list, served_context
 from batchserve.models.registry import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
     rope_dims = int(get("rope.dimension_count") or head_dim)
     eos = as_id_list(meta.get("tokenizer.ggml.eos_token_id")) + as_id_list(meta.get("tokenizer.ggml.eot_token_id"))
     vocab_size = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    rope_scaling = _gguf_rope_scaling(get, tensors.get(ROPE_FREQS))
     return ModelConfig(
         vocab_size=int(vocab_size),
         hidden_size=hidden,
@@ -69,10 +70,10 @@ def read_gguf_config(path: Path) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
-        max_position_embeddings=int(get("context_length", 2048)),
+        max_position_embeddings=served_context(int(get("context_length", 2048)), rope_scaling),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(get, tensors.get(ROPE_FREQS)),
+        rope_scaling=rope_scaling,
         rotary_dim=rope_dims if rope_dims != head_dim else None,
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),

@@ -48,7 +48,7 @@ def common_fields(cfg: dict[str, Any], generation_config: Path | None = None) ->
         num_heads=num_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        max_position_embeddings=served_context(cfg.get("max_position_embeddings", 2048), rope_scaling),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -78,7 +78,19 @@ def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type in ("llama3", "yarn", "longrope"):
         original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
         scaling["original_max_position_embeddings"] = original or cfg.get("max_position_embeddings", 2048)
+    if rope_type == "dynamic":  # transformers' dynamic NTK grows the base past max_position_embeddings
+        scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
     return theta, scaling
+
+
+def served_context(max_position_embeddings: int, rope_scaling: dict[str, Any] | None) -> int:
+    """The context a model serves: YaRN and dynamic NTK stretch the original one by their factor (vLLM's rule), so a
+    request may go past config.json's max_position_embeddings there; other models serve that length."""
+    scaling = rope_scaling or {}
+    if scaling.get("rope_type") in ("yarn", "dynamic") and scaling.get("factor"):
+        stretched = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+        return max(max_position_embeddings, stretched)
+    return max_position_embeddings
 
 
 def as_id_list(value: Any) -> list[int]:

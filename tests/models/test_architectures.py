@@ -23,7 +23,7 @@ from batchserve import env
 from batchserve.layers import kernels, rotary
 from batchserve.layers.capabilities import Capability
 from batchserve.models.gguf_config import llama3_scaling_from_factors
-from batchserve.models.hf_config import hf_rope
+from batchserve.models.hf_config import common_fields, hf_rope
 from tests.models.conftest import MiniScheduler, load_ours, make_runner
 from tests.models.test_gemma import widened_window_greedy
 from tests.models.test_llama import our_prefill_logits, prompt_ids
@@ -64,6 +64,17 @@ def test_transformers_4_rope_spellings():
     _, scaling = hf_rope({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})
     assert scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     assert hf_rope({"rope_theta": 5e5, "rope_scaling": {"rope_type": "default"}}) == (5e5, None)
+
+
+def test_yarn_and_dynamic_ntk_serve_the_stretched_context(tiny_models):
+    """Qwen3's YaRN recipe (factor 4 over 32,768, config.json's max_position_embeddings 40,960) serves 131,072 tokens,
+    as vLLM does; dynamic NTK serves max_position_embeddings x factor and grows its base from the original length."""
+    qwen3 = {"model_type": "qwen3", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1e6,
+             "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}  # fmt: skip
+    assert common_fields(qwen3).max_position_embeddings == 131072
+    config, _ = load_ours(tiny_models("llama_dynamic")[1])
+    assert config.max_position_embeddings == 48 and config.rope_scaling["original_max_position_embeddings"] == 24
 
 
 @pytest.mark.parametrize("kind", ["llama_yarn", "llama_dynamic", "phi3", "phi4_mini"])
@@ -168,8 +179,6 @@ def test_inverse_frequencies_are_transformers(rope_type):
     }[rope_type] | {"rope_type": rope_type}  # fmt: skip
     hf_config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
                                          rope_theta=5e5, rope_scaling=dict(scaling))  # fmt: skip
-    from batchserve.models.hf_config import common_fields
-
     ours = common_fields({**hf_config.to_dict(), "vocab_size": 8, "intermediate_size": 8, "num_hidden_layers": 1})
     ref_inv_freq, ref_scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     assert torch.equal(rotary.rope_inv_freq(ours), ref_inv_freq)
