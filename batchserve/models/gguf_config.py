@@ -61,7 +61,8 @@ def read_gguf_config(path: Path) -> ModelConfig:
     rope_dims = int(get("rope.dimension_count") or head_dim)
     eos = as_id_list(meta.get("tokenizer.ggml.eos_token_id")) + as_id_list(meta.get("tokenizer.ggml.eot_token_id"))
     vocab_size = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    rope_scaling = _gguf_rope_scaling(get, tensors.get(ROPE_FREQS))
+    rope_scaling = _longrope_scaling(get, tensors) if arch == "phi3" else _gguf_rope_scaling(get, tensors.get(ROPE_FREQS))
+    window = get("attention.sliding_window")  # Phi-3-mini-4k's; one at or past the context is no window
     return ModelConfig(
         vocab_size=int(vocab_size),
         hidden_size=hidden,
@@ -79,6 +80,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos)),
         architecture=spec.model_type,
+        sliding_window=int(window) if window and int(window) < int(get("context_length", 2048)) else None,
         **_ARCH_FIELDS.get(arch, {}),
     )
 
@@ -101,6 +103,20 @@ def _gguf_rope_scaling(get, rope_freqs) -> dict[str, Any] | None:
     raise ModelLoadError(f"GGUF rope scaling {kind!r} is not supported (linear, yarn, rope_freqs)")
 
 
+def _longrope_scaling(get, tensors) -> dict[str, Any] | None:
+    """llama.cpp's Phi-3 layout: the short / long factors as tensors rope_factors_short / rope_factors_long, the
+    original context and attention factor as metadata."""
+    long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
+    if long is None or short is None:
+        return None
+    scaling = {"rope_type": "longrope", "long_factor": np.asarray(long.data, dtype=np.float32).reshape(-1).tolist(),
+               "short_factor": np.asarray(short.data, dtype=np.float32).reshape(-1).tolist(),
+               "original_max_position_embeddings": int(get("rope.scaling.original_context_length"))}  # fmt: skip
+    if get("rope.scaling.attn_factor") is not None:
+        scaling["attention_factor"] = float(get("rope.scaling.attn_factor"))
+    return scaling
+
+
 # --- a ModelConfig as a Hugging Face config.json ------------------------------------------------------------------
 
 
@@ -118,6 +134,7 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         "rope_scaling": _hf_rope_scaling(config), "tie_word_embeddings": config.tie_word_embeddings,
         "hidden_act": config.hidden_act, "torch_dtype": "float32",
         "bos_token_id": config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
+        "pad_token_id": None,  # not a class default (Phi-3's 32000) that may lie outside this vocabulary
     }  # fmt: skip
     if config.architecture in ("llama", "qwen3"):
         hf["attention_bias"] = config.attention_bias

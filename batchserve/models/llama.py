@@ -326,7 +326,7 @@ for _spec in (
                      "exact (q/k/v biases); use_sliding_window ignored (off in released checkpoints)"),
     ArchitectureSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _MODEL, _qwen3_fields,
                      "exact (q/k RMSNorm, explicit head_dim; Python layers); use_sliding_window ignored"),
-    ArchitectureSpec("phi3", ("Phi3ForCausalLM",), (), _MODEL, _phi3_fields,
+    ArchitectureSpec("phi3", ("Phi3ForCausalLM",), ("phi3",), _MODEL, _phi3_fields,
                      "exact (fused qkv/gate_up, partial rotary); LongRoPE exact while the prompt fits "
                      "original_max_position_embeddings"),
 ):  # fmt: skip

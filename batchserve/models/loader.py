@@ -9,7 +9,7 @@ import logging
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -137,7 +137,8 @@ def ensure_gguf_cache(path: Path) -> Path:
     logger.info("converting %s once into %s", path.name, target)
     config = _gguf_config(path)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=_mkdir(target.parent)))
-    write_gguf_as_safetensors(gguf_reader(path), tmp / "model.safetensors", gguf_to_hf_name, _permuted_qk_heads(config))
+    write_gguf_as_safetensors(gguf_reader(path), tmp / "model.safetensors", gguf_name_map(config),
+                              _permuted_qk_heads(config))  # fmt: skip
     tokenizer = _load_gguf_tokenizer(path)
     tokenizer.save_pretrained(str(tmp))
     _portable_tokenizer_class(tmp)
@@ -236,6 +237,7 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q/k/v fused in the file as in the checkpoint
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
@@ -255,6 +257,19 @@ def gguf_to_hf_name(name: str) -> str | None:
     return None
 
 
+def gguf_name_map(config: ModelConfig) -> Callable[[str], str | None]:
+    """gguf_to_hf_name, except where an architecture gives a GGUF name another meaning: Phi-3's ffn_up holds gate and
+    up fused (its checkpoint's gate_up_proj)."""
+    if config.architecture != "phi3":
+        return gguf_to_hf_name
+
+    def phi3_name(name: str) -> str | None:
+        hf_name = gguf_to_hf_name(name)
+        return hf_name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.") if hf_name else None
+
+    return phi3_name
+
+
 def _permuted_qk_heads(config: ModelConfig) -> tuple[int, int] | None:
     """llama.cpp permutes q/k rows for llama only (not qwen2)."""
     return (config.num_heads, config.num_kv_heads) if config.architecture == "llama" else None
@@ -262,7 +277,7 @@ def _permuted_qk_heads(config: ModelConfig) -> tuple[int, int] | None:
 
 def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """The GGUF file's tensors under HF names, one at a time (models/gguf_weights.py)."""
-    return iter_gguf_tensors(gguf_reader(path), gguf_to_hf_name, _permuted_qk_heads(config))
+    return iter_gguf_tensors(gguf_reader(path), gguf_name_map(config), _permuted_qk_heads(config))
 
 
 def _load_gguf_tokenizer(path: Path):

@@ -192,6 +192,7 @@ GGUF_LAYER_NAMES = {
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused ones
 }  # fmt: skip
 GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}  # fmt: skip
@@ -234,8 +235,11 @@ def llama3_rope_factors(hf_config) -> list[float]:
 
 def write_tiny_gguf(hf, arch: str, path, matrix_type: str) -> None:
     """The model as llama.cpp's converter lays it out: metadata, a byte-level BPE vocabulary of VOCAB tokens, q/k
-    rows permuted for llama, matrices in `matrix_type` (F32 or F16), norms in F32, rope_freqs for llama3 scaling."""
+    rows permuted for llama, matrices in `matrix_type` (F32 or F16), norms in F32, rope_freqs for llama3 scaling,
+    Phi-3's LongRoPE factors as tensors and its original context / attention factor as metadata."""
     c = hf.config
+    rope = c.rope_parameters
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -243,11 +247,11 @@ def write_tiny_gguf(hf, arch: str, path, matrix_type: str) -> None:
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_vocab_size(VOCAB)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -258,13 +262,24 @@ def write_tiny_gguf(hf, arch: str, path, matrix_type: str) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
         data = tensor.numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             data = llama_cpp_permute(data, heads)
         writer.add_tensor(gguf_name(name), data.astype(np.float16) if data.ndim == 2 and matrix_type == "F16" else data)
-    if c.rope_parameters.get("rope_type") == "llama3":
+    if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", np.array(llama3_rope_factors(c), dtype=np.float32))
+    if rope.get("rope_type") == "longrope":  # convert_hf_to_gguf.py's Phi3MiniModel
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = c.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if getattr(c, "sliding_window", None):
+        writer.add_sliding_window(c.sliding_window)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -281,28 +296,44 @@ def rounded_through_float16(hf):
     return rounded
 
 
-@pytest.mark.parametrize("kind,arch,matrix_type", [("llama3_rope", "llama", "F32"), ("qwen3", "qwen3", "F16")])
+@pytest.mark.parametrize("kind,arch,matrix_type", [("llama3_rope", "llama", "F32"), ("qwen3", "qwen3", "F16"),
+                                                   ("phi3", "phi3", "F32"), ("phi4_mini", "phi3", "F16"),
+                                                   ("phi3_window", "phi3", "F32")])  # fmt: skip
 def test_gguf_from_the_gguf_package_gives_transformers_tokens(tiny_models, tmp_path, monkeypatch, kind, arch,
                                                               matrix_type):  # fmt: skip
     """A GGUF written by the gguf package loads (Llama 3's rope_freqs tensor as llama.cpp applies it; Qwen3's q/k norms
-    and head_dim) and gives transformers' greedy tokens (F16: transformers on the same float16-rounded matrices)."""
+    and head_dim; Phi-3's fused tensors, LongRoPE factor tensors, partial rotary, window) and gives transformers' greedy
+    tokens (F16: transformers on the same float16-rounded matrices)."""
     monkeypatch.setattr(env, "cache_dir", lambda: tmp_path / "cache")  # the conversion folder stays in tmp_path
     hf, _ = tiny_models(kind)
     path = tmp_path / f"{kind}.gguf"
     write_tiny_gguf(hf, arch, path, matrix_type)
     config, _ = load_ours(path)
-    assert config.architecture == arch and config.head_dim == hf.config.head_dim
+    assert config.architecture == arch and config.head_dim == load_ours(tiny_models(kind)[1])[0].head_dim
     if kind == "llama3_rope":
         assert config.rope_scaling["rope_type"] == "freq_factors"
         hf_style = dataclasses.replace(config, rope_scaling=hf_rope(hf.config.to_dict())[1])
         torch.testing.assert_close(rotary.rope_inv_freq(config), rotary.rope_inv_freq(hf_style), rtol=1e-6, atol=0)
     reference = rounded_through_float16(hf) if matrix_type == "F16" else hf
-    prompts = {"a": prompt_ids(21, 40), "b": prompt_ids(22, 6)}  # past llama3_rope's original context (32)
+    if arch == "phi3":
+        ours_from_folder, _ = load_ours(tiny_models(kind)[1])
+        for key in ("short_factor", "long_factor") if ours_from_folder.rope_scaling else ():
+            assert config.rope_scaling[key] == pytest.approx(ours_from_folder.rope_scaling[key])
+        assert (config.rope_scaling is None) == (ours_from_folder.rope_scaling is None)
+        assert rotary.attention_scaling(config) == pytest.approx(rotary.attention_scaling(ours_from_folder))
+        assert (config.rotary_dim, config.sliding_window) == (ours_from_folder.rotary_dim, ours_from_folder.sliding_window)
+    # past llama3_rope's original context (32); within LongRoPE's (as test_greedy_generation_matches_transformers)
+    prompts = {"a": prompt_ids(21, 22 if arch == "phi3" else 40), "b": prompt_ids(22, 6)}
     sched = MiniScheduler(make_runner(path, block_size=8, num_kv_blocks=48), chunk=16)
     for req_id, prompt in prompts.items():
         sched.add(req_id, prompt, 10)
     outputs = sched.run()
     assert outputs == {req_id: hf_greedy(reference, prompt, 10) for req_id, prompt in prompts.items()}
+    if arch == "phi3":  # the conversion folder is a Phi-3 checkpoint transformers loads (fused names, LongRoPE)
+        from batchserve.models.loader import ensure_gguf_cache
+
+        converted = transformers.AutoModelForCausalLM.from_pretrained(ensure_gguf_cache(path), dtype=torch.float32)
+        assert hf_greedy(converted.eval(), prompts["a"], 10) == outputs["a"]
 
 
 def test_llama31_rope_freqs_read_back_as_llama3_scaling_for_config_json():
