@@ -36,7 +36,7 @@ MOE_KINDS = {
     ),
     "qwen3_moe_norm_topk": lambda: transformers.Qwen3MoeConfig(
         **{**MOE, "num_local_experts": 6, "num_experts_per_tok": 3},
-        moe_intermediate_size=40,
+        moe_intermediate_size=64,  # a multiple of 32: int8 takes it
         norm_topk_prob=True,
         decoder_sparse_step=2,
     ),
@@ -263,3 +263,19 @@ def test_bfloat16_as_near_float32_as_transformers_bfloat16(moe_models):
             .float()
         )
     assert (ours - ref).abs().mean() <= 1.5 * (theirs - ref).abs().mean()
+
+
+def test_experts_kept_quantized(moe_models):
+    """--quantization int8 keeps each expert's projections quantized, as every decoder projection; logits stay near."""
+    from batchserve.layers.quantization import QuantizedLinear, quantized_linears
+
+    directory = moe_models("qwen3_moe_norm_topk")[1]
+    config, model = load_ours(directory)
+    with quantized_linears("int8", torch.device("cpu")):
+        _, quantized = load_ours(directory)
+    sparse = quantized.layers[1].mlp
+    assert isinstance(sparse, SparseMoE)
+    assert all(isinstance(p, QuantizedLinear) for pair in sparse.experts.cpu_layouts for p in pair)
+    tokens = prompt_ids(6, 16)
+    ref, ours = our_prefill_logits(model, config, tokens), our_prefill_logits(quantized, config, tokens)
+    assert (ours - ref).abs().max() <= 0.05 * ref.abs().max()
