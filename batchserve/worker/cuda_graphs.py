@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from batchserve.layers.attention import AttentionMetadata, KVCache, SeqGroup
+from batchserve.layers.capabilities import Capability
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +243,9 @@ def decode_graphs_for(runner) -> DecodeGraphs | None:
     from batchserve.layers.gpu import paged_attention as gpu_attention
 
     if runner.device.type != "cuda" or runner.engine_config.enforce_eager:
+        return None
+    if Capability.MOE in getattr(runner.model, "capabilities", ()):
+        logger.info("CUDA graphs off: MoE layers (layers/moe.py) split each step's tokens by expert on the host")
         return None
     pool = runner.kv_caches[0]
     if not gpu_attention.supports(pool[0][:1, 0], pool):

@@ -279,3 +279,20 @@ def test_experts_kept_quantized(moe_models):
     tokens = prompt_ids(6, 16)
     ref, ours = our_prefill_logits(model, config, tokens), our_prefill_logits(quantized, config, tokens)
     assert (ours - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_no_cuda_graphs_for_moe(caplog):
+    """Decode CUDA graphs skip a MoE model (its per-step split by expert is read on the host), said in the log;
+    checked before anything touches a GPU."""
+    from types import SimpleNamespace
+
+    from batchserve.worker.cuda_graphs import decode_graphs_for
+
+    runner = SimpleNamespace(
+        device=torch.device("cuda"),
+        engine_config=SimpleNamespace(enforce_eager=False),
+        model=SimpleNamespace(capabilities=frozenset({Capability.MOE, Capability.ROPE})),
+    )
+    with caplog.at_level(logging.INFO):
+        assert decode_graphs_for(runner) is None
+    assert any("CUDA graphs off: MoE" in r.getMessage() for r in caplog.records)
