@@ -74,7 +74,7 @@ def test_kv_bytes_equal_the_engines_block_bytes(name):
 
 
 LLAMA_3_8B_CONFIG = (
-    '{"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,'
+    '{"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,'
     ' "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192}'
 )
 
@@ -109,7 +109,7 @@ def test_shapes_from_the_engines_gguf_match_the_preset():
 
 
 def test_an_unreadable_model_is_a_value_error(tmp_path):
-    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
     with pytest.raises(ValueError, match="num_attention_heads"):
         Shapes.from_config_json(tmp_path / "config.json")
     with pytest.raises(ValueError, match="not found"):
