@@ -137,9 +137,9 @@ def test_greedy_chat_reply_matches_transformers(ours, reference):
 
 def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(path, reference):
     """bfloat16 differs from transformers' bf16 in rounding, not in accuracy, on either path: without bf16 matmul
-    units our GEMMs run in float32 on widened weights (measured distance 0.163 against transformers' 0.142), with
-    them in bf16 on packed weights (AMX: our tile kernel, 0.176 against 0.158; AVX512-BF16 alone: oneDNN's GEMM,
-    0.186 against 0.158) and the fused ops in float32 rounded once; attention reads the bf16 pool in float32. The mean distance of the logits to float32's is
+    units our GEMMs run in float32 on widened weights, with them in bf16 on packed weights, the fused ops in float32
+    rounded once and the logits in float32; attention reads the bf16 pool in float32 (measured distances per host
+    class: docs/cpu-kernels.md). The mean distance of the logits to float32's is
     about transformers', the next token is the same, and so is the greedy chat reply over its first 8 tokens (a
     longer one can drift apart at a near-tie, as transformers' own bf16 output does between batch compositions)."""
     model, tokenizer = reference
