@@ -206,9 +206,11 @@ def _add_health(app: FastAPI, health_problem: Callable[[], Awaitable[str | None]
             return as_api_error(EngineDeadError(problem)).response()
         return JSONResponse({"status": "ok"})
 
-    @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:  # vLLM's (and SageMaker's) liveness probe: /health's answer
         return await health()
+
+    for method in ("GET", "POST"):  # one route per method, so the OpenAPI schema's operation ids stay unique
+        app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_{method.lower()}")
 
     @app.get("/version")
     async def version() -> Response:
