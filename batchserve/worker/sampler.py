@@ -221,13 +221,18 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def sampling_probabilities(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution a row samples from: its logits over the temperature, then min-p, top-k and top-p."""
     logits = logits / meta.temperature
     if meta.min_p is not None:
         logits = apply_min_p(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    probs = sampling_probabilities(logits, meta)
     # Inverse CDF: one uniform draw per row, located in the row's cumulative distribution (float64, so the tail of a
     # 50k-token vocabulary keeps its mass). One random number per row instead of one per token: torch's per-element
     # exponential draws cost ~40% of a 64-sequence step. Unseeded rows share one RNG call; each seeded row draws from

@@ -24,9 +24,8 @@ from batchserve.worker.sampler import (
     SamplingMetadata,
     _argmax,
     _step_seed,
-    apply_min_p,
     apply_penalties,
-    apply_top_k_top_p,
+    sampling_probabilities,
 )
 
 
@@ -105,12 +104,7 @@ def _process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def _probabilities(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    logits = logits / meta.temperature
-    if meta.min_p is not None:
-        logits = apply_min_p(logits, meta.min_p)
-    if meta.top_k is not None or meta.top_p is not None:
-        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-    return logits.softmax(dim=-1).to(torch.float64)
+    return sampling_probabilities(logits, meta).to(torch.float64)
 
 
 def _accept_greedy(proposal: list[int], targets: list[int]) -> tuple[list[int], int]:
