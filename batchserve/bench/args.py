@@ -9,6 +9,7 @@ from typing import Any
 
 from batchserve.bench.arrivals import PROCESSES, ArrivalProcess
 from batchserve.bench.metrics import SLO
+from batchserve.bench.repetitive import REPETITIVE_WORKLOADS
 from batchserve.bench.workloads import WORKLOADS, BenchRequest, WorkloadOptions, make_workload
 
 # vLLM's --dataset-name random: prompts of exactly --random-input-len tokens, outputs within --random-range-ratio of
@@ -120,6 +121,8 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
 def make_requests(args: argparse.Namespace, tokenizer: Any, count: int, seed: int) -> list[BenchRequest]:
     """`count` requests of the workload the flags describe."""
     requests = make_workload(args.workload, tokenizer, count, seed, workload_options(args))
+    if args.ignore_eos is None and args.workload in REPETITIVE_WORKLOADS:
+        return requests  # their answers end where the model ends them: what speculation predicts is measured
     ignore_eos = not against_a_server(args) if args.ignore_eos is None else args.ignore_eos
     for r in requests:
         r.ignore_eos = ignore_eos

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from batchserve.bench.corpus import CORPUS
+from batchserve.bench.repetitive import DEFAULT_OUTPUT_LEN, REPETITIVE_WORKLOADS, conversations, prompt_ids
 
-WORKLOADS = ("mixed", "uniform", "longtail", "shared-prefix", "sharegpt")
+WORKLOADS = ("mixed", "uniform", "longtail", "shared-prefix", "sharegpt", *REPETITIVE_WORKLOADS)
 
 
 class Tokenizer(Protocol):
@@ -187,6 +188,16 @@ _GENERATORS = {
 }
 
 
+def repetitive(name: str, tok: Any, n: int, opt: WorkloadOptions) -> list[BenchRequest]:
+    """Chat requests whose answers repeat their prompts (bench/repetitive.py), each stopping at its end of sequence
+    or after output_len tokens."""
+    cap = opt.output_len or DEFAULT_OUTPUT_LEN
+    return [
+        BenchRequest(f"req-{i}", prompt_ids(tok, conv), cap, name, conv[-1]["content"], ignore_eos=False)
+        for i, conv in enumerate(conversations(name, n))
+    ]
+
+
 def _lens(name: str, opt: WorkloadOptions) -> tuple[int, int]:
     inp, out = DEFAULTS[name]
     return (opt.input_len or inp, opt.output_len or out)
@@ -195,10 +206,12 @@ def _lens(name: str, opt: WorkloadOptions) -> tuple[int, int]:
 def make_workload(
     name: str, tokenizer: Any, num_requests: int, seed: int = 0, options: WorkloadOptions | None = None
 ) -> list[BenchRequest]:
-    if name not in _GENERATORS:
+    if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     if num_requests < 1:
         raise ValueError("num_requests must be >= 1")
+    if name in REPETITIVE_WORKLOADS:
+        return repetitive(name, tokenizer, num_requests, options or WorkloadOptions())
     return _GENERATORS[name](tokenizer, num_requests, random.Random(seed), options or WorkloadOptions(), seed)
 
 
