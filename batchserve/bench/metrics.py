@@ -98,6 +98,11 @@ def distribution(values: Sequence[float], scale: float = 1.0) -> dict[str, float
     return out
 
 
+# SchedulerStats' counters that run from the engine's start: a run's share is the last step's minus the first's
+CUMULATIVE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+                       "spec_num_drafts", "spec_num_emitted_tokens")  # fmt: skip
+
+
 @dataclass
 class StepSample:
     """One engine step as the benchmark saw it: the timing and the scheduler's stats (SchedulerStats fields)."""
@@ -117,6 +122,10 @@ class StepSample:
     kv_blocks_free: int = 0
     prefix_cache_queries: int = 0  # cumulative, since the start of the run (the driver subtracts its baseline)
     prefix_cache_hits: int = 0
+    spec_num_draft_tokens: int = 0  # speculative decoding, cumulative like the prefix cache's counters
+    spec_num_accepted_tokens: int = 0
+    spec_num_drafts: int = 0  # verification steps
+    spec_num_emitted_tokens: int = 0
     scheduled: dict[str, tuple[int, bool]] = field(default_factory=dict)  # req_id -> (tokens, is prefill)
     finished: list[str] = field(default_factory=list)  # requests that finished at this step
     padding: list[str] = field(default_factory=list)  # finished requests computed as padding (static batching)
@@ -126,7 +135,7 @@ class StepSample:
         names = [
             "num_scheduled_seqs", "max_batch_size", "num_waiting", "num_running", "num_prefill_tokens",
             "num_decode_tokens", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached_free", "kv_blocks_free",
-            "prefix_cache_queries", "prefix_cache_hits",
+            *CUMULATIVE_COUNTERS,
         ]  # fmt: skip
         values = {n: getattr(stats, n, 0) for n in names}
         scheduled = {k: (int(v[0]), bool(v[1])) for k, v in (getattr(stats, "scheduled", None) or {}).items()}
@@ -249,4 +258,7 @@ def step_summary(steps: Sequence[StepSample]) -> dict[str, Any]:
     }
     if last.prefix_cache_queries > 0:  # the scheduler's counters, counted from the start of the run
         out["prefix_cache_hit_rate"] = last.prefix_cache_hits / last.prefix_cache_queries
+    if last.spec_num_draft_tokens > 0:
+        out["spec_acceptance_rate"] = last.spec_num_accepted_tokens / last.spec_num_draft_tokens
+        out["spec_tokens_per_verify"] = last.spec_num_emitted_tokens / last.spec_num_drafts
     return out

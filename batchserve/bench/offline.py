@@ -12,7 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from batchserve.bench.arrivals import ArrivalProcess
-from batchserve.bench.metrics import RequestResult, StepSample
+from batchserve.bench.metrics import CUMULATIVE_COUNTERS, RequestResult, StepSample
 from batchserve.bench.trace import RunTrace
 from batchserve.bench.workloads import BenchRequest
 
@@ -113,8 +113,7 @@ class OfflineRun:
             sorted(zip(self.arrivals.offsets(len(requests), seed), requests, strict=True), key=lambda p: p[0])
         )
         base = engine.last_stats
-        self._base_q = getattr(base, "prefix_cache_queries", 0)
-        self._base_h = getattr(base, "prefix_cache_hits", 0)
+        self._baseline = {name: getattr(base, name, 0) for name in CUMULATIVE_COUNTERS}
         self._prev_stats = base
         self.live: dict[str, RequestResult] = {}
         self.done: list[RequestResult] = []
@@ -153,8 +152,8 @@ class OfflineRun:
         stats = self.engine.last_stats
         if stats is not None and stats is not self._prev_stats and getattr(stats, "num_scheduled_seqs", 1):
             sample = StepSample.from_stats(start, end, stats, finished)
-            sample.prefix_cache_queries -= self._base_q
-            sample.prefix_cache_hits -= self._base_h
+            for name, value in self._baseline.items():
+                setattr(sample, name, getattr(sample, name) - value)
             self.steps.append(sample)
         self._prev_stats = stats
 

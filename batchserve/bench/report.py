@@ -36,6 +36,8 @@ ROWS += [
     ("KV usage max (%)", "kv_usage_max", "{:.1f}", 100),
     ("Preemptions", "num_preemptions", "{:.0f}", 1),
     ("Prefix cache hit rate (%)", "prefix_cache_hit_rate", "{:.1f}", 100),
+    ("Draft tokens accepted (%)", "spec_acceptance_rate", "{:.1f}", 100),
+    ("Tokens / verification step", "spec_tokens_per_verify", "{:.2f}", 1),
 ]
 
 

@@ -101,3 +101,23 @@ def test_sampled_requests_with_speculation_are_reproducible_and_free_every_block
     assert stats.num_proposed > proposed
     pool = llm.engine.scheduler.kv.pool
     assert pool.num_used_blocks == 0
+
+
+def test_a_bench_run_reports_this_runs_acceptance(llm):
+    """`batchserve bench` on a speculating engine: the report's acceptance and tokens per verification step are this
+    run's (the scheduler's counters minus where they stood when the run began)."""
+    from batchserve.bench.metrics import summarize
+    from batchserve.bench.offline import run_offline
+    from batchserve.bench.workloads import WorkloadOptions, make_workload
+
+    stats = llm.engine.scheduler.speculation.stats
+    counters = lambda: (stats.num_proposed, stats.num_accepted, stats.num_verify_steps, stats.num_emitted)  # noqa: E731
+    requests = make_workload("multi-turn", llm.tokenizer, 3, options=WorkloadOptions(output_len=12))
+    _generate(llm, REPEATING[:1], SamplingParams(max_tokens=8, temperature=0.0), speculate=True)  # counters not at 0
+    before = counters()
+    trace = run_offline(llm.engine, requests, progress=False)
+    proposed, accepted, verifies, emitted = (now - then for now, then in zip(counters(), before, strict=True))
+    summary = summarize(trace.requests, trace.meta["duration_s"], steps=trace.steps)
+    assert proposed > 0 and before[0] > 0  # the baseline matters
+    assert summary["spec_acceptance_rate"] == pytest.approx(accepted / proposed)
+    assert summary["spec_tokens_per_verify"] == pytest.approx(emitted / verifies) and emitted / verifies > 1
