@@ -57,6 +57,7 @@ class SoakOptions:
     max_waiting_requests: int = 64
     max_rss_growth_mb: float = 150.0  # after the warm-up share of the load (allocator and kernel caches fill there)
     warmup_share: float = 0.1  # of the requests or of the duration, whichever comes first
+    rss_sample_every: int = 100  # requests between two points of the RSS timeline
     model: str | None = None
     seed: int = 0
     extra_server_args: list[str] = field(default_factory=list)
@@ -70,12 +71,26 @@ class SoakReport:
     rss_warm_mb: float = 0.0  # once the warm-up share of the load is through
     rss_peak_mb: float = 0.0
     rss_end_mb: float = 0.0
+    # (requests sent, seconds since the load began, RSS, its anonymous part, its file-backed part), in MB
+    rss_timeline: list[tuple[int, float, float, float, float]] = field(default_factory=list)
     leaked_blocks: float = -1.0
     left_running: float = -1.0
     left_waiting: float = -1.0
     exit_code: int | None = None
     wall_s: float = 0.0
     failures: list[str] = field(default_factory=list)
+
+    @property
+    def rss_slope_mb_per_1000(self) -> float:
+        """RSS growth per 1,000 requests over the timeline's second half (least squares): a leak keeps a slope as
+        requests go on; caches that fill flatten it."""
+        late = self.rss_timeline[len(self.rss_timeline) // 2 :]
+        if len(late) < 3 or late[-1][0] == late[0][0]:
+            return float("nan")
+        xs, ys = [p[0] for p in late], [p[2] for p in late]
+        mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+        cov = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+        return 1000 * cov / sum((x - mean_x) ** 2 for x in xs)
 
     @property
     def ttft_p99_s(self) -> float:
@@ -90,6 +105,8 @@ class SoakReport:
             "rss_warm_mb": self.rss_warm_mb,
             "rss_peak_mb": self.rss_peak_mb,
             "rss_end_mb": self.rss_end_mb,
+            "rss_slope_mb_per_1000_requests": self.rss_slope_mb_per_1000,
+            "rss_timeline": self.rss_timeline,
             "leaked_blocks": self.leaked_blocks,
             "left_running": self.left_running,
             "left_waiting": self.left_waiting,
@@ -131,9 +148,10 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 300.0) -> No
     raise TimeoutError("the server did not become ready")
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field_name: str = "VmRSS") -> float:
+    """A process's resident memory in MB: VmRSS, or its anonymous (RssAnon) or file-backed (RssFile) part."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field_name + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -239,6 +257,9 @@ class SoakClients:
                             or time.monotonic() - started >= options.warmup_share * options.duration_s)  # fmt: skip
                     if warm and not report.rss_warm_mb:
                         report.rss_warm_mb = rss
+                    if report.counts["sent"] % options.rss_sample_every == 0:
+                        report.rss_timeline.append((report.counts["sent"], round(time.monotonic() - started, 1), rss,
+                                                    rss_mb(pid, "RssAnon"), rss_mb(pid, "RssFile")))  # fmt: skip
 
             await asyncio.gather(*(worker() for _ in range(options.concurrency)))
 
@@ -319,7 +340,8 @@ def format_report(report: SoakReport) -> str:
         f"p99 {report.ttft_p99_s:.3f} s",
         f"RSS: {report.rss_start_mb:.0f} MB at start, {report.rss_warm_mb:.0f} MB after the warm-up share, "
         f"{report.rss_peak_mb:.0f} MB peak, {report.rss_end_mb:.0f} MB at the end ({report.rss_end_mb - report.rss_start_mb:+.0f} "
-        f"MB in all, {report.rss_end_mb - report.rss_warm_mb:+.0f} MB after the warm-up share)",
+        f"MB in all, {report.rss_end_mb - report.rss_warm_mb:+.0f} MB after the warm-up share; "
+        f"{report.rss_slope_mb_per_1000:+.1f} MB per 1,000 requests over the second half)",
         f"after the load: {report.leaked_blocks:g} KV blocks held, {report.left_running:g} running, "
         f"{report.left_waiting:g} waiting; exit code on SIGTERM {report.exit_code}; {report.wall_s:.0f} s in all",
         "PASS" if not report.failures else "FAIL: " + "; ".join(report.failures),
