@@ -4,6 +4,11 @@ perplexity under each. The model is the default one (SmolLM2-135M-Instruct's GGU
 the reference) or --model; windows of --window tokens, each its own prefill (the same windows for every format).
 
     .venv/bin/python benchmarks/quant_accuracy.py [--formats none int8 int4 int4_g64] [--tokens 2048] [--json out]
+        [--llama-cpp [--llama-cpp-q8 PATH] [--threads 2]]
+
+--llama-cpp adds llama.cpp's rows (llama-cpp-python, all logits kept) over the same token ids and windows: the model's
+own GGUF file (a GGUF --model only), and with --llama-cpp-q8 a Q8_0 file made from it by llama.cpp's quantizer
+(requantized; written once to that path), both against the same float32 reference.
 
 The KV cache stays float32 here (helper H's kv_cache_dtype is measured separately). Prefill rows take the quantized
 GEMM's dequantized-tile path (same weights as decode's register path, another float32 summation order).
@@ -20,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # llama_cpp_peer beside this script
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput  # noqa: E402
 from batchserve.layers import kernels  # noqa: E402
@@ -68,6 +74,21 @@ def compare(reference: torch.Tensor, other: torch.Tensor, targets: torch.Tensor)
     }
 
 
+def llama_cpp_rows(path: Path, args, inputs, reference, targets) -> list[dict]:
+    import llama_cpp_peer
+
+    print(llama_cpp_peer.describe())
+    files = [("llama.cpp " + path.stem.rsplit(".", 1)[-1] + " (file)", path)]
+    if args.llama_cpp_q8:
+        files.append(("llama.cpp Q8_0", llama_cpp_peer.quantize_q8_0(path, args.llama_cpp_q8)))
+    rows = []
+    for name, gguf in files:
+        for kv in args.llama_cpp_kv:
+            other = llama_cpp_peer.window_log_probs(gguf, inputs, args.threads, kv)
+            rows.append({"format": f"{name}, KV {kv}", **compare(reference, other, targets)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the default SmolLM2)")
@@ -75,6 +96,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of the text scored (at most the text's)")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's rows (needs the `peers` extra)")
+    parser.add_argument("--llama-cpp-q8", type=Path, default=None, help="also a Q8_0 GGUF written here by llama.cpp")
+    parser.add_argument("--llama-cpp-kv", nargs="+", default=["f16"], choices=["f16", "f32", "q8_0"])
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     args = parser.parse_args()
     path = resolve_model_path(args.model)
     config = load_model_config(path)
@@ -87,11 +112,13 @@ def main() -> None:
     rows = [{"format": "none (float32)", **compare(reference, reference, targets)}]
     for fmt in args.formats:
         rows.append({"format": fmt, **compare(reference, text_log_probs(path, config, fmt, inputs), targets)})
+    if args.llama_cpp:
+        rows.extend(llama_cpp_rows(path, args, inputs, reference, targets))
     print(f"model {path.name}, {len(targets)} tokens of {TEXT.name}, windows of {args.window}, "
           f"{time.perf_counter() - started:.0f} s; CPU flags avx512_bf16: {'avx512_bf16' in kernels.cpu_flags()}")  # fmt: skip
-    print(f"{'format':<16}{'mean KL':>12}{'max KL':>10}{'top-1':>8}{'ppl':>9}")
+    print(f"{'format':<32}{'mean KL':>12}{'max KL':>10}{'top-1':>8}{'ppl':>9}")
     for r in rows:
-        print(f"{r['format']:<16}{r['mean_kl']:>12.5f}{r['max_kl']:>10.3f}{r['top1_agreement']:>8.3f}{r['perplexity']:>9.3f}")  # fmt: skip
+        print(f"{r['format']:<32}{r['mean_kl']:>12.5f}{r['max_kl']:>10.3f}{r['top1_agreement']:>8.3f}{r['perplexity']:>9.3f}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"model": path.name, "tokens": len(targets), "rows": rows}, indent=2))
 
