@@ -163,6 +163,7 @@ class ModelConfig:
 
 SPECULATIVE_METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
+K_POLICIES = ("ramp", "cost")
 
 
 @dataclass
@@ -175,6 +176,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 16
+    # below disable_by_batch_size: "ramp" (k shrinks linearly toward it) or "cost" (the k with the most tokens per
+    # second by the measured step cost and acceptance, core/speculation_cost.py)
+    k_policy: str = "ramp"
     # method "suffix": context depth, finished outputs kept, and the confidence below which a draft stops
     suffix_decoding_max_tree_depth: int = 8
     suffix_decoding_max_cached_requests: int = 64
@@ -204,6 +208,7 @@ class SpeculativeConfig:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         _require(1 <= lo <= hi, f"prompt_lookup_min {lo} / prompt_lookup_max {hi}: need 1 <= min <= max")
         _require(self.disable_by_batch_size >= 1, "disable_by_batch_size must be >= 1")
+        _require(self.k_policy in K_POLICIES, f"k_policy {self.k_policy!r}: one of {K_POLICIES}")
         _require(self.suffix_decoding_max_tree_depth >= 1, "suffix_decoding_max_tree_depth must be >= 1")
         _require(self.suffix_decoding_max_cached_requests >= 0, "suffix_decoding_max_cached_requests must be >= 0")
         _require(0.0 <= self.suffix_decoding_min_token_prob <= 1.0, "suffix_decoding_min_token_prob: 0 to 1")

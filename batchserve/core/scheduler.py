@@ -396,7 +396,7 @@ class Scheduler:
         accepted = model_output.accepted_token_ids.get(request.request_id, [])
         request.num_computed_tokens -= len(drafts) - len(accepted)
         self.kv.trim(request)
-        self.speculation.stats.record(len(drafts), len(accepted))
+        self.speculation.record(len(drafts), len(accepted))
         return accepted
 
     def _append_tokens(self, request: Request, token_ids: list[int], logprob) -> RequestOutput:

@@ -8,8 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from batchserve.config import SpeculativeConfig
+from batchserve.core.speculation_cost import PRIOR_ACCEPTANCE, StepCostModel, best_k
 from batchserve.core.suffix_proposer import SuffixProposer
 from batchserve.request import Request
+
+ACCEPTANCE_WEIGHT = 0.05  # of each verification in the running acceptance estimate
 
 
 class NgramProposer:
@@ -57,11 +60,15 @@ class SpeculationStats:
 
 
 class SpeculationPlanner:
-    """Draft tokens for one decode sequence this step, or none. k shrinks linearly as the running batch grows and is
-    0 from disable_by_batch_size on: a large batch is compute-bound and verifying drafts would cost throughput."""
+    """Draft tokens for one decode sequence this step, or none. k is 0 from disable_by_batch_size on (a large batch is
+    compute-bound and verifying drafts would cost throughput); below it, k_policy "ramp" shrinks k linearly toward
+    that size, "cost" picks the k that emits the most tokens per second by the measured step cost
+    (core/speculation_cost.py)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        self.step_cost = StepCostModel()
+        self.acceptance = PRIOR_ACCEPTANCE  # recent verifications' share of drafts kept (exponentially weighted)
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.suffix = None
         if config.method == "suffix":
@@ -73,10 +80,22 @@ class SpeculationPlanner:
         self.stats = SpeculationStats()
 
     def k_for_load(self, num_running: int) -> int:
-        limit = self.config.disable_by_batch_size
+        limit, max_k = self.config.disable_by_batch_size, self.config.num_speculative_tokens
         if num_running >= limit:
             return 0
-        return -(-self.config.num_speculative_tokens * (limit - num_running) // limit)
+        fit = self.step_cost.coefficients() if self.config.k_policy == "cost" else None
+        if fit is not None:
+            return best_k(max(num_running, 1), self.acceptance, max_k, *fit)
+        return -(-max_k * (limit - num_running) // limit)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A forward pass of num_tokens tokens took `seconds` (the engine's measurement, for k_policy "cost")."""
+        self.step_cost.observe(num_tokens, seconds)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.stats.record(num_proposed, num_accepted)
+        if num_proposed:
+            self.acceptance += ACCEPTANCE_WEIGHT * (num_accepted / num_proposed - self.acceptance)
 
     def propose(self, request: Request, num_running: int, token_budget: int, max_model_len: int) -> list[int]:
         if not eligible(request):

@@ -236,6 +236,8 @@ class LLMEngine:
         scheduled_at = time.monotonic()
         model_output = self.runner.execute(scheduled)
         executed_at = time.monotonic()
+        if self.scheduler.speculation is not None and not scheduled.is_empty:  # k_policy "cost" learns step costs
+            self.scheduler.speculation.observe_step(scheduled.total_num_scheduled_tokens, executed_at - scheduled_at)
         for request_id, scores in model_output.prompt_logprobs.items():
             if request_id in self._tracked:
                 self._tracked[request_id].prompt_logprobs = scores

@@ -48,6 +48,7 @@ def test_drafts_respect_max_tokens_the_budget_and_opt_outs():
         ({"num_speculative_tokens": 99}, "num_speculative_tokens"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"k": 3}, "unknown key"),
+        ({"k_policy": "greedy"}, "k_policy"),
     ],
 )
 def test_bad_speculative_configs_are_refused_with_the_reason(spec, words):
