@@ -110,29 +110,61 @@ struct Avx512 {
 };
 #endif
 
-// out[r * N] = sum over k of x[r * K + k] * code(k) * scale(k's group), for R rows and one output column.
+// One 32-k subblock of one column for R rows: the codes widened, scaled (s_lo for k < 16 of the subblock, s_hi above:
+// equal unless the group is 16) and FMA'd with the rows' activations.
 template <class Isa, int Bits, int R>
-void column_rows(const float* x, int64_t K, const uint8_t* codes, const float* scales, int64_t group, float* out,
-                 int64_t N) {
+inline void subblock_rows(const float* x, int64_t K, const uint8_t* codes, int64_t k0, typename Isa::Vec s_lo,
+                          typename Isa::Vec s_hi, typename Isa::Vec (*acc)[2]) {
+  typename Isa::Vec w[Isa::kVecs];
+  if constexpr (Bits == 8) {
+    Isa::load_int8(reinterpret_cast<const int8_t*>(codes) + k0, w);
+  } else {
+    Isa::load_int4(codes + k0 / 2, w);
+  }
+  for (int j = 0; j < Isa::kVecs; ++j) w[j] = Isa::mul(w[j], j * Isa::kWidth < 16 ? s_lo : s_hi);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < Isa::kVecs; ++j)
+      acc[r][j & 1] = Isa::fmadd(Isa::load(x + r * K + k0 + j * Isa::kWidth), w[j], acc[r][j & 1]);
+}
+
+// out[r * N] = sum over k of x[r * K + k] * code(k) * scale(k's group) [+ sum over groups g of min(g) * xsums[r][g],
+// the per-group minimum term of GGUF's Q4_1 / K-quants: w = code * scale + min], for R rows and one output column.
+template <class Isa, int Bits, int R>
+void column_rows(const float* x, int64_t K, const uint8_t* codes, const float* scales, int64_t group,
+                 const float* mins, const float* xsums, float* out, int64_t N) {
   typename Isa::Vec acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Isa::zero();
   const int64_t groups = K / group;
-  for (int64_t g = 0; g < groups; ++g) {
-    const auto s = Isa::set1(scales[g]);
-    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kSub) {
-      typename Isa::Vec w[Isa::kVecs];
-      if constexpr (Bits == 8) {
-        Isa::load_int8(reinterpret_cast<const int8_t*>(codes) + k0, w);
-      } else {
-        Isa::load_int4(codes + k0 / 2, w);
-      }
-      for (int j = 0; j < Isa::kVecs; ++j) w[j] = Isa::mul(w[j], s);
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < Isa::kVecs; ++j)
-          acc[r][j & 1] = Isa::fmadd(Isa::load(x + r * K + k0 + j * Isa::kWidth), w[j], acc[r][j & 1]);
+  if (group >= kSub) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const auto s = Isa::set1(scales[g]);
+      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kSub) subblock_rows<Isa, Bits, R>(x, K, codes, k0, s, s, acc);
     }
+  } else {  // group 16 (GGUF Q6_K's): two scales a subblock
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += kSub, g += 2)
+      subblock_rows<Isa, Bits, R>(x, K, codes, k0, Isa::set1(scales[g]), Isa::set1(scales[g + 1]), acc);
   }
-  for (int r = 0; r < R; ++r) out[r * N] = Isa::hsum(Isa::add(acc[r][0], acc[r][1]));
+  for (int r = 0; r < R; ++r) {
+    float v = Isa::hsum(Isa::add(acc[r][0], acc[r][1]));
+    if (mins != nullptr) {
+      const float* xs = xsums + r * groups;
+      for (int64_t g = 0; g < groups; ++g) v += mins[g] * xs[g];
+    }
+    out[r * N] = v;
+  }
+}
+
+// The activations' sums per row and group [M, K / group] (float32, in k order): what the minimum term multiplies.
+at::Tensor group_sums(const float* x, int64_t M, int64_t K, int64_t group) {
+  auto sums = at::empty({M, K / group}, at::kFloat);
+  float* s = sums.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K / group; ++g) {
+      float total = 0.0f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) total += x[m * K + k];
+      s[m * (K / group) + g] = total;
+    }
+  return sums;
 }
 
 template <class Isa, int Bits>
@@ -140,18 +172,24 @@ void small_m(const float* x, int64_t M, int64_t K, const QuantWeight& w, float* 
   const int64_t N = w.out_features, row_bytes = Bits == 8 ? K : K / 2, groups = K / w.group;
   const auto* codes = static_cast<const uint8_t*>(w.codes.data_ptr());
   const float* scales = w.scales.data_ptr<float>();
+  const bool has_mins = w.mins.defined();
+  const at::Tensor xsums = has_mins ? group_sums(x, M, K, w.group) : at::Tensor();  // once per row of x
+  const float* mins = has_mins ? w.mins.data_ptr<float>() : nullptr;
+  const float* xs = has_mins ? xsums.data_ptr<float>() : nullptr;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* c = codes + n * row_bytes;
       const float* s = scales + n * groups;
+      const float* mn = has_mins ? mins + n * groups : nullptr;
       for (int64_t m = 0; m < M; m += kRowBlock) {
         const float* xr = x + m * K;
+        const float* xsr = has_mins ? xs + m * groups : nullptr;
         float* o = out + m * N + n;
         switch (std::min<int64_t>(kRowBlock, M - m)) {
-          case 1: column_rows<Isa, Bits, 1>(xr, K, c, s, w.group, o, N); break;
-          case 2: column_rows<Isa, Bits, 2>(xr, K, c, s, w.group, o, N); break;
-          case 3: column_rows<Isa, Bits, 3>(xr, K, c, s, w.group, o, N); break;
-          default: column_rows<Isa, Bits, 4>(xr, K, c, s, w.group, o, N); break;
+          case 1: column_rows<Isa, Bits, 1>(xr, K, c, s, w.group, mn, xsr, o, N); break;
+          case 2: column_rows<Isa, Bits, 2>(xr, K, c, s, w.group, mn, xsr, o, N); break;
+          case 3: column_rows<Isa, Bits, 3>(xr, K, c, s, w.group, mn, xsr, o, N); break;
+          default: column_rows<Isa, Bits, 4>(xr, K, c, s, w.group, mn, xsr, o, N); break;
         }
       }
     }
@@ -180,28 +218,45 @@ void small_m_on_path(const float* x, int64_t M, int64_t K, const QuantWeight& w,
   }
 }
 
-// rows [n0, n1) of the weight as float32 into dst [(n1 - n0), K]: code * scale, the products the kernels form
+// rows [n0, n1) of the weight as float32 into dst [(n1 - n0), K]: code * scale (+ min), the products the kernels form
 void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, float* dst) {
   const int64_t K = w.in_features, row_bytes = w.bits == 8 ? K : K / 2, groups = K / w.group;
+  const int64_t subs_per_group = std::max<int64_t>(1, w.group / kSub), scales_per_sub = w.group < kSub ? 2 : 1;
   const auto* codes = static_cast<const uint8_t*>(w.codes.data_ptr());
   const float* scales = w.scales.data_ptr<float>();
+  const float* mins = w.mins.defined() ? w.mins.data_ptr<float>() : nullptr;
   at::parallel_for(n0, n1, 8, [&](int64_t begin, int64_t end) {
+    float v[kSub];
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* c = codes + n * row_bytes;
       float* d = dst + (n - n0) * K;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float s = scales[n * groups + g];
-        for (int64_t k0 = g * w.group; k0 < (g + 1) * w.group; k0 += kSub) {
-          if (w.bits == 8) {
-            const auto* q = reinterpret_cast<const int8_t*>(c) + k0;
-            for (int j = 0; j < 32; ++j) d[k0 + j] = static_cast<float>(q[j]) * s;
-          } else {
-            const uint8_t* b = c + k0 / 2;
-            for (int j = 0; j < 16; ++j) {
-              d[k0 + j] = static_cast<float>((b[j] & 15) - 8) * s;
-              d[k0 + 16 + j] = static_cast<float>((b[j] >> 4) - 8) * s;
-            }
+      // a subblock's scales: its group's (group >= 32) or the next two (group 16), counted, not divided
+      for (int64_t k0 = 0, in_group = 0, g = 0; k0 < K; k0 += kSub) {
+        if (w.bits == 8) {
+          const auto* q = reinterpret_cast<const int8_t*>(c) + k0;
+          for (int j = 0; j < 32; ++j) v[j] = static_cast<float>(q[j]);
+        } else {
+          const uint8_t* q = c + k0 / 2;
+          for (int j = 0; j < 16; ++j) {
+            v[j] = static_cast<float>((q[j] & 15) - 8);
+            v[j + 16] = static_cast<float>((q[j] >> 4) - 8);
           }
+        }
+        const int64_t row_g = n * groups + g;
+        for (int half = 0; half < 2; ++half) {
+          const int64_t gi = row_g + (scales_per_sub == 2 ? half : 0);
+          const float s = scales[gi];
+          if (mins == nullptr) {
+            for (int j = 16 * half; j < 16 * half + 16; ++j) d[k0 + j] = v[j] * s;
+          } else {
+            for (int j = 16 * half; j < 16 * half + 16; ++j) d[k0 + j] = v[j] * s + mins[gi];
+          }
+        }
+        if (scales_per_sub == 2) {
+          g += 2;
+        } else if (++in_group == subs_per_group) {
+          in_group = 0;
+          ++g;
         }
       }
     }

@@ -18,16 +18,22 @@ QuantPath path_named(const std::string& name) {
 }
 
 std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group,
-                                                const std::string& path, int64_t small_max_m) {
+                                                const std::string& path, int64_t small_max_m,
+                                                c10::optional<at::Tensor> mins = c10::nullopt) {
   TORCH_CHECK(bits == 8 || bits == 4, "quantized weight: 8 or 4 bits, not ", bits);
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "codes: [N, K] (int8) or [N, K / 2] (packed int4)");
   TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "codes: int8 for 8 bits, uint8 for 4");
   const int64_t N = codes.size(0), K = bits == 8 ? codes.size(1) : codes.size(1) * 2;
-  TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, "group: a multiple of 32 dividing K = ", K);
+  TORCH_CHECK(K % 32 == 0 && group > 0 && (group == 16 || group % 32 == 0) && K % group == 0,
+              "group: 16 or a multiple of 32 dividing K = ", K, " (a multiple of 32)");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == N && scales.size(1) == K / group,
               "scales: [N, K / group] float32");
+  TORCH_CHECK(!mins.has_value() || (mins->scalar_type() == at::kFloat && mins->is_contiguous() &&
+                                    mins->sizes() == scales.sizes()),
+              "mins: float32 shaped as the scales");
   auto w = std::make_shared<QuantWeight>();
+  if (mins.has_value()) w->mins = std::move(*mins);
   w->codes = std::move(codes);
   w->scales = std::move(scales);
   w->bits = bits;
@@ -48,9 +54,9 @@ void register_quant_gemm(pybind11::module& m) {
   m.def(
       "quantized_projection",
       [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> bias,
-         const std::string& path, int64_t small_max_m, bool float_output) {
+         const std::string& path, int64_t small_max_m, bool float_output, c10::optional<at::Tensor> mins) {
         Projection p{};
-        p.quant = quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m);
+        p.quant = quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m, std::move(mins));
         p.weight_t = at::empty({0}, at::kFloat);  // the GEMM's dtype: activations enter it as float32
         p.bias = std::move(bias);
         p.out_features = p.quant->out_features;
@@ -59,20 +65,23 @@ void register_quant_gemm(pybind11::module& m) {
       },
       "a Projection over a weight kept quantized (quant_gemm.h), its GEMM quant_gemm at every M", py::arg("codes"),
       py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("bias"), py::arg("path"),
-      py::arg("small_max_m"), py::arg("float_output") = false);
+      py::arg("small_max_m"), py::arg("float_output") = false, py::arg("mins") = py::none());
   m.def(
       "quant_gemm",
       [](at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, const std::string& path,
-         int64_t small_max_m) {
-        return quant_gemm(x, *quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m));
+         int64_t small_max_m, c10::optional<at::Tensor> mins) {
+        return quant_gemm(
+            x, *quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m, std::move(mins)));
       },
       "x [M, K] float32 @ a quantized weight -> [M, N] float32", no_gil, py::arg("x"), py::arg("codes"),
-      py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("path"), py::arg("small_max_m"));
+      py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("path"), py::arg("small_max_m"),
+      py::arg("mins") = py::none());
   m.def(
       "quant_dequantize",
-      [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group) {
-        return quant_dequantize(*quant_weight(std::move(codes), std::move(scales), bits, group, "portable", 0));
+      [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> mins) {
+        return quant_dequantize(
+            *quant_weight(std::move(codes), std::move(scales), bits, group, "portable", 0, std::move(mins)));
       },
       "a quantized weight as float32 [N, K]", no_gil, py::arg("codes"), py::arg("scales"), py::arg("bits"),
-      py::arg("group"));
+      py::arg("group"), py::arg("mins") = py::none());
 }
