@@ -149,6 +149,8 @@ class CpuLinear(nn.Module):
         """The layout of a decoder layer's projection: kept quantized inside quantization.quantized_linears()."""
         from batchserve.layers import quantization  # it builds on this module
 
+        if isinstance(linear, quantization.QuantizedLinear):
+            return linear  # laid out already: a GGUF file's own codes (quantization gguf)
         scheme = quantization.active_scheme()
         if scheme is not None:
             return quantization.QuantizedLinear(linear.weight, linear.bias, scheme)

@@ -47,14 +47,18 @@ class QuantScheme:
 
 
 def parse_quantization(name: str) -> QuantScheme | None:
-    """An option value -> its scheme (None for "none"). "int4" is int4 in groups of 32 (GGUF Q4_0's group)."""
+    """An option value -> the scheme projections are quantized in at load (None for "none", and for "gguf": a GGUF
+    file's own codes, models/gguf_quantized.py). "int4" is int4 in groups of 32 (GGUF Q4_0's group)."""
     if name not in QUANTIZATIONS:
         raise ConfigError(f"quantization {name!r}: not one of {', '.join(QUANTIZATIONS)}")
-    if name == "none":
+    if name in ("none", GGUF_AS_STORED):
         return None
     if name == "int8":
         return QuantScheme(8, None)
     return QuantScheme(4, int(name.removeprefix("int4").removeprefix("_g") or 32))
+
+
+GGUF_AS_STORED = "gguf"  # a GGUF file's quantized tensors run as stored (layers/gguf_codes.py)
 
 
 # ---- quantize / dequantize (torch; the layout of quant_gemm.h) -------------------------------------------------------
@@ -188,11 +192,17 @@ def quant_gemm_path() -> str:
 # ---- the layer -------------------------------------------------------------------------------------------------------
 
 _active: contextvars.ContextVar[QuantScheme | None] = contextvars.ContextVar("quantized_linears", default=None)
+_as_stored: contextvars.ContextVar[bool] = contextvars.ContextVar("gguf_as_stored", default=False)
 
 
 def active_scheme() -> QuantScheme | None:
     """The scheme CpuLinear.from_linear quantizes projections with (set by quantized_linears), else None."""
     return _active.get()
+
+
+def gguf_as_stored() -> bool:
+    """Whether the model loading now runs a GGUF file's quantized tensors as stored (quantization gguf)."""
+    return _as_stored.get()
 
 
 @contextlib.contextmanager
@@ -201,18 +211,19 @@ def quantized_linears(name: str, device: torch.device | None = None):
     output projection, whose float32 logits stay unquantized) are kept quantized in `name`'s scheme. A device other
     than the CPU is refused for any scheme but none, naming what works."""
     scheme = parse_quantization(name)
-    if scheme is not None and device is not None and device.type != "cpu":
+    if name != "none" and device is not None and device.type != "cpu":
         raise ConfigError(
             f"quantization {name}: the quantized kernels run on the CPU; on {device.type} use quantization none "
             "(or --device cpu)"
         )
-    if scheme is not None and kernels.load() is not None:
+    if name != "none" and kernels.load() is not None:
         quant_gemm_path()  # a forced path this CPU cannot run is refused here, at load
-    token = _active.set(scheme)
+    token, stored = _active.set(scheme), _as_stored.set(name == GGUF_AS_STORED)
     try:
         yield
     finally:
         _active.reset(token)
+        _as_stored.reset(stored)
 
 
 class QuantizedLinear(CpuLinear):
@@ -230,22 +241,30 @@ class QuantizedLinear(CpuLinear):
 
     @classmethod
     def from_codes(
-        cls, codes: torch.Tensor, scales: torch.Tensor, scheme: QuantScheme, bias: torch.Tensor | None = None
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        scheme: QuantScheme,
+        bias: torch.Tensor | None = None,
+        mins: torch.Tensor | None = None,
+        float_output: bool = False,
     ) -> QuantizedLinear:
-        """A layer over codes and scales already in the kernels' layout (repack_gguf's), kept as they are."""
+        """A layer over codes, scales and optional per-group minimums already in the kernels' layout (GGUF tensors'
+        own: layers/gguf_codes.py), kept as they are. float_output: float32 out whatever the input (the logits)."""
         layer = cls.__new__(cls)
         torch.nn.Module.__init__(layer)
         layer.out_features = codes.shape[0]
         layer.in_features = codes.shape[1] * (8 // scheme.bits)
-        layer._setup(codes, scales, bias, scheme)
+        layer._setup(codes, scales, bias, scheme, mins, float_output)
         return layer
 
-    def _setup(self, codes, scales, bias, scheme: QuantScheme) -> None:
-        self.scheme, self.float_output, self.swiglu = scheme, False, False
+    def _setup(self, codes, scales, bias, scheme: QuantScheme, mins=None, float_output: bool = False) -> None:
+        self.scheme, self.float_output, self.swiglu = scheme, float_output, False
         self.deterministic = _deterministic.get()
         self.group = scheme.group_for(self.in_features)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.native = self._quantized_projection()
 
@@ -261,12 +280,16 @@ class QuantizedLinear(CpuLinear):
             bias=self.bias,
             path=quant_gemm_path(),
             small_max_m=ALL_ROWS if self.deterministic else self.SMALL_MAX_M,
+            float_output=self.float_output,
+            mins=self.mins,
         )
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = dequantize(self.codes, self.scales, self.scheme.bits)
+        if self.mins is not None:
+            weight = weight + self.mins.repeat_interleave(self.group, dim=1)
         out = torch.nn.functional.linear(x.float(), weight, self.bias)
-        return out.to(x.dtype)
+        return out if self.float_output else out.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.scheme.name}"

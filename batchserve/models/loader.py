@@ -17,7 +17,8 @@ from torch import nn
 
 from batchserve import env
 from batchserve.config import ModelConfig
-from batchserve.models import registry
+from batchserve.layers import quantization
+from batchserve.models import gguf_quantized, registry
 from batchserve.models.gguf_config import gguf_reader, hf_config_json, read_gguf_config
 from batchserve.models.gguf_weights import iter_gguf_tensors, write_gguf_as_safetensors
 from batchserve.models.hf_config import read_hf_config
@@ -201,13 +202,28 @@ def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device
         model = model_class(model_config, dtype=dtype)
     model.to_empty(device=device)
     model.rotary.reset(device)
+    stored = _stored_gguf_tensors(path, model_config)
     weights = iter_hf_weights(ensure_gguf_cache(path)) if is_gguf(path) else iter_hf_weights(path)
+    if stored is not None:  # quantization gguf: the projections from the file's codes (models/gguf_quantized.py)
+        weights = gguf_quantized.use_stored_projections(model, stored, weights)
     model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
     model.eval()
     model.requires_grad_(False)
     if device.type == "cpu":
         model.use_cpu_linear_layouts()
+    if stored is not None:
+        gguf_quantized.use_stored_output(model, stored)
     return model
+
+
+def _stored_gguf_tensors(path: Path, config: ModelConfig) -> gguf_quantized.StoredTensors | None:
+    """The GGUF file's tensors under quantization gguf (refused for anything but a GGUF file), else None."""
+    if not quantization.gguf_as_stored():
+        return None
+    gguf_quantized.refuse_unless_gguf(path, is_gguf(path))
+    stored = gguf_quantized.StoredTensors(gguf_reader(path), config, _permuted_qk_heads(config))
+    stored.check_matrices()  # before the float conversion: its refusal would not say what runs as stored
+    return stored
 
 
 def iter_hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
