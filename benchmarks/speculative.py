@@ -64,8 +64,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeats", type=int, default=2, help="off/on rounds, alternating; the best of each kept")
+    parser.add_argument("--k-policy", default="ramp", choices=("ramp", "cost"))
+    parser.add_argument("--disable-by-batch-size", type=int, default=16)
     args = parser.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+            "k_policy": args.k_policy, "disable_by_batch_size": args.disable_by_batch_size}  # fmt: skip
     # no prefix cache: the second run of a prompt would skip the prefill the first one paid for
     llm = LLM(dtype=args.dtype, device="cpu", speculative_config=spec, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
