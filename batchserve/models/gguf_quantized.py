@@ -49,6 +49,14 @@ class StoredTensors:
         self.tensors = {t.name: t for t in reader.tensors}
         self.config, self.qk_heads = config, qk_heads
 
+    @classmethod
+    def open(cls, path: Path, config: ModelConfig, qk_heads: tuple[int, int] | None) -> StoredTensors:
+        """A reader of its own (not gguf_config's cached one), dropped once the model is loaded: neither the mapped
+        file's pages nor the parsed header stay resident beside the codes."""
+        import gguf
+
+        return cls(gguf.GGUFReader(path), config, qk_heads)
+
     def codes(self, name: str) -> gguf_codes.StoredCodes:
         tensor = self.tensors[name]
         stored = gguf_codes.repack(np.asarray(tensor.data), tensor.tensor_type.name)

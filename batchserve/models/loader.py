@@ -221,7 +221,7 @@ def _stored_gguf_tensors(path: Path, config: ModelConfig) -> gguf_quantized.Stor
     if not quantization.gguf_as_stored():
         return None
     gguf_quantized.refuse_unless_gguf(path, is_gguf(path))
-    stored = gguf_quantized.StoredTensors(gguf_reader(path), config, _permuted_qk_heads(config))
+    stored = gguf_quantized.StoredTensors.open(path, config, _permuted_qk_heads(config))
     stored.check_matrices()  # before the float conversion: its refusal would not say what runs as stored
     return stored
 
