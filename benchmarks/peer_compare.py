@@ -12,6 +12,11 @@ Engines (each in its own subprocess, so they share neither memory nor threads, a
   vllm           vLLM's CPU build, offline vllm.LLM(...).generate with prompt_token_ids, run by the Python of
                  --vllm-python (its own venv, default bench_results/vllm-venv or $VLLM_PYTHON; see
                  docs/BENCHMARKS.md); skipped when that interpreter is missing
+  llama-server   llama.cpp's server on batchserve's GGUF file as stored (its quantized tensors, f16 KV), --llama-server-slots
+                 parallel slots (default 32, `llama-server -np 32`), every request sent at once to /completion as token
+                 ids (benchmarks/llama_server_peer.py); the binary is --llama-server (default
+                 <cache dir>/peers/llama.cpp-build/bin/llama-server, see docs/quantization.md); skipped when missing.
+                 --dtype does not apply to it
 
 Every engine: greedy (temperature 0), ignore_eos, exactly max_tokens output tokens per request, the same dtype and
 thread count, one warm-up request before the clock starts (load and warm-up time are reported apart). Greedy outputs
@@ -39,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORKLOAD = HERE / "workloads" / "peer64.json"
 RESULTS = REPO / "bench_results"
-ENGINES = ("batchserve", "hf-static", "hf-stream", "vllm")
+ENGINES = ("batchserve", "hf-static", "hf-stream", "vllm", "llama-server")
 REFERENCE = "hf-static"
 
 
@@ -180,7 +185,25 @@ def run_vllm(args, requests: list[dict]) -> dict:
     return {"load_s": load_s, "wall_s": wall_s, "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
 
 
-RUNNERS = {"batchserve": run_batchserve, "hf-static": run_hf_static, "hf-stream": run_hf_stream, "vllm": run_vllm}
+def run_llama_server(args, requests: list[dict]) -> dict:
+    sys.path.insert(0, str(HERE))
+    import llama_server_peer
+
+    from batchserve.models.loader import resolve_model_path
+
+    model = resolve_model_path(args.batchserve_model)
+    return llama_server_peer.run(
+        args.llama_server, model, requests, args.llama_server_slots, args.threads, args.timeout
+    )
+
+
+RUNNERS = {
+    "batchserve": run_batchserve,
+    "hf-static": run_hf_static,
+    "hf-stream": run_hf_stream,
+    "vllm": run_vllm,
+    "llama-server": run_llama_server,
+}
 
 
 def worker_main(args) -> None:
@@ -269,13 +292,13 @@ def table(results: list[dict]) -> list[str]:
     base = next((r for r in results if r["engine"] == "batchserve" and "wall_s" in r), None)
     reference = next((r for r in results if r["engine"] == REFERENCE and "outputs" in r), None)
     head = (
-        f"{'engine':<11} {'reqs':>4} {'out tok/s':>10} {'total tok/s':>11} {'wall s':>8} {'start s':>7} "
+        f"{'engine':<12} {'reqs':>4} {'out tok/s':>10} {'total tok/s':>11} {'wall s':>8} {'start s':>7} "
         f"{'out x bs':>8} {'total x bs':>10} {'loadavg':>10}  greedy vs {REFERENCE}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         if "wall_s" not in r:
-            lines.append(f"{r['engine']:<11} failed: {r.get('error')}")
+            lines.append(f"{r['engine']:<12} failed: {r.get('error')}")
             continue
         out_tps = r["output_tokens"] / r["wall_s"]
         total_tps = (r["prompt_tokens"] + r["output_tokens"]) / r["wall_s"]
@@ -291,7 +314,7 @@ def table(results: list[dict]) -> list[str]:
             else f"{'-':>8} {'-':>10}"
         )
         lines.append(
-            f"{r['engine']:<11} {r['num_requests']:>4} {out_tps:>10.1f} {total_tps:>11.1f} {r['wall_s']:>8.1f} "
+            f"{r['engine']:<12} {r['num_requests']:>4} {out_tps:>10.1f} {total_tps:>11.1f} {r['wall_s']:>8.1f} "
             f"{r['load_s']:>7.1f} {ratio} {'{:.1f}->{:.1f}'.format(*r['loadavg_1min_start_end']):>10}  "
             f"{agreement(r, reference)}"
         )
@@ -312,6 +335,9 @@ def driver_main(args, forward: list[str]) -> None:
     if "vllm" in engines and not args.vllm_python.exists():
         print(f"[vllm] skipped: {args.vllm_python} not found (see --vllm-python and docs/BENCHMARKS.md)")
         engines.remove("vllm")
+    if "llama-server" in engines and not args.llama_server.is_file():
+        print(f"[llama-server] skipped: {args.llama_server} not found (see --llama-server and docs/quantization.md)")
+        engines.remove("llama-server")
     RESULTS.mkdir(exist_ok=True)
     if set(engines) & {"hf-static", "hf-stream", "vllm"}:
         ensure_hf_export(args.hf_dir)
@@ -384,6 +410,8 @@ def parse_args(argv: list[str] | None = None):
         default=None,
         help="Python of the venv holding vLLM's CPU build (default: $VLLM_PYTHON, else bench_results/vllm-venv/bin/python)",
     )
+    ap.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
+    ap.add_argument("--llama-server-slots", type=int, default=32, help="llama-server -np (parallel slots)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per engine")
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -400,7 +428,11 @@ def main() -> None:
     forward = [a for a in sys.argv[1:] if a not in ("--worker",)]
     args.workload, args.hf_dir = args.workload.resolve(), (args.hf_dir or env.hf_export_dir()).resolve()
     args.vllm_python = (args.vllm_python or env.vllm_python()).absolute()  # not resolve(): a venv's python is a link
+    args.llama_server = (
+        args.llama_server or env.cache_dir() / "peers" / "llama.cpp-build" / "bin" / "llama-server"
+    ).absolute()
     forward += ["--workload", str(args.workload), "--hf-dir", str(args.hf_dir)]
+    forward += ["--llama-server", str(args.llama_server)]
     driver_main(args, forward)
 
 
