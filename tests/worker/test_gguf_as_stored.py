@@ -172,6 +172,32 @@ def test_a_gguf_serves_its_own_codes_with_the_dequantized_models_tokens(tmp_path
     assert tokens == dequantized and all(len(ids) == PARAMS.max_tokens for ids in tokens)
 
 
+def test_the_python_layers_serve_the_same_codes(tmp_path, monkeypatch):
+    """Off the native loop (the Python layers over the native GEMM): the dequantized model's tokens too."""
+    monkeypatch.setattr(env, "cache_dir", lambda: tmp_path / "cache")
+    path = tmp_path / "tiny-Q4_1.gguf"
+    write_quantized_gguf(tiny_llama(tmp_path / "hf", 64), path, "Q4_1", monkeypatch)
+    _, dequantized = greedy(path)
+    monkeypatch.setenv("BATCHSERVE_NATIVE_DECODER_LOOP", "0")
+    llm, tokens = greedy(path, quantization="gguf")
+    assert llm.engine.runner.model.decoder_loop is None and tokens == dequantized
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q6_K"])
+def test_the_torch_code_applies_the_minimums(type_name):
+    """A layer from the codes without the native kernels (the torch code on the weight dequantized with its minimums)
+    and with them give x @ gguf's dequantized weight; float_output keeps float32 for bf16 rows (the logits)."""
+    blocks = gguf_blocks(type_name, np.random.default_rng(4).standard_normal((24, 256)).astype(np.float32))
+    stored = gguf_codes.repack(blocks, type_name)
+    layer = QuantizedLinear.from_codes(stored.codes, stored.scales, stored.scheme, mins=stored.mins, float_output=True)
+    x = torch.randn(5, 256)
+    exact = x.double() @ reference(blocks, type_name, (24, 256)).double().T
+    torch.testing.assert_close(layer._torch_forward(x).double(), exact, rtol=1e-5, atol=1e-5)
+    if layer.native is not None:
+        torch.testing.assert_close(layer(x).double(), exact, rtol=1e-5, atol=1e-5)
+        assert layer(x.bfloat16()).dtype == torch.float32
+
+
 def test_gguf_refuses_a_hugging_face_folder_and_an_unsupported_type(tmp_path, monkeypatch):
     monkeypatch.setattr(env, "cache_dir", lambda: tmp_path / "cache")
     folder = tmp_path / "hf"
