@@ -163,11 +163,14 @@ def test_a_gguf_serves_its_own_codes_with_the_dequantized_models_tokens(tmp_path
     monkeypatch.setenv("BATCHSERVE_NATIVE_DECODER_LOOP", "1")
     path = tmp_path / f"tiny-{type_name}.gguf"
     write_quantized_gguf(tiny_llama(tmp_path / "hf", width), path, type_name, monkeypatch)
+    called, forward = set(), QuantizedLinear.forward
+    monkeypatch.setattr(QuantizedLinear, "forward", lambda self, x: called.add(id(self)) or forward(self, x))
     llm, tokens = greedy(path, quantization="gguf")
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 2 * 4 + 1 and model.output_proj.scheme.bits == 8  # + the logits from token_embd's Q8_0
-    assert model.decoder_loop is not None  # the step is one native call
+    # the step is one native call: no decoder projection was called from Python, the logits' projection was
+    assert model.decoder_loop is not None and called == {id(model.output_proj)}
     _, dequantized = greedy(path)  # quantization none: the file dequantized by gguf.quants to float32
     assert tokens == dequantized and all(len(ids) == PARAMS.max_tokens for ids in tokens)
 
