@@ -74,22 +74,26 @@ def _complete(base: str, prompt_ids: list[int], n: int, timeout: float) -> list[
     return list(_post(base + "/completion", body, timeout)["tokens"])
 
 
-def server_command(binary: Path, model: Path, port: int, slots: int, ctx_per_slot: int, threads: int) -> list[str]:
+def server_command(
+    binary: Path, model: Path, port: int, slots: int, ctx_per_slot: int, threads: int, extra: list[str]
+) -> list[str]:
     return [
         str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
         "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
-        "--no-webui", "--log-disable",
+        "--no-webui", "--log-disable", *extra,
     ]  # fmt: skip
 
 
-def run(binary: Path, model: Path, requests: list[dict], slots: int, threads: int, timeout: float) -> dict:
+def run(
+    binary: Path, model: Path, requests: list[dict], slots: int, threads: int, timeout: float, extra: list[str]
+) -> dict:
     """Start the server, warm it with one short request, then send every request at once; the server is stopped."""
     t0 = time.perf_counter()
     longest = max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in requests)
     ctx_per_slot = max(1024, -(-longest // 256) * 256)
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    command = server_command(binary, model, port, slots, ctx_per_slot, threads)
+    command = server_command(binary, model, port, slots, ctx_per_slot, threads, extra)
     server = subprocess.Popen(command, preexec_fn=_die_with_parent)
     try:
         _wait_healthy(base, server)

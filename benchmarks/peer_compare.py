@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -192,8 +193,9 @@ def run_llama_server(args, requests: list[dict]) -> dict:
     from batchserve.models.loader import resolve_model_path
 
     model = resolve_model_path(args.batchserve_model)
+    extra = shlex.split(args.llama_server_options)
     return llama_server_peer.run(
-        args.llama_server, model, requests, args.llama_server_slots, args.threads, args.timeout
+        args.llama_server, model, requests, args.llama_server_slots, args.threads, args.timeout, extra
     )
 
 
@@ -412,6 +414,7 @@ def parse_args(argv: list[str] | None = None):
     )
     ap.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     ap.add_argument("--llama-server-slots", type=int, default=32, help="llama-server -np (parallel slots)")
+    ap.add_argument("--llama-server-options", default="", help="more llama-server arguments, e.g. '-kvu -fa on'")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per engine")
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
