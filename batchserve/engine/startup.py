@@ -55,7 +55,7 @@ def load_runner(
         logger.info("weights kept quantized: %s (docs/quantization.md)", config.quantization)
     if config.quantization == "none":  # quantized weights are smaller than this count
         check_memory_before_loading(config, path, model_config, dtype, device)
-    with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, device):
+    with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, device, dtype):
         model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
     config.tokenizer = str(tokenizer_folder(path, config.tokenizer))  # the effective value, as the logs report it

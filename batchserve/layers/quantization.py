@@ -193,6 +193,8 @@ def quant_gemm_path() -> str:
 
 _active: contextvars.ContextVar[QuantScheme | None] = contextvars.ContextVar("quantized_linears", default=None)
 _as_stored: contextvars.ContextVar[bool] = contextvars.ContextVar("gguf_as_stored", default=False)
+# bf16 model on a CPU with bf16 units: the GEMM of many rows runs on bf16 tiles (set by quantized_linears)
+_bf16_tiles: contextvars.ContextVar[bool] = contextvars.ContextVar("quant_bf16_tiles", default=False)
 
 
 def active_scheme() -> QuantScheme | None:
@@ -206,10 +208,11 @@ def gguf_as_stored() -> bool:
 
 
 @contextlib.contextmanager
-def quantized_linears(name: str, device: torch.device | None = None):
+def quantized_linears(name: str, device: torch.device | None = None, dtype: torch.dtype | None = None):
     """Projections laid out inside (CpuLinear.from_linear: a decoder layer's qkv, o, gate/up and down; not the
     output projection, whose float32 logits stay unquantized) are kept quantized in `name`'s scheme. A device other
-    than the CPU is refused for any scheme but none, naming what works."""
+    than the CPU is refused for any scheme but none, naming what works. `dtype` bfloat16 on a CPU with bf16 units:
+    many rows multiply dequantized tiles in bf16, as the bf16 model's own GEMMs would."""
     scheme = parse_quantization(name)
     if name != "none" and device is not None and device.type != "cpu":
         raise ConfigError(
@@ -219,11 +222,13 @@ def quantized_linears(name: str, device: torch.device | None = None):
     if name != "none" and kernels.load() is not None:
         quant_gemm_path()  # a forced path this CPU cannot run is refused here, at load
     token, stored = _active.set(scheme), _as_stored.set(name == GGUF_AS_STORED)
+    tiles = _bf16_tiles.set(dtype == torch.bfloat16 and kernels.has_matmul_units(torch.bfloat16))
     try:
         yield
     finally:
         _active.reset(token)
         _as_stored.reset(stored)
+        _bf16_tiles.reset(tiles)
 
 
 class QuantizedLinear(CpuLinear):
@@ -232,7 +237,8 @@ class QuantizedLinear(CpuLinear):
     mode), through a native Projection as CpuLinear's; without the native kernels the torch code on the weight
     dequantized per call."""
 
-    SMALL_MAX_M = 64  # measured against the dequantized tiles on SmolLM2 shapes (docs/quantization.md)
+    SMALL_MAX_M = 64  # measured against the dequantized float32 tiles on SmolLM2 shapes (docs/quantization.md)
+    SMALL_MAX_M_BF16_TILES = 16  # against bf16 tiles: they win from about 16-24 rows on the same shapes
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme):
         torch.nn.Module.__init__(self)
@@ -261,6 +267,7 @@ class QuantizedLinear(CpuLinear):
     def _setup(self, codes, scales, bias, scheme: QuantScheme, mins=None, float_output: bool = False) -> None:
         self.scheme, self.float_output, self.swiglu = scheme, float_output, False
         self.deterministic = _deterministic.get()
+        self.bf16_tiles = _bf16_tiles.get() and not float_output  # bf16 tiles round the output to bf16
         self.group = scheme.group_for(self.in_features)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
@@ -279,10 +286,14 @@ class QuantizedLinear(CpuLinear):
             group=self.group,
             bias=self.bias,
             path=quant_gemm_path(),
-            small_max_m=ALL_ROWS if self.deterministic else self.SMALL_MAX_M,
+            small_max_m=ALL_ROWS if self.deterministic else self._small_max_m(),
             float_output=self.float_output,
             mins=self.mins,
+            bf16_tiles=self.bf16_tiles,
         )
+
+    def _small_max_m(self) -> int:
+        return self.SMALL_MAX_M_BF16_TILES if self.bf16_tiles else self.SMALL_MAX_M
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = dequantize(self.codes, self.scales, self.scheme.bits)

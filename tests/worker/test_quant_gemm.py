@@ -167,3 +167,31 @@ def test_gguf_blocks_repack_exactly(type_name):
 def test_gguf_types_not_run_as_stored_are_refused():
     with pytest.raises(ConfigError, match="Q4_1 cannot be run as stored; Q8_0, Q4_0 can"):
         quantization.repack_gguf(torch.zeros(2, 20, dtype=torch.uint8).numpy(), "Q4_1")
+
+
+@pytest.mark.parametrize("units", ["1", "0"])
+def test_a_bf16_model_multiplies_many_rows_on_bf16_tiles(monkeypatch, units):
+    """Built for a bfloat16 model on a CPU with bf16 units, a quantized layer's GEMM of many rows rounds the
+    dequantized tiles and the activations to bf16 (the bf16 model's own GEMM precision, on its fast units); few rows
+    keep the register kernel, bit for bit; float32 models and CPUs without the units keep float32 tiles."""
+    _native()
+    monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", units)
+    torch.manual_seed(0)
+    weight = torch.randn(96, 256)
+    plain = QuantizedLinear(weight, None, QuantScheme(8, None))
+    with quantization.quantized_linears("int8", dtype=torch.bfloat16):
+        tiled = QuantizedLinear(weight, None, QuantScheme(8, None))
+    with quantization.quantized_linears("int8", dtype=torch.float32):
+        assert not QuantizedLinear(weight, None, QuantScheme(8, None)).bf16_tiles
+    assert tiled.bf16_tiles == (units == "1")
+    with quantization.quantized_linears("int8", dtype=torch.bfloat16):  # logits stay float32: never bf16 tiles
+        assert not QuantizedLinear.from_codes(plain.codes, plain.scales, plain.scheme, float_output=True).bf16_tiles
+    few, many = torch.randn(tiled.SMALL_MAX_M_BF16_TILES, 256), torch.randn(80, 256)
+    assert torch.equal(tiled(few), plain(few))
+    reference = dequantize(plain.codes, plain.scales, 8)
+    if units == "1":
+        expected = torch.mm(many.bfloat16(), reference.bfloat16().T).float()  # the bf16 GEMM, bf16 out
+        torch.testing.assert_close(tiled(many), expected, rtol=8e-3, atol=1e-2)
+        assert not torch.equal(tiled(many), plain(many))  # rounded: not the float32 tiles' result
+    else:
+        assert torch.equal(tiled(many), plain(many))

@@ -297,10 +297,13 @@ at::Tensor quant_gemm(const at::Tensor& x, const QuantWeight& w) {
   // as few tiles as fit kTileFloats: each is one parallel region and one library GEMM
   const int64_t tile_rows = std::min(N, std::max<int64_t>(1, kTileFloats / K));
   auto tile = at::empty({tile_rows, K}, at::kFloat);
+  // a bf16 model's activations are bf16 already: its GEMM runs on the CPU's bf16 units, float32 accumulation
+  const auto lhs = w.bf16_tiles ? xc.to(at::kBFloat16) : xc;
   for (int64_t n0 = 0; n0 < N; n0 += tile_rows) {
     const int64_t n1 = std::min(N, n0 + tile_rows);
     dequantize_rows(w, n0, n1, tile.data_ptr<float>());
-    out.narrow(1, n0, n1 - n0).copy_(at::mm(xc, tile.narrow(0, 0, n1 - n0).t()));
+    const auto rows = tile.narrow(0, 0, n1 - n0);
+    out.narrow(1, n0, n1 - n0).copy_(at::mm(lhs, (w.bf16_tiles ? rows.to(at::kBFloat16) : rows).t()));
   }
   return out;
 }

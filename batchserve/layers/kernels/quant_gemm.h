@@ -20,6 +20,7 @@ struct QuantWeight {
   at::Tensor codes, scales, mins;
   int64_t bits = 8, group = 32, in_features = 0, out_features = 0;
   int64_t small_max_m = 16;  // up to here every row block reads the codes in registers; above, dequantized tiles + mm
+  bool bf16_tiles = false;  // above small_max_m: tiles and activations rounded to bf16 for the bf16 GEMM (bf16 models)
   QuantPath path = QuantPath::kPortable;
 };
 

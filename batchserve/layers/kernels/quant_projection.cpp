@@ -19,7 +19,8 @@ QuantPath path_named(const std::string& name) {
 
 std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group,
                                                 const std::string& path, int64_t small_max_m,
-                                                c10::optional<at::Tensor> mins = c10::nullopt) {
+                                                c10::optional<at::Tensor> mins = c10::nullopt,
+                                                bool bf16_tiles = false) {
   TORCH_CHECK(bits == 8 || bits == 4, "quantized weight: 8 or 4 bits, not ", bits);
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "codes: [N, K] (int8) or [N, K / 2] (packed int4)");
   TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "codes: int8 for 8 bits, uint8 for 4");
@@ -41,6 +42,7 @@ std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor sca
   w->in_features = K;
   w->out_features = N;
   w->small_max_m = small_max_m;
+  w->bf16_tiles = bf16_tiles;
   w->path = path_named(path);
   return w;
 }
@@ -54,9 +56,11 @@ void register_quant_gemm(pybind11::module& m) {
   m.def(
       "quantized_projection",
       [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> bias,
-         const std::string& path, int64_t small_max_m, bool float_output, c10::optional<at::Tensor> mins) {
+         const std::string& path, int64_t small_max_m, bool float_output, c10::optional<at::Tensor> mins,
+         bool bf16_tiles) {
         Projection p{};
-        p.quant = quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m, std::move(mins));
+        p.quant = quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m, std::move(mins),
+                               bf16_tiles);
         p.weight_t = at::empty({0}, at::kFloat);  // the GEMM's dtype: activations enter it as float32
         p.bias = std::move(bias);
         p.out_features = p.quant->out_features;
@@ -65,17 +69,18 @@ void register_quant_gemm(pybind11::module& m) {
       },
       "a Projection over a weight kept quantized (quant_gemm.h), its GEMM quant_gemm at every M", py::arg("codes"),
       py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("bias"), py::arg("path"),
-      py::arg("small_max_m"), py::arg("float_output") = false, py::arg("mins") = py::none());
+      py::arg("small_max_m"), py::arg("float_output") = false, py::arg("mins") = py::none(),
+      py::arg("bf16_tiles") = false);
   m.def(
       "quant_gemm",
       [](at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, const std::string& path,
-         int64_t small_max_m, c10::optional<at::Tensor> mins) {
-        return quant_gemm(
-            x, *quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m, std::move(mins)));
+         int64_t small_max_m, c10::optional<at::Tensor> mins, bool bf16_tiles) {
+        return quant_gemm(x, *quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m,
+                                           std::move(mins), bf16_tiles));
       },
       "x [M, K] float32 @ a quantized weight -> [M, N] float32", no_gil, py::arg("x"), py::arg("codes"),
       py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("path"), py::arg("small_max_m"),
-      py::arg("mins") = py::none());
+      py::arg("mins") = py::none(), py::arg("bf16_tiles") = false);
   m.def(
       "quant_dequantize",
       [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> mins) {
