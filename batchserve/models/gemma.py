@@ -249,9 +249,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
 
 for _spec in (
-    ArchitectureSpec("gemma2", ("Gemma2ForCausalLM",), (), "batchserve.models.gemma:GemmaForCausalLM", config_fields,
+    ArchitectureSpec("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), "batchserve.models.gemma:GemmaForCausalLM", config_fields,
                      "exact (soft-capping, sliding/global layers, sandwich norms; Python layers)"),
-    ArchitectureSpec("gemma3_text", ("Gemma3ForCausalLM",), (), "batchserve.models.gemma:GemmaForCausalLM",
+    ArchitectureSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3",), "batchserve.models.gemma:GemmaForCausalLM",
                      config_fields, "exact, text only (q/k norms, per-layer RoPE bases; Python layers)"),
 ):  # fmt: skip
     register(_spec)

@@ -7,6 +7,7 @@ the config.json written for other tools gets the llama3 parameters that reproduc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -26,7 +27,14 @@ logger = logging.getLogger(__name__)
 
 _TOKEN_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
 # what a GGUF architecture sets beyond the common keys
-_ARCH_FIELDS: dict[str, dict[str, Any]] = {"qwen2": {"attention_bias": True}, "qwen3": {"qk_norm": True}}
+_ARCH_FIELDS: dict[str, dict[str, Any]] = {"qwen2": {"attention_bias": True}, "qwen3": {"qk_norm": True},
+                                           "gemma2": {"hidden_act": "gelu_pytorch_tanh"},
+                                           "gemma3": {"hidden_act": "gelu_pytorch_tanh"}}  # fmt: skip
+# llama.cpp's Gemma: which layers are windowed is not in the file (every 2nd / 6th global), nor the local RoPE base of
+# Gemma 3 in files converted before `rope.freq_base_swa` existed, nor query_pre_attn_scalar: llama.cpp derives it from
+# the model size (the 27B models: hidden / heads; the others: head_dim), the 27B models known by their layer count.
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -63,7 +71,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
     vocab_size = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     rope_scaling = _longrope_scaling(get, tensors) if arch == "phi3" else _gguf_rope_scaling(get, tensors.get(ROPE_FREQS))
     window = get("attention.sliding_window")  # Phi-3-mini-4k's; one at or past the context is no window
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=int(vocab_size),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -83,6 +91,36 @@ def read_gguf_config(path: Path) -> ModelConfig:
         sliding_window=int(window) if window and int(window) < int(get("context_length", 2048)) else None,
         **_ARCH_FIELDS.get(arch, {}),
     )
+    if arch in _GEMMA_GLOBAL_EVERY:  # the Gemma settings as models/gemma.py reads them from a config.json
+        # the window is per layer (ModelConfig.extra), not Mistral's one for every layer
+        fields = {"sliding_window": None, **spec.config_fields(_gemma_hf_config(get, arch, config))}
+        config = dataclasses.replace(config, **fields)
+    return config
+
+
+def _gemma_hf_config(get, arch: str, config: ModelConfig) -> dict[str, Any]:
+    """What a Gemma 2 / Gemma 3 GGUF says, as the config.json keys models/gemma.config_fields reads."""
+    scale = get("attention.scale")
+    if scale:
+        query_pre_attn_scalar = 1.0 / float(scale) ** 2
+    elif config.num_layers == _GEMMA_27B_LAYERS[arch]:
+        query_pre_attn_scalar = config.hidden_size / config.num_heads
+    else:
+        query_pre_attn_scalar = config.head_dim
+    hf = {
+        "model_type": "gemma2" if arch == "gemma2" else "gemma3_text", "num_hidden_layers": config.num_layers,
+        "hidden_size": config.hidden_size, "num_attention_heads": config.num_heads, "head_dim": config.head_dim,
+        "sliding_window": get("attention.sliding_window"), "query_pre_attn_scalar": query_pre_attn_scalar,
+        "attn_logit_softcapping": get("attn_logit_softcapping"), "final_logit_softcapping": get("final_logit_softcapping"),
+        "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
+        "tie_word_embeddings": config.tie_word_embeddings,
+    }  # fmt: skip
+    if arch == "gemma3":
+        hf["sliding_window_pattern"] = int(get("attention.sliding_window_pattern") or _GEMMA_GLOBAL_EVERY[arch])
+        hf["rope_local_base_freq"] = float(get("rope.freq_base_swa") or 10000.0)
+        if hf["sliding_window"] is None:  # written only when some layer is windowed
+            hf["sliding_window_pattern"] = 1
+    return hf
 
 
 def _gguf_rope_scaling(get, rope_freqs) -> dict[str, Any] | None:
@@ -142,6 +180,26 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         hf["partial_rotary_factor"] = config.rotary_dim / config.head_dim
     if config.sliding_window is not None:
         hf["sliding_window"] = config.sliding_window
+    if config.architecture in ("gemma2", "gemma3_text"):
+        hf.update(_gemma_config_json(config))
+    return hf
+
+
+def _int_if_whole(value: float) -> int | float:
+    """transformers' Gemma configs type query_pre_attn_scalar as int and refuse 16.0."""
+    return int(value) if float(value).is_integer() else value
+
+
+def _gemma_config_json(config: ModelConfig) -> dict[str, Any]:
+    """The Gemma settings (ModelConfig.extra, models/gemma.py) in config.json's spelling."""
+    gemma = config.extra
+    hf = {"hidden_activation": config.hidden_act, "layer_types": list(gemma["layer_types"]),
+          "sliding_window": gemma["sliding_window"], "query_pre_attn_scalar": _int_if_whole(gemma["query_pre_attn_scalar"]),
+          "final_logit_softcapping": gemma["final_softcap"]}  # fmt: skip
+    if gemma["version"] == 2:
+        hf["attn_logit_softcapping"] = gemma["attn_softcap"]
+    else:
+        hf["rope_local_base_freq"] = gemma["local_rope_theta"]
     return hf
 
 

@@ -65,11 +65,16 @@ def _storage_dtype(tensor) -> torch.dtype:
 
 
 def iter_gguf_tensors(
-    reader, to_hf_name: Callable[[str], str | None], qk_heads: tuple[int, int] | None, dtype: torch.dtype | None = None
+    reader,
+    to_hf_name: Callable[[str], str | None],
+    qk_heads: tuple[int, int] | None,
+    dtype: torch.dtype | None = None,
+    norm_shift: float = 0.0,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for each mapped tensor, one at a time. `qk_heads`: (num_heads, num_kv_heads) when q/k rows
     were permuted by llama.cpp's converter (llama), else None. `dtype`: the output type (None: F16/BF16 tensors
-    keep theirs, others float32). Every tensor's type is checked before the first is converted."""
+    keep theirs, others float32). `norm_shift`: what the converter added to every norm weight (Gemma: 1), taken
+    off again. Every tensor's type is checked before the first is converted."""
     mapped = [(name, t) for t in reader.tensors if (name := to_hf_name(t.name)) is not None]
     for _, tensor in mapped:
         check_tensor_type(tensor)
@@ -79,6 +84,8 @@ def iter_gguf_tensors(
             weights = unpermute_qk(weights, qk_heads[0])
         elif qk_heads is not None and name.endswith("k_proj.weight"):
             weights = unpermute_qk(weights, qk_heads[1])
+        if norm_shift and name.endswith("norm.weight"):  # exact: 1 + w then - 1 gives back what 1 + w rounded to
+            weights = weights - np.float32(norm_shift)
         if not weights.flags.writeable:  # an F32 tensor is a view of the mmap'd file: own a copy
             weights = weights.copy()
         out = torch.from_numpy(np.ascontiguousarray(weights)).to(dtype or _storage_dtype(tensor))
@@ -118,9 +125,13 @@ def gguf_cache_plan(reader, to_hf_name: Callable[[str], str | None]) -> list[tup
 
 
 def write_gguf_as_safetensors(
-    reader, path: Path, to_hf_name: Callable[[str], str | None], qk_heads: tuple[int, int] | None
+    reader,
+    path: Path,
+    to_hf_name: Callable[[str], str | None],
+    qk_heads: tuple[int, int] | None,
+    norm_shift: float = 0.0,
 ) -> None:
-    tensors = iter_gguf_tensors(reader, to_hf_name, qk_heads)
+    tensors = iter_gguf_tensors(reader, to_hf_name, qk_heads, norm_shift=norm_shift)
     write_safetensors_streaming(path, gguf_cache_plan(reader, to_hf_name), tensors)
 
 

@@ -139,7 +139,7 @@ def ensure_gguf_cache(path: Path) -> Path:
     config = _gguf_config(path)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=_mkdir(target.parent)))
     write_gguf_as_safetensors(gguf_reader(path), tmp / "model.safetensors", gguf_name_map(config),
-                              _permuted_qk_heads(config))  # fmt: skip
+                              _permuted_qk_heads(config), gguf_norm_shift(config))  # fmt: skip
     tokenizer = _load_gguf_tokenizer(path)
     tokenizer.save_pretrained(str(tmp))
     _portable_tokenizer_class(tmp)
@@ -273,9 +273,27 @@ def gguf_to_hf_name(name: str) -> str | None:
     return None
 
 
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the norm before the MLP, not Llama's post-attention one
+_GEMMA_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def _gemma_name(name: str) -> str | None:
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GEMMA_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GEMMA_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return gguf_to_hf_name(name)
+
+
 def gguf_name_map(config: ModelConfig) -> Callable[[str], str | None]:
     """gguf_to_hf_name, except where an architecture gives a GGUF name another meaning: Phi-3's ffn_up holds gate and
-    up fused (its checkpoint's gate_up_proj)."""
+    up fused (its checkpoint's gate_up_proj); Gemma's ffn_norm is its pre-feedforward norm."""
+    if config.architecture in _GEMMA_ARCHITECTURES:
+        return _gemma_name
     if config.architecture != "phi3":
         return gguf_to_hf_name
 
@@ -286,6 +304,15 @@ def gguf_name_map(config: ModelConfig) -> Callable[[str], str | None]:
     return phi3_name
 
 
+_GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
+
+
+def gguf_norm_shift(config: ModelConfig) -> float:
+    """What llama.cpp's converter added to every norm weight: Gemma's (1 + w) norms are stored as 1 + w, and the HF
+    checkpoint (the conversion folder, models/gemma.py's load_weights) holds w."""
+    return 1.0 if config.architecture in _GEMMA_ARCHITECTURES else 0.0
+
+
 def _permuted_qk_heads(config: ModelConfig) -> tuple[int, int] | None:
     """llama.cpp permutes q/k rows for llama only (not qwen2)."""
     return (config.num_heads, config.num_kv_heads) if config.architecture == "llama" else None
@@ -293,7 +320,8 @@ def _permuted_qk_heads(config: ModelConfig) -> tuple[int, int] | None:
 
 def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """The GGUF file's tensors under HF names, one at a time (models/gguf_weights.py)."""
-    return iter_gguf_tensors(gguf_reader(path), gguf_name_map(config), _permuted_qk_heads(config))
+    return iter_gguf_tensors(gguf_reader(path), gguf_name_map(config), _permuted_qk_heads(config),
+                             norm_shift=gguf_norm_shift(config))  # fmt: skip
 
 
 def _load_gguf_tokenizer(path: Path):

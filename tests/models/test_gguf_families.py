@@ -1,0 +1,155 @@
+"""GGUF files in llama.cpp's layout (convert_hf_to_gguf.py) for Gemma 2, Gemma 3 text, Mixtral (written as `llama`
+with stacked expert tensors) and Qwen3-MoE (`qwen3moe`), written by the gguf package from tiny random transformers
+models: each loads and gives transformers' greedy float32 tokens (F16: transformers on the same float16-rounded
+matrices), and its conversion folder is a checkpoint transformers loads back to the same tokens."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from batchserve import env
+from tests.models.conftest import MiniScheduler, load_ours, make_runner
+from tests.models.test_architectures import rounded_through_float16
+from tests.models.test_gemma import widened_window_greedy
+from tests.models.test_llama import prompt_ids
+from tests.tiny_models import VOCAB, WINDOWED_KINDS, hf_greedy
+
+# HF module -> llama.cpp tensor (gguf-py's tensor_mapping.py); Gemma's ffn_norm is its pre-feedforward norm
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+}  # fmt: skip
+GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}  # fmt: skip
+
+
+def gemma_variant(kind: str, **overrides) -> torch.nn.Module:
+    """A tiny Gemma as test_gemma's `kind`, with what llama.cpp's GGUF cannot say set to what llama.cpp assumes
+    (query_pre_attn_scalar = head_dim; Gemma 3: one global layer in 6, local RoPE base 10000), weights random."""
+    base = WINDOWED_KINDS[kind]().to_dict()
+    config = type(WINDOWED_KINDS[kind]()).from_dict({**base, "query_pre_attn_scalar": base["head_dim"], **overrides})
+    torch.manual_seed(sum(map(ord, kind)) + 1)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(-0.5, 0.5)  # Gemma's norms scale by 1 + w
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def add_common_metadata(writer: gguf.GGUFWriter, c, head_dim: int) -> None:
+    """What convert_hf_to_gguf.py writes for every text model, and a byte-level BPE vocabulary of VOCAB tokens."""
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([chr(33 + i) for i in range(VOCAB - 1)] + ['!"'])
+    writer.add_token_types([1] * VOCAB)
+    writer.add_token_scores([0.0] * VOCAB)
+    writer.add_token_merges(['! "'])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def llama_cpp_tensor_name(hf_name: str) -> str:
+    if hf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[hf_name]
+    _, _, index, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{index}.{LAYER_NAMES[module]}.{kind}"
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def add_matrix(writer: gguf.GGUFWriter, name: str, data: np.ndarray, matrix_type: str) -> None:
+    writer.add_tensor(name, data.astype(np.float16) if data.ndim >= 2 and matrix_type == "F16" else data)
+
+
+def write_gemma_gguf(hf, arch: str, path, matrix_type: str) -> None:
+    """convert_hf_to_gguf.py's Gemma2Model / Gemma3Model: soft-capping and window metadata, Gemma 3's global RoPE
+    base and linear scaling, 1 added to every norm weight, no q/k permutation."""
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_common_metadata(writer, c, c.head_dim)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    else:
+        rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+        writer.add_rope_freq_base(rope["rope_theta"])
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+    if c.final_logit_softcapping:
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    writer.add_sliding_window(c.sliding_window)
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        data = tensor.numpy() + (np.float32(1.0) if name.endswith("norm.weight") else np.float32(0.0))
+        add_matrix(writer, llama_cpp_tensor_name(name), data, matrix_type)
+    finish(writer)
+
+
+def generate_ours(path, prompts: dict[str, list[int]], max_new: int) -> dict[str, list[int]]:
+    sched = MiniScheduler(make_runner(path, block_size=8, num_kv_blocks=64), chunk=16)
+    for req_id, prompt in prompts.items():
+        sched.add(req_id, prompt, max_new)
+    return sched.run()
+
+
+@pytest.mark.parametrize(
+    "kind,arch,layers,matrix_type", [("gemma2", "gemma2", 4, "F32"), ("gemma3", "gemma3", 7, "F16")]
+)
+def test_gemma_gguf_gives_transformers_tokens(tmp_path, monkeypatch, kind, arch, layers, matrix_type):
+    """Prompts past the window (8), beside another request; the norms stored as 1 + w are read as w once, the
+    sliding/global layers are llama.cpp's (Gemma 2 alternates; Gemma 3: every 6th global), and the conversion folder
+    loads in transformers to the same tokens."""
+    monkeypatch.setattr(env, "cache_dir", lambda: tmp_path / "cache")
+    overrides = {"num_hidden_layers": layers}
+    if arch == "gemma3":
+        rope = WINDOWED_KINDS[kind]().rope_parameters
+        rope = {**rope, "sliding_attention": {**rope["sliding_attention"], "rope_theta": 10000.0}}
+        overrides.update(sliding_window_pattern=6, layer_types=None, rope_parameters=rope)
+    hf = gemma_variant(kind, **overrides)
+    path = tmp_path / f"{kind}.gguf"
+    write_gemma_gguf(hf, arch, path, matrix_type)
+    config, _ = load_ours(path)
+    assert config.architecture == ("gemma2" if arch == "gemma2" else "gemma3_text")
+    assert list(config.extra["layer_types"]) == list(hf.config.layer_types)
+    assert config.extra["query_pre_attn_scalar"] == hf.config.query_pre_attn_scalar
+    assert config.extra["local_rope_theta"] == hf.config.rope_parameters.get("sliding_attention", {}).get(
+        "rope_theta", config.rope_theta
+    )
+    reference = rounded_through_float16(hf) if matrix_type == "F16" else hf
+    prompts = {"a": prompt_ids(31, 30), "b": prompt_ids(32, 5)}
+    outputs = generate_ours(path, prompts, 8)
+    assert outputs == {req_id: hf_greedy(reference, prompt, 8) for req_id, prompt in prompts.items()}
+    assert outputs["a"] != widened_window_greedy(reference, prompts["a"], 8)  # the window mattered
+    from batchserve.models.loader import ensure_gguf_cache
+
+    folder = ensure_gguf_cache(path)
+    converted = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    converted.generation_config.eos_token_id = None
+    assert hf_greedy(converted.eval(), prompts["a"], 8) == outputs["a"]
+    assert load_ours(folder)[0].extra == config.extra
