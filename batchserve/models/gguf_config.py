@@ -29,7 +29,7 @@ _TOKEN_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.gg
 # what a GGUF architecture sets beyond the common keys
 _ARCH_FIELDS: dict[str, dict[str, Any]] = {"qwen2": {"attention_bias": True}, "qwen3": {"qk_norm": True},
                                            "gemma2": {"hidden_act": "gelu_pytorch_tanh"},
-                                           "gemma3": {"hidden_act": "gelu_pytorch_tanh"}}  # fmt: skip
+                                           "gemma3": {"hidden_act": "gelu_pytorch_tanh"}, "qwen3moe": {"qk_norm": True}}  # fmt: skip
 # llama.cpp's Gemma: which layers are windowed is not in the file (every 2nd / 6th global), nor the local RoPE base of
 # Gemma 3 in files converted before `rope.freq_base_swa` existed, nor query_pre_attn_scalar: llama.cpp derives it from
 # the model size (the 27B models: hidden / heads; the others: head_dim), the 27B models known by their layer count.
@@ -58,11 +58,13 @@ def read_gguf_config(path: Path) -> ModelConfig:
     reader = gguf_reader(path)
     meta = gguf_fields(reader)
     arch = meta["general.architecture"]
-    spec = registry.lookup(gguf_name=arch)
     tensors = {t.name: t for t in reader.tensors}
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
+
+    # llama.cpp writes Mixtral as `llama` with experts
+    spec = registry.lookup(model_type="mixtral" if arch == "llama" and get("expert_count") else None, gguf_name=arch)
 
     hidden, num_heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads)
@@ -74,7 +76,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
     config = ModelConfig(
         vocab_size=int(vocab_size),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(get("feed_forward_length") or get("expert_feed_forward_length")),
         num_layers=int(get("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
@@ -90,12 +92,25 @@ def read_gguf_config(path: Path) -> ModelConfig:
         architecture=spec.model_type,
         sliding_window=int(window) if window and int(window) < int(get("context_length", 2048)) else None,
         **_ARCH_FIELDS.get(arch, {}),
+        **_moe_fields(get),
     )
     if arch in _GEMMA_GLOBAL_EVERY:  # the Gemma settings as models/gemma.py reads them from a config.json
         # the window is per layer (ModelConfig.extra), not Mistral's one for every layer
         fields = {"sliding_window": None, **spec.config_fields(_gemma_hf_config(get, arch, config))}
         config = dataclasses.replace(config, **fields)
     return config
+
+
+def _moe_fields(get) -> dict[str, Any]:
+    """Experts: every layer sparse (llama.cpp's Mixtral and Qwen3-MoE have no dense layers); the top-k weights
+    renormalised unless the file says otherwise (llama.cpp's Mixtral and Qwen3-MoE always renormalise)."""
+    experts = int(get("expert_count") or 0)
+    if not experts:
+        return {}
+    expert_ff = get("expert_feed_forward_length")
+    return {"num_experts": experts, "num_experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": int(expert_ff) if expert_ff else None,
+            "norm_topk_prob": bool(get("expert_weights_norm", True))}  # fmt: skip
 
 
 def _gemma_hf_config(get, arch: str, config: ModelConfig) -> dict[str, Any]:
@@ -182,6 +197,12 @@ def hf_config_json(config: ModelConfig) -> dict[str, Any]:
         hf["sliding_window"] = config.sliding_window
     if config.architecture in ("gemma2", "gemma3_text"):
         hf.update(_gemma_config_json(config))
+    if config.num_experts:
+        hf.update(num_local_experts=config.num_experts, num_experts=config.num_experts,
+                  num_experts_per_tok=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
+                  mlp_only_layers=list(config.dense_mlp_layers))  # fmt: skip
+        if config.moe_intermediate_size is not None:
+            hf["moe_intermediate_size"] = config.moe_intermediate_size
     return hf
 
 

@@ -19,6 +19,10 @@ from batchserve.config import ConfigError
 SUPPORTED_TYPE_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
+# in an HF name a name map gives a stacked expert tensor (ffn_*_exps): split into one tensor per expert there
+EXPERT = "{expert}"
+
+
 class UnsupportedGGUFTensor(ConfigError, ValueError):
     """A tensor of a quantization type this loader does not convert."""
 
@@ -90,7 +94,11 @@ def iter_gguf_tensors(
             weights = weights.copy()
         out = torch.from_numpy(np.ascontiguousarray(weights)).to(dtype or _storage_dtype(tensor))
         del weights
-        yield name, out
+        if EXPERT in name:  # llama.cpp stacks a layer's experts in one tensor; HF checkpoints hold one per expert
+            for expert in range(out.shape[0]):
+                yield name.replace(EXPERT, str(expert)), out[expert].clone()
+        else:
+            yield name, out
 
 
 # --- a safetensors file written tensor by tensor -----------------------------------------------------------------
@@ -121,7 +129,14 @@ def write_safetensors_streaming(
 
 def gguf_cache_plan(reader, to_hf_name: Callable[[str], str | None]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """What iter_gguf_tensors(dtype=None) yields, from the header alone."""
-    return [(n, torch_shape(t), _storage_dtype(t)) for t in reader.tensors if (n := to_hf_name(t.name)) is not None]
+    plan = []
+    for tensor in reader.tensors:
+        name, shape, dtype = to_hf_name(tensor.name), torch_shape(tensor), _storage_dtype(tensor)
+        if name is not None and EXPERT in name:
+            plan += [(name.replace(EXPERT, str(expert)), shape[1:], dtype) for expert in range(shape[0])]
+        elif name is not None:
+            plan.append((name, shape, dtype))
+    return plan
 
 
 def write_gguf_as_safetensors(

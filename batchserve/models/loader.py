@@ -20,7 +20,7 @@ from batchserve.config import ModelConfig
 from batchserve.layers import quantization
 from batchserve.models import gguf_quantized, registry
 from batchserve.models.gguf_config import gguf_reader, hf_config_json, read_gguf_config
-from batchserve.models.gguf_weights import iter_gguf_tensors, write_gguf_as_safetensors
+from batchserve.models.gguf_weights import EXPERT, iter_gguf_tensors, write_gguf_as_safetensors
 from batchserve.models.hf_config import read_hf_config
 from batchserve.models.registry import ModelLoadError
 
@@ -256,6 +256,17 @@ _GGUF_LAYER_NAMES = {
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q/k/v fused in the file as in the checkpoint
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    # MoE (Qwen3-MoE's names; Mixtral's in _MIXTRAL_LAYER_NAMES): the router, the experts stacked (one tensor each)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": f"mlp.experts.{EXPERT}.gate_proj",
+    "ffn_up_exps": f"mlp.experts.{EXPERT}.up_proj",
+    "ffn_down_exps": f"mlp.experts.{EXPERT}.down_proj",
+}
+_MIXTRAL_LAYER_NAMES = {
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": f"block_sparse_moe.experts.{EXPERT}.w1",
+    "ffn_up_exps": f"block_sparse_moe.experts.{EXPERT}.w3",
+    "ffn_down_exps": f"block_sparse_moe.experts.{EXPERT}.w2",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -282,11 +293,20 @@ _GEMMA_LAYER_NAMES = {
 }
 
 
-def _gemma_name(name: str) -> str | None:
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GEMMA_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GEMMA_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return gguf_to_hf_name(name)
+def _layer_names_first(names: dict[str, str]) -> Callable[[str], str | None]:
+    """gguf_to_hf_name with `names` (GGUF layer tensor -> HF module) taking precedence."""
+
+    def to_hf_name(name: str) -> str | None:
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+            return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+        return gguf_to_hf_name(name)
+
+    return to_hf_name
+
+
+_gemma_name = _layer_names_first(_GEMMA_LAYER_NAMES)
+_mixtral_name = _layer_names_first(_MIXTRAL_LAYER_NAMES)
 
 
 def gguf_name_map(config: ModelConfig) -> Callable[[str], str | None]:
@@ -294,6 +314,8 @@ def gguf_name_map(config: ModelConfig) -> Callable[[str], str | None]:
     up fused (its checkpoint's gate_up_proj); Gemma's ffn_norm is its pre-feedforward norm."""
     if config.architecture in _GEMMA_ARCHITECTURES:
         return _gemma_name
+    if config.architecture == "mixtral":
+        return _mixtral_name
     if config.architecture != "phi3":
         return gguf_to_hf_name
 
@@ -314,8 +336,8 @@ def gguf_norm_shift(config: ModelConfig) -> float:
 
 
 def _permuted_qk_heads(config: ModelConfig) -> tuple[int, int] | None:
-    """llama.cpp permutes q/k rows for llama only (not qwen2)."""
-    return (config.num_heads, config.num_kv_heads) if config.architecture == "llama" else None
+    """llama.cpp permutes q/k rows for llama (Mixtral is a `llama` GGUF) only (not qwen2)."""
+    return (config.num_heads, config.num_kv_heads) if config.architecture in ("llama", "mixtral") else None
 
 
 def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

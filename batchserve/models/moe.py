@@ -170,7 +170,7 @@ _MODEL = "batchserve.models.moe:MoEForCausalLM"
 for _spec in (
     ArchitectureSpec("mixtral", ("MixtralForCausalLM",), (), _MODEL, _mixtral_fields,
                      "exact (top-k renormalised; experts grouped per step; Python layers), sliding window honoured"),
-    ArchitectureSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), (), _MODEL, _qwen3_moe_fields,
+    ArchitectureSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3moe",), _MODEL, _qwen3_moe_fields,
                      "exact (q/k RMSNorm, norm_topk_prob, dense mlp_only_layers / decoder_sparse_step; experts grouped "
                      "per step; Python layers); use_sliding_window ignored"),
 ):  # fmt: skip

@@ -13,10 +13,10 @@ import transformers
 
 from batchserve import env
 from tests.models.conftest import MiniScheduler, load_ours, make_runner
-from tests.models.test_architectures import rounded_through_float16
+from tests.models.test_architectures import llama_cpp_permute, rounded_through_float16
 from tests.models.test_gemma import widened_window_greedy
 from tests.models.test_llama import prompt_ids
-from tests.tiny_models import VOCAB, WINDOWED_KINDS, hf_greedy
+from tests.tiny_models import COMMON, VOCAB, WINDOWED_KINDS, hf_greedy
 
 # HF module -> llama.cpp tensor (gguf-py's tensor_mapping.py); Gemma's ffn_norm is its pre-feedforward norm
 LAYER_NAMES = {
@@ -153,3 +153,100 @@ def test_gemma_gguf_gives_transformers_tokens(tmp_path, monkeypatch, kind, arch,
     converted.generation_config.eos_token_id = None
     assert hf_greedy(converted.eval(), prompts["a"], 8) == outputs["a"]
     assert load_ours(folder)[0].extra == config.extra
+
+
+# --- Mixtral (a `llama` GGUF with experts) and Qwen3-MoE ------------------------------------------------------------
+
+MOE = dict(COMMON, num_local_experts=4, num_experts_per_tok=2)
+MOE_CONFIGS = {
+    "mixtral": lambda: transformers.MixtralConfig(**{**MOE, "intermediate_size": 48}, sliding_window=None),
+    # every layer sparse and the top-k weights renormalised: what llama.cpp's qwen3moe runs
+    "qwen3moe": lambda: transformers.Qwen3MoeConfig(
+        **{**MOE, "num_local_experts": 6, "num_experts_per_tok": 3}, head_dim=24, moe_intermediate_size=40,
+        norm_topk_prob=True, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+MOE_LAYER_NAMES = {"post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
+
+
+def moe_model(arch: str) -> torch.nn.Module:
+    torch.manual_seed(sum(map(ord, arch)))
+    hf = transformers.AutoModelForCausalLM.from_config(MOE_CONFIGS[arch](), attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("gate.weight"):  # spread routing, so that renormalising the top-k matters
+                param.normal_(0.0, 0.1)
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def moe_tensors(hf_name: str, tensor: torch.Tensor) -> list[tuple[str, np.ndarray]]:
+    """llama.cpp's names; transformers' stacked experts (gate_up [E, 2I, H], down [E, H, I]) as ffn_*_exps."""
+    if hf_name.endswith("mlp.experts.gate_up_proj"):
+        prefix = llama_cpp_tensor_name(hf_name.replace("mlp.experts.gate_up_proj", "mlp.gate_proj.weight"))[
+            : -len("ffn_gate.weight")
+        ]
+        gate, up = tensor.chunk(2, dim=1)
+        return [(prefix + "ffn_gate_exps.weight", gate.numpy()), (prefix + "ffn_up_exps.weight", up.numpy())]
+    if hf_name.endswith("mlp.experts.down_proj"):
+        name = llama_cpp_tensor_name(hf_name.replace("mlp.experts.down_proj", "mlp.down_proj.weight"))
+        return [(name.replace("ffn_down", "ffn_down_exps"), tensor.numpy())]
+    module = hf_name.rsplit(".", 1)[0].split(".", 3)[-1] if hf_name.startswith("model.layers.") else None
+    if module in MOE_LAYER_NAMES:
+        return [(hf_name.split(".", 3)[2].join(("blk.", f".{MOE_LAYER_NAMES[module]}.weight")), tensor.numpy())]
+    return [(llama_cpp_tensor_name(hf_name), tensor.numpy())]
+
+
+def write_moe_gguf(hf, arch: str, path, matrix_type: str) -> None:
+    """convert_hf_to_gguf.py's MixtralModel (LlamaModel: `llama`, q/k rows permuted) / Qwen3MoeModel: expert count,
+    experts used, Qwen3-MoE's expert feed-forward length; each layer's experts stacked in ffn_{gate,up,down}_exps."""
+    c = hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), "llama" if arch == "mixtral" else arch)
+    add_common_metadata(writer, c, head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_expert_count(c.num_local_experts if arch == "mixtral" else c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    for hf_name, tensor in hf.state_dict().items():
+        for name, data in moe_tensors(hf_name, tensor):
+            if arch == "mixtral" and name.endswith(("attn_q.weight", "attn_k.weight")):
+                heads = c.num_attention_heads if "attn_q" in name else c.num_key_value_heads
+                data = llama_cpp_permute(data, heads)
+            add_matrix(writer, name, data, matrix_type)
+    finish(writer)
+
+
+@pytest.mark.parametrize("arch,matrix_type", [("mixtral", "F32"), ("qwen3moe", "F16")])
+def test_moe_gguf_gives_transformers_tokens(tmp_path, monkeypatch, arch, matrix_type):
+    """A `llama` GGUF with experts builds the MoE model (Mixtral); the stacked expert tensors load into it, and the
+    conversion folder (one tensor per expert, transformers' names) loads in transformers to the same tokens."""
+    monkeypatch.setattr(env, "cache_dir", lambda: tmp_path / "cache")
+    hf = moe_model(arch)
+    path = tmp_path / f"{arch}.gguf"
+    write_moe_gguf(hf, arch, path, matrix_type)
+    config, model = load_ours(path)
+    assert config.architecture == ("mixtral" if arch == "mixtral" else "qwen3_moe")
+    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (
+        hf.config.num_local_experts if arch == "mixtral" else hf.config.num_experts, hf.config.num_experts_per_tok,
+        True)  # fmt: skip
+    reference = rounded_through_float16(hf) if matrix_type == "F16" else hf
+    if matrix_type == "F16":  # the stacked experts are 3-D: rounded too
+        with torch.no_grad():
+            for param in reference.parameters():
+                if param.dim() == 3:
+                    param.copy_(param.half().float())
+    prompts = {"a": prompt_ids(41, 20), "b": prompt_ids(42, 6)}
+    outputs = generate_ours(path, prompts, 8)
+    assert outputs == {req_id: hf_greedy(reference, prompt, 8) for req_id, prompt in prompts.items()}
+    from batchserve.models.loader import ensure_gguf_cache
+
+    folder = ensure_gguf_cache(path)
+    converted = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    converted.generation_config.eos_token_id = None
+    assert hf_greedy(converted.eval(), prompts["a"], 8) == outputs["a"]
+    assert load_ours(folder)[0].num_experts == config.num_experts
