@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +23,6 @@ import httpx
 import pytest
 
 from batchserve.bench.soak import wait_ready
-from batchserve.entrypoints.openai.launch import free_port
 from batchserve.serving.metrics import parse_metrics
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,7 @@ PROMPT = "The three primary colors are"
 
 
 def test_serve_replicas_serves_http_from_the_ingress_and_exits_cleanly_on_sigint(tmp_path):
-    port = free_port()
+    port = _quiet_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     command = [
         sys.executable, "-m", "batchserve.cli", "serve", "--replicas", "1", "--num-threads", "1", "--port", str(port),
@@ -60,6 +61,23 @@ def test_serve_replicas_serves_http_from_the_ingress_and_exits_cleanly_on_sigint
     assert "failed" not in text and "Traceback" not in text, text[-2000:]
 
 
+def _quiet_ports(count: int) -> list[int]:
+    """Free ports below the kernel's ephemeral range (32768-60999) and above Ray's worker ports (10002-19999): a port
+    picked by binding to 0 comes from the ephemeral range, where Ray's own processes, started between the pick and
+    the ingress's bind, take theirs (a fresh-clone run lost its ingress to "Address already in use" that way)."""
+    rng, ports = random.Random(), []
+    while len(ports) < count:
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 @pytest.fixture(scope="module")
 def ray_app():
     import ray
@@ -70,7 +88,7 @@ def ray_app():
     from batchserve.layers import kernels
 
     kernels.load()  # built (and cached on disk) here once, before the replicas start and look for them
-    port, grpc_port, http_port = free_port(), free_port(), free_port()
+    port, grpc_port, http_port = _quiet_ports(3)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
