@@ -158,3 +158,12 @@ class MiniScheduler:
                 break
             self.step()
         return {k: r["out"] for k, r in self.reqs.items()}
+
+
+def staggered_outputs(runner, chunk: int, prompts: dict[str, list[int]], max_new: dict[str, int]) -> dict:
+    """Greedy outputs of requests "a", "b" and "c" joining one batch at steps 0 ("b"), 2 ("a") and 3 ("c"), prompts
+    prefilled in chunks of `chunk` beside the others' decodes."""
+    sched = MiniScheduler(runner, chunk=chunk)
+    sched.add("b", prompts["b"], max_new["b"])
+    return sched.run(hooks={2: lambda s: s.add("a", prompts["a"], max_new["a"]),
+                            3: lambda s: s.add("c", prompts["c"], max_new["c"])})  # fmt: skip

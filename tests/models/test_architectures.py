@@ -24,7 +24,7 @@ from batchserve.layers import kernels, rotary
 from batchserve.layers.capabilities import Capability
 from batchserve.models.gguf_config import llama3_scaling_from_factors
 from batchserve.models.hf_config import common_fields, hf_rope
-from tests.models.conftest import MiniScheduler, load_ours, make_runner
+from tests.models.conftest import MiniScheduler, load_ours, make_runner, staggered_outputs
 from tests.models.test_gemma import widened_window_greedy
 from tests.models.test_llama import our_prefill_logits, prompt_ids
 from tests.tiny_models import ARCH_KINDS, VOCAB, build_hf_model, hf_greedy
@@ -140,10 +140,7 @@ def test_greedy_generation_matches_transformers(tiny_models, caplog, kind, block
     # (Phi3ForCausalLM.prepare_inputs_for_generation); this engine keeps the keys it stored (docs/models.md)
     length = 32 if kind.startswith("phi") else 50
     max_new = {"a": min(20, length - 19), "b": min(30, length - 4), "c": 6}
-    sched = MiniScheduler(runner, chunk=chunk)
-    sched.add("b", prompts["b"], max_new["b"])
-    outputs = sched.run(hooks={2: lambda s: s.add("a", prompts["a"], max_new["a"]),
-                               3: lambda s: s.add("c", prompts["c"], max_new["c"])})  # fmt: skip
+    outputs = staggered_outputs(runner, chunk, prompts, max_new)
     for req_id, prompt in prompts.items():
         assert outputs[req_id] == hf_greedy(hf, prompt, max_new[req_id]), req_id
     if counter is not None:
@@ -233,14 +230,8 @@ def llama3_rope_factors(hf_config) -> list[float]:
     return factors
 
 
-def write_tiny_gguf(hf, arch: str, path, matrix_type: str) -> None:
-    """The model as llama.cpp's converter lays it out: metadata, a byte-level BPE vocabulary of VOCAB tokens, q/k
-    rows permuted for llama, matrices in `matrix_type` (F32 or F16), norms in F32, rope_freqs for llama3 scaling,
-    Phi-3's LongRoPE factors as tensors and its original context / attention factor as metadata."""
-    c = hf.config
-    rope = c.rope_parameters
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    writer = gguf.GGUFWriter(str(path), arch)
+def add_common_metadata(writer: gguf.GGUFWriter, c, head_dim: int) -> None:
+    """What convert_hf_to_gguf.py writes for every text model, and a byte-level BPE vocabulary of VOCAB tokens."""
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)
@@ -249,9 +240,7 @@ def write_tiny_gguf(hf, arch: str, path, matrix_type: str) -> None:
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_vocab_size(VOCAB)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -261,6 +250,19 @@ def write_tiny_gguf(hf, arch: str, path, matrix_type: str) -> None:
     writer.add_token_merges(['! "'])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+
+
+def write_tiny_gguf(hf, arch: str, path, matrix_type: str) -> None:
+    """The model as llama.cpp's converter lays it out: metadata, a byte-level BPE vocabulary of VOCAB tokens, q/k
+    rows permuted for llama, matrices in `matrix_type` (F32 or F16), norms in F32, rope_freqs for llama3 scaling,
+    Phi-3's LongRoPE factors as tensors and its original context / attention factor as metadata."""
+    c = hf.config
+    rope = c.rope_parameters
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_common_metadata(writer, c, head_dim)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base(rope["rope_theta"])
     for name, tensor in hf.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue

@@ -13,10 +13,10 @@ import transformers
 
 from batchserve import env
 from tests.models.conftest import MiniScheduler, load_ours, make_runner
-from tests.models.test_architectures import llama_cpp_permute, rounded_through_float16
+from tests.models.test_architectures import add_common_metadata, llama_cpp_permute, rounded_through_float16
 from tests.models.test_gemma import widened_window_greedy
 from tests.models.test_llama import prompt_ids
-from tests.tiny_models import COMMON, VOCAB, WINDOWED_KINDS, hf_greedy
+from tests.tiny_models import COMMON, WINDOWED_KINDS, hf_greedy
 
 # HF module -> llama.cpp tensor (gguf-py's tensor_mapping.py); Gemma's ffn_norm is its pre-feedforward norm
 LAYER_NAMES = {
@@ -43,28 +43,6 @@ def gemma_variant(kind: str, **overrides) -> torch.nn.Module:
                 param.uniform_(-0.5, 0.5)  # Gemma's norms scale by 1 + w
     model.generation_config.eos_token_id = None
     return model
-
-
-def add_common_metadata(writer: gguf.GGUFWriter, c, head_dim: int) -> None:
-    """What convert_hf_to_gguf.py writes for every text model, and a byte-level BPE vocabulary of VOCAB tokens."""
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_vocab_size(VOCAB)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([chr(33 + i) for i in range(VOCAB - 1)] + ['!"'])
-    writer.add_token_types([1] * VOCAB)
-    writer.add_token_scores([0.0] * VOCAB)
-    writer.add_token_merges(['! "'])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
 
 
 def llama_cpp_tensor_name(hf_name: str) -> str:

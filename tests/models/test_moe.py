@@ -16,7 +16,7 @@ from batchserve.layers import kernels
 from batchserve.layers.capabilities import Capability
 from batchserve.layers.moe import SparseMoE
 from batchserve.models.registry import ModelLoadError
-from tests.models.conftest import MiniScheduler, load_ours, make_runner
+from tests.models.conftest import load_ours, make_runner, staggered_outputs
 from tests.models.test_llama import our_prefill_logits, prompt_ids
 from tests.tiny_models import COMMON, hf_greedy
 
@@ -241,10 +241,7 @@ def test_greedy_generation_matches_transformers(moe_models, caplog, kind, block_
             layer.mlp.register_forward_hook(lambda module, args, out: block_calls.append(args[0].shape[0]))
     prompts = {"a": prompt_ids(2, 19), "b": prompt_ids(3, 4), "c": prompt_ids(4, 13)}
     max_new = {"a": 12, "b": 20, "c": 6}
-    sched = MiniScheduler(runner, chunk=chunk)
-    sched.add("b", prompts["b"], max_new["b"])
-    outputs = sched.run(hooks={2: lambda s: s.add("a", prompts["a"], max_new["a"]),
-                               3: lambda s: s.add("c", prompts["c"], max_new["c"])})  # fmt: skip
+    outputs = staggered_outputs(runner, chunk, prompts, max_new)
     for req_id, prompt in prompts.items():
         assert outputs[req_id] == hf_greedy(hf, prompt, max_new[req_id]), req_id
     assert max(block_calls) > 1, "the MoE blocks ran on batched tokens"
