@@ -15,7 +15,6 @@ import functools
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from batchserve import env
@@ -129,28 +128,6 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Te
     group = values.shape[1] // scales.shape[1]
     return values.float() * scales.repeat_interleave(group, dim=1)
 
-
-# GGUF block types whose blocks are these layouts as stored: type -> (bits, bytes per block of 32)
-GGUF_REPACKABLE = {"Q8_0": (8, 34), "Q4_0": (4, 18)}
-
-
-def repack_gguf(blocks: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor, QuantScheme]:
-    """A GGUF tensor's raw blocks [N, K / 32 * block bytes] (uint8, as gguf.GGUFReader holds a Q8_0 or Q4_0 tensor)
-    -> (codes, scales, scheme) of the kernels' layout, exactly: Q8_0's int8 and Q4_0's nibbles are the codes as they
-    are, each block's float16 d the float32 scale of its 32 values (no re-quantization: the dequantized values equal
-    gguf's own dequantization bit for bit). Another type is refused, naming what works."""
-    if type_name not in GGUF_REPACKABLE:
-        raise ConfigError(
-            f"GGUF tensor type {type_name} cannot be run as stored; {', '.join(GGUF_REPACKABLE)} can (or load the "
-            "file with quantization none, int8 or int4: dequantized, then quantized again)"
-        )
-    bits, block_bytes = GGUF_REPACKABLE[type_name]
-    n = blocks.shape[0]
-    raw = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8)).reshape(n, -1, block_bytes)
-    scales = raw[:, :, :2].contiguous().view(torch.float16).reshape(n, -1).float()
-    payload = raw[:, :, 2:].reshape(n, -1).contiguous()
-    codes = payload.view(torch.int8) if bits == 8 else payload
-    return codes.contiguous(), scales.contiguous(), QuantScheme(bits, SUBBLOCK)
 
 
 def check_shape(scheme: QuantScheme, in_features: int) -> None:

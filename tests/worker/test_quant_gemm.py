@@ -147,28 +147,6 @@ def test_bf16_rows_and_the_torch_fallback_agree():
     torch.testing.assert_close(gate_up, torch.nn.functional.silu(gate) * up)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0"])
-def test_gguf_blocks_repack_exactly(type_name):
-    """A GGUF Q8_0 / Q4_0 tensor (written by the gguf package's quantizer) repacks into the kernels' layout with its
-    dequantized values equal to gguf's own, bit for bit, and the quantized GEMM over it equals their product."""
-    gguf = pytest.importorskip("gguf")
-    qtype = gguf.GGMLQuantizationType[type_name]
-    weight = torch.randn(48, 192).numpy()
-    blocks = gguf.quants.quantize(weight, qtype)
-    codes, scales, scheme = quantization.repack_gguf(blocks, type_name)
-    expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).float()
-    assert torch.equal(dequantize(codes, scales, scheme.bits), expected)
-    _native()
-    layer = QuantizedLinear.from_codes(codes, scales, scheme)
-    x = torch.randn(3, 192)
-    assert ((layer(x).double() - x.double() @ expected.double().T).abs() <= _bound(x, expected) + 1e-6).all()
-
-
-def test_gguf_types_not_run_as_stored_are_refused():
-    with pytest.raises(ConfigError, match="Q4_1 cannot be run as stored; Q8_0, Q4_0 can"):
-        quantization.repack_gguf(torch.zeros(2, 20, dtype=torch.uint8).numpy(), "Q4_1")
-
-
 @pytest.mark.parametrize("units", ["1", "0"])
 def test_a_bf16_model_multiplies_many_rows_on_bf16_tiles(monkeypatch, units):
     """Built for a bfloat16 model on a CPU with bf16 units, a quantized layer's GEMM of many rows rounds the
