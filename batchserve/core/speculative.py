@@ -68,6 +68,7 @@ class SpeculationPlanner:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.step_cost = StepCostModel()
+        self._fit: tuple[float, float] | None = None  # (fixed, per-token seconds) under k_policy "cost"
         self.acceptance = PRIOR_ACCEPTANCE  # recent verifications' share of drafts kept (exponentially weighted)
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.suffix = None
@@ -83,14 +84,15 @@ class SpeculationPlanner:
         limit, max_k = self.config.disable_by_batch_size, self.config.num_speculative_tokens
         if num_running >= limit:
             return 0
-        fit = self.step_cost.coefficients() if self.config.k_policy == "cost" else None
-        if fit is not None:
-            return best_k(max(num_running, 1), self.acceptance, max_k, *fit)
+        if self._fit is not None:
+            return best_k(max(num_running, 1), self.acceptance, max_k, *self._fit)
         return -(-max_k * (limit - num_running) // limit)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A forward pass of num_tokens tokens took `seconds` (the engine's measurement, for k_policy "cost")."""
         self.step_cost.observe(num_tokens, seconds)
+        if self.config.k_policy == "cost":  # fitted once a step, not once per decode that asks for k
+            self._fit = self.step_cost.coefficients()
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         self.stats.record(num_proposed, num_accepted)
