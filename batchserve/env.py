@@ -85,6 +85,12 @@ def native_decoder_loop() -> bool:
     return os.environ.get("BATCHSERVE_NATIVE_DECODER_LOOP", "1") != "0"
 
 
+def grammar_mask_overlap() -> bool:
+    """BATCHSERVE_GRAMMAR_OVERLAP (default "1"): "0" fills a step's grammar masks after its forward pass, on the
+    step's thread, instead of in a worker thread while the forward pass runs (read when the worker starts)."""
+    return os.environ.get("BATCHSERVE_GRAMMAR_OVERLAP", "1") != "0"
+
+
 def cache_dir() -> Path:
     """BATCHSERVE_CACHE_DIR (default ~/.cache/batchserve): where GGUF files are converted to, once each."""
     return Path(os.environ.get("BATCHSERVE_CACHE_DIR", Path.home() / ".cache" / "batchserve"))

@@ -121,6 +121,8 @@ class ModelRunner:
         stage_drafts(self.requests, drafts)  # query tokens of this step, not known tokens: unstaged once built
         batch = self.requests.build(scheduler_output, self.device)
         unstage_drafts(self.requests, drafts)
+        # the grammar masks of the rows _sample takes (drafted rows are verified instead), filled during the forward
+        self.structured_outputs.start_fill([r for r in batch.sample_req_ids if r not in drafts])
         prepared = time.perf_counter()
         timings.prepare_s = prepared - start
         if self.decode_graphs is not None and self.decode_graphs.takes(batch.attn_metadata):
@@ -162,7 +164,7 @@ class ModelRunner:
             eos_token_ids=self.model_config.eos_token_ids,
             vocab_size=logits.shape[-1],
             device=self.device,
-            token_bitmask=self.structured_outputs.fill_masks(batch.sample_req_ids),
+            token_bitmask=self.structured_outputs.masks(batch.sample_req_ids),
         )
         out = self.sampler(logits, meta)
         sampled = out.token_ids.tolist()  # the step's one device -> host transfer

@@ -1,6 +1,10 @@
 """Structured outputs in the worker: compile a request's constraint (xgrammar), keep one grammar matcher per
 constrained sequence, fill each step's token masks and advance the matchers by the sampled tokens.
 
+A step's masks depend only on the tokens accepted before it, so the runner starts filling them (start_fill) in a
+worker thread when the forward pass starts and takes them (masks) before sampling: xgrammar releases the GIL while it
+fills, and the model's kernels while they compute. BATCHSERVE_GRAMMAR_OVERLAP=0 fills them on the step's thread.
+
 xgrammar was chosen over llguidance by per-token mask time on the default model's vocabulary (docs/
 structured-outputs.md). Its JSON Schema converter ignores keywords it does not implement, so a schema is first
 checked here against the keywords it does implement: an output that ignored part of its schema would not validate.
@@ -11,12 +15,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
+from batchserve import env
 from batchserve.sampling_params import ConstraintKind, InvalidRequestError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -98,6 +104,12 @@ def new_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) 
     return xgr.GrammarCompiler(info, max_threads=1)
 
 
+@dataclass(frozen=True)
+class _PendingFill:
+    req_ids: tuple[str, ...]  # the rows the bitmask was started for
+    future: Future[torch.Tensor | None]
+
+
 @dataclass
 class _Sequence:
     matcher: xgr.GrammarMatcher
@@ -108,12 +120,18 @@ class StructuredOutputs:
     """The worker's per-sequence grammar state. The compiler is built at the first constrained request (it walks the
     whole vocabulary once), so an engine that never sees one pays nothing."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], tokenizer: Any = None) -> None:
+    def __init__(
+        self, vocab_size: int, eos_token_ids: Sequence[int], tokenizer: Any = None, overlap: bool | None = None
+    ) -> None:
+        """`overlap`: fill a step's masks in a worker thread during the forward pass (default: the environment's)."""
         self.vocab_size = vocab_size
         self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
         self.tokenizer = tokenizer
+        self.overlap = env.grammar_mask_overlap() if overlap is None else overlap
         self._compiler: xgr.GrammarCompiler | None = None
         self._sequences: dict[str, _Sequence] = {}
+        self._filler: ThreadPoolExecutor | None = None  # one thread, started with the first constrained step
+        self._pending: _PendingFill | None = None
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._sequences
@@ -128,6 +146,7 @@ class StructuredOutputs:
 
     def add(self, req_id: str, constraint: StructuredOutputsParams, output_token_ids: Iterable[int] = ()) -> None:
         """Start a sequence's matcher; `output_token_ids`: tokens it generated before a recompute preemption."""
+        self._settle()
         try:
             matcher = xgr.GrammarMatcher(compile_constraint(self.compiler, constraint))
         except InvalidRequestError as exc:  # front ends refuse these first; the engine loop must not die of one
@@ -138,8 +157,42 @@ class StructuredOutputs:
             self._accept(req_id, state, token_id)
 
     def remove(self, req_ids: Iterable[str]) -> None:
+        self._settle()
         for req_id in req_ids:
             self._sequences.pop(req_id, None)
+
+    def start_fill(self, req_ids: Sequence[str]) -> None:
+        """Start filling the masks of these rows in the worker thread (with overlap on and a constrained row); the
+        matchers must not change until masks() takes them."""
+        self._settle()
+        if not self.overlap or not any(r in self._sequences for r in req_ids):
+            return
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-grammar-masks")
+        self._pending = _PendingFill(tuple(req_ids), self._filler.submit(self.fill_masks, list(req_ids)))
+
+    def masks(self, req_ids: Sequence[str]) -> torch.Tensor | None:
+        """The step's bitmask (as fill_masks): the one start_fill began if it began it for these rows, else filled
+        now."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            bitmask = pending.future.result()
+            if pending.req_ids == tuple(req_ids):
+                return bitmask
+        return self.fill_masks(req_ids)
+
+    def _settle(self) -> None:
+        """Wait for a fill nobody took (a step that sampled other rows, or failed), before the matchers change."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.future.exception()  # waits; its result is stale once the matchers move on
+
+    def close(self) -> None:
+        """Stop the worker thread (a later start_fill starts a new one)."""
+        self._settle()
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
+            self._filler = None
 
     def fill_masks(self, req_ids: Sequence[str]) -> torch.Tensor | None:
         """[len(req_ids), ceil(V / 32)] int32 bitmask of the tokens each row may take next (all bits set for a free
@@ -163,6 +216,7 @@ class StructuredOutputs:
             bitmask[row, token_id // 32] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32: bit 31 is the sign
 
     def accept(self, req_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        self._settle()
         for req_id, token_id in zip(req_ids, token_ids, strict=True):
             state = self._sequences.get(req_id)
             if state is not None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -14,6 +15,8 @@ from batchserve.sampling_params import SamplingParams
 from batchserve.serving.structured import json_schema_constraint
 
 CORPUS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())
+REPEATING = [{"role": "user", "content": "Repeat exactly: apples, pears, plums. apples, pears, plums. apples,"}]
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 MAX_TOKENS = 160  # every corpus schema admits outputs far shorter: an output cut at the budget is a failure
 
 
@@ -64,3 +67,42 @@ def _check(llm, corpus: list[dict], temperatures: tuple[float, ...], max_tokens:
         except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
             failures.append(f"{entry['title']} T={param.temperature}: {out.text!r}: {str(exc)[:200]}")
     assert not failures, "\n".join(failures)
+
+
+def _fill_threads(llm) -> list[str]:
+    """Records the thread of every mask fill of the engine's worker (its own list per call)."""
+    structured, names = llm.engine.runner.structured_outputs, []
+    fill = type(structured).fill_masks
+
+    def recorded(req_ids):
+        names.append(threading.current_thread().name)
+        return fill(structured, req_ids)
+
+    structured.fill_masks = recorded
+    return names
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_masks_filled_during_the_forward_pass_give_the_same_greedy_outputs(llm, speculative):
+    """Overlap on and off: token-identical constrained outputs; with it on the fills ran in the worker thread. With
+    speculation, free requests drafted beside the constrained ones (the constrained rows are a subset of the step's)."""
+    engine = LLM(dtype="float32", num_kv_blocks=256, speculative_config=SPEC) if speculative else llm
+    structured = engine.engine.runner.structured_outputs
+    titles = ("ref_defs", "tags_bounded")
+    conversations = [_prompt(e) for e in CORPUS if e["title"] in titles] + [REPEATING] * 2
+    constraints = [json_schema_constraint(e["schema"], "response_format") for e in CORPUS if e["title"] in titles]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=c) for c in constraints + [None, None]]
+    outputs, threads = {}, {}
+    try:
+        for overlap in (True, False):
+            structured.overlap = overlap
+            threads[overlap] = _fill_threads(engine)
+            outputs[overlap] = [(o.token_ids, o.text) for o in engine.chat(conversations, params, use_tqdm=False)]
+    finally:
+        structured.overlap = True
+        del structured.fill_masks
+    assert outputs[True] == outputs[False]
+    assert set(threads[True]) == {"batchserve-grammar-masks_0"}
+    assert threads[False] and "batchserve-grammar-masks_0" not in threads[False]
+    if speculative:
+        assert engine.engine.scheduler.speculation.stats.num_accepted > 0  # drafts ran in the constrained steps

@@ -92,3 +92,34 @@ def test_a_recomputed_request_replays_its_tokens(tokenizer):
 def test_keywords_the_grammar_cannot_enforce_are_refused(schema, word):
     with pytest.raises(InvalidRequestError, match=word):
         check_schema_keywords(schema)
+
+
+def test_a_mask_started_in_the_worker_thread_is_the_one_filled_in_place(tokenizer):
+    eos = tokenizer.eos_token_id
+    structured = StructuredOutputs(len(tokenizer), [eos], tokenizer, overlap=True)
+    structured.add("a", StructuredOutputsParams(ConstraintKind.REGEX, "[0-9]{3}-[a-c]{2}"))
+    structured.add("b", StructuredOutputsParams(ConstraintKind.CHOICE, json.dumps(["yes", "no"])))
+    rows = ["a", "free", "b"]
+    structured.start_fill(rows)
+    assert structured._pending is not None  # started, in the worker thread
+    assert torch.equal(structured.masks(rows), structured.fill_masks(rows))
+    structured.start_fill(rows)
+    assert torch.equal(structured.masks(["b", "a"]), structured.fill_masks(["b", "a"]))  # other rows: filled now
+    before = structured.fill_masks(rows)
+    structured.start_fill(rows)
+    (digit,), (y,) = (tokenizer.encode(t, add_special_tokens=False) for t in ("1", "y"))
+    structured.accept(rows, [digit, 0, y])  # the matchers move on: the started fill is stale, not used
+    after = structured.masks(rows)
+    assert torch.equal(after, structured.fill_masks(rows)) and not torch.equal(after[2], before[2])
+    structured.start_fill(["free"])  # no constrained row: nothing started
+    assert structured._pending is None
+    structured.close()
+    assert structured._filler is None
+
+
+def test_with_overlap_off_nothing_is_started(tokenizer):
+    structured = StructuredOutputs(len(tokenizer), [tokenizer.eos_token_id], tokenizer, overlap=False)
+    structured.add("a", StructuredOutputsParams(ConstraintKind.REGEX, "[0-9]+"))
+    structured.start_fill(["a"])
+    assert structured._pending is None and structured._filler is None
+    assert structured.masks(["a"]) is not None
