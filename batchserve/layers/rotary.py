@@ -148,8 +148,11 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         self.rope_type = _rope_type(config)
         self.attention_scaling = attention_scaling(config)
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        self.register_buffer("long_inv_freq", self._long_inv_freq(), persistent=False)
+        # on the CPU even when the model is built on the meta device (reset() moves them): a meta op runs Python
+        # reference code that imports torch._dynamo, a second or more of an engine's start
+        with torch.device("cpu"):
+            self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+            self.register_buffer("long_inv_freq", self._long_inv_freq(), persistent=False)
 
     def _long_inv_freq(self) -> torch.Tensor | None:
         if self.rope_type != "longrope":

@@ -29,6 +29,7 @@ from batchserve.config import ModelConfig
 from batchserve.layers.activation import GeGLUMLP
 from batchserve.layers.attention import AttentionMetadata, KVCache, paged_attention
 from batchserve.layers.capabilities import Capability
+from batchserve.layers.embedding import token_embedding
 from batchserve.layers.linear import CpuLinear
 from batchserve.layers.norm import RMSNorm
 from batchserve.layers.rotary import RotaryEmbedding, apply_rope
@@ -212,7 +213,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.config = config
         self.settings = GemmaSettings.of(config)
         self.capabilities = model_capabilities(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, kind, dtype) for kind in self.settings.layer_types)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = LayerRotary(config)

@@ -21,6 +21,7 @@ from batchserve.config import ModelConfig
 from batchserve.layers import capabilities, kernels
 from batchserve.layers.attention import AttentionMetadata, KVCache, native_step, paged_attention
 from batchserve.layers.capabilities import Capability
+from batchserve.layers.embedding import token_embedding
 from batchserve.layers.linear import CpuLinear
 from batchserve.layers.mlp import MLP
 from batchserve.layers.norm import RMSNorm
@@ -115,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.capabilities = model_capabilities(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(config)
