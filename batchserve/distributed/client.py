@@ -41,7 +41,8 @@ from batchserve.serving.errors import ErrorKind, ServingError
 
 logger = logging.getLogger(__name__)
 # A moved request's admission may have been routed to the lost replica before its routers heard of the loss (the
-# call then waits): after this long it is tried again, elsewhere. A live replica admits within milliseconds.
+# call then waits): after this long it is tried again, elsewhere. A live replica admits within milliseconds on a quiet
+# host, but one busy with the moved load on a loaded host can take seconds: each further try waits twice as long.
 MIGRATION_ADMIT_TIMEOUT_S = 3.0
 
 
@@ -141,7 +142,8 @@ class RemoteEngineClient:
             if self._requests.get(request_id) is not entry:
                 return  # aborted meanwhile
             try:
-                await self._place(entry, entry.handover.continuation(), MIGRATION_ADMIT_TIMEOUT_S)
+                timeout_s = MIGRATION_ADMIT_TIMEOUT_S * 2**attempt
+                await self._place(entry, entry.handover.continuation(), timeout_s)
                 REQUESTS_MOVED.labels("continue" if entry.handover.sent else "retry").inc()
                 logger.info("request %s moved to replica %s after %r", request_id, entry.replica_id, lost)
                 return
