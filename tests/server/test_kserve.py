@@ -49,7 +49,7 @@ def ensemble_inputs(text: str = PROMPT, max_tokens: int = 12, **extra) -> list[t
     types = {"stream": "BOOL", "temperature": "FP32", "top_k": "INT32", "top_p": "FP32", "end_id": "INT32",
              "return_log_probs": "BOOL", "exclude_input_in_output": "BOOL", "beam_width": "INT32",
              "bad_words": "BYTES", "stop_words": "BYTES", "lora_task_id": "INT32", "foo": "INT32",
-             "return_num_output_tokens": "BOOL", "min_length": "INT32"}  # fmt: skip
+             "return_num_output_tokens": "BOOL", "min_length": "INT32", "num_return_sequences": "INT32"}  # fmt: skip
     inputs = [tensor("text_input", text, "BYTES"), tensor("max_tokens", max_tokens, "INT32")]
     return inputs + [tensor(name, value, types[name]) for name, value in extra.items()]
 
@@ -146,6 +146,10 @@ REFUSED = [
     (dict(temperature=-1.0, top_k=5), "temperature"),
     (dict(stream=True), "ModelStreamInfer"),  # ModelInfer answers once
     (dict(min_length=50), "min_tokens"),
+    (dict(num_return_sequences=2), "needs ModelStreamInfer"),  # one response per sequence
+    (dict(num_return_sequences=0), "num_return_sequences must be between 1 and 128, got 0"),
+    (dict(num_return_sequences=-3), "num_return_sequences must be between 1 and 128, got -3"),
+    (dict(num_return_sequences=129), "num_return_sequences must be between 1 and 128, got 129"),
 ]
 
 
@@ -218,3 +222,53 @@ def test_http_generate_extension(servers):
     assert unknown.status_code == 404 and "unknown model" in unknown.json()["error"]
     assert httpx.get(http.url + "/v2/health/ready").status_code == 200
     assert httpx.get(http.url + "/v2/models/ensemble").json()["inputs"][0]["name"] == "text_input"
+
+
+def _by_sequence(results) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for result in results:
+        index = int(result.as_numpy("sequence_index")[0][0])
+        texts[index] = texts.get(index, "") + result.as_numpy("text_output")[0][0].decode()
+    return texts
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_num_return_sequences_come_as_responses_of_their_own(servers, streaming):
+    """As TensorRT-LLM's decoupled model: per sequence, its responses (each step's, or one at its end) with its
+    sequence_index; the final flag on the last response of all."""
+    http, _, client = servers
+    whole = client.infer("ensemble", ensemble_inputs(max_tokens=6)).as_numpy("text_output")[0][0].decode()
+    inputs = ensemble_inputs(max_tokens=6, stream=streaming, num_return_sequences=3)
+    results = stream(client, inputs, request_id=f"n-{streaming}")
+    assert len(results) == (3 * 6 if streaming else 3) and all(r.get_response().id == f"n-{streaming}" for r in results)
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
+    assert finals == [False] * (len(results) - 1) + [True]
+    assert _by_sequence(results) == {0: whole, 1: whole, 2: whole}  # the model-free engine ignores temperature
+    inputs = ensemble_inputs(max_tokens=4, stream=streaming, num_return_sequences=2, exclude_input_in_output=False)
+    prefixed = _by_sequence(stream(client, inputs, request_id="p"))
+    assert sorted(prefixed) == [0, 1] and all(text.startswith(PROMPT) and text.count(PROMPT) == 1
+                                              for text in prefixed.values())  # fmt: skip
+    http.wait_idle()
+    assert http.async_engine.stats().kv_blocks_used == 0
+
+
+def test_num_return_sequences_on_http_generate_stream(servers):
+    http, _, _ = servers
+    body = {"text_input": PROMPT, "max_tokens": 5, "num_return_sequences": 2}
+    whole = httpx.post(http.url + "/v2/models/ensemble/generate", json={**body, "num_return_sequences": 1},
+                       timeout=30).json()["text_output"]  # fmt: skip
+    for streaming in (True, False):
+        with httpx.stream("POST", http.url + "/v2/models/ensemble/generate_stream", json={**body, "stream": streaming},
+                          timeout=30) as response:  # fmt: skip
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+        assert len(events) == (2 * 5 if streaming else 2)
+        texts: dict[int, str] = {}
+        for event in events:
+            texts[event["sequence_index"]] = texts.get(event["sequence_index"], "") + event["text_output"]
+        assert texts == {0: whole, 1: whole}
+    once = httpx.post(http.url + "/v2/models/ensemble/generate", json=body, timeout=30)
+    assert once.status_code == 400 and "num_return_sequences > 1" in once.json()["error"]
+    assert "generate_stream" in once.json()["error"]
+    bad = httpx.post(http.url + "/v2/models/ensemble/generate_stream", json={**body, "num_return_sequences": 0},
+                     timeout=30)  # fmt: skip
+    assert bad.status_code == 400 and "num_return_sequences must be between 1 and 128" in bad.json()["error"]

@@ -74,6 +74,9 @@ def test_ready_metadata_and_errors(served):
     with pytest.raises(InferenceServerException, match="infer answers once"):
         client.infer("ensemble", [tensor("text_input", PROMPT, "BYTES"), tensor("max_tokens", 4, "INT32"),
                                   tensor("stream", True, "BOOL")])  # fmt: skip
+    with pytest.raises(InferenceServerException, match="num_return_sequences > 1 .* infer answers once"):
+        client.infer("ensemble", [tensor("text_input", PROMPT, "BYTES"), tensor("max_tokens", 4, "INT32"),
+                                  tensor("num_return_sequences", 2, "INT32")])  # fmt: skip
 
 
 def test_malformed_bodies_are_400(served):

@@ -7,7 +7,6 @@ shape, {"error": "<message>"}, with the status the OpenAI routes give the same f
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -20,7 +19,7 @@ from batchserve.entrypoints.grpc.status import invalid
 from batchserve.entrypoints.kserve.http_infer import add_infer_routes
 from batchserve.entrypoints.kserve.model import VERSION, KServeModel
 from batchserve.entrypoints.kserve.tensors import Output
-from batchserve.entrypoints.kserve.trtllm import TrtllmRequest, outputs_of, parse_request
+from batchserve.entrypoints.kserve.trtllm import TrtllmRequest, outputs_of, parse_request, responses, submit
 from batchserve.entrypoints.openai.errors import as_api_error
 from batchserve.entrypoints.openai.front import OpenAIFrontEnd
 from batchserve.entrypoints.openai.streaming import AbortOnCloseResponse, wait_for_disconnect
@@ -69,10 +68,8 @@ def add_kserve_routes(app: FastAPI, front: OpenAIFrontEnd) -> None:
         streams = []
         try:
             body, trt = await _parse(front, model, name, version, request)
-            if trt.stream:
-                raise invalid("stream=true needs generate_stream (the model is decoupled); generate answers once",
-                              "stream")  # fmt: skip
-            streams = await service.submit(f"kserve-{uuid.uuid4().hex}", [trt.text], trt.params, _priority(body))
+            trt.answer_once("generate_stream (the model is decoupled); generate answers once")
+            streams = await submit(service, trt, _priority(body))
             (result,) = await service.final_results(streams, wait_for_disconnect(request))
         except Exception as exc:  # noqa: BLE001 - answered in Triton's shape
             service.abort_unfinished(streams)
@@ -85,7 +82,7 @@ def add_kserve_routes(app: FastAPI, front: OpenAIFrontEnd) -> None:
     async def generate_stream(name: str, request: Request, version: str = "") -> Response:
         try:
             body, trt = await _parse(front, model, name, version, request)
-            streams = await service.submit(f"kserve-{uuid.uuid4().hex}", [trt.text], trt.params, _priority(body))
+            streams = await submit(service, trt, _priority(body))
         except Exception as exc:  # noqa: BLE001 - answered in Triton's shape
             return _error(exc)
         events = _events(front, name, body, trt, streams)
@@ -106,16 +103,9 @@ async def _parse(
 async def _events(
     front: OpenAIFrontEnd, name: str, body: dict[str, Any], trt: TrtllmRequest, streams: list[Any]
 ) -> AsyncIterator[str]:
-    prefix = "" if trt.exclude_input else trt.text
     try:
-        if trt.stream:
-            async for result in front.service.results(streams):
-                if result.delta.delta_token_ids or result.finished:
-                    yield _sse(_reply(name, body, outputs_of(trt, result, delta=True, prefix=prefix)))
-                    prefix = ""
-        else:
-            (result,) = await front.service.final_results(streams)
-            yield _sse(_reply(name, body, outputs_of(trt, result, delta=False, prefix=prefix)))
+        async for outputs, _ in responses(front.service, trt, streams):
+            yield _sse(_reply(name, body, outputs))
     except Exception as exc:  # noqa: BLE001 - the status line is gone: reported in the stream, as Triton does
         yield _sse({"error": as_api_error(exc).message})
 

@@ -11,7 +11,6 @@ which tritonclient sets when it names no outputs); then the response is the JSON
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from batchserve.entrypoints.grpc.status import invalid
 from batchserve.entrypoints.kserve.model import VERSION, KServeModel
 from batchserve.entrypoints.kserve.tensors import Output, Tensor, _element_count, _raw_values
-from batchserve.entrypoints.kserve.trtllm import TrtllmRequest, outputs_of, parse_request
+from batchserve.entrypoints.kserve.trtllm import TrtllmRequest, outputs_of, parse_request, submit
 from batchserve.entrypoints.openai.errors import APIError, as_api_error
 from batchserve.entrypoints.openai.front import OpenAIFrontEnd
 from batchserve.entrypoints.openai.streaming import wait_for_disconnect
@@ -45,11 +44,8 @@ def add_infer_routes(app: FastAPI, front: OpenAIFrontEnd, model: KServeModel) ->
             requested, binary = requested_outputs(header)
             values = {n: t.values for n, t in tensors.items()}
             trt = parse_request(values, {n: len(t.shape) for n, t in tensors.items()}, requested)
-            if trt.stream:
-                raise invalid(
-                    "stream=true needs generate_stream or gRPC ModelStreamInfer; infer answers once", "stream"
-                )
-            streams = await service.submit(f"kserve-{uuid.uuid4().hex}", [trt.text], trt.params, _priority(header))
+            trt.answer_once("generate_stream or gRPC ModelStreamInfer; infer answers once")
+            streams = await submit(service, trt, _priority(header))
             (result,) = await service.final_results(streams, wait_for_disconnect(request))
         except Exception as exc:  # noqa: BLE001 - answered in Triton's shape
             service.abort_unfinished(streams)

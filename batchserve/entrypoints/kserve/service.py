@@ -7,7 +7,6 @@ Triton sends them, and the stream goes on; everywhere else they are the RPC's st
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -18,7 +17,7 @@ from batchserve.entrypoints.kserve.model import VERSION, KServeModel
 from batchserve.entrypoints.kserve.pb import kserve_pb2 as pb
 from batchserve.entrypoints.kserve.pb import kserve_pb2_grpc as pb_grpc
 from batchserve.entrypoints.kserve.tensors import Output, add_outputs, decode_inputs
-from batchserve.entrypoints.kserve.trtllm import TrtllmRequest, outputs_of, parse_request
+from batchserve.entrypoints.kserve.trtllm import TrtllmRequest, outputs_of, parse_request, responses, submit
 from batchserve.serving.generation import GenerationService
 
 FINAL = "triton_final_response"
@@ -78,9 +77,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         streams: list[RequestStream] = []
         try:
             trt = self._parse(request)
-            if trt.stream:
-                raise invalid("stream=true needs ModelStreamInfer (the model is decoupled); ModelInfer answers once",
-                              "stream")  # fmt: skip
+            trt.answer_once("ModelStreamInfer (the model is decoupled); ModelInfer answers once")
             streams = await self._submit(request, trt)
             (result,) = await self.service.final_results(streams)
             return _response(request, outputs_of(trt, result, delta=False, prefix=_prefix(trt)))
@@ -120,17 +117,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             trt = self._parse(request)
             streams = await self._submit(request, trt)
-            if trt.stream:
-                prefix = _prefix(trt)
-                async for result in self.service.results(streams):
-                    if result.delta.delta_token_ids or result.finished:
-                        final = result.finished and not empty_final
-                        queue.put_nowait(_stream_response(request, outputs_of(trt, result, True, prefix), final))
-                        prefix = ""
-            else:
-                (result,) = await self.service.final_results(streams)
-                outputs = outputs_of(trt, result, delta=False, prefix=_prefix(trt))
-                queue.put_nowait(_stream_response(request, outputs, final=not empty_final))
+            async for outputs, last in responses(self.service, trt, streams):
+                queue.put_nowait(_stream_response(request, outputs, final=last and not empty_final))
             if empty_final:
                 queue.put_nowait(_stream_response(request, [], final=True))
         except Exception as exc:  # noqa: BLE001 - reported in-band; the stream serves the caller's other requests
@@ -148,9 +136,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return parse_request(values, ranks, [o.name for o in request.outputs])
 
     async def _submit(self, request: pb.ModelInferRequest, trt: TrtllmRequest) -> list[RequestStream]:
-        # the caller's id is echoed, never used as the engine's: Triton clients reuse ids ("1") freely
-        request_id = f"kserve-{uuid.uuid4().hex}"
-        return await self.service.submit(request_id, [trt.text], trt.params, _priority(request))
+        return await submit(self.service, trt, _priority(request))  # the caller's id is echoed, not the engine's
 
 
 def _prefix(trt: TrtllmRequest) -> str:

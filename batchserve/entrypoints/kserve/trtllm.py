@@ -1,17 +1,25 @@
 """The TensorRT-LLM ensemble's tensor names over batchserve: its inputs -> the prompt and SamplingParams, and a
 step's result -> its output tensors. Protocol-neutral: gRPC ModelInfer/ModelStreamInfer and the HTTP generate
-extension both call it, with each input given as a flat list of values (one element for a scalar)."""
+extension both call it, with each input given as a flat list of values (one element for a scalar).
+
+num_return_sequences > 1 runs as the serving layer's n > 1 child requests (one prefill, the prompt's KV blocks
+shared). As TensorRT-LLM's decoupled model sends them, each sequence's results are responses of their own, told apart
+by a `sequence_index` output; so only the decoupled calls (ModelStreamInfer, generate_stream) take it."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from batchserve.engine.async_engine import RequestStream
 from batchserve.entrypoints.grpc.status import invalid
 from batchserve.entrypoints.kserve.tensors import Output
-from batchserve.sampling_params import SamplingParams
+from batchserve.sampling_params import MAX_N, SamplingParams
+from batchserve.serving.fanout import submit_choices
+from batchserve.serving.generation import GenerationService
 from batchserve.serving.results import GenerationResult
 from batchserve.serving.structured import constraint_for
 
@@ -71,6 +79,7 @@ OUTPUTS: dict[str, str] = {
     "output_log_probs": "FP32",
     "num_input_tokens": "INT32",
     "num_output_tokens": "INT32",
+    "sequence_index": "INT32",  # which of num_return_sequences a response carries (sent when there are several)
 }
 LOG_PROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
 # TensorRT-LLM's guided_decoding_guide_type -> the structured_outputs field of the same meaning (structural_tag:
@@ -86,6 +95,18 @@ class TrtllmRequest:
     exclude_input: bool  # False: text_output starts with the prompt, as older ensembles answered
     outputs: tuple[str, ...]  # the output tensors each response carries
     batched: bool  # text_input came with a batch dimension ([1, 1]): outputs keep one
+
+    @property
+    def num_sequences(self) -> int:
+        return self.params.n
+
+    def answer_once(self, where: str) -> None:
+        """INVALID_ARGUMENT unless a single response can answer it (`where`: the call, and what to use instead)."""
+        _refuse_unless(not self.stream, "stream", f"stream=true needs {where}")
+        _refuse_unless(
+            self.num_sequences == 1, "num_return_sequences",
+            f"num_return_sequences > 1 (each sequence a response of its own) needs {where}",
+        )  # fmt: skip
 
 
 def parse_request(
@@ -103,14 +124,13 @@ def parse_request(
             raise invalid(f"input '{name}' is required", name)
     get = _Reader(values)
     _refuse_unless(get.one("beam_width", 1) == 1, "beam_width", "only beam_width 1 is supported (no beam search)")
-    _refuse_unless(get.one("num_return_sequences", 1) == 1, "num_return_sequences", "only 1 sequence per request")
     _refuse_unless(not get.texts("bad_words"), "bad_words", "bad_words is not supported (no multi-token bans)")
     for name in ("return_context_logits", "return_generation_logits"):
         _refuse_unless(not get.one(name, False), name, f"{name} is not supported (logits are not returned)")
     for name in ("embedding_bias_words", "embedding_bias_weights"):
         _refuse_unless(not get.many(name), name, f"{name} is not supported (no embedding bias)")
     params = _sampling_params(get)
-    outputs = _outputs(requested, get)
+    outputs = _outputs(requested, get, params.n)
     if any(n in LOG_PROB_OUTPUTS for n in outputs) and params.logprobs is None:
         params.logprobs = 0  # the sampled token's logprob only
     return TrtllmRequest(
@@ -145,6 +165,11 @@ def _sampling_params(get: _Reader) -> SamplingParams:
         options["stop_token_ids"] = [end_id] if end_id >= 0 else []
     if get.one("return_log_probs", False):
         options["logprobs"] = 0
+    options["n"] = get.one("num_return_sequences", 1)
+    _refuse_unless(
+        1 <= options["n"] <= MAX_N, "num_return_sequences",
+        f"num_return_sequences must be between 1 and {MAX_N}, got {options['n']}",
+    )  # fmt: skip
     options["structured_outputs"] = _guide(get)
     return SamplingParams(**options)
 
@@ -164,7 +189,7 @@ def _guide(get: _Reader):
     return constraint_for(GUIDE_TYPES[kind], guide, "guided_decoding_guide")
 
 
-def _outputs(requested: Sequence[str], get: _Reader) -> tuple[str, ...]:
+def _outputs(requested: Sequence[str], get: _Reader, num_sequences: int) -> tuple[str, ...]:
     for name in requested:
         if name not in OUTPUTS:
             raise invalid(f"unexpected output '{name}' (outputs: {', '.join(OUTPUTS)})", "outputs")
@@ -174,6 +199,8 @@ def _outputs(requested: Sequence[str], get: _Reader) -> tuple[str, ...]:
     if get.one("return_log_probs", False):
         names += LOG_PROB_OUTPUTS
     names += [n for n in ("num_input_tokens", "num_output_tokens") if get.one(f"return_{n}", False)]
+    if num_sequences > 1:
+        names.append("sequence_index")
     return tuple(names)
 
 
@@ -232,5 +259,28 @@ def outputs_of(request: TrtllmRequest, result: GenerationResult, delta: bool, pr
         "output_log_probs": ((*lead, 1, len(logprobs)), [e.logprob for e in logprobs]),
         "num_input_tokens": ((*lead, 1), [step.num_prompt_tokens]),
         "num_output_tokens": ((*lead, 1), [step.num_output_tokens]),
+        "sequence_index": ((*lead, 1), [result.index]),
     }
     return [Output(name, OUTPUTS[name], *values[name]) for name in request.outputs]
+
+
+async def submit(service: GenerationService, request: TrtllmRequest, priority: int) -> list[RequestStream]:
+    """The request's engine streams: one, or one per sequence (choice order) sharing the prompt's prefill. The
+    caller's id is never the engine's: Triton clients reuse ids ("1") freely."""
+    return await submit_choices(service, f"kserve-{uuid.uuid4().hex}", [request.text], request.params, priority)
+
+
+async def responses(
+    service: GenerationService, request: TrtllmRequest, streams: Sequence[RequestStream]
+) -> AsyncIterator[tuple[list[Output], bool]]:
+    """A decoupled call's responses as (outputs, last): streaming, one per sequence per step with new tokens (or its
+    end); otherwise one per sequence, when it ends. Each sequence's first text starts with the prompt when
+    exclude_input_in_output is false."""
+    unprefixed = set(range(len(streams))) if not request.exclude_input else set()
+    running = len(streams)
+    async for result in service.results(streams):
+        running -= result.finished
+        if request.stream and (result.delta.delta_token_ids or result.finished) or result.finished:
+            prefix = request.text if result.index in unprefixed else ""
+            unprefixed.discard(result.index)
+            yield outputs_of(request, result, delta=request.stream, prefix=prefix), running == 0
