@@ -161,7 +161,7 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # what one family reads beyond these (models/gemma.py)
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 K_POLICIES = ("ramp", "cost")
 
@@ -183,6 +183,8 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 8
     suffix_decoding_max_cached_requests: int = 64
     suffix_decoding_min_token_prob: float = 0.1
+    # method "draft_model": a smaller model with the target's tokenizer (a path, a GGUF file or a hub id, as --model)
+    model: str | None = None
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -197,6 +199,8 @@ class SpeculativeConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(value) - names
         _require(not unknown, f"speculative_config: unknown key(s) {', '.join(sorted(unknown))}")
+        if value.get("model") is not None and "method" not in value:  # vLLM infers the method from a draft model
+            value = {**value, "method": "draft_model"}
         config = cls(**value)
         config.validate()
         return config
@@ -212,6 +216,9 @@ class SpeculativeConfig:
         _require(self.suffix_decoding_max_tree_depth >= 1, "suffix_decoding_max_tree_depth must be >= 1")
         _require(self.suffix_decoding_max_cached_requests >= 0, "suffix_decoding_max_cached_requests must be >= 0")
         _require(0.0 <= self.suffix_decoding_min_token_prob <= 1.0, "suffix_decoding_min_token_prob: 0 to 1")
+        drafts_by_model = self.method == "draft_model"
+        _require(drafts_by_model == (self.model is not None), "speculative_config.model: needed by method "
+                 f"draft_model and by it only (method {self.method!r}, model {self.model!r})")  # fmt: skip
 
 
 @dataclass

@@ -46,6 +46,8 @@ class SchedulerOutput:
     # speculative decoding: req_id -> draft tokens scheduled after its last known token (its scheduled count is
     # 1 + len(drafts)); the worker verifies them against the target's own predictions
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # speculative method draft_model: how many tokens the draft model proposes, after this step, for the next one
+    num_draft_tokens: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -77,6 +79,8 @@ class ModelOutput:
     prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
     # speculative decoding: req_id -> the accepted prefix of its drafts; its sampled token follows them
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # speculative method draft_model: req_id -> the draft model's proposal to follow this step's tokens
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

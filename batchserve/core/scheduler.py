@@ -187,6 +187,8 @@ class Scheduler:
             self._reject_unschedulable(self.waiting.peek())
         step.output.finished_req_ids |= self._forget  # preempted this step
         self._forget = set()
+        if self.speculation is not None:
+            step.output.num_draft_tokens = self.speculation.num_model_drafts(len(self.running))
         self._last_step = step
         return step.output
 
@@ -385,6 +387,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             accepted = self._verified(request, scheduled, model_output)
             outputs.append(self._append_tokens(request, accepted + [token_id], logprob))
+        if self.speculation is not None:
+            self.speculation.keep_model_drafts(model_output.draft_token_ids, self.requests)
         return outputs
 
     def _verified(self, request: Request, scheduled: SchedulerOutput, model_output: ModelOutput) -> list[int]:

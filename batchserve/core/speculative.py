@@ -1,5 +1,6 @@
-"""Speculative decoding on the scheduler's side: model-free proposals (n-gram prompt lookup) and the plan of how
-many tokens a decode sequence speculates this step (k by load, per-request eligibility). No torch here: proposals
+"""Speculative decoding on the scheduler's side: model-free proposals (n-gram prompt lookup), the draft model's
+(computed by the worker after a step, kept here for the next), and the plan of how many tokens a decode sequence
+speculates this step (k by load, per-request eligibility). No torch here: proposals
 are plain token ids, verified by the worker (worker/speculative.py)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from batchserve.config import SpeculativeConfig
 from batchserve.core.speculation_cost import PRIOR_ACCEPTANCE, StepCostModel, best_k
 from batchserve.core.suffix_proposer import SuffixProposer
 from batchserve.request import Request
+from batchserve.sampling_params import SamplingParams
 
 ACCEPTANCE_WEIGHT = 0.05  # of each verification in the running acceptance estimate
 
@@ -79,6 +81,8 @@ class SpeculationPlanner:
                 config.suffix_decoding_max_cached_requests,
             )
         self.stats = SpeculationStats()
+        # method draft_model: req_id -> (the request's token count they follow, the draft model's proposal)
+        self.model_drafts: dict[str, tuple[int, list[int]]] = {}
 
     def k_for_load(self, num_running: int) -> int:
         limit, max_k = self.config.disable_by_batch_size, self.config.num_speculative_tokens
@@ -93,6 +97,17 @@ class SpeculationPlanner:
         self.step_cost.observe(num_tokens, seconds)
         if self.config.k_policy == "cost":  # fitted once a step, not once per decode that asks for k
             self._fit = self.step_cost.coefficients()
+
+    def num_model_drafts(self, num_running: int) -> int:
+        """Tokens the draft model proposes after a step for the next one (0 unless the method is draft_model)."""
+        return self.k_for_load(num_running) if self.config.method == "draft_model" else 0
+
+    def keep_model_drafts(self, drafts: dict[str, list[int]], requests: dict[str, Request]) -> None:
+        """The worker's draft-model proposals of a step, each valid only while its request has these tokens."""
+        for req_id, tokens in drafts.items():
+            request = requests.get(req_id)
+            if request is not None and not request.is_finished:
+                self.model_drafts[req_id] = (request.num_tokens, tokens)
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         self.stats.record(num_proposed, num_accepted)
@@ -111,11 +126,15 @@ class SpeculationPlanner:
         )
         if k <= 0:
             return []
+        if self.config.method == "draft_model":
+            num_tokens, drafts = self.model_drafts.pop(request.request_id, (-1, []))
+            return drafts[:k] if num_tokens == request.num_tokens else []  # stale after a preemption
         if self.suffix is not None:
             return self.suffix.propose_for(request.request_id, request.all_token_ids, k)
         return self.proposer.propose(request.all_token_ids, k)
 
     def finished(self, request: Request) -> None:
+        self.model_drafts.pop(request.request_id, None)
         if self.suffix is not None:
             self.suffix.finished(request.request_id, request.output_token_ids)
 
@@ -123,7 +142,11 @@ class SpeculationPlanner:
 def eligible(request: Request) -> bool:
     """Requests whose outputs speculation would change in form are never speculated: logprobs (one record per
     token), prompt logprobs, structured outputs (grammar state per draft), and those that opt out."""
-    params = request.sampling_params
+    return speculates(request.sampling_params)
+
+
+def speculates(params: SamplingParams) -> bool:
+    """eligible() on the sampling parameters alone (what the worker knows of a request)."""
     if not params.speculate:
         return False
     if params.logprobs is not None or params.prompt_logprobs is not None:

@@ -6,10 +6,11 @@ its own runner (tests, fakes) never imports them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from batchserve.config import EngineConfig, ModelConfig
+from batchserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -62,7 +63,38 @@ def load_runner(
     logger.info("tokenizer from %s (a Hugging Face folder other tools can load too)", config.tokenizer)
     runner = ModelRunner(config, model_config, model, device, dtype, initial_kv_blocks)
     runner.structured_outputs.tokenizer = tokenizer
+    speculative = SpeculativeConfig.from_value(config.speculative_config)
+    if speculative is not None and speculative.method == "draft_model":
+        runner.draft = load_draft_model(config, speculative.model, runner, tokenizer)
     return runner, model_config, tokenizer
+
+
+def load_draft_model(config: EngineConfig, name: str, target: ModelRunner, tokenizer: PreTrainedTokenizerBase):
+    """The draft model of speculative method draft_model, in a runner of its own whose KV pool has as many blocks as
+    the target's (it holds the same sequences). A draft model of another tokenizer is refused: its token ids would
+    mean other text."""
+    from batchserve.layers.linear import deterministic_gemms
+    from batchserve.models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path
+    from batchserve.models.registry import ModelLoadError
+    from batchserve.worker.draft_model import DraftModelProposer
+    from batchserve.worker.model_runner import ModelRunner
+
+    path = resolve_model_path(name)
+    draft_tokenizer = load_tokenizer(path, None)
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ModelLoadError(
+            f"the draft model {path} has another tokenizer than the target's ({len(draft_tokenizer.get_vocab())} "
+            f"vs {len(tokenizer.get_vocab())} tokens, or the same count with other ids): its drafts would be other text"
+        )
+    draft_config = load_model_config(path)
+    logger.info("draft model %s (%s) for speculative decoding", path, draft_config.architecture)
+    with deterministic_gemms(config.deterministic):
+        model = load_model(path, draft_config, target.dtype, target.device)
+    cache = dataclasses.replace(config.cache, num_kv_blocks=target.num_kv_blocks, enable_prefix_caching=True)
+    scheduler = dataclasses.replace(config.scheduler, preemption_mode="recompute")  # its pool is never swapped
+    own = dataclasses.replace(config, cache=cache, scheduler=scheduler, speculative_config=None)
+    runner = ModelRunner(own, draft_config, model, target.device, target.dtype)
+    return DraftModelProposer(runner, target.model_config.vocab_size)
 
 
 def check_memory_before_loading(config: EngineConfig, path, model_config, dtype, device) -> None:

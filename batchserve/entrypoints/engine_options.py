@@ -44,7 +44,8 @@ HELP: dict[str, str] = {
     "fp32 accepted)",
     "device": "auto: CUDA when torch sees a GPU, else the CPU",
     "speculative_config": "speculative decoding, vLLM's shape as JSON: {\"method\": \"ngram\", "
-    "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} "
+    "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}, method suffix, or a "
+    "draft model of the same tokenizer: {\"model\": \"path\", \"num_speculative_tokens\": 4} "
     "(docs/speculative-decoding.md; default: off)",
     "seed": "seed of torch's RNG, and of sampling for requests without a seed of their own",
     "num_threads": "torch intra-op threads on CPU (default: torch's choice)",

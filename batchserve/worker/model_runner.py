@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 from batchserve.config import EngineConfig, ModelConfig
 from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput
+from batchserve.core.speculative import speculates
 from batchserve.worker.cuda_graphs import decode_graphs_for
 from batchserve.worker.input_batch import InputBatch, RequestTable
 from batchserve.worker.kv_cache import (
@@ -26,6 +28,9 @@ from batchserve.worker.prompt_logprobs import PromptLogprobs
 from batchserve.worker.sampler import Sampler, SamplingMetadata
 from batchserve.worker.speculative import draft_hidden_rows, stage_drafts, unstage_drafts, verify
 from batchserve.worker.structured_output import StructuredOutputs
+
+if TYPE_CHECKING:
+    from batchserve.worker.draft_model import DraftModelProposer
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +77,7 @@ class ModelRunner:
         self.last_timings = RunnerTimings()
         self._log_pool()
         self.decode_graphs = decode_graphs_for(self)  # None off CUDA and with enforce_eager
+        self.draft: DraftModelProposer | None = None  # speculative method draft_model (engine/startup.py)
 
     def resize_kv_cache(self, num_blocks: int, keep_contents: bool) -> None:
         """Grow the device pool to num_blocks (at most max_kv_blocks), between steps. keep_contents: the blocks
@@ -107,6 +113,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        output = self._execute(scheduler_output)
+        if self.draft is not None and scheduler_output.num_draft_tokens > 0 and output.req_ids:
+            start = time.perf_counter()
+            output.draft_token_ids = self._propose_drafts(output.req_ids, scheduler_output.num_draft_tokens)
+            self.last_timings.forward_s += time.perf_counter() - start  # the draft model's passes are forward time
+        return output
+
+    def _propose_drafts(self, req_ids: list[str], k: int) -> dict[str, list[int]]:
+        """The draft model's next k tokens for each sampled sequence that may speculate."""
+        table = self.requests
+        rows = {req_id: table.row_of[req_id] for req_id in req_ids}
+        sequences = {req_id: table.tokens(row)[:] for req_id, row in rows.items() if speculates(table.params[row])}
+        return self.draft.propose(sequences, k) if sequences else {}
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         timings = self.last_timings = RunnerTimings()
         start = time.perf_counter()
         self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
