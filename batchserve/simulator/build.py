@@ -25,14 +25,15 @@ def pool_sizes(config: EngineConfig, profile: Profile) -> tuple[int, int]:
     return blocks, swap
 
 
-def make_engine(config: EngineConfig, profile: Profile) -> SimEngine:
+def make_engine(config: EngineConfig, profile: Profile, acceptance_rate: float | None = None) -> SimEngine:
     blocks, swap = pool_sizes(config, profile)
-    return SimEngine(config, profile.step_model, blocks, profile.max_model_len, VirtualClock(), swap)
+    return SimEngine(config, profile.step_model, blocks, profile.max_model_len, VirtualClock(), swap, acceptance_rate)
 
 
-def make_cluster(config: EngineConfig, profile: Profile, replicas: int = 1, router: str = "round-robin") -> Cluster:
+def make_cluster(config: EngineConfig, profile: Profile, replicas: int = 1, router: str = "round-robin",
+                 acceptance_rate: float | None = None) -> Cluster:  # fmt: skip
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
-    engines = [make_engine(config, profile) for _ in range(replicas)]
+    engines = [make_engine(config, profile, acceptance_rate) for _ in range(replicas)]
     blocks = engines[0].runner.num_kv_blocks
     return Cluster(engines, make_router(router, replicas, config.cache.block_size, blocks))

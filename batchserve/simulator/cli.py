@@ -50,6 +50,9 @@ def add_simulator_arguments(p: argparse.ArgumentParser) -> None:
                         "its load, prefills compute and drift less")  # fmt: skip
     g.add_argument("--replicas", type=int, default=1, help="engine replicas behind the router (default: 1)")
     g.add_argument("--router", choices=ROUTERS, default="round-robin", help="how requests pick a replica")
+    g.add_argument("--spec-acceptance-rate", type=float, metavar="R",
+                   help="with --speculative-config: the share of drafts the target keeps, as measured on the workload "
+                   "(`batchserve bench` prints it); each decode then drafts k tokens")  # fmt: skip
     g.add_argument("--trace", help="arrivals and lengths from a JSONL file (arrival_s, input_len, output_len)")
 
 
@@ -102,7 +105,8 @@ def simulate_runs(args: argparse.Namespace, config: EngineConfig, profile: Profi
             cfg = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, scheduler_policy=policy))
             cfg.validate()
             label = run_label(policy, rate)
-            result = make_cluster(cfg, profile, args.replicas, args.router).run(requests, arrivals, seed, label)
+            cluster = make_cluster(cfg, profile, args.replicas, args.router, args.spec_acceptance_rate)
+            result = cluster.run(requests, arrivals, seed, label)
             result.trace.meta.update(policy=policy, request_rate=getattr(arrivals, "request_rate", None), seed=seed,
                                      profile=profile.label, routed=result.routed, router=args.router)  # fmt: skip
             traces[label], per_replica[label] = result.trace, result.replicas

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchserve.config import EngineConfig
+from batchserve.config import EngineConfig, SpeculativeConfig
 from batchserve.core.build import build_scheduler
 from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput, SchedulerStats
 from batchserve.core.scheduler import Scheduler
@@ -15,6 +15,7 @@ from batchserve.request import Request
 from batchserve.sampling_params import SamplingParams
 from batchserve.simulator.clock import VirtualClock
 from batchserve.simulator.shape import StepShape, shape_of
+from batchserve.simulator.speculation import DraftAcceptance, as_modelled
 from batchserve.simulator.step_model import StepTimeModel
 
 PLACEHOLDER_TOKEN = 0  # what the simulated model "samples"; never an EOS id of the simulated engine (it has none)
@@ -24,8 +25,9 @@ class TimedRunner:
     """The runner the simulator gives the scheduler: a step costs what the profile predicts for its shape."""
 
     def __init__(self, step_model: StepTimeModel, clock: VirtualClock, scheduler: Scheduler, num_kv_blocks: int,
-                 num_swap_blocks: int = 0) -> None:  # fmt: skip
+                 num_swap_blocks: int = 0, acceptance: DraftAcceptance | None = None) -> None:  # fmt: skip
         self.step_model, self.clock, self.scheduler = step_model, clock, scheduler
+        self.acceptance = acceptance  # speculative decoding (simulator/speculation.py); None: off
         self.num_kv_blocks, self.num_swap_blocks = num_kv_blocks, num_swap_blocks
         self.last_timings = RunnerTimings()
         self.last_shape = StepShape()
@@ -42,7 +44,17 @@ class TimedRunner:
             self.last_timings = RunnerTimings(forward_s=seconds)
             self.busy_s += seconds
             self.clock.advance(seconds)
-        return ModelOutput(req_ids=sampled, sampled_token_ids=[PLACEHOLDER_TOKEN] * len(sampled))
+        output = ModelOutput(req_ids=sampled, sampled_token_ids=[PLACEHOLDER_TOKEN] * len(sampled))
+        if self.acceptance is not None:
+            self._speculate(out, output)
+        return output
+
+    def _speculate(self, out: SchedulerOutput, output: ModelOutput) -> None:
+        """Kept drafts of this step's verified decodes, and the drafts every sampled sequence proposes for the next."""
+        for req_id, drafts in out.spec_token_ids.items():
+            output.accepted_token_ids[req_id] = [PLACEHOLDER_TOKEN] * self.acceptance.draw(len(drafts))
+        if out.num_draft_tokens:
+            output.draft_token_ids = {req_id: [PLACEHOLDER_TOKEN] * out.num_draft_tokens for req_id in output.req_ids}
 
 
 @dataclass(slots=True)
@@ -67,15 +79,27 @@ class SimEngine:
     """One simulated replica. `scheduler` is batchserve.core's Scheduler, built by core.build as LLMEngine's is."""
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel, num_kv_blocks: int, max_model_len: int,
-                 clock: VirtualClock | None = None, num_swap_blocks: int = 0) -> None:  # fmt: skip
+                 clock: VirtualClock | None = None, num_swap_blocks: int = 0,
+                 acceptance_rate: float | None = None) -> None:  # fmt: skip
+        """acceptance_rate: the share of drafts kept, as measured (`batchserve bench`), needed when the config
+        speculates (simulator/speculation.py)."""
         config.validate()
         self.config = config
         self.clock = clock or VirtualClock()
         cache = config.cache
         limit = min(max_model_len, config.scheduler.max_model_len or max_model_len, num_kv_blocks * cache.block_size)
         self.max_model_len = limit
-        self.scheduler = build_scheduler(config.scheduler, cache, num_kv_blocks, num_swap_blocks, limit, self.clock)
-        self.runner = TimedRunner(step_model, self.clock, self.scheduler, num_kv_blocks, num_swap_blocks)
+        speculative = SpeculativeConfig.from_value(config.speculative_config)
+        acceptance = None
+        if speculative is not None:
+            if acceptance_rate is None:
+                raise ValueError("simulating speculative decoding needs the measured acceptance rate "
+                                 "(--spec-acceptance-rate; `batchserve bench` prints it for a workload)")  # fmt: skip
+            acceptance = DraftAcceptance(acceptance_rate, speculative.num_speculative_tokens)
+            speculative = as_modelled(speculative)
+        self.scheduler = build_scheduler(config.scheduler, cache, num_kv_blocks, num_swap_blocks, limit, self.clock,
+                                         speculative)  # fmt: skip
+        self.runner = TimedRunner(step_model, self.clock, self.scheduler, num_kv_blocks, num_swap_blocks, acceptance)
         self.last_stats: SchedulerStats | None = None
         self.num_steps = 0
         self._live: dict[str, Request] = {}

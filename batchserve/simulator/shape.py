@@ -89,7 +89,7 @@ def shape_of(out: SchedulerOutput, scheduler: Scheduler, sampled: list[str] | No
             s.prefill_pairs += n * c + n * (n + 1) // 2
             s.prefill_ctx += c + n
             s.prefill_seqs += 1
-        if c + n == requests[rid].num_tokens:
+        if c + n - len(out.spec_token_ids.get(rid, ())) == requests[rid].num_tokens:  # drafts are not known tokens
             s.samples += 1
             if sampled is not None:
                 sampled.append(rid)
