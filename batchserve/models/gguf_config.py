@@ -20,6 +20,7 @@ import torch
 from batchserve.config import ModelConfig
 from batchserve.layers.rotary import _llama3_inv_freq
 from batchserve.models import registry
+from batchserve.models.gemma import FULL, SLIDING
 from batchserve.models.hf_config import as_id_list, served_context
 from batchserve.models.registry import ModelLoadError
 
@@ -34,6 +35,7 @@ _ARCH_FIELDS: dict[str, dict[str, Any]] = {"qwen2": {"attention_bias": True}, "q
 # Gemma 3 in files converted before `rope.freq_base_swa` existed, nor query_pre_attn_scalar: llama.cpp derives it from
 # the model size (the 27B models: hidden / heads; the others: head_dim), the 27B models known by their layer count.
 _GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA2_WINDOW = 4096  # llama.cpp's when a Gemma 2 file names none
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -122,20 +124,37 @@ def _gemma_hf_config(get, arch: str, config: ModelConfig) -> dict[str, Any]:
         query_pre_attn_scalar = config.hidden_size / config.num_heads
     else:
         query_pre_attn_scalar = config.head_dim
+    window = _gemma_window(get, arch)
     hf = {
         "model_type": "gemma2" if arch == "gemma2" else "gemma3_text", "num_hidden_layers": config.num_layers,
         "hidden_size": config.hidden_size, "num_attention_heads": config.num_heads, "head_dim": config.head_dim,
-        "sliding_window": get("attention.sliding_window"), "query_pre_attn_scalar": query_pre_attn_scalar,
+        "sliding_window": window, "query_pre_attn_scalar": query_pre_attn_scalar,
+        "layer_types": _gemma_layer_types(get, arch, config.num_layers, bool(window)),
         "attn_logit_softcapping": get("attn_logit_softcapping"), "final_logit_softcapping": get("final_logit_softcapping"),
         "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
         "tie_word_embeddings": config.tie_word_embeddings,
     }  # fmt: skip
     if arch == "gemma3":
-        hf["sliding_window_pattern"] = int(get("attention.sliding_window_pattern") or _GEMMA_GLOBAL_EVERY[arch])
         hf["rope_local_base_freq"] = float(get("rope.freq_base_swa") or 10000.0)
-        if hf["sliding_window"] is None:  # written only when some layer is windowed
-            hf["sliding_window_pattern"] = 1
     return hf
+
+
+def _gemma_window(get, arch: str) -> int | None:
+    """The file's window; llama.cpp gives Gemma 2 one of 4096 tokens when it names none."""
+    return get("attention.sliding_window", _GEMMA2_WINDOW if arch == "gemma2" else None) or None
+
+
+def _gemma_layer_types(get, arch: str, num_layers: int, windowed: bool) -> list[str]:
+    """llama.cpp's rule (load_swa_pattern): a per-layer array if the file has one; else a period n whose last layer is
+    global (n 0: every layer windowed), 2 for Gemma 2 and 6 for Gemma 3 unless the file says otherwise. A Gemma 3
+    file without a window has none."""
+    if not windowed:
+        return [FULL] * num_layers
+    pattern = get("attention.sliding_window_pattern", _GEMMA_GLOBAL_EVERY[arch])
+    if isinstance(pattern, (list, tuple)):
+        return [SLIDING if is_windowed else FULL for is_windowed in pattern][:num_layers]
+    n = int(pattern)
+    return [SLIDING if n == 0 or i % n < n - 1 else FULL for i in range(num_layers)]
 
 
 def _gguf_rope_scaling(get, rope_freqs) -> dict[str, Any] | None:

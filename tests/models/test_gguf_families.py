@@ -228,3 +228,27 @@ def test_moe_gguf_gives_transformers_tokens(tmp_path, monkeypatch, arch, matrix_
     converted.generation_config.eos_token_id = None
     assert hf_greedy(converted.eval(), prompts["a"], 8) == outputs["a"]
     assert load_ours(folder)[0].num_experts == config.num_experts
+
+
+@pytest.mark.parametrize(
+    ("arch", "fields", "expected"),
+    [
+        ("gemma2", {}, "SFSFSF"),  # llama.cpp's defaults: period 2, window 4096
+        ("gemma3", {"attention.sliding_window": 512}, "SSSSSF"),  # period 6
+        ("gemma3", {}, "FFFFFF"),  # no window in the file: every layer global
+        ("gemma3", {"attention.sliding_window": 512, "attention.sliding_window_pattern": 3}, "SSFSSF"),
+        ("gemma3", {"attention.sliding_window": 512, "attention.sliding_window_pattern": 0}, "SSSSSS"),
+        ("gemma2", {"attention.sliding_window_pattern": [True, False, False, True, True, False]}, "SFFSSF"),
+    ],
+)
+def test_gemma_gguf_layer_pattern_follows_llama_cpp(arch, fields, expected):
+    from batchserve.models.gemma import SLIDING
+    from batchserve.models.gguf_config import _gemma_layer_types, _gemma_window
+
+    def get(key, default=None):
+        return fields.get(key, default)
+
+    window = _gemma_window(get, arch)
+    assert window == fields.get("attention.sliding_window", 4096 if arch == "gemma2" else None)
+    types = _gemma_layer_types(get, arch, 6, window is not None)
+    assert "".join("S" if t == SLIDING else "F" for t in types) == expected
