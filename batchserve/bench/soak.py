@@ -60,6 +60,9 @@ class SoakOptions:
     rss_sample_every: int = 100  # requests between two points of the RSS timeline
     model: str | None = None
     seed: int = 0
+    # the same load (same seed: the same requests) this many times against one server: a leak grows in every round,
+    # caches that fill grow in the first only
+    rounds: int = 1
     extra_server_args: list[str] = field(default_factory=list)
 
 
@@ -73,6 +76,7 @@ class SoakReport:
     rss_end_mb: float = 0.0
     # (requests sent, seconds since the load began, RSS, its anonymous part, its file-backed part), in MB
     rss_timeline: list[tuple[int, float, float, float, float]] = field(default_factory=list)
+    rss_rounds: list[tuple[float, float]] = field(default_factory=list)  # RSS before and after each round, MB
     leaked_blocks: float = -1.0
     left_running: float = -1.0
     left_waiting: float = -1.0
@@ -107,6 +111,7 @@ class SoakReport:
             "rss_end_mb": self.rss_end_mb,
             "rss_slope_mb_per_1000_requests": self.rss_slope_mb_per_1000,
             "rss_timeline": self.rss_timeline,
+            "rss_rounds": self.rss_rounds,
             "leaked_blocks": self.leaked_blocks,
             "left_running": self.left_running,
             "left_waiting": self.left_waiting,
@@ -279,8 +284,11 @@ def run_soak(options: SoakOptions) -> SoakReport:
         warm = httpx.post(url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4}, timeout=300)
         warm.raise_for_status()
         report.rss_start_mb = report.rss_peak_mb = rss_mb(proc.pid)
-        asyncio.run(SoakClients(url, options, report).run(proc.pid))
-        _settle(url, report)
+        for _ in range(options.rounds):
+            before = rss_mb(proc.pid)
+            asyncio.run(SoakClients(url, options, report).run(proc.pid))  # seeded afresh: the same requests
+            _settle(url, report)
+            report.rss_rounds.append((before, rss_mb(proc.pid)))
         report.rss_end_mb = rss_mb(proc.pid)
         proc.send_signal(signal.SIGTERM)
         report.exit_code = proc.wait(120)
@@ -342,6 +350,8 @@ def format_report(report: SoakReport) -> str:
         f"{report.rss_peak_mb:.0f} MB peak, {report.rss_end_mb:.0f} MB at the end ({report.rss_end_mb - report.rss_start_mb:+.0f} "
         f"MB in all, {report.rss_end_mb - report.rss_warm_mb:+.0f} MB after the warm-up share; "
         f"{report.rss_slope_mb_per_1000:+.1f} MB per 1,000 requests over the second half)",
+        "RSS growth by round (the same requests each round): "
+        + ", ".join(f"{after - before:+.1f} MB" for before, after in report.rss_rounds),
         f"after the load: {report.leaked_blocks:g} KV blocks held, {report.left_running:g} running, "
         f"{report.left_waiting:g} waiting; exit code on SIGTERM {report.exit_code}; {report.wall_s:.0f} s in all",
         "PASS" if not report.failures else "FAIL: " + "; ".join(report.failures),

@@ -14,13 +14,14 @@ def test_a_short_soak_leaves_nothing_behind():
     # a gross leak check only (benchmarks/soak.py runs the hour): this early RSS is still filling (allocator, oneDNN
     # and kernel caches; docs/BENCHMARKS.md has the hour's figures). A count of requests, not a duration, so that a
     # busy host stretches the soak instead of thinning it below what the counts below need.
-    options = SoakOptions(num_requests=120, duration_s=300, seed=7, max_rss_growth_mb=400, rss_sample_every=20)
+    options = SoakOptions(num_requests=60, rounds=2, duration_s=300, seed=7, max_rss_growth_mb=400, rss_sample_every=20)
     report = run_soak(options)
     print(format_report(report))
     assert report.failures == []
     counts = report.counts
     assert counts["finished"] >= 30 and counts["client_aborted"] >= 5 and counts["bad_rejected"] >= 2
     assert report.leaked_blocks == 0 and report.exit_code == 0
-    assert [point[0] for point in report.rss_timeline] == [20, 40, 60, 80, 100, 120]
+    assert [point[0] for point in report.rss_timeline] == [20, 40, 60, 80, 100, 120]  # counted across both rounds
+    assert len(report.rss_rounds) == 2 and report.rss_rounds[1][0] == pytest.approx(report.rss_rounds[0][1], abs=64)
     for _, _, rss, anon, file_backed in report.rss_timeline:  # the parts add up to the whole (shared memory aside)
         assert anon > 0 and file_backed > 0 and anon + file_backed == pytest.approx(rss, abs=64)
