@@ -1,15 +1,23 @@
 """What structured outputs cost: the peer64 workload (64 requests, greedy, ignore_eos, exactly max_tokens each) run
-once free and once with every request under a JSON schema, on one engine instance, side by side (after one
-free warm-up run of the same requests).
+free and with every request under a JSON schema, on one engine instance, side by side (after one free warm-up run
+of the same requests).
 
     .venv/bin/python benchmarks/structured_outputs.py --dtype float32 --threads 2
     .venv/bin/python benchmarks/structured_outputs.py --limit 16          # a quick check
+    .venv/bin/python benchmarks/structured_outputs.py --limit 64 --max-tokens 32 --rounds 3   # decode steps only
+    .venv/bin/python benchmarks/structured_outputs.py --limit 64 --max-tokens 32 --rounds 6 --overlap alternate
+    .venv/bin/python benchmarks/structured_outputs.py --masks-only 64     # no model; ends with a GIL probe
 
-The schema (an array of at least 100 short strings) cannot be complete within any request's max_tokens, so every
-constrained token is a real grammar step (never the cheap "only EOS now" mask) and both runs produce the same number
-of tokens. Printed: output throughput of each run and the cost; the grammar's mask time per step (filling the
-bitmasks of every constrained row, timed around StructuredOutputs.fill_masks) by batch size; and the time to first
-token of a schema's first use (compiled in the worker) against its reuse (cached) and against no schema.
+The constrained runs are made with the masks filled during the forward pass (overlap on) and after it (off); each
+round runs free, on and off in turn so that a shared host's load falls on all of them, and best and median walls
+are printed. `--overlap alternate` instead switches the setting at every step of constrained runs and compares
+their decode steps, which meet the same load. The schema (an array of at least 100 short strings) cannot be
+complete within any request's max_tokens, so every constrained token is a real grammar step (never the cheap "only
+EOS now" mask) and every run produces the same number of tokens. Printed: output throughput of each run and the
+cost; the grammar's mask time per step (filling the bitmasks of every constrained row, timed around
+StructuredOutputs.fill_masks in whichever thread fills them) at the largest batch, and the time the step waits for
+them (StructuredOutputs.masks); and the time to first token of a schema's first use (compiled in the worker)
+against its reuse (cached) and against no schema.
 """
 
 from __future__ import annotations
@@ -119,6 +127,127 @@ def masks_only(batch: int, steps: int) -> None:
     print(f"masks only, batch {batch}, {steps} steps, vocabulary {config.vocab_size}: fill median "
           f"{1e3 * statistics.median(fill_s):.3f} ms (p90 {1e3 * sorted(fill_s)[int(0.9 * steps)]:.3f}), apply median "
           f"{1e3 * statistics.median(apply_s):.3f} ms")  # fmt: skip
+    gil_probe(structured, req_ids)
+
+
+def gil_probe(structured, req_ids: list[str], seconds: float = 1.0) -> None:
+    """Does xgrammar release the GIL while it fills? A pure-Python loop's pace alone, then while another thread
+    fills masks back to back: a fill that held the GIL would halve it (or worse)."""
+    import threading
+
+    def spin() -> int:
+        count, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            count += 1
+        return count
+
+    alone = spin()
+    stop, fills = threading.Event(), []
+
+    def fill_until_stopped() -> None:
+        while not stop.is_set():
+            start = time.perf_counter()
+            structured.fill_masks(req_ids)
+            fills.append(time.perf_counter() - start)
+
+    filler = threading.Thread(target=fill_until_stopped)
+    filler.start()
+    beside = spin()
+    stop.set()
+    filler.join()
+    print(f"GIL probe: a Python loop keeps {100 * beside / alone:.0f}% of its pace while another thread fills masks "
+          f"({len(fills)} fills, median {ms(fills)})")  # fmt: skip
+
+
+def timed_waits(runner) -> list[float]:
+    """Wraps the worker's masks(): the seconds the step's thread waits for its bitmask (with overlap, what the
+    fill running beside the forward pass still costs it)."""
+    record: list[float] = []
+    structured = runner.structured_outputs
+    take = structured.masks
+
+    def timed(req_ids):
+        start = time.perf_counter()
+        mask = take(req_ids)
+        if mask is not None:
+            record.append(time.perf_counter() - start)
+        return mask
+
+    structured.masks = timed
+    return record
+
+
+def ms(values: list[float], pick=statistics.median) -> str:
+    return f"{1e3 * pick(values):.3f} ms" if values else "-"
+
+
+def measure_rounds(llm, requests, constraint, overlaps: list[bool], rounds: int) -> dict[str, dict[str, list]]:
+    """`rounds` times: one free run, then one constrained run per overlap setting (alternated, so a busy host's
+    load spreads over all of them). Per run: wall seconds, output tokens, per-step phases, fills, waits."""
+    runner = llm.engine.runner
+    masks, waits, steps = timed_masks(runner), timed_waits(runner), timed_steps(llm.engine)
+    results: dict[str, dict[str, list]] = {}
+    for _ in range(rounds):
+        for name, overlap in [("free", None)] + [(f"schema, overlap {'on' if o else 'off'}", o) for o in overlaps]:
+            runner.structured_outputs.overlap = bool(overlap)
+            masks.clear(), waits.clear(), steps.clear()
+            wall, tokens = run(llm, requests, constraint if overlap is not None else None)
+            entry = results.setdefault(name, {"wall": [], "tokens": [], "steps": [], "fill": [], "wait": []})
+            entry["wall"].append(wall)
+            entry["tokens"].append(tokens)
+            entry["steps"].append(dict(steps))
+            top = max((rows for rows, _ in masks), default=0)  # the fills at the run's largest batch
+            entry["fill"] += [seconds for rows, seconds in masks if rows == top]
+            entry["wait"] += list(waits)
+    return results
+
+
+def alternated_steps(llm, requests, constraint, rounds: int) -> dict[bool, list[float]]:
+    """Constrained runs whose steps switch overlap on and off in turn, so both settings meet the same host load:
+    forward + sampling seconds of each decode step (every row constrained; a run's first step, its prefill, is
+    left out) by setting."""
+    structured, engine, step = llm.engine.runner.structured_outputs, llm.engine, llm.engine.step
+    per_setting: dict[bool, list[float]] = {True: [], False: []}
+    count, in_run = 0, 0
+
+    def flipped():
+        nonlocal count, in_run
+        count, in_run = count + 1, in_run + 1
+        structured.overlap = bool(count % 2)
+        out = step()
+        phases = engine.last_timings
+        if phases.forward_s and in_run > 1:
+            per_setting[structured.overlap].append(phases.forward_s + phases.sample_s)
+        return out
+
+    engine.step = flipped
+    try:
+        for _ in range(rounds):
+            in_run = 0
+            run(llm, requests, constraint)
+    finally:
+        del engine.step
+        structured.overlap = True
+    return per_setting
+
+
+def report(results: dict[str, dict[str, list]]) -> None:
+    free_best = min(results["free"]["wall"])
+    for name, entry in results.items():
+        walls, tokens = entry["wall"], entry["tokens"][0]
+        assert all(t == tokens for t in entry["tokens"]), entry["tokens"]
+        best = min(range(len(walls)), key=walls.__getitem__)
+        phases = entry["steps"][best]
+        per_step = {k: 1e3 * v / phases["steps"] for k, v in phases.items() if k != "steps"}
+        print(f"{name:22} wall best {walls[best]:6.2f} s ({tokens / walls[best]:6.1f} out tok/s, cost vs free best "
+              f"{100 * (walls[best] / free_best - 1):+5.1f}%), median {statistics.median(walls):6.2f} s over "
+              f"{len(walls)} runs; best run per step ({phases['steps']:.0f} steps): forward "
+              f"{per_step['forward_s']:.2f} ms, sampling {per_step['sample_s']:.2f} ms")  # fmt: skip
+        step_ms = [1e3 * (ph["forward_s"] + ph["sample_s"]) / ph["steps"] for ph in entry["steps"]]
+        print(f"{'':22} forward + sampling per step: best {min(step_ms):.2f} ms, median {statistics.median(step_ms):.2f} ms")
+        if entry["fill"]:
+            print(f"{'':22} mask fill at the largest batch: median {ms(entry['fill'])}, max "
+                  f"{ms(entry['fill'], max)}; the step's wait for its masks: median {ms(entry['wait'])}")  # fmt: skip
 
 
 def main() -> None:
@@ -127,6 +256,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--limit", type=int, default=0, help="the first N requests only")
     parser.add_argument("--max-tokens", type=int, default=0, help="cap each request's max_tokens (a shorter run)")
+    parser.add_argument("--overlap", choices=["on", "off", "both", "alternate"], default="both",
+                        help="fill the masks during the forward pass (BATCHSERVE_GRAMMAR_OVERLAP), or not, or both")
+    parser.add_argument("--rounds", type=int, default=1, help="free and constrained runs, alternated, this often")
     parser.add_argument("--masks-only", type=int, default=0, metavar="BATCH",
                         help="only time the masks of BATCH sequences, without the model")  # fmt: skip
     args = parser.parse_args()
@@ -143,41 +275,26 @@ def main() -> None:
         requests = [{**r, "max_tokens": min(r["max_tokens"], args.max_tokens)} for r in requests]
     llm = LLM(dtype=args.dtype, num_threads=args.threads, max_batch_size=64)
     llm.engine.reserve_kv_blocks(llm.engine.max_kv_blocks)
-    masks = timed_masks(llm.engine.runner)
     warm = json_schema_constraint({"type": "string", "maxLength": 4}, "warm-up")
     ttft(llm, requests[0]["prompt_token_ids"], warm)  # builds the compiler (tokenizer info) once, off the clock
-
-    long_schema = json_schema_constraint(LONG_SCHEMA, "bench")
     run(llm, requests, None)  # warm: the first run of a fresh engine pays for allocations the others reuse
-    steps = timed_steps(llm.engine)
-    free_s, free_tokens = run(llm, requests, None)
-    free_steps = dict(steps)
-    steps.clear()
-    masks.clear()
-    constrained_s, constrained_tokens = run(llm, requests, long_schema)
-    assert free_tokens == constrained_tokens, (free_tokens, constrained_tokens)
 
+    if args.overlap == "alternate":
+        per_setting = alternated_steps(llm, requests, json_schema_constraint(LONG_SCHEMA, "bench"), args.rounds)
+        for overlap, times in per_setting.items():
+            print(f"overlap {'on ' if overlap else 'off'}: forward + sampling per step median {ms(times)}, mean "
+                  f"{ms(times, statistics.mean)} over {len(times)} steps")  # fmt: skip
+        return
+    overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
+    results = measure_rounds(llm, requests, json_schema_constraint(LONG_SCHEMA, "bench"), overlaps, args.rounds)
     prompt = requests[1]["prompt_token_ids"]
     schema = json_schema_constraint(TTFT_SCHEMA, "bench")
     ttft_free = ttft(llm, prompt, None)
     ttft_first, ttft_reuse = ttft(llm, prompt, schema), ttft(llm, prompt, schema)
 
     print(f"host: {platform.processor() or platform.machine()}, {args.threads} threads, {args.dtype}, "
-          f"{len(requests)} requests, {free_tokens} output tokens each run")  # fmt: skip
-    print(f"free:        {free_s:7.2f} s  {free_tokens / free_s:7.1f} out tok/s")
-    print(f"JSON schema: {constrained_s:7.2f} s  {constrained_tokens / constrained_s:7.1f} out tok/s  "
-          f"cost {100 * (constrained_s / free_s - 1):+.1f}%")  # fmt: skip
-    for name, phases in (("free", free_steps), ("JSON schema", steps)):
-        per_step = {k: 1e3 * v / phases["steps"] for k, v in phases.items() if k != "steps"}
-        print(f"{name:12} per step ({phases['steps']:.0f} steps): prepare {per_step['prepare_s']:.2f} ms, forward "
-              f"{per_step['forward_s']:.2f} ms, sampling {per_step['sample_s']:.2f} ms")  # fmt: skip
-    by_batch: dict[int, list[float]] = {}
-    for rows, seconds in masks:
-        by_batch.setdefault(rows, []).append(seconds)
-    for rows in sorted(by_batch, reverse=True)[:3]:
-        times = by_batch[rows]
-        print(f"mask time per step at batch {rows}: median {1e3 * statistics.median(times):.3f} ms, "
-              f"max {1e3 * max(times):.3f} ms over {len(times)} steps")  # fmt: skip
+          f"{len(requests)} requests, {results['free']['tokens'][0]} output tokens each run")  # fmt: skip
+    report(results)
     print(f"TTFT: no schema {1e3 * ttft_free:.1f} ms, schema first use (compile) {1e3 * ttft_first:.1f} ms, "
           f"reuse {1e3 * ttft_reuse:.1f} ms")  # fmt: skip
 
