@@ -15,7 +15,7 @@ their decode steps, which meet the same load. The schema (an array of at least 1
 complete within any request's max_tokens, so every constrained token is a real grammar step (never the cheap "only
 EOS now" mask) and every run produces the same number of tokens. Printed: output throughput of each run and the
 cost; the grammar's mask time per step (filling the bitmasks of every constrained row, timed around
-StructuredOutputs.fill_masks in whichever thread fills them) at the largest batch, and the time the step waits for
+StructuredOutputs.fill_rows in whichever thread fills them) at the largest batch, and the time the step waits for
 them (StructuredOutputs.masks); and the time to first token of a schema's first use (compiled in the worker)
 against its reuse (cached) and against no schema.
 """
@@ -45,19 +45,18 @@ TTFT_SCHEMA = {
 
 
 def timed_masks(runner) -> list[tuple[int, float]]:
-    """Wraps the worker's fill_masks: (constrained rows, seconds) per call."""
+    """Wraps the worker's fill_rows (xgrammar filling the rows, in whichever thread fills them): (rows, seconds)
+    per call."""
     record: list[tuple[int, float]] = []
     structured = runner.structured_outputs
-    fill = structured.fill_masks
+    fill = structured.fill_rows
 
-    def timed(req_ids):
+    def timed(bitmask, rows):
         start = time.perf_counter()
-        mask = fill(req_ids)
-        if mask is not None:
-            record.append((sum(r in structured for r in req_ids), time.perf_counter() - start))
-        return mask
+        fill(bitmask, rows)
+        record.append((len(rows), time.perf_counter() - start))
 
-    structured.fill_masks = timed
+    structured.fill_rows = timed
     return record
 
 

@@ -107,7 +107,8 @@ def new_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) 
 @dataclass(frozen=True)
 class _PendingFill:
     req_ids: tuple[str, ...]  # the rows the bitmask was started for
-    future: Future[torch.Tensor | None]
+    bitmask: torch.Tensor  # filled once the future is done
+    future: Future[None]
 
 
 @dataclass
@@ -165,20 +166,22 @@ class StructuredOutputs:
         """Start filling the masks of these rows in the worker thread (with overlap on and a constrained row); the
         matchers must not change until masks() takes them."""
         self._settle()
-        if not self.overlap or not any(r in self._sequences for r in req_ids):
+        prepared = self._prepare(req_ids) if self.overlap else None
+        if prepared is None:
             return
         if self._filler is None:
             self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchserve-grammar-masks")
-        self._pending = _PendingFill(tuple(req_ids), self._filler.submit(self.fill_masks, list(req_ids)))
+        bitmask, rows = prepared
+        self._pending = _PendingFill(tuple(req_ids), bitmask, self._filler.submit(self.fill_rows, bitmask, rows))
 
     def masks(self, req_ids: Sequence[str]) -> torch.Tensor | None:
         """The step's bitmask (as fill_masks): the one start_fill began if it began it for these rows, else filled
         now."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            bitmask = pending.future.result()
+            pending.future.result()
             if pending.req_ids == tuple(req_ids):
-                return bitmask
+                return pending.bitmask
         return self.fill_masks(req_ids)
 
     def _settle(self) -> None:
@@ -197,17 +200,36 @@ class StructuredOutputs:
     def fill_masks(self, req_ids: Sequence[str]) -> torch.Tensor | None:
         """[len(req_ids), ceil(V / 32)] int32 bitmask of the tokens each row may take next (all bits set for a free
         row); None when no row is constrained, so a free batch skips the step entirely."""
-        rows = [(i, self._sequences.get(r)) for i, r in enumerate(req_ids)]
-        rows = [(i, s) for i, s in rows if s is not None and not s.broken]
-        if not rows:
+        prepared = self._prepare(req_ids)
+        if prepared is None:
+            return None
+        bitmask, rows = prepared
+        self.fill_rows(bitmask, rows)
+        return bitmask
+
+    def _prepare(self, req_ids: Sequence[str]) -> tuple[torch.Tensor, list[tuple[int, xgr.GrammarMatcher]]] | None:
+        """The step's bitmask, all ones but the rows of finished grammars, and the (row, matcher) pairs left to
+        fill; None when no row is constrained. Every torch operator of the fill runs here, on the step's thread."""
+        states = [(i, self._sequences.get(r)) for i, r in enumerate(req_ids)]
+        states = [(i, s) for i, s in states if s is not None and not s.broken]
+        if not states:
             return None
         bitmask = xgr.allocate_token_bitmask(len(req_ids), self.vocab_size)  # all ones: every token allowed
-        for i, state in rows:
+        rows = []
+        for i, state in states:
             if state.matcher.is_terminated():
                 self._only_eos(bitmask, i)  # the grammar is done: only the end may follow (ignore_eos runs on)
             else:
-                state.matcher.fill_next_token_bitmask(bitmask, i)
-        return bitmask
+                rows.append((i, state.matcher))
+        return bitmask, rows
+
+    @staticmethod
+    def fill_rows(bitmask: torch.Tensor, rows: Sequence[tuple[int, xgr.GrammarMatcher]]) -> None:
+        """xgrammar fills each row (writing through DLPack, without the GIL). No torch operator may run here: one
+        in the worker thread could start a second OpenMP team, and with more OpenMP threads than cores GNU OpenMP
+        makes every team's workers sleep after each region, slowing every operator of the model."""
+        for row, matcher in rows:
+            matcher.fill_next_token_bitmask(bitmask, row)
 
     def _only_eos(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row] = 0

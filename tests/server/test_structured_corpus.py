@@ -72,13 +72,13 @@ def _check(llm, corpus: list[dict], temperatures: tuple[float, ...], max_tokens:
 def _fill_threads(llm) -> list[str]:
     """Records the thread of every mask fill of the engine's worker (its own list per call)."""
     structured, names = llm.engine.runner.structured_outputs, []
-    fill = type(structured).fill_masks
+    fill = type(structured).fill_rows  # the method itself, not an earlier call's wrapper
 
-    def recorded(req_ids):
+    def recorded(bitmask, rows):
         names.append(threading.current_thread().name)
-        return fill(structured, req_ids)
+        return fill(bitmask, rows)
 
-    structured.fill_masks = recorded
+    structured.fill_rows = recorded
     return names
 
 
@@ -100,7 +100,7 @@ def test_masks_filled_during_the_forward_pass_give_the_same_greedy_outputs(llm, 
             outputs[overlap] = [(o.token_ids, o.text) for o in engine.chat(conversations, params, use_tqdm=False)]
     finally:
         structured.overlap = True
-        del structured.fill_masks
+        del structured.fill_rows
     assert outputs[True] == outputs[False]
     assert set(threads[True]) == {"batchserve-grammar-masks_0"}
     assert threads[False] and "batchserve-grammar-masks_0" not in threads[False]

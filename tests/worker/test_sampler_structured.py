@@ -123,3 +123,25 @@ def test_with_overlap_off_nothing_is_started(tokenizer):
     structured.start_fill(["a"])
     assert structured._pending is None and structured._filler is None
     assert structured.masks(["a"]) is not None
+
+
+def test_the_worker_thread_runs_no_torch_operator(tokenizer):
+    """A torch operator in the fill thread (allocating a batch-64 bitmask is one big enough to go parallel) would
+    start a second OpenMP team there: every operator of the model would pay for it. The fill thread is the only
+    thread an overlapped fill adds."""
+    import os
+
+    if torch.get_num_threads() < 2 or not os.path.isdir("/proc/self/task"):
+        pytest.skip("one torch thread (no OpenMP team to start), or no /proc to count threads in")
+    structured = StructuredOutputs(len(tokenizer), [tokenizer.eos_token_id], tokenizer, overlap=True)
+    rows = [str(i) for i in range(64)]
+    for r in rows:
+        structured.add(r, StructuredOutputsParams(ConstraintKind.REGEX, "[0-9]+"))
+    structured.start_fill(rows[:1])
+    structured.masks(rows[:1])  # the fill thread exists from here on
+    torch.ones(1 << 20).sum()  # and this thread's OpenMP team (the stepping thread has one)
+    before = len(os.listdir("/proc/self/task"))
+    structured.start_fill(rows)
+    assert structured.masks(rows) is not None
+    assert len(os.listdir("/proc/self/task")) == before
+    structured.close()
