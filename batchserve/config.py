@@ -160,6 +160,15 @@ class ModelConfig:
     dense_mlp_layers: list[int] = field(default_factory=list)  # layers with a dense MLP of intermediate_size
     extra: dict[str, Any] = field(default_factory=dict)  # what one family reads beyond these (models/gemma.py)
 
+    @property
+    def long_context_from(self) -> int | None:
+        """LongRoPE's original context: a sequence longer than it is rotated with the long factors throughout
+        (core/long_context.py); None for every other RoPE."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+            return None
+        return int(scaling["original_max_position_embeddings"])
+
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16

@@ -58,6 +58,9 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # the first block's parent in its prefix-cache keys: sequences with another salt never share blocks
+    # (core/long_context.py: LongRoPE's long sequences)
+    cache_salt: int | None = None
     # timings (time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

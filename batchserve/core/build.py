@@ -21,11 +21,13 @@ def build_scheduler(
     clock: Callable[[], float] = time.monotonic,
     speculative: SpeculativeConfig | None = None,
     sliding_window: int | None = None,
+    long_context_from: int | None = None,
 ) -> Scheduler:
     """A Scheduler over a fresh pool of num_kv_blocks device blocks and num_swap_blocks host blocks. The pools' sizes
     are given (the runner's, once it has sized them from memory): `cache` gives the block size and whether prefix
     caching is on. max_model_len None: the scheduler config's, else the pool's capacity (Scheduler). sliding_window:
-    the model's, only when every attention layer is windowed (blocks that leave it return to the pool)."""
+    the model's, only when every attention layer is windowed (blocks that leave it return to the pool). long_context_from:
+    LongRoPE's original context (core/long_context.py)."""
     pool = BlockPool(num_kv_blocks, cache.enable_prefix_caching)
     kv = KVCacheManager(pool, cache.block_size, HostBlockPool(num_swap_blocks), sliding_window)
-    return Scheduler(config, kv, max_model_len, clock, speculative)
+    return Scheduler(config, kv, max_model_len, clock, speculative, long_context_from)

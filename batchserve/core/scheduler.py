@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 
 from batchserve.config import PreemptionMode, SchedulerConfig, SchedulerPolicy, SchedulingOrder, SpeculativeConfig
 from batchserve.core.kv_cache_manager import KVCacheManager, PrefixHit
+from batchserve.core.long_context import draft_room, mark_if_long, outgrew_short_context, start_over
 from batchserve.core.outputs import (
     CachedRequestData,
     ModelOutput,
@@ -91,6 +92,7 @@ class Scheduler:
         max_model_len: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         speculative: SpeculativeConfig | None = None,
+        long_context_from: int | None = None,  # LongRoPE's original context (core/long_context.py)
     ) -> None:
         config.validate()
         self.config = config
@@ -110,6 +112,7 @@ class Scheduler:
         self._last_step: _StepBuilder | None = None
         speculates = speculative is not None and config.scheduler_policy != SchedulerPolicy.STATIC
         self.speculation = SpeculationPlanner(speculative) if speculates else None
+        self.long_context_from = long_context_from
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -123,6 +126,7 @@ class Scheduler:
                 f"(max_model_len {self.max_model_len}; the KV pool holds {self.kv_capacity_tokens} tokens)",
                 "prompt",
             )
+        mark_if_long(request, self.long_context_from)
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -199,6 +203,9 @@ class Scheduler:
         while index < len(self.running) and step.token_budget > 0 and step.num_seqs < self.config.max_batch_size:
             request = self.running[index]
             index += 1
+            if outgrew_short_context(request, self.long_context_from):  # starts over, every token rotated long
+                start_over(request, self.kv, self.long_context_from)
+                self._forget.add(request.request_id)
             resumed = request.request_id not in self.kv.req_blocks
             hit = self._first_hit(request)
             is_decode = request.num_tokens - request.num_computed_tokens == 1
@@ -223,7 +230,8 @@ class Scheduler:
         """Speculative tokens for a decode, only where their blocks are free now: a draft never preempts anyone."""
         if self.speculation is None:
             return []
-        drafts = self.speculation.propose(request, len(self.running), budget, self.max_model_len)
+        room = draft_room(request, self.long_context_from, self.max_model_len)
+        drafts = self.speculation.propose(request, len(self.running), budget, room)
         if drafts and self.kv.blocks_needed(request, 1 + len(drafts)) > self.kv.pool.num_free_blocks:
             return []
         return drafts
@@ -347,8 +355,7 @@ class Scheduler:
             step.output.blocks_to_swap_out += self.kv.swap_out(request)
             request.status = RequestStatus.SWAPPED
         else:
-            self.kv.free(request)
-            request.num_computed_tokens = 0
+            start_over(request, self.kv, self.long_context_from)
             request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions_total += 1

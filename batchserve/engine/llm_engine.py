@@ -114,6 +114,7 @@ class LLMEngine:
             self.limits.max_model_len,
             speculative=SpeculativeConfig.from_value(config.speculative_config),
             sliding_window=model_config.sliding_window,  # set only when every layer is windowed (ModelConfig)
+            long_context_from=model_config.long_context_from,
         )
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}

@@ -106,6 +106,8 @@ class AttentionMetadata:
     query_pad_index: torch.Tensor | None = None  # [T] rows in the whole batch's padded layout
     decode: SeqGroup | None = None
     prefill: SeqGroup | None = None
+    # [T] int64, LongRoPE models only: 1 where the token's sequence is longer than the original context
+    long_context: torch.Tensor | None = None
     _native_steps: dict = field(default_factory=dict, repr=False)  # native_step's, per (dtypes, head size)
 
     @property

@@ -165,14 +165,20 @@ class RotaryEmbedding(nn.Module):
         long = self._long_inv_freq()
         self.long_inv_freq = None if long is None else long.to(device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, rotary_dim / 2]: the two halves of a head share their angles."""
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype, long_context: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rotary_dim / 2]: the two halves of a head share their angles. long_context (LongRoPE): which
+        tokens belong to sequences past the original context (all their tokens take the long factors); without it,
+        the tokens at positions past it."""
         pos = positions.float()[:, None]
         if self.rope_type == "dynamic":  # up to the original length transformers' unscaled frequencies, as they are
             grown = (positions >= _dynamic_original(self.config))[:, None]
             freqs = pos * torch.where(grown, _dynamic_inv_freq(self.config, positions), self.inv_freq[None, :])
         elif self.rope_type == "longrope":
-            is_long = (positions >= self.config.rope_scaling["original_max_position_embeddings"])[:, None]
+            if long_context is None:
+                long_context = positions >= self.config.rope_scaling["original_max_position_embeddings"]
+            is_long = (long_context != 0)[:, None]
             freqs = pos * torch.where(is_long, self.long_inv_freq[None, :], self.inv_freq[None, :])
         else:
             freqs = pos * self.inv_freq[None, :]

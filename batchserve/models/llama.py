@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens [T] at positions [T] -> final hidden states [T, H] (normed)."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rotary(positions, x.dtype, attn_metadata.long_context)
         step = None if self.decoder_loop is None else native_step(x, self.config.head_dim, kv_caches[0], attn_metadata)
         if step is not None:
             keys, values = [k for k, _ in kv_caches], [v for _, v in kv_caches]

@@ -62,9 +62,11 @@ class RequestTable:
         max_tokens: int = 1024,
         scratch_slot: int | None = None,
         deterministic: bool = False,
+        long_context_from: int | None = None,
     ):
         self.block_size = block_size
         self.deterministic = deterministic  # every row attends as a decode of its own (_rows_as_decodes)
+        self.long_context_from = long_context_from  # LongRoPE: rows with more known tokens are rotated long
         self.scratch_slot = scratch_slot  # a KV slot outside the pool: where padding rows write (static batching)
         self.token_ids = np.zeros((rows, max_tokens), np.int64)
         self.num_tokens = np.zeros(rows, np.int64)
@@ -176,6 +178,8 @@ class RequestTable:
         t("input_ids", input_ids), t("positions", positions), t("slot_mapping", slot_mapping)
         t("query_pad_index", query_pad_index), t("seq_lens", seq_lens), t("query_start_loc", query_start_loc)
         t("logits_indices", logits_indices), t("block_tables", block_tables)
+        if self.long_context_from is not None:  # a sequence's known tokens decide, not this step's chunk
+            t("long_context", self.num_tokens[token_rows] > self.long_context_from)
         is_decode = query_lens == 1
         if self.deterministic:
             decode, prefill = self._rows_as_decodes(host, token_rows, positions), None
@@ -194,6 +198,7 @@ class RequestTable:
             query_pad_index=dev["query_pad_index"],
             decode=decode and decode(dev),
             prefill=prefill and prefill(dev),
+            long_context=dev.get("long_context"),
         )
         return InputBatch(
             input_ids=dev["input_ids"],

@@ -73,6 +73,7 @@ class ModelRunner:
             self.block_size,
             scratch_slot=self.num_kv_blocks * self.block_size,
             deterministic=engine_config.deterministic,
+            long_context_from=model_config.long_context_from,
         )
         self.last_timings = RunnerTimings()
         self._log_pool()
