@@ -116,6 +116,17 @@ def build_hf_model(kind: str, directory: Path) -> nn.Module:
     return model
 
 
+def save_word_tokenizer(directory: Path, word: str = "w") -> None:
+    """A word-level tokenizer over the tiny vocabulary (word0 ... word95), saved beside a tiny model: an engine loads
+    it as a model's own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"{word}{i}": i for i in range(VOCAB)}, unk_token=f"{word}0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+
+
 def hf_greedy(model: nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(
         torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, attention_mask=None

@@ -5,11 +5,9 @@ prefix-cache hits, greedy and seeded sampling alike. A tiny Llama with head size
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from batchserve import LLM, SamplingParams
-from tests.tiny_models import VOCAB, build_hf_model
+from tests.tiny_models import build_hf_model, save_word_tokenizer
 
 PREFIX = [7, 21, 33, 4, 58, 12, 9, 40, 77, 3, 19, 64, 25, 31, 8, 50, 11]  # over a block: prefix-cache hits
 PROMPTS = [
@@ -42,10 +40,7 @@ PREEMPTING = {"tiny pool, recompute", "tiny pool, swap"}
 def tiny_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_llama_deterministic")
     build_hf_model("llama_head64", directory)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    save_word_tokenizer(directory)
     return directory
 
 

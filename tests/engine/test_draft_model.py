@@ -8,21 +8,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from batchserve.config import ConfigError, SpeculativeConfig
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.models.registry import ModelLoadError
 from batchserve.sampling_params import SamplingParams
-from tests.tiny_models import VOCAB, build_hf_model, hf_greedy
-
-
-def _save_tokenizer(directory, word: str = "w") -> None:
-    tok = Tokenizer(models.WordLevel({f"{word}{i}": i for i in range(VOCAB)}, unk_token=f"{word}0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+from tests.tiny_models import VOCAB, build_hf_model, hf_greedy, save_word_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +24,7 @@ def folders(tmp_path_factory):
     for name, kind, word in (("target", "llama", "w"), ("draft", "llama_tied", "w"), ("stranger", "llama_tied", "v")):
         directory = made[name] = tmp_path_factory.mktemp(f"draft_{name}")
         model = build_hf_model(kind, directory)
-        _save_tokenizer(directory, word)
+        save_word_tokenizer(directory, word)
         if name == "target":
             made["hf"] = model
     return made

@@ -4,21 +4,16 @@ else by float32 GEMMs on widened weights; greedy tokens of a tiny Llama equal fl
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from batchserve import LLM, SamplingParams
-from tests.tiny_models import VOCAB, build_hf_model
+from tests.tiny_models import build_hf_model, save_word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_llama_fp16")
     build_hf_model("llama", directory)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    save_word_tokenizer(directory)
     return directory
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from batchserve.config import EngineConfig
 from batchserve.core.kv_cache_manager import cdiv
@@ -18,7 +16,7 @@ from batchserve.engine.llm_engine import LLMEngine
 from batchserve.entrypoints.llm import LLM
 from batchserve.sampling_params import SamplingParams
 from tests.doubles import LETTERS, reference_generation, run_to_completion
-from tests.tiny_models import VOCAB, build_hf_model, hf_greedy
+from tests.tiny_models import VOCAB, build_hf_model, hf_greedy, save_word_tokenizer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -107,10 +105,7 @@ def test_the_engine_used_directly_grows_for_each_request_copying_the_blocks_in_u
 def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_llama_pool")
     hf_model = build_hf_model("llama", directory)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    save_word_tokenizer(directory)
     return hf_model, directory
 
 

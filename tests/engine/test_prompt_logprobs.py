@@ -7,22 +7,17 @@ import random
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.sampling_params import SamplingParams
-from tests.tiny_models import VOCAB, build_hf_model
+from tests.tiny_models import VOCAB, build_hf_model, save_word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_llama_scoring")
     hf_model = build_hf_model("llama", directory)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    save_word_tokenizer(directory)
     return hf_model, directory
 
 

@@ -6,13 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from tests.doubles import run_to_completion
-from tests.tiny_models import VOCAB, build_hf_model, hf_greedy
+from tests.tiny_models import VOCAB, build_hf_model, hf_greedy, save_word_tokenizer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -21,11 +19,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_llama")
     hf_model = build_hf_model("llama", directory)
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    save_word_tokenizer(directory)
     return hf_model, directory
 
 

@@ -8,8 +8,7 @@ import json
 import logging
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from batchserve.models.loader import (
     _complete_hf_folder,
@@ -19,14 +18,11 @@ from batchserve.models.loader import (
     load_model_config,
     resolve_model_path,
 )
-from tests.tiny_models import VOCAB, build_hf_model
+from tests.tiny_models import build_hf_model, save_word_tokenizer
 
 
 def save_tokenizer(directory):
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    save_word_tokenizer(directory)
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "llama3_rope", "llama_attn_bias_mha", "qwen2"])

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from batchserve import LLM, SamplingParams
 from batchserve.config import ConfigError, EngineConfig
 from batchserve.layers.quantization import QuantizedLinear, QuantScheme, dequantize, quantize
-from tests.tiny_models import VOCAB, build_hf_model
+from tests.tiny_models import build_hf_model, save_word_tokenizer
 
 PROMPTS = [{"prompt_token_ids": [5, 17, 33, 8, 61]}, {"prompt_token_ids": [40, 41, 3]}, {"prompt_token_ids": [9] * 20}]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -23,10 +21,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def _save_tokenizer(directory):
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    save_word_tokenizer(directory)
 
 
 @pytest.fixture(scope="module")
