@@ -73,6 +73,10 @@ WINDOWED_KINDS = {
     ),
     "gemma3_tied": lambda: transformers.Gemma3TextConfig(**GEMMA, tie_word_embeddings=True, sliding_window_pattern=3),
     "mistral_window": lambda: transformers.MistralConfig(**COMMON, sliding_window=8),
+    # Qwen's use_sliding_window: the window on the layers from max_window_layers on (here the second of two)
+    "qwen2_window": lambda: transformers.Qwen2Config(
+        **COMMON, tie_word_embeddings=False, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    ),
 }
 
 # Architectures of issue 42 beyond the Llama family's first kinds (tests/models/test_architectures.py). RoPE scalings

@@ -99,7 +99,16 @@ def as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def warn_unused_sliding_window(cfg: dict[str, Any]) -> None:
-    """Qwen2/Qwen3 configs name a window that only applies with use_sliding_window (off in released checkpoints)."""
-    if cfg.get("sliding_window") and cfg.get("use_sliding_window"):
-        logger.warning("sliding_window=%s is ignored: attention is full (exact up to it)", cfg["sliding_window"])
+def qwen_window_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2/Qwen3(-MoE): a window only with use_sliding_window (off in released checkpoints), on the layers
+    transformers gives one: layer_types' sliding_attention entries, else those from max_window_layers on. Every layer
+    windowed: ModelConfig.sliding_window (blocks that leave it return to the pool); some: extra["windowed_layers"]."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if not window:
+        return {}
+    types, first = cfg.get("layer_types"), cfg.get("max_window_layers", 28)
+    layers = range(cfg["num_hidden_layers"])
+    windowed = [i for i in layers if (types[i] == "sliding_attention" if types else i >= first)]
+    if len(windowed) == len(layers):
+        return {"sliding_window": window}
+    return {"extra": {"windowed_layers": windowed, "layer_window": window}} if windowed else {}

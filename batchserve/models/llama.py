@@ -26,7 +26,7 @@ from batchserve.layers.linear import CpuLinear
 from batchserve.layers.mlp import MLP
 from batchserve.layers.norm import RMSNorm
 from batchserve.layers.rotary import RotaryEmbedding, apply_partial_rope
-from batchserve.models.hf_config import warn_unused_sliding_window
+from batchserve.models.hf_config import qwen_window_fields
 from batchserve.models.registry import ArchitectureSpec, ModelLoadError, register
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def model_capabilities(config: ModelConfig) -> frozenset[Capability]:
             declared.add(Capability.O_BIAS)
     if config.tie_word_embeddings:
         declared.add(Capability.TIED_EMBEDDINGS)
-    if config.sliding_window is not None:
+    if config.sliding_window is not None or config.extra.get("windowed_layers"):
         declared.add(Capability.SLIDING_WINDOW)
     if config.qk_norm:
         declared.add(Capability.QK_NORM)
@@ -54,7 +54,7 @@ def model_capabilities(config: ModelConfig) -> frozenset[Capability]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, layer_index: int = 0):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -69,6 +69,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
         self.scale = self.head_dim**-0.5
         self.window = config.sliding_window
+        if layer_index in config.extra.get("windowed_layers", ()):  # Qwen's use_sliding_window on some layers
+            self.window = config.extra["layer_window"]
         self.q_norm = self.k_norm = None
         if config.qk_norm:  # Qwen3
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
@@ -92,10 +94,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, layer_index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, dtype, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
@@ -117,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.capabilities = model_capabilities(config)
         self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(config)
         if config.tie_word_embeddings:
@@ -297,14 +299,12 @@ def _mistral_fields(cfg: dict) -> dict:
 
 def _qwen2_fields(cfg: dict) -> dict:
     _silu_only(cfg)
-    warn_unused_sliding_window(cfg)
-    return {"attention_bias": True}  # Qwen2: q/k/v always carry a bias (o_proj none)
+    return {"attention_bias": True, **qwen_window_fields(cfg)}  # Qwen2: q/k/v always carry a bias (o_proj none)
 
 
 def _qwen3_fields(cfg: dict) -> dict:
     _silu_only(cfg)
-    warn_unused_sliding_window(cfg)
-    return {"qk_norm": True}
+    return {"qk_norm": True, **qwen_window_fields(cfg)}
 
 
 def _phi3_fields(cfg: dict) -> dict:
@@ -324,11 +324,10 @@ for _spec in (
     ArchitectureSpec("mistral", ("MistralForCausalLM",), (), _MODEL, _mistral_fields,
                      "exact, sliding window honoured (Python layers when set)"),
     ArchitectureSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _MODEL, _qwen2_fields,
-                     "exact (q/k/v biases); use_sliding_window ignored (off in released checkpoints)"),
+                     "exact (q/k/v biases; use_sliding_window on its layers, Python layers then)"),
     ArchitectureSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _MODEL, _qwen3_fields,
-                     "exact (q/k RMSNorm, explicit head_dim; Python layers); use_sliding_window ignored"),
+                     "exact (q/k RMSNorm, explicit head_dim, use_sliding_window; Python layers)"),
     ArchitectureSpec("phi3", ("Phi3ForCausalLM",), ("phi3",), _MODEL, _phi3_fields,
-                     "exact (fused qkv/gate_up, partial rotary); LongRoPE exact while the prompt fits "
-                     "original_max_position_embeddings"),
+                     "exact (fused qkv/gate_up, partial rotary, LongRoPE past original_max_position_embeddings)"),
 ):  # fmt: skip
     register(_spec)

@@ -22,7 +22,7 @@ from batchserve.config import ModelConfig
 from batchserve.layers.capabilities import Capability
 from batchserve.layers.linear import CpuLinear
 from batchserve.layers.moe import SparseMoE
-from batchserve.models.hf_config import warn_unused_sliding_window
+from batchserve.models.hf_config import qwen_window_fields
 from batchserve.models.llama import LlamaForCausalLM, _silu_only, model_capabilities
 from batchserve.models.registry import ArchitectureSpec, register
 
@@ -151,7 +151,6 @@ def _qwen3_moe_fields(cfg: dict) -> dict:
     """Qwen3's attention (q/k RMSNorm); a dense MLP on the layers mlp_only_layers names and on those
     decoder_sparse_step skips (layer i is sparse where (i + 1) % step == 0), as transformers builds them."""
     _silu_only(cfg)
-    warn_unused_sliding_window(cfg)
     num_experts = _num_experts(cfg)
     step = int(cfg.get("decoder_sparse_step") or 1)
     mlp_only = set(cfg.get("mlp_only_layers") or ())
@@ -163,6 +162,7 @@ def _qwen3_moe_fields(cfg: dict) -> dict:
         "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
         "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
         "dense_mlp_layers": dense,
+        **qwen_window_fields(cfg),
     }
 
 
@@ -172,6 +172,6 @@ for _spec in (
                      "exact (top-k renormalised; experts grouped per step; Python layers), sliding window honoured"),
     ArchitectureSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3moe",), _MODEL, _qwen3_moe_fields,
                      "exact (q/k RMSNorm, norm_topk_prob, dense mlp_only_layers / decoder_sparse_step; experts grouped "
-                     "per step; Python layers); use_sliding_window ignored"),
+                     "per step; use_sliding_window; Python layers)"),
 ):  # fmt: skip
     register(_spec)

@@ -128,3 +128,26 @@ def test_mistral_honours_its_window(tiny_models):
     full.load_state_dict(hf.state_dict())
     full.generation_config.eos_token_id = None
     assert outputs["a"] != hf_greedy(full, prompts["a"], 10), "the window must change these tokens"
+
+
+def test_qwen_use_sliding_window_windows_the_layers_transformers_windows(tiny_models):
+    """Qwen2 with use_sliding_window, window 8 from layer 1 of 2 (max_window_layers 1): only that layer is windowed,
+    the pool keeps every block (a global layer still reads them); greedy float32 tokens equal transformers'."""
+    hf, directory = tiny_models("qwen2_window")
+    runner = make_runner(directory, block_size=4, num_kv_blocks=64)
+    config = runner.model_config
+    assert config.sliding_window is None and config.extra == {"windowed_layers": [1], "layer_window": 8}
+    assert [layer.self_attn.window for layer in runner.model.layers] == [None, 8]
+    assert Capability.SLIDING_WINDOW in runner.model.capabilities and runner.model.decoder_loop is None
+    prompts = {"a": prompt_ids(2, 37), "b": prompt_ids(3, 4), "c": prompt_ids(4, 20)}
+    sched = MiniScheduler(runner, chunk=5)
+    sched.add("b", prompts["b"], 16)
+    outputs = sched.run(hooks={2: lambda s: s.add("a", prompts["a"], 10), 3: lambda s: s.add("c", prompts["c"], 5)})
+    assert outputs == {"a": hf_greedy(hf, prompts["a"], 10), "b": hf_greedy(hf, prompts["b"], 16),
+                       "c": hf_greedy(hf, prompts["c"], 5)}  # fmt: skip
+    full = transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen2Config(**{**hf.config.to_dict(), "use_sliding_window": False, "layer_types": None}), attn_implementation="eager"
+    ).eval()
+    full.load_state_dict(hf.state_dict())
+    full.generation_config.eos_token_id = None
+    assert outputs["a"] != hf_greedy(full, prompts["a"], 10), "the window must change these tokens"
