@@ -109,25 +109,38 @@ def test_long_prefill_tiles_queries(monkeypatch):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+PROMPTS = {"a": prompt_ids(2, 37), "b": prompt_ids(3, 4), "c": prompt_ids(4, 20)}
+MAX_NEW = {"a": 10, "b": 16, "c": 5}
+
+
+def _staggered_equals_transformers(hf, runner) -> dict[str, list[int]]:
+    """Prompts of 37 and 20 tokens in chunks of 5 beside another request's decodes: transformers' greedy tokens."""
+    sched = MiniScheduler(runner, chunk=5)
+    sched.add("b", PROMPTS["b"], MAX_NEW["b"])
+    outputs = sched.run(hooks={2: lambda s: s.add("a", PROMPTS["a"], MAX_NEW["a"]),
+                               3: lambda s: s.add("c", PROMPTS["c"], MAX_NEW["c"])})  # fmt: skip
+    assert outputs == {name: hf_greedy(hf, prompt, MAX_NEW[name]) for name, prompt in PROMPTS.items()}
+    return outputs
+
+
+def _unwindowed_greedy(hf, config, name: str) -> list[int]:
+    """transformers' greedy tokens for the same weights under `config` (the model without its window)."""
+    full = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    full.load_state_dict(hf.state_dict())
+    full.generation_config.eos_token_id = None
+    return hf_greedy(full, PROMPTS[name], MAX_NEW[name])
+
+
 def test_mistral_honours_its_window(tiny_models):
-    """Mistral with sliding_window=8: prompts of 37 and 20 tokens in chunks of 5, beside another request's decodes,
-    block size 4; greedy float32 tokens equal transformers' (which masks by the window), on the Python layers."""
+    """Mistral with sliding_window=8, block size 4, on the Python layers: transformers' tokens (it masks by the
+    window), and not those of the same weights without the window."""
     hf, directory = tiny_models("mistral_window")
     runner = make_runner(directory, block_size=4, num_kv_blocks=64)
     assert runner.model_config.sliding_window == 8 and runner.model.decoder_loop is None
     assert Capability.SLIDING_WINDOW in runner.model.capabilities
-    prompts = {"a": prompt_ids(2, 37), "b": prompt_ids(3, 4), "c": prompt_ids(4, 20)}
-    sched = MiniScheduler(runner, chunk=5)
-    sched.add("b", prompts["b"], 16)
-    outputs = sched.run(hooks={2: lambda s: s.add("a", prompts["a"], 10), 3: lambda s: s.add("c", prompts["c"], 5)})
-    assert outputs == {"a": hf_greedy(hf, prompts["a"], 10), "b": hf_greedy(hf, prompts["b"], 16),
-                       "c": hf_greedy(hf, prompts["c"], 5)}  # fmt: skip
-    full = transformers.AutoModelForCausalLM.from_config(
-        transformers.MistralConfig(**{**hf.config.to_dict(), "sliding_window": None}), attn_implementation="eager"
-    ).eval()
-    full.load_state_dict(hf.state_dict())
-    full.generation_config.eos_token_id = None
-    assert outputs["a"] != hf_greedy(full, prompts["a"], 10), "the window must change these tokens"
+    outputs = _staggered_equals_transformers(hf, runner)
+    full = transformers.MistralConfig(**{**hf.config.to_dict(), "sliding_window": None})
+    assert outputs["a"] != _unwindowed_greedy(hf, full, "a"), "the window must change these tokens"
 
 
 def test_qwen_use_sliding_window_windows_the_layers_transformers_windows(tiny_models):
@@ -139,15 +152,6 @@ def test_qwen_use_sliding_window_windows_the_layers_transformers_windows(tiny_mo
     assert config.sliding_window is None and config.extra == {"windowed_layers": [1], "layer_window": 8}
     assert [layer.self_attn.window for layer in runner.model.layers] == [None, 8]
     assert Capability.SLIDING_WINDOW in runner.model.capabilities and runner.model.decoder_loop is None
-    prompts = {"a": prompt_ids(2, 37), "b": prompt_ids(3, 4), "c": prompt_ids(4, 20)}
-    sched = MiniScheduler(runner, chunk=5)
-    sched.add("b", prompts["b"], 16)
-    outputs = sched.run(hooks={2: lambda s: s.add("a", prompts["a"], 10), 3: lambda s: s.add("c", prompts["c"], 5)})
-    assert outputs == {"a": hf_greedy(hf, prompts["a"], 10), "b": hf_greedy(hf, prompts["b"], 16),
-                       "c": hf_greedy(hf, prompts["c"], 5)}  # fmt: skip
-    full = transformers.AutoModelForCausalLM.from_config(
-        transformers.Qwen2Config(**{**hf.config.to_dict(), "use_sliding_window": False, "layer_types": None}), attn_implementation="eager"
-    ).eval()
-    full.load_state_dict(hf.state_dict())
-    full.generation_config.eos_token_id = None
-    assert outputs["a"] != hf_greedy(full, prompts["a"], 10), "the window must change these tokens"
+    outputs = _staggered_equals_transformers(hf, runner)
+    full = transformers.Qwen2Config(**{**hf.config.to_dict(), "use_sliding_window": False, "layer_types": None})
+    assert outputs["a"] != _unwindowed_greedy(hf, full, "a"), "the window must change these tokens"
