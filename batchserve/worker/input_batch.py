@@ -187,19 +187,7 @@ class RequestTable:
             decode = self._group(host, "decode", is_decode, rows, query_start_loc, offset, query_lens, seq_lens)
             prefill = self._group(host, "prefill", ~is_decode, rows, query_start_loc, offset, query_lens, seq_lens)
         dev = host.to(device)
-        metadata = AttentionMetadata(
-            slot_mapping=dev["slot_mapping"],
-            positions=dev["positions"],
-            block_tables=dev["block_tables"],
-            seq_lens=dev["seq_lens"],
-            query_start_loc=dev["query_start_loc"],
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            query_pad_index=dev["query_pad_index"],
-            decode=decode and decode(dev),
-            prefill=prefill and prefill(dev),
-            long_context=dev.get("long_context"),
-        )
+        metadata = _attention_metadata(dev, max_query_len, max_seq_len, decode and decode(dev), prefill and prefill(dev))
         return InputBatch(
             input_ids=dev["input_ids"],
             positions=dev["positions"],
@@ -283,6 +271,22 @@ class RequestTable:
 
     def advance(self, batch: InputBatch) -> None:
         self.num_computed[batch.rows] += batch.query_lens
+
+
+def _attention_metadata(dev: dict[str, torch.Tensor], max_query_len: int, max_seq_len: int, decode, prefill):
+    return AttentionMetadata(
+        slot_mapping=dev["slot_mapping"],
+        positions=dev["positions"],
+        block_tables=dev["block_tables"],
+        seq_lens=dev["seq_lens"],
+        query_start_loc=dev["query_start_loc"],
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        query_pad_index=dev["query_pad_index"],
+        decode=decode,
+        prefill=prefill,
+        long_context=dev.get("long_context"),
+    )
 
 
 class _HostArrays:
