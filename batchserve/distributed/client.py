@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from batchserve.config import EngineConfig
 from batchserve.core.outputs import SchedulerStats
-from batchserve.distributed.messages import EngineDescription, ReplicaRequest, StepOutputs, Subscribe
+from batchserve.distributed.messages import EngineDescription, ReplicaRequest, StepOutputs, Subscribe, WrongReplica
 from batchserve.distributed.metrics import REQUESTS_MOVED
 from batchserve.distributed.migration import MAX_MIGRATIONS, Handover
 from batchserve.engine.async_engine import RequestStream
@@ -244,9 +244,11 @@ class RemoteEngineClient:
 def _unwrapped(exc: BaseException) -> BaseException:
     """What the replica raised, for the serving layer to classify; anything Ray itself raised (a dead or
     unreachable replica) as ReplicaLost."""
+    if isinstance(exc, WrongReplica):  # Ray may hand the replica's exception over as it is
+        return ReplicaLost(exc)
     if isinstance(exc, RayTaskError):
         cause = exc.cause
-        if isinstance(cause, RayError):
+        if isinstance(cause, RayError | WrongReplica):
             return ReplicaLost(cause)
         return cause if isinstance(cause, Exception) else ReplicaLost(exc)
     if isinstance(exc, BackPressureError):

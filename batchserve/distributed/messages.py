@@ -82,3 +82,8 @@ class StepOutputs:
 
     outputs: list[CompletionDelta] = field(default_factory=list)
     errors: dict[str, BaseException] = field(default_factory=dict)
+
+
+class WrongReplica(Exception):
+    """A subscription the router delivered to another replica than the one it names: the named one is gone (the
+    router routes around a dead replica), so the client treats it as that replica's loss."""

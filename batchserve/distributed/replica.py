@@ -27,6 +27,7 @@ from batchserve.distributed.messages import (
     ReplicaRequest,
     StepOutputs,
     Subscribe,
+    WrongReplica,
 )
 from batchserve.distributed.metrics import metrics_report
 from batchserve.distributed.outbox import Outbox
@@ -79,7 +80,7 @@ class EngineReplica:
         """The outputs of the caller's requests here, one message per engine step, until none is in flight (the
         caller subscribes again with its next request) or the caller subscribed anew."""
         if subscription.replica_id != self.replica_id:
-            raise RuntimeError(f"subscription for replica {subscription.replica_id} reached {self.replica_id}")
+            raise WrongReplica(f"subscription for replica {subscription.replica_id} reached {self.replica_id}")
         outbox = self._outboxes.setdefault(subscription.caller, Outbox())
         token = outbox.subscribe()
         try:
