@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import uuid
 from dataclasses import dataclass
@@ -122,7 +123,7 @@ class RemoteEngineClient:
 
     async def _place(self, entry: _InFlight, request: EngineRequest, timeout_s: float | None = None) -> None:
         """Admit `request` on a replica the router picks, and follow it there."""
-        call = self._handle.generate.remote(ReplicaRequest(request, self.caller_id))
+        call = _own_call(self._handle.generate, ReplicaRequest(request, self.caller_id))
         try:
             admitted = await asyncio.wait_for(call.__anext__(), timeout_s)
         except TimeoutError as exc:
@@ -177,7 +178,7 @@ class RemoteEngineClient:
         ends a subscription when none does: subscribe again if one was admitted meanwhile)."""
         try:
             while self._on(replica_id):
-                async for step in self._handle.subscribe.remote(Subscribe(self.caller_id, replica_id)):
+                async for step in _own_call(self._handle.subscribe, Subscribe(self.caller_id, replica_id)):
                     self._relay(step, replica_id)
         except asyncio.CancelledError:
             raise
@@ -239,6 +240,15 @@ class RemoteEngineClient:
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.sleep(0)
+
+
+def _own_call(method: Any, argument: Any) -> Any:
+    """`method.remote(argument)` as a call of its own to Ray Serve. Outside a fresh context the call would take the
+    Serve request context of the task making it (the HTTP request being served, or the one whose task started a
+    subscription or a migration), and with it that request's internal id: Serve's router indexes the calls it has
+    to route by that id, so two calls sharing one (the n choices of a request, a lost replica's requests moving
+    together) leave all but one unrouted until they time out."""
+    return contextvars.Context().run(method.remote, argument)
 
 
 def _unwrapped(exc: BaseException) -> BaseException:

@@ -1,0 +1,58 @@
+"""RemoteEngineClient's calls to the replicas, seen from a stand-in deployment handle (no Ray cluster): each call
+must reach Ray Serve as a call of its own, never under the Serve request context of the request being served."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ray.serve.context import _get_serve_request_context, _RequestContext, _serve_request_context
+
+from batchserve.distributed.client import RemoteEngineClient
+from batchserve.distributed.messages import Admitted
+from batchserve.request import EngineRequest
+from batchserve.sampling_params import SamplingParams
+
+
+class _Method:
+    def __init__(self, name: str, seen: list[tuple[str, str]], first: object | None) -> None:
+        self.name, self.seen, self.first = name, seen, first
+
+    def remote(self, argument: object):
+        # what Ray Serve's handle reads to name the call (ray.serve._private.default_impl.get_request_metadata)
+        self.seen.append((self.name, _get_serve_request_context()._internal_request_id))
+        return self._stream()
+
+    async def _stream(self):
+        if self.first is not None:
+            yield self.first
+        await asyncio.Event().wait()  # open until cancelled, as a request's call stays open while it runs
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+        self.generate = _Method("generate", self.seen, Admitted("replica-a"))
+        self.subscribe = _Method("subscribe", self.seen, None)
+
+    def options(self, **_: object) -> _Handle:
+        return self
+
+
+def test_every_call_to_a_replica_is_its_own_serve_request():
+    """The n choices of one HTTP request are placed from that request's task: had they carried its Serve context,
+    Serve's router would have indexed them under one internal id and left all but one unrouted (the same for the
+    requests of a lost replica moving together from one subscription's task)."""
+
+    async def serve_one_http_request() -> list[tuple[str, str]]:
+        handle = _Handle()
+        client = RemoteEngineClient(handle, description=None, tokenizer=None)  # type: ignore[arg-type]
+        _serve_request_context.set(_RequestContext(request_id="http-1", _internal_request_id="http-1"))
+        for child in range(3):
+            await client.add_request(EngineRequest(f"http-1-{child}", [1, 2, 3], SamplingParams(max_tokens=4)))
+        await asyncio.sleep(0)  # the subscription task starts
+        await client.close()
+        return handle.seen
+
+    seen = asyncio.run(serve_one_http_request())
+    assert [name for name, _ in seen] == ["generate", "generate", "generate", "subscribe"]
+    assert all(internal_id == "" for _, internal_id in seen), seen  # "": Serve gives each call a fresh id
