@@ -48,6 +48,10 @@ class FakeRunner:
         self.last_timings = RunnerTimings()  # nothing is timed: the engine's step split reads zeros
         self.delay_s = delay_s
         self.crash = crash if crash is not None else threading.Event()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
     def resize_kv_cache(self, num_blocks: int, keep_contents: bool) -> None:
         """As ModelRunner's: without keep_contents every slot is lost, so a block the engine still believed cached

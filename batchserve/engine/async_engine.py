@@ -325,6 +325,8 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self._die(exc)
             return
+        finally:
+            self.engine.close()  # in this thread: no step can be running
         self._die(EngineDeadError("engine shut down"), crashed=False)
 
     def _has_work(self) -> bool:

@@ -230,6 +230,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
 
+    def close(self) -> None:
+        """Stop the runner's helper threads, if it has any (a runner without `close` holds none)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     # ---- one step -----------------------------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:
         start = time.monotonic()

@@ -112,6 +112,10 @@ class ModelRunner:
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.kv_cache.device_caches
 
+    def close(self) -> None:
+        """Stop what runs beside the steps (the grammar masks' worker thread); the tensors go with the runner."""
+        self.structured_outputs.close()
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         output = self._execute(scheduler_output)

@@ -157,6 +157,15 @@ def test_a_built_request_reaches_the_scheduler_unchanged(make_engine, tokenizer)
     assert (scheduled.priority, scheduled.arrival_time) == (2, request.arrival_time)
 
 
+def test_the_engine_loop_closes_its_runner_when_it_stops(make_engine):
+    """The runner's helper threads (the grammar masks' worker) end with the engine loop, not with the process."""
+    engine = make_engine()
+    async_engine = AsyncLLMEngine(engine).start()
+    assert not engine.runner.closed
+    async_engine.shutdown()
+    assert engine.runner.closed
+
+
 def test_a_completion_folds_deltas_into_the_whole_output():
     """Outputs carry deltas; a Completion gathers them: ids and logprobs in order, the text, the running sum."""
     entries = [Logprobs(t, -0.1 * (t + 1), 1, {}) for t in range(5)]
