@@ -2,6 +2,7 @@
 
     python benchmarks/soak.py                              # 400 requests or 2 minutes, the default model
     python benchmarks/soak.py --num-requests 10000 --duration-s 3600
+    taskset -c 0 python benchmarks/soak.py --server-arg=--num-threads=1   # the soak on one core of its own
 
 Starts `batchserve serve` in its own process with a small KV pool, drives it with streaming and non-streaming
 clients (random lengths and priorities, a quarter of the streams dropped mid-way, bad requests mixed in), then checks:
@@ -27,10 +28,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         kind = float if isinstance(f.default, float) else int if isinstance(f.default, int) else str
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    parser.add_argument("--server-arg", action="append", default=[], dest="extra_server_args",
+                        help="one more argument for `batchserve serve` (repeat it), e.g. --server-arg=--num-threads=1")
     parser.add_argument("--output", default="bench_results/soak.json")
     args = parser.parse_args(argv)
-    options = SoakOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SoakOptions)
-                             if f.name != "extra_server_args"})  # fmt: skip
+    options = SoakOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SoakOptions)})
     report = run_soak(options)
     print(format_report(report))
     output = Path(args.output)
