@@ -243,11 +243,12 @@ class RemoteEngineClient:
 
 
 def _own_call(method: Any, argument: Any) -> Any:
-    """`method.remote(argument)` as a call of its own to Ray Serve. Outside a fresh context the call would take the
-    Serve request context of the task making it (the HTTP request being served, or the one whose task started a
-    subscription or a migration), and with it that request's internal id: Serve's router indexes the calls it has
-    to route by that id, so two calls sharing one (the n choices of a request, a lost replica's requests moving
-    together) leave all but one unrouted until they time out."""
+    """`method.remote(argument)` as a call of its own to Ray Serve. Outside a fresh context the call takes the Serve
+    request context of the task making it (the HTTP request being served, or the one whose task started a
+    subscription or a migration), and with it that request's internal id, which Serve's router keys its calls by:
+    the requests of a lost replica, moved together from one subscription's task, all but one stayed unrouted until
+    they timed out; and a subscription sharing its first request's id made the prefix-aware router count that
+    request's end as the subscription's (its load on the replica never went back down)."""
     return contextvars.Context().run(method.remote, argument)
 
 

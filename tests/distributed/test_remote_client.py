@@ -39,9 +39,9 @@ class _Handle:
 
 
 def test_every_call_to_a_replica_is_its_own_serve_request():
-    """The n choices of one HTTP request are placed from that request's task: had they carried its Serve context,
-    Serve's router would have indexed them under one internal id and left all but one unrouted (the same for the
-    requests of a lost replica moving together from one subscription's task)."""
+    """The n choices of one HTTP request are placed from that request's task, and the subscription is started from
+    it: had they carried its Serve context, they would share its internal id, which Serve's router keys calls by
+    (calls pending together under one id: all but one stay unrouted)."""
 
     async def serve_one_http_request() -> list[tuple[str, str]]:
         handle = _Handle()
