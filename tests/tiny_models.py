@@ -131,6 +131,14 @@ def save_word_tokenizer(directory: Path, word: str = "w") -> None:
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
 
 
+def tiny_checkpoint(tmp_path_factory, kind: str, name: str) -> tuple[nn.Module, Path]:
+    """A tiny random `kind` model and its word-level tokenizer saved in a fresh folder `name`: (HF model, folder)."""
+    directory = tmp_path_factory.mktemp(name)
+    model = build_hf_model(kind, directory)
+    save_word_tokenizer(directory)
+    return model, directory
+
+
 def hf_greedy(model: nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(
         torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, attention_mask=None

@@ -16,7 +16,7 @@ from batchserve.engine.llm_engine import LLMEngine
 from batchserve.entrypoints.llm import LLM
 from batchserve.sampling_params import SamplingParams
 from tests.doubles import LETTERS, reference_generation, run_to_completion
-from tests.tiny_models import VOCAB, build_hf_model, hf_greedy, save_word_tokenizer
+from tests.tiny_models import VOCAB, hf_greedy, tiny_checkpoint
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -103,10 +103,7 @@ def test_the_engine_used_directly_grows_for_each_request_copying_the_blocks_in_u
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_llama_pool")
-    hf_model = build_hf_model("llama", directory)
-    save_word_tokenizer(directory)
-    return hf_model, directory
+    return tiny_checkpoint(tmp_path_factory, "llama", "tiny_llama_pool")
 
 
 def real_prompts(lengths, seed=0):

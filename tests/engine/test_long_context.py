@@ -11,17 +11,14 @@ import pytest
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.sampling_params import SamplingParams
 from tests.models.test_llama import prompt_ids
-from tests.tiny_models import build_hf_model, hf_greedy, save_word_tokenizer
+from tests.tiny_models import hf_greedy, tiny_checkpoint
 
 ORIGINAL = 32  # tests/tiny_models.py ARCH_KINDS["phi3"]
 
 
 @pytest.fixture(scope="module")
 def phi3(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_phi3_long")
-    model = build_hf_model("phi3", directory)
-    save_word_tokenizer(directory)
-    return model, directory
+    return tiny_checkpoint(tmp_path_factory, "phi3", "tiny_phi3_long")
 
 
 CROSSING = prompt_ids(7, 20)

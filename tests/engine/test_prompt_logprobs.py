@@ -10,15 +10,12 @@ import torch
 
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.sampling_params import SamplingParams
-from tests.tiny_models import VOCAB, build_hf_model, save_word_tokenizer
+from tests.tiny_models import VOCAB, tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_llama_scoring")
-    hf_model = build_hf_model("llama", directory)
-    save_word_tokenizer(directory)
-    return hf_model, directory
+    return tiny_checkpoint(tmp_path_factory, "llama", "tiny_llama_scoring")
 
 
 def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:

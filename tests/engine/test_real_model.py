@@ -10,17 +10,14 @@ import pytest
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from tests.doubles import run_to_completion
-from tests.tiny_models import VOCAB, build_hf_model, hf_greedy, save_word_tokenizer
+from tests.tiny_models import VOCAB, hf_greedy, tiny_checkpoint
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_llama")
-    hf_model = build_hf_model("llama", directory)
-    save_word_tokenizer(directory)
-    return hf_model, directory
+    return tiny_checkpoint(tmp_path_factory, "llama", "tiny_llama")
 
 
 def workload(count=32, seed=0, shared_prefix=0):
