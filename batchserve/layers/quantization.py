@@ -26,8 +26,10 @@ logger = logging.getLogger(__name__)
 
 SUBBLOCK = 32  # k per subblock of the kernels' code layout
 INT4_GROUPS = (32, 64, 128)
-# The quantized GEMM's instruction-set paths, best first (quant_gemm.h QuantPath)
-QUANT_GEMM_PATHS = ("avx512", "avx2", "portable")
+# The quantized GEMM's instruction-set paths, best first (quant_gemm.h QuantPath). avx512_vnni is avx512's
+# weight-only kernel plus W8A8 (activations quantized per row to int8, quant_w8a8.cpp) from W8A8_MIN_M rows.
+W8A8_PATH = "avx512_vnni"
+QUANT_GEMM_PATHS = (W8A8_PATH, "avx512", "avx2", "portable")
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,6 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Te
     return values.float() * scales.repeat_interleave(group, dim=1)
 
 
-
 def check_shape(scheme: QuantScheme, in_features: int) -> None:
     """ConfigError naming what would work where a weight's K does not fit the scheme's groups."""
     group = scheme.group_for(in_features)
@@ -209,13 +210,19 @@ def quantized_linears(name: str, device: torch.device | None = None, dtype: torc
 
 
 class QuantizedLinear(CpuLinear):
-    """A projection whose weight is kept quantized: the native quantized GEMM at every M (registers below
+    """A projection whose weight is kept quantized: the native quantized GEMM at every M (path avx512_vnni: W8A8,
+    the codes repacked at load and the activations rounded to int8 per ACT_BLOCK k; other paths: registers below
     SMALL_MAX_M rows, dequantized tiles and a library GEMM above; one order per row at every M in deterministic
     mode), through a native Projection as CpuLinear's; without the native kernels the torch code on the weight
     dequantized per call."""
 
     SMALL_MAX_M = 64  # measured against the dequantized float32 tiles on SmolLM2 shapes (docs/quantization.md)
     SMALL_MAX_M_BF16_TILES = 16  # against bf16 tiles: they win from about 16-24 rows on the same shapes
+    # path avx512_vnni: W8A8 from this many rows (faster than the register path from one row), the activations
+    # quantized per row and block of ACT_BLOCK k (0: the whole row; never across a weight group): 16 is the largest
+    # block whose KL from float32 stays within llama.cpp's on the default model (docs/quantization.md)
+    W8A8_MIN_M = 1
+    ACT_BLOCK = 16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme):
         torch.nn.Module.__init__(self)
@@ -267,7 +274,15 @@ class QuantizedLinear(CpuLinear):
             float_output=self.float_output,
             mins=self.mins,
             bf16_tiles=self.bf16_tiles,
+            w8a8_min_m=self._w8a8_min_m(),
+            act_block=self.ACT_BLOCK,
         )
+
+    def _w8a8_min_m(self) -> int:
+        """Deterministic mode: W8A8 at every M or none (a row's bits must not depend on the batch's size)."""
+        if self.deterministic and self.W8A8_MIN_M > 1:
+            return ALL_ROWS + 1
+        return self.W8A8_MIN_M
 
     def _small_max_m(self) -> int:
         return self.SMALL_MAX_M_BF16_TILES if self.bf16_tiles else self.SMALL_MAX_M

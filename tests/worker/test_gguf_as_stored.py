@@ -16,13 +16,24 @@ from gguf.quants import quantize
 
 from batchserve import LLM, SamplingParams, env
 from batchserve.config import ConfigError
-from batchserve.layers import gguf_codes, kernels
+from batchserve.layers import gguf_codes, kernels, quantization
 from batchserve.layers.quantization import QuantizedLinear
 from tests.models.test_architectures import write_tiny_gguf
 from tests.tiny_models import COMMON, build_hf_model
 
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")  # gguf-py quantizes these; K-quant blocks are built by hand
 EPS = float(np.finfo(np.float32).eps)
+
+
+@pytest.fixture(autouse=True)
+def weight_only_kernels(monkeypatch):
+    """Tokens and products here must equal the dequantized weight's exactly: the weight-only kernel path (W8A8 also
+    rounds the activations; test_every_kernel_path_with_minimums_and_small_groups bounds it directly)."""
+    if quantization.quant_gemm_path_runs("avx512"):
+        monkeypatch.setenv("BATCHSERVE_QUANT_GEMM_PATH", "avx512")
+    quantization.quant_gemm_path.cache_clear()
+    yield
+    quantization.quant_gemm_path.cache_clear()
 
 
 def qtype(name: str) -> gguf.GGMLQuantizationType:
@@ -103,13 +114,18 @@ def test_every_kernel_path_with_minimums_and_small_groups(type_name):
         native.quant_dequantize(stored.codes, stored.scales, stored.scheme.bits, stored.scheme.group, stored.mins),
         weight.float(), rtol=0, atol=4 * EPS * weight.abs().max().item(),
     )  # fmt: skip
+    block = QuantizedLinear.ACT_BLOCK
     for path in native.quant_gemm_paths():
         for m in (1, 3, 7, 80):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             out = native.quant_gemm(x, stored.codes, stored.scales, stored.scheme.bits, stored.scheme.group, path, 64,
-                                    stored.mins)  # fmt: skip
+                                    stored.mins, act_block=block)  # fmt: skip
             exact = x.double() @ weight.T
             bound = 2 * k * EPS * (x.double().abs() @ weight.abs().T) + 1e-6
+            packed = stored.scheme.group % 32 == 0  # W8A8 packs whole 32-k subblocks; Q6_K's groups of 16 are not
+            if path == quantization.W8A8_PATH and packed:  # activations rounded to half an int8 step of their block
+                steps = x.reshape(m, k // block, block).abs().amax(-1, keepdim=True).expand(-1, -1, block) / 127.0
+                bound = bound + 0.5 * (1 + 1e-5) * (steps.reshape(m, k).double() @ weight.abs().T)
             assert ((out.double() - exact).abs() <= bound).all(), (path, m)
 
 

@@ -94,7 +94,10 @@ def _bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.shape[1] * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
 
 
-@pytest.mark.parametrize("path", quantization.QUANT_GEMM_PATHS)
+WEIGHT_ONLY_PATHS = [p for p in quantization.QUANT_GEMM_PATHS if p != quantization.W8A8_PATH]
+
+
+@pytest.mark.parametrize("path", WEIGHT_ONLY_PATHS)
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 @pytest.mark.parametrize("rows", [1, 3, 7, 80])  # 80: above SMALL_MAX_M, the dequantized tiles
 def test_each_path_equals_the_dequantized_product(force_quant_gemm, path, scheme, rows):
@@ -115,6 +118,56 @@ def test_each_path_equals_the_dequantized_product(force_quant_gemm, path, scheme
     assert ((got.double() - (x.double() @ weight.double().T + bias.double())).abs() <= format_bound + 1e-5).all()
 
 
+def _activation_steps(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per element of x [M, K], the int8 step of its block of `block` k (0: the whole row): largest magnitude / 127."""
+    m, k = x.shape
+    block = block or k
+    amax = x.reshape(m, k // block, block).abs().amax(-1, keepdim=True) / 127.0
+    return amax.expand(-1, -1, block).reshape(m, k)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("with_mins", [False, True], ids=["", "mins"])
+@pytest.mark.parametrize("rows", [1, 3, 9, 80])
+def test_w8a8_equals_the_dequantized_product_within_activation_rounding(force_quant_gemm, scheme, with_mins, rows):
+    """W8A8 rounds each activation to the nearest int8 step of its row's ACT_BLOCK k (a tie either way: still within
+    half a step); the integer products are exact, so the result is the dequantized weight's product within half a step
+    per activation, plus float32 rounding of the scaled partial sums."""
+    _native()
+    force_quant_gemm(quantization.W8A8_PATH)
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(80, 384), torch.randn(80)
+    plain = QuantizedLinear(weight, bias, scheme)
+    group = plain.group
+    mins = torch.randn(80, 384 // group) * 0.1 if with_mins else None
+    layer = QuantizedLinear.from_codes(plain.codes, plain.scales, scheme, bias=bias, mins=mins)
+    x = torch.randn(rows, 384) * torch.rand(rows, 1) * 4
+    reference = dequantize(layer.codes, layer.scales, scheme.bits)
+    if with_mins:
+        reference = reference + mins.repeat_interleave(group, dim=1)
+    expected = x.double() @ reference.double().T + bias.double()
+    steps = _activation_steps(x, layer.ACT_BLOCK)
+    bound = 0.5 * (steps.double() @ reference.abs().double().T) * (1 + 1e-5) + _bound(x, reference) + 1e-6
+    got = layer(x)
+    assert got.shape == (rows, 80)
+    assert ((got.double() - expected).abs() <= bound).all()
+    # activations rounded: not the weight-only product (that one is within float32 rounding)
+    assert ((got.double() - expected).abs() > _bound(x, reference) + 1e-6).any()
+
+
+def test_w8a8_is_packed_only_for_whole_subblocks():
+    """GGUF Q6_K's groups of 16 are not packed for W8A8: those layers take the avx512 register path, bit for bit."""
+    native = _native()
+    if not quantization.quant_gemm_path_runs(quantization.W8A8_PATH):
+        pytest.skip("no AVX512-VNNI here")
+    torch.manual_seed(0)
+    codes, scales = quantize(torch.randn(32, 128), QuantScheme(4, 32))
+    scales16 = scales.repeat_interleave(2, dim=1) * torch.rand(32, 8)
+    x = torch.randn(5, 128)
+    args = dict(codes=codes, scales=scales16, bits=4, group=16, small_max_m=64)
+    assert torch.equal(native.quant_gemm(x, path="avx512_vnni", **args), native.quant_gemm(x, path="avx512", **args))
+
+
 def test_native_dequantize_matches_torch():
     native = _native()
     for scheme in SCHEMES:
@@ -125,18 +178,20 @@ def test_native_dequantize_matches_torch():
         )
 
 
-def test_rows_do_not_depend_on_the_batch(force_quant_gemm):
-    """Below SMALL_MAX_M a row's result is the same bits whatever else shares the call."""
+@pytest.mark.parametrize("path", [quantization.W8A8_PATH, "avx512", "portable"])
+def test_rows_do_not_depend_on_the_batch(force_quant_gemm, path):
+    """Below SMALL_MAX_M (W8A8: at every M) a row's result is the same bits whatever else shares the call."""
     _native()
-    force_quant_gemm(quantization.QUANT_GEMM_PATHS[0] if quantization.quant_gemm_path_runs("avx512") else "portable")
+    force_quant_gemm(path)
     layer = QuantizedLinear(torch.randn(64, 128), None, QuantScheme(4, 32))
     x = torch.randn(9, 128)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(9)])
     assert torch.equal(layer(x), alone)
 
 
-def test_bf16_rows_and_the_torch_fallback_agree():
+def test_bf16_rows_and_the_torch_fallback_agree(force_quant_gemm):
     _native()
+    force_quant_gemm("avx512" if quantization.quant_gemm_path_runs("avx512") else "portable")  # weight-only
     layer = QuantizedLinear(torch.randn(64, 96), torch.randn(64), QuantScheme(8, None))
     x = torch.randn(5, 96).to(torch.bfloat16)
     native_out = layer(x)
@@ -148,11 +203,12 @@ def test_bf16_rows_and_the_torch_fallback_agree():
 
 
 @pytest.mark.parametrize("units", ["1", "0"])
-def test_a_bf16_model_multiplies_many_rows_on_bf16_tiles(monkeypatch, units):
+def test_a_bf16_model_multiplies_many_rows_on_bf16_tiles(monkeypatch, force_quant_gemm, units):
     """Built for a bfloat16 model on a CPU with bf16 units, a quantized layer's GEMM of many rows rounds the
     dequantized tiles and the activations to bf16 (the bf16 model's own GEMM precision, on its fast units); few rows
     keep the register kernel, bit for bit; float32 models and CPUs without the units keep float32 tiles."""
     _native()
+    force_quant_gemm("avx512")  # the path with bf16 tiles (W8A8 multiplies the codes in place instead)
     monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", units)
     torch.manual_seed(0)
     weight = torch.randn(96, 256)

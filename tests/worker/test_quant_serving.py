@@ -10,11 +10,23 @@ import torch
 
 from batchserve import LLM, SamplingParams
 from batchserve.config import ConfigError, EngineConfig
+from batchserve.layers import quantization
 from batchserve.layers.quantization import QuantizedLinear, QuantScheme, dequantize, quantize
 from tests.tiny_models import build_hf_model, save_word_tokenizer
 
 PROMPTS = [{"prompt_token_ids": [5, 17, 33, 8, 61]}, {"prompt_token_ids": [40, 41, 3]}, {"prompt_token_ids": [9] * 20}]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def weight_only_kernels(monkeypatch):
+    """The tokens here must equal the dequantized model's exactly: the weight-only kernel path (W8A8 also rounds the
+    activations; it has its own bound in test_quant_gemm.py)."""
+    if quantization.quant_gemm_path_runs("avx512"):
+        monkeypatch.setenv("BATCHSERVE_QUANT_GEMM_PATH", "avx512")
+    quantization.quant_gemm_path.cache_clear()
+    yield
+    quantization.quant_gemm_path.cache_clear()
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -208,6 +208,7 @@ void small_m_of(const float* x, int64_t M, int64_t K, const QuantWeight& w, floa
 void small_m_on_path(const float* x, int64_t M, int64_t K, const QuantWeight& w, float* out) {
   switch (w.path) {
 #if defined(__AVX512F__)
+    case QuantPath::kAvx512Vnni:
     case QuantPath::kAvx512: return small_m_of<Avx512>(x, M, K, w, out);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
@@ -267,6 +268,7 @@ void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, float* dst) {
 
 std::vector<std::string> quant_gemm_paths() {
   std::vector<std::string> paths;
+  if (w8a8_built() && __builtin_cpu_supports("avx512vnni")) paths.push_back("avx512_vnni");
 #if defined(__AVX512F__)
   if (__builtin_cpu_supports("avx512f")) paths.push_back("avx512");
 #endif
@@ -290,6 +292,10 @@ at::Tensor quant_gemm(const at::Tensor& x, const QuantWeight& w) {
   const int64_t M = xc.size(0), N = w.out_features, K = w.in_features;
   auto out = at::empty({M, N}, xc.options());
   if (M == 0) return out;
+  if (w.path == QuantPath::kAvx512Vnni && w.w8a8_codes.defined() && M >= w.w8a8_min_m) {
+    w8a8_gemm(xc.data_ptr<float>(), M, w, out.data_ptr<float>());
+    return out;
+  }
   if (M <= w.small_max_m) {
     small_m_on_path(xc.data_ptr<float>(), M, K, w, out.data_ptr<float>());
     return out;
