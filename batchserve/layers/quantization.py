@@ -258,6 +258,8 @@ class QuantizedLinear(CpuLinear):
         self.register_buffer("mins", mins)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.native = self._quantized_projection()
+        if self.native is not None and not kernels.load().quant_codes_kept(self.native):
+            self.codes = None  # W8A8 at every M reads only the kernel's repacked copy: the weight held once
 
     def _quantized_projection(self):
         native = kernels.load()

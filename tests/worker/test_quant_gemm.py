@@ -107,6 +107,7 @@ def test_each_path_equals_the_dequantized_product(force_quant_gemm, path, scheme
     weight, bias = torch.randn(80, 384), torch.randn(80)
     layer = QuantizedLinear(weight, bias, scheme)
     x = torch.randn(rows, 384)
+    assert layer.codes is not None  # the weight-only paths read the codes as stored
     reference = dequantize(layer.codes, layer.scales, scheme.bits)
     expected = x.double() @ reference.double().T + bias.double()
     got = layer(x)
@@ -137,12 +138,13 @@ def test_w8a8_equals_the_dequantized_product_within_activation_rounding(force_qu
     force_quant_gemm(quantization.W8A8_PATH)
     torch.manual_seed(rows)
     weight, bias = torch.randn(80, 384), torch.randn(80)
-    plain = QuantizedLinear(weight, bias, scheme)
-    group = plain.group
+    codes, scales = quantize(weight, scheme)
+    group = scheme.group_for(384)
     mins = torch.randn(80, 384 // group) * 0.1 if with_mins else None
-    layer = QuantizedLinear.from_codes(plain.codes, plain.scales, scheme, bias=bias, mins=mins)
+    layer = QuantizedLinear.from_codes(codes, scales, scheme, bias=bias, mins=mins)
+    assert layer.codes is None  # every M takes W8A8: only the kernel's repacked copy is kept
     x = torch.randn(rows, 384) * torch.rand(rows, 1) * 4
-    reference = dequantize(layer.codes, layer.scales, scheme.bits)
+    reference = dequantize(codes, scales, scheme.bits)
     if with_mins:
         reference = reference + mins.repeat_interleave(group, dim=1)
     expected = x.double() @ reference.double().T + bias.double()
