@@ -259,7 +259,8 @@ class QuantizedLinear(CpuLinear):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.native = self._quantized_projection()
         if self.native is not None and not kernels.load().quant_codes_kept(self.native):
-            self.codes = None  # W8A8 at every M reads only the kernel's repacked copy: the weight held once
+            # W8A8 at every M reads only the kernel's repacked copies: the weight held once
+            self.codes = self.scales = self.mins = None
 
     def _quantized_projection(self):
         native = kernels.load()

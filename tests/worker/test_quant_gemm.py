@@ -142,7 +142,7 @@ def test_w8a8_equals_the_dequantized_product_within_activation_rounding(force_qu
     group = scheme.group_for(384)
     mins = torch.randn(80, 384 // group) * 0.1 if with_mins else None
     layer = QuantizedLinear.from_codes(codes, scales, scheme, bias=bias, mins=mins)
-    assert layer.codes is None  # every M takes W8A8: only the kernel's repacked copy is kept
+    assert layer.codes is None and layer.scales is None  # every M takes W8A8: only the kernel's repacked copy kept
     x = torch.randn(rows, 384) * torch.rand(rows, 1) * 4
     reference = dequantize(codes, scales, scheme.bits)
     if with_mins:

@@ -52,8 +52,9 @@ std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor sca
   w->act_block = act_block;
   if (w->path == QuantPath::kAvx512Vnni && w8a8_supported(*w)) {
     w8a8_pack(*w);  // once, at load
-    // every M takes W8A8: the repacked copy is the only one read; the caller may free its codes (quant_codes_kept)
-    if (w->w8a8_min_m <= 1) w->codes = at::Tensor();
+    // every M takes W8A8: the repacked copies are the only ones read; the caller may free its codes, scales and
+    // minimums (quant_codes_kept)
+    if (w->w8a8_min_m <= 1) w->codes = w->scales = w->mins = at::Tensor();
   }
   return w;
 }
@@ -84,7 +85,7 @@ void register_quant_gemm(pybind11::module& m) {
       py::arg("bf16_tiles") = false, py::arg("w8a8_min_m") = 1, py::arg("act_block") = 0);
   m.def(
       "quant_codes_kept", [](const Projection& p) { return p.quant != nullptr && p.quant->codes.defined(); },
-      "whether a quantized Projection still reads its original codes (false: W8A8 at every M, on its repacked copy)");
+      "whether a quantized Projection still reads its codes, scales and minimums (false: W8A8 at every M, repacked)");
   m.def(
       "quant_gemm",
       [](at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, const std::string& path,
