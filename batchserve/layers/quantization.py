@@ -223,6 +223,7 @@ class QuantizedLinear(CpuLinear):
     # block whose KL from float32 stays within llama.cpp's on the default model (docs/quantization.md)
     W8A8_MIN_M = 1
     ACT_BLOCK = 16
+    ACT_BLOCK_LOGITS = 32  # the output projection (GGUF's): 32 keeps gguf's KL within llama.cpp's too
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme):
         torch.nn.Module.__init__(self)
@@ -278,7 +279,7 @@ class QuantizedLinear(CpuLinear):
             mins=self.mins,
             bf16_tiles=self.bf16_tiles,
             w8a8_min_m=self._w8a8_min_m(),
-            act_block=self.ACT_BLOCK,
+            act_block=self.ACT_BLOCK_LOGITS if self.float_output else self.ACT_BLOCK,
         )
 
     def _w8a8_min_m(self) -> int:
