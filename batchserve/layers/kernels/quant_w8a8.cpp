@@ -30,6 +30,8 @@ constexpr int64_t kCols = 16;  // output columns per packed block: one zmm of in
 constexpr int kRows = 8;       // rows sharing one load of the packed weight
 
 int64_t column_blocks(int64_t N) { return (N + kCols - 1) / kCols; }
+// bytes of one packed block of 16 columns: K codes each, 8 or 4 bits
+int64_t block_bytes(int64_t K, int64_t bits) { return K * kCols * bits / 8; }
 
 // [N, G] float32 -> [N / 16][G][16] (zero-padded columns)
 at::Tensor pack_columns(const at::Tensor& per_group) {
@@ -52,13 +54,13 @@ bool w8a8_supported(const QuantWeight& w) { return w.group % 32 == 0 && w.in_fea
 
 void w8a8_pack(QuantWeight& w) {
   const int64_t N = w.out_features, K = w.in_features, blocks = column_blocks(N);
-  auto packed = at::zeros({blocks * K * kCols}, at::kByte);
+  auto packed = at::zeros({blocks * block_bytes(K, w.bits)}, at::kByte);
   uint8_t* dst = packed.data_ptr<uint8_t>();
   const auto* codes = static_cast<const uint8_t*>(w.codes.data_ptr());
   const int64_t row_bytes = w.bits == 8 ? K : K / 2;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      uint8_t* block = dst + b * K * kCols;
+      uint8_t* block = dst + b * block_bytes(K, w.bits);
       for (int64_t c = 0; c < kCols && b * kCols + c < N; ++c) {
         const uint8_t* row = codes + (b * kCols + c) * row_bytes;
         for (int64_t k = 0; k < K; ++k) {
@@ -143,7 +145,7 @@ template <int Bits, int R>
 inline void span_products(const Operands& o, int64_t b, int64_t m0, int64_t s0, __m512i* acc) {
   const int8_t* x = o.xq + m0 * o.K;
   if constexpr (Bits == 8) {
-    const uint8_t* wp = o.codes + b * o.K * kCols + s0 * kCols;
+    const uint8_t* wp = o.codes + b * block_bytes(o.K, 8) + s0 * kCols;
     for (int64_t k = s0; k < s0 + o.span; k += 4, wp += 64) {
       const __m512i wv = _mm512_loadu_si512(wp);
       for (int r = 0; r < R; ++r) {
@@ -154,7 +156,7 @@ inline void span_products(const Operands& o, int64_t b, int64_t m0, int64_t s0, 
     }
   } else if (o.span == 16) {  // half a subblock: its low nibbles (k 0..15) or its high ones (k 16..31)
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const uint8_t* wp = o.codes + b * o.K * kCols + (s0 / 32) * 32 * kCols / 2;
+    const uint8_t* wp = o.codes + b * block_bytes(o.K, 4) + (s0 / 32) * 32 * kCols / 2;
     const bool high = s0 % 32 != 0;
     for (int p = 0; p < 4; ++p, wp += 64) {
       const __m512i v = _mm512_loadu_si512(wp);
@@ -167,7 +169,7 @@ inline void span_products(const Operands& o, int64_t b, int64_t m0, int64_t s0, 
     }
   } else {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const uint8_t* wp = o.codes + b * o.K * kCols + s0 * kCols / 2;
+    const uint8_t* wp = o.codes + b * block_bytes(o.K, 4) + s0 * kCols / 2;
     for (int64_t k = s0; k < s0 + o.span; k += 32) {
       for (int p = 0; p < 4; ++p, wp += 64) {
         const __m512i v = _mm512_loadu_si512(wp);
