@@ -27,7 +27,7 @@
 namespace {
 
 constexpr int64_t kCols = 16;  // output columns per packed block: one zmm of int32
-constexpr int kRows = 8;       // rows sharing one load of the packed weight
+constexpr int kRows = 6;       // rows sharing one load of the packed weight
 
 int64_t column_blocks(int64_t N) { return (N + kCols - 1) / kCols; }
 // bytes of one packed block of 16 columns: K codes each, 8 or 4 bits
@@ -140,101 +140,138 @@ struct Operands {
   int bits;
 };
 
-// the int32 products of one span of k for R rows and the 16 columns of block b
-template <int Bits, int R>
+// the int32 products of one span of k for R rows and the 16 columns of each of C blocks from b (acc[r * C + c]): a
+// weight vector serves R rows, an activation broadcast C blocks
+template <int Bits, int R, int C>
 inline void span_products(const Operands& o, int64_t b, int64_t m0, int64_t s0, __m512i* acc) {
   const int8_t* x = o.xq + m0 * o.K;
+  const int64_t stride = block_bytes(o.K, Bits);
   if constexpr (Bits == 8) {
-    const uint8_t* wp = o.codes + b * block_bytes(o.K, 8) + s0 * kCols;
+    const uint8_t* wp = o.codes + b * stride + s0 * kCols;
     for (int64_t k = s0; k < s0 + o.span; k += 4, wp += 64) {
-      const __m512i wv = _mm512_loadu_si512(wp);
+      __m512i wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(wp + c * stride);
       for (int r = 0; r < R; ++r) {
         int32_t quad;
         std::memcpy(&quad, x + r * o.K + k, 4);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], wv, _mm512_set1_epi32(quad));
+        const __m512i xv = _mm512_set1_epi32(quad);
+        for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_dpbusd_epi32(acc[r * C + c], wv[c], xv);
       }
     }
   } else if (o.span == 16) {  // half a subblock: its low nibbles (k 0..15) or its high ones (k 16..31)
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const uint8_t* wp = o.codes + b * block_bytes(o.K, 4) + (s0 / 32) * 32 * kCols / 2;
+    const uint8_t* wp = o.codes + b * stride + (s0 / 32) * 32 * kCols / 2;
     const bool high = s0 % 32 != 0;
     for (int p = 0; p < 4; ++p, wp += 64) {
-      const __m512i v = _mm512_loadu_si512(wp);
-      const __m512i nib = _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, low);
+      __m512i nib[C];
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(wp + c * stride);
+        nib[c] = _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, low);
+      }
       for (int r = 0; r < R; ++r) {
         int32_t quad;
         std::memcpy(&quad, x + r * o.K + s0 + 4 * p, 4);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], nib, _mm512_set1_epi32(quad));
+        const __m512i xv = _mm512_set1_epi32(quad);
+        for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_dpbusd_epi32(acc[r * C + c], nib[c], xv);
       }
     }
   } else {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const uint8_t* wp = o.codes + b * block_bytes(o.K, 4) + s0 * kCols / 2;
+    const uint8_t* wp = o.codes + b * stride + s0 * kCols / 2;
     for (int64_t k = s0; k < s0 + o.span; k += 32) {
       for (int p = 0; p < 4; ++p, wp += 64) {
-        const __m512i v = _mm512_loadu_si512(wp);
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        __m512i lo[C], hi[C];
+        for (int c = 0; c < C; ++c) {
+          const __m512i v = _mm512_loadu_si512(wp + c * stride);
+          lo[c] = _mm512_and_si512(v, low);
+          hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
         for (int r = 0; r < R; ++r) {
           int32_t qlo, qhi;
           std::memcpy(&qlo, x + r * o.K + k + 4 * p, 4);
           std::memcpy(&qhi, x + r * o.K + k + 16 + 4 * p, 4);
-          acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(qlo));
-          acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(qhi));
+          const __m512i xlo = _mm512_set1_epi32(qlo), xhi = _mm512_set1_epi32(qhi);
+          for (int c = 0; c < C; ++c) {
+            acc[r * C + c] = _mm512_dpbusd_epi32(acc[r * C + c], lo[c], xlo);
+            acc[r * C + c] = _mm512_dpbusd_epi32(acc[r * C + c], hi[c], xhi);
+          }
         }
       }
     }
   }
 }
 
-// out[m0 + r][16 columns of block b] for R rows
-template <int Bits, int R>
+// out[m0 + r][the 16 columns of each of C blocks from b] for R rows
+template <int Bits, int R, int C>
 void row_tile(const Operands& o, int64_t b, int64_t m0, float* out) {
   const int64_t groups = o.K / o.group, blocks = o.K / o.block, spans = o.K / o.span;
   const bool per_channel = groups == 1 && o.mins == nullptr;  // one scale a column: applied after the last span
-  __m512 accf[R];
-  for (int r = 0; r < R; ++r) accf[r] = _mm512_setzero_ps();
+  __m512 accf[R * C];
+  for (int i = 0; i < R * C; ++i) accf[i] = _mm512_setzero_ps();
   for (int64_t s = 0; s < spans; ++s) {
     const int64_t s0 = s * o.span, g = s0 / o.group, a = s0 / o.block;
-    __m512i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_epi32(o.off[(m0 + r) * spans + s]);
-    span_products<Bits, R>(o, b, m0, s0, acc);
+    __m512i acc[R * C];
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = _mm512_set1_epi32(o.off[(m0 + r) * spans + s]);
+      for (int c = 0; c < C; ++c) acc[r * C + c] = start;
+    }
+    span_products<Bits, R, C>(o, b, m0, s0, acc);
     if (per_channel) {
-      for (int r = 0; r < R; ++r)
-        accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(o.xs[(m0 + r) * blocks + a]), accf[r]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xs = _mm512_set1_ps(o.xs[(m0 + r) * blocks + a]);
+        for (int c = 0; c < C; ++c)
+          accf[r * C + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r * C + c]), xs, accf[r * C + c]);
+      }
     } else {
-      const __m512 sw = _mm512_loadu_ps(o.scales + (b * groups + g) * kCols);
-      for (int r = 0; r < R; ++r)
-        accf[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]),
-                                  _mm512_mul_ps(sw, _mm512_set1_ps(o.xs[(m0 + r) * blocks + a])), accf[r]);
+      __m512 sw[C];
+      for (int c = 0; c < C; ++c) sw[c] = _mm512_loadu_ps(o.scales + ((b + c) * groups + g) * kCols);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xs = _mm512_set1_ps(o.xs[(m0 + r) * blocks + a]);
+        for (int c = 0; c < C; ++c)
+          accf[r * C + c] =
+              _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r * C + c]), _mm512_mul_ps(sw[c], xs), accf[r * C + c]);
+      }
     }
     if (o.mins != nullptr && (s0 + o.span) % o.group == 0) {
-      const __m512 mn = _mm512_loadu_ps(o.mins + (b * groups + g) * kCols);
-      for (int r = 0; r < R; ++r)
-        accf[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xg[(m0 + r) * groups + g]), accf[r]);
+      for (int c = 0; c < C; ++c) {
+        const __m512 mn = _mm512_loadu_ps(o.mins + ((b + c) * groups + g) * kCols);
+        for (int r = 0; r < R; ++r)
+          accf[r * C + c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xg[(m0 + r) * groups + g]), accf[r * C + c]);
+      }
     }
   }
-  if (per_channel) {
-    const __m512 sw = _mm512_loadu_ps(o.scales + b * kCols);
-    for (int r = 0; r < R; ++r) accf[r] = _mm512_mul_ps(accf[r], sw);
+  for (int c = 0; c < C; ++c) {
+    const int64_t n0 = (b + c) * kCols, width = std::min<int64_t>(kCols, o.N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
+    const __m512 sw = per_channel ? _mm512_loadu_ps(o.scales + (b + c) * kCols) : _mm512_set1_ps(1.0f);
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(out + (m0 + r) * o.N + n0, mask, per_channel ? _mm512_mul_ps(accf[r * C + c], sw)
+                                                                          : accf[r * C + c]);
   }
-  const int64_t n0 = b * kCols, width = std::min<int64_t>(kCols, o.N - n0);
-  const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * o.N + n0, mask, accf[r]);
 }
 
-template <int Bits>
-void column_block(const Operands& o, int64_t b, float* out) {
+// C column blocks from b, every row in tiles of up to kRows
+template <int Bits, int C>
+void column_blocks_from(const Operands& o, int64_t b, float* out) {
   for (int64_t m0 = 0; m0 < o.M; m0 += kRows) {
     switch (std::min<int64_t>(kRows, o.M - m0)) {
-      case 1: row_tile<Bits, 1>(o, b, m0, out); break;
-      case 2: row_tile<Bits, 2>(o, b, m0, out); break;
-      case 3: row_tile<Bits, 3>(o, b, m0, out); break;
-      case 4: row_tile<Bits, 4>(o, b, m0, out); break;
-      case 5: row_tile<Bits, 5>(o, b, m0, out); break;
-      case 6: row_tile<Bits, 6>(o, b, m0, out); break;
-      case 7: row_tile<Bits, 7>(o, b, m0, out); break;
-      default: row_tile<Bits, 8>(o, b, m0, out); break;
+      case 1: row_tile<Bits, 1, C>(o, b, m0, out); break;
+      case 2: row_tile<Bits, 2, C>(o, b, m0, out); break;
+      case 3: row_tile<Bits, 3, C>(o, b, m0, out); break;
+      case 4: row_tile<Bits, 4, C>(o, b, m0, out); break;
+      case 5: row_tile<Bits, 5, C>(o, b, m0, out); break;
+      default: row_tile<Bits, 6, C>(o, b, m0, out); break;
     }
+  }
+}
+
+// pair p: column blocks 2p and 2p + 1 (the last alone where their count is odd)
+template <int Bits>
+void column_pair(const Operands& o, int64_t p, float* out) {
+  if (2 * p + 1 < column_blocks(o.N)) {
+    column_blocks_from<Bits, 2>(o, 2 * p, out);
+  } else {
+    column_blocks_from<Bits, 1>(o, 2 * p, out);
   }
 }
 
@@ -262,12 +299,12 @@ void w8a8_gemm(const float* x, int64_t M, const QuantWeight& w, float* out) {
   o.xg = has_mins ? q.group_sums.data_ptr<float>() : nullptr;
   o.off = q.offset_sums.data_ptr<int32_t>();
   o.M = M, o.K = K, o.N = N, o.group = w.group, o.block = block, o.span = span, o.bits = static_cast<int>(w.bits);
-  at::parallel_for(0, column_blocks(N), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+  at::parallel_for(0, (column_blocks(N) + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
       if (w.bits == 8) {
-        column_block<8>(o, b, out);
+        column_pair<8>(o, p, out);
       } else {
-        column_block<4>(o, b, out);
+        column_pair<4>(o, p, out);
       }
     }
   });
