@@ -277,7 +277,7 @@ def test_a_killed_replica_loses_no_request_and_the_app_recovers(base_url):
     from the tokens already streamed), so all 16 complete with the text of a run without the kill."""
     import ray
 
-    async def one(client: httpx.AsyncClient, i: int) -> str:
+    async def one(client: httpx.AsyncClient, i: int, streaming: set[int]) -> str:
         body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 128, "ignore_eos": True, "stream": True,
                 "temperature": 0}  # fmt: skip
         async with client.stream("POST", base_url + "/v1/completions", json=body) as response:
@@ -290,15 +290,19 @@ def test_a_killed_replica_loses_no_request_and_the_app_recovers(base_url):
                 event = json.loads(line[6:])
                 if "error" in event:
                     return f"error event {event['error']}"
+                streaming.add(i)
                 text += event["choices"][0]["text"]
                 finish = event["choices"][0]["finish_reason"] or finish
             return text if finish == "length" else f"ended without finish ({finish})"
 
     async def run(kill: bool) -> list[str]:
         async with httpx.AsyncClient(timeout=180) as client:
-            tasks = [asyncio.ensure_future(one(client, i)) for i in range(16)]
-            if kill:
-                await asyncio.sleep(1.0)  # requests streaming on both replicas
+            streaming: set[int] = set()
+            tasks = [asyncio.ensure_future(one(client, i, streaming)) for i in range(16)]
+            if kill:  # once every request has streamed tokens (on a loaded host a fixed wait could see none yet)
+                deadline = time.monotonic() + 120
+                while len(streaming) < 16 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
                 victim = _engine_replica_names()[0]
                 ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
