@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 
 SUBBLOCK = 32  # k per subblock of the kernels' code layout
 INT4_GROUPS = (32, 64, 128)
-# The quantized GEMM's instruction-set paths, best first (quant_gemm.h QuantPath). avx512_vnni is avx512's
-# weight-only kernel plus W8A8 (activations quantized per row to int8, quant_w8a8.cpp) from W8A8_MIN_M rows.
+# The quantized GEMM's instruction-set paths, best first (quant_gemm.h QuantPath). avx512_vnni is W8A8 at every M
+# (activations quantized per row to int8, quant_w8a8.cpp) where the weight's groups allow it, else avx512's kernel.
 W8A8_PATH = "avx512_vnni"
 QUANT_GEMM_PATHS = (W8A8_PATH, "avx512", "avx2", "portable")
 
@@ -218,10 +218,10 @@ class QuantizedLinear(CpuLinear):
 
     SMALL_MAX_M = 64  # measured against the dequantized float32 tiles on SmolLM2 shapes (docs/quantization.md)
     SMALL_MAX_M_BF16_TILES = 16  # against bf16 tiles: they win from about 16-24 rows on the same shapes
-    # path avx512_vnni: W8A8 from this many rows (faster than the register path from one row), the activations
-    # quantized per row and block of ACT_BLOCK k (0: the whole row; never across a weight group): 16 is the largest
-    # block whose KL from float32 stays within llama.cpp's on the default model (docs/quantization.md)
-    W8A8_MIN_M = 1
+    # path avx512_vnni: W8A8 at every M (faster than the register path from one row, and one order per row, so
+    # deterministic mode keeps it), the activations quantized per row and block of ACT_BLOCK k (0: the whole row;
+    # never across a weight group): 16 is the largest block whose KL from float32 stays within llama.cpp's on the
+    # default model (docs/quantization.md)
     ACT_BLOCK = 16
     ACT_BLOCK_LOGITS = 32  # the output projection (GGUF's): 32 keeps gguf's KL within llama.cpp's too
 
@@ -278,15 +278,8 @@ class QuantizedLinear(CpuLinear):
             float_output=self.float_output,
             mins=self.mins,
             bf16_tiles=self.bf16_tiles,
-            w8a8_min_m=self._w8a8_min_m(),
             act_block=self.ACT_BLOCK_LOGITS if self.float_output else self.ACT_BLOCK,
         )
-
-    def _w8a8_min_m(self) -> int:
-        """Deterministic mode: W8A8 at every M or none (a row's bits must not depend on the batch's size)."""
-        if self.deterministic and self.W8A8_MIN_M > 1:
-            return ALL_ROWS + 1
-        return self.W8A8_MIN_M
 
     def _small_max_m(self) -> int:
         return self.SMALL_MAX_M_BF16_TILES if self.bf16_tiles else self.SMALL_MAX_M
