@@ -170,6 +170,23 @@ def test_w8a8_is_packed_only_for_whole_subblocks():
     assert torch.equal(native.quant_gemm(x, path="avx512_vnni", **args), native.quant_gemm(x, path="avx512", **args))
 
 
+@pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32)], ids=lambda s: s.name)
+def test_w8a8_reads_bf16_rows_and_writes_bf16_over_many_row_chunks(force_quant_gemm, scheme):
+    """A bf16 model's rows enter W8A8 as they are and its output is written in bf16 directly: the float32 result
+    rounded once. K = 4096 splits 100 rows into several chunks (the rows whose codes stay in L2); each row's result
+    is still the one it gets alone."""
+    _native()
+    force_quant_gemm(quantization.W8A8_PATH)
+    torch.manual_seed(1)
+    layer = QuantizedLinear(torch.randn(48, 4096), None, scheme)
+    x = torch.randn(100, 4096).to(torch.bfloat16)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    as_float = layer(x.float())
+    assert torch.equal(got, as_float.to(torch.bfloat16))
+    assert torch.equal(as_float, torch.cat([layer(x[i : i + 1].float()) for i in range(100)]))
+
+
 def test_native_dequantize_matches_torch():
     native = _native()
     for scheme in SCHEMES:

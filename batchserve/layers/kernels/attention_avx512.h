@@ -34,13 +34,6 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
-// 16 K/V values as floats: float caches load as they are, bfloat16 ones widen (a bfloat16 is a float's upper half).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 // Scores of one query (qv: head_dim / 16 vectors, already scaled) against the first `n` tokens of a tile; lanes >= n
 // are 0.
 template <int NC, typename T>

@@ -100,26 +100,6 @@ void rms_norm_rows(const T* x, int64_t x_stride, T* residual, int64_t res_stride
   });
 }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-// bfloat16 <-> float: a bfloat16 is a float's upper half; the store rounds to nearest even, as c10::BFloat16 does.
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline void store16(c10::BFloat16* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  // NaN (tested on the bits: -ffast-math assumes there is none) stays a quiet NaN instead of rounding into -0
-  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-#endif
-
 // out[i] = silu(gate[i]) * up[i] for i < n: one row of silu_and_mul, and the epilogue of the AMX GEMM fused with it
 // (amx_gemm.cpp), whose results must be these bit for bit; not inlined, so that both run the same instructions.
 template <typename T>

@@ -36,6 +36,7 @@ struct Projection {
 
  private:
   at::Tensor gemm(const at::Tensor& x) const;
+  at::Tensor quantized(const at::Tensor& x, at::ScalarType wanted) const;
 };
 
 // One step's attention metadata (layers/attention.py AttentionMetadata): decodes are the batch's first rows, prefill

@@ -35,17 +35,21 @@ at::Tensor Projection::silu_and_mul_of(const at::Tensor& x) const {
 }
 
 at::Tensor Projection::operator()(const at::Tensor& x) const {
-  const auto out = gemm(x.scalar_type() == weight_t.scalar_type() ? x : x.to(weight_t.scalar_type()));
   const auto wanted = float_output ? at::kFloat : x.scalar_type();
+  if (quant) return quantized(x, wanted);
+  const auto out = gemm(x.scalar_type() == weight_t.scalar_type() ? x : x.to(weight_t.scalar_type()));
+  return out.scalar_type() == wanted ? out : out.to(wanted);
+}
+
+// W8A8 reads a bf16 x and writes the wanted dtype itself (no conversion passes); the other paths convert inside
+at::Tensor Projection::quantized(const at::Tensor& x, at::ScalarType wanted) const {
+  if (!bias.has_value() && (wanted == at::kFloat || wanted == at::kBFloat16)) return quant_gemm(x, *quant, wanted);
+  const auto out = bias.has_value() ? quant_gemm(x, *quant) + *bias : quant_gemm(x, *quant);
   return out.scalar_type() == wanted ? out : out.to(wanted);
 }
 
 at::Tensor Projection::gemm(const at::Tensor& x) const {
   const int64_t m = x.size(0);
-  if (quant) {
-    const auto out = quant_gemm(x, *quant);
-    return bias.has_value() ? out + *bias : out;
-  }
   if (bf16_packed.has_value()) {
     const auto out = bf16_gemm(x, *bf16_packed, out_features);
     return bias.has_value() ? out + *bias : out;

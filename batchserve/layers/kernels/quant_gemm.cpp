@@ -285,17 +285,11 @@ at::Tensor quant_dequantize(const QuantWeight& w) {
   return out;
 }
 
-at::Tensor quant_gemm(const at::Tensor& x, const QuantWeight& w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.in_features,
-              "quant_gemm: x [M, in_features] float32");
-  const auto xc = x.contiguous();
+// the paths other than W8A8: float32 in and out
+static at::Tensor quant_gemm_float(const at::Tensor& xc, const QuantWeight& w) {
   const int64_t M = xc.size(0), N = w.out_features, K = w.in_features;
   auto out = at::empty({M, N}, xc.options());
   if (M == 0) return out;
-  if (w.path == QuantPath::kAvx512Vnni && w.w8a8_codes.defined() && M >= w.w8a8_min_m) {
-    w8a8_gemm(xc.data_ptr<float>(), M, w, out.data_ptr<float>());
-    return out;
-  }
   if (M <= w.small_max_m) {
     small_m_on_path(xc.data_ptr<float>(), M, K, w, out.data_ptr<float>());
     return out;
@@ -312,4 +306,18 @@ at::Tensor quant_gemm(const at::Tensor& x, const QuantWeight& w) {
     out.narrow(1, n0, n1 - n0).copy_(at::mm(lhs, (w.bf16_tiles ? rows.to(at::kBFloat16) : rows).t()));
   }
   return out;
+}
+
+at::Tensor quant_gemm(const at::Tensor& x, const QuantWeight& w, at::ScalarType out_dtype) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in_features, "quant_gemm: x [M, in_features]");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "quant_gemm: float32 or bf16 out");
+  if (w.path == QuantPath::kAvx512Vnni && w.w8a8_codes.defined() &&
+      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)) {
+    const auto xc = x.contiguous();
+    auto out = at::empty({xc.size(0), w.out_features}, xc.options().dtype(out_dtype));
+    if (xc.size(0) > 0) w8a8_gemm(xc, w, out);
+    return out;
+  }
+  const auto out = quant_gemm_float(x.to(at::kFloat).contiguous(), w);
+  return out.scalar_type() == out_dtype ? out : out.to(out_dtype);
 }

@@ -9,7 +9,7 @@
 #include <vector>
 
 // The instruction-set paths of the quantized GEMM, best first as Python lists them (kernels.QUANT_GEMM_PATHS).
-// kAvx512Vnni: kAvx512's register path, and W8A8 (quant_w8a8.cpp) from w8a8_min_m rows where the weight allows it.
+// kAvx512Vnni: W8A8 (quant_w8a8.cpp) at every M where the weight allows it, else kAvx512's paths.
 enum class QuantPath { kPortable, kAvx2, kAvx512, kAvx512Vnni };
 
 // Codes in 32-k subblocks: bits 8: int8 [N, K], value = code * scale; bits 4: uint8 [N, K / 2], per 32 k 16 bytes,
@@ -24,14 +24,15 @@ struct QuantWeight {
   bool bf16_tiles = false;  // above small_max_m: tiles and activations rounded to bf16 for the bf16 GEMM (bf16 models)
   QuantPath path = QuantPath::kPortable;
   // W8A8 (quant_w8a8.cpp), path kAvx512Vnni: the codes repacked once for vpdpbusd, scales / mins per 16 columns;
-  // undefined where not packed. From w8a8_min_m rows every M takes it; activations quantized per row and act_block k
+  // undefined where not packed. When packed every M takes it; activations quantized per row and act_block k
   // (0: the whole row).
   at::Tensor w8a8_codes, w8a8_scales, w8a8_mins;
-  int64_t w8a8_min_m = 1, act_block = 0;
+  int64_t act_block = 0;
 };
 
-// x [M, K] float32 -> [M, N] float32: x @ dequantized(W).T
-at::Tensor quant_gemm(const at::Tensor& x, const QuantWeight& w);
+// x [M, K] float32 -> [M, N] float32: x @ dequantized(W).T; W8A8 also takes bf16 x and returns out_dtype (float32 or
+// bf16) directly, the other paths convert
+at::Tensor quant_gemm(const at::Tensor& x, const QuantWeight& w, at::ScalarType out_dtype = at::kFloat);
 // the weight dequantized to float32 [N, K] (tests, the torch fallback)
 at::Tensor quant_dequantize(const QuantWeight& w);
 std::vector<std::string> quant_gemm_paths();  // built here and runnable on this CPU, best first
@@ -39,4 +40,5 @@ std::vector<std::string> quant_gemm_paths();  // built here and runnable on this
 bool w8a8_built();                          // compiled with AVX512-VNNI
 bool w8a8_supported(const QuantWeight& w);  // groups of whole 32-k subblocks (not GGUF Q6_K's 16)
 void w8a8_pack(QuantWeight& w);             // sets w8a8_codes / _scales / _mins from codes, scales, mins
-void w8a8_gemm(const float* x, int64_t M, const QuantWeight& w, float* out);  // out [M, N] float32
+// x [M, K] float32 or bf16 -> out [M, N] float32 or bf16 (both contiguous)
+void w8a8_gemm(const at::Tensor& x, const QuantWeight& w, const at::Tensor& out);

@@ -21,8 +21,7 @@ QuantPath path_named(const std::string& name) {
 std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group,
                                                 const std::string& path, int64_t small_max_m,
                                                 c10::optional<at::Tensor> mins = c10::nullopt,
-                                                bool bf16_tiles = false, int64_t w8a8_min_m = 1,
-                                                int64_t act_block = 0) {
+                                                bool bf16_tiles = false, int64_t act_block = 0) {
   TORCH_CHECK(bits == 8 || bits == 4, "quantized weight: 8 or 4 bits, not ", bits);
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "codes: [N, K] (int8) or [N, K / 2] (packed int4)");
   TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "codes: int8 for 8 bits, uint8 for 4");
@@ -48,13 +47,12 @@ std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor sca
   w->path = path_named(path);
   TORCH_CHECK(act_block == 0 || act_block == 16 || act_block % 32 == 0,
               "act_block: 0 (the whole row), 16 or a multiple of 32");
-  w->w8a8_min_m = w8a8_min_m;
   w->act_block = act_block;
   if (w->path == QuantPath::kAvx512Vnni && w8a8_supported(*w)) {
     w8a8_pack(*w);  // once, at load
     // every M takes W8A8: the repacked copies are the only ones read; the caller may free its codes, scales and
     // minimums (quant_codes_kept)
-    if (w->w8a8_min_m <= 1) w->codes = w->scales = w->mins = at::Tensor();
+    w->codes = w->scales = w->mins = at::Tensor();
   }
   return w;
 }
@@ -69,11 +67,11 @@ void register_quant_gemm(pybind11::module& m) {
       "quantized_projection",
       [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> bias,
          const std::string& path, int64_t small_max_m, bool float_output, c10::optional<at::Tensor> mins,
-         bool bf16_tiles, int64_t w8a8_min_m, int64_t act_block) {
+         bool bf16_tiles, int64_t act_block) {
         Projection p{};
         p.quant = quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m, std::move(mins),
-                               bf16_tiles, w8a8_min_m, act_block);
-        p.weight_t = at::empty({0}, at::kFloat);  // the GEMM's dtype: activations enter it as float32
+                               bf16_tiles, act_block);
+        p.weight_t = at::empty({0}, at::kFloat);  // unused: quant_gemm takes x as it comes
         p.bias = std::move(bias);
         p.out_features = p.quant->out_features;
         p.float_output = float_output;
@@ -82,22 +80,20 @@ void register_quant_gemm(pybind11::module& m) {
       "a Projection over a weight kept quantized (quant_gemm.h), its GEMM quant_gemm at every M", py::arg("codes"),
       py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("bias"), py::arg("path"),
       py::arg("small_max_m"), py::arg("float_output") = false, py::arg("mins") = py::none(),
-      py::arg("bf16_tiles") = false, py::arg("w8a8_min_m") = 1, py::arg("act_block") = 0);
+      py::arg("bf16_tiles") = false, py::arg("act_block") = 0);
   m.def(
       "quant_codes_kept", [](const Projection& p) { return p.quant != nullptr && p.quant->codes.defined(); },
       "whether a quantized Projection still reads its codes, scales and minimums (false: W8A8 at every M, repacked)");
   m.def(
       "quant_gemm",
       [](at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, const std::string& path,
-         int64_t small_max_m, c10::optional<at::Tensor> mins, bool bf16_tiles, int64_t w8a8_min_m,
-         int64_t act_block) {
+         int64_t small_max_m, c10::optional<at::Tensor> mins, bool bf16_tiles, int64_t act_block) {
         return quant_gemm(x, *quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m,
-                                           std::move(mins), bf16_tiles, w8a8_min_m, act_block));
+                                           std::move(mins), bf16_tiles, act_block));
       },
       "x [M, K] float32 @ a quantized weight -> [M, N] float32", no_gil, py::arg("x"), py::arg("codes"),
       py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("path"), py::arg("small_max_m"),
-      py::arg("mins") = py::none(), py::arg("bf16_tiles") = false, py::arg("w8a8_min_m") = 1,
-      py::arg("act_block") = 0);
+      py::arg("mins") = py::none(), py::arg("bf16_tiles") = false, py::arg("act_block") = 0);
   m.def(
       "quant_dequantize",
       [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> mins) {

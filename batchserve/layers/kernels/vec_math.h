@@ -1,6 +1,8 @@
 // Vector math shared by the kernels (AVX-512, and AVX2 + FMA).
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <cstdint>
 
@@ -64,6 +66,35 @@ class RowPrefetcher {
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+// 16 values as floats from float32 or bfloat16 (a bfloat16 is a float's upper half), and back; the bfloat16 store
+// rounds to nearest even, as c10::BFloat16 does, and a NaN (tested on the bits: -ffast-math assumes there is none)
+// stays a quiet NaN instead of rounding into -0.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m256i bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(v));
+}
+// the lanes of `mask` only
+inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(reinterpret_cast<__m256i*>(p), mask, bf16_bits(v));
+}
+#endif
 
 // exp(x), x clamped to [-87, 88]: 2^k * p(r) with r = x - k ln2 in [-ln2/2, ln2/2] and p of degree 6 (relative error
 // ~1e-7, about one float ulp). NaN stays NaN: vmaxps/vminps return their second operand when one is NaN.
