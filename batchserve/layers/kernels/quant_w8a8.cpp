@@ -1,17 +1,20 @@
-// W8A8 with AVX512-VNNI: x [M, K] (float32 or bf16) @ a weight kept quantized (quant_gemm.h) -> float32 or bf16, the
-// activations quantized to int8 per row and block of k, the products summed in int32 by vpdpbusd (u8 x s8, 64 multiply-adds an instruction).
+// W8A8 with AVX512-VNNI: x [M, K] (float32 or bf16) @ a weight kept quantized (quant_gemm.h) -> float32 or bf16,
+// the activations quantized to int8 per row and block of k, the products summed in int32 by vpdpbusd (u8 x s8, 64
+// multiply-adds an instruction).
 //
 // Why: above a few rows the weight-only path either widens every code again per row block or dequantizes the whole
 // weight into tiles every step; here the codes are multiplied as integers, the float work is one conversion and one
-// FMA per span of k. The weight is repacked once, at load (w8a8_pack), so that one 64-byte load holds 4 consecutive k
-// of 16 output columns, the operand vpdpbusd wants:
-//   8 bits: [N / 16][K / 4][16 columns][4 k] uint8 = code + 128;
-//   4 bits: [N / 16][K / 32][4][16 columns][4 k] uint8: vector p of a 32-k subblock holds k = 4p..4p+3 in its low
-//           nibbles and k = 16+4p..16+4p+3 in its high ones, the stored nibble (code + 8).
-// The weights are the unsigned operand (offset 128 or 8), the activations the signed one (-127..127), so what the
-// offset adds is the same for every column: it is taken out per row and weight group, in float, and the int32 sums
-// start at zero (no register but a zeroed one enters the inner loop). A row's result depends only on that row (one
-// order per row, whatever M). Rows go in chunks whose codes stay in L2 while every column block reads them.
+// or two FMAs per span of k. The weight is repacked once, at load (w8a8_pack), so that one 64-byte load holds 4
+// consecutive k of 16 output columns, the operand vpdpbusd wants:
+//   8 bits: [N / 16][K / 4][16 columns][4 k] int8 codes;
+//   4 bits: [N / 16][K / 32][4][16 columns][4 k] bytes: vector p of a 32-k subblock holds k = 4p..4p+3 in its low
+//           nibbles and k = 16+4p..16+4p+3 in its high ones, each nibble the code's 4-bit two's complement, so that
+//           a nibble moved to a byte's top (and the low half cleared) is the signed byte 16 x code; the column
+//           scales are packed divided by 16 to match.
+// The weights are the signed operand, the activations the unsigned one: codes -127..127 plus 128. What that offset
+// adds, 128 x the span's weight codes summed, depends on the column only: it is packed once per column and span, and
+// a span's int32 sums start from its negation, so they end exact. A row's result depends only on that row (one order
+// per row, whatever M). Rows go in chunks whose codes stay in L2 while every column block reads them.
 #include "quant_gemm.h"
 #include "vec_math.h"
 
@@ -29,11 +32,27 @@
 namespace {
 
 constexpr int64_t kCols = 16;  // output columns per packed block: one zmm of int32
-constexpr int kRows = 6;       // rows sharing one load of the packed weight
+constexpr int32_t kOffset = 128;  // added to the activation codes: vpdpbusd's unsigned operand
 
 int64_t column_blocks(int64_t N) { return (N + kCols - 1) / kCols; }
 // bytes of one packed block of 16 columns: K codes each, 8 or 4 bits
 int64_t block_bytes(int64_t K, int64_t bits) { return K * kCols * bits / 8; }
+
+// The activations' block: act_block (0: the whole row), never across a weight group's edge; a span (k summed in
+// int32) is 16 k or whole 32-k subblocks.
+struct Spans {
+  int64_t block, span;
+};
+
+Spans spans_of(const QuantWeight& w) {
+  const int64_t K = w.in_features;
+  const int64_t block = w.act_block > 0 && w.act_block < K ? w.act_block : K;
+  TORCH_CHECK(K % block == 0 && (w.group % block == 0 || block % w.group == 0), "w8a8: activation block ", block,
+              " does not tile K = ", K, " and group ", w.group);
+  const int64_t span = std::min(block, w.group);
+  TORCH_CHECK(span == 16 || span % 32 == 0, "w8a8: a span of ", span, " k");
+  return {block, span};
+}
 
 // [N, G] float32 -> [N / 16][G][16] (zero-padded columns)
 at::Tensor pack_columns(const at::Tensor& per_group) {
@@ -43,11 +62,29 @@ at::Tensor pack_columns(const at::Tensor& per_group) {
   return padded.view({blocks, kCols, G}).transpose(1, 2).contiguous();
 }
 
-// code k of a row of packed int4 (GGUF Q4_0's order: byte j of a subblock holds k = j low, k = j + 16 high)
-uint8_t nibble_at(const uint8_t* row, int64_t k) {
+// code k of a row, signed (4 bits: GGUF Q4_0's order, byte j of a subblock holds k = j low, k = j + 16 high, code + 8)
+int code_at(const uint8_t* row, int64_t k, int64_t bits) {
+  if (bits == 8) return static_cast<int8_t>(row[k]);
   const int64_t sub = k / 32, j = k % 32;
   const uint8_t byte = row[sub * 16 + (j & 15)];
-  return j < 16 ? (byte & 15) : (byte >> 4);
+  return (j < 16 ? (byte & 15) : (byte >> 4)) - 8;
+}
+
+// one column's codes into the packed block, and per span -kOffset x the signed bytes vpdpbusd will multiply
+void pack_column(const uint8_t* row, const QuantWeight& w, int64_t c, int64_t span, uint8_t* block, int32_t* starts) {
+  const int64_t K = w.in_features;
+  for (int64_t k = 0; k < K; ++k) {
+    const int code = code_at(row, k, w.bits);
+    int multiplied = code;
+    if (w.bits == 8) {
+      block[(k / 4) * 64 + c * 4 + k % 4] = static_cast<uint8_t>(code);
+    } else {
+      const int64_t sub = k / 32, j = k % 32, p = (j % 16) / 4, i = j % 4;
+      block[sub * 256 + p * 64 + c * 4 + i] |= static_cast<uint8_t>((code & 15) << (j < 16 ? 0 : 4));
+      multiplied = 16 * code;
+    }
+    starts[(k / span) * kCols + c] -= kOffset * multiplied;
+  }
 }
 
 }  // namespace
@@ -55,30 +92,22 @@ uint8_t nibble_at(const uint8_t* row, int64_t k) {
 bool w8a8_supported(const QuantWeight& w) { return w.group % 32 == 0 && w.in_features % 32 == 0; }
 
 void w8a8_pack(QuantWeight& w) {
-  const int64_t N = w.out_features, K = w.in_features, blocks = column_blocks(N);
+  const int64_t N = w.out_features, K = w.in_features, blocks = column_blocks(N), span = spans_of(w).span;
   auto packed = at::zeros({blocks * block_bytes(K, w.bits)}, at::kByte);
+  auto starts = at::zeros({blocks, K / span, kCols}, at::kInt);
   uint8_t* dst = packed.data_ptr<uint8_t>();
+  int32_t* start = starts.data_ptr<int32_t>();
   const auto* codes = static_cast<const uint8_t*>(w.codes.data_ptr());
   const int64_t row_bytes = w.bits == 8 ? K : K / 2;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      uint8_t* block = dst + b * block_bytes(K, w.bits);
-      for (int64_t c = 0; c < kCols && b * kCols + c < N; ++c) {
-        const uint8_t* row = codes + (b * kCols + c) * row_bytes;
-        for (int64_t k = 0; k < K; ++k) {
-          if (w.bits == 8) {
-            block[(k / 4) * 64 + c * 4 + k % 4] = static_cast<uint8_t>(row[k] ^ 0x80);  // int8 code + 128
-          } else {
-            const int64_t sub = k / 32, j = k % 32, p = (j % 16) / 4, i = j % 4;
-            uint8_t& byte = block[sub * 256 + p * 64 + c * 4 + i];
-            byte |= static_cast<uint8_t>(nibble_at(row, k) << (j < 16 ? 0 : 4));
-          }
-        }
-      }
-    }
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t c = 0; c < kCols && b * kCols + c < N; ++c)
+        pack_column(codes + (b * kCols + c) * row_bytes, w, c, span, dst + b * block_bytes(K, w.bits),
+                    start + b * (K / span) * kCols);
   });
   w.w8a8_codes = packed;
-  w.w8a8_scales = pack_columns(w.scales);
+  w.w8a8_starts = starts;
+  w.w8a8_scales = pack_columns(w.bits == 8 ? w.scales : w.scales / 16.0);
   w.w8a8_mins = w.mins.defined() ? pack_columns(w.mins) : at::Tensor();
 }
 
@@ -86,65 +115,58 @@ void w8a8_pack(QuantWeight& w) {
 namespace {
 
 constexpr int64_t kChunkBytes = 192 * 1024;  // a pass's activation codes (rows x K bytes): they stay in L2
+constexpr int kMostRows = 6;                  // a tile's int32 sums and float sums: 24 of the 32 registers
 
-// The activations quantized: int8 codes [M, K], a scale per row and block of k [M, K / block], per row and weight
-// group the offset's share [M, K / group] (-offset x the group's codes times their scales, summed: what the offset
-// adds to every column's int32 sums, taken out once in float), and with minimums each group's float sum.
+// The activations quantized: codes + kOffset [M, K] uint8, a scale per row and block of k [M, K / block], and with
+// minimums each weight group's float sum [M, K / group].
 struct QuantizedRows {
-  at::Tensor codes, scales, offset_shares, group_sums;
-};
-
-struct RowShape {
-  int64_t K, block, group;
-  int32_t offset;
+  at::Tensor codes, scales, group_sums;
 };
 
 template <typename T>
-void quantize_row(const T* xr, const RowShape& s, int8_t* codes, float* scales, float* shares, float* gsums) {
-  std::fill(shares, shares + s.K / s.group, 0.0f);
-  for (int64_t b0 = 0; b0 < s.K; b0 += s.block) {
+void quantize_row(const T* xr, int64_t K, int64_t block, int64_t group, uint8_t* codes, float* scales, float* gsums) {
+  const __m512i offset = _mm512_set1_epi32(kOffset);
+  for (int64_t b0 = 0; b0 < K; b0 += block) {
     __m512 mx = _mm512_setzero_ps();
-    for (int64_t k = b0; k < b0 + s.block; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(xr + k)));
-    const float amax = _mm512_reduce_max_ps(mx), scale = amax / 127.0f;
+    for (int64_t k = b0; k < b0 + block; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(xr + k)));
+    const float amax = _mm512_reduce_max_ps(mx);
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    scales[b0 / s.block] = scale;
-    for (int64_t k = b0; k < b0 + s.block; k += 16) {
+    scales[b0 / block] = amax / 127.0f;
+    for (int64_t k = b0; k < b0 + block; k += 16) {
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xr + k), inv));  // nearest, ties even; |q| <= 127
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k), _mm512_cvtsepi32_epi8(q));
-      shares[k / s.group] -= static_cast<float>(s.offset) * scale * static_cast<float>(_mm512_reduce_add_epi32(q));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(q, offset)));
     }
   }
-  for (int64_t g = 0; gsums != nullptr && g < s.K / s.group; ++g) {
+  for (int64_t g = 0; gsums != nullptr && g < K / group; ++g) {
     __m512 total = _mm512_setzero_ps();
-    for (int64_t k = g * s.group; k < (g + 1) * s.group; k += 16) total = _mm512_add_ps(total, load16(xr + k));
+    for (int64_t k = g * group; k < (g + 1) * group; k += 16) total = _mm512_add_ps(total, load16(xr + k));
     gsums[g] = _mm512_reduce_add_ps(total);
   }
 }
 
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t M, const RowShape& s, bool with_group_sums) {
+QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t block, int64_t group, bool with_group_sums) {
   QuantizedRows q;
-  q.codes = at::empty({M, s.K}, at::kChar);
-  q.scales = at::empty({M, s.K / s.block}, at::kFloat);
-  q.offset_shares = at::empty({M, s.K / s.group}, at::kFloat);
-  q.group_sums = with_group_sums ? at::empty({M, s.K / s.group}, at::kFloat) : at::Tensor();
-  auto* codes = q.codes.data_ptr<int8_t>();
-  float *scales = q.scales.data_ptr<float>(), *shares = q.offset_shares.data_ptr<float>();
+  q.codes = at::empty({M, K}, at::kByte);
+  q.scales = at::empty({M, K / block}, at::kFloat);
+  q.group_sums = with_group_sums ? at::empty({M, K / group}, at::kFloat) : at::Tensor();
+  auto* codes = q.codes.data_ptr<uint8_t>();
+  float* scales = q.scales.data_ptr<float>();
   float* gsums = with_group_sums ? q.group_sums.data_ptr<float>() : nullptr;
-  const int64_t blocks = s.K / s.block, groups = s.K / s.group;
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
-      quantize_row(x + m * s.K, s, codes + m * s.K, scales + m * blocks, shares + m * groups,
-                   gsums == nullptr ? nullptr : gsums + m * groups);
+      quantize_row(x + m * K, K, block, group, codes + m * K, scales + m * (K / block),
+                   gsums == nullptr ? nullptr : gsums + m * (K / group));
   });
   return q;
 }
 
 struct Operands {
   const uint8_t* codes;        // packed
+  const int32_t* starts;       // packed [N / 16][K / span][16]
   const float *scales, *mins;  // packed [N / 16][G][16]
-  const int8_t* xq;
-  const float *xs, *shares, *xg;  // [M, K / block], [M, K / group], [M, K / group]
+  const uint8_t* xq;
+  const float *xs, *xg;  // [M, K / block], [M, K / group]
   int64_t M, K, N, group, block, span;
 };
 
@@ -154,16 +176,17 @@ inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
 }
 
-inline __m512i broadcast_quad(const int8_t* p) {
+inline __m512i broadcast_quad(const uint8_t* p) {
   int32_t quad;
   std::memcpy(&quad, p, 4);
   return _mm512_set1_epi32(quad);
 }
 
 // acc[r][c] += the int32 products over k in [s0, s0 + span) of row r (x + r * K) and the 16 columns of column block
-// c (w + c * stride); one weight vector serves R rows, one activation broadcast C blocks
+// c (w + c * stride); one weight vector serves R rows, one activation broadcast C blocks. 4 bits (whole subblocks): a
+// nibble moved to the top of its byte, the low half cleared, is 16 x its signed code.
 template <int Bits, int R, int C>
-inline void span_products(const uint8_t* w, int64_t stride, const int8_t* x, int64_t K, int64_t s0, int64_t span,
+inline void span_products(const uint8_t* w, int64_t stride, const uint8_t* x, int64_t K, int64_t s0, int64_t span,
                           __m512i (&acc)[R][C]) {
   if constexpr (Bits == 8) {
     w += s0 * kCols;
@@ -172,38 +195,25 @@ inline void span_products(const uint8_t* w, int64_t stride, const int8_t* x, int
       for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * stride);
       for (int r = 0; r < R; ++r) {
         const __m512i xv = broadcast_quad(x + r * K + k);
-        for (int c = 0; c < C; ++c) dpbusd(acc[r][c], wv[c], xv);
-      }
-    }
-  } else if (span == 16) {  // half a subblock: its low nibbles (k 0..15) or its high ones (k 16..31)
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const int shift = s0 % 32 == 0 ? 0 : 4;
-    w += (s0 / 32) * 32 * kCols / 2;
-    for (int p = 0; p < 4; ++p, w += 64) {
-      __m512i nib[C];
-      for (int c = 0; c < C; ++c)
-        nib[c] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(w + c * stride), shift), low);
-      for (int r = 0; r < R; ++r) {
-        const __m512i xv = broadcast_quad(x + r * K + s0 + 4 * p);
-        for (int c = 0; c < C; ++c) dpbusd(acc[r][c], nib[c], xv);
+        for (int c = 0; c < C; ++c) dpbusd(acc[r][c], xv, wv[c]);
       }
     }
   } else {
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i top = _mm512_set1_epi8(static_cast<char>(0xF0));
     w += s0 * kCols / 2;
     for (int64_t k = s0; k < s0 + span; k += 32) {
       for (int p = 0; p < 4; ++p, w += 64) {
         __m512i lo[C], hi[C];
         for (int c = 0; c < C; ++c) {
           const __m512i v = _mm512_loadu_si512(w + c * stride);
-          lo[c] = _mm512_and_si512(v, low);
-          hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          lo[c] = _mm512_and_si512(_mm512_slli_epi16(v, 4), top);
+          hi[c] = _mm512_and_si512(v, top);
         }
         for (int r = 0; r < R; ++r) {
           const __m512i xlo = broadcast_quad(x + r * K + k + 4 * p), xhi = broadcast_quad(x + r * K + k + 16 + 4 * p);
           for (int c = 0; c < C; ++c) {
-            dpbusd(acc[r][c], lo[c], xlo);
-            dpbusd(acc[r][c], hi[c], xhi);
+            dpbusd(acc[r][c], xlo, lo[c]);
+            dpbusd(acc[r][c], xhi, hi[c]);
           }
         }
       }
@@ -211,85 +221,159 @@ inline void span_products(const uint8_t* w, int64_t stride, const int8_t* x, int
   }
 }
 
-// out[m0 + r][the 16 columns of each of C blocks from b] for R rows. Per weight group, a float sum starts at the
-// row's offset share and takes each span's int32 sums times the span's activation scale; Grouped: each group's sum
-// times the group's column scales (and its minimums times the row's group sum) is added up, else (one group, no
-// minimums: int8 per channel) the one sum is scaled at the end.
-template <int Bits, bool Grouped, int R, int C, typename OutT>
-void row_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
-  const int64_t groups = o.K / o.group, blocks = o.K / o.block, stride = block_bytes(o.K, Bits);
-  const uint8_t* w = o.codes + b * stride;
-  const int8_t* x = o.xq + m0 * o.K;
-  __m512 total[R][C], part[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int r = 0; r < R; ++r) {
-      const __m512 share = _mm512_set1_ps(o.shares[(m0 + r) * groups + g]);
-      for (int c = 0; c < C; ++c) part[r][c] = share;
-    }
-    for (int64_t s0 = g * o.group; s0 < (g + 1) * o.group; s0 += o.span) {
-      __m512i acc[R][C];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
-      span_products<Bits, R, C>(w, stride, x, o.K, s0, o.span, acc);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xs = _mm512_set1_ps(o.xs[(m0 + r) * blocks + s0 / o.block]);
-        for (int c = 0; c < C; ++c) part[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), xs, part[r][c]);
-      }
-    }
-    if constexpr (Grouped) {
-      for (int c = 0; c < C; ++c) {
-        const __m512 sw = _mm512_loadu_ps(o.scales + ((b + c) * groups + g) * kCols);
-        for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(part[r][c], sw, total[r][c]);
-      }
-      if (o.mins != nullptr) {
-        for (int c = 0; c < C; ++c) {
-          const __m512 mn = _mm512_loadu_ps(o.mins + ((b + c) * groups + g) * kCols);
-          for (int r = 0; r < R; ++r)
-            total[r][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xg[(m0 + r) * groups + g]), total[r][c]);
-        }
-      }
-    }
-  }
+// the tile's float sums into out (rows m0.., the 16 columns of each of C blocks from b); per channel (not Grouped)
+// scaled by the column scales here
+template <bool Grouped, int R, int C, typename OutT>
+inline void store_tile(const Operands& o, int64_t b, int64_t m0, const __m512 (&total)[R][C], OutT* out) {
   for (int c = 0; c < C; ++c) {
     const int64_t n0 = (b + c) * kCols, width = std::min<int64_t>(kCols, o.N - n0);
     const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
-    const __m512 sw = _mm512_loadu_ps(o.scales + (b + c) * kCols);  // Grouped: unused
+    const __m512 sw = Grouped ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(o.scales + (b + c) * kCols);
     for (int r = 0; r < R; ++r)
-      store16(out + (m0 + r) * o.N + n0, Grouped ? total[r][c] : _mm512_mul_ps(part[r][c], sw), mask);
+      store16(out + (m0 + r) * o.N + n0, Grouped ? total[r][c] : _mm512_mul_ps(total[r][c], sw), mask);
   }
 }
 
-// rows [m0, m1) of C column blocks from b, in tiles of up to kRows(Grouped) rows
-template <int Bits, bool Grouped, int C, typename OutT>
+// out[m0 + r][the 16 columns of each of C blocks from b] for R rows. A span's int32 sums (exact) times the span's
+// activation scale are added up: Grouped (scales per weight group, or minimums), each times its group's column
+// scales, the minimums times the row's group sums; else (int8 per channel) scaled once at the end.
+template <int Bits, bool Grouped, int R, int C, typename OutT>
+void row_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
+  const int64_t groups = o.K / o.group, blocks = o.K / o.block, spans = o.K / o.span;
+  const int64_t stride = block_bytes(o.K, Bits), per_block = o.block / o.span, per_group = o.group / o.span;
+  const uint8_t* w = o.codes + b * stride;
+  const uint8_t* x = o.xq + m0 * o.K;
+  __m512 total[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+  // span s: activation block a, weight group g (counted, not divided: this loop is per span)
+  for (int64_t s = 0, a = 0, g = 0, in_block = 0, in_group = 0; s < spans; ++s) {
+    __m512i acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_si512(o.starts + ((b + c) * spans + s) * kCols);
+    span_products<Bits, R, C>(w, stride, x, o.K, s * o.span, o.span, acc);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xs = _mm512_set1_ps(o.xs[(m0 + r) * blocks + a]);
+      for (int c = 0; c < C; ++c) {
+        if constexpr (Grouped) {
+          const __m512 sw = _mm512_loadu_ps(o.scales + ((b + c) * groups + g) * kCols);
+          total[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][c]), xs), sw, total[r][c]);
+        } else {
+          total[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), xs, total[r][c]);
+        }
+      }
+    }
+    const bool group_ends = ++in_group == per_group;
+    if (Grouped && o.mins != nullptr && group_ends) {
+      for (int c = 0; c < C; ++c) {
+        const __m512 mn = _mm512_loadu_ps(o.mins + ((b + c) * groups + g) * kCols);
+        for (int r = 0; r < R; ++r)
+          total[r][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xg[(m0 + r) * groups + g]), total[r][c]);
+      }
+    }
+    if (++in_block == per_block) in_block = 0, ++a;
+    if (group_ends) in_group = 0, ++g;
+  }
+  store_tile<Grouped, R, C>(o, b, m0, total, out);
+}
+
+// row_tile for 4 bits in 16-k spans (GGUF's 4-bit types at activation block 16): both halves of a 32-k subblock
+// from one load of its codes, their int32 sums apart (each has its activation scale), then scaled together.
+template <bool Grouped, int R, int C, typename OutT>
+void halves_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
+  const int64_t groups = o.K / o.group, blocks = o.K / o.block, spans = o.K / 16, per_group = o.group / 32;
+  const int64_t stride = block_bytes(o.K, 4);
+  const __m512i top = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const uint8_t* w = o.codes + b * stride;
+  const uint8_t* x = o.xq + m0 * o.K;
+  __m512 total[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+  for (int64_t sub = 0, g = 0, in_group = 0; sub < o.K / 32; ++sub) {
+    __m512i lo[R][C], hi[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) {
+        lo[r][c] = _mm512_loadu_si512(o.starts + ((b + c) * spans + 2 * sub) * kCols);
+        hi[r][c] = _mm512_loadu_si512(o.starts + ((b + c) * spans + 2 * sub + 1) * kCols);
+      }
+    for (int p = 0; p < 4; ++p, w += 64) {
+      __m512i wlo[C], whi[C];
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(w + c * stride);
+        wlo[c] = _mm512_and_si512(_mm512_slli_epi16(v, 4), top);
+        whi[c] = _mm512_and_si512(v, top);
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* xr = x + r * o.K + 32 * sub + 4 * p;
+        const __m512i xlo = broadcast_quad(xr), xhi = broadcast_quad(xr + 16);
+        for (int c = 0; c < C; ++c) {
+          dpbusd(lo[r][c], xlo, wlo[c]);
+          dpbusd(hi[r][c], xhi, whi[c]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xs_lo = _mm512_set1_ps(o.xs[(m0 + r) * blocks + 2 * sub]);
+      const __m512 xs_hi = _mm512_set1_ps(o.xs[(m0 + r) * blocks + 2 * sub + 1]);
+      for (int c = 0; c < C; ++c) {
+        const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r][c]), xs_hi,
+                                            _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r][c]), xs_lo));
+        const __m512 sw = _mm512_loadu_ps(o.scales + ((b + c) * groups + g) * kCols);
+        total[r][c] = Grouped ? _mm512_fmadd_ps(both, sw, total[r][c]) : _mm512_add_ps(both, total[r][c]);
+      }
+    }
+    if (++in_group == per_group) {
+      for (int c = 0; Grouped && o.mins != nullptr && c < C; ++c) {
+        const __m512 mn = _mm512_loadu_ps(o.mins + ((b + c) * groups + g) * kCols);
+        for (int r = 0; r < R; ++r)
+          total[r][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xg[(m0 + r) * groups + g]), total[r][c]);
+      }
+      in_group = 0, ++g;
+    }
+  }
+  store_tile<Grouped, R, C>(o, b, m0, total, out);
+}
+
+// the tile of a weight's kind
+template <int Bits, bool Grouped, bool Halves, int R, int C, typename OutT>
+inline void tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
+  if constexpr (Halves) {
+    halves_tile<Grouped, R, C>(o, b, m0, out);
+  } else {
+    row_tile<Bits, Grouped, R, C>(o, b, m0, out);
+  }
+}
+
+// rows [m0, m1) of C column blocks from b, in tiles of up to kMostRows rows (Halves: 4, its sums take 3 registers)
+template <int Bits, bool Grouped, bool Halves, int C, typename OutT>
 void rows_of(const Operands& o, int64_t b, int64_t m0, int64_t m1, OutT* out) {
-  constexpr int kMost = Grouped ? 4 : 6;  // int32 sums, float sums (and totals) of a tile fit the 32 registers
+  constexpr int kMost = Halves ? 4 : kMostRows;
   for (int64_t m = m0; m < m1; m += kMost) {
     switch (std::min<int64_t>(kMost, m1 - m)) {
-      case 1: row_tile<Bits, Grouped, 1, C>(o, b, m, out); break;
-      case 2: row_tile<Bits, Grouped, 2, C>(o, b, m, out); break;
-      case 3: row_tile<Bits, Grouped, 3, C>(o, b, m, out); break;
-      case 4: row_tile<Bits, Grouped, 4, C>(o, b, m, out); break;
-      case 5: row_tile<Bits, Grouped, Grouped ? 4 : 5, C>(o, b, m, out); break;  // Grouped: never 5 or 6
-      default: row_tile<Bits, Grouped, Grouped ? 4 : 6, C>(o, b, m, out); break;
+      case 1: tile<Bits, Grouped, Halves, 1, C>(o, b, m, out); break;
+      case 2: tile<Bits, Grouped, Halves, 2, C>(o, b, m, out); break;
+      case 3: tile<Bits, Grouped, Halves, 3, C>(o, b, m, out); break;
+      case 4: tile<Bits, Grouped, Halves, 4, C>(o, b, m, out); break;
+      case 5: tile<Bits, Grouped, Halves, std::min(5, kMost), C>(o, b, m, out); break;
+      default: tile<Bits, Grouped, Halves, kMost, C>(o, b, m, out); break;
     }
   }
 }
 
 // Threads split (row chunk, column pair) items, chunk by chunk: a chunk's codes are read from L2 by every pair.
 // Pair p: column blocks 2p and 2p + 1 (the last alone where their count is odd).
-template <int Bits, bool Grouped, typename OutT>
+template <int Bits, bool Grouped, bool Halves, typename OutT>
 void all_tiles(const Operands& o, OutT* out) {
   const int64_t blocks = column_blocks(o.N), pairs = (blocks + 1) / 2;
-  const int64_t chunk = std::max<int64_t>(12, kChunkBytes / o.K / 12 * 12), chunks = (o.M + chunk - 1) / chunk;
+  const int64_t chunk = std::max<int64_t>(kMostRows, kChunkBytes / o.K / kMostRows * kMostRows);
+  const int64_t chunks = (o.M + chunk - 1) / chunk;
   at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m0 = (i / pairs) * chunk, m1 = std::min(o.M, m0 + chunk), b = 2 * (i % pairs);
       if (b + 1 < blocks) {
-        rows_of<Bits, Grouped, 2>(o, b, m0, m1, out);
+        rows_of<Bits, Grouped, Halves, 2>(o, b, m0, m1, out);
       } else {
-        rows_of<Bits, Grouped, 1>(o, b, m0, m1, out);
+        rows_of<Bits, Grouped, Halves, 1>(o, b, m0, m1, out);
       }
     }
   });
@@ -298,30 +382,25 @@ void all_tiles(const Operands& o, OutT* out) {
 template <typename InT, typename OutT>
 void w8a8_typed(const InT* x, int64_t M, const QuantWeight& w, OutT* out) {
   const int64_t K = w.in_features;
-  // the activations' block: w.act_block (0: the whole row), never across a weight group's edge; a span (k summed in
-  // int32) is 16 k or whole 32-k subblocks
-  const int64_t block = w.act_block > 0 && w.act_block < K ? w.act_block : K;
-  TORCH_CHECK(K % block == 0 && (w.group % block == 0 || block % w.group == 0), "w8a8: activation block ", block,
-              " does not tile K = ", K, " and group ", w.group);
-  const int64_t span = std::min(block, w.group);
-  TORCH_CHECK(span == 16 || span % 32 == 0, "w8a8: a span of ", span, " k");
+  const Spans spans = spans_of(w);
   const bool has_mins = w.w8a8_mins.defined();
-  const RowShape shape{K, block, w.group, w.bits == 8 ? 128 : 8};
-  const QuantizedRows q = quantize_rows(x, M, shape, has_mins);
+  const QuantizedRows q = quantize_rows(x, M, K, spans.block, w.group, has_mins);
   Operands o{};
   o.codes = w.w8a8_codes.data_ptr<uint8_t>();
+  o.starts = w.w8a8_starts.data_ptr<int32_t>();
   o.scales = w.w8a8_scales.data_ptr<float>();
   o.mins = has_mins ? w.w8a8_mins.data_ptr<float>() : nullptr;
-  o.xq = q.codes.data_ptr<int8_t>();
+  o.xq = q.codes.data_ptr<uint8_t>();
   o.xs = q.scales.data_ptr<float>();
-  o.shares = q.offset_shares.data_ptr<float>();
   o.xg = has_mins ? q.group_sums.data_ptr<float>() : nullptr;
-  o.M = M, o.K = K, o.N = w.out_features, o.group = w.group, o.block = block, o.span = span;
+  o.M = M, o.K = K, o.N = w.out_features, o.group = w.group, o.block = spans.block, o.span = spans.span;
   const bool grouped = K / w.group > 1 || has_mins;
   if (w.bits == 8) {
-    grouped ? all_tiles<8, true>(o, out) : all_tiles<8, false>(o, out);
+    grouped ? all_tiles<8, true, false>(o, out) : all_tiles<8, false, false>(o, out);
+  } else if (o.span == 16) {
+    grouped ? all_tiles<4, true, true>(o, out) : all_tiles<4, false, true>(o, out);
   } else {
-    grouped ? all_tiles<4, true>(o, out) : all_tiles<4, false>(o, out);
+    grouped ? all_tiles<4, true, false>(o, out) : all_tiles<4, false, false>(o, out);
   }
 }
 
