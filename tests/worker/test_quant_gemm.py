@@ -127,7 +127,8 @@ def _activation_steps(x: torch.Tensor, block: int) -> torch.Tensor:
     return amax.expand(-1, -1, block).reshape(m, k)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+# and int4 with one scale a row: 4-bit codes whose sums are scaled at the end, not per group
+@pytest.mark.parametrize("scheme", [*SCHEMES, QuantScheme(4, None)], ids=lambda s: s.name)
 @pytest.mark.parametrize("with_mins", [False, True], ids=["", "mins"])
 @pytest.mark.parametrize("rows", [1, 3, 9, 80])
 def test_w8a8_equals_the_dequantized_product_within_activation_rounding(force_quant_gemm, scheme, with_mins, rows):

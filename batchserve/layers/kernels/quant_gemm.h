@@ -26,7 +26,7 @@ struct QuantWeight {
   // W8A8 (quant_w8a8.cpp), path kAvx512Vnni: the codes repacked once for vpdpbusd, scales / mins per 16 columns;
   // undefined where not packed. When packed every M takes it; activations quantized per row and act_block k
   // (0: the whole row).
-  at::Tensor w8a8_codes, w8a8_starts, w8a8_scales, w8a8_mins;  // starts: each span's int32 sums' start
+  at::Tensor w8a8_codes, w8a8_scales, w8a8_mins;
   int64_t act_block = 0;
 };
 

@@ -6,15 +6,16 @@
 // weight into tiles every step; here the codes are multiplied as integers, the float work is one conversion and one
 // or two FMAs per span of k. The weight is repacked once, at load (w8a8_pack), so that one 64-byte load holds 4
 // consecutive k of 16 output columns, the operand vpdpbusd wants:
-//   8 bits: [N / 16][K / 4][16 columns][4 k] int8 codes;
+//   8 bits: [N / 16][K / 4][16 columns][4 k] uint8 = code + 128;
 //   4 bits: [N / 16][K / 32][4][16 columns][4 k] bytes: vector p of a 32-k subblock holds k = 4p..4p+3 in its low
-//           nibbles and k = 16+4p..16+4p+3 in its high ones, each nibble the code's 4-bit two's complement, so that
-//           a nibble moved to a byte's top (and the low half cleared) is the signed byte 16 x code; the column
-//           scales are packed divided by 16 to match.
-// The weights are the signed operand, the activations the unsigned one: codes -127..127 plus 128. What that offset
-// adds, 128 x the span's weight codes summed, depends on the column only: it is packed once per column and span, and
-// a span's int32 sums start from its negation, so they end exact. A row's result depends only on that row (one order
-// per row, whatever M). Rows go in chunks whose codes stay in L2 while every column block reads them.
+//           nibbles and k = 16+4p..16+4p+3 in its high ones, the stored nibble (code + 8), so that a nibble moved to
+//           a byte's top (the low half cleared) is the unsigned byte 16 x code + 128; the column scales are packed
+//           divided by 16 to match.
+// The weights are the unsigned operand (offset 128 either way), the activations the signed one (-127..127), so the
+// offset's share is a row's, not a column's: a span's int32 sums start at -128 x (the row's codes summed over the
+// span) and end exact. Nothing is read per column but the codes and scales: a single row streams the weight's bytes
+// only. A row's result depends only on that row (one order per row, whatever M). Rows go in chunks whose codes stay in
+// L2 while every column block reads them.
 #include "quant_gemm.h"
 #include "vec_math.h"
 
@@ -32,7 +33,7 @@
 namespace {
 
 constexpr int64_t kCols = 16;  // output columns per packed block: one zmm of int32
-constexpr int32_t kOffset = 128;  // added to the activation codes: vpdpbusd's unsigned operand
+constexpr int32_t kOffset = 128;  // added to the weight codes (4 bits: to 16 x the code): vpdpbusd's unsigned operand
 
 int64_t column_blocks(int64_t N) { return (N + kCols - 1) / kCols; }
 // bytes of one packed block of 16 columns: K codes each, 8 or 4 bits
@@ -62,28 +63,25 @@ at::Tensor pack_columns(const at::Tensor& per_group) {
   return padded.view({blocks, kCols, G}).transpose(1, 2).contiguous();
 }
 
-// code k of a row, signed (4 bits: GGUF Q4_0's order, byte j of a subblock holds k = j low, k = j + 16 high, code + 8)
-int code_at(const uint8_t* row, int64_t k, int64_t bits) {
-  if (bits == 8) return static_cast<int8_t>(row[k]);
+// code k of a row plus its offset, unsigned (4 bits: the stored nibble, code + 8; GGUF Q4_0's order, byte j of a
+// subblock holds k = j low, k = j + 16 high)
+uint8_t unsigned_code_at(const uint8_t* row, int64_t k, int64_t bits) {
+  if (bits == 8) return static_cast<uint8_t>(row[k] ^ 0x80);
   const int64_t sub = k / 32, j = k % 32;
   const uint8_t byte = row[sub * 16 + (j & 15)];
-  return (j < 16 ? (byte & 15) : (byte >> 4)) - 8;
+  return j < 16 ? (byte & 15) : (byte >> 4);
 }
 
-// one column's codes into the packed block, and per span -kOffset x the signed bytes vpdpbusd will multiply
-void pack_column(const uint8_t* row, const QuantWeight& w, int64_t c, int64_t span, uint8_t* block, int32_t* starts) {
-  const int64_t K = w.in_features;
+// one column's codes into its place in the packed block
+void pack_column(const uint8_t* row, int64_t K, int64_t bits, int64_t c, uint8_t* block) {
   for (int64_t k = 0; k < K; ++k) {
-    const int code = code_at(row, k, w.bits);
-    int multiplied = code;
-    if (w.bits == 8) {
-      block[(k / 4) * 64 + c * 4 + k % 4] = static_cast<uint8_t>(code);
+    const uint8_t code = unsigned_code_at(row, k, bits);
+    if (bits == 8) {
+      block[(k / 4) * 64 + c * 4 + k % 4] = code;
     } else {
       const int64_t sub = k / 32, j = k % 32, p = (j % 16) / 4, i = j % 4;
-      block[sub * 256 + p * 64 + c * 4 + i] |= static_cast<uint8_t>((code & 15) << (j < 16 ? 0 : 4));
-      multiplied = 16 * code;
+      block[sub * 256 + p * 64 + c * 4 + i] |= static_cast<uint8_t>(code << (j < 16 ? 0 : 4));
     }
-    starts[(k / span) * kCols + c] -= kOffset * multiplied;
   }
 }
 
@@ -92,21 +90,18 @@ void pack_column(const uint8_t* row, const QuantWeight& w, int64_t c, int64_t sp
 bool w8a8_supported(const QuantWeight& w) { return w.group % 32 == 0 && w.in_features % 32 == 0; }
 
 void w8a8_pack(QuantWeight& w) {
-  const int64_t N = w.out_features, K = w.in_features, blocks = column_blocks(N), span = spans_of(w).span;
+  const int64_t N = w.out_features, K = w.in_features, blocks = column_blocks(N);
+  spans_of(w);  // an activation block that does not fit the weight is refused here, at load
   auto packed = at::zeros({blocks * block_bytes(K, w.bits)}, at::kByte);
-  auto starts = at::zeros({blocks, K / span, kCols}, at::kInt);
   uint8_t* dst = packed.data_ptr<uint8_t>();
-  int32_t* start = starts.data_ptr<int32_t>();
   const auto* codes = static_cast<const uint8_t*>(w.codes.data_ptr());
   const int64_t row_bytes = w.bits == 8 ? K : K / 2;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t c = 0; c < kCols && b * kCols + c < N; ++c)
-        pack_column(codes + (b * kCols + c) * row_bytes, w, c, span, dst + b * block_bytes(K, w.bits),
-                    start + b * (K / span) * kCols);
+        pack_column(codes + (b * kCols + c) * row_bytes, K, w.bits, c, dst + b * block_bytes(K, w.bits));
   });
   w.w8a8_codes = packed;
-  w.w8a8_starts = starts;
   w.w8a8_scales = pack_columns(w.bits == 8 ? w.scales : w.scales / 16.0);
   w.w8a8_mins = w.mins.defined() ? pack_columns(w.mins) : at::Tensor();
 }
@@ -117,56 +112,64 @@ namespace {
 constexpr int64_t kChunkBytes = 192 * 1024;  // a pass's activation codes (rows x K bytes): they stay in L2
 constexpr int kMostRows = 6;                  // a tile's int32 sums and float sums: 24 of the 32 registers
 
-// The activations quantized: codes + kOffset [M, K] uint8, a scale per row and block of k [M, K / block], and with
-// minimums each weight group's float sum [M, K / group].
+// The activations quantized: int8 codes [M, K], a scale per row and block of k [M, K / block], per row and span
+// where its int32 sums start [M, K / span] (-kOffset x the span's codes summed), and with minimums each weight
+// group's float sum [M, K / group].
 struct QuantizedRows {
-  at::Tensor codes, scales, group_sums;
+  at::Tensor codes, scales, starts, group_sums;
+};
+
+struct RowShape {
+  int64_t K, block, span, group;
 };
 
 template <typename T>
-void quantize_row(const T* xr, int64_t K, int64_t block, int64_t group, uint8_t* codes, float* scales, float* gsums) {
-  const __m512i offset = _mm512_set1_epi32(kOffset);
-  for (int64_t b0 = 0; b0 < K; b0 += block) {
+void quantize_row(const T* xr, const RowShape& s, int8_t* codes, float* scales, int32_t* starts, float* gsums) {
+  std::fill(starts, starts + s.K / s.span, 0);
+  for (int64_t b0 = 0; b0 < s.K; b0 += s.block) {
     __m512 mx = _mm512_setzero_ps();
-    for (int64_t k = b0; k < b0 + block; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(xr + k)));
+    for (int64_t k = b0; k < b0 + s.block; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(xr + k)));
     const float amax = _mm512_reduce_max_ps(mx);
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    scales[b0 / block] = amax / 127.0f;
-    for (int64_t k = b0; k < b0 + block; k += 16) {
+    scales[b0 / s.block] = amax / 127.0f;
+    for (int64_t k = b0; k < b0 + s.block; k += 16) {
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xr + k), inv));  // nearest, ties even; |q| <= 127
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(q, offset)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k), _mm512_cvtsepi32_epi8(q));
+      starts[k / s.span] -= kOffset * _mm512_reduce_add_epi32(q);
     }
   }
-  for (int64_t g = 0; gsums != nullptr && g < K / group; ++g) {
+  for (int64_t g = 0; gsums != nullptr && g < s.K / s.group; ++g) {
     __m512 total = _mm512_setzero_ps();
-    for (int64_t k = g * group; k < (g + 1) * group; k += 16) total = _mm512_add_ps(total, load16(xr + k));
+    for (int64_t k = g * s.group; k < (g + 1) * s.group; k += 16) total = _mm512_add_ps(total, load16(xr + k));
     gsums[g] = _mm512_reduce_add_ps(total);
   }
 }
 
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t block, int64_t group, bool with_group_sums) {
+QuantizedRows quantize_rows(const T* x, int64_t M, const RowShape& s, bool with_group_sums) {
   QuantizedRows q;
-  q.codes = at::empty({M, K}, at::kByte);
-  q.scales = at::empty({M, K / block}, at::kFloat);
-  q.group_sums = with_group_sums ? at::empty({M, K / group}, at::kFloat) : at::Tensor();
-  auto* codes = q.codes.data_ptr<uint8_t>();
+  q.codes = at::empty({M, s.K}, at::kChar);
+  q.scales = at::empty({M, s.K / s.block}, at::kFloat);
+  q.starts = at::empty({M, s.K / s.span}, at::kInt);
+  q.group_sums = with_group_sums ? at::empty({M, s.K / s.group}, at::kFloat) : at::Tensor();
+  auto* codes = q.codes.data_ptr<int8_t>();
   float* scales = q.scales.data_ptr<float>();
+  int32_t* starts = q.starts.data_ptr<int32_t>();
   float* gsums = with_group_sums ? q.group_sums.data_ptr<float>() : nullptr;
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
-      quantize_row(x + m * K, K, block, group, codes + m * K, scales + m * (K / block),
-                   gsums == nullptr ? nullptr : gsums + m * (K / group));
+      quantize_row(x + m * s.K, s, codes + m * s.K, scales + m * (s.K / s.block), starts + m * (s.K / s.span),
+                   gsums == nullptr ? nullptr : gsums + m * (s.K / s.group));
   });
   return q;
 }
 
 struct Operands {
   const uint8_t* codes;        // packed
-  const int32_t* starts;       // packed [N / 16][K / span][16]
   const float *scales, *mins;  // packed [N / 16][G][16]
-  const uint8_t* xq;
+  const int8_t* xq;
   const float *xs, *xg;  // [M, K / block], [M, K / group]
+  const int32_t* starts;  // [M, K / span]
   int64_t M, K, N, group, block, span;
 };
 
@@ -176,7 +179,7 @@ inline void dpbusd(__m512i& acc, __m512i u8, __m512i s8) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
 }
 
-inline __m512i broadcast_quad(const uint8_t* p) {
+inline __m512i broadcast_quad(const int8_t* p) {
   int32_t quad;
   std::memcpy(&quad, p, 4);
   return _mm512_set1_epi32(quad);
@@ -184,9 +187,9 @@ inline __m512i broadcast_quad(const uint8_t* p) {
 
 // acc[r][c] += the int32 products over k in [s0, s0 + span) of row r (x + r * K) and the 16 columns of column block
 // c (w + c * stride); one weight vector serves R rows, one activation broadcast C blocks. 4 bits (whole subblocks): a
-// nibble moved to the top of its byte, the low half cleared, is 16 x its signed code.
+// nibble moved to the top of its byte, the low half cleared, is 16 x its code + 128.
 template <int Bits, int R, int C>
-inline void span_products(const uint8_t* w, int64_t stride, const uint8_t* x, int64_t K, int64_t s0, int64_t span,
+inline void span_products(const uint8_t* w, int64_t stride, const int8_t* x, int64_t K, int64_t s0, int64_t span,
                           __m512i (&acc)[R][C]) {
   if constexpr (Bits == 8) {
     w += s0 * kCols;
@@ -195,7 +198,7 @@ inline void span_products(const uint8_t* w, int64_t stride, const uint8_t* x, in
       for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * stride);
       for (int r = 0; r < R; ++r) {
         const __m512i xv = broadcast_quad(x + r * K + k);
-        for (int c = 0; c < C; ++c) dpbusd(acc[r][c], xv, wv[c]);
+        for (int c = 0; c < C; ++c) dpbusd(acc[r][c], wv[c], xv);
       }
     }
   } else {
@@ -212,8 +215,8 @@ inline void span_products(const uint8_t* w, int64_t stride, const uint8_t* x, in
         for (int r = 0; r < R; ++r) {
           const __m512i xlo = broadcast_quad(x + r * K + k + 4 * p), xhi = broadcast_quad(x + r * K + k + 16 + 4 * p);
           for (int c = 0; c < C; ++c) {
-            dpbusd(acc[r][c], xlo, lo[c]);
-            dpbusd(acc[r][c], xhi, hi[c]);
+            dpbusd(acc[r][c], lo[c], xlo);
+            dpbusd(acc[r][c], hi[c], xhi);
           }
         }
       }
@@ -242,15 +245,17 @@ void row_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
   const int64_t groups = o.K / o.group, blocks = o.K / o.block, spans = o.K / o.span;
   const int64_t stride = block_bytes(o.K, Bits), per_block = o.block / o.span, per_group = o.group / o.span;
   const uint8_t* w = o.codes + b * stride;
-  const uint8_t* x = o.xq + m0 * o.K;
+  const int8_t* x = o.xq + m0 * o.K;
   __m512 total[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
   // span s: activation block a, weight group g (counted, not divided: this loop is per span)
   for (int64_t s = 0, a = 0, g = 0, in_block = 0, in_group = 0; s < spans; ++s) {
     __m512i acc[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_si512(o.starts + ((b + c) * spans + s) * kCols);
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = _mm512_set1_epi32(o.starts[(m0 + r) * spans + s]);
+      for (int c = 0; c < C; ++c) acc[r][c] = start;
+    }
     span_products<Bits, R, C>(w, stride, x, o.K, s * o.span, o.span, acc);
     for (int r = 0; r < R; ++r) {
       const __m512 xs = _mm512_set1_ps(o.xs[(m0 + r) * blocks + a]);
@@ -285,17 +290,17 @@ void halves_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
   const int64_t stride = block_bytes(o.K, 4);
   const __m512i top = _mm512_set1_epi8(static_cast<char>(0xF0));
   const uint8_t* w = o.codes + b * stride;
-  const uint8_t* x = o.xq + m0 * o.K;
+  const int8_t* x = o.xq + m0 * o.K;
   __m512 total[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
   for (int64_t sub = 0, g = 0, in_group = 0; sub < o.K / 32; ++sub) {
     __m512i lo[R][C], hi[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) {
-        lo[r][c] = _mm512_loadu_si512(o.starts + ((b + c) * spans + 2 * sub) * kCols);
-        hi[r][c] = _mm512_loadu_si512(o.starts + ((b + c) * spans + 2 * sub + 1) * kCols);
-      }
+    for (int r = 0; r < R; ++r) {
+      const __m512i start_lo = _mm512_set1_epi32(o.starts[(m0 + r) * spans + 2 * sub]);
+      const __m512i start_hi = _mm512_set1_epi32(o.starts[(m0 + r) * spans + 2 * sub + 1]);
+      for (int c = 0; c < C; ++c) lo[r][c] = start_lo, hi[r][c] = start_hi;
+    }
     for (int p = 0; p < 4; ++p, w += 64) {
       __m512i wlo[C], whi[C];
       for (int c = 0; c < C; ++c) {
@@ -304,11 +309,11 @@ void halves_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
         whi[c] = _mm512_and_si512(v, top);
       }
       for (int r = 0; r < R; ++r) {
-        const uint8_t* xr = x + r * o.K + 32 * sub + 4 * p;
+        const int8_t* xr = x + r * o.K + 32 * sub + 4 * p;
         const __m512i xlo = broadcast_quad(xr), xhi = broadcast_quad(xr + 16);
         for (int c = 0; c < C; ++c) {
-          dpbusd(lo[r][c], xlo, wlo[c]);
-          dpbusd(hi[r][c], xhi, whi[c]);
+          dpbusd(lo[r][c], wlo[c], xlo);
+          dpbusd(hi[r][c], whi[c], xhi);
         }
       }
     }
@@ -384,13 +389,13 @@ void w8a8_typed(const InT* x, int64_t M, const QuantWeight& w, OutT* out) {
   const int64_t K = w.in_features;
   const Spans spans = spans_of(w);
   const bool has_mins = w.w8a8_mins.defined();
-  const QuantizedRows q = quantize_rows(x, M, K, spans.block, w.group, has_mins);
+  const QuantizedRows q = quantize_rows(x, M, RowShape{K, spans.block, spans.span, w.group}, has_mins);
   Operands o{};
   o.codes = w.w8a8_codes.data_ptr<uint8_t>();
-  o.starts = w.w8a8_starts.data_ptr<int32_t>();
   o.scales = w.w8a8_scales.data_ptr<float>();
   o.mins = has_mins ? w.w8a8_mins.data_ptr<float>() : nullptr;
-  o.xq = q.codes.data_ptr<uint8_t>();
+  o.xq = q.codes.data_ptr<int8_t>();
+  o.starts = q.starts.data_ptr<int32_t>();
   o.xs = q.scales.data_ptr<float>();
   o.xg = has_mins ? q.group_sums.data_ptr<float>() : nullptr;
   o.M = M, o.K = K, o.N = w.out_features, o.group = w.group, o.block = spans.block, o.span = spans.span;
