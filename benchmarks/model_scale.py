@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/model_scale.py --preset tiny-moe
     .venv/bin/python benchmarks/model_scale.py --preset llama-3.1-8b         # ~16 GB of bf16 weights written first
     .venv/bin/python benchmarks/model_scale.py --preset qwen3-moe-30b-a3b-e32-l24 --batches 1,32 --output-len 16
+    .venv/bin/python benchmarks/model_scale.py --preset llama-3.1-8b --layers 8 --quantization none int8 --batches 1,64
 
 Writes a Hugging Face folder (config.json, a word-level tokenizer over the vocab, safetensors shards written one at a
 time, so the writer never holds the whole model) under --dir (default: a temporary folder, removed afterwards unless
@@ -17,7 +18,9 @@ buffer, as a sum or a matrix-vector product, on the engine's thread count; a bus
 is at least step bytes / bandwidth and decode tok/s at most B * bandwidth / step bytes. For a MoE model the step reads
 the layers' non-expert weights and the distinct experts the B tokens pick, E * (1 - (1 - k/E)^B) a layer under
 uniform routing (random router weights route about uniformly). K/V reads are left out (short sequences here).
-Prints a table and a JSON line.
+--quantization runs the engine once per weight format, each in its own fresh process, on the same checkpoint (none:
+as written; int8 / int4: quantized at load); the bound is for the written dtype, so quantized rows are compared with
+none's instead. Prints a table and a JSON line.
 """
 
 from __future__ import annotations
@@ -232,15 +235,25 @@ def _status_kib(field_name: str) -> int:
     return 0
 
 
-def measure(folder: Path, dtype: str, threads: int, batches: list[int], prompt_len: int, output_len: int) -> dict:
-    """In this (fresh) process: start the engine on `folder`, then decode at each batch size."""
+def measure(
+    folder: Path,
+    dtype: str,
+    threads: int,
+    batches: list[int],
+    prompt_len: int,
+    output_len: int,
+    quantization: str = "none",
+) -> dict:
+    """In this (fresh) process: start the engine on `folder` (weights in `quantization`), then decode at each batch
+    size."""
     from batchserve import LLM, SamplingParams
 
     max_batch = max(batches)
     blocks_per_request = -(-(prompt_len + output_len) // 16) + 1
     start = time.perf_counter()
     llm = LLM(model=str(folder), dtype=dtype, num_threads=threads, max_batch_size=max_batch,
-              num_kv_blocks=max_batch * blocks_per_request, enable_prefix_caching=False)  # fmt: skip
+              num_kv_blocks=max_batch * blocks_per_request, enable_prefix_caching=False,
+              quantization=quantization)  # fmt: skip
     # VmHWM counts the checkpoint's memory-mapped pages too while a shard is read (clean file pages, reclaimable)
     result = {"load_s": time.perf_counter() - start, "rss_after_load_gib": _status_kib("VmRSS") / 1024**2,
               "anon_rss_after_load_gib": _status_kib("RssAnon") / 1024**2,
@@ -262,26 +275,47 @@ def measure(folder: Path, dtype: str, threads: int, batches: list[int], prompt_l
     return result
 
 
-def report(shapes: Shapes, dtype: torch.dtype, weight_bytes: int, bandwidth: float, write_s: float, run: dict) -> dict:
+def report(
+    shapes: Shapes,
+    dtype: torch.dtype,
+    weight_bytes: int,
+    bandwidth: float,
+    write_s: float,
+    run: dict,
+    quantization: str = "none",
+) -> dict:
     element = torch.empty((), dtype=dtype).element_size()
     rows = {}
     for batch, decode in run["decode"].items():
         step_bytes = shapes.step_params(int(batch)) * element
         bound = int(batch) * bandwidth / step_bytes
         rows[batch] = {**decode, "bound_tok_s": bound, "share_of_bound": decode["tok_s"] / bound}
-    summary = {"model": shapes.name, "dtype": str(dtype).removeprefix("torch."), "weights_gib": weight_bytes / 1024**3,
-               "write_s": write_s, "bandwidth_gb_s": bandwidth / 1e9, **run, "decode": rows}  # fmt: skip
+    summary = {"model": shapes.name, "dtype": str(dtype).removeprefix("torch."), "quantization": quantization,
+               "weights_gib": weight_bytes / 1024**3, "write_s": write_s, "bandwidth_gb_s": bandwidth / 1e9, **run,
+               "decode": rows}  # fmt: skip
     print(
-        f"{shapes.name}, {summary['dtype']}: {summary['weights_gib']:.2f} GiB of weights (written in {write_s:.0f} s)"
+        f"{shapes.name}, {summary['dtype']}, quantization {quantization}: {summary['weights_gib']:.2f} GiB of weights "
+        f"(written in {write_s:.0f} s)"
     )
     print(f"load {run['load_s']:.1f} s; RSS after loading {run['rss_after_load_gib']:.2f} GiB (anonymous "
           f"{run['anon_rss_after_load_gib']:.2f}); peak RSS {run['peak_rss_after_load_gib']:.2f} GiB after loading, "
           f"{run['peak_rss_gib']:.2f} GiB after serving; memory bandwidth {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
-    print(f"{'batch':>5} {'decode tok/s':>13} {'step ms':>8} {'bound tok/s':>12} {'of bound':>9}")
+    print(f"{'batch':>5} {'decode tok/s':>13} {'step ms':>8} {'bound tok/s':>12} {'of bound':>9}"
+          + ("  (the bound is the written dtype's)" if quantization != "none" else ""))  # fmt: skip
     for batch, row in rows.items():
         print(f"{batch:>5} {row['tok_s']:>13.2f} {row['step_ms']:>8.1f} {row['bound_tok_s']:>12.2f} "
               f"{100 * row['share_of_bound']:>8.0f}%")  # fmt: skip
     return summary
+
+
+def measure_in_child(folder: Path, args, quantization: str) -> dict:
+    child = [sys.executable, __file__, "--measure", str(folder), "--dtype", args.dtype, "--batches", args.batches,
+             "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
+             "--threads", str(args.threads), "--quantization", quantization]  # fmt: skip
+    out = subprocess.run(child, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"the measuring process failed ({quantization}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -295,11 +329,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint (kept)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary checkpoint")
+    parser.add_argument("--quantization", nargs="+", default=["none"], help="weight formats, one run each")
     parser.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.measure is not None:
-        run = measure(args.measure, args.dtype, args.threads, batches, args.prompt_len, args.output_len)
+        run = measure(
+            args.measure, args.dtype, args.threads, batches, args.prompt_len, args.output_len, args.quantization[0]
+        )
         print(json.dumps(run))
         return
     shapes, dtype = PRESETS[args.preset], getattr(torch, args.dtype)
@@ -311,16 +348,12 @@ def main() -> None:
         start = time.perf_counter()
         weight_bytes = write_checkpoint(shapes, folder, dtype)
         write_s = time.perf_counter() - start
-        child = [sys.executable, __file__, "--measure", str(folder), "--dtype", args.dtype, "--batches", args.batches,
-                 "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
-                 "--threads", str(args.threads)]  # fmt: skip
-        out = subprocess.run(child, capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"the measuring process failed:\n{out.stderr[-4000:]}")
-        run = json.loads(out.stdout.strip().splitlines()[-1])
-        bandwidth = max(bandwidth, run.pop("bandwidth"))  # measured twice: a busy host only lowers it
-        summary = report(shapes, dtype, weight_bytes, bandwidth, write_s, run)
-        print(json.dumps(summary))
+        summaries = {}
+        for quantization in args.quantization:
+            run = measure_in_child(folder, args, quantization)
+            bandwidth = max(bandwidth, run.pop("bandwidth"))  # measured every time: a busy host only lowers it
+            summaries[quantization] = report(shapes, dtype, weight_bytes, bandwidth, write_s, run, quantization)
+        print(json.dumps(summaries))
     finally:
         if args.dir is None and not args.keep:
             shutil.rmtree(folder, ignore_errors=True)

@@ -4,11 +4,12 @@
 measurement of each per round) in one process, so a busy spell of the shared host hits them alike; best and median.
 
     .venv/bin/python benchmarks/quant_speed.py [--formats none int8 int4] [--dtype auto] [--tokens 64] [--threads 1]
-        [--llama-cpp]
+        [--llama-cpp [--llama-cpp-also PATH ...]]
 
 --llama-cpp adds llama.cpp (llama-cpp-python, the `peers` extra) on the same GGUF file as a row measured the same way
 in the same rounds: the same prompt token ids, greedy argmax of the last logits each step, --threads threads (default:
-torch's thread count), its default f16 KV cache.
+torch's thread count), its default f16 KV cache. --llama-cpp-also adds llama.cpp on other GGUF files of the same model
+(a Q8_0 file for int8's like-for-like: benchmarks/quant_accuracy.py --llama-cpp-q8 writes one).
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def engines(args) -> dict[str, object]:
 
         print(llama_cpp_peer.describe())
         threads = args.threads or torch.get_num_threads()
-        path = resolve_model_path(args.model)
-        built[f"llama.cpp {path.stem.rsplit('.', 1)[-1]}"] = llama_cpp_peer.GreedyDecoder(path, threads)
+        for path in [resolve_model_path(args.model), *map(Path, args.llama_cpp_also)]:
+            built[f"llama.cpp {path.stem.rsplit('.', 1)[-1]}"] = llama_cpp_peer.GreedyDecoder(path, threads)
     return built
 
 
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1: steadier on a busy host)")
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same file (`peers` extra)")
+    parser.add_argument("--llama-cpp-also", nargs="*", default=[], help="with --llama-cpp: more GGUF files")
     args = parser.parse_args()
     flags = kernels.cpu_flags().split()
     print(f"bf16 matmul units: {'yes' if 'avx512_bf16' in flags or 'amx_bf16' in flags else 'no'}; "

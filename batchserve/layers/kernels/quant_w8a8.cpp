@@ -109,7 +109,13 @@ void w8a8_pack(QuantWeight& w) {
 #if defined(BATCHSERVE_W8A8)
 namespace {
 
-constexpr int64_t kChunkBytes = 192 * 1024;  // a pass's activation codes (rows x K bytes): they stay in L2
+// A pass's activation codes (rows x K bytes) stay in L2 while every column block reads them; at least kChunkRows rows,
+// since every pass reads the whole weight again (a batch of decodes: one pass).
+constexpr int64_t kChunkBytes = 512 * 1024;
+constexpr int64_t kChunkRows = 96;  // a multiple of every tile's rows (6 and 4)
+// bytes ahead of a weight stream that the next loads will want: one thread streams a weight at a few tens of GB/s
+// from memory, about 2 KiB a stream in flight
+constexpr int64_t kPrefetchAhead = 2048;
 constexpr int kMostRows = 6;                  // a tile's int32 sums and float sums: 24 of the 32 registers
 
 // The activations quantized: int8 codes [M, K], a scale per row and block of k [M, K / block], per row and span
@@ -195,7 +201,10 @@ inline void span_products(const uint8_t* w, int64_t stride, const int8_t* x, int
     w += s0 * kCols;
     for (int64_t k = s0; k < s0 + span; k += 4, w += 64) {
       __m512i wv[C];
-      for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * stride);
+      for (int c = 0; c < C; ++c) {
+        wv[c] = _mm512_loadu_si512(w + c * stride);
+        prefetch_line(w + c * stride + kPrefetchAhead);
+      }
       for (int r = 0; r < R; ++r) {
         const __m512i xv = broadcast_quad(x + r * K + k);
         for (int c = 0; c < C; ++c) dpbusd(acc[r][c], wv[c], xv);
@@ -209,6 +218,7 @@ inline void span_products(const uint8_t* w, int64_t stride, const int8_t* x, int
         __m512i lo[C], hi[C];
         for (int c = 0; c < C; ++c) {
           const __m512i v = _mm512_loadu_si512(w + c * stride);
+          prefetch_line(w + c * stride + kPrefetchAhead);
           lo[c] = _mm512_and_si512(_mm512_slli_epi16(v, 4), top);
           hi[c] = _mm512_and_si512(v, top);
         }
@@ -305,6 +315,7 @@ void halves_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
       __m512i wlo[C], whi[C];
       for (int c = 0; c < C; ++c) {
         const __m512i v = _mm512_loadu_si512(w + c * stride);
+        prefetch_line(w + c * stride + kPrefetchAhead);
         wlo[c] = _mm512_and_si512(_mm512_slli_epi16(v, 4), top);
         whi[c] = _mm512_and_si512(v, top);
       }
@@ -370,7 +381,7 @@ void rows_of(const Operands& o, int64_t b, int64_t m0, int64_t m1, OutT* out) {
 template <int Bits, bool Grouped, bool Halves, typename OutT>
 void all_tiles(const Operands& o, OutT* out) {
   const int64_t blocks = column_blocks(o.N), pairs = (blocks + 1) / 2;
-  const int64_t chunk = std::max<int64_t>(kMostRows, kChunkBytes / o.K / kMostRows * kMostRows);
+  const int64_t chunk = std::max(kChunkRows, kChunkBytes / o.K / kChunkRows * kChunkRows);
   const int64_t chunks = (o.M + chunk - 1) / chunk;
   at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
