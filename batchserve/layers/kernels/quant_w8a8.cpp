@@ -111,10 +111,12 @@ namespace {
 
 // A pass's activation codes (rows x K bytes) stay in L2 while every column block reads them; at least kChunkRows rows,
 // since every pass reads the whole weight again (a batch of decodes: one pass).
-constexpr int64_t kChunkBytes = 512 * 1024;
+constexpr int64_t kChunkBytes = 192 * 1024;
 constexpr int64_t kChunkRows = 96;  // a multiple of every tile's rows (6 and 4)
-// bytes ahead of a weight stream that the next loads will want: one thread streams a weight at a few tens of GB/s
-// from memory, about 2 KiB a stream in flight
+// Tiles of up to kPrefetchRows rows (a decode batch of one or two) stream the weight from memory: they ask for the
+// bytes kPrefetchAhead along each weight stream (a few tens of GB/s a thread: about 2 KiB a stream in flight). Larger
+// tiles spend their time multiplying and read each weight line from cache for their other row tiles.
+constexpr int kPrefetchRows = 2;
 constexpr int64_t kPrefetchAhead = 2048;
 constexpr int kMostRows = 6;                  // a tile's int32 sums and float sums: 24 of the 32 registers
 
@@ -203,7 +205,7 @@ inline void span_products(const uint8_t* w, int64_t stride, const int8_t* x, int
       __m512i wv[C];
       for (int c = 0; c < C; ++c) {
         wv[c] = _mm512_loadu_si512(w + c * stride);
-        prefetch_line(w + c * stride + kPrefetchAhead);
+        if constexpr (R <= kPrefetchRows) prefetch_line(w + c * stride + kPrefetchAhead);
       }
       for (int r = 0; r < R; ++r) {
         const __m512i xv = broadcast_quad(x + r * K + k);
@@ -218,7 +220,7 @@ inline void span_products(const uint8_t* w, int64_t stride, const int8_t* x, int
         __m512i lo[C], hi[C];
         for (int c = 0; c < C; ++c) {
           const __m512i v = _mm512_loadu_si512(w + c * stride);
-          prefetch_line(w + c * stride + kPrefetchAhead);
+          if constexpr (R <= kPrefetchRows) prefetch_line(w + c * stride + kPrefetchAhead);
           lo[c] = _mm512_and_si512(_mm512_slli_epi16(v, 4), top);
           hi[c] = _mm512_and_si512(v, top);
         }
@@ -315,7 +317,7 @@ void halves_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
       __m512i wlo[C], whi[C];
       for (int c = 0; c < C; ++c) {
         const __m512i v = _mm512_loadu_si512(w + c * stride);
-        prefetch_line(w + c * stride + kPrefetchAhead);
+        if constexpr (R <= kPrefetchRows) prefetch_line(w + c * stride + kPrefetchAhead);
         wlo[c] = _mm512_and_si512(_mm512_slli_epi16(v, 4), top);
         whi[c] = _mm512_and_si512(v, top);
       }
