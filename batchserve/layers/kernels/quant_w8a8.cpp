@@ -193,6 +193,19 @@ inline __m512i broadcast_quad(const int8_t* p) {
   return _mm512_set1_epi32(quad);
 }
 
+// One packed 4-bit vector (w, 16 columns x 4 k of a subblock) of each of C column blocks as two operands: its low
+// nibbles and its high ones, each moved to the top of its byte (16 x code + 128).
+template <int R, int C>
+inline void nibble_vectors(const uint8_t* w, int64_t stride, __m512i (&lo)[C], __m512i (&hi)[C]) {
+  const __m512i top = _mm512_set1_epi8(static_cast<char>(0xF0));
+  for (int c = 0; c < C; ++c) {
+    const __m512i v = _mm512_loadu_si512(w + c * stride);
+    if constexpr (R <= kPrefetchRows) prefetch_line(w + c * stride + kPrefetchAhead);
+    lo[c] = _mm512_and_si512(_mm512_slli_epi16(v, 4), top);
+    hi[c] = _mm512_and_si512(v, top);
+  }
+}
+
 // acc[r][c] += the int32 products over k in [s0, s0 + span) of row r (x + r * K) and the 16 columns of column block
 // c (w + c * stride); one weight vector serves R rows, one activation broadcast C blocks. 4 bits (whole subblocks): a
 // nibble moved to the top of its byte, the low half cleared, is 16 x its code + 128.
@@ -213,17 +226,11 @@ inline void span_products(const uint8_t* w, int64_t stride, const int8_t* x, int
       }
     }
   } else {
-    const __m512i top = _mm512_set1_epi8(static_cast<char>(0xF0));
     w += s0 * kCols / 2;
     for (int64_t k = s0; k < s0 + span; k += 32) {
       for (int p = 0; p < 4; ++p, w += 64) {
         __m512i lo[C], hi[C];
-        for (int c = 0; c < C; ++c) {
-          const __m512i v = _mm512_loadu_si512(w + c * stride);
-          if constexpr (R <= kPrefetchRows) prefetch_line(w + c * stride + kPrefetchAhead);
-          lo[c] = _mm512_and_si512(_mm512_slli_epi16(v, 4), top);
-          hi[c] = _mm512_and_si512(v, top);
-        }
+        nibble_vectors<R, C>(w, stride, lo, hi);
         for (int r = 0; r < R; ++r) {
           const __m512i xlo = broadcast_quad(x + r * K + k + 4 * p), xhi = broadcast_quad(x + r * K + k + 16 + 4 * p);
           for (int c = 0; c < C; ++c) {
@@ -300,7 +307,6 @@ template <bool Grouped, int R, int C, typename OutT>
 void halves_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
   const int64_t groups = o.K / o.group, blocks = o.K / o.block, spans = o.K / 16, per_group = o.group / 32;
   const int64_t stride = block_bytes(o.K, 4);
-  const __m512i top = _mm512_set1_epi8(static_cast<char>(0xF0));
   const uint8_t* w = o.codes + b * stride;
   const int8_t* x = o.xq + m0 * o.K;
   __m512 total[R][C];
@@ -315,12 +321,7 @@ void halves_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
     }
     for (int p = 0; p < 4; ++p, w += 64) {
       __m512i wlo[C], whi[C];
-      for (int c = 0; c < C; ++c) {
-        const __m512i v = _mm512_loadu_si512(w + c * stride);
-        if constexpr (R <= kPrefetchRows) prefetch_line(w + c * stride + kPrefetchAhead);
-        wlo[c] = _mm512_and_si512(_mm512_slli_epi16(v, 4), top);
-        whi[c] = _mm512_and_si512(v, top);
-      }
+      nibble_vectors<R, C>(w, stride, wlo, whi);
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = x + r * o.K + 32 * sub + 4 * p;
         const __m512i xlo = broadcast_quad(xr), xhi = broadcast_quad(xr + 16);
