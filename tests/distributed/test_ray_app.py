@@ -218,8 +218,9 @@ def test_the_ingress_serves_the_dashboard_from_each_replicas_reports(base_url):
     page = httpx.get(base_url + "/dashboard", timeout=30)
     assert page.status_code == 200 and 'id="replica"' in page.text
     body = {"prompt": "Dashboard check:", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    # taken before the request is sent: a request of the test before that finished just earlier is not this one
+    started = time.time()
     assert httpx.post(base_url + "/v1/completions", json=body, timeout=120).status_code == 200
-    started = time.time() - 1
 
     def reported() -> dict | None:  # a replica's next routing-stats report carries the finished request
         data = httpx.get(base_url + "/dashboard/data", params={"requests": True}, timeout=30).json()

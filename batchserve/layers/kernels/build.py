@@ -96,7 +96,8 @@ def _exclusive(directory: Path) -> Iterator[None]:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.warning("waiting for another process building the native CPU kernels in %s", directory)
+            # the holder may only be loading the library: say so, not that a build is under way
+            logger.warning("waiting for another process to build or load the native CPU kernels in %s", directory)
             fcntl.flock(handle, fcntl.LOCK_EX)
         (directory / "lock").unlink(missing_ok=True)
         yield
