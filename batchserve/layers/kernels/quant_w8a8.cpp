@@ -22,7 +22,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -243,6 +242,18 @@ inline void span_products(const uint8_t* w, int64_t stride, const int8_t* x, int
   }
 }
 
+// at the end of weight group g (where the weight has minimums): each column's minimum times the row's group sum
+template <int R, int C>
+inline void add_minimums(const Operands& o, int64_t b, int64_t m0, int64_t g, __m512 (&total)[R][C]) {
+  if (o.mins == nullptr) return;
+  const int64_t groups = o.K / o.group;
+  for (int c = 0; c < C; ++c) {
+    const __m512 mn = _mm512_loadu_ps(o.mins + ((b + c) * groups + g) * kCols);
+    for (int r = 0; r < R; ++r)
+      total[r][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xg[(m0 + r) * groups + g]), total[r][c]);
+  }
+}
+
 // the tile's float sums into out (rows m0.., the 16 columns of each of C blocks from b); per channel (not Grouped)
 // scaled by the column scales here
 template <bool Grouped, int R, int C, typename OutT>
@@ -288,13 +299,7 @@ void row_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
       }
     }
     const bool group_ends = ++in_group == per_group;
-    if (Grouped && o.mins != nullptr && group_ends) {
-      for (int c = 0; c < C; ++c) {
-        const __m512 mn = _mm512_loadu_ps(o.mins + ((b + c) * groups + g) * kCols);
-        for (int r = 0; r < R; ++r)
-          total[r][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xg[(m0 + r) * groups + g]), total[r][c]);
-      }
-    }
+    if (Grouped && group_ends) add_minimums<R, C>(o, b, m0, g, total);
     if (++in_block == per_block) in_block = 0, ++a;
     if (group_ends) in_group = 0, ++g;
   }
@@ -342,11 +347,7 @@ void halves_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
       }
     }
     if (++in_group == per_group) {
-      for (int c = 0; Grouped && o.mins != nullptr && c < C; ++c) {
-        const __m512 mn = _mm512_loadu_ps(o.mins + ((b + c) * groups + g) * kCols);
-        for (int r = 0; r < R; ++r)
-          total[r][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xg[(m0 + r) * groups + g]), total[r][c]);
-      }
+      if (Grouped) add_minimums<R, C>(o, b, m0, g, total);
       in_group = 0, ++g;
     }
   }
