@@ -155,9 +155,9 @@ PRESETS = {
 # --- writing the checkpoint -------------------------------------------------------------------------------------------
 
 
-def write_checkpoint(shapes: Shapes, folder: Path, dtype: torch.dtype, seed: int = 0) -> int:
-    """config.json, generation_config.json, a tokenizer and safetensors shards of random weights (norms 1), each shard
-    written and released before the next is made. Returns the weight bytes."""
+def write_checkpoint(shapes: Shapes, folder: Path, dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> int:
+    """config.json, generation_config.json, a tokenizer and safetensors shards of random weights (normal with `std`;
+    norms 1), each shard written and released before the next is made. Returns the weight bytes."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -183,7 +183,7 @@ def write_checkpoint(shapes: Shapes, folder: Path, dtype: torch.dtype, seed: int
         if len(shape) == 1:
             tensor = torch.ones(shape, dtype=dtype)
         else:
-            tensor = (torch.randn(shape, generator=generator, dtype=torch.float32) * 0.02).to(dtype)
+            tensor = (torch.randn(shape, generator=generator, dtype=torch.float32) * std).to(dtype)
         shard[name] = tensor
         shard_bytes += tensor.nbytes
         total += tensor.nbytes

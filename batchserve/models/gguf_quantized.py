@@ -34,6 +34,11 @@ FUSED_IN_FILE = {"attn_q": "attn_qkv", "ffn_gate": "ffn_up"}
 _PROJECTION_NAME = re.compile(r"\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)\.(weight|bias)$")
 
 
+def runs_from_codes(hf_name: str) -> bool:
+    """Whether a checkpoint tensor is one of the projections use_stored_projections replaces."""
+    return _PROJECTION_NAME.search(hf_name) is not None
+
+
 def refuse_unless_gguf(path: Path, is_gguf: bool) -> None:
     if not is_gguf:
         raise ConfigError(
@@ -123,7 +128,7 @@ def use_stored_projections(
     for module, attribute, bases in plan:
         setattr(module, attribute, _projection(stored, bases))
     logger.info("quantization gguf: %d projections run from the file's codes", len(plan))
-    return ((name, tensor) for name, tensor in weights if not _PROJECTION_NAME.search(name))
+    return ((name, tensor) for name, tensor in weights if not runs_from_codes(name))
 
 
 def use_stored_output(model: nn.Module, stored: StoredTensors) -> None:

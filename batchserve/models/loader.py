@@ -203,9 +203,10 @@ def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device
     model.to_empty(device=device)
     model.rotary.reset(device)
     stored = _stored_gguf_tensors(path, model_config)
-    weights = iter_hf_weights(ensure_gguf_cache(path)) if is_gguf(path) else iter_hf_weights(path)
     if stored is not None:  # quantization gguf: the projections from the file's codes (models/gguf_quantized.py)
-        weights = gguf_quantized.use_stored_projections(model, stored, weights)
+        weights = gguf_quantized.use_stored_projections(model, stored, _unstored_gguf_weights(path, model_config))
+    else:
+        weights = iter_hf_weights(ensure_gguf_cache(path)) if is_gguf(path) else iter_hf_weights(path)
     model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
     model.eval()
     model.requires_grad_(False)
@@ -224,6 +225,21 @@ def _stored_gguf_tensors(path: Path, config: ModelConfig) -> gguf_quantized.Stor
     stored = gguf_quantized.StoredTensors.open(path, config, _permuted_qk_heads(config))
     stored.check_matrices()  # before the float conversion: its refusal would not say what runs as stored
     return stored
+
+
+def _unstored_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Under quantization gguf, the tensors not run from their codes (norms, embedding, output), read from the file:
+    the projections are never dequantized, and no float copy of the whole file is written to the conversion cache
+    (a random 8B-shaped file's would be 4 bytes a weight)."""
+    to_hf_name = gguf_name_map(config)
+
+    def unstored(name: str) -> str | None:
+        hf_name = to_hf_name(name)
+        return None if hf_name is None or gguf_quantized.runs_from_codes(hf_name) else hf_name
+
+    return iter_gguf_tensors(
+        gguf_reader(path), unstored, _permuted_qk_heads(config), norm_shift=gguf_norm_shift(config)
+    )
 
 
 def iter_hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
