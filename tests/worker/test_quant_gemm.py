@@ -138,10 +138,11 @@ def test_w8a8_equals_the_dequantized_product_within_activation_rounding(force_qu
     _native()
     force_quant_gemm(quantization.W8A8_PATH)
     torch.manual_seed(rows)
-    weight, bias = torch.randn(80, 384), torch.randn(80)
+    out_features = 88  # two pairs of 16-column blocks and a part of a third pair's second block
+    weight, bias = torch.randn(out_features, 384), torch.randn(out_features)
     codes, scales = quantize(weight, scheme)
     group = scheme.group_for(384)
-    mins = torch.randn(80, 384 // group) * 0.1 if with_mins else None
+    mins = torch.randn(out_features, 384 // group) * 0.1 if with_mins else None
     layer = QuantizedLinear.from_codes(codes, scales, scheme, bias=bias, mins=mins)
     assert layer.codes is None and layer.scales is None  # every M takes W8A8: only the kernel's repacked copy kept
     x = torch.randn(rows, 384) * torch.rand(rows, 1) * 4
@@ -152,7 +153,7 @@ def test_w8a8_equals_the_dequantized_product_within_activation_rounding(force_qu
     steps = _activation_steps(x, layer.ACT_BLOCK)
     bound = 0.5 * (steps.double() @ reference.abs().double().T) * (1 + 1e-5) + _bound(x, reference) + 1e-6
     got = layer(x)
-    assert got.shape == (rows, 80)
+    assert got.shape == (rows, out_features)
     assert ((got.double() - expected).abs() <= bound).all()
     # activations rounded: not the weight-only product (that one is within float32 rounding)
     assert ((got.double() - expected).abs() > _bound(x, reference) + 1e-6).any()

@@ -5,12 +5,14 @@
 // Why: above a few rows the weight-only path either widens every code again per row block or dequantizes the whole
 // weight into tiles every step; here the codes are multiplied as integers, the float work is one conversion and one
 // or two FMAs per span of k. The weight is repacked once, at load (w8a8_pack), so that one 64-byte load holds 4
-// consecutive k of 16 output columns, the operand vpdpbusd wants:
-//   8 bits: [N / 16][K / 4][16 columns][4 k] uint8 = code + 128;
-//   4 bits: [N / 16][K / 32][4][16 columns][4 k] bytes: vector p of a 32-k subblock holds k = 4p..4p+3 in its low
-//           nibbles and k = 16+4p..16+4p+3 in its high ones, the stored nibble (code + 8), so that a nibble moved to
-//           a byte's top (the low half cleared) is the unsigned byte 16 x code + 128; the column scales are packed
-//           divided by 16 to match.
+// consecutive k of 16 output columns, the operand vpdpbusd wants, and a tile's two blocks of 16 columns (a pair)
+// lie side by side, so a pair's codes are one sequential stream (two streams a block apart ran at about two thirds
+// of one's bandwidth):
+//   8 bits: [N / 32][K / 4][2 blocks][16 columns][4 k] uint8 = code + 128;
+//   4 bits: [N / 32][K / 32][4][2 blocks][16 columns][4 k] bytes: vector p of a 32-k subblock holds k = 4p..4p+3 in
+//           its low nibbles and k = 16+4p..16+4p+3 in its high ones, the stored nibble (code + 8), so that a nibble
+//           moved to a byte's top (the low half cleared) is the unsigned byte 16 x code + 128; the column scales are
+//           packed divided by 16 to match.
 // The weights are the unsigned operand (offset 128 either way), the activations the signed one (-127..127), so the
 // offset's share is a row's, not a column's: a span's int32 sums start at -128 x (the row's codes summed over the
 // span) and end exact. Nothing is read per column but the codes and scales: a single row streams the weight's bytes
@@ -31,12 +33,15 @@
 
 namespace {
 
-constexpr int64_t kCols = 16;  // output columns per packed block: one zmm of int32
+constexpr int64_t kCols = 16;  // output columns per block: one zmm of int32
+constexpr int kBlocks = 2;     // blocks per pair, a tile's columns (N is packed padded to whole pairs)
+constexpr int64_t kPairCols = kBlocks * kCols;
+constexpr int64_t kVector = 64;  // bytes of one block's operand vector; a pair's vectors are kBlocks x this
 constexpr int32_t kOffset = 128;  // added to the weight codes (4 bits: to 16 x the code): vpdpbusd's unsigned operand
 
-int64_t column_blocks(int64_t N) { return (N + kCols - 1) / kCols; }
-// bytes of one packed block of 16 columns: K codes each, 8 or 4 bits
-int64_t block_bytes(int64_t K, int64_t bits) { return K * kCols * bits / 8; }
+int64_t column_pairs(int64_t N) { return (N + kPairCols - 1) / kPairCols; }
+// bytes of one packed pair of 32 columns: K codes each, 8 or 4 bits
+int64_t pair_bytes(int64_t K, int64_t bits) { return K * kPairCols * bits / 8; }
 
 // The activations' block: act_block (0: the whole row), never across a weight group's edge; a span (k summed in
 // int32) is 16 k or whole 32-k subblocks.
@@ -54,12 +59,12 @@ Spans spans_of(const QuantWeight& w) {
   return {block, span};
 }
 
-// [N, G] float32 -> [N / 16][G][16] (zero-padded columns)
+// [N, G] float32 -> [N / 32][G][2 blocks][16] (zero-padded columns)
 at::Tensor pack_columns(const at::Tensor& per_group) {
-  const int64_t N = per_group.size(0), G = per_group.size(1), blocks = column_blocks(N);
-  auto padded = at::zeros({blocks * kCols, G}, at::kFloat);
+  const int64_t N = per_group.size(0), G = per_group.size(1), pairs = column_pairs(N);
+  auto padded = at::zeros({pairs * kPairCols, G}, at::kFloat);
   padded.narrow(0, 0, N).copy_(per_group);
-  return padded.view({blocks, kCols, G}).transpose(1, 2).contiguous();
+  return padded.view({pairs, kPairCols, G}).transpose(1, 2).contiguous();
 }
 
 // code k of a row plus its offset, unsigned (4 bits: the stored nibble, code + 8; GGUF Q4_0's order, byte j of a
@@ -71,15 +76,16 @@ uint8_t unsigned_code_at(const uint8_t* row, int64_t k, int64_t bits) {
   return j < 16 ? (byte & 15) : (byte >> 4);
 }
 
-// one column's codes into its place in the packed block
-void pack_column(const uint8_t* row, int64_t K, int64_t bits, int64_t c, uint8_t* block) {
+// column c (0..31) of a pair: its codes into their places in the packed pair
+void pack_column(const uint8_t* row, int64_t K, int64_t bits, int64_t c, uint8_t* pair) {
+  const int64_t lane = (c / kCols) * kVector + (c % kCols) * 4;  // its block's vector, its 4 bytes there
   for (int64_t k = 0; k < K; ++k) {
     const uint8_t code = unsigned_code_at(row, k, bits);
     if (bits == 8) {
-      block[(k / 4) * 64 + c * 4 + k % 4] = code;
+      pair[(k / 4) * kBlocks * kVector + lane + k % 4] = code;
     } else {
       const int64_t sub = k / 32, j = k % 32, p = (j % 16) / 4, i = j % 4;
-      block[sub * 256 + p * 64 + c * 4 + i] |= static_cast<uint8_t>(code << (j < 16 ? 0 : 4));
+      pair[(sub * 4 + p) * kBlocks * kVector + lane + i] |= static_cast<uint8_t>(code << (j < 16 ? 0 : 4));
     }
   }
 }
@@ -89,16 +95,16 @@ void pack_column(const uint8_t* row, int64_t K, int64_t bits, int64_t c, uint8_t
 bool w8a8_supported(const QuantWeight& w) { return w.group % 32 == 0 && w.in_features % 32 == 0; }
 
 void w8a8_pack(QuantWeight& w) {
-  const int64_t N = w.out_features, K = w.in_features, blocks = column_blocks(N);
+  const int64_t N = w.out_features, K = w.in_features, pairs = column_pairs(N);
   spans_of(w);  // an activation block that does not fit the weight is refused here, at load
-  auto packed = at::zeros({blocks * block_bytes(K, w.bits)}, at::kByte);
+  auto packed = at::zeros({pairs * pair_bytes(K, w.bits)}, at::kByte);
   uint8_t* dst = packed.data_ptr<uint8_t>();
   const auto* codes = static_cast<const uint8_t*>(w.codes.data_ptr());
   const int64_t row_bytes = w.bits == 8 ? K : K / 2;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t c = 0; c < kCols && b * kCols + c < N; ++c)
-        pack_column(codes + (b * kCols + c) * row_bytes, K, w.bits, c, dst + b * block_bytes(K, w.bits));
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < kPairCols && p * kPairCols + c < N; ++c)
+        pack_column(codes + (p * kPairCols + c) * row_bytes, K, w.bits, c, dst + p * pair_bytes(K, w.bits));
   });
   w.w8a8_codes = packed;
   w.w8a8_scales = pack_columns(w.bits == 8 ? w.scales : w.scales / 16.0);
@@ -113,10 +119,11 @@ namespace {
 constexpr int64_t kChunkBytes = 192 * 1024;
 constexpr int64_t kChunkRows = 96;  // a multiple of every tile's rows (6 and 4)
 // Tiles of up to kPrefetchRows rows (a decode batch of one or two) stream the weight from memory: they ask for the
-// bytes kPrefetchAhead along each weight stream (a few tens of GB/s a thread: about 2 KiB a stream in flight). Larger
-// tiles spend their time multiplying and read each weight line from cache for their other row tiles.
+// bytes kPrefetchAhead along the pairs' stream, which runs on from pair to pair (the hardware prefetcher alone left a
+// thread at about two thirds of what this draws). Larger tiles spend their time multiplying and read each weight line
+// from cache for their other row tiles.
 constexpr int kPrefetchRows = 2;
-constexpr int64_t kPrefetchAhead = 2048;
+constexpr int64_t kPrefetchAhead = 8192;
 constexpr int kMostRows = 6;                  // a tile's int32 sums and float sums: 24 of the 32 registers
 
 // The activations quantized: int8 codes [M, K], a scale per row and block of k [M, K / block], per row and span
@@ -173,7 +180,7 @@ QuantizedRows quantize_rows(const T* x, int64_t M, const RowShape& s, bool with_
 
 struct Operands {
   const uint8_t* codes;        // packed
-  const float *scales, *mins;  // packed [N / 16][G][16]
+  const float *scales, *mins;  // packed [N / 32][G][2][16]
   const int8_t* xq;
   const float *xs, *xg;  // [M, K / block], [M, K / group]
   const int32_t* starts;  // [M, K / span]
@@ -192,47 +199,54 @@ inline __m512i broadcast_quad(const int8_t* p) {
   return _mm512_set1_epi32(quad);
 }
 
-// One packed 4-bit vector (w, 16 columns x 4 k of a subblock) of each of C column blocks as two operands: its low
-// nibbles and its high ones, each moved to the top of its byte (16 x code + 128).
-template <int R, int C>
-inline void nibble_vectors(const uint8_t* w, int64_t stride, __m512i (&lo)[C], __m512i (&hi)[C]) {
-  const __m512i top = _mm512_set1_epi8(static_cast<char>(0xF0));
-  for (int c = 0; c < C; ++c) {
-    const __m512i v = _mm512_loadu_si512(w + c * stride);
-    if constexpr (R <= kPrefetchRows) prefetch_line(w + c * stride + kPrefetchAhead);
-    lo[c] = _mm512_and_si512(_mm512_slli_epi16(v, 4), top);
-    hi[c] = _mm512_and_si512(v, top);
+// a pair's vectors at w (one per block), asking for the bytes kPrefetchAhead along its stream where R rows stream it
+template <int R>
+inline void load_pair(const uint8_t* w, __m512i (&v)[kBlocks]) {
+  for (int c = 0; c < kBlocks; ++c) {
+    v[c] = _mm512_loadu_si512(w + c * kVector);
+    if constexpr (R <= kPrefetchRows) prefetch_line(w + c * kVector + kPrefetchAhead);
   }
 }
 
-// acc[r][c] += the int32 products over k in [s0, s0 + span) of row r (x + r * K) and the 16 columns of column block
-// c (w + c * stride); one weight vector serves R rows, one activation broadcast C blocks. 4 bits (whole subblocks): a
+// One packed 4-bit vector of each block of a pair (16 columns x 4 k of a subblock) as two operands: its low nibbles
+// and its high ones, each moved to the top of its byte (16 x code + 128).
+template <int R>
+inline void nibble_vectors(const uint8_t* w, __m512i (&lo)[kBlocks], __m512i (&hi)[kBlocks]) {
+  const __m512i top = _mm512_set1_epi8(static_cast<char>(0xF0));
+  __m512i v[kBlocks];
+  load_pair<R>(w, v);
+  for (int c = 0; c < kBlocks; ++c) {
+    lo[c] = _mm512_and_si512(_mm512_slli_epi16(v[c], 4), top);
+    hi[c] = _mm512_and_si512(v[c], top);
+  }
+}
+
+// acc[r][c] += the int32 products over k in [s0, s0 + span) of row r (x + r * K) and the 16 columns of block c of
+// the pair at w; one weight vector serves R rows, one activation broadcast both blocks. 4 bits (whole subblocks): a
 // nibble moved to the top of its byte, the low half cleared, is 16 x its code + 128.
-template <int Bits, int R, int C>
-inline void span_products(const uint8_t* w, int64_t stride, const int8_t* x, int64_t K, int64_t s0, int64_t span,
-                          __m512i (&acc)[R][C]) {
+template <int Bits, int R>
+inline void span_products(const uint8_t* w, const int8_t* x, int64_t K, int64_t s0, int64_t span,
+                          __m512i (&acc)[R][kBlocks]) {
+  constexpr int64_t kStep = kBlocks * kVector;  // a pair's bytes per 4 k (8 bits) or per vector of a subblock
   if constexpr (Bits == 8) {
-    w += s0 * kCols;
-    for (int64_t k = s0; k < s0 + span; k += 4, w += 64) {
-      __m512i wv[C];
-      for (int c = 0; c < C; ++c) {
-        wv[c] = _mm512_loadu_si512(w + c * stride);
-        if constexpr (R <= kPrefetchRows) prefetch_line(w + c * stride + kPrefetchAhead);
-      }
+    w += s0 / 4 * kStep;
+    for (int64_t k = s0; k < s0 + span; k += 4, w += kStep) {
+      __m512i wv[kBlocks];
+      load_pair<R>(w, wv);
       for (int r = 0; r < R; ++r) {
         const __m512i xv = broadcast_quad(x + r * K + k);
-        for (int c = 0; c < C; ++c) dpbusd(acc[r][c], wv[c], xv);
+        for (int c = 0; c < kBlocks; ++c) dpbusd(acc[r][c], wv[c], xv);
       }
     }
   } else {
-    w += s0 * kCols / 2;
+    w += s0 / 32 * 4 * kStep;
     for (int64_t k = s0; k < s0 + span; k += 32) {
-      for (int p = 0; p < 4; ++p, w += 64) {
-        __m512i lo[C], hi[C];
-        nibble_vectors<R, C>(w, stride, lo, hi);
+      for (int p = 0; p < 4; ++p, w += kStep) {
+        __m512i lo[kBlocks], hi[kBlocks];
+        nibble_vectors<R>(w, lo, hi);
         for (int r = 0; r < R; ++r) {
           const __m512i xlo = broadcast_quad(x + r * K + k + 4 * p), xhi = broadcast_quad(x + r * K + k + 16 + 4 * p);
-          for (int c = 0; c < C; ++c) {
+          for (int c = 0; c < kBlocks; ++c) {
             dpbusd(acc[r][c], lo[c], xlo);
             dpbusd(acc[r][c], hi[c], xhi);
           }
@@ -242,56 +256,62 @@ inline void span_products(const uint8_t* w, int64_t stride, const int8_t* x, int
   }
 }
 
+// where block c of pair `pair` has its 16 per-group values (scales, minimums) for group g
+inline int64_t column_values(int64_t pair, int64_t groups, int64_t g, int c) {
+  return (pair * groups + g) * kPairCols + c * kCols;
+}
+
 // at the end of weight group g (where the weight has minimums): each column's minimum times the row's group sum
-template <int R, int C>
-inline void add_minimums(const Operands& o, int64_t b, int64_t m0, int64_t g, __m512 (&total)[R][C]) {
+template <int R>
+inline void add_minimums(const Operands& o, int64_t pair, int64_t m0, int64_t g, __m512 (&total)[R][kBlocks]) {
   if (o.mins == nullptr) return;
   const int64_t groups = o.K / o.group;
-  for (int c = 0; c < C; ++c) {
-    const __m512 mn = _mm512_loadu_ps(o.mins + ((b + c) * groups + g) * kCols);
+  for (int c = 0; c < kBlocks; ++c) {
+    const __m512 mn = _mm512_loadu_ps(o.mins + column_values(pair, groups, g, c));
     for (int r = 0; r < R; ++r)
       total[r][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xg[(m0 + r) * groups + g]), total[r][c]);
   }
 }
 
-// the tile's float sums into out (rows m0.., the 16 columns of each of C blocks from b); per channel (not Grouped)
-// scaled by the column scales here
-template <bool Grouped, int R, int C, typename OutT>
-inline void store_tile(const Operands& o, int64_t b, int64_t m0, const __m512 (&total)[R][C], OutT* out) {
-  for (int c = 0; c < C; ++c) {
-    const int64_t n0 = (b + c) * kCols, width = std::min<int64_t>(kCols, o.N - n0);
+// the tile's float sums into out (rows m0.., the pair's columns that exist); per channel (not Grouped) scaled by the
+// column scales here
+template <bool Grouped, int R, typename OutT>
+inline void store_tile(const Operands& o, int64_t pair, int64_t m0, const __m512 (&total)[R][kBlocks], OutT* out) {
+  for (int c = 0; c < kBlocks; ++c) {
+    const int64_t n0 = pair * kPairCols + c * kCols, width = std::min<int64_t>(kCols, o.N - n0);
+    if (width <= 0) return;
     const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
-    const __m512 sw = Grouped ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(o.scales + (b + c) * kCols);
+    const __m512 sw = Grouped ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(o.scales + column_values(pair, 1, 0, c));
     for (int r = 0; r < R; ++r)
       store16(out + (m0 + r) * o.N + n0, Grouped ? total[r][c] : _mm512_mul_ps(total[r][c], sw), mask);
   }
 }
 
-// out[m0 + r][the 16 columns of each of C blocks from b] for R rows. A span's int32 sums (exact) times the span's
-// activation scale are added up: Grouped (scales per weight group, or minimums), each times its group's column
-// scales, the minimums times the row's group sums; else (int8 per channel) scaled once at the end.
-template <int Bits, bool Grouped, int R, int C, typename OutT>
-void row_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
+// out[m0 + r][the 32 columns of pair `pair`] for R rows. A span's int32 sums (exact) times the span's activation
+// scale are added up: Grouped (scales per weight group, or minimums), each times its group's column scales, the
+// minimums times the row's group sums; else (int8 per channel) scaled once at the end.
+template <int Bits, bool Grouped, int R, typename OutT>
+void row_tile(const Operands& o, int64_t pair, int64_t m0, OutT* out) {
   const int64_t groups = o.K / o.group, blocks = o.K / o.block, spans = o.K / o.span;
-  const int64_t stride = block_bytes(o.K, Bits), per_block = o.block / o.span, per_group = o.group / o.span;
-  const uint8_t* w = o.codes + b * stride;
+  const int64_t per_block = o.block / o.span, per_group = o.group / o.span;
+  const uint8_t* w = o.codes + pair * pair_bytes(o.K, Bits);
   const int8_t* x = o.xq + m0 * o.K;
-  __m512 total[R][C];
+  __m512 total[R][kBlocks];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < kBlocks; ++c) total[r][c] = _mm512_setzero_ps();
   // span s: activation block a, weight group g (counted, not divided: this loop is per span)
   for (int64_t s = 0, a = 0, g = 0, in_block = 0, in_group = 0; s < spans; ++s) {
-    __m512i acc[R][C];
+    __m512i acc[R][kBlocks];
     for (int r = 0; r < R; ++r) {
       const __m512i start = _mm512_set1_epi32(o.starts[(m0 + r) * spans + s]);
-      for (int c = 0; c < C; ++c) acc[r][c] = start;
+      for (int c = 0; c < kBlocks; ++c) acc[r][c] = start;
     }
-    span_products<Bits, R, C>(w, stride, x, o.K, s * o.span, o.span, acc);
+    span_products<Bits, R>(w, x, o.K, s * o.span, o.span, acc);
     for (int r = 0; r < R; ++r) {
       const __m512 xs = _mm512_set1_ps(o.xs[(m0 + r) * blocks + a]);
-      for (int c = 0; c < C; ++c) {
+      for (int c = 0; c < kBlocks; ++c) {
         if constexpr (Grouped) {
-          const __m512 sw = _mm512_loadu_ps(o.scales + ((b + c) * groups + g) * kCols);
+          const __m512 sw = _mm512_loadu_ps(o.scales + column_values(pair, groups, g, c));
           total[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][c]), xs), sw, total[r][c]);
         } else {
           total[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), xs, total[r][c]);
@@ -299,38 +319,37 @@ void row_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
       }
     }
     const bool group_ends = ++in_group == per_group;
-    if (Grouped && group_ends) add_minimums<R, C>(o, b, m0, g, total);
+    if (Grouped && group_ends) add_minimums<R>(o, pair, m0, g, total);
     if (++in_block == per_block) in_block = 0, ++a;
     if (group_ends) in_group = 0, ++g;
   }
-  store_tile<Grouped, R, C>(o, b, m0, total, out);
+  store_tile<Grouped, R>(o, pair, m0, total, out);
 }
 
 // row_tile for 4 bits in 16-k spans (GGUF's 4-bit types at activation block 16): both halves of a 32-k subblock
 // from one load of its codes, their int32 sums apart (each has its activation scale), then scaled together.
-template <bool Grouped, int R, int C, typename OutT>
-void halves_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
+template <bool Grouped, int R, typename OutT>
+void halves_tile(const Operands& o, int64_t pair, int64_t m0, OutT* out) {
   const int64_t groups = o.K / o.group, blocks = o.K / o.block, spans = o.K / 16, per_group = o.group / 32;
-  const int64_t stride = block_bytes(o.K, 4);
-  const uint8_t* w = o.codes + b * stride;
+  const uint8_t* w = o.codes + pair * pair_bytes(o.K, 4);
   const int8_t* x = o.xq + m0 * o.K;
-  __m512 total[R][C];
+  __m512 total[R][kBlocks];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < kBlocks; ++c) total[r][c] = _mm512_setzero_ps();
   for (int64_t sub = 0, g = 0, in_group = 0; sub < o.K / 32; ++sub) {
-    __m512i lo[R][C], hi[R][C];
+    __m512i lo[R][kBlocks], hi[R][kBlocks];
     for (int r = 0; r < R; ++r) {
       const __m512i start_lo = _mm512_set1_epi32(o.starts[(m0 + r) * spans + 2 * sub]);
       const __m512i start_hi = _mm512_set1_epi32(o.starts[(m0 + r) * spans + 2 * sub + 1]);
-      for (int c = 0; c < C; ++c) lo[r][c] = start_lo, hi[r][c] = start_hi;
+      for (int c = 0; c < kBlocks; ++c) lo[r][c] = start_lo, hi[r][c] = start_hi;
     }
-    for (int p = 0; p < 4; ++p, w += 64) {
-      __m512i wlo[C], whi[C];
-      nibble_vectors<R, C>(w, stride, wlo, whi);
+    for (int p = 0; p < 4; ++p, w += kBlocks * kVector) {
+      __m512i wlo[kBlocks], whi[kBlocks];
+      nibble_vectors<R>(w, wlo, whi);
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = x + r * o.K + 32 * sub + 4 * p;
         const __m512i xlo = broadcast_quad(xr), xhi = broadcast_quad(xr + 16);
-        for (int c = 0; c < C; ++c) {
+        for (int c = 0; c < kBlocks; ++c) {
           dpbusd(lo[r][c], wlo[c], xlo);
           dpbusd(hi[r][c], whi[c], xhi);
         }
@@ -339,62 +358,57 @@ void halves_tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
     for (int r = 0; r < R; ++r) {
       const __m512 xs_lo = _mm512_set1_ps(o.xs[(m0 + r) * blocks + 2 * sub]);
       const __m512 xs_hi = _mm512_set1_ps(o.xs[(m0 + r) * blocks + 2 * sub + 1]);
-      for (int c = 0; c < C; ++c) {
+      for (int c = 0; c < kBlocks; ++c) {
         const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r][c]), xs_hi,
                                             _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r][c]), xs_lo));
-        const __m512 sw = _mm512_loadu_ps(o.scales + ((b + c) * groups + g) * kCols);
+        const __m512 sw = _mm512_loadu_ps(o.scales + column_values(pair, groups, g, c));
         total[r][c] = Grouped ? _mm512_fmadd_ps(both, sw, total[r][c]) : _mm512_add_ps(both, total[r][c]);
       }
     }
     if (++in_group == per_group) {
-      if (Grouped) add_minimums<R, C>(o, b, m0, g, total);
+      if (Grouped) add_minimums<R>(o, pair, m0, g, total);
       in_group = 0, ++g;
     }
   }
-  store_tile<Grouped, R, C>(o, b, m0, total, out);
+  store_tile<Grouped, R>(o, pair, m0, total, out);
 }
 
 // the tile of a weight's kind
-template <int Bits, bool Grouped, bool Halves, int R, int C, typename OutT>
-inline void tile(const Operands& o, int64_t b, int64_t m0, OutT* out) {
+template <int Bits, bool Grouped, bool Halves, int R, typename OutT>
+inline void tile(const Operands& o, int64_t pair, int64_t m0, OutT* out) {
   if constexpr (Halves) {
-    halves_tile<Grouped, R, C>(o, b, m0, out);
+    halves_tile<Grouped, R>(o, pair, m0, out);
   } else {
-    row_tile<Bits, Grouped, R, C>(o, b, m0, out);
+    row_tile<Bits, Grouped, R>(o, pair, m0, out);
   }
 }
 
-// rows [m0, m1) of C column blocks from b, in tiles of up to kMostRows rows (Halves: 4, its sums take 3 registers)
-template <int Bits, bool Grouped, bool Halves, int C, typename OutT>
-void rows_of(const Operands& o, int64_t b, int64_t m0, int64_t m1, OutT* out) {
+// rows [m0, m1) of a pair, in tiles of up to kMostRows rows (Halves: 4, its sums take 3 registers)
+template <int Bits, bool Grouped, bool Halves, typename OutT>
+void rows_of(const Operands& o, int64_t pair, int64_t m0, int64_t m1, OutT* out) {
   constexpr int kMost = Halves ? 4 : kMostRows;
   for (int64_t m = m0; m < m1; m += kMost) {
     switch (std::min<int64_t>(kMost, m1 - m)) {
-      case 1: tile<Bits, Grouped, Halves, 1, C>(o, b, m, out); break;
-      case 2: tile<Bits, Grouped, Halves, 2, C>(o, b, m, out); break;
-      case 3: tile<Bits, Grouped, Halves, 3, C>(o, b, m, out); break;
-      case 4: tile<Bits, Grouped, Halves, 4, C>(o, b, m, out); break;
-      case 5: tile<Bits, Grouped, Halves, std::min(5, kMost), C>(o, b, m, out); break;
-      default: tile<Bits, Grouped, Halves, kMost, C>(o, b, m, out); break;
+      case 1: tile<Bits, Grouped, Halves, 1>(o, pair, m, out); break;
+      case 2: tile<Bits, Grouped, Halves, 2>(o, pair, m, out); break;
+      case 3: tile<Bits, Grouped, Halves, 3>(o, pair, m, out); break;
+      case 4: tile<Bits, Grouped, Halves, 4>(o, pair, m, out); break;
+      case 5: tile<Bits, Grouped, Halves, std::min(5, kMost)>(o, pair, m, out); break;
+      default: tile<Bits, Grouped, Halves, kMost>(o, pair, m, out); break;
     }
   }
 }
 
-// Threads split (row chunk, column pair) items, chunk by chunk: a chunk's codes are read from L2 by every pair.
-// Pair p: column blocks 2p and 2p + 1 (the last alone where their count is odd).
+// Threads split (row chunk, pair) items, chunk by chunk: a chunk's codes are read from L2 by every pair.
 template <int Bits, bool Grouped, bool Halves, typename OutT>
 void all_tiles(const Operands& o, OutT* out) {
-  const int64_t blocks = column_blocks(o.N), pairs = (blocks + 1) / 2;
+  const int64_t pairs = column_pairs(o.N);
   const int64_t chunk = std::max(kChunkRows, kChunkBytes / o.K / kChunkRows * kChunkRows);
   const int64_t chunks = (o.M + chunk - 1) / chunk;
   at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t m0 = (i / pairs) * chunk, m1 = std::min(o.M, m0 + chunk), b = 2 * (i % pairs);
-      if (b + 1 < blocks) {
-        rows_of<Bits, Grouped, Halves, 2>(o, b, m0, m1, out);
-      } else {
-        rows_of<Bits, Grouped, Halves, 1>(o, b, m0, m1, out);
-      }
+      const int64_t m0 = (i / pairs) * chunk, m1 = std::min(o.M, m0 + chunk);
+      rows_of<Bits, Grouped, Halves>(o, i % pairs, m0, m1, out);
     }
   });
 }
