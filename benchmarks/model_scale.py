@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/model_scale.py --preset llama-3.1-8b         # ~16 GB of bf16 weights written first
     .venv/bin/python benchmarks/model_scale.py --preset qwen3-moe-30b-a3b-e32-l24 --batches 1,32 --output-len 16
     .venv/bin/python benchmarks/model_scale.py --preset llama-3.1-8b --layers 8 --quantization none int8 --batches 1,64
+    .venv/bin/python benchmarks/model_scale.py --preset llama-3.1-8b --layers 8 \
+        --quantization none int8 int4 gguf:Q8_0 gguf:Q4_0 --llama-cpp --batches 1,64
 
 Writes a Hugging Face folder (config.json, a word-level tokenizer over the vocab, safetensors shards written one at a
 time, so the writer never holds the whole model) under --dir (default: a temporary folder, removed afterwards unless
@@ -19,8 +21,12 @@ is at least step bytes / bandwidth and decode tok/s at most B * bandwidth / step
 the layers' non-expert weights and the distinct experts the B tokens pick, E * (1 - (1 - k/E)^B) a layer under
 uniform routing (random router weights route about uniformly). K/V reads are left out (short sequences here).
 --quantization runs the engine once per weight format, each in its own fresh process, on the same checkpoint (none:
-as written; int8 / int4: quantized at load); the bound is for the written dtype, so quantized rows are compared with
-none's instead. Prints a table and a JSON line.
+as written; int8 / int4: quantized at load; gguf:<type>, type Q8_0, Q4_0 or Q4_1: the checkpoint written as a GGUF
+file of that type (benchmarks/scale_gguf.py, beside the checkpoint) and run as stored, quantization gguf, with the
+checkpoint's tokenizer); the bound is for the written dtype, so quantized rows are compared with none's instead.
+--llama-cpp adds llama.cpp's single-stream decode on each gguf:<type> file (llama-bench, --threads threads,
+--output-len tokens generated after --prompt-len tokens of context, 3 repetitions) beside batchserve's batch-1 row on
+the same file. Prints a table and a JSON line.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import scale_gguf
 import torch
 
 SHARD_BYTES = 2 * 1024**3
@@ -250,8 +257,9 @@ def measure(
 
     max_batch = max(batches)
     blocks_per_request = -(-(prompt_len + output_len) // 16) + 1
+    model, tokenizer, quantization = engine_source(folder, quantization)
     start = time.perf_counter()
-    llm = LLM(model=str(folder), dtype=dtype, num_threads=threads, max_batch_size=max_batch,
+    llm = LLM(model=str(model), tokenizer=tokenizer, dtype=dtype, num_threads=threads, max_batch_size=max_batch,
               num_kv_blocks=max_batch * blocks_per_request, enable_prefix_caching=False,
               quantization=quantization)  # fmt: skip
     # VmHWM counts the checkpoint's memory-mapped pages too while a shard is read (clean file pages, reclaimable)
@@ -273,6 +281,40 @@ def measure(
     del llm  # its weights freed: room for the bandwidth buffer
     result["bandwidth"] = memory_bandwidth(threads)
     return result
+
+
+def engine_source(folder: Path, quantization: str) -> tuple[Path, str | None, str]:
+    """(model, tokenizer, quantization) for a --quantization entry: gguf:<type> is the GGUF file of that type beside the
+    checkpoint, run as stored with the checkpoint's word-level tokenizer (not a conversion of the GGUF's token list)."""
+    if quantization.startswith("gguf:"):
+        return scale_gguf.gguf_path(folder, quantization.removeprefix("gguf:")), str(folder), "gguf"
+    return folder, None, quantization
+
+
+def gguf_types(quantizations: list[str]) -> list[str]:
+    types = [q.removeprefix("gguf:") for q in quantizations if q.startswith("gguf:")]
+    unknown = sorted(set(types) - set(scale_gguf.FILE_TYPES))
+    if unknown:
+        sys.exit(f"gguf:{unknown[0]}: the GGUF types written here are {', '.join(scale_gguf.FILE_TYPES)}")
+    return types
+
+
+def report_llama_cpp(args, summaries: dict, folder: Path) -> dict:
+    """llama-bench's single-stream decode on each gguf:<type> file, beside batchserve's batch-1 row on that file."""
+    rows = {}
+    print(f"llama.cpp (llama-bench), batch 1, {args.threads} threads, {args.output_len} tokens after {args.prompt_len}")
+    print(
+        f"{'type':>5} {'file GiB':>9} {'llama.cpp tok/s':>20} {'batchserve tok/s':>17} {'batchserve / llama.cpp':>23}"
+    )
+    for type_name in gguf_types(args.quantization):
+        path = scale_gguf.gguf_path(folder, type_name)
+        row = scale_gguf.llama_bench(path, args.threads, args.output_len, args.prompt_len)
+        ours = summaries[f"gguf:{type_name}"]["decode"].get("1", {}).get("tok_s")  # JSON keys: the child's
+        rows[type_name] = {**row, "batchserve_tok_s": ours}
+        theirs = f"{row['tok_s']:.2f} ± {row['sd_tok_s']:.2f}"
+        ratio = f"{ours / row['tok_s']:.2f}x" if ours else "(no batch 1)"
+        print(f"{type_name:>5} {row['file_gib']:>9.2f} {theirs:>20} {ours or float('nan'):>17.2f} {ratio:>23}")
+    return rows
 
 
 def report(
@@ -329,7 +371,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint (kept)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary checkpoint")
-    parser.add_argument("--quantization", nargs="+", default=["none"], help="weight formats, one run each")
+    parser.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["none"],
+        help="weight formats, one run each: none, int8, int4..., gguf:Q8_0, gguf:Q4_0, gguf:Q4_1",
+    )
+    parser.add_argument("--llama-cpp", action="store_true", help="llama-bench on each gguf:<type> file (batch 1)")
     parser.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -342,17 +390,28 @@ def main() -> None:
     shapes, dtype = PRESETS[args.preset], getattr(torch, args.dtype)
     if args.layers is not None:
         shapes = dataclasses.replace(shapes, name=f"{shapes.name} (first {args.layers} layers)", num_layers=args.layers)
+    types = gguf_types(args.quantization)
+    if types and shapes.moe:
+        sys.exit("gguf:<type>: only dense Llama checkpoints are written as GGUF here")
+    if args.llama_cpp and not scale_gguf.llama_bench_binary().is_file():
+        sys.exit(f"--llama-cpp: {scale_gguf.llama_bench_binary()} is missing (built as docs/quantization.md says)")
     folder = args.dir or Path(tempfile.mkdtemp(prefix=f"model_scale_{args.preset}_"))
     try:
         bandwidth = memory_bandwidth(args.threads)
         start = time.perf_counter()
         weight_bytes = write_checkpoint(shapes, folder, dtype)
         write_s = time.perf_counter() - start
+        written = {f"gguf:{t}": p.stat().st_size for t, p in scale_gguf.write_ggufs(folder, types).items()}
+        if written:
+            print(f"GGUF files written in {time.perf_counter() - start - write_s:.0f} s")
         summaries = {}
         for quantization in args.quantization:
             run = measure_in_child(folder, args, quantization)
             bandwidth = max(bandwidth, run.pop("bandwidth"))  # measured every time: a busy host only lowers it
-            summaries[quantization] = report(shapes, dtype, weight_bytes, bandwidth, write_s, run, quantization)
+            summaries[quantization] = report(shapes, dtype, written.get(quantization, weight_bytes), bandwidth,
+                                             write_s, run, quantization)  # fmt: skip
+        if args.llama_cpp:
+            summaries["llama.cpp"] = report_llama_cpp(args, summaries, folder)
         print(json.dumps(summaries))
     finally:
         if args.dir is None and not args.keep:

@@ -46,13 +46,29 @@ def torch_shape(tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
+DEQUANTIZE_CHUNK_BYTES = 1 << 26  # a quantized tensor is widened this many of its bytes at a time
+
+
 def dequantize(tensor) -> np.ndarray:
-    """One tensor as float32 in torch's layout (dequantize returns [rows, cols] row-major: already [out, in])."""
+    """One tensor as float32 in torch's layout (dequantize returns [rows, cols] row-major: already [out, in]). A
+    quantized tensor is widened in chunks of rows into its output, so gguf's float temporaries stay small (an 8B
+    model's embedding table is 2 GB in float32)."""
     import gguf
 
     check_tensor_type(tensor)
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return np.asarray(values, dtype=np.float32).reshape(torch_shape(tensor))
+    data, shape = tensor.data, torch_shape(tensor)
+    if (
+        _storage_dtype(tensor) != torch.float32
+        or tensor.tensor_type.name == "F32"
+        or data.nbytes <= DEQUANTIZE_CHUNK_BYTES
+    ):
+        return np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    out = np.empty(shape, dtype=np.float32).reshape(data.shape[0], -1)
+    step = max(1, DEQUANTIZE_CHUNK_BYTES // (data.nbytes // data.shape[0]))
+    for start in range(0, data.shape[0], step):
+        chunk = gguf.quants.dequantize(data[start : start + step], tensor.tensor_type)
+        out[start : start + step] = chunk.reshape(len(chunk), -1)
+    return out.reshape(shape)
 
 
 def unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:

@@ -127,3 +127,14 @@ def test_llama_cpp_computes_transformers_logits_from_the_file(scripts, checkpoin
     # llama.cpp rounds activations to 8 bits and K/V to float16: a few % of the logits' scale (q/k rows in HF's order
     # put it past the scale itself)
     assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
+def test_batchserves_dequantization_in_chunks_of_rows_equals_ggufs(scripts, checkpoint, monkeypatch, type_name):
+    """models/gguf_weights.dequantize widens a big tensor (an 8B embedding table) a chunk of rows at a time."""
+    from batchserve.models import gguf_weights
+
+    monkeypatch.setattr(gguf_weights, "DEQUANTIZE_CHUNK_BYTES", 1000)  # rows of 68 / 80 bytes: uneven chunks
+    for tensor in gguf.GGUFReader(scripts[1].gguf_path(checkpoint, type_name)).tensors:
+        want = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(gguf_weights.torch_shape(tensor))
+        np.testing.assert_array_equal(gguf_weights.dequantize(tensor), want, err_msg=tensor.name)
