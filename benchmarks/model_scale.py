@@ -26,7 +26,9 @@ file of that type (benchmarks/scale_gguf.py, beside the checkpoint) and run as s
 checkpoint's tokenizer); the bound is for the written dtype, so quantized rows are compared with none's instead.
 --llama-cpp adds llama.cpp's single-stream decode on each gguf:<type> file (llama-bench, --threads threads,
 --output-len tokens generated after --prompt-len tokens of context, 3 repetitions) beside batchserve's batch-1 row on
-the same file. Prints a table and a JSON line.
+the same file; --llama-server adds, at each larger batch size, `llama-server -np min(B, 32)` on each file
+(benchmarks/llama_server_peer.py: B requests of random prompt ids sent at once, greedy) beside batchserve's run at B,
+both as generated tokens / wall time from sending the requests (prefill included). Prints a table and a JSON line.
 """
 
 from __future__ import annotations
@@ -272,11 +274,14 @@ def measure(
     for batch in batches:
         prompts = [{"prompt_token_ids": torch.randint(3, vocab, (prompt_len,), generator=generator).tolist()}
                    for _ in range(batch)]  # fmt: skip
+        start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
         first = min(o.metrics.first_token_time for o in outputs)
         last = max(o.metrics.finished_time for o in outputs)
         tokens = sum(len(o.token_ids) - 1 for o in outputs)
-        result["decode"][batch] = {"tok_s": tokens / (last - first), "step_ms": 1e3 * (last - first) / (output_len - 1)}
+        result["decode"][batch] = {"tok_s": tokens / (last - first), "step_ms": 1e3 * (last - first) / (output_len - 1),
+                                   "e2e_tok_s": sum(len(o.token_ids) for o in outputs) / wall}  # fmt: skip
     result["peak_rss_gib"] = _status_kib("VmHWM") / 1024**2
     del llm  # its weights freed: room for the bandwidth buffer
     result["bandwidth"] = memory_bandwidth(threads)
@@ -299,9 +304,10 @@ def gguf_types(quantizations: list[str]) -> list[str]:
     return types
 
 
-def report_llama_cpp(args, summaries: dict, folder: Path) -> dict:
-    """llama-bench's single-stream decode on each gguf:<type> file, beside batchserve's batch-1 row on that file."""
-    rows = {}
+def report_llama_cpp(args, summaries: dict, folder: Path, vocab_size: int) -> dict:
+    """llama-bench's single-stream decode on each gguf:<type> file beside batchserve's batch-1 row on that file; then,
+    at each larger batch size, llama-server's throughput beside batchserve's, both as generated tokens / wall time."""
+    rows: dict = {}
     print(f"llama.cpp (llama-bench), batch 1, {args.threads} threads, {args.output_len} tokens after {args.prompt_len}")
     print(
         f"{'type':>5} {'file GiB':>9} {'llama.cpp tok/s':>20} {'batchserve tok/s':>17} {'batchserve / llama.cpp':>23}"
@@ -314,6 +320,18 @@ def report_llama_cpp(args, summaries: dict, folder: Path) -> dict:
         theirs = f"{row['tok_s']:.2f} ± {row['sd_tok_s']:.2f}"
         ratio = f"{ours / row['tok_s']:.2f}x" if ours else "(no batch 1)"
         print(f"{type_name:>5} {row['file_gib']:>9.2f} {theirs:>20} {ours or float('nan'):>17.2f} {ratio:>23}")
+    batches = [b for b in map(int, args.batches.split(",")) if b > 1] if args.llama_server else []
+    for batch in batches:
+        print(f"llama-server, {batch} requests at once, {args.threads} threads; generated tok/s over the wall time")
+        for type_name in gguf_types(args.quantization):
+            path = scale_gguf.gguf_path(folder, type_name)
+            row = scale_gguf.llama_server_throughput(
+                path, args.threads, batch, args.prompt_len, args.output_len, vocab_size
+            )
+            ours = summaries[f"gguf:{type_name}"]["decode"][str(batch)]["e2e_tok_s"]
+            rows[f"{type_name} batch {batch}"] = {**row, "batchserve_tok_s": ours}
+            print(f"{type_name:>5} -np {row['slots']:<3} {row['tok_s']:>9.2f}   batchserve {ours:>9.2f}   "
+                  f"{ours / row['tok_s']:.2f}x")  # fmt: skip
     return rows
 
 
@@ -378,6 +396,7 @@ def main() -> None:
         help="weight formats, one run each: none, int8, int4..., gguf:Q8_0, gguf:Q4_0, gguf:Q4_1",
     )
     parser.add_argument("--llama-cpp", action="store_true", help="llama-bench on each gguf:<type> file (batch 1)")
+    parser.add_argument("--llama-server", action="store_true", help="with --llama-cpp: llama-server at larger batches")
     parser.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -393,6 +412,8 @@ def main() -> None:
     types = gguf_types(args.quantization)
     if types and shapes.moe:
         sys.exit("gguf:<type>: only dense Llama checkpoints are written as GGUF here")
+    if args.llama_server and not args.llama_cpp:
+        sys.exit("--llama-server goes with --llama-cpp")
     if args.llama_cpp and not scale_gguf.llama_bench_binary().is_file():
         sys.exit(f"--llama-cpp: {scale_gguf.llama_bench_binary()} is missing (built as docs/quantization.md says)")
     folder = args.dir or Path(tempfile.mkdtemp(prefix=f"model_scale_{args.preset}_"))
@@ -411,7 +432,7 @@ def main() -> None:
             summaries[quantization] = report(shapes, dtype, written.get(quantization, weight_bytes), bandwidth,
                                              write_s, run, quantization)  # fmt: skip
         if args.llama_cpp:
-            summaries["llama.cpp"] = report_llama_cpp(args, summaries, folder)
+            summaries["llama.cpp"] = report_llama_cpp(args, summaries, folder, shapes.vocab_size)
         print(json.dumps(summaries))
     finally:
         if args.dir is None and not args.keep:

@@ -261,6 +261,25 @@ def llama_bench(path: Path, threads: int, tokens: int = 16, depth: int = 32, rep
             "threads": threads, "build": test.get("build_commit"), "file_gib": path.stat().st_size / 1024**3}  # fmt: skip
 
 
+def llama_server_throughput(
+    path: Path, threads: int, batch: int, prompt_len: int, output_len: int, vocab_size: int, slots: int = 32
+) -> dict:
+    """`llama-server -np min(batch, slots)` on `path` (benchmarks/llama_server_peer.py, the same build as llama-bench):
+    `batch` requests of `prompt_len` random token ids sent at once, greedy, `output_len` tokens each; tok/s = the
+    generated tokens / the time from sending them to the last answer (prefill included)."""
+    import llama_server_peer
+
+    binary = llama_bench_binary().with_name("llama-server")
+    if not binary.is_file():
+        raise FileNotFoundError(f"{binary} is missing: build llama-server as docs/quantization.md describes")
+    rng = np.random.default_rng(1)
+    requests = [{"prompt_token_ids": rng.integers(3, vocab_size, prompt_len).tolist(), "max_tokens": output_len}
+                for _ in range(batch)]  # fmt: skip
+    run = llama_server_peer.run(binary, path, requests, min(batch, slots), threads, timeout=1800, extra=[])
+    tokens = sum(len(tokens) for tokens in run["outputs"])
+    return {"tok_s": tokens / run["wall_s"], "slots": run["slots"], "batch": batch, "threads": threads}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a folder benchmarks/model_scale.py wrote (--dir / --keep)")
