@@ -274,9 +274,9 @@ def measure(
     for batch in batches:
         prompts = [{"prompt_token_ids": torch.randint(3, vocab, (prompt_len,), generator=generator).tolist()}
                    for _ in range(batch)]  # fmt: skip
-        start = time.perf_counter()
+        sent = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        wall = time.perf_counter() - sent
         first = min(o.metrics.first_token_time for o in outputs)
         last = max(o.metrics.finished_time for o in outputs)
         tokens = sum(len(o.token_ids) - 1 for o in outputs)
