@@ -77,7 +77,7 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, t
     if scheme.bits == 8:
         scales = _nonzero(w.abs().amax(dim=-1) / 127.0)
     else:
-        scales = _int4_scales(w)
+        scales = _as_float16_where_normal(_int4_scales(w))
     codes = torch.round(w / scales.unsqueeze(-1)).clamp(low, high).reshape(n, k)
     if scheme.bits == 8:
         return codes.to(torch.int8).contiguous(), scales.contiguous()
@@ -92,6 +92,14 @@ INT4_SCALE_FRACTIONS = (1.0,)
 
 def _nonzero(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(scales != 0, scales, torch.ones_like(scales))  # an all-zero group: codes 0 whatever the scale
+
+
+def _as_float16_where_normal(scales: torch.Tensor) -> torch.Tensor:
+    """int4 scales rounded to float16 values (as GGUF stores its scales) where float16 holds them as normal numbers:
+    the W8A8 kernel then packs them in 2 bytes, not 4 (0.5625 byte a weight at group 32, not 0.625)."""
+    rounded = scales.half().float()
+    normal = torch.isfinite(rounded) & (rounded.abs() >= torch.finfo(torch.float16).tiny)
+    return torch.where(normal, rounded, scales)
 
 
 def _int4_scales(w: torch.Tensor) -> torch.Tensor:

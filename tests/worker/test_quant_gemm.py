@@ -129,7 +129,9 @@ def _activation_steps(x: torch.Tensor, block: int) -> torch.Tensor:
 
 # and int4 with one scale a row: 4-bit codes whose sums are scaled at the end, not per group
 @pytest.mark.parametrize("scheme", [*SCHEMES, QuantScheme(4, None)], ids=lambda s: s.name)
-@pytest.mark.parametrize("with_mins", [False, True], ids=["", "mins"])
+# minimums: none, float32 ones, or GGUF Q4_1's (a float16 m plus 8 x the scale: the kernel packs m in float16 and adds
+# 8 x the scale back)
+@pytest.mark.parametrize("with_mins", [None, "float32", "q4_1"], ids=["", "mins", "q4_1_mins"])
 @pytest.mark.parametrize("rows", [1, 3, 9, 80])
 def test_w8a8_equals_the_dequantized_product_within_activation_rounding(force_quant_gemm, scheme, with_mins, rows):
     """W8A8 rounds each activation to the nearest int8 step of its row's ACT_BLOCK k (a tie either way: still within
@@ -143,6 +145,8 @@ def test_w8a8_equals_the_dequantized_product_within_activation_rounding(force_qu
     codes, scales = quantize(weight, scheme)
     group = scheme.group_for(384)
     mins = torch.randn(out_features, 384 // group) * 0.1 if with_mins else None
+    if with_mins == "q4_1":
+        mins = mins.half().float() + 8 * scales
     layer = QuantizedLinear.from_codes(codes, scales, scheme, bias=bias, mins=mins)
     assert layer.codes is None and layer.scales is None  # every M takes W8A8: only the kernel's repacked copy kept
     x = torch.randn(rows, 384) * torch.rand(rows, 1) * 4

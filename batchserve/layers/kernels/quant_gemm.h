@@ -26,7 +26,8 @@ struct QuantWeight {
   // W8A8 (quant_w8a8.cpp), path kAvx512Vnni: the codes repacked once for vpdpbusd, scales / mins per 16 columns;
   // undefined where not packed. When packed every M takes it; activations quantized per row and act_block k
   // (0: the whole row).
-  at::Tensor w8a8_codes, w8a8_scales, w8a8_mins;
+  at::Tensor w8a8_codes, w8a8_scales, w8a8_mins;  // scales / mins float16 where every value is one, else float32
+  bool w8a8_add_eight_scales = false;  // 4 bits: w8a8_mins hold the minimum at nibble 0, the kernel adds 8 x scale
   int64_t act_block = 0;
 };
 

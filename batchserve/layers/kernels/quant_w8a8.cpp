@@ -11,8 +11,12 @@
 //   8 bits: [N / 32][K / 4][2 blocks][16 columns][4 k] uint8 = code + 128;
 //   4 bits: [N / 32][K / 32][4][2 blocks][16 columns][4 k] bytes: vector p of a 32-k subblock holds k = 4p..4p+3 in
 //           its low nibbles and k = 16+4p..16+4p+3 in its high ones, the stored nibble (code + 8), so that a nibble
-//           moved to a byte's top (the low half cleared) is the unsigned byte 16 x code + 128; the column scales are
-//           packed divided by 16 to match.
+//           moved to a byte's top (the low half cleared) is the unsigned byte 16 x code + 128; the activations'
+//           scales are divided by 16 to match.
+// A grouped weight's scales (and minimums) are packed as float16 where every one of them is a float16 (GGUF's Q8_0,
+// Q4_0, Q4_1 and int4's own scales), else float32: a 4-bit weight with float32 scale and minimum streams 0.75 byte a
+// weight, with float16 ones 0.625. A 4-bit weight's minimum is the value at code 0 (GGUF Q4_1's m + 8d, as the other
+// paths read it); where m alone is a float16 that is what is packed, and the kernel adds 8d back.
 // The weights are the unsigned operand (offset 128 either way), the activations the signed one (-127..127), so the
 // offset's share is a row's, not a column's: a span's int32 sums start at -128 x (the row's codes summed over the
 // span) and end exact. Nothing is read per column but the codes and scales: a single row streams the weight's bytes
@@ -25,6 +29,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -59,13 +64,15 @@ Spans spans_of(const QuantWeight& w) {
   return {block, span};
 }
 
-// [N, G] float32 -> [N / 32][G][2 blocks][16] (zero-padded columns)
-at::Tensor pack_columns(const at::Tensor& per_group) {
+// [N, G] float32 -> [N / 32][G][2 blocks][16] (zero-padded columns) of float32, or float16
+at::Tensor pack_columns(const at::Tensor& per_group, at::ScalarType dtype) {
   const int64_t N = per_group.size(0), G = per_group.size(1), pairs = column_pairs(N);
   auto padded = at::zeros({pairs * kPairCols, G}, at::kFloat);
   padded.narrow(0, 0, N).copy_(per_group);
-  return padded.view({pairs, kPairCols, G}).transpose(1, 2).contiguous();
+  return padded.view({pairs, kPairCols, G}).transpose(1, 2).contiguous().to(dtype);
 }
+
+bool all_float16(const at::Tensor& values) { return at::equal(values.to(at::kHalf).to(at::kFloat), values); }
 
 // code k of a row plus its offset, unsigned (4 bits: the stored nibble, code + 8; GGUF Q4_0's order, byte j of a
 // subblock holds k = j low, k = j + 16 high)
@@ -107,8 +114,17 @@ void w8a8_pack(QuantWeight& w) {
         pack_column(codes + (p * kPairCols + c) * row_bytes, K, w.bits, c, dst + p * pair_bytes(K, w.bits));
   });
   w.w8a8_codes = packed;
-  w.w8a8_scales = pack_columns(w.bits == 8 ? w.scales : w.scales / 16.0);
-  w.w8a8_mins = w.mins.defined() ? pack_columns(w.mins) : at::Tensor();
+  at::Tensor mins = w.mins;
+  if (w.bits == 4 && mins.defined()) {
+    const at::Tensor at_eight = mins - 8 * w.scales;  // the minimum at the stored nibble 0 (Q4_1's m)
+    w.w8a8_add_eight_scales = all_float16(at_eight) && at::equal(at_eight + 8 * w.scales, mins);
+    if (w.w8a8_add_eight_scales) mins = at_eight;
+  }
+  const bool grouped = K / w.group > 1 || mins.defined();
+  const bool float16 = grouped && all_float16(w.scales) && (!mins.defined() || all_float16(mins));
+  const at::ScalarType dtype = float16 ? at::kHalf : at::kFloat;
+  w.w8a8_scales = pack_columns(w.scales, dtype);
+  w.w8a8_mins = mins.defined() ? pack_columns(mins, dtype) : at::Tensor();
 }
 
 #if defined(BATCHSERVE_W8A8)
@@ -135,6 +151,7 @@ struct QuantizedRows {
 
 struct RowShape {
   int64_t K, block, span, group;
+  float scale_factor;  // 4-bit weights: 1 / 16 (their operand is 16 x the code)
 };
 
 template <typename T>
@@ -145,7 +162,7 @@ void quantize_row(const T* xr, const RowShape& s, int8_t* codes, float* scales, 
     for (int64_t k = b0; k < b0 + s.block; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(xr + k)));
     const float amax = _mm512_reduce_max_ps(mx);
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    scales[b0 / s.block] = amax / 127.0f;
+    scales[b0 / s.block] = amax / 127.0f * s.scale_factor;
     for (int64_t k = b0; k < b0 + s.block; k += 16) {
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xr + k), inv));  // nearest, ties even; |q| <= 127
       _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k), _mm512_cvtsepi32_epi8(q));
@@ -180,7 +197,8 @@ QuantizedRows quantize_rows(const T* x, int64_t M, const RowShape& s, bool with_
 
 struct Operands {
   const uint8_t* codes;        // packed
-  const float *scales, *mins;  // packed [N / 32][G][2][16]
+  const void *scales, *mins;   // packed [N / 32][G][2][16], float32 or float16 (the tiles' V)
+  bool add_eight_scales;       // the minimums are a 4-bit weight's at nibble 0: 8 x the scale added back
   const int8_t* xq;
   const float *xs, *xg;  // [M, K / block], [M, K / group]
   const int32_t* starts;  // [M, K / span]
@@ -261,13 +279,25 @@ inline int64_t column_values(int64_t pair, int64_t groups, int64_t g, int c) {
   return (pair * groups + g) * kPairCols + c * kCols;
 }
 
+// 16 packed per-group values, float32 or float16 (V = uint16_t)
+template <typename V>
+inline __m512 load_values(const void* values, int64_t at) {
+  if constexpr (std::is_same_v<V, float>) {
+    return _mm512_loadu_ps(static_cast<const float*>(values) + at);
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const V*>(values) + at)));
+  }
+}
+
 // at the end of weight group g (where the weight has minimums): each column's minimum times the row's group sum
-template <int R>
+template <int R, typename V>
 inline void add_minimums(const Operands& o, int64_t pair, int64_t m0, int64_t g, __m512 (&total)[R][kBlocks]) {
   if (o.mins == nullptr) return;
   const int64_t groups = o.K / o.group;
   for (int c = 0; c < kBlocks; ++c) {
-    const __m512 mn = _mm512_loadu_ps(o.mins + column_values(pair, groups, g, c));
+    const int64_t at = column_values(pair, groups, g, c);
+    __m512 mn = load_values<V>(o.mins, at);
+    if (o.add_eight_scales) mn = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), load_values<V>(o.scales, at), mn);
     for (int r = 0; r < R; ++r)
       total[r][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o.xg[(m0 + r) * groups + g]), total[r][c]);
   }
@@ -281,7 +311,7 @@ inline void store_tile(const Operands& o, int64_t pair, int64_t m0, const __m512
     const int64_t n0 = pair * kPairCols + c * kCols, width = std::min<int64_t>(kCols, o.N - n0);
     if (width <= 0) return;
     const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
-    const __m512 sw = Grouped ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(o.scales + column_values(pair, 1, 0, c));
+    const __m512 sw = Grouped ? _mm512_set1_ps(1.0f) : load_values<float>(o.scales, column_values(pair, 1, 0, c));
     for (int r = 0; r < R; ++r)
       store16(out + (m0 + r) * o.N + n0, Grouped ? total[r][c] : _mm512_mul_ps(total[r][c], sw), mask);
   }
@@ -290,7 +320,7 @@ inline void store_tile(const Operands& o, int64_t pair, int64_t m0, const __m512
 // out[m0 + r][the 32 columns of pair `pair`] for R rows. A span's int32 sums (exact) times the span's activation
 // scale are added up: Grouped (scales per weight group, or minimums), each times its group's column scales, the
 // minimums times the row's group sums; else (int8 per channel) scaled once at the end.
-template <int Bits, bool Grouped, int R, typename OutT>
+template <int Bits, bool Grouped, int R, typename V, typename OutT>
 void row_tile(const Operands& o, int64_t pair, int64_t m0, OutT* out) {
   const int64_t groups = o.K / o.group, blocks = o.K / o.block, spans = o.K / o.span;
   const int64_t per_block = o.block / o.span, per_group = o.group / o.span;
@@ -311,7 +341,7 @@ void row_tile(const Operands& o, int64_t pair, int64_t m0, OutT* out) {
       const __m512 xs = _mm512_set1_ps(o.xs[(m0 + r) * blocks + a]);
       for (int c = 0; c < kBlocks; ++c) {
         if constexpr (Grouped) {
-          const __m512 sw = _mm512_loadu_ps(o.scales + column_values(pair, groups, g, c));
+          const __m512 sw = load_values<V>(o.scales, column_values(pair, groups, g, c));
           total[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][c]), xs), sw, total[r][c]);
         } else {
           total[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), xs, total[r][c]);
@@ -319,7 +349,7 @@ void row_tile(const Operands& o, int64_t pair, int64_t m0, OutT* out) {
       }
     }
     const bool group_ends = ++in_group == per_group;
-    if (Grouped && group_ends) add_minimums<R>(o, pair, m0, g, total);
+    if (Grouped && group_ends) add_minimums<R, V>(o, pair, m0, g, total);
     if (++in_block == per_block) in_block = 0, ++a;
     if (group_ends) in_group = 0, ++g;
   }
@@ -328,7 +358,7 @@ void row_tile(const Operands& o, int64_t pair, int64_t m0, OutT* out) {
 
 // row_tile for 4 bits in 16-k spans (GGUF's 4-bit types at activation block 16): both halves of a 32-k subblock
 // from one load of its codes, their int32 sums apart (each has its activation scale), then scaled together.
-template <bool Grouped, int R, typename OutT>
+template <bool Grouped, int R, typename V, typename OutT>
 void halves_tile(const Operands& o, int64_t pair, int64_t m0, OutT* out) {
   const int64_t groups = o.K / o.group, blocks = o.K / o.block, spans = o.K / 16, per_group = o.group / 32;
   const uint8_t* w = o.codes + pair * pair_bytes(o.K, 4);
@@ -361,46 +391,46 @@ void halves_tile(const Operands& o, int64_t pair, int64_t m0, OutT* out) {
       for (int c = 0; c < kBlocks; ++c) {
         const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[r][c]), xs_hi,
                                             _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r][c]), xs_lo));
-        const __m512 sw = _mm512_loadu_ps(o.scales + column_values(pair, groups, g, c));
+        const __m512 sw = load_values<V>(o.scales, column_values(pair, groups, g, c));
         total[r][c] = Grouped ? _mm512_fmadd_ps(both, sw, total[r][c]) : _mm512_add_ps(both, total[r][c]);
       }
     }
     if (++in_group == per_group) {
-      if (Grouped) add_minimums<R>(o, pair, m0, g, total);
+      if (Grouped) add_minimums<R, V>(o, pair, m0, g, total);
       in_group = 0, ++g;
     }
   }
   store_tile<Grouped, R>(o, pair, m0, total, out);
 }
 
-// the tile of a weight's kind
-template <int Bits, bool Grouped, bool Halves, int R, typename OutT>
+// the tile of a weight's kind (V: its packed scales' type)
+template <int Bits, bool Grouped, bool Halves, typename V, int R, typename OutT>
 inline void tile(const Operands& o, int64_t pair, int64_t m0, OutT* out) {
   if constexpr (Halves) {
-    halves_tile<Grouped, R>(o, pair, m0, out);
+    halves_tile<Grouped, R, V>(o, pair, m0, out);
   } else {
-    row_tile<Bits, Grouped, R>(o, pair, m0, out);
+    row_tile<Bits, Grouped, R, V>(o, pair, m0, out);
   }
 }
 
 // rows [m0, m1) of a pair, in tiles of up to kMostRows rows (Halves: 4, its sums take 3 registers)
-template <int Bits, bool Grouped, bool Halves, typename OutT>
+template <int Bits, bool Grouped, bool Halves, typename V, typename OutT>
 void rows_of(const Operands& o, int64_t pair, int64_t m0, int64_t m1, OutT* out) {
   constexpr int kMost = Halves ? 4 : kMostRows;
   for (int64_t m = m0; m < m1; m += kMost) {
     switch (std::min<int64_t>(kMost, m1 - m)) {
-      case 1: tile<Bits, Grouped, Halves, 1>(o, pair, m, out); break;
-      case 2: tile<Bits, Grouped, Halves, 2>(o, pair, m, out); break;
-      case 3: tile<Bits, Grouped, Halves, 3>(o, pair, m, out); break;
-      case 4: tile<Bits, Grouped, Halves, 4>(o, pair, m, out); break;
-      case 5: tile<Bits, Grouped, Halves, std::min(5, kMost)>(o, pair, m, out); break;
-      default: tile<Bits, Grouped, Halves, kMost>(o, pair, m, out); break;
+      case 1: tile<Bits, Grouped, Halves, V, 1>(o, pair, m, out); break;
+      case 2: tile<Bits, Grouped, Halves, V, 2>(o, pair, m, out); break;
+      case 3: tile<Bits, Grouped, Halves, V, 3>(o, pair, m, out); break;
+      case 4: tile<Bits, Grouped, Halves, V, 4>(o, pair, m, out); break;
+      case 5: tile<Bits, Grouped, Halves, V, std::min(5, kMost)>(o, pair, m, out); break;
+      default: tile<Bits, Grouped, Halves, V, kMost>(o, pair, m, out); break;
     }
   }
 }
 
 // Threads split (row chunk, pair) items, chunk by chunk: a chunk's codes are read from L2 by every pair.
-template <int Bits, bool Grouped, bool Halves, typename OutT>
+template <int Bits, bool Grouped, bool Halves, typename V, typename OutT>
 void all_tiles(const Operands& o, OutT* out) {
   const int64_t pairs = column_pairs(o.N);
   const int64_t chunk = std::max(kChunkRows, kChunkBytes / o.K / kChunkRows * kChunkRows);
@@ -408,9 +438,16 @@ void all_tiles(const Operands& o, OutT* out) {
   at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m0 = (i / pairs) * chunk, m1 = std::min(o.M, m0 + chunk);
-      rows_of<Bits, Grouped, Halves>(o, i % pairs, m0, m1, out);
+      rows_of<Bits, Grouped, Halves, V>(o, i % pairs, m0, m1, out);
     }
   });
+}
+
+// a weight with scales per group (or minimums), its scales packed as V
+template <typename V, typename OutT>
+void grouped_tiles(const QuantWeight& w, const Operands& o, OutT* out) {
+  if (w.bits == 8) return all_tiles<8, true, false, V>(o, out);
+  return o.span == 16 ? all_tiles<4, true, true, V>(o, out) : all_tiles<4, true, false, V>(o, out);
 }
 
 template <typename InT, typename OutT>
@@ -418,24 +455,24 @@ void w8a8_typed(const InT* x, int64_t M, const QuantWeight& w, OutT* out) {
   const int64_t K = w.in_features;
   const Spans spans = spans_of(w);
   const bool has_mins = w.w8a8_mins.defined();
-  const QuantizedRows q = quantize_rows(x, M, RowShape{K, spans.block, spans.span, w.group}, has_mins);
+  const RowShape shape{K, spans.block, spans.span, w.group, w.bits == 8 ? 1.0f : 1.0f / 16};
+  const QuantizedRows q = quantize_rows(x, M, shape, has_mins);
   Operands o{};
   o.codes = w.w8a8_codes.data_ptr<uint8_t>();
-  o.scales = w.w8a8_scales.data_ptr<float>();
-  o.mins = has_mins ? w.w8a8_mins.data_ptr<float>() : nullptr;
+  o.scales = w.w8a8_scales.data_ptr();
+  o.mins = has_mins ? w.w8a8_mins.data_ptr() : nullptr;
+  o.add_eight_scales = w.w8a8_add_eight_scales;
   o.xq = q.codes.data_ptr<int8_t>();
   o.starts = q.starts.data_ptr<int32_t>();
   o.xs = q.scales.data_ptr<float>();
   o.xg = has_mins ? q.group_sums.data_ptr<float>() : nullptr;
   o.M = M, o.K = K, o.N = w.out_features, o.group = w.group, o.block = spans.block, o.span = spans.span;
-  const bool grouped = K / w.group > 1 || has_mins;
-  if (w.bits == 8) {
-    grouped ? all_tiles<8, true, false>(o, out) : all_tiles<8, false, false>(o, out);
-  } else if (o.span == 16) {
-    grouped ? all_tiles<4, true, true>(o, out) : all_tiles<4, false, true>(o, out);
-  } else {
-    grouped ? all_tiles<4, true, false>(o, out) : all_tiles<4, false, false>(o, out);
+  if (K / w.group == 1 && !has_mins) {  // one scale a column, applied at the end (float32)
+    if (w.bits == 8) return all_tiles<8, false, false, float>(o, out);
+    return o.span == 16 ? all_tiles<4, false, true, float>(o, out) : all_tiles<4, false, false, float>(o, out);
   }
+  if (w.w8a8_scales.scalar_type() == at::kHalf) return grouped_tiles<uint16_t>(w, o, out);
+  grouped_tiles<float>(w, o, out);
 }
 
 template <typename InT>
