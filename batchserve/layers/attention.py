@@ -168,7 +168,9 @@ def paged_attention(
         return windowed_attention(query, key, value, kv_cache, metadata, scale, window, softcap)
     step = native_step(query, query.shape[-1], kv_cache, metadata)
     if step is not None:
-        return kernels.load().paged_attention(query, key, value, kv_cache[0], kv_cache[1], step, scale)
+        return kernels.load().paged_attention(
+            query, key, value, kv_cache[0], kv_cache[1], step, scale, *int8_scales(kv_cache)
+        )
     if kv_quant.is_quantized(kv_cache):  # attend to the K/V as the pool holds them, as later steps will
         key, value = kv_quant.write(key, value, kv_cache, metadata.slot_mapping)
     else:
@@ -189,17 +191,26 @@ def paged_attention(
 def native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, metadata: AttentionMetadata):
     """The step's attention as the native kernels take it (the module's StepAttention, built once a step and read by
     every layer, the native decoder loop's included), or None where the torch path runs: off the CPU or without the
-    native kernels, a pool not of the queries' dtype (the native K/V store takes that only), decode rows that are not
-    the batch's first, or prefill chunks that attend by the torch code."""
+    native kernels, a float pool not of the queries' dtype (the native K/V store takes that or int8 only), decode rows
+    that are not the batch's first, or prefill chunks that attend by the torch code."""
     key = (like.dtype, kv_cache[0].dtype, head_dim)
     if key not in metadata._native_steps:
         metadata._native_steps[key] = _make_native_step(like, head_dim, kv_cache, metadata)
     return metadata._native_steps[key]
 
 
+def int8_scales(kv_cache: KVCache) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An int8 pool's K and V scales, which the native step takes beside the pool; (None, None) for a float pool."""
+    return (kv_cache.k_scale, kv_cache.v_scale) if kv_quant.is_quantized(kv_cache) else (None, None)
+
+
 def _make_native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, meta: AttentionMetadata):
-    native = kernels.for_tensors(like, kv_cache[0], dtypes=kernels.FUSED_DTYPES)
-    if native is None or kv_cache[0].dtype != like.dtype:
+    if kv_quant.is_quantized(kv_cache):  # int8 codes: the native step quantizes, stores and reads them itself
+        native = kernels.for_tensors(like, dtypes=kernels.FUSED_DTYPES)
+    else:
+        native = kernels.for_tensors(like, kv_cache[0], dtypes=kernels.FUSED_DTYPES)
+        native = native if kv_cache[0].dtype == like.dtype else None
+    if native is None:
         return None
     decode, prefill = meta.decode, meta.prefill
     decode_rows = 0 if decode is None else decode.token_range[1]

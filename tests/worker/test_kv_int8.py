@@ -54,9 +54,9 @@ def _step(states, new_reqs, scheduled):
     return states.build(out, CPU)
 
 
-def run_int8_batch(seqs, block_size, heads=(6, 2, 64), seed=0):
-    """seqs: (tokens cached by an earlier step, tokens this step), on an int8 pool -> (output, the float32 attention
-    over the dequantized K/V, the same over the exact K/V)."""
+def run_int8_batch(seqs, block_size, heads=(6, 2, 64), seed=0, dtype=torch.float32):
+    """seqs: (tokens cached by an earlier step, tokens this step), on an int8 pool, q/k/v in dtype -> (output, the
+    float32 attention over the dequantized K/V, the same over the exact K/V)."""
     num_heads, num_kv_heads, head_dim = heads
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -68,7 +68,7 @@ def run_int8_batch(seqs, block_size, heads=(6, 2, 64), seed=0):
     for i, (cached, n) in enumerate(seqs):
         length = cached + n
         blocks = [free.pop() for _ in range(-(-length // block_size))]
-        full.append(tuple(torch.randn(length, h, head_dim) for h in (num_heads, num_kv_heads, num_kv_heads)))
+        full.append(tuple(torch.randn(length, h, head_dim).to(dtype) for h in (num_heads, num_kv_heads, num_kv_heads)))
         new_reqs.append(NewRequestData(f"r{i}", list(range(length)), length, SamplingParams(), blocks, cached))
         earlier.append(NewRequestData(f"r{i}", list(range(length)), length, SamplingParams(), blocks, 0))
     cached_counts = {f"r{i}": c for i, (c, _) in enumerate(seqs) if c > 0}
@@ -85,6 +85,7 @@ def run_int8_batch(seqs, block_size, heads=(6, 2, 64), seed=0):
     def round_trip(x):
         return kv_quant.dequantize(*kv_quant.quantize(x))
 
+    full = [tuple(t.float() for t in parts) for parts in full]
     dequantized = [_reference(q, round_trip(k), round_trip(v), seqs[i][1]) for i, (q, k, v) in enumerate(full)]
     exact = [_reference(*full[i], seqs[i][1]) for i in range(len(seqs))]
     return out, torch.cat([dequantized[i] for i in order]), torch.cat([exact[i] for i in order])
@@ -186,3 +187,22 @@ def test_native_int8_decode_reads_the_pool_in_place(native_kernels):
         torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="block id outside the pool"):
         kv_quant.native_decode(query, pool, tables + 100, lens, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seqs", list(SEQS.values()), ids=list(SEQS))
+def test_native_step_on_an_int8_pool_equals_the_torch_path(seqs, dtype, monkeypatch, native_kernels):
+    """The native step (kernels/kv_int8.cpp quantizing and storing, the in-place decode, SDPA over the blocks
+    dequantized), which the native decoder loop runs, gives the torch path's output bit for bit: the same codes and
+    scales stored, so a model's tokens do not depend on which of the two ran a step."""
+    from batchserve.layers import attention
+
+    calls = []
+    step_attention = native_kernels.paged_attention
+    monkeypatch.setattr(native_kernels, "paged_attention", lambda *a, **kw: calls.append(1) or step_attention(*a, **kw))
+    native, _, _ = run_int8_batch(seqs, 16, dtype=dtype)
+    assert calls  # the native step ran
+    monkeypatch.setattr(attention, "_make_native_step", lambda *args: None)
+    torch_path, _, _ = run_int8_batch(seqs, 16, dtype=dtype)
+    assert native.dtype == dtype
+    assert torch.equal(native, torch_path)

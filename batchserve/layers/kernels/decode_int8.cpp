@@ -13,6 +13,10 @@
 
 #include <ATen/ATen.h>
 
+#include <torch/extension.h>  // layer_ops.h declares the pybind11 registrations
+
+#include "layer_ops.h"
+
 namespace {
 
 // One (sequence, KV head): the `group` query heads sharing it, online softmax over the context, float32 throughout.
@@ -50,6 +54,8 @@ void decode_one(const float* q, int64_t group, int64_t head_dim, const int8_t* k
     for (int64_t d = 0; d < head_dim; ++d) out[g * out_stride + d] = acc[g * head_dim + d] * inv;
   }
 }
+
+}  // namespace
 
 // query [B, H, D] float32; key/value [N, block_size, Hkv, D] int8; scales [N, block_size, Hkv] float32;
 // block_tables [B, max_blocks] int64; seq_lens [B] int64 -> [B, H, D] float32.
@@ -99,8 +105,6 @@ at::Tensor paged_decode_int8(const at::Tensor& query, const at::Tensor& key, con
   });
   return out;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchserve_int8, m) {
   m.def("paged_decode(Tensor query, Tensor key, Tensor value, Tensor k_scale, Tensor v_scale, Tensor block_tables, "

@@ -38,9 +38,14 @@ class DecoderLoop {
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                                                    const std::vector<at::Tensor>& key_caches,
                                                    const std::vector<at::Tensor>& value_caches,
-                                                   const StepAttention& step) const {
+                                                   const StepAttention& step,
+                                                   const std::vector<at::Tensor>& key_scales,
+                                                   const std::vector<at::Tensor>& value_scales) const {
     TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
+    const bool int8 = !key_scales.empty();
+    TORCH_CHECK(!int8 || (key_scales.size() == layers_.size() && value_scales.size() == layers_.size()),
+                "an int8 pool: one K and one V scale tensor per layer");
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecoderLayerWeights& layer = layers_[i];
@@ -51,7 +56,9 @@ class DecoderLoop {
       } else {
         h = rms_norm(x, residual, layer.input_norm, eps_);
       }
-      h = attention(layer, h, cos, sin, key_caches[i], value_caches[i], step);
+      h = attention(layer, h, cos, sin, key_caches[i], value_caches[i], step,
+                    int8 ? c10::optional<at::Tensor>(key_scales[i]) : c10::nullopt,
+                    int8 ? c10::optional<at::Tensor>(value_scales[i]) : c10::nullopt);
       h = rms_norm(h, residual, layer.post_attention_norm, eps_);
       x = layer.down(layer.gate_up.silu_and_mul_of(h));
     }
@@ -62,14 +69,16 @@ class DecoderLoop {
   // models/llama.py Attention.forward
   at::Tensor attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                          const StepAttention& step) const {
+                          const StepAttention& step, const c10::optional<at::Tensor>& key_scale,
+                          const c10::optional<at::Tensor>& value_scale) const {
     const int64_t tokens = h.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const auto parts = layer.qkv(h).split_with_sizes({q_size + kv_size, kv_size}, -1);
     const at::Tensor qk = parts[0].view({tokens, num_heads_ + num_kv_heads_, head_dim_});
     rope_(qk, cos, sin);
     const auto q_k = qk.split_with_sizes({num_heads_, num_kv_heads_}, 1);
     const at::Tensor v = parts[1].view({tokens, num_kv_heads_, head_dim_});
-    const at::Tensor out = paged_attention(q_k[0], q_k[1], v, key_cache, value_cache, step, scale_);
+    const at::Tensor out =
+        paged_attention(q_k[0], q_k[1], v, key_cache, value_cache, step, scale_, key_scale, value_scale);
     return layer.o(out.reshape({tokens, q_size}));
   }
 
@@ -88,6 +97,8 @@ void register_decoder_loop(pybind11::module& m) {
       .def_static("capabilities", [] { return kCapabilities; }, "what the loop computes (Capability values)")
       .def("add_layer", &DecoderLoop::add_layer)
       .def("num_layers", &DecoderLoop::num_layers)
-      .def("forward", &DecoderLoop::forward, "a step's decoder layers -> (x, residual)",
-           py::call_guard<py::gil_scoped_release>());
+      .def("forward", &DecoderLoop::forward, "a step's decoder layers -> (x, residual); scales: an int8 pool's",
+           py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("cos"), py::arg("sin"),
+           py::arg("key_caches"), py::arg("value_caches"), py::arg("step"),
+           py::arg("key_scales") = std::vector<at::Tensor>(), py::arg("value_scales") = std::vector<at::Tensor>());
 }

@@ -8,18 +8,28 @@
 
 namespace {
 
-at::Tensor decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                     const StepAttention& step, double scale) {
-  return paged_decode_attention(q.to(at::kFloat).contiguous(), key_cache, value_cache, *step.decode_block_tables,
-                                *step.decode_seq_lens, scale, step.path)
-      .to(q.scalar_type());
+// A layer's pool: float (its dtype's K/V), or int8 with scales
+struct Pool {
+  const at::Tensor &key, &value;
+  const Int8Pool* int8;  // null for a float pool
+};
+
+at::Tensor decode(const at::Tensor& q, const Pool& pool, const StepAttention& step, double scale) {
+  const auto q32 = q.to(at::kFloat).contiguous();
+  const auto tables = *step.decode_block_tables, lens = *step.decode_seq_lens;
+  const auto out = pool.int8 != nullptr
+                       ? paged_decode_int8(q32, pool.key, pool.value, pool.int8->key_scale, pool.int8->value_scale,
+                                           tables, lens, scale)
+                       : paged_decode_attention(q32, pool.key, pool.value, tables, lens, scale, step.path);
+  return out.to(q.scalar_type());
 }
 
-// One sequence's first `num_keys` K or V from the pool through its block table -> [1, Hkv, num_keys, D].
-at::Tensor sequence_kv(const at::Tensor& cache, const at::Tensor& blocks, int64_t num_keys,
+// One sequence's first `num_keys` K or V from the pool through its block table (int8: dequantized) ->
+// [1, Hkv, num_keys, D].
+at::Tensor sequence_kv(const at::Tensor& cache, const at::Tensor* scales, const at::Tensor& blocks, int64_t num_keys,
                           at::ScalarType dtype) {
-  return cache.index_select(0, blocks)
-      .view({-1, cache.size(2), cache.size(3)})
+  const auto rows = scales != nullptr ? dequantized_blocks(cache, *scales, blocks, dtype) : cache.index_select(0, blocks);
+  return rows.view({-1, cache.size(2), cache.size(3)})
       .slice(0, 0, num_keys)
       .transpose(0, 1)
       .unsqueeze(0)
@@ -28,12 +38,13 @@ at::Tensor sequence_kv(const at::Tensor& cache, const at::Tensor& blocks, int64_
 
 // One SDPA per sequence on its own rows: a fresh prompt attends to this step's K/V as they are (causal); a chunk after
 // earlier context reads its sequence's blocks from the pool, this chunk's included, under its shifted causal mask.
-at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& key_cache, const at::Tensor& value_cache,
+at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Pool& pool,
                               const StepAttention& step, double scale) {
   auto out = at::empty_like(q);
   const bool gqa = q.size(1) != k.size(1);
-  const int64_t block_size = key_cache.size(1);
+  const int64_t block_size = pool.key.size(1);
+  const at::Tensor* key_scale = pool.int8 != nullptr ? &pool.int8->key_scale : nullptr;
+  const at::Tensor* value_scale = pool.int8 != nullptr ? &pool.int8->value_scale : nullptr;
   for (size_t i = 0; i < step.spans.size(); ++i) {
     const auto [start, stop, context] = step.spans[i];
     const auto rows = [&](const at::Tensor& t) { return t.slice(0, start, stop).transpose(0, 1).unsqueeze(0); };
@@ -43,20 +54,20 @@ at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::T
     } else {
       const int64_t num_keys = context + stop - start;
       const auto blocks = step.prefill_block_tables->select(0, i).slice(0, 0, (num_keys + block_size - 1) / block_size);
-      o = at::scaled_dot_product_attention(rows(q), sequence_kv(key_cache, blocks, num_keys, q.scalar_type()),
-                                           sequence_kv(value_cache, blocks, num_keys, q.scalar_type()),
-                                           step.chunk_masks[i], 0.0, false, scale, gqa);
+      o = at::scaled_dot_product_attention(
+          rows(q), sequence_kv(pool.key, key_scale, blocks, num_keys, q.scalar_type()),
+          sequence_kv(pool.value, value_scale, blocks, num_keys, q.scalar_type()), step.chunk_masks[i], 0.0, false,
+          scale, gqa);
     }
     out.slice(0, start, stop).copy_(o.select(0, 0).transpose(0, 1));
   }
   return out;
 }
 
-at::Tensor prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& key_cache, const at::Tensor& value_cache, const StepAttention& step,
-                      double scale) {
-  if (!step.native_prefill) return prefill_by_sdpa(q, k, v, key_cache, value_cache, step, scale);
-  return paged_prefill_attention(q.to(at::kFloat), key_cache, value_cache, *step.prefill_block_tables,
+at::Tensor prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Pool& pool,
+                      const StepAttention& step, double scale) {
+  if (!step.native_prefill || pool.int8 != nullptr) return prefill_by_sdpa(q, k, v, pool, step, scale);
+  return paged_prefill_attention(q.to(at::kFloat), pool.key, pool.value, *step.prefill_block_tables,
                                  *step.prefill_seq_lens, *step.prefill_query_starts, scale, step.path)
       .to(q.scalar_type());
 }
@@ -85,17 +96,27 @@ StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optio
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& key_cache, const at::Tensor& value_cache,
-                              const StepAttention& step, double scale) {
+                              const StepAttention& step, double scale, const c10::optional<at::Tensor>& key_scale,
+                              const c10::optional<at::Tensor>& value_scale) {
   TORCH_CHECK(step.decode_rows == q.size(0) || step.prefill_block_tables.has_value(), "rows without a group");
-  write_kv_(k, v, key_cache, value_cache, step.slot_mapping);
+  TORCH_CHECK(key_scale.has_value() == value_scale.has_value(), "an int8 pool has both scales");
+  c10::optional<Int8Pool> int8;
+  at::Tensor keys = k, values = v;  // what the prefill rows attend to: the K/V as the pool stores them
+  if (key_scale.has_value()) {
+    int8 = Int8Pool{key_cache, value_cache, *key_scale, *value_scale};
+    std::tie(keys, values) = write_kv_int8_(k, v, *int8, step.slot_mapping);
+  } else {
+    write_kv_(k, v, key_cache, value_cache, step.slot_mapping);
+  }
+  const Pool pool{key_cache, value_cache, int8.has_value() ? &*int8 : nullptr};
   const int64_t tokens = q.size(0), d = step.decode_rows;
-  if (d == tokens) return decode(q, key_cache, value_cache, step, scale);
-  if (d == 0) return prefill(q, k, v, key_cache, value_cache, step, scale);
+  if (d == tokens) return decode(q, pool, step, scale);
+  if (d == 0) return prefill(q, keys, values, pool, step, scale);
   auto out = at::empty_like(q);
-  out.narrow(0, 0, d).copy_(decode(q.narrow(0, 0, d), key_cache, value_cache, step, scale));
+  out.narrow(0, 0, d).copy_(decode(q.narrow(0, 0, d), pool, step, scale));
   out.narrow(0, d, tokens - d)
-      .copy_(prefill(q.narrow(0, d, tokens - d), k.narrow(0, d, tokens - d), v.narrow(0, d, tokens - d), key_cache,
-                     value_cache, step, scale));
+      .copy_(prefill(q.narrow(0, d, tokens - d), keys.narrow(0, d, tokens - d), values.narrow(0, d, tokens - d),
+                     pool, step, scale));
   return out;
 }
 
@@ -108,5 +129,6 @@ void register_step_attention(pybind11::module& m) {
   m.def("paged_attention", &paged_attention,
         "one layer's attention over a step: store its K/V, then the decode and the prefill rows on their paths",
         py::call_guard<py::gil_scoped_release>(), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_cache"),
-        py::arg("value_cache"), py::arg("step"), py::arg("scale"));
+        py::arg("value_cache"), py::arg("step"), py::arg("scale"), py::arg("key_scale") = py::none(),
+        py::arg("value_scale") = py::none());
 }
