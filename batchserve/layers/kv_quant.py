@@ -89,12 +89,13 @@ def dequantized_pool(kv_cache: QuantizedKV, dtype: torch.dtype = torch.float32) 
 def native_decode(
     query: torch.Tensor, kv_cache: QuantizedKV, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
 ) -> torch.Tensor | None:
-    """Decode attention reading the int8 pool in place (kernels/decode_int8.cpp: each key row's scale on its q.k,
-    each value row's on its weight) -> [B, H, D] in the query's dtype; None off the CPU or without native kernels."""
+    """Decode attention reading the int8 pool in place on the native attention path (kernels/decode_int8.cpp: each
+    key row's scale on its q.k, each value row's on its weight) -> [B, H, D] in the query's dtype; None off the CPU or
+    without native kernels."""
     if query.device.type != "cpu" or kernels.load() is None:
         return None
     out = torch.ops.batchserve_int8.paged_decode(
         query.float().contiguous(), kv_cache[0], kv_cache[1], kv_cache.k_scale, kv_cache.v_scale,
-        block_tables, seq_lens, scale,
+        block_tables, seq_lens, scale, int(kernels.attention_path()),
     )  # fmt: skip
     return out.to(query.dtype)

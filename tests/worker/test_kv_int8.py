@@ -171,7 +171,13 @@ def test_swap_and_resize_move_the_scales_with_the_blocks():
         assert torch.equal(k_now[4:], torch.zeros_like(k_now[4:]))
 
 
-def test_native_int8_decode_reads_the_pool_in_place(native_kernels):
+@pytest.mark.parametrize("path", kernels.ATTENTION_PATHS)
+def test_native_int8_decode_reads_the_pool_in_place(native_kernels, path, monkeypatch):
+    """On each attention path (AVX-512: the vectorized decode kernel on the codes; else the plain loop)."""
+    if not kernels.attention_path_runs(path):
+        pytest.skip(f"attention path {path!r} cannot run here")
+    monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", path)
+    kernels.attention_path.cache_clear()
     torch.manual_seed(2)
     pool = kv_quant.QuantizedKV.zeros((12, 8, 3, 64), CPU)
     kv_quant.write(torch.randn(96, 3, 64) * 4, torch.randn(96, 3, 64), pool, torch.arange(96))
@@ -187,6 +193,7 @@ def test_native_int8_decode_reads_the_pool_in_place(native_kernels):
         torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="block id outside the pool"):
         kv_quant.native_decode(query, pool, tables + 100, lens, 0.125)
+    kernels.attention_path.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

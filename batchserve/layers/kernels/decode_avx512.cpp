@@ -1,10 +1,19 @@
-// Paged decode attention on the "avx512" path (and a float32 pool's on "avx512_bf16"): K/V widened to float32,
-// head_dim 32, 64 or 128, 16 tokens scored at once and every kv head of a tile read in one pass.
+// Paged decode attention on the "avx512" path (and a float32 or int8 pool's on "avx512_bf16"): K/V widened to
+// float32, head_dim 32, 64 or 128, 16 tokens scored at once and every kv head of a tile read in one pass. An int8
+// pool's codes are read in place: a tile's scores times its K rows' scales, its softmax weights times its V rows'.
 #include "attention_avx512.h"
 
 #if defined(__AVX512F__)
 
 namespace {
+
+// The 16 row scales of a tile's first n slots (from slot0) for one kv head of an int8 pool ([slots, Hkv]); 0 beyond n
+inline __m512 tile_scales(const float* scales, int64_t slot0, int64_t num_kv_heads, int64_t kv_head, int64_t n) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(num_kv_heads)));
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, rows, scales + slot0 * num_kv_heads + kv_head, 4);
+}
 
 // NC = head_dim / 16 vectors per head. A work item is one sequence with all its kv heads, so each 16-token tile is
 // read as one contiguous run of memory; with fewer sequences than 4 per thread, an item is one (sequence, kv head)
@@ -13,8 +22,10 @@ namespace {
 template <int NC, typename T>
 void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                              const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+                             int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale,
+                             const float* k_scale, const float* v_scale) {
   constexpr int64_t D = NC * 16;
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;  // scales beside the codes
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
@@ -44,8 +55,8 @@ void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, con
         // A tile: up to 16 tokens of one block.
         const int64_t in_block = start % block_size;
         n = std::min<int64_t>({16, block_size - in_block, len - start});
-        const int64_t offset =
-            tables[seq * max_blocks + start / block_size] * block_stride + in_block * token_stride;
+        const int64_t block = tables[seq * max_blocks + start / block_size];
+        const int64_t offset = block * block_stride + in_block * token_stride, slot0 = block * block_size + in_block;
         // the next tile's K and V asked for during this one's kv heads (the pool's blocks are scattered, which the
         // hardware prefetchers do not foresee), a few lines a kv head (see RowPrefetcher)
         const int64_t next = start + n, next_in_block = next % block_size;
@@ -61,19 +72,29 @@ void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, con
           next_v.step();
           const int64_t h0 = kv_head * group;
           score_group<NC>(qs.data() + h0 * D, group, k_cache + offset + kv_head * D, token_stride, n, scores);
+          if constexpr (kInt8) {
+            const __m512 ks = tile_scales(k_scale, slot0, num_kv_heads, kv_head, n);
+            for (int64_t g = 0; g < group; ++g) scores[g] = _mm512_mul_ps(scores[g], ks);
+          }
           for (int64_t g = 0; g < group; ++g)
             softmax_update(scores[g], n, m[h0 + g], l[h0 + g], corr[h0 + g], p.data() + (h0 + g) * 16);
         }
         for (int64_t h = first_head; h < last_head && !grouped; ++h) {
           __m512 qv[NC];
           for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(qs.data() + h * D + 16 * c);
-          const __m512 s = score_tile<NC>(qv, k_cache + offset + h / group * D, token_stride, n);
+          __m512 s = score_tile<NC>(qv, k_cache + offset + h / group * D, token_stride, n);
+          if constexpr (kInt8) s = _mm512_mul_ps(s, tile_scales(k_scale, slot0, num_kv_heads, h / group, n));
           softmax_update(s, n, m[h], l[h], corr[h], p.data() + h * 16);
         }
         for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_item; ++kv_head) {
           next_k.step();
           next_v.step();
           const int64_t h = kv_head * group;
+          if constexpr (kInt8) {  // the weights (already summed into the denominator) times the V rows' scales
+            const __m512 vs = tile_scales(v_scale, slot0, num_kv_heads, kv_head, n);
+            for (int64_t g = 0; g < group; ++g)
+              _mm512_storeu_ps(p.data() + (h + g) * 16, _mm512_mul_ps(_mm512_loadu_ps(p.data() + (h + g) * 16), vs));
+          }
           accumulate_group<NC>(v_cache + offset + kv_head * D, token_stride, n, p.data() + h * 16, corr.data() + h,
                                acc_store.data() + h * D, group);
         }
@@ -93,11 +114,13 @@ template <typename T>
 bool decode_attention_avx512(const PagedArgs<T>& a) {
   return with_vectors_per_head(a.head_dim, [&](auto nc) {
     decode_heads_avx512<decltype(nc)::value, T>(a.q, a.k_cache, a.v_cache, a.tables, a.seq_lens, a.out, a.num_seqs,
-                                                a.num_heads, a.num_kv_heads, a.block_size, a.max_blocks, a.scale);
+                                                a.num_heads, a.num_kv_heads, a.block_size, a.max_blocks, a.scale,
+                                                a.k_scale, a.v_scale);
   });
 }
 
 template bool decode_attention_avx512<float>(const PagedArgs<float>&);
 template bool decode_attention_avx512<c10::BFloat16>(const PagedArgs<c10::BFloat16>&);
+template bool decode_attention_avx512<int8_t>(const PagedArgs<int8_t>&);
 
 #endif  // __AVX512F__

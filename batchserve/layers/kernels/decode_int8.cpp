@@ -1,7 +1,8 @@
 // Decode attention over an int8 KV pool (kv_cache_dtype="int8", layers/kv_quant.py), reading the blocks in place:
-// each key row's scale multiplies its q.k dot, each value row's scale its softmax weight. Plain C++ loops that the
-// build's -march=native vectorises; registered as a torch op (torch.ops.batchserve_int8.paged_decode) so that it
-// needs no entry in bindings.cpp.
+// each key row's scale multiplies its q.k dot, each value row's scale its softmax weight. On the AVX-512 attention
+// paths the AVX-512 decode kernel reads the codes (decode_avx512.cpp, head sizes 32 / 64 / 128); elsewhere plain C++
+// loops that the build's -march=native vectorises. Registered as a torch op (torch.ops.batchserve_int8.paged_decode)
+// so that it needs no entry in bindings.cpp.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -55,13 +56,31 @@ void decode_one(const float* q, int64_t group, int64_t head_dim, const int8_t* k
   }
 }
 
+// The AVX-512 decode kernel on the codes where the path is an AVX-512 one and it takes the head size.
+bool avx512_int8_decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& tables,
+                        const at::Tensor& lens, double scale, AttentionPath path, at::Tensor& out) {
+#if defined(__AVX512F__)
+  if (path != AttentionPath::kAvx512 && path != AttentionPath::kAvx512Bf16) return false;
+  PagedArgs<int8_t> args{query.data_ptr<float>(), query.stride(0),    key.data_ptr<int8_t>(),
+                         value.data_ptr<int8_t>(), tables.data_ptr<int64_t>(), tables.size(1),
+                         lens.data_ptr<int64_t>(), nullptr,           out.data_ptr<float>(),
+                         lens.size(0),             query.size(1),     key.size(2),
+                         query.size(2),            key.size(1),       static_cast<float>(scale),
+                         k_scale.data_ptr<float>(), v_scale.data_ptr<float>()};
+  return decode_attention_avx512<int8_t>(args);
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 // query [B, H, D] float32; key/value [N, block_size, Hkv, D] int8; scales [N, block_size, Hkv] float32;
 // block_tables [B, max_blocks] int64; seq_lens [B] int64 -> [B, H, D] float32.
 at::Tensor paged_decode_int8(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
-                             const at::Tensor& seq_lens, double scale) {
+                             const at::Tensor& seq_lens, double scale, AttentionPath path) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(), "query: [B, H, D] f32");
   TORCH_CHECK(key.dim() == 4 && key.scalar_type() == at::kChar && key.is_contiguous() && value.sizes() == key.sizes() &&
                   value.scalar_type() == at::kChar && value.is_contiguous(),
@@ -90,6 +109,7 @@ at::Tensor paged_decode_int8(const at::Tensor& query, const at::Tensor& key, con
     }
   }
   auto out = at::empty_like(query);
+  if (avx512_int8_decode(query, key, value, k_scale, v_scale, tables, lens, scale, path, out)) return out;
   const int64_t group = heads / kv_heads;
   const float* q_p = query.data_ptr<float>();
   float* out_p = out.data_ptr<float>();
@@ -108,7 +128,17 @@ at::Tensor paged_decode_int8(const at::Tensor& query, const at::Tensor& key, con
 
 TORCH_LIBRARY_FRAGMENT(batchserve_int8, m) {
   m.def("paged_decode(Tensor query, Tensor key, Tensor value, Tensor k_scale, Tensor v_scale, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int path) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(batchserve_int8, CPU, m) { m.impl("paged_decode", &paged_decode_int8); }
+namespace {
+// the op's form: the attention path as its integer (kernels.attention_path(), an AttentionPath)
+at::Tensor paged_decode_op(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale, int64_t path) {
+  return paged_decode_int8(query, key, value, k_scale, v_scale, block_tables, seq_lens, scale,
+                           static_cast<AttentionPath>(path));
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(batchserve_int8, CPU, m) { m.impl("paged_decode", &paged_decode_op); }

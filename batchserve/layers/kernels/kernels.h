@@ -63,6 +63,9 @@ struct PagedArgs {
   float* out;  // [rows, num_heads, head_dim], contiguous
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
   float scale;
+  // an int8 pool (T = int8_t): each K and V row's scale, [slots, Hkv] (kv_cache_dtype="int8")
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 // Each returns false (and writes nothing) where it does not take the call: another head size, or a build without its

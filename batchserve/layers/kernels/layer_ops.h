@@ -75,10 +75,11 @@ std::tuple<at::Tensor, at::Tensor> write_kv_int8_(const at::Tensor& k, const at:
                                                   const at::Tensor& slot_mapping);
 at::Tensor dequantized_blocks(const at::Tensor& cache, const at::Tensor& scales, const at::Tensor& blocks,
                               at::ScalarType dtype);
-// decode_int8.cpp: decode attention reading the int8 pool in place; query [B, H, D] float32 -> [B, H, D] float32
+// decode_int8.cpp: decode attention reading the int8 pool in place on `path`; query [B, H, D] float32 -> [B, H, D]
+// float32
 at::Tensor paged_decode_int8(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
-                             const at::Tensor& seq_lens, double scale);
+                             const at::Tensor& seq_lens, double scale, AttentionPath path);
 
 // bf16_gemm.cpp: x [M, K] bf16 @ W -> [M, n] float32 by AVX512-BF16, in one reduction order per row whatever M.
 bool bf16_gemm_available();

@@ -19,7 +19,7 @@ at::Tensor decode(const at::Tensor& q, const Pool& pool, const StepAttention& st
   const auto tables = *step.decode_block_tables, lens = *step.decode_seq_lens;
   const auto out = pool.int8 != nullptr
                        ? paged_decode_int8(q32, pool.key, pool.value, pool.int8->key_scale, pool.int8->value_scale,
-                                           tables, lens, scale)
+                                           tables, lens, scale, step.path)
                        : paged_decode_attention(q32, pool.key, pool.value, tables, lens, scale, step.path);
   return out.to(q.scalar_type());
 }

@@ -71,6 +71,9 @@ class RowPrefetcher {
 // rounds to nearest even, as c10::BFloat16 does, and a NaN (tested on the bits: -ffast-math assumes there is none)
 // stays a quiet NaN instead of rounding into -0.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {  // an int8 KV pool's codes, widened (their row's scale applied apart)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline __m512 load16(const c10::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
