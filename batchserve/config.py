@@ -43,7 +43,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 # weights kept quantized (layers/quantization.py): int4 is int4_g32; gguf: a GGUF file's own quantized tensors
 QUANTIZATIONS = ("none", "int8", "int4", "int4_g32", "int4_g64", "int4_g128", "gguf")
-# the KV pool's element type (vLLM's option); auto: the model's dtype; int8 with per-token-per-head scales
+# the KV pool's element type (vLLM's option); auto: the model's dtype; int8 and fp8_e4m3 with per-token-per-head scales
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
 
 
@@ -122,10 +122,6 @@ class CacheConfig:
         _require(self.swap_space_gb >= 0, "swap_space_gb must be >= 0")
         _require(self.num_swap_blocks is None or self.num_swap_blocks >= 0, "num_swap_blocks must be >= 0")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}")
-        _require(
-            self.kv_cache_dtype != "fp8_e4m3",
-            "kv_cache_dtype fp8_e4m3 is not implemented here; int8 stores the same bytes per element",
-        )
 
 
 @dataclass

@@ -3,15 +3,18 @@ each format's next-token distribution against float32's: mean KL(float32 || form
 perplexity under each. The model is the default one (SmolLM2-135M-Instruct's GGUF, dequantized at load to float32:
 the reference) or --model; windows of --window tokens, each its own prefill (the same windows for every format).
 
-    .venv/bin/python benchmarks/quant_accuracy.py [--formats none int8 int4 int4_g64] [--tokens 2048] [--json out]
-        [--llama-cpp [--llama-cpp-q8 PATH] [--threads 2]]
+    .venv/bin/python benchmarks/quant_accuracy.py [--formats none int8 int4 int4_g64] [--kv float32 int8]
+        [--tokens 2048] [--json out] [--llama-cpp [--llama-cpp-q8 PATH] [--threads 2]]
 
 --llama-cpp adds llama.cpp's rows (llama-cpp-python, all logits kept) over the same token ids and windows: the model's
 own GGUF file (a GGUF --model only), and with --llama-cpp-q8 a Q8_0 file made from it by llama.cpp's quantizer
 (requantized; written once to that path), both against the same float32 reference.
 
-The KV cache stays float32 here (helper H's kv_cache_dtype is measured separately). Prefill rows take the quantized
-GEMM's dequantized-tile path (same weights as decode's register path, another float32 summation order).
+--kv: the KV pool of each format's runs, float32 (the default), int8 and/or fp8_e4m3 (kv_cache_dtype: every window
+attends to its K/V as the quantized pool stores them, as decode would); a pool other than float32 adds the rows of that
+pool with every format, none included (the KV pool's own distance from the reference). The reference is always
+float32 weights over a float32 pool. On the native kernels' default path the weight formats run W8A8
+(quant_w8a8.cpp) at every M.
 """
 
 from __future__ import annotations
@@ -28,21 +31,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # llama_cpp_peer beside this script
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput  # noqa: E402
-from batchserve.layers import kernels  # noqa: E402
+from batchserve.layers import kernels, kv_quant  # noqa: E402
 from batchserve.layers.quantization import quantized_linears  # noqa: E402
 from batchserve.models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path  # noqa: E402
 from batchserve.sampling_params import SamplingParams  # noqa: E402
 from batchserve.worker.input_batch import RequestTable  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "quant_text.txt"
+KV_CODES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 BLOCK = 16
 
 
-def window_logits(model, config, tokens: list[int]) -> torch.Tensor:
-    """log-softmax [T, V] of one window's prefill, through the real input batch and paged attention."""
+def window_logits(model, config, tokens: list[int], kv_dtype: str = "float32") -> torch.Tensor:
+    """log-softmax [T, V] of one window's prefill, through the real input batch and paged attention, over a KV pool
+    of kv_dtype (float32, int8 or fp8_e4m3)."""
     blocks = -(-len(tokens) // BLOCK) + 1
     shape = (blocks, BLOCK, config.num_kv_heads, config.head_dim)
-    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
+    if kv_dtype in KV_CODES:
+        cpu, code = torch.device("cpu"), KV_CODES[kv_dtype]
+        kv = [kv_quant.QuantizedKV.zeros(shape, cpu, dtype=code) for _ in range(config.num_layers)]
+    else:
+        kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
     out = SchedulerOutput(
         new_requests=[
             NewRequestData("r", tokens, len(tokens), SamplingParams(temperature=0.0), list(range(blocks)), 0)
@@ -57,10 +66,11 @@ def window_logits(model, config, tokens: list[int]) -> torch.Tensor:
         return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
 
 
-def text_log_probs(path: Path, config, fmt: str, windows: list[list[int]]) -> torch.Tensor:
+def text_log_probs(path: Path, config, fmt: str, windows: list[list[int]], kv_dtypes=("float32",)) -> dict:
+    """{kv dtype: log-probs [tokens, V]} of the model in weight format fmt, over a pool of each kv dtype."""
     with quantized_linears(fmt):
         model = load_model(path, config, torch.float32, torch.device("cpu"))
-    return torch.cat([window_logits(model, config, w) for w in windows])
+    return {kv: torch.cat([window_logits(model, config, w, kv) for w in windows]) for kv in kv_dtypes}
 
 
 def compare(reference: torch.Tensor, other: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -95,6 +105,7 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["int8", "int4", "int4_g64"])
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of the text scored (at most the text's)")
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--kv", nargs="+", default=["float32"], choices=["float32", *KV_CODES], help="KV pools")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's rows (needs the `peers` extra)")
     parser.add_argument("--llama-cpp-q8", type=Path, default=None, help="also a Q8_0 GGUF written here by llama.cpp")
@@ -108,10 +119,15 @@ def main() -> None:
     targets = torch.tensor([t for w in windows for t in w[1:]])
     inputs = [w[:-1] for w in windows]
     started = time.perf_counter()
-    reference = text_log_probs(path, config, "none", inputs)
+    other_kv = [kv for kv in args.kv if kv != "float32"]
+    runs = text_log_probs(path, config, "none", inputs, ("float32", *other_kv))
+    reference = runs["float32"]
     rows = [{"format": "none (float32)", **compare(reference, reference, targets)}]
+    rows += [{"format": f"none, KV {kv}", **compare(reference, runs[kv], targets)} for kv in other_kv]
     for fmt in args.formats:
-        rows.append({"format": fmt, **compare(reference, text_log_probs(path, config, fmt, inputs), targets)})
+        for kv, log_probs in text_log_probs(path, config, fmt, inputs, args.kv).items():
+            name = fmt if kv == "float32" else f"{fmt}, KV {kv}"
+            rows.append({"format": name, **compare(reference, log_probs, targets)})
     if args.llama_cpp:
         rows.extend(llama_cpp_rows(path, args, inputs, reference, targets))
     print(f"model {path.name}, {len(targets)} tokens of {TEXT.name}, windows of {args.window}, "

@@ -77,8 +77,8 @@ HELP: dict[str, str] = {
     "size it to their requests, up to that)",
     "kv_cache_memory_fraction": "KV pool as a fraction of the memory free after the weights load (default: 0.9 on "
     "GPU; on CPU 0.25, at most 4 GiB)",
-    "kv_cache_dtype": "the KV pool's element type: auto (the model's dtype), bfloat16, float32, int8 (per token and "
-    "head scales: about twice the tokens of bfloat16; docs/kv-cache-quantization.md); fp8_e4m3 is refused",
+    "kv_cache_dtype": "the KV pool's element type: auto (the model's dtype), bfloat16, float32, int8 or fp8_e4m3 (per "
+    "token and head scales: about twice the tokens of bfloat16; docs/kv-cache-quantization.md)",
     "enable_prefix_caching": "share full KV blocks between requests with a common prefix",
     "swap_space_gb": "host memory for swapped-out KV blocks, GiB (preemption_mode swap)",
     "num_swap_blocks": "host swap pool size in blocks (default: from swap_space_gb)",

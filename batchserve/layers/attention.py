@@ -169,7 +169,7 @@ def paged_attention(
     step = native_step(query, query.shape[-1], kv_cache, metadata)
     if step is not None:
         return kernels.load().paged_attention(
-            query, key, value, kv_cache[0], kv_cache[1], step, scale, *int8_scales(kv_cache)
+            query, key, value, kv_cache[0], kv_cache[1], step, scale, *quantized_kv_scales(kv_cache)
         )
     if kv_quant.is_quantized(kv_cache):  # attend to the K/V as the pool holds them, as later steps will
         key, value = kv_quant.write(key, value, kv_cache, metadata.slot_mapping)
@@ -199,7 +199,7 @@ def native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, metadata: 
     return metadata._native_steps[key]
 
 
-def int8_scales(kv_cache: KVCache) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def quantized_kv_scales(kv_cache: KVCache) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """An int8 pool's K and V scales, which the native step takes beside the pool; (None, None) for a float pool."""
     return (kv_cache.k_scale, kv_cache.v_scale) if kv_quant.is_quantized(kv_cache) else (None, None)
 

@@ -10,7 +10,7 @@ import torch
 from batchserve.config import CacheConfig, ConfigError, ModelConfig
 from batchserve.host.memory import available_memory_bytes
 from batchserve.host.memory import block_bytes as _element_block_bytes
-from batchserve.layers.kv_quant import SCALE_DTYPE, QuantizedKV
+from batchserve.layers.kv_quant import CODE_DTYPES, SCALE_DTYPE, QuantizedKV
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +22,15 @@ CPU_DEFAULT_MAX_BYTES = 4 * GiB
 
 def pool_dtype(cache_config: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
     """The KV pool's element type: kv_cache_dtype, or the model's dtype for "auto"."""
-    named = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+    named = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
     return named.get(cache_config.kv_cache_dtype, model_dtype)
 
 
 def block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V; an int8 pool's scales (one per slot and KV head) included."""
+    """Bytes one block takes across all layers, K and V; a quantized pool's scales (one per slot and KV head)
+    included."""
     data = _element_block_bytes(model_config, block_size, dtype)
-    if dtype != torch.int8:
+    if dtype not in CODE_DTYPES:
         return data
     scale = torch.empty((), dtype=SCALE_DTYPE).element_size()
     return data + 2 * model_config.num_layers * block_size * model_config.num_kv_heads * scale
@@ -90,8 +91,10 @@ class KVCache:
         shape = (block_size, model_config.num_kv_heads, model_config.head_dim)
         device_caches = _zeroed_pool(model_config.num_layers, num_blocks, shape, dtype, device)
         pin = device.type == "cuda"
-        if dtype == torch.int8:
-            host = [QuantizedKV.zeros((num_swap_blocks, *shape), torch.device("cpu"), pin) for _ in device_caches]
+        if dtype in CODE_DTYPES:
+            host = [
+                QuantizedKV.zeros((num_swap_blocks, *shape), torch.device("cpu"), pin, dtype) for _ in device_caches
+            ]
             return cls(device_caches, host)
         # Only whole swapped-out blocks are ever read back from the host pool, so it may start uninitialised.
         host_caches = [
@@ -150,8 +153,8 @@ def _zeroed_pool(
     num_layers: int, num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # zeros, not empty: stale NaNs in unwritten slots would leak through masked attention (0 * NaN = NaN).
-    if dtype == torch.int8:
-        return [QuantizedKV.zeros((num_blocks, *shape), device) for _ in range(num_layers)]
+    if dtype in CODE_DTYPES:
+        return [QuantizedKV.zeros((num_blocks, *shape), device, dtype=dtype) for _ in range(num_layers)]
     return [
         (
             torch.zeros((num_blocks, *shape), dtype=dtype, device=device),
@@ -162,7 +165,7 @@ def _zeroed_pool(
 
 
 def _parts(layer: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The tensors a copy of blocks moves: K and V, and an int8 pool's scales."""
+    """The tensors a copy of blocks moves: K and V, and a quantized pool's scales."""
     return layer.parts() if isinstance(layer, QuantizedKV) else tuple(layer)
 
 

@@ -1,13 +1,15 @@
-// Paged decode attention on the "avx512" path (and a float32 or int8 pool's on "avx512_bf16"): K/V widened to
-// float32, head_dim 32, 64 or 128, 16 tokens scored at once and every kv head of a tile read in one pass. An int8
-// pool's codes are read in place: a tile's scores times its K rows' scales, its softmax weights times its V rows'.
+// Paged decode attention on the "avx512" path (and a float32 or quantized pool's on "avx512_bf16"): K/V widened to
+// float32, head_dim 32, 64 or 128, 16 tokens scored at once and every kv head of a tile read in one pass. A quantized
+// pool's codes (int8, float8 e4m3) are read in place: a tile's scores times its K rows' scales, its softmax weights
+// times its V rows'.
 #include "attention_avx512.h"
 
 #if defined(__AVX512F__)
 
 namespace {
 
-// The 16 row scales of a tile's first n slots (from slot0) for one kv head of an int8 pool ([slots, Hkv]); 0 beyond n
+// The 16 row scales of a tile's first n slots (from slot0) for one kv head of a quantized pool ([slots, Hkv]); 0
+// beyond n
 inline __m512 tile_scales(const float* scales, int64_t slot0, int64_t num_kv_heads, int64_t kv_head, int64_t n) {
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(static_cast<int>(num_kv_heads)));
@@ -25,7 +27,7 @@ void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, con
                              int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale,
                              const float* k_scale, const float* v_scale) {
   constexpr int64_t D = NC * 16;
-  constexpr bool kInt8 = std::is_same_v<T, int8_t>;  // scales beside the codes
+  constexpr bool kScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;  // codes and scales
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
@@ -72,7 +74,7 @@ void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, con
           next_v.step();
           const int64_t h0 = kv_head * group;
           score_group<NC>(qs.data() + h0 * D, group, k_cache + offset + kv_head * D, token_stride, n, scores);
-          if constexpr (kInt8) {
+          if constexpr (kScaled) {
             const __m512 ks = tile_scales(k_scale, slot0, num_kv_heads, kv_head, n);
             for (int64_t g = 0; g < group; ++g) scores[g] = _mm512_mul_ps(scores[g], ks);
           }
@@ -83,14 +85,14 @@ void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, con
           __m512 qv[NC];
           for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(qs.data() + h * D + 16 * c);
           __m512 s = score_tile<NC>(qv, k_cache + offset + h / group * D, token_stride, n);
-          if constexpr (kInt8) s = _mm512_mul_ps(s, tile_scales(k_scale, slot0, num_kv_heads, h / group, n));
+          if constexpr (kScaled) s = _mm512_mul_ps(s, tile_scales(k_scale, slot0, num_kv_heads, h / group, n));
           softmax_update(s, n, m[h], l[h], corr[h], p.data() + h * 16);
         }
         for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_item; ++kv_head) {
           next_k.step();
           next_v.step();
           const int64_t h = kv_head * group;
-          if constexpr (kInt8) {  // the weights (already summed into the denominator) times the V rows' scales
+          if constexpr (kScaled) {  // the weights (already summed into the denominator) times the V rows' scales
             const __m512 vs = tile_scales(v_scale, slot0, num_kv_heads, kv_head, n);
             for (int64_t g = 0; g < group; ++g)
               _mm512_storeu_ps(p.data() + (h + g) * 16, _mm512_mul_ps(_mm512_loadu_ps(p.data() + (h + g) * 16), vs));
@@ -122,5 +124,6 @@ bool decode_attention_avx512(const PagedArgs<T>& a) {
 template bool decode_attention_avx512<float>(const PagedArgs<float>&);
 template bool decode_attention_avx512<c10::BFloat16>(const PagedArgs<c10::BFloat16>&);
 template bool decode_attention_avx512<int8_t>(const PagedArgs<int8_t>&);
+template bool decode_attention_avx512<c10::Float8_e4m3fn>(const PagedArgs<c10::Float8_e4m3fn>&);
 
 #endif  // __AVX512F__

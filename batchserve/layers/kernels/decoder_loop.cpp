@@ -43,9 +43,9 @@ class DecoderLoop {
                                                    const std::vector<at::Tensor>& value_scales) const {
     TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
-    const bool int8 = !key_scales.empty();
-    TORCH_CHECK(!int8 || (key_scales.size() == layers_.size() && value_scales.size() == layers_.size()),
-                "an int8 pool: one K and one V scale tensor per layer");
+    const bool quantized = !key_scales.empty();
+    TORCH_CHECK(!quantized || (key_scales.size() == layers_.size() && value_scales.size() == layers_.size()),
+                "a quantized pool: one K and one V scale tensor per layer");
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecoderLayerWeights& layer = layers_[i];
@@ -57,8 +57,8 @@ class DecoderLoop {
         h = rms_norm(x, residual, layer.input_norm, eps_);
       }
       h = attention(layer, h, cos, sin, key_caches[i], value_caches[i], step,
-                    int8 ? c10::optional<at::Tensor>(key_scales[i]) : c10::nullopt,
-                    int8 ? c10::optional<at::Tensor>(value_scales[i]) : c10::nullopt);
+                    quantized ? c10::optional<at::Tensor>(key_scales[i]) : c10::nullopt,
+                    quantized ? c10::optional<at::Tensor>(value_scales[i]) : c10::nullopt);
       h = rms_norm(h, residual, layer.post_attention_norm, eps_);
       x = layer.down(layer.gate_up.silu_and_mul_of(h));
     }
@@ -97,7 +97,7 @@ void register_decoder_loop(pybind11::module& m) {
       .def_static("capabilities", [] { return kCapabilities; }, "what the loop computes (Capability values)")
       .def("add_layer", &DecoderLoop::add_layer)
       .def("num_layers", &DecoderLoop::num_layers)
-      .def("forward", &DecoderLoop::forward, "a step's decoder layers -> (x, residual); scales: an int8 pool's",
+      .def("forward", &DecoderLoop::forward, "a step's decoder layers -> (x, residual); scales: a quantized pool's",
            py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("cos"), py::arg("sin"),
            py::arg("key_caches"), py::arg("value_caches"), py::arg("step"),
            py::arg("key_scales") = std::vector<at::Tensor>(), py::arg("value_scales") = std::vector<at::Tensor>());

@@ -53,31 +53,33 @@ struct StepAttention {
   std::vector<c10::optional<at::Tensor>> chunk_masks;
 };
 
-// An int8 KV pool (kv_cache_dtype="int8", layers/kv_quant.py QuantizedKV): int8 K and V [N, block_size, Hkv, D]
-// and a float32 scale per (slot, KV head) for each [N, block_size, Hkv].
-struct Int8Pool {
+// A quantized KV pool (kv_cache_dtype "int8" or "fp8_e4m3", layers/kv_quant.py QuantizedKV): int8 or float8 e4m3
+// codes K and V [N, block_size, Hkv, D] and a float32 scale per (slot, KV head) for each [N, block_size, Hkv].
+struct QuantizedPool {
   at::Tensor key, value, key_scale, value_scale;
 };
 
 // Attention of one layer over a step: this step's K/V stored at their pool slots, then the decode rows and the
 // prefill rows each on their own path. q [T, H, D], k/v [T, Hkv, D] -> [T, H, D] in q's dtype. With scales the pool
-// is int8 (Int8Pool): K/V quantized as stored, decode reading the codes in place, prefill rows attending (SDPA) to
-// the K/V as stored, dequantized.
+// is quantized (QuantizedPool): K/V quantized as stored, decode reading the codes in place, prefill rows attending
+// (SDPA) to the K/V as stored, dequantized.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const StepAttention& step, double scale,
                               const c10::optional<at::Tensor>& key_scale = c10::nullopt,
                               const c10::optional<at::Tensor>& value_scale = c10::nullopt);
 
-// kv_int8.cpp: k/v [T, Hkv, D] quantized into the pool's slots -> (k, v) as stored, dequantized, in k's dtype; and a
-// pool's blocks dequantized to dtype [len(blocks), block_size, Hkv, D]
-std::tuple<at::Tensor, at::Tensor> write_kv_int8_(const at::Tensor& k, const at::Tensor& v, const Int8Pool& pool,
+// kv_quantized.cpp: whether a pool element type is a quantized one (int8, float8 e4m3); k/v [T, Hkv, D] quantized into
+// the pool's slots -> (k, v) as stored, dequantized, in k's dtype; a pool's blocks dequantized to dtype
+// [len(blocks), block_size, Hkv, D]
+bool is_quantized_pool_type(at::ScalarType type);
+std::tuple<at::Tensor, at::Tensor> write_kv_quantized_(const at::Tensor& k, const at::Tensor& v, const QuantizedPool& pool,
                                                   const at::Tensor& slot_mapping);
 at::Tensor dequantized_blocks(const at::Tensor& cache, const at::Tensor& scales, const at::Tensor& blocks,
                               at::ScalarType dtype);
-// decode_int8.cpp: decode attention reading the int8 pool in place on `path`; query [B, H, D] float32 -> [B, H, D]
-// float32
-at::Tensor paged_decode_int8(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+// decode_quantized_kv.cpp: decode attention reading a quantized pool's codes in place on `path`; query [B, H, D]
+// float32 -> [B, H, D] float32
+at::Tensor paged_decode_quantized(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, double scale, AttentionPath path);
 

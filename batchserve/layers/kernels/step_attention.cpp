@@ -8,23 +8,23 @@
 
 namespace {
 
-// A layer's pool: float (its dtype's K/V), or int8 with scales
+// A layer's pool: float (its dtype's K/V), or quantized codes with scales
 struct Pool {
   const at::Tensor &key, &value;
-  const Int8Pool* int8;  // null for a float pool
+  const QuantizedPool* quantized;  // null for a float pool
 };
 
 at::Tensor decode(const at::Tensor& q, const Pool& pool, const StepAttention& step, double scale) {
   const auto q32 = q.to(at::kFloat).contiguous();
   const auto tables = *step.decode_block_tables, lens = *step.decode_seq_lens;
-  const auto out = pool.int8 != nullptr
-                       ? paged_decode_int8(q32, pool.key, pool.value, pool.int8->key_scale, pool.int8->value_scale,
-                                           tables, lens, scale, step.path)
+  const auto out = pool.quantized != nullptr
+                       ? paged_decode_quantized(q32, pool.key, pool.value, pool.quantized->key_scale,
+                                                pool.quantized->value_scale, tables, lens, scale, step.path)
                        : paged_decode_attention(q32, pool.key, pool.value, tables, lens, scale, step.path);
   return out.to(q.scalar_type());
 }
 
-// One sequence's first `num_keys` K or V from the pool through its block table (int8: dequantized) ->
+// One sequence's first `num_keys` K or V from the pool through its block table (quantized: dequantized) ->
 // [1, Hkv, num_keys, D].
 at::Tensor sequence_kv(const at::Tensor& cache, const at::Tensor* scales, const at::Tensor& blocks, int64_t num_keys,
                           at::ScalarType dtype) {
@@ -43,8 +43,8 @@ at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::T
   auto out = at::empty_like(q);
   const bool gqa = q.size(1) != k.size(1);
   const int64_t block_size = pool.key.size(1);
-  const at::Tensor* key_scale = pool.int8 != nullptr ? &pool.int8->key_scale : nullptr;
-  const at::Tensor* value_scale = pool.int8 != nullptr ? &pool.int8->value_scale : nullptr;
+  const at::Tensor* key_scale = pool.quantized != nullptr ? &pool.quantized->key_scale : nullptr;
+  const at::Tensor* value_scale = pool.quantized != nullptr ? &pool.quantized->value_scale : nullptr;
   for (size_t i = 0; i < step.spans.size(); ++i) {
     const auto [start, stop, context] = step.spans[i];
     const auto rows = [&](const at::Tensor& t) { return t.slice(0, start, stop).transpose(0, 1).unsqueeze(0); };
@@ -66,7 +66,7 @@ at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::T
 
 at::Tensor prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Pool& pool,
                       const StepAttention& step, double scale) {
-  if (!step.native_prefill || pool.int8 != nullptr) return prefill_by_sdpa(q, k, v, pool, step, scale);
+  if (!step.native_prefill || pool.quantized != nullptr) return prefill_by_sdpa(q, k, v, pool, step, scale);
   return paged_prefill_attention(q.to(at::kFloat), pool.key, pool.value, *step.prefill_block_tables,
                                  *step.prefill_seq_lens, *step.prefill_query_starts, scale, step.path)
       .to(q.scalar_type());
@@ -99,16 +99,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                               const StepAttention& step, double scale, const c10::optional<at::Tensor>& key_scale,
                               const c10::optional<at::Tensor>& value_scale) {
   TORCH_CHECK(step.decode_rows == q.size(0) || step.prefill_block_tables.has_value(), "rows without a group");
-  TORCH_CHECK(key_scale.has_value() == value_scale.has_value(), "an int8 pool has both scales");
-  c10::optional<Int8Pool> int8;
+  TORCH_CHECK(key_scale.has_value() == value_scale.has_value(), "a quantized pool has both scales");
+  c10::optional<QuantizedPool> quantized;
   at::Tensor keys = k, values = v;  // what the prefill rows attend to: the K/V as the pool stores them
   if (key_scale.has_value()) {
-    int8 = Int8Pool{key_cache, value_cache, *key_scale, *value_scale};
-    std::tie(keys, values) = write_kv_int8_(k, v, *int8, step.slot_mapping);
+    quantized = QuantizedPool{key_cache, value_cache, *key_scale, *value_scale};
+    std::tie(keys, values) = write_kv_quantized_(k, v, *quantized, step.slot_mapping);
   } else {
     write_kv_(k, v, key_cache, value_cache, step.slot_mapping);
   }
-  const Pool pool{key_cache, value_cache, int8.has_value() ? &*int8 : nullptr};
+  const Pool pool{key_cache, value_cache, quantized.has_value() ? &*quantized : nullptr};
   const int64_t tokens = q.size(0), d = step.decode_rows;
   if (d == tokens) return decode(q, pool, step, scale);
   if (d == 0) return prefill(q, keys, values, pool, step, scale);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -73,6 +74,15 @@ class RowPrefetcher {
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const int8_t* p) {  // an int8 KV pool's codes, widened (their row's scale applied apart)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// float8 e4m3 codes (a KV pool's), widened: each byte's exponent and mantissa moved into a float16's (bias 15 for
+// e4m3's 7) and converted, then times 2^8 for the bias. Its subnormals land on float16 subnormals, which the
+// conversion takes exactly, and come out as float32 normals. (NaN codes, never written by the pool, read as 1.875.)
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(magnitude, sign)), _mm512_set1_ps(256.0f));
 }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -1,7 +1,9 @@
-// Decode attention over an int8 KV pool (kv_cache_dtype="int8", layers/kv_quant.py), reading the blocks in place:
+// Decode attention over a quantized KV pool (kv_cache_dtype "int8" or "fp8_e4m3", layers/kv_quant.py), reading the
+// codes in place:
 // each key row's scale multiplies its q.k dot, each value row's scale its softmax weight. On the AVX-512 attention
 // paths the AVX-512 decode kernel reads the codes (decode_avx512.cpp, head sizes 32 / 64 / 128); elsewhere plain C++
-// loops that the build's -march=native vectorises. Registered as a torch op (torch.ops.batchserve_int8.paged_decode)
+// loops that the build's -march=native vectorises. Registered as a torch op
+// (torch.ops.batchserve_kv_quant.paged_decode)
 // so that it needs no entry in bindings.cpp.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,7 +23,8 @@
 namespace {
 
 // One (sequence, KV head): the `group` query heads sharing it, online softmax over the context, float32 throughout.
-void decode_one(const float* q, int64_t group, int64_t head_dim, const int8_t* key, const int8_t* value,
+template <typename Code>
+void decode_one(const float* q, int64_t group, int64_t head_dim, const Code* key, const Code* value,
                 const float* k_scale, const float* v_scale, const int64_t* table, int64_t seq_len,
                 int64_t block_size, int64_t kv_heads, int64_t kv_head, float scale, float* out, int64_t out_stride) {
   std::vector<float> acc(group * head_dim, 0.0f), max_logit(group, -std::numeric_limits<float>::infinity()),
@@ -29,8 +32,8 @@ void decode_one(const float* q, int64_t group, int64_t head_dim, const int8_t* k
   const int64_t row_stride = kv_heads * head_dim;  // between slots of a block
   for (int64_t pos = 0; pos < seq_len; ++pos) {
     const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-    const int8_t* k = key + slot * row_stride + kv_head * head_dim;
-    const int8_t* v = value + slot * row_stride + kv_head * head_dim;
+    const Code* k = key + slot * row_stride + kv_head * head_dim;
+    const Code* v = value + slot * row_stride + kv_head * head_dim;
     const float ks = k_scale[slot * kv_heads + kv_head], vs = v_scale[slot * kv_heads + kv_head];
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * head_dim;
@@ -57,34 +60,67 @@ void decode_one(const float* q, int64_t group, int64_t head_dim, const int8_t* k
 }
 
 // The AVX-512 decode kernel on the codes where the path is an AVX-512 one and it takes the head size.
-bool avx512_int8_decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+template <typename Code>
+bool avx512_quantized_decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                         const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& tables,
                         const at::Tensor& lens, double scale, AttentionPath path, at::Tensor& out) {
 #if defined(__AVX512F__)
   if (path != AttentionPath::kAvx512 && path != AttentionPath::kAvx512Bf16) return false;
-  PagedArgs<int8_t> args{query.data_ptr<float>(), query.stride(0),    key.data_ptr<int8_t>(),
-                         value.data_ptr<int8_t>(), tables.data_ptr<int64_t>(), tables.size(1),
+  PagedArgs<Code> args{query.data_ptr<float>(), query.stride(0),    static_cast<const Code*>(key.data_ptr()),
+                         static_cast<const Code*>(value.data_ptr()), tables.data_ptr<int64_t>(), tables.size(1),
                          lens.data_ptr<int64_t>(), nullptr,           out.data_ptr<float>(),
                          lens.size(0),             query.size(1),     key.size(2),
                          query.size(2),            key.size(1),       static_cast<float>(scale),
                          k_scale.data_ptr<float>(), v_scale.data_ptr<float>()};
-  return decode_attention_avx512<int8_t>(args);
+  return decode_attention_avx512<Code>(args);
 #else
   return false;
 #endif
 }
 
+// the plain loop over every (sequence, kv head)
+template <typename Code>
+void decode_loop(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_scale,
+                 const at::Tensor& v_scale, const at::Tensor& tables, const at::Tensor& lens, double scale,
+                 at::Tensor& out) {
+  const int64_t num_seqs = query.size(0), heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key.size(1), kv_heads = key.size(2), group = heads / kv_heads;
+  const int64_t max_blocks = tables.size(1);
+  const float* q_p = query.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  const auto* key_p = static_cast<const Code*>(key.data_ptr());
+  const auto* value_p = static_cast<const Code*>(value.data_ptr());
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const int64_t first_head = h * group;
+      decode_one(q_p + (b * heads + first_head) * head_dim, group, head_dim, key_p, value_p,
+                 k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), tables.data_ptr<int64_t>() + b * max_blocks,
+                 lens.data_ptr<int64_t>()[b], block_size, kv_heads, h, static_cast<float>(scale),
+                 out_p + (b * heads + first_head) * head_dim, head_dim);
+    }
+  });
+}
+
+template <typename Code>
+void decode_codes(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_scale,
+                  const at::Tensor& v_scale, const at::Tensor& tables, const at::Tensor& lens, double scale,
+                  AttentionPath path, at::Tensor& out) {
+  if (!avx512_quantized_decode<Code>(query, key, value, k_scale, v_scale, tables, lens, scale, path, out))
+    decode_loop<Code>(query, key, value, k_scale, v_scale, tables, lens, scale, out);
+}
+
 }  // namespace
 
-// query [B, H, D] float32; key/value [N, block_size, Hkv, D] int8; scales [N, block_size, Hkv] float32;
+// query [B, H, D] float32; key/value [N, block_size, Hkv, D] int8 or float8 e4m3; scales [N, block_size, Hkv] float32;
 // block_tables [B, max_blocks] int64; seq_lens [B] int64 -> [B, H, D] float32.
-at::Tensor paged_decode_int8(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+at::Tensor paged_decode_quantized(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, double scale, AttentionPath path) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(), "query: [B, H, D] f32");
-  TORCH_CHECK(key.dim() == 4 && key.scalar_type() == at::kChar && key.is_contiguous() && value.sizes() == key.sizes() &&
-                  value.scalar_type() == at::kChar && value.is_contiguous(),
-              "key/value: contiguous int8 [N, block_size, Hkv, D] of one shape");
+  TORCH_CHECK(key.dim() == 4 && is_quantized_pool_type(key.scalar_type()) && key.is_contiguous() &&
+                  value.sizes() == key.sizes() && value.scalar_type() == key.scalar_type() && value.is_contiguous(),
+              "key/value: contiguous int8 or float8_e4m3fn [N, block_size, Hkv, D] of one shape and type");
   TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat && k_scale.is_contiguous() &&
                   v_scale.is_contiguous() && k_scale.sizes() == key.sizes().slice(0, 3) &&
                   v_scale.sizes() == key.sizes().slice(0, 3),
@@ -109,24 +145,15 @@ at::Tensor paged_decode_int8(const at::Tensor& query, const at::Tensor& key, con
     }
   }
   auto out = at::empty_like(query);
-  if (avx512_int8_decode(query, key, value, k_scale, v_scale, tables, lens, scale, path, out)) return out;
-  const int64_t group = heads / kv_heads;
-  const float* q_p = query.data_ptr<float>();
-  float* out_p = out.data_ptr<float>();
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads;
-      const int64_t first_head = h * group;
-      decode_one(q_p + (b * heads + first_head) * head_dim, group, head_dim, key.data_ptr<int8_t>(),
-                 value.data_ptr<int8_t>(), k_scale.data_ptr<float>(), v_scale.data_ptr<float>(),
-                 tables_p + b * max_blocks, lens_p[b], block_size, kv_heads, h, static_cast<float>(scale),
-                 out_p + (b * heads + first_head) * head_dim, head_dim);
-    }
-  });
+  if (key.scalar_type() == at::kChar) {
+    decode_codes<int8_t>(query, key, value, k_scale, v_scale, tables, lens, scale, path, out);
+  } else {
+    decode_codes<c10::Float8_e4m3fn>(query, key, value, k_scale, v_scale, tables, lens, scale, path, out);
+  }
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(batchserve_int8, m) {
+TORCH_LIBRARY_FRAGMENT(batchserve_kv_quant, m) {
   m.def("paged_decode(Tensor query, Tensor key, Tensor value, Tensor k_scale, Tensor v_scale, Tensor block_tables, "
         "Tensor seq_lens, float scale, int path) -> Tensor");
 }
@@ -136,9 +163,9 @@ namespace {
 at::Tensor paged_decode_op(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale, int64_t path) {
-  return paged_decode_int8(query, key, value, k_scale, v_scale, block_tables, seq_lens, scale,
+  return paged_decode_quantized(query, key, value, k_scale, v_scale, block_tables, seq_lens, scale,
                            static_cast<AttentionPath>(path));
 }
 }  // namespace
 
-TORCH_LIBRARY_IMPL(batchserve_int8, CPU, m) { m.impl("paged_decode", &paged_decode_op); }
+TORCH_LIBRARY_IMPL(batchserve_kv_quant, CPU, m) { m.impl("paged_decode", &paged_decode_op); }

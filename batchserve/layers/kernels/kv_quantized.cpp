@@ -1,44 +1,62 @@
-// The int8 KV pool (kv_cache_dtype="int8", layers/kv_quant.py) in the native step: this step's K/V quantized per
-// (token, KV head) and stored at their slots with their scales, by the float32 operations kv_quant.write does in torch
-// (the same codes and scales), and a sequence's blocks read back dequantized for the prefill rows' SDPA.
+// A quantized KV pool (kv_cache_dtype "int8" or "fp8_e4m3", layers/kv_quant.py) in the native step: this step's K/V
+// quantized per (token, KV head) and stored at their slots with their scales, by the float32 operations kv_quant.write
+// does in torch (the same codes and scales), and a sequence's blocks read back dequantized for the prefill rows' SDPA.
 #include <algorithm>
 #include <cmath>
 
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/extension.h>  // layer_ops.h declares the pybind11 registrations
 
 #include "layer_ops.h"
 
 namespace {
 
-constexpr float kQmax = 127.0f;
 constexpr float kMinScale = 1e-12f;  // kv_quant.MIN_SCALE: an all-zero head reads back as zeros
+
+// A code of the pool's element type for x / scale: int8 rounds to nearest (ties even) within +-127, float8 e4m3 is
+// the nearest of its values (c10's conversion, torch's); kMax is the largest magnitude, what a row's amax maps to.
+template <typename Code>
+struct Codes;
+
+template <>
+struct Codes<int8_t> {
+  static constexpr float kMax = 127.0f;
+  static int8_t of(float v) { return static_cast<int8_t>(std::min(std::max(std::nearbyint(v), -kMax), kMax)); }
+};
+
+template <>
+struct Codes<c10::Float8_e4m3fn> {
+  static constexpr float kMax = 448.0f;
+  static c10::Float8_e4m3fn of(float v) { return c10::Float8_e4m3fn(v); }
+};
 
 // One token's heads [heads, D] -> codes, a scale per head, and the values as stored (code x scale) in T. Without
 // the build's -ffast-math: it would divide by the scale as a multiplication by its reciprocal, and a code a rounding
 // away from torch's (kv_quant.quantize) changes what later steps attend to.
-template <typename T>
-__attribute__((optimize("no-fast-math"))) void quantize_token(const T* x, int64_t heads, int64_t D, int8_t* codes, float* scales, T* stored) {
+template <typename Code, typename T>
+__attribute__((optimize("no-fast-math"))) void quantize_token(const T* x, int64_t heads, int64_t D, Code* codes,
+                                                              float* scales, T* stored) {
   for (int64_t h = 0; h < heads; ++h) {
     const T* xh = x + h * D;
     float amax = 0.0f;
     for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(xh[d])));
-    const float s = std::max(amax / kQmax, kMinScale);
+    const float s = std::max(amax / Codes<Code>::kMax, kMinScale);
     scales[h] = s;
     for (int64_t d = 0; d < D; ++d) {
-      const float q = std::min(std::max(std::nearbyint(static_cast<float>(xh[d]) / s), -kQmax), kQmax);
-      codes[h * D + d] = static_cast<int8_t>(q);
-      stored[h * D + d] = static_cast<T>(q * s);
+      const Code code = Codes<Code>::of(static_cast<float>(xh[d]) / s);
+      codes[h * D + d] = code;
+      stored[h * D + d] = static_cast<T>(static_cast<float>(code) * s);
     }
   }
 }
 
 // x [T, Hkv, D] (heads contiguous within a token) into the pool's slots -> x as stored [T, Hkv, D], contiguous
-template <typename T>
+template <typename Code, typename T>
 at::Tensor store(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& scales, const int64_t* slots) {
   const int64_t tokens = x.size(0), heads = x.size(1), D = x.size(2);
   auto stored = at::empty({tokens, heads, D}, x.options());
   const T* src = x.data_ptr<T>();
-  int8_t* codes = cache.data_ptr<int8_t>();
+  Code* codes = static_cast<Code*>(cache.data_ptr());
   float* scale = scales.data_ptr<float>();
   T* out = stored.data_ptr<T>();
   for (int64_t t = 0; t < tokens; ++t)
@@ -47,21 +65,33 @@ at::Tensor store(const at::Tensor& x, const at::Tensor& cache, const at::Tensor&
   return stored;
 }
 
+template <typename Code>
+std::tuple<at::Tensor, at::Tensor> store_both(const at::Tensor& k, const at::Tensor& v, const QuantizedPool& pool,
+                                              const int64_t* slots) {
+  if (k.scalar_type() == at::kBFloat16)
+    return {store<Code, c10::BFloat16>(k, pool.key, pool.key_scale, slots),
+            store<Code, c10::BFloat16>(v, pool.value, pool.value_scale, slots)};
+  return {store<Code, float>(k, pool.key, pool.key_scale, slots),
+          store<Code, float>(v, pool.value, pool.value_scale, slots)};
+}
+
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> write_kv_int8_(const at::Tensor& k, const at::Tensor& v, const Int8Pool& pool,
-                                                  const at::Tensor& slot_mapping) {
+bool is_quantized_pool_type(at::ScalarType type) { return type == at::kChar || type == at::kFloat8_e4m3fn; }
+
+std::tuple<at::Tensor, at::Tensor> write_kv_quantized_(const at::Tensor& k, const at::Tensor& v,
+                                                       const QuantizedPool& pool, const at::Tensor& slot_mapping) {
   const auto dtype = k.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && v.scalar_type() == dtype,
-              "write_kv_int8_: key and value both float32 or both bfloat16");
-  TORCH_CHECK(pool.key.scalar_type() == at::kChar && pool.value.scalar_type() == at::kChar &&
+              "write_kv_quantized_: key and value both float32 or both bfloat16");
+  TORCH_CHECK(is_quantized_pool_type(pool.key.scalar_type()) && pool.value.scalar_type() == pool.key.scalar_type() &&
                   pool.key.is_contiguous() && pool.value.is_contiguous() && pool.value.sizes() == pool.key.sizes(),
-              "int8 pool: contiguous int8 K and V of one shape");
+              "quantized pool: contiguous int8 or float8_e4m3fn K and V of one shape and type");
   TORCH_CHECK(pool.key_scale.scalar_type() == at::kFloat && pool.value_scale.scalar_type() == at::kFloat &&
                   pool.key_scale.is_contiguous() && pool.value_scale.is_contiguous() &&
                   pool.key_scale.sizes() == pool.key.sizes().slice(0, 3) &&
                   pool.value_scale.sizes() == pool.key.sizes().slice(0, 3),
-              "int8 pool: contiguous float32 scales [N, block_size, Hkv]");
+              "quantized pool: contiguous float32 scales [N, block_size, Hkv]");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == pool.key.size(2) &&
                   k.size(2) == pool.key.size(3) && k.stride(2) == 1 && k.stride(1) == k.size(2) &&
                   v.stride(2) == 1 && v.stride(1) == v.size(2),
@@ -73,10 +103,8 @@ std::tuple<at::Tensor, at::Tensor> write_kv_int8_(const at::Tensor& k, const at:
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < k.size(0); ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the pool");
-  if (dtype == at::kBFloat16)
-    return {store<c10::BFloat16>(k, pool.key, pool.key_scale, slots),
-            store<c10::BFloat16>(v, pool.value, pool.value_scale, slots)};
-  return {store<float>(k, pool.key, pool.key_scale, slots), store<float>(v, pool.value, pool.value_scale, slots)};
+  if (pool.key.scalar_type() == at::kChar) return store_both<int8_t>(k, v, pool, slots);
+  return store_both<c10::Float8_e4m3fn>(k, v, pool, slots);
 }
 
 at::Tensor dequantized_blocks(const at::Tensor& cache, const at::Tensor& scales, const at::Tensor& blocks,
