@@ -53,6 +53,7 @@ def load(path: Path, options: LlamaCppOptions):
         logits_all=options.logits_all,
         type_k=ggml_types[options.kv_type],
         type_v=ggml_types[options.kv_type],
+        flash_attn=options.kv_type == "q8_0",  # llama.cpp quantizes its V cache only under flash attention
         verbose=False,
     )
 
