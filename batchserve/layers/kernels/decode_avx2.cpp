@@ -1,6 +1,7 @@
 // Paged decode attention on the "avx2" path: 8-wide AVX2 + FMA vectors, for CPUs without AVX-512 (AMD Zen 1-3,
-// Intel before Skylake-SP, many desktop and cloud parts). Float32 or bfloat16 K/V (widened to float32), head_dim
-// 32, 64 or 128; anything else is left to the portable loop.
+// Intel before Skylake-SP, many desktop and cloud parts). Float32 or bfloat16 K/V (widened to float32), or a quantized
+// pool's int8 / float8 e4m3 codes read in place (each token's scores times its K row's scale, its softmax weight times
+// its V row's), head_dim 32, 64 or 128; anything else is left to the portable loop.
 // A decode query sees its whole context at once, so each (sequence, kv head) runs in three passes instead of an
 // online softmax: (1) the scores of every token for each query head sharing the kv head, 8 tokens per transpose-add
 // reduction (sum8) rather than one horizontal sum per token; (2) their max, exp(s - max) and the sum; (3) P.V with the
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -29,6 +31,26 @@ inline __m256 load8(const c10::BFloat16* p) {  // a bfloat16 is a float's upper 
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const c10::Float8_e4m3fn* p) {  // as vec_math.h's load16: through a float16, times 2^8
+  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i magnitude = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7F)), 7);
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8);
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(magnitude, sign)), _mm256_set1_ps(256.0f));
+}
+
+template <typename T>
+constexpr bool kScaledCodes = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
+
+// A quantized pool's row scales of one kv head ([slots, Hkv], from this head's column): the scale of slot s at
+// head[s * stride]
+struct RowScales {
+  const float* head;
+  int64_t stride;
+  float at(int64_t slot) const { return head[slot * stride]; }
+};
 
 // Lane i of the result = the sum of the 8 lanes of v[i]: two rounds of hadd leave each vector's half sums, in order,
 // in the two 128-bit halves; one cross-half add finishes them.
@@ -88,7 +110,8 @@ inline void prefetch_first_blocks(const T* whole_tokens, const int64_t* table, i
 // through its block table; scores has room for len + 8.
 template <int NC, typename T>
 void score_sequence(const __m256* qv, const T* k_head, const int64_t* table, int64_t len, int64_t block_size,
-                    int64_t block_stride, int64_t token_stride, const T* whole_tokens, float* scores) {
+                    int64_t block_stride, int64_t token_stride, const T* whole_tokens, float* scores,
+                    const RowScales& k_scales) {
   prefetch_first_blocks(whole_tokens, table, len, block_size, block_stride, token_stride);
   for (int64_t start = 0; start < len; start += block_size) {
     const T* k_block = k_head + table[start / block_size] * block_stride;
@@ -109,6 +132,10 @@ void score_sequence(const __m256* qv, const T* k_head, const int64_t* table, int
       }
       // a block of fewer than 8 tokens writes past its end; the next block's scores overwrite that
       _mm256_storeu_ps(scores + start + t0, sum8(dots));
+    }
+    if constexpr (kScaledCodes<T>) {
+      const int64_t slot0 = table[start / block_size] * block_size;
+      for (int64_t t = 0; t < n; ++t) scores[start + t] *= k_scales.at(slot0 + t);
     }
   }
 }
@@ -171,7 +198,8 @@ inline bool has_nan(const float* x, int64_t n) {
 template <int NC, typename T>
 void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                                 const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
-                                int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+                                int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale,
+                                const float* k_scale, const float* v_scale) {
   constexpr int64_t D = NC * 8;
   constexpr int CH = NC < 8 ? NC : 8;
   const int64_t group = num_heads / num_kv_heads;
@@ -188,12 +216,13 @@ void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cac
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     if (begin >= end) return;
-    std::vector<float> scores;
+    std::vector<float> scores, weights;
     for (int64_t claimed = next++; claimed < num_items; claimed = next++) {
       const int64_t seq = order[claimed] / splits, first_kv = order[claimed] % splits * heads_per_item;
       const int64_t len = seq_lens[seq];
       const int64_t* table = tables + seq * max_blocks;
       scores.resize(len + 8);  // the last tile of 8 may start at any token (a block size not a multiple of 8)
+      weights.resize(kScaledCodes<T> ? len : 0);
       for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_item; ++kv_head) {
         const T* k_head = k_cache + kv_head * D;
         const T* v_head = v_cache + kv_head * D;
@@ -212,11 +241,18 @@ void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cac
           for (int c = 0; c < NC; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_set1_ps(scale));
           // the whole tokens are pulled once, by the first query head of the first kv head
           score_sequence<NC>(qv, k_head, table, len, block_size, block_stride, token_stride,
-                             g == 0 ? k_tokens : nullptr, scores.data());
+                             g == 0 ? k_tokens : nullptr, scores.data(), RowScales{k_scale + kv_head, num_kv_heads});
           const float inv = 1.f / softmax_in_place(scores.data(), len);
+          const float* p = scores.data();
+          if constexpr (kScaledCodes<T>) {  // the weights (summed into inv as they are) times the V rows' scales
+            const RowScales v_scales{v_scale + kv_head, num_kv_heads};
+            for (int64_t t = 0; t < len; ++t)
+              weights[t] = scores[t] * v_scales.at(table[t / block_size] * block_size + t % block_size);
+            p = weights.data();
+          }
           for (int c0 = 0; c0 < NC; c0 += CH)
             values_chunk<CH>(v_head + 8 * c0, table, len, block_size, block_stride, token_stride,
-                             g == 0 && c0 == 0 ? v_tokens : nullptr, scores.data(), inv, o + 8 * c0);
+                             g == 0 && c0 == 0 ? v_tokens : nullptr, p, inv, o + 8 * c0);
         }
       }
     }
@@ -230,7 +266,7 @@ bool decode_attention_avx2(const PagedArgs<T>& a) {
   const auto run = [&](auto nc) {
     decode_attention_avx2_impl<decltype(nc)::value, T>(a.q, a.k_cache, a.v_cache, a.tables, a.seq_lens, a.out,
                                                        a.num_seqs, a.num_heads, a.num_kv_heads, a.block_size,
-                                                       a.max_blocks, a.scale);
+                                                       a.max_blocks, a.scale, a.k_scale, a.v_scale);
     return true;
   };
   if (a.head_dim == 32) return run(std::integral_constant<int, 4>{});
@@ -250,3 +286,5 @@ bool decode_attention_avx2(const PagedArgs<T>&) {
 
 template bool decode_attention_avx2<float>(const PagedArgs<float>&);
 template bool decode_attention_avx2<c10::BFloat16>(const PagedArgs<c10::BFloat16>&);
+template bool decode_attention_avx2<int8_t>(const PagedArgs<int8_t>&);
+template bool decode_attention_avx2<c10::Float8_e4m3fn>(const PagedArgs<c10::Float8_e4m3fn>&);

@@ -1,8 +1,8 @@
 // Decode attention over a quantized KV pool (kv_cache_dtype "int8" or "fp8_e4m3", layers/kv_quant.py), reading the
 // codes in place:
 // each key row's scale multiplies its q.k dot, each value row's scale its softmax weight. On the AVX-512 attention
-// paths the AVX-512 decode kernel reads the codes (decode_avx512.cpp, head sizes 32 / 64 / 128); elsewhere plain C++
-// loops that the build's -march=native vectorises. Registered as a torch op
+// paths the AVX-512 decode kernel reads the codes (decode_avx512.cpp), on avx2 the AVX2 one (decode_avx2.cpp), head
+// sizes 32 / 64 / 128; on portable (and other head sizes) plain C++ loops that the build's -march=native vectorises. Registered as a torch op
 // (torch.ops.batchserve_kv_quant.paged_decode)
 // so that it needs no entry in bindings.cpp.
 #include <ATen/Parallel.h>
@@ -59,23 +59,22 @@ void decode_one(const float* q, int64_t group, int64_t head_dim, const Code* key
   }
 }
 
-// The AVX-512 decode kernel on the codes where the path is an AVX-512 one and it takes the head size.
+// The path's vectorized decode kernel on the codes (AVX-512 on avx512 / avx512_bf16, AVX2 on avx2) where it takes
+// the head size; false where none does (portable, other head sizes): the plain loop runs.
 template <typename Code>
-bool avx512_quantized_decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                        const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& tables,
-                        const at::Tensor& lens, double scale, AttentionPath path, at::Tensor& out) {
-#if defined(__AVX512F__)
-  if (path != AttentionPath::kAvx512 && path != AttentionPath::kAvx512Bf16) return false;
+bool vectorized_decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& tables,
+                       const at::Tensor& lens, double scale, AttentionPath path, at::Tensor& out) {
   PagedArgs<Code> args{query.data_ptr<float>(), query.stride(0),    static_cast<const Code*>(key.data_ptr()),
                          static_cast<const Code*>(value.data_ptr()), tables.data_ptr<int64_t>(), tables.size(1),
                          lens.data_ptr<int64_t>(), nullptr,           out.data_ptr<float>(),
                          lens.size(0),             query.size(1),     key.size(2),
                          query.size(2),            key.size(1),       static_cast<float>(scale),
                          k_scale.data_ptr<float>(), v_scale.data_ptr<float>()};
-  return decode_attention_avx512<Code>(args);
-#else
-  return false;
+#if defined(__AVX512F__)
+  if (path == AttentionPath::kAvx512 || path == AttentionPath::kAvx512Bf16) return decode_attention_avx512<Code>(args);
 #endif
+  return path == AttentionPath::kAvx2 && decode_attention_avx2<Code>(args);
 }
 
 // the plain loop over every (sequence, kv head)
@@ -106,7 +105,7 @@ template <typename Code>
 void decode_codes(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_scale,
                   const at::Tensor& v_scale, const at::Tensor& tables, const at::Tensor& lens, double scale,
                   AttentionPath path, at::Tensor& out) {
-  if (!avx512_quantized_decode<Code>(query, key, value, k_scale, v_scale, tables, lens, scale, path, out))
+  if (!vectorized_decode<Code>(query, key, value, k_scale, v_scale, tables, lens, scale, path, out))
     decode_loop<Code>(query, key, value, k_scale, v_scale, tables, lens, scale, out);
 }
 
