@@ -21,7 +21,10 @@ struct Codes;
 template <>
 struct Codes<int8_t> {
   static constexpr float kMax = 127.0f;
-  static int8_t of(float v) { return static_cast<int8_t>(std::min(std::max(std::nearbyint(v), -kMax), kMax)); }
+  static int8_t of(float v) {
+    const float q = std::nearbyint(v);
+    return static_cast<int8_t>(q > kMax ? kMax : (q < -kMax ? -kMax : q));
+  }
 };
 
 template <>
@@ -32,15 +35,20 @@ struct Codes<c10::Float8_e4m3fn> {
 
 // One token's heads [heads, D] -> codes, a scale per head, and the values as stored (code x scale) in T. Without
 // the build's -ffast-math: it would divide by the scale as a multiplication by its reciprocal, and a code a rounding
-// away from torch's (kv_quant.quantize) changes what later steps attend to.
+// away from torch's (kv_quant.quantize) changes what later steps attend to. (No std::max here: a function built with
+// other options is not inlined into this one, and the calls cost more than the quantizing.)
 template <typename Code, typename T>
 __attribute__((optimize("no-fast-math"))) void quantize_token(const T* x, int64_t heads, int64_t D, Code* codes,
                                                               float* scales, T* stored) {
   for (int64_t h = 0; h < heads; ++h) {
     const T* xh = x + h * D;
     float amax = 0.0f;
-    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(xh[d])));
-    const float s = std::max(amax / Codes<Code>::kMax, kMinScale);
+    for (int64_t d = 0; d < D; ++d) {
+      const float a = std::fabs(static_cast<float>(xh[d]));
+      amax = a > amax ? a : amax;
+    }
+    const float ratio = amax / Codes<Code>::kMax;
+    const float s = ratio > kMinScale ? ratio : kMinScale;
     scales[h] = s;
     for (int64_t d = 0; d < D; ++d) {
       const Code code = Codes<Code>::of(static_cast<float>(xh[d]) / s);
