@@ -134,7 +134,7 @@ def gather_kv(
     kv_cache: KVCache, block_tables: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read each sequence's context through its block table -> K, V as [B, Hkv, max_blocks * block_size, D] (an
-    int8 pool's dequantized to `dtype`)."""
+    8-bit pool's dequantized to `dtype`)."""
     key_cache, value_cache = kv_cache
     num_seqs, max_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -163,7 +163,7 @@ def paged_attention(
     scale = scale if scale is not None else query.shape[-1] ** -0.5
     if window is not None or softcap is not None:
         if kv_quant.is_quantized(kv_cache):
-            raise NotImplementedError("an int8 KV cache with sliding-window or soft-capped attention")
+            raise NotImplementedError("an 8-bit KV cache (int8, fp8_e4m3) with sliding-window or soft-capped attention")
         write_kv(key, value, kv_cache, metadata.slot_mapping)
         return windowed_attention(query, key, value, kv_cache, metadata, scale, window, softcap)
     step = native_step(query, query.shape[-1], kv_cache, metadata)
@@ -191,8 +191,8 @@ def paged_attention(
 def native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, metadata: AttentionMetadata):
     """The step's attention as the native kernels take it (the module's StepAttention, built once a step and read by
     every layer, the native decoder loop's included), or None where the torch path runs: off the CPU or without the
-    native kernels, a float pool not of the queries' dtype (the native K/V store takes that or int8 only), decode rows
-    that are not the batch's first, or prefill chunks that attend by the torch code."""
+    native kernels, a float pool not of the queries' dtype (the native K/V store takes that or 8-bit codes only),
+    decode rows that are not the batch's first, or prefill chunks that attend by the torch code."""
     key = (like.dtype, kv_cache[0].dtype, head_dim)
     if key not in metadata._native_steps:
         metadata._native_steps[key] = _make_native_step(like, head_dim, kv_cache, metadata)
@@ -200,12 +200,12 @@ def native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, metadata: 
 
 
 def quantized_kv_scales(kv_cache: KVCache) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """An int8 pool's K and V scales, which the native step takes beside the pool; (None, None) for a float pool."""
+    """An 8-bit pool's K and V scales, which the native step takes beside the pool; (None, None) for a float pool."""
     return (kv_cache.k_scale, kv_cache.v_scale) if kv_quant.is_quantized(kv_cache) else (None, None)
 
 
 def _make_native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, meta: AttentionMetadata):
-    if kv_quant.is_quantized(kv_cache):  # int8 codes: the native step quantizes, stores and reads them itself
+    if kv_quant.is_quantized(kv_cache):  # 8-bit codes: the native step quantizes, stores and reads them itself
         native = kernels.for_tensors(like, dtypes=kernels.FUSED_DTYPES)
     else:
         native = kernels.for_tensors(like, kv_cache[0], dtypes=kernels.FUSED_DTYPES)

@@ -192,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         step = None if self.decoder_loop is None else native_step(x, self.config.head_dim, kv_caches[0], attn_metadata)
         if step is not None:
             keys, values = [k for k, _ in kv_caches], [v for _, v in kv_caches]
-            scales = [quantized_kv_scales(kv) for kv in kv_caches]  # an int8 pool's; none for a float one
+            scales = [quantized_kv_scales(kv) for kv in kv_caches]  # an 8-bit pool's; none for a float one
             key_scales, value_scales = [k for k, _ in scales if k is not None], [v for _, v in scales if v is not None]
             x, residual = self.decoder_loop.forward(x, cos, sin, keys, values, step, key_scales, value_scales)
             return self.norm(x, residual)[0]
