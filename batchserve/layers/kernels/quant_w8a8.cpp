@@ -30,7 +30,6 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -147,27 +146,8 @@ constexpr int kMostRows = 6;                  // a tile's int32 sums and float s
 // where its int32 sums start [M, K / span] (-kOffset x the span's codes summed), and with minimums each weight
 // group's float sum [M, K / group].
 struct QuantizedRows {
-  const int8_t* codes;
-  const float* scales;
-  const int32_t* starts;
-  const float* group_sums;  // null without minimums
+  at::Tensor codes, scales, starts, group_sums;
 };
-
-// Where a call's QuantizedRows live. A decode step quantizes rows for every projection, so a thread keeps one set
-// from call to call (grown, never shrunk) for calls up to kKeptCodeBytes of codes (a batch of 64 rows of K = 14336);
-// a larger call (prefill) takes its own, freed after it.
-struct RowBuffers {
-  std::vector<int8_t> codes;
-  std::vector<float> scales, group_sums;
-  std::vector<int32_t> starts;
-};
-constexpr int64_t kKeptCodeBytes = 1 << 20;
-
-template <typename V>
-V* sized(std::vector<V>& values, int64_t n) {
-  if (static_cast<int64_t>(values.size()) < n) values.resize(n);
-  return values.data();
-}
 
 struct RowShape {
   int64_t K, block, span, group;
@@ -197,17 +177,22 @@ void quantize_row(const T* xr, const RowShape& s, int8_t* codes, float* scales, 
 }
 
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t M, const RowShape& s, bool with_group_sums, RowBuffers& buffers) {
-  int8_t* codes = sized(buffers.codes, M * s.K);
-  float* scales = sized(buffers.scales, M * (s.K / s.block));
-  int32_t* starts = sized(buffers.starts, M * (s.K / s.span));
-  float* gsums = with_group_sums ? sized(buffers.group_sums, M * (s.K / s.group)) : nullptr;
+QuantizedRows quantize_rows(const T* x, int64_t M, const RowShape& s, bool with_group_sums) {
+  QuantizedRows q;
+  q.codes = at::empty({M, s.K}, at::kChar);
+  q.scales = at::empty({M, s.K / s.block}, at::kFloat);
+  q.starts = at::empty({M, s.K / s.span}, at::kInt);
+  q.group_sums = with_group_sums ? at::empty({M, s.K / s.group}, at::kFloat) : at::Tensor();
+  auto* codes = q.codes.data_ptr<int8_t>();
+  float* scales = q.scales.data_ptr<float>();
+  int32_t* starts = q.starts.data_ptr<int32_t>();
+  float* gsums = with_group_sums ? q.group_sums.data_ptr<float>() : nullptr;
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       quantize_row(x + m * s.K, s, codes + m * s.K, scales + m * (s.K / s.block), starts + m * (s.K / s.span),
                    gsums == nullptr ? nullptr : gsums + m * (s.K / s.group));
   });
-  return {codes, scales, starts, gsums};
+  return q;
 }
 
 struct Operands {
@@ -471,18 +456,16 @@ void w8a8_typed(const InT* x, int64_t M, const QuantWeight& w, OutT* out) {
   const Spans spans = spans_of(w);
   const bool has_mins = w.w8a8_mins.defined();
   const RowShape shape{K, spans.block, spans.span, w.group, w.bits == 8 ? 1.0f : 1.0f / 16};
-  thread_local RowBuffers kept;
-  RowBuffers own;
-  const QuantizedRows q = quantize_rows(x, M, shape, has_mins, M * K <= kKeptCodeBytes ? kept : own);
+  const QuantizedRows q = quantize_rows(x, M, shape, has_mins);
   Operands o{};
   o.codes = w.w8a8_codes.data_ptr<uint8_t>();
   o.scales = w.w8a8_scales.data_ptr();
   o.mins = has_mins ? w.w8a8_mins.data_ptr() : nullptr;
   o.add_eight_scales = w.w8a8_add_eight_scales;
-  o.xq = q.codes;
-  o.starts = q.starts;
-  o.xs = q.scales;
-  o.xg = q.group_sums;
+  o.xq = q.codes.data_ptr<int8_t>();
+  o.starts = q.starts.data_ptr<int32_t>();
+  o.xs = q.scales.data_ptr<float>();
+  o.xg = has_mins ? q.group_sums.data_ptr<float>() : nullptr;
   o.M = M, o.K = K, o.N = w.out_features, o.group = w.group, o.block = spans.block, o.span = spans.span;
   if (K / w.group == 1 && !has_mins) {  // one scale a column, applied at the end (float32)
     if (w.bits == 8) return all_tiles<8, false, false, float>(o, out);
