@@ -224,10 +224,12 @@ def test_native_decode_reads_the_codes_in_place(native_kernels, path, code, monk
     kernels.attention_path.cache_clear()
 
 
+# head size 64: the AVX-512 int8 quantizer and decode kernels; 24: the scalar quantizer and the plain decode loop
+@pytest.mark.parametrize("heads", [(6, 2, 64), (4, 2, 24)], ids=["d64", "d24"])
 @pytest.mark.parametrize("code", CODES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("seqs", list(SEQS.values()), ids=list(SEQS))
-def test_native_step_on_a_quantized_pool_equals_the_torch_path(seqs, dtype, code, monkeypatch, native_kernels):
+def test_native_step_on_a_quantized_pool_equals_the_torch_path(seqs, dtype, code, heads, monkeypatch, native_kernels):
     """The native step (kernels/kv_quantized.cpp quantizing and storing, the in-place decode, SDPA over the blocks
     dequantized), which the native decoder loop runs, gives the torch path's output bit for bit: the same codes and
     scales stored, so a model's tokens do not depend on which of the two ran a step."""
@@ -236,9 +238,9 @@ def test_native_step_on_a_quantized_pool_equals_the_torch_path(seqs, dtype, code
     calls = []
     step_attention = native_kernels.paged_attention
     monkeypatch.setattr(native_kernels, "paged_attention", lambda *a, **kw: calls.append(1) or step_attention(*a, **kw))
-    native, _, _ = run_quantized_batch(seqs, 16, dtype=dtype, code=code)
+    native, _, _ = run_quantized_batch(seqs, 16, heads=heads, dtype=dtype, code=code)
     assert calls  # the native step ran
     monkeypatch.setattr(attention, "_make_native_step", lambda *args: None)
-    torch_path, _, _ = run_quantized_batch(seqs, 16, dtype=dtype, code=code)
+    torch_path, _, _ = run_quantized_batch(seqs, 16, heads=heads, dtype=dtype, code=code)
     assert native.dtype == dtype
     assert torch.equal(native, torch_path)
