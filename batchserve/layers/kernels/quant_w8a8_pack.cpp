@@ -1,0 +1,73 @@
+// W8A8's weight repacked once, at load (quant_w8a8.h's layout): codes moved to vpdpbusd's operand order, scales and
+// minimums per pair of 16-column blocks, in float16 where every value is one.
+#include "quant_w8a8.h"
+
+#include <ATen/Parallel.h>
+
+using namespace w8a8;
+
+namespace {
+
+// [N, G] float32 -> [N / 32][G][2 blocks][16] (zero-padded columns) of float32, or float16
+at::Tensor pack_columns(const at::Tensor& per_group, at::ScalarType dtype) {
+  const int64_t N = per_group.size(0), G = per_group.size(1), pairs = column_pairs(N);
+  auto padded = at::zeros({pairs * kPairCols, G}, at::kFloat);
+  padded.narrow(0, 0, N).copy_(per_group);
+  return padded.view({pairs, kPairCols, G}).transpose(1, 2).contiguous().to(dtype);
+}
+
+bool all_float16(const at::Tensor& values) { return at::equal(values.to(at::kHalf).to(at::kFloat), values); }
+
+// code k of a row plus its offset, unsigned (4 bits: the stored nibble, code + 8; GGUF Q4_0's order, byte j of a
+// subblock holds k = j low, k = j + 16 high)
+uint8_t unsigned_code_at(const uint8_t* row, int64_t k, int64_t bits) {
+  if (bits == 8) return static_cast<uint8_t>(row[k] ^ 0x80);
+  const int64_t sub = k / 32, j = k % 32;
+  const uint8_t byte = row[sub * 16 + (j & 15)];
+  return j < 16 ? (byte & 15) : (byte >> 4);
+}
+
+// column c (0..31) of a pair: its codes into their places in the packed pair
+void pack_column(const uint8_t* row, int64_t K, int64_t bits, int64_t c, uint8_t* pair) {
+  const int64_t lane = (c / kCols) * kVector + (c % kCols) * 4;  // its block's vector, its 4 bytes there
+  for (int64_t k = 0; k < K; ++k) {
+    const uint8_t code = unsigned_code_at(row, k, bits);
+    if (bits == 8) {
+      pair[(k / 4) * kBlocks * kVector + lane + k % 4] = code;
+    } else {
+      const int64_t sub = k / 32, j = k % 32, p = (j % 16) / 4, i = j % 4;
+      pair[(sub * 4 + p) * kBlocks * kVector + lane + i] |= static_cast<uint8_t>(code << (j < 16 ? 0 : 4));
+    }
+  }
+}
+
+}  // namespace
+
+bool w8a8_supported(const QuantWeight& w) { return w.group % 32 == 0 && w.in_features % 32 == 0; }
+
+void w8a8_pack(QuantWeight& w) {
+  const int64_t N = w.out_features, K = w.in_features, pairs = column_pairs(N);
+  spans_of(w);  // an activation block that does not fit the weight is refused here, at load
+  auto packed = at::zeros({pairs * pair_bytes(K, w.bits)}, at::kByte);
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const auto* codes = static_cast<const uint8_t*>(w.codes.data_ptr());
+  const int64_t row_bytes = w.bits == 8 ? K : K / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < kPairCols && p * kPairCols + c < N; ++c)
+        pack_column(codes + (p * kPairCols + c) * row_bytes, K, w.bits, c, dst + p * pair_bytes(K, w.bits));
+  });
+  w.w8a8_codes = packed;
+  at::Tensor mins = w.mins;
+  if (w.bits == 4 && mins.defined()) {
+    const at::Tensor at_eight = mins - 8 * w.scales;  // the minimum at the stored nibble 0 (Q4_1's m)
+    w.w8a8_add_eight_scales = all_float16(at_eight) && at::equal(at_eight + 8 * w.scales, mins);
+    if (w.w8a8_add_eight_scales) mins = at_eight;
+  }
+  const bool grouped = K / w.group > 1 || mins.defined();
+  const bool float16 = grouped && all_float16(w.scales) && (!mins.defined() || all_float16(mins));
+  const at::ScalarType dtype = float16 ? at::kHalf : at::kFloat;
+  w.w8a8_scales = pack_columns(w.scales, dtype);
+  w.w8a8_mins = mins.defined() ? pack_columns(mins, dtype) : at::Tensor();
+}
+
