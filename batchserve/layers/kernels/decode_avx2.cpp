@@ -216,19 +216,28 @@ void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cac
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     if (begin >= end) return;
-    std::vector<float> scores, weights;
+    std::vector<float> scores, weights, v_row_scales;
     for (int64_t claimed = next++; claimed < num_items; claimed = next++) {
       const int64_t seq = order[claimed] / splits, first_kv = order[claimed] % splits * heads_per_item;
       const int64_t len = seq_lens[seq];
       const int64_t* table = tables + seq * max_blocks;
       scores.resize(len + 8);  // the last tile of 8 may start at any token (a block size not a multiple of 8)
       weights.resize(kScaledCodes<T> ? len : 0);
+      v_row_scales.resize(kScaledCodes<T> ? len : 0);
       for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_item; ++kv_head) {
         const T* k_head = k_cache + kv_head * D;
         const T* v_head = v_cache + kv_head * D;
         const bool first_of_many = heads_per_item > 1 && kv_head == first_kv;
         const T* k_tokens = first_of_many ? k_cache : nullptr;
         const T* v_tokens = first_of_many ? v_cache : nullptr;
+        if constexpr (kScaledCodes<T>) {  // this kv head's V row scales in token order, once for its query heads
+          const RowScales v_scales{v_scale + kv_head, num_kv_heads};
+          for (int64_t start = 0; start < len; start += block_size) {
+            const int64_t slot0 = table[start / block_size] * block_size;
+            for (int64_t t = start; t < std::min(len, start + block_size); ++t)
+              v_row_scales[t] = v_scales.at(slot0 + t - start);
+          }
+        }
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = kv_head * group + g;
           const float* qh = q + (seq * num_heads + h) * D;
@@ -245,9 +254,7 @@ void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cac
           const float inv = 1.f / softmax_in_place(scores.data(), len);
           const float* p = scores.data();
           if constexpr (kScaledCodes<T>) {  // the weights (summed into inv as they are) times the V rows' scales
-            const RowScales v_scales{v_scale + kv_head, num_kv_heads};
-            for (int64_t t = 0; t < len; ++t)
-              weights[t] = scores[t] * v_scales.at(table[t / block_size] * block_size + t % block_size);
+            for (int64_t t = 0; t < len; ++t) weights[t] = scores[t] * v_row_scales[t];
             p = weights.data();
           }
           for (int c0 = 0; c0 < NC; c0 += CH)
