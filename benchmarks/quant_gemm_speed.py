@@ -5,6 +5,8 @@ of --repeats timings of --calls calls, at each row count. Columns:
   register    the avx512 weight-only register path at every M (codes widened to float32 per row block)
   bf16_tiles  avx512 above 16 rows: dequantized tiles rounded to bf16 and the bf16 GEMM (a bf16 model's default)
   w8a8_row / w8a8_32 / w8a8_16   avx512_vnni: activations rounded to int8 per row / per 32 k / per 16 k (the default)
+  amx         from 1 row: the weight dequantized into bf16 tiles per 32 columns and multiplied on AMX (only where
+              the CPU has AMX: quant_amx.cpp)
   bf16        the unquantized bf16 projection (CpuLinear on a bf16 weight), the reference to beat
 
     .venv/bin/python benchmarks/quant_gemm_speed.py [--bits 8|4] [--rows 1 16 64] [--threads 1]
@@ -46,14 +48,17 @@ def projections(native, weight: torch.Tensor, scheme: quantization.QuantScheme) 
     def quantized(**options):
         return native.quantized_projection(codes, scales, scheme.bits, group, None, **options)
 
-    return {
+    paths = {
         "register": quantized(path="avx512", small_max_m=MANY_ROWS),
         "bf16_tiles": quantized(path="avx512", small_max_m=16, bf16_tiles=True),
         "w8a8_row": quantized(path=quantization.W8A8_PATH, small_max_m=16, act_block=0),
         "w8a8_32": quantized(path=quantization.W8A8_PATH, small_max_m=16, act_block=32),
         "w8a8_16": quantized(path=quantization.W8A8_PATH, small_max_m=16, act_block=16),
-        "bf16": CpuLinear(torch.nn.Parameter(weight.bfloat16()), None),
     }
+    if native.quant_amx_available():
+        paths["amx"] = quantized(path=quantization.W8A8_PATH, small_max_m=16, act_block=16, bf16_tiles=True, amx_min_m=1)
+    paths["bf16"] = CpuLinear(torch.nn.Parameter(weight.bfloat16()), None)
+    return paths
 
 
 def main() -> None:
@@ -79,7 +84,7 @@ def main() -> None:
         for k, paths in layers:
             x = torch.randn(rows, k)
             for name, layer in paths.items():
-                rows_in = x.bfloat16() if name == "bf16" else x
+                rows_in = x.bfloat16() if name in ("bf16", "amx") else x
                 totals[name] += best_us(lambda: layer(rows_in), args.calls, args.repeats)  # noqa: B023
         print(f"{rows:>4}  " + "".join(f"{totals[name]:>11.0f}" for name in names), flush=True)
 

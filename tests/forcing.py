@@ -52,3 +52,18 @@ def force_small_gemm(monkeypatch):
 
     yield force
     kernels.small_gemm_path.cache_clear()
+
+
+@pytest.fixture
+def force_quant_gemm(monkeypatch):
+    """force_quant_gemm(path): quantized projections built after this take `path`; skips where it cannot run."""
+    from batchserve.layers import quantization
+
+    def force(path: str) -> None:
+        if not quantization.quant_gemm_path_runs(path):
+            pytest.skip(f"the {path} quantized GEMM is not built here or not runnable on this CPU")
+        monkeypatch.setenv("BATCHSERVE_QUANT_GEMM_PATH", path)
+        quantization.quant_gemm_path.cache_clear()
+
+    yield force
+    quantization.quant_gemm_path.cache_clear()

@@ -232,6 +232,10 @@ class QuantizedLinear(CpuLinear):
     # default model (docs/quantization.md)
     ACT_BLOCK = 16
     ACT_BLOCK_LOGITS = 32  # the output projection (GGUF's): 32 keeps gguf's KL within llama.cpp's too
+    # a bf16 model on AMX (the bf16 GEMM path amx or amx_emulated): from AMX_MIN_M rows the weight is dequantized
+    # into bf16 tiles per 32 columns once a call and multiplied on AMX (quant_amx.cpp); fewer rows stay on W8A8. An
+    # estimate from instruction counts (docs/quantization.md), not yet measured on an AMX host.
+    AMX_MIN_M = 24
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme):
         torch.nn.Module.__init__(self)
@@ -287,7 +291,18 @@ class QuantizedLinear(CpuLinear):
             mins=self.mins,
             bf16_tiles=self.bf16_tiles,
             act_block=self.ACT_BLOCK_LOGITS if self.float_output else self.ACT_BLOCK,
+            **self._amx_rows(),
         )
+
+    def _amx_rows(self) -> dict:
+        """From how many rows the GEMM runs on AMX's bf16 tiles (0: never), and whether emulated: a bf16 model whose
+        own GEMMs take the AMX path; never in deterministic mode (a row's result would depend on M)."""
+        if not self.bf16_tiles or self.deterministic:
+            return {"amx_min_m": 0, "amx_emulated": False}
+        path = kernels.bf16_gemm_path()
+        if path == "onednn":
+            return {"amx_min_m": 0, "amx_emulated": False}
+        return {"amx_min_m": self.AMX_MIN_M, "amx_emulated": path == "amx_emulated"}
 
     def _small_max_m(self) -> int:
         return self.SMALL_MAX_M_BF16_TILES if self.bf16_tiles else self.SMALL_MAX_M

@@ -1,7 +1,7 @@
 import pytest
 
 from batchserve.layers import kernels
-from tests.forcing import force_gemm, force_prefill, force_small_gemm  # noqa: F401  (fixtures of the tests here)
+from tests.forcing import force_gemm, force_prefill, force_quant_gemm, force_small_gemm  # noqa: F401  (fixtures of the tests here)
 
 
 @pytest.fixture(scope="session")

@@ -23,20 +23,6 @@ from batchserve.layers.quantization import (
 SCHEMES = [QuantScheme(8, None), QuantScheme(4, 32), QuantScheme(4, 64), QuantScheme(4, 128)]
 
 
-@pytest.fixture
-def force_quant_gemm(monkeypatch):
-    """force_quant_gemm(path): quantized projections built after this take `path`; skips where it cannot run."""
-
-    def force(path: str) -> None:
-        if not quantization.quant_gemm_path_runs(path):
-            pytest.skip(f"the {path} quantized GEMM is not built here or not runnable on this CPU")
-        monkeypatch.setenv("BATCHSERVE_QUANT_GEMM_PATH", path)
-        quantization.quant_gemm_path.cache_clear()
-
-    yield force
-    quantization.quant_gemm_path.cache_clear()
-
-
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 def test_round_trip_within_half_a_step(scheme):
     torch.manual_seed(0)

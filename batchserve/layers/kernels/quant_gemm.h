@@ -29,6 +29,10 @@ struct QuantWeight {
   at::Tensor w8a8_codes, w8a8_scales, w8a8_mins;  // scales / mins float16 where every value is one, else float32
   bool w8a8_add_eight_scales = false;  // 4 bits: w8a8_mins hold the minimum at nibble 0, the kernel adds 8 x scale
   int64_t act_block = 0;
+  // From amx_min_m rows (0: never) a bf16 x takes quant_amx.cpp: the W8A8-packed weight dequantized into AMX's bf16
+  // tiles (amx_emulated: the tile operations in scalar code, for tests). Packed for it on any path.
+  int64_t amx_min_m = 0;
+  bool amx_emulated = false;
 };
 
 // x [M, K] float32 -> [M, N] float32: x @ dequantized(W).T; W8A8 also takes bf16 x and returns out_dtype (float32 or
@@ -43,3 +47,9 @@ bool w8a8_supported(const QuantWeight& w);  // groups of whole 32-k subblocks (n
 void w8a8_pack(QuantWeight& w);             // sets w8a8_codes / _scales / _mins from codes, scales, mins
 // x [M, K] float32 or bf16 -> out [M, N] float32 or bf16 (both contiguous)
 void w8a8_gemm(const at::Tensor& x, const QuantWeight& w, const at::Tensor& out);
+// quant_amx.cpp
+bool quant_amx_available();                                        // built with AMX, and this process may use it
+bool quant_amx_takes(const QuantWeight& w, const at::Tensor& x);  // whether x's GEMM runs on the tiles
+void quant_amx_gemm(const at::Tensor& x, const QuantWeight& w, const at::Tensor& out);  // x bf16 -> out (contiguous)
+at::Tensor quant_amx_panel(const QuantWeight& w, int64_t pair, bool vectorized);  // a pair's B tiles (tests)
+bool quant_amx_vectorized();  // the dequantization runs in AVX-512 here

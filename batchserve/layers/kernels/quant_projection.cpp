@@ -21,7 +21,8 @@ QuantPath path_named(const std::string& name) {
 std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group,
                                                 const std::string& path, int64_t small_max_m,
                                                 c10::optional<at::Tensor> mins = c10::nullopt,
-                                                bool bf16_tiles = false, int64_t act_block = 0) {
+                                                bool bf16_tiles = false, int64_t act_block = 0,
+                                                int64_t amx_min_m = 0, bool amx_emulated = false) {
   TORCH_CHECK(bits == 8 || bits == 4, "quantized weight: 8 or 4 bits, not ", bits);
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "codes: [N, K] (int8) or [N, K / 2] (packed int4)");
   TORCH_CHECK(codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "codes: int8 for 8 bits, uint8 for 4");
@@ -48,10 +49,13 @@ std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor sca
   TORCH_CHECK(act_block == 0 || act_block == 16 || act_block % 32 == 0,
               "act_block: 0 (the whole row), 16 or a multiple of 32");
   w->act_block = act_block;
-  if (w->path == QuantPath::kAvx512Vnni && w8a8_supported(*w)) {
-    w8a8_pack(*w);  // once, at load
-    // every M takes W8A8: the repacked copies are the only ones read; the caller may free its codes, scales and
-    // minimums (quant_codes_kept)
+  const bool w8a8 = w->path == QuantPath::kAvx512Vnni && w8a8_supported(*w);
+  w->amx_min_m = w8a8_supported(*w) ? amx_min_m : 0;  // AMX reads W8A8's layout
+  w->amx_emulated = amx_emulated;
+  if (w8a8 || w->amx_min_m > 0) w8a8_pack(*w);  // once, at load
+  if (w8a8) {
+    // every M takes W8A8 or AMX: the repacked copies are the only ones read; the caller may free its codes, scales
+    // and minimums (quant_codes_kept)
     w->codes = w->scales = w->mins = at::Tensor();
   }
   return w;
@@ -67,10 +71,10 @@ void register_quant_gemm(pybind11::module& m) {
       "quantized_projection",
       [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> bias,
          const std::string& path, int64_t small_max_m, bool float_output, c10::optional<at::Tensor> mins,
-         bool bf16_tiles, int64_t act_block) {
+         bool bf16_tiles, int64_t act_block, int64_t amx_min_m, bool amx_emulated) {
         Projection p{};
         p.quant = quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m, std::move(mins),
-                               bf16_tiles, act_block);
+                               bf16_tiles, act_block, amx_min_m, amx_emulated);
         p.weight_t = at::empty({0}, at::kFloat);  // unused: quant_gemm takes x as it comes
         p.bias = std::move(bias);
         p.out_features = p.quant->out_features;
@@ -80,20 +84,35 @@ void register_quant_gemm(pybind11::module& m) {
       "a Projection over a weight kept quantized (quant_gemm.h), its GEMM quant_gemm at every M", py::arg("codes"),
       py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("bias"), py::arg("path"),
       py::arg("small_max_m"), py::arg("float_output") = false, py::arg("mins") = py::none(),
-      py::arg("bf16_tiles") = false, py::arg("act_block") = 0);
+      py::arg("bf16_tiles") = false, py::arg("act_block") = 0, py::arg("amx_min_m") = 0,
+      py::arg("amx_emulated") = false);
   m.def(
       "quant_codes_kept", [](const Projection& p) { return p.quant != nullptr && p.quant->codes.defined(); },
       "whether a quantized Projection still reads its codes, scales and minimums (false: W8A8 at every M, repacked)");
   m.def(
       "quant_gemm",
       [](at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, const std::string& path,
-         int64_t small_max_m, c10::optional<at::Tensor> mins, bool bf16_tiles, int64_t act_block) {
+         int64_t small_max_m, c10::optional<at::Tensor> mins, bool bf16_tiles, int64_t act_block, int64_t amx_min_m,
+         bool amx_emulated) {
         return quant_gemm(x, *quant_weight(std::move(codes), std::move(scales), bits, group, path, small_max_m,
-                                           std::move(mins), bf16_tiles, act_block));
+                                           std::move(mins), bf16_tiles, act_block, amx_min_m, amx_emulated));
       },
       "x [M, K] float32 @ a quantized weight -> [M, N] float32", no_gil, py::arg("x"), py::arg("codes"),
       py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("path"), py::arg("small_max_m"),
-      py::arg("mins") = py::none(), py::arg("bf16_tiles") = false, py::arg("act_block") = 0);
+      py::arg("mins") = py::none(), py::arg("bf16_tiles") = false, py::arg("act_block") = 0,
+      py::arg("amx_min_m") = 0, py::arg("amx_emulated") = false);
+  m.def("quant_amx_available", &quant_amx_available, "whether quant_amx runs on AMX tiles here (not emulated)");
+  m.def("quant_amx_vectorized", &quant_amx_vectorized, "whether quant_amx dequantizes in AVX-512 here");
+  m.def(
+      "quant_amx_panel",
+      [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> mins,
+         int64_t pair, bool vectorized) {
+        const auto w = quant_weight(std::move(codes), std::move(scales), bits, group, "portable", 0, std::move(mins),
+                                    true, 0, 1, true);
+        return quant_amx_panel(*w, pair, vectorized);
+      },
+      "pair `pair` of a quantized weight as quant_amx's bf16 B tiles [K / 32, 2, 16, 32]", no_gil, py::arg("codes"),
+      py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("mins"), py::arg("pair"), py::arg("vectorized"));
   m.def(
       "quant_dequantize",
       [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> mins) {

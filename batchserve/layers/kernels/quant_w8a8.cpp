@@ -185,11 +185,6 @@ inline void span_products(const uint8_t* w, const int8_t* x, int64_t K, int64_t 
   }
 }
 
-// where block c of pair `pair` has its 16 per-group values (scales, minimums) for group g
-inline int64_t column_values(int64_t pair, int64_t groups, int64_t g, int c) {
-  return (pair * groups + g) * kPairCols + c * kCols;
-}
-
 // 16 packed per-group values, float32 or float16 (V = uint16_t)
 template <typename V>
 inline __m512 load_values(const void* values, int64_t at) {

@@ -21,6 +21,10 @@ constexpr int32_t kOffset = 128;  // added to the weight codes (4 bits: to 16 x 
 inline int64_t column_pairs(int64_t N) { return (N + kPairCols - 1) / kPairCols; }
 // bytes of one packed pair of 32 columns: K codes each, 8 or 4 bits
 inline int64_t pair_bytes(int64_t K, int64_t bits) { return K * kPairCols * bits / 8; }
+// where block c of pair `pair` has its 16 per-group values (scales, minimums) for group g: [N / 32][G][2][16]
+inline int64_t column_values(int64_t pair, int64_t groups, int64_t g, int c) {
+  return (pair * groups + g) * kPairCols + c * kCols;
+}
 
 // The activations' block: act_block (0: the whole row), never across a weight group's edge; a span (k summed in
 // int32) is 16 k or whole 32-k subblocks.
