@@ -2,6 +2,9 @@
 each format's next-token distribution against float32's: mean KL(float32 || format), top-1 agreement, and the text's
 perplexity under each. The model is the default one (SmolLM2-135M-Instruct's GGUF, dequantized at load to float32:
 the reference) or --model; windows of --window tokens, each its own prefill (the same windows for every format).
+--dtype bfloat16 runs the formats (and the unquantized model) in bf16 against the same float32 reference: a bf16
+model's quantized GEMM of a window (every row count from 24) is the AMX path's where the bf16 GEMM path is amx or
+amx_emulated (BATCHSERVE_GEMM_PATH), W8A8 elsewhere.
 
     .venv/bin/python benchmarks/quant_accuracy.py [--formats none int8 int4 int4_g64] [--kv float32 int8]
         [--tokens 2048] [--json out] [--llama-cpp [--llama-cpp-q8 PATH] [--threads 2]]
@@ -42,16 +45,16 @@ KV_CODES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 BLOCK = 16
 
 
-def window_logits(model, config, tokens: list[int], kv_dtype: str = "float32") -> torch.Tensor:
+def window_logits(model, config, tokens: list[int], kv_dtype: str = "float32", dtype=torch.float32) -> torch.Tensor:
     """log-softmax [T, V] of one window's prefill, through the real input batch and paged attention, over a KV pool
-    of kv_dtype (float32, int8 or fp8_e4m3)."""
+    of kv_dtype (float32: the model's dtype; int8 or fp8_e4m3)."""
     blocks = -(-len(tokens) // BLOCK) + 1
     shape = (blocks, BLOCK, config.num_kv_heads, config.head_dim)
     if kv_dtype in KV_CODES:
         cpu, code = torch.device("cpu"), KV_CODES[kv_dtype]
         kv = [kv_quant.QuantizedKV.zeros(shape, cpu, dtype=code) for _ in range(config.num_layers)]
     else:
-        kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
+        kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(config.num_layers)]
     out = SchedulerOutput(
         new_requests=[
             NewRequestData("r", tokens, len(tokens), SamplingParams(temperature=0.0), list(range(blocks)), 0)
@@ -66,11 +69,14 @@ def window_logits(model, config, tokens: list[int], kv_dtype: str = "float32") -
         return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
 
 
-def text_log_probs(path: Path, config, fmt: str, windows: list[list[int]], kv_dtypes=("float32",)) -> dict:
-    """{kv dtype: log-probs [tokens, V]} of the model in weight format fmt, over a pool of each kv dtype."""
-    with quantized_linears(fmt):
-        model = load_model(path, config, torch.float32, torch.device("cpu"))
-    return {kv: torch.cat([window_logits(model, config, w, kv) for w in windows]) for kv in kv_dtypes}
+def text_log_probs(
+    path: Path, config, fmt: str, windows: list[list[int]], kv_dtypes=("float32",), dtype=torch.float32
+) -> dict:
+    """{kv dtype: log-probs [tokens, V]} of the model in weight format fmt and `dtype`, over a pool of each kv dtype."""
+    cpu = torch.device("cpu")
+    with quantized_linears(fmt, cpu, dtype):
+        model = load_model(path, config, dtype, cpu)
+    return {kv: torch.cat([window_logits(model, config, w, kv, dtype) for w in windows]) for kv in kv_dtypes}
 
 
 def compare(reference: torch.Tensor, other: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -111,7 +117,12 @@ def main() -> None:
     parser.add_argument("--llama-cpp-q8", type=Path, default=None, help="also a Q8_0 GGUF written here by llama.cpp")
     parser.add_argument("--llama-cpp-kv", nargs="+", default=["f16"], choices=["f16", "f32", "q8_0"])
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="the formats' model dtype (a bfloat16 "
+        "row 'none' added; the reference stays float32)"
+    )  # fmt: skip
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     path = resolve_model_path(args.model)
     config = load_model_config(path)
     ids = load_tokenizer(path, None).encode(TEXT.read_text())[: args.tokens + 1]
@@ -124,9 +135,10 @@ def main() -> None:
     reference = runs["float32"]
     rows = [{"format": "none (float32)", **compare(reference, reference, targets)}]
     rows += [{"format": f"none, KV {kv}", **compare(reference, runs[kv], targets)} for kv in other_kv]
-    for fmt in args.formats:
-        for kv, log_probs in text_log_probs(path, config, fmt, inputs, args.kv).items():
-            name = fmt if kv == "float32" else f"{fmt}, KV {kv}"
+    formats = args.formats if dtype == torch.float32 else ["none", *args.formats]
+    for fmt in formats:
+        for kv, log_probs in text_log_probs(path, config, fmt, inputs, args.kv, dtype).items():
+            name = (fmt if dtype == torch.float32 else f"{fmt} ({args.dtype})") + ("" if kv == "float32" else f", KV {kv}")
             rows.append({"format": name, **compare(reference, log_probs, targets)})
     if args.llama_cpp:
         rows.extend(llama_cpp_rows(path, args, inputs, reference, targets))

@@ -6,7 +6,8 @@ of --repeats timings of --calls calls, at each row count. Columns:
   bf16_tiles  avx512 above 16 rows: dequantized tiles rounded to bf16 and the bf16 GEMM (a bf16 model's default)
   w8a8_row / w8a8_32 / w8a8_16   avx512_vnni: activations rounded to int8 per row / per 32 k / per 16 k (the default)
   amx         from 1 row: the weight dequantized into bf16 tiles per 32 columns and multiplied on AMX (only where
-              the CPU has AMX: quant_amx.cpp)
+              the CPU has AMX: quant_amx.cpp); on any CPU with AVX512-BF16 a last line gives the dequantization's
+              share, the same at every row count
   bf16        the unquantized bf16 projection (CpuLinear on a bf16 weight), the reference to beat
 
     .venv/bin/python benchmarks/quant_gemm_speed.py [--bits 8|4] [--rows 1 16 64] [--threads 1]
@@ -87,6 +88,12 @@ def main() -> None:
                 rows_in = x.bfloat16() if name in ("bf16", "amx") else x
                 totals[name] += best_us(lambda: layer(rows_in), args.calls, args.repeats)  # noqa: B023
         print(f"{rows:>4}  " + "".join(f"{totals[name]:>11.0f}" for name in names), flush=True)
+    if native.quant_amx_vectorized():  # the AMX path's work besides its tile products, once a call at any M
+        dequantize = sum(
+            best_us(lambda p=paths["w8a8_16"]: native.quant_amx_panels(p, True), args.calls, args.repeats)
+            for _, paths in layers
+        )
+        print(f"the AMX path's dequantization into bf16 tiles (AVX-512), any rows: {dequantize:.0f} us")
 
 
 if __name__ == "__main__":

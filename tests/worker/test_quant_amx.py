@@ -32,14 +32,20 @@ def _weight(scheme: QuantScheme, mins: str | None, seed: int = 0):
     return codes, scales, minimums, values
 
 
-def _unpacked(panels: list[torch.Tensor]) -> torch.Tensor:
-    """B-tile panels [K / 32, 2 tiles, 16 kk, 32 (n, j)] -> the weight [pairs x 32, K] they hold (k = 32 kb + 2 kk + j)."""
-    return torch.cat([p.view(K // 32, 2, 16, 16, 2).permute(1, 3, 0, 2, 4).reshape(32, K) for p in panels])
+def _projection(native, codes, scales, scheme, minimums):
+    """A native quantized Projection packed for the tiles, on the emulated ones (the weight-only portable path below)."""
+    return native.quantized_projection(
+        codes, scales, scheme.bits, scheme.group_for(K), None, path="portable", small_max_m=0, mins=minimums,
+        bf16_tiles=True, act_block=16, amx_min_m=16, amx_emulated=True,
+    )  # fmt: skip
 
 
-def _panels(native, codes, scales, scheme, minimums, vectorized: bool) -> torch.Tensor:
-    args = dict(codes=codes, scales=scales, bits=scheme.bits, group=scheme.group_for(K), mins=minimums)
-    return _unpacked([native.quant_amx_panel(**args, pair=p, vectorized=vectorized) for p in range((N + 31) // 32)])
+def _tiles_weight(native, projection, vectorized: bool = False) -> torch.Tensor:
+    """The weight a Projection's B tiles hold, [pairs x 32, K]: tiles [pairs, K / 32, 2 tiles, 16 kk, 32 (n, j)] of
+    k = 32 kb + 2 kk + j and column 32 pair + 16 tile + n."""
+    tiles = native.quant_amx_panels(projection, vectorized)
+    pairs = tiles.shape[0]
+    return tiles.view(pairs, K // 32, 2, 16, 16, 2).permute(0, 2, 4, 1, 3, 5).reshape(pairs * 32, K)
 
 
 SCHEMES = [QuantScheme(8, None), QuantScheme(8, 32), QuantScheme(4, 32), QuantScheme(4, 128)]
@@ -50,7 +56,8 @@ MINS = [None, "float32", "q4_1"]
 @pytest.mark.parametrize("mins", MINS, ids=["", "mins", "q4_1_mins"])
 def test_a_pairs_tiles_are_its_values_rounded_to_bf16(native_kernels, scheme, mins):
     codes, scales, minimums, values = _weight(scheme, mins)
-    scalar = _panels(native_kernels, codes, scales, scheme, minimums, vectorized=False)
+    projection = _projection(native_kernels, codes, scales, scheme, minimums)
+    scalar = _tiles_weight(native_kernels, projection)
     assert scalar.dtype == torch.bfloat16
     assert torch.equal(scalar[N:], torch.zeros_like(scalar[N:]))  # the third pair's missing columns
     got = scalar[:N].float()
@@ -60,7 +67,7 @@ def test_a_pairs_tiles_are_its_values_rounded_to_bf16(native_kernels, scheme, mi
         assert ((got - values).abs() <= values.abs() * 2**-8).all()
         assert (got == values.bfloat16().float()).float().mean() > 0.999
     if native_kernels.quant_amx_vectorized():
-        assert torch.equal(_panels(native_kernels, codes, scales, scheme, minimums, vectorized=True), scalar)
+        assert torch.equal(_tiles_weight(native_kernels, projection, vectorized=True), scalar)
 
 
 def _accumulation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -72,7 +79,8 @@ def _accumulation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [16, 33, 70])  # a row tail alone; a block and one row; two blocks and a tail
 def test_the_emulated_tiles_multiply_the_bf16_weight(native_kernels, scheme, mins, rows):
     codes, scales, minimums, _ = _weight(scheme, mins, seed=rows)
-    weight = _panels(native_kernels, codes, scales, scheme, minimums, vectorized=False)[:N].float()
+    projection = _projection(native_kernels, codes, scales, scheme, minimums)
+    weight = _tiles_weight(native_kernels, projection)[:N].float()
     x = (torch.randn(rows, K) * 2).bfloat16()
     args = dict(codes=codes, scales=scales, bits=scheme.bits, group=scheme.group_for(K), mins=minimums)
     got = native_kernels.quant_gemm(
@@ -81,6 +89,8 @@ def test_the_emulated_tiles_multiply_the_bf16_weight(native_kernels, scheme, min
     assert got.dtype == torch.float32 and got.shape == (rows, N)
     expected = x.double() @ weight.double().T
     assert ((got.double() - expected).abs() <= _accumulation_bound(x.float(), weight)).all()
+    # a layer's Projection on bf16 rows: the same sums, rounded to bf16 once by the kernel
+    assert torch.equal(projection(x), got.bfloat16())
 
 
 @pytest.fixture
@@ -107,13 +117,7 @@ def test_a_bf16_models_layer_takes_the_tiles_from_amx_min_m_rows(native_kernels,
     assert torch.equal(on_tiles(few), without(few))  # below AMX_MIN_M: the path's own GEMM, bit for bit
     got = on_tiles(many)
     assert got.dtype == torch.bfloat16
-    codes, scales = quantize(weight, scheme)
-    tiles = _unpacked(
-        [
-            native_kernels.quant_amx_panel(codes, scales, scheme.bits, scheme.group_for(K), None, p, False)
-            for p in range((N + 31) // 32)
-        ]
-    )[:N]
+    tiles = _tiles_weight(native_kernels, on_tiles.native)[:N]
     expected = (many.double() @ tiles.double().T).float()
     torch.testing.assert_close(got.float(), expected.bfloat16().float(), rtol=2**-7, atol=1e-5)
     if quant_path == quantization.W8A8_PATH:  # not W8A8's result (its activations rounded to int8); the weight-only
@@ -142,3 +146,4 @@ def test_amx_tiles_equal_the_emulated_ones(native_kernels, scheme):
     common = dict(path="portable", small_max_m=0, bf16_tiles=True, act_block=16, amx_min_m=16)
     on_amx = native_kernels.quant_gemm(x, **args, **common, amx_emulated=False)
     assert torch.equal(on_amx, native_kernels.quant_gemm(x, **args, **common, amx_emulated=True))
+    assert on_amx.dtype == torch.float32  # this entry point returns float32: the tiles' sums unrounded

@@ -299,14 +299,16 @@ void quant_amx_gemm(const at::Tensor& x, const QuantWeight& w, const at::Tensor&
   });
 }
 
-at::Tensor quant_amx_panel(const QuantWeight& w, int64_t pair, bool vectorized) {
+at::Tensor quant_amx_panels(const QuantWeight& w, bool vectorized) {
   TORCH_CHECK(w.w8a8_codes.defined(), "quant_amx: the weight is not packed (W8A8's layout)");
-  TORCH_CHECK(pair >= 0 && pair < w8a8::column_pairs(w.out_features), "quant_amx: no pair ", pair);
   TORCH_CHECK(!vectorized || dequantizes_in_avx512(), "quant_amx: no AVX-512 dequantization on this CPU or build");
-  const int64_t K = w.in_features;
-  auto panel = at::empty({K / kDepth, 2, 16, kPanel}, at::kBFloat16);
-  dequantize_pair(source_of(w, pair), K, reinterpret_cast<uint16_t*>(panel.data_ptr()), vectorized);
-  return panel;
+  const int64_t K = w.in_features, pairs = w8a8::column_pairs(w.out_features);
+  auto panels = at::empty({pairs, K / kDepth, 2, 16, kPanel}, at::kBFloat16);
+  auto* out = reinterpret_cast<uint16_t*>(panels.data_ptr());
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) dequantize_pair(source_of(w, p), K, out + p * K * kPanel, vectorized);
+  });
+  return panels;
 }
 
 bool quant_amx_vectorized() { return dequantizes_in_avx512(); }

@@ -51,5 +51,5 @@ void w8a8_gemm(const at::Tensor& x, const QuantWeight& w, const at::Tensor& out)
 bool quant_amx_available();                                        // built with AMX, and this process may use it
 bool quant_amx_takes(const QuantWeight& w, const at::Tensor& x);  // whether x's GEMM runs on the tiles
 void quant_amx_gemm(const at::Tensor& x, const QuantWeight& w, const at::Tensor& out);  // x bf16 -> out (contiguous)
-at::Tensor quant_amx_panel(const QuantWeight& w, int64_t pair, bool vectorized);  // a pair's B tiles (tests)
+at::Tensor quant_amx_panels(const QuantWeight& w, bool vectorized);  // every pair's B tiles (tests, benchmarks)
 bool quant_amx_vectorized();  // the dequantization runs in AVX-512 here

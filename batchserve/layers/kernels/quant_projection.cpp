@@ -104,21 +104,12 @@ void register_quant_gemm(pybind11::module& m) {
   m.def("quant_amx_available", &quant_amx_available, "whether quant_amx runs on AMX tiles here (not emulated)");
   m.def("quant_amx_vectorized", &quant_amx_vectorized, "whether quant_amx dequantizes in AVX-512 here");
   m.def(
-      "quant_amx_panel",
-      [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> mins,
-         int64_t pair, bool vectorized) {
-        const auto w = quant_weight(std::move(codes), std::move(scales), bits, group, "portable", 0, std::move(mins),
-                                    true, 0, 1, true);
-        return quant_amx_panel(*w, pair, vectorized);
+      "quant_amx_panels",
+      [](const Projection& p, bool vectorized) {
+        TORCH_CHECK(p.quant != nullptr, "quant_amx_panels: a quantized Projection");
+        return quant_amx_panels(*p.quant, vectorized);
       },
-      "pair `pair` of a quantized weight as quant_amx's bf16 B tiles [K / 32, 2, 16, 32]", no_gil, py::arg("codes"),
-      py::arg("scales"), py::arg("bits"), py::arg("group"), py::arg("mins"), py::arg("pair"), py::arg("vectorized"));
-  m.def(
-      "quant_dequantize",
-      [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> mins) {
-        return quant_dequantize(
-            *quant_weight(std::move(codes), std::move(scales), bits, group, "portable", 0, std::move(mins)));
-      },
-      "a quantized weight as float32 [N, K]", no_gil, py::arg("codes"), py::arg("scales"), py::arg("bits"),
-      py::arg("group"), py::arg("mins") = py::none());
+      "a quantized Projection's weight as quant_amx dequantizes it: [pairs, K / 32, 2, 16, 32] bf16 B tiles (only "
+      "where it was packed: W8A8 or amx_min_m)",
+      no_gil, py::arg("projection"), py::arg("vectorized"));
 }
