@@ -131,11 +131,15 @@ def use_stored_projections(
     return ((name, tensor) for name, tensor in weights if not runs_from_codes(name))
 
 
-def use_stored_output(model: nn.Module, stored: StoredTensors) -> None:
+def use_stored_output(model: nn.Module, stored: StoredTensors) -> bool:
     """The output projection (the logits, float32) from the codes of output.weight, or of token_embd.weight when the
-    embedding is tied; a float tensor stays the float CpuLinear."""
+    embedding is tied, set before the float weights load (an untied float output matrix is then never allocated or
+    filled: its float copy and CPU layouts were the largest part of the peak memory); a float tensor stays the float
+    CpuLinear. -> whether output.weight is one whose float copy must not be read."""
     name = "output.weight" if "output.weight" in stored.tensors else "token_embd.weight"
     if stored.type_of(name) in gguf_codes.FLOAT_TYPES:
-        return
+        return False
     stored.check_types([name])
     model.output_proj = _projection(stored, [name.removesuffix(".weight")], float_output=True)
+    model.lm_head = None
+    return name == "output.weight"

@@ -146,7 +146,8 @@ class LlamaForCausalLM(nn.Module):
                 CpuLinear.from_linear(mlp.down_proj),
             )
         # tied embeddings: the output projection is a transposed copy, the embedding table stays for lookups
-        self.output_proj = CpuLinear(self.output_weight, float_output=True)  # float32 logits: no ties by rounding
+        if self.output_proj is None:  # (set already where it runs from a GGUF file's codes)
+            self.output_proj = CpuLinear(self.output_weight, float_output=True)  # float32 logits: no ties by rounding
         self.lm_head = None
         self.decoder_loop = self._native_decoder_loop()
 

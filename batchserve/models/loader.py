@@ -204,7 +204,9 @@ def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device
     model.rotary.reset(device)
     stored = _stored_gguf_tensors(path, model_config)
     if stored is not None:  # quantization gguf: the projections from the file's codes (models/gguf_quantized.py)
-        weights = gguf_quantized.use_stored_projections(model, stored, _unstored_gguf_weights(path, model_config))
+        output_from_codes = gguf_quantized.use_stored_output(model, stored)
+        unstored = _unstored_gguf_weights(path, model_config, output_from_codes)
+        weights = gguf_quantized.use_stored_projections(model, stored, unstored)
     else:
         weights = iter_hf_weights(ensure_gguf_cache(path)) if is_gguf(path) else iter_hf_weights(path)
     model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
@@ -212,8 +214,6 @@ def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device
     model.requires_grad_(False)
     if device.type == "cpu":
         model.use_cpu_linear_layouts()
-    if stored is not None:
-        gguf_quantized.use_stored_output(model, stored)
     return model
 
 
@@ -227,15 +227,19 @@ def _stored_gguf_tensors(path: Path, config: ModelConfig) -> gguf_quantized.Stor
     return stored
 
 
-def _unstored_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Under quantization gguf, the tensors not run from their codes (norms, embedding, output), read from the file:
-    the projections are never dequantized, and no float copy of the whole file is written to the conversion cache
-    (a random 8B-shaped file's would be 4 bytes a weight)."""
+def _unstored_gguf_weights(
+    path: Path, config: ModelConfig, output_from_codes: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Under quantization gguf, the tensors not run from their codes (norms, embedding, and the output matrix unless
+    output_from_codes), read from the file: the projections are never dequantized, and no float copy of the whole file
+    is written to the conversion cache (a random 8B-shaped file's would be 4 bytes a weight)."""
     to_hf_name = gguf_name_map(config)
 
     def unstored(name: str) -> str | None:
         hf_name = to_hf_name(name)
-        return None if hf_name is None or gguf_quantized.runs_from_codes(hf_name) else hf_name
+        if hf_name is None or gguf_quantized.runs_from_codes(hf_name):
+            return None
+        return None if output_from_codes and name == "output.weight" else hf_name
 
     return iter_gguf_tensors(
         gguf_reader(path), unstored, _permuted_qk_heads(config), norm_shift=gguf_norm_shift(config)

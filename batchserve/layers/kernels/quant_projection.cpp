@@ -112,4 +112,12 @@ void register_quant_gemm(pybind11::module& m) {
       "a quantized Projection's weight as quant_amx dequantizes it: [pairs, K / 32, 2, 16, 32] bf16 B tiles (only "
       "where it was packed: W8A8 or amx_min_m)",
       no_gil, py::arg("projection"), py::arg("vectorized"));
+  m.def(
+      "quant_dequantize",
+      [](at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group, c10::optional<at::Tensor> mins) {
+        return quant_dequantize(
+            *quant_weight(std::move(codes), std::move(scales), bits, group, "portable", 0, std::move(mins)));
+      },
+      "a quantized weight as float32 [N, K]", no_gil, py::arg("codes"), py::arg("scales"), py::arg("bits"),
+      py::arg("group"), py::arg("mins") = py::none());
 }
