@@ -18,6 +18,7 @@ import transformers
 
 from batchserve import LLM, SamplingParams
 from batchserve.layers import quantization
+from batchserve.layers.linear import CpuLinear
 from batchserve.models.gguf_config import read_gguf_config
 from batchserve.models.gguf_weights import unpermute_qk
 from batchserve.models.hf_config import read_hf_config
@@ -104,11 +105,18 @@ def test_batchserve_serves_the_file_as_stored_with_transformers_tokens(scripts, 
     if quantization.quant_gemm_path_runs("avx512"):
         monkeypatch.setenv("BATCHSERVE_QUANT_GEMM_PATH", "avx512")
     quantization.quant_gemm_path.cache_clear()
+    laid_out = []  # the float matrices given CPU layouts
+    init = CpuLinear.__init__
+    monkeypatch.setattr(CpuLinear, "__init__", lambda self, w, *a, **k: laid_out.append(w.shape) or init(self, w, *a, **k))
     try:
         llm = LLM(model=str(scripts[1].gguf_path(checkpoint, type_name)), tokenizer=str(checkpoint), dtype="float32",
                   quantization="gguf", device="cpu", num_kv_blocks=16, max_batch_size=2, num_threads=1)  # fmt: skip
         params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
         got = [out.token_ids for out in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+        model = llm.engine.runner.model
+        # the untied output matrix runs from the file's codes: no float copy of it was laid out
+        assert not model.config.tie_word_embeddings and isinstance(model.output_proj, quantization.QuantizedLinear)
+        assert (model.config.vocab_size, model.config.hidden_size) not in laid_out
     finally:
         quantization.quant_gemm_path.cache_clear()
     reference = quantized_transformers(checkpoint, type_name)
