@@ -53,22 +53,54 @@ def dequantize(tensor) -> np.ndarray:
     """One tensor as float32 in torch's layout (dequantize returns [rows, cols] row-major: already [out, in]). A
     quantized tensor is widened in chunks of rows into its output, so gguf's float temporaries stay small (an 8B
     model's embedding table is 2 GB in float32)."""
+    chunks = _float32_chunks(tensor)
+    if chunks is None:
+        return _dequantized_whole(tensor)
+    out = np.empty(torch_shape(tensor), dtype=np.float32).reshape(tensor.data.shape[0], -1)
+    for rows, chunk in chunks:
+        out[rows] = chunk
+    return out.reshape(torch_shape(tensor))
+
+
+def dequantize_as(tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize(tensor) converted to `dtype`; a chunked one chunk by chunk into the result, so that no float32 copy
+    of the whole tensor is ever held (loading an 8B embedding table in bf16: 1 GB of result, not 2 more of float32)."""
+    chunks = _float32_chunks(tensor)
+    if chunks is None:
+        whole = _dequantized_whole(tensor)
+        return torch.from_numpy(whole if whole.flags.writeable else whole.copy()).to(dtype)
+    out = torch.empty(tensor.data.shape[0], int(np.prod(torch_shape(tensor))) // tensor.data.shape[0], dtype=dtype)
+    for rows, chunk in chunks:
+        out[rows] = torch.from_numpy(chunk)
+    return out.reshape(torch_shape(tensor))
+
+
+def _dequantized_whole(tensor) -> np.ndarray:
     import gguf
 
     check_tensor_type(tensor)
-    data, shape = tensor.data, torch_shape(tensor)
-    if (
-        _storage_dtype(tensor) != torch.float32
-        or tensor.tensor_type.name == "F32"
-        or data.nbytes <= DEQUANTIZE_CHUNK_BYTES
-    ):
-        return np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-    out = np.empty(shape, dtype=np.float32).reshape(data.shape[0], -1)
+    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(
+        torch_shape(tensor)
+    )
+
+
+def _float32_chunks(tensor) -> Iterator[tuple[slice, np.ndarray]] | None:
+    """(rows of the file's data, those rows dequantized to float32 [rows, -1]) for a quantized tensor over
+    DEQUANTIZE_CHUNK_BYTES, else None (taken whole: float types, small tensors)."""
+    import gguf
+
+    check_tensor_type(tensor)
+    data = tensor.data
+    if _storage_dtype(tensor) != torch.float32 or tensor.tensor_type.name == "F32" or data.nbytes <= DEQUANTIZE_CHUNK_BYTES:
+        return None
     step = max(1, DEQUANTIZE_CHUNK_BYTES // (data.nbytes // data.shape[0]))
-    for start in range(0, data.shape[0], step):
-        chunk = gguf.quants.dequantize(data[start : start + step], tensor.tensor_type)
-        out[start : start + step] = chunk.reshape(len(chunk), -1)
-    return out.reshape(shape)
+
+    def chunks():
+        for start in range(0, data.shape[0], step):
+            chunk = gguf.quants.dequantize(data[start : start + step], tensor.tensor_type)
+            yield slice(start, start + len(chunk)), chunk.reshape(len(chunk), -1)
+
+    return chunks()
 
 
 def unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -99,22 +131,24 @@ def iter_gguf_tensors(
     for _, tensor in mapped:
         check_tensor_type(tensor)
     for name, tensor in mapped:
-        weights = dequantize(tensor)
-        if qk_heads is not None and name.endswith("q_proj.weight"):
-            weights = unpermute_qk(weights, qk_heads[0])
-        elif qk_heads is not None and name.endswith("k_proj.weight"):
-            weights = unpermute_qk(weights, qk_heads[1])
-        if norm_shift and name.endswith("norm.weight"):  # exact: 1 + w then - 1 gives back what 1 + w rounded to
-            weights = weights - np.float32(norm_shift)
-        if not weights.flags.writeable:  # an F32 tensor is a view of the mmap'd file: own a copy
-            weights = weights.copy()
-        out = torch.from_numpy(np.ascontiguousarray(weights)).to(dtype or _storage_dtype(tensor))
-        del weights
+        out = _converted(tensor, name, qk_heads, dtype or _storage_dtype(tensor), norm_shift)
         if EXPERT in name:  # llama.cpp stacks a layer's experts in one tensor; HF checkpoints hold one per expert
             for expert in range(out.shape[0]):
                 yield name.replace(EXPERT, str(expert)), out[expert].clone()
         else:
             yield name, out
+
+
+def _converted(tensor, name: str, qk_heads, dtype: torch.dtype, norm_shift: float) -> torch.Tensor:
+    """One mapped tensor in `dtype`: q/k rows in HF's order, a norm's shift taken off (in float32: exact)."""
+    if norm_shift and name.endswith("norm.weight"):  # exact: 1 + w then - 1 gives back what 1 + w rounded to
+        return torch.from_numpy(dequantize(tensor) - np.float32(norm_shift)).to(dtype)
+    out = dequantize_as(tensor, dtype)
+    if qk_heads is not None and name.endswith("q_proj.weight"):
+        out = unpermute_qk(out, qk_heads[0]).contiguous()
+    elif qk_heads is not None and name.endswith("k_proj.weight"):
+        out = unpermute_qk(out, qk_heads[1]).contiguous()
+    return out
 
 
 # --- a safetensors file written tensor by tensor -----------------------------------------------------------------

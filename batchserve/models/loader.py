@@ -202,11 +202,8 @@ def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device
         model = model_class(model_config, dtype=dtype)
     model.to_empty(device=device)
     model.rotary.reset(device)
-    stored = _stored_gguf_tensors(path, model_config)
-    if stored is not None:  # quantization gguf: the projections from the file's codes (models/gguf_quantized.py)
-        output_from_codes = gguf_quantized.use_stored_output(model, stored)
-        unstored = _unstored_gguf_weights(path, model_config, output_from_codes)
-        weights = gguf_quantized.use_stored_projections(model, stored, unstored)
+    if quantization.gguf_as_stored():  # the projections from the file's codes (models/gguf_quantized.py)
+        weights = _use_stored_codes(path, model, model_config, dtype)
     else:
         weights = iter_hf_weights(ensure_gguf_cache(path)) if is_gguf(path) else iter_hf_weights(path)
     model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
@@ -217,22 +214,26 @@ def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device
     return model
 
 
-def _stored_gguf_tensors(path: Path, config: ModelConfig) -> gguf_quantized.StoredTensors | None:
-    """The GGUF file's tensors under quantization gguf (refused for anything but a GGUF file), else None."""
-    if not quantization.gguf_as_stored():
-        return None
+def _use_stored_codes(
+    path: Path, model: nn.Module, config: ModelConfig, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """quantization gguf (refused for anything but a GGUF file): the output and decoder projections set from the
+    file's codes; -> the float tensors still to load. The reader of the codes is dropped on return, its mapped pages
+    with it, before the float tensors are read through another."""
     gguf_quantized.refuse_unless_gguf(path, is_gguf(path))
     stored = gguf_quantized.StoredTensors.open(path, config, _permuted_qk_heads(config))
     stored.check_matrices()  # before the float conversion: its refusal would not say what runs as stored
-    return stored
+    output_from_codes = gguf_quantized.use_stored_output(model, stored)
+    unstored = _unstored_gguf_weights(path, config, output_from_codes, dtype)
+    return gguf_quantized.use_stored_projections(model, stored, unstored)
 
 
 def _unstored_gguf_weights(
-    path: Path, config: ModelConfig, output_from_codes: bool
+    path: Path, config: ModelConfig, output_from_codes: bool, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Under quantization gguf, the tensors not run from their codes (norms, embedding, and the output matrix unless
-    output_from_codes), read from the file: the projections are never dequantized, and no float copy of the whole file
-    is written to the conversion cache (a random 8B-shaped file's would be 4 bytes a weight)."""
+    output_from_codes), read from the file in the model's dtype: the projections are never dequantized, and no float
+    copy of the whole file is written to the conversion cache (a random 8B-shaped file's would be 4 bytes a weight)."""
     to_hf_name = gguf_name_map(config)
 
     def unstored(name: str) -> str | None:
@@ -242,7 +243,7 @@ def _unstored_gguf_weights(
         return None if output_from_codes and name == "output.weight" else hf_name
 
     return iter_gguf_tensors(
-        gguf_reader(path), unstored, _permuted_qk_heads(config), norm_shift=gguf_norm_shift(config)
+        gguf_reader(path), unstored, _permuted_qk_heads(config), dtype, norm_shift=gguf_norm_shift(config)
     )
 
 

@@ -139,10 +139,13 @@ def test_llama_cpp_computes_transformers_logits_from_the_file(scripts, checkpoin
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
 def test_batchserves_dequantization_in_chunks_of_rows_equals_ggufs(scripts, checkpoint, monkeypatch, type_name):
-    """models/gguf_weights.dequantize widens a big tensor (an 8B embedding table) a chunk of rows at a time."""
+    """models/gguf_weights.dequantize widens a big tensor (an 8B embedding table) a chunk of rows at a time, and
+    dequantize_as converts each chunk to the model's dtype as it goes (no float32 copy of the whole)."""
     from batchserve.models import gguf_weights
 
     monkeypatch.setattr(gguf_weights, "DEQUANTIZE_CHUNK_BYTES", 1000)  # rows of 68 / 80 bytes: uneven chunks
     for tensor in gguf.GGUFReader(scripts[1].gguf_path(checkpoint, type_name)).tensors:
         want = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(gguf_weights.torch_shape(tensor))
         np.testing.assert_array_equal(gguf_weights.dequantize(tensor), want, err_msg=tensor.name)
+        as_bf16 = gguf_weights.dequantize_as(tensor, torch.bfloat16)
+        assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, torch.from_numpy(want).bfloat16()), tensor.name
