@@ -148,4 +148,4 @@ def test_batchserves_dequantization_in_chunks_of_rows_equals_ggufs(scripts, chec
         want = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(gguf_weights.torch_shape(tensor))
         np.testing.assert_array_equal(gguf_weights.dequantize(tensor), want, err_msg=tensor.name)
         as_bf16 = gguf_weights.dequantize_as(tensor, torch.bfloat16)
-        assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, torch.from_numpy(want).bfloat16()), tensor.name
+        assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, torch.tensor(want).bfloat16()), tensor.name
