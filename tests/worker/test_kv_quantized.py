@@ -75,9 +75,13 @@ def _step(states, new_reqs, scheduled):
     return states.build(out, CPU)
 
 
-def run_quantized_batch(seqs, block_size, heads=(6, 2, 64), seed=0, dtype=torch.float32, code=torch.int8):
+def run_quantized_batch(
+    seqs, block_size, heads=(6, 2, 64), seed=0, dtype=torch.float32, code=torch.int8, spread: float = 0.0
+):
     """seqs: (tokens cached by an earlier step, tokens this step), on a pool of `code` codes, q/k/v in dtype ->
-    (output, the float32 attention over the dequantized K/V, the same over the exact K/V)."""
+    (output, the float32 attention over the dequantized K/V, the same over the exact K/V). spread: each element's
+    magnitude also times e^(spread x a normal sample), so that a row holds values far below its largest (float8's
+    subnormal codes)."""
     num_heads, num_kv_heads, head_dim = heads
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -89,7 +93,8 @@ def run_quantized_batch(seqs, block_size, heads=(6, 2, 64), seed=0, dtype=torch.
     for i, (cached, n) in enumerate(seqs):
         length = cached + n
         blocks = [free.pop() for _ in range(-(-length // block_size))]
-        full.append(tuple(torch.randn(length, h, head_dim).to(dtype) for h in (num_heads, num_kv_heads, num_kv_heads)))
+        shapes = [(length, h, head_dim) for h in (num_heads, num_kv_heads, num_kv_heads)]
+        full.append(tuple((torch.randn(s) * torch.exp(spread * torch.randn(s))).to(dtype) for s in shapes))
         new_reqs.append(NewRequestData(f"r{i}", list(range(length)), length, SamplingParams(), blocks, cached))
         earlier.append(NewRequestData(f"r{i}", list(range(length)), length, SamplingParams(), blocks, 0))
     cached_counts = {f"r{i}": c for i, (c, _) in enumerate(seqs) if c > 0}
@@ -224,12 +229,15 @@ def test_native_decode_reads_the_codes_in_place(native_kernels, path, code, monk
     kernels.attention_path.cache_clear()
 
 
-# head size 64: the AVX-512 int8 quantizer and decode kernels; 24: the scalar quantizer and the plain decode loop
+# head size 64: the AVX-512 quantizers and decode kernels; 24: the scalar quantizer and the plain decode loop
 @pytest.mark.parametrize("heads", [(6, 2, 64), (4, 2, 24)], ids=["d64", "d24"])
 @pytest.mark.parametrize("code", CODES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("seqs", list(SEQS.values()), ids=list(SEQS))
-def test_native_step_on_a_quantized_pool_equals_the_torch_path(seqs, dtype, code, heads, monkeypatch, native_kernels):
+@pytest.mark.parametrize("spread", [0.0, 3.0], ids=["normal", "wide"])
+def test_native_step_on_a_quantized_pool_equals_the_torch_path(
+    seqs, dtype, code, heads, spread, monkeypatch, native_kernels
+):
     """The native step (kernels/kv_quantized.cpp quantizing and storing, the in-place decode, SDPA over the blocks
     dequantized), which the native decoder loop runs, gives the torch path's output bit for bit: the same codes and
     scales stored, so a model's tokens do not depend on which of the two ran a step."""
@@ -238,9 +246,9 @@ def test_native_step_on_a_quantized_pool_equals_the_torch_path(seqs, dtype, code
     calls = []
     step_attention = native_kernels.paged_attention
     monkeypatch.setattr(native_kernels, "paged_attention", lambda *a, **kw: calls.append(1) or step_attention(*a, **kw))
-    native, _, _ = run_quantized_batch(seqs, 16, heads=heads, dtype=dtype, code=code)
+    native, _, _ = run_quantized_batch(seqs, 16, heads=heads, dtype=dtype, code=code, spread=spread)
     assert calls  # the native step ran
     monkeypatch.setattr(attention, "_make_native_step", lambda *args: None)
-    torch_path, _, _ = run_quantized_batch(seqs, 16, heads=heads, dtype=dtype, code=code)
+    torch_path, _, _ = run_quantized_batch(seqs, 16, heads=heads, dtype=dtype, code=code, spread=spread)
     assert native.dtype == dtype
     assert torch.equal(native, torch_path)

@@ -68,24 +68,60 @@ inline __m512 exact_div(__m512 a, __m512 b) {
   return r;
 }
 
-// quantize_token for int8 codes, 16 elements at a time (D a multiple of 16): the same float32 operations, so the same
-// codes, scales and stored values (bf16 rounded to nearest even, as torch)
-template <typename T>
-void quantize_token_int8_avx512(const T* x, int64_t heads, int64_t D, int8_t* codes, float* scales, T* stored) {
-  const __m512 qmax = _mm512_set1_ps(Codes<int8_t>::kMax);
+// 16 values of x / scale as codes: stored at dst, and returned as the floats the codes stand for
+template <typename Code>
+struct Codes16;
+
+template <>
+struct Codes16<int8_t> {  // nearest (ties even) within +-127
+  static __m512 store(__m512 q, int8_t* dst) {
+    const __m512 qmax = _mm512_set1_ps(Codes<int8_t>::kMax);
+    q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-Codes<int8_t>::kMax)), qmax);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
+    return q;
+  }
+};
+
+template <>
+struct Codes16<c10::Float8_e4m3fn> {  // c10's fp8e4m3fn_from_fp32_value on 16 lanes: the same bits as torch's
+  static __m512 store(__m512 q, c10::Float8_e4m3fn* dst) {
+    const __m512i bits = _mm512_castps_si512(q);
+    const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+    const __m512i a = _mm512_xor_si512(bits, sign);
+    // normal results: the exponent rebased, the mantissa rounded to 3 bits (to nearest, ties even)
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+    const __m512i rebased = _mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int>(((uint32_t{7} - 127) << 23) + 0x7FFFFu)));
+    __m512i code = _mm512_srli_epi32(_mm512_add_epi32(rebased, odd), 20);
+    // below 2^-6, e4m3's subnormals: rounded by a float32 addition of 2^14, as c10 does
+    const __m512i denorm_mask = _mm512_set1_epi32(141 << 23);
+    const __m512i subnormal = _mm512_sub_epi32(
+        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm_mask))), denorm_mask);
+    code = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23)), code, subnormal);
+    code = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(1087 << 20)), code,
+                                   _mm512_set1_epi32(0x7f));  // 480 and above: NaN (never: |q| <= 448)
+    code = _mm512_or_si512(_mm512_and_si512(code, _mm512_set1_epi32(0xff)), _mm512_srli_epi32(sign, 24));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(code));
+    return load16(dst);
+  }
+};
+
+// quantize_token 16 elements at a time (D a multiple of 16): the same float32 operations, so the same codes, scales
+// and stored values (bf16 rounded to nearest even, as torch)
+template <typename Code, typename T>
+void quantize_token_avx512(const T* x, int64_t heads, int64_t D, Code* codes, float* scales, T* stored) {
   for (int64_t h = 0; h < heads; ++h) {
     const T* xh = x + h * D;
     __m512 mx = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(xh + d)));
+    const __m512 qmax = _mm512_set1_ps(Codes<Code>::kMax);
     const float ratio = _mm512_cvtss_f32(exact_div(_mm512_set1_ps(_mm512_reduce_max_ps(mx)), qmax));
     const float s = ratio > kMinScale ? ratio : kMinScale;
     const __m512 sv = _mm512_set1_ps(s);
     scales[h] = s;
     for (int64_t d = 0; d < D; d += 16) {
-      __m512 q = _mm512_roundscale_ps(exact_div(load16(xh + d), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-Codes<int8_t>::kMax)), qmax);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + h * D + d), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
-      store16(stored + h * D + d, _mm512_mul_ps(q, sv));
+      const __m512 value = Codes16<Code>::store(exact_div(load16(xh + d), sv), codes + h * D + d);
+      store16(stored + h * D + d, _mm512_mul_ps(value, sv));
     }
   }
 }
@@ -103,12 +139,10 @@ at::Tensor store(const at::Tensor& x, const at::Tensor& cache, const at::Tensor&
   for (int64_t t = 0; t < tokens; ++t) {
     Code* token_codes = codes + slots[t] * heads * D;
 #if defined(__AVX512F__)
-    if constexpr (std::is_same_v<Code, int8_t>) {
-      if (D % 16 == 0) {
-        quantize_token_int8_avx512(src + t * x.stride(0), heads, D, token_codes, scale + slots[t] * heads,
-                                   out + t * heads * D);
-        continue;
-      }
+    if (D % 16 == 0) {
+      quantize_token_avx512(src + t * x.stride(0), heads, D, token_codes, scale + slots[t] * heads,
+                            out + t * heads * D);
+      continue;
     }
 #endif
     quantize_token(src + t * x.stride(0), heads, D, token_codes, scale + slots[t] * heads, out + t * heads * D);
