@@ -84,23 +84,28 @@ struct Codes16<int8_t> {  // nearest (ties even) within +-127
 };
 
 template <>
-struct Codes16<c10::Float8_e4m3fn> {  // c10's fp8e4m3fn_from_fp32_value on 16 lanes: the same bits as torch's
+struct Codes16<c10::Float8_e4m3fn> {  // c10's fp8e4m3fn_from_fp32_value (saturating) on 16 lanes: torch's bits
   static __m512 store(__m512 q, c10::Float8_e4m3fn* dst) {
     const __m512i bits = _mm512_castps_si512(q);
     const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
     const __m512i a = _mm512_xor_si512(bits, sign);
     // normal results: the exponent rebased, the mantissa rounded to 3 bits (to nearest, ties even)
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
-    const __m512i rebased = _mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int>(((uint32_t{7} - 127) << 23) + 0x7FFFFu)));
+    const __m512i bias = _mm512_set1_epi32(static_cast<int>(((uint32_t{7} - 127) << 23) + 0x7FFFFu));
+    const __m512i rebased = _mm512_add_epi32(a, bias);
     __m512i code = _mm512_srli_epi32(_mm512_add_epi32(rebased, odd), 20);
     // below 2^-6, e4m3's subnormals: rounded by a float32 addition of 2^14, as c10 does
     const __m512i denorm_mask = _mm512_set1_epi32(141 << 23);
     const __m512i subnormal = _mm512_sub_epi32(
         _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm_mask))), denorm_mask);
+    code = _mm512_and_si512(code, _mm512_set1_epi32(0xff));
+    // a rounding carried into 0x7f (NaN's pattern), 480 and above, and infinity saturate to 448 (0x7e); NaN stays NaN
+    const __m512i nan = _mm512_set1_epi32(0x7f), largest = _mm512_set1_epi32(0x7e);
+    code = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(code, nan), code, largest);
     code = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23)), code, subnormal);
-    code = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(1087 << 20)), code,
-                                   _mm512_set1_epi32(0x7f));  // 480 and above: NaN (never: |q| <= 448)
-    code = _mm512_or_si512(_mm512_and_si512(code, _mm512_set1_epi32(0xff)), _mm512_srli_epi32(sign, 24));
+    code = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(1087 << 20)), code, largest);
+    code = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)), code, nan);
+    code = _mm512_or_si512(code, _mm512_srli_epi32(sign, 24));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(code));
     return load16(dst);
   }
