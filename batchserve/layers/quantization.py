@@ -297,12 +297,8 @@ class QuantizedLinear(CpuLinear):
     def _amx_rows(self) -> dict:
         """From how many rows the GEMM runs on AMX's bf16 tiles (0: never), and whether emulated: a bf16 model whose
         own GEMMs take the AMX path; never in deterministic mode (a row's result would depend on M)."""
-        if not self.bf16_tiles or self.deterministic:
-            return {"amx_min_m": 0, "amx_emulated": False}
-        path = kernels.bf16_gemm_path()
-        if path == "onednn":
-            return {"amx_min_m": 0, "amx_emulated": False}
-        return {"amx_min_m": self.AMX_MIN_M, "amx_emulated": path == "amx_emulated"}
+        path = kernels.bf16_gemm_path() if self.bf16_tiles and not self.deterministic else "onednn"
+        return {"amx_min_m": 0 if path == "onednn" else self.AMX_MIN_M, "amx_emulated": path == "amx_emulated"}
 
     def _small_max_m(self) -> int:
         return self.SMALL_MAX_M_BF16_TILES if self.bf16_tiles else self.SMALL_MAX_M

@@ -53,35 +53,22 @@ def dequantize(tensor) -> np.ndarray:
     """One tensor as float32 in torch's layout (dequantize returns [rows, cols] row-major: already [out, in]). A
     quantized tensor is widened in chunks of rows into its output, so gguf's float temporaries stay small (an 8B
     model's embedding table is 2 GB in float32)."""
-    chunks = _float32_chunks(tensor)
-    if chunks is None:
-        return _dequantized_whole(tensor)
-    out = np.empty(torch_shape(tensor), dtype=np.float32).reshape(tensor.data.shape[0], -1)
-    for rows, chunk in chunks:
-        out[rows] = chunk
-    return out.reshape(torch_shape(tensor))
+    return dequantize_as(tensor, torch.float32).numpy()
 
 
 def dequantize_as(tensor, dtype: torch.dtype) -> torch.Tensor:
     """dequantize(tensor) converted to `dtype`; a chunked one chunk by chunk into the result, so that no float32 copy
     of the whole tensor is ever held (loading an 8B embedding table in bf16: 1 GB of result, not 2 more of float32)."""
+    import gguf
+
     chunks = _float32_chunks(tensor)
-    if chunks is None:
-        whole = _dequantized_whole(tensor)
-        return torch.from_numpy(whole if whole.flags.writeable else whole.copy()).to(dtype)
+    if chunks is None:  # an F32 tensor is a view of the mmap'd file: own a copy
+        whole = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        return torch.from_numpy(whole if whole.flags.writeable else whole.copy()).to(dtype).reshape(torch_shape(tensor))
     out = torch.empty(tensor.data.shape[0], int(np.prod(torch_shape(tensor))) // tensor.data.shape[0], dtype=dtype)
     for rows, chunk in chunks:
         out[rows] = torch.from_numpy(chunk)
     return out.reshape(torch_shape(tensor))
-
-
-def _dequantized_whole(tensor) -> np.ndarray:
-    import gguf
-
-    check_tensor_type(tensor)
-    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(
-        torch_shape(tensor)
-    )
 
 
 def _float32_chunks(tensor) -> Iterator[tuple[slice, np.ndarray]] | None:

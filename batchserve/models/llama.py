@@ -145,11 +145,15 @@ class LlamaForCausalLM(nn.Module):
                 CpuLinear.from_linear(mlp.gate_up_proj, swiglu=mlp.swiglu),
                 CpuLinear.from_linear(mlp.down_proj),
             )
-        # tied embeddings: the output projection is a transposed copy, the embedding table stays for lookups
-        if self.output_proj is None:  # (set already where it runs from a GGUF file's codes)
-            self.output_proj = CpuLinear(self.output_weight, float_output=True)  # float32 logits: no ties by rounding
-        self.lm_head = None
+        self._use_output_layout()
         self.decoder_loop = self._native_decoder_loop()
+
+    def _use_output_layout(self) -> None:
+        """The output projection as a CpuLinear of float32 logits (no ties by rounding); tied embeddings: a transposed
+        copy, the embedding table staying for lookups. One set already (a GGUF file's codes) is kept."""
+        if self.output_proj is None:
+            self.output_proj = CpuLinear(self.output_weight, float_output=True)
+        self.lm_head = None
 
     def _native_decoder_loop(self):
         """The layers as one native call (kernels/decoder_loop.cpp: it sequences the operators the Python layers call,

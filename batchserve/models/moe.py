@@ -68,9 +68,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             else:
                 mlp.gate_up_proj = CpuLinear.from_linear(mlp.gate_up_proj, swiglu=mlp.swiglu)
                 mlp.down_proj = CpuLinear.from_linear(mlp.down_proj)
-        if self.output_proj is None:  # (set already where it runs from a GGUF file's codes)
-            self.output_proj = CpuLinear(self.output_weight, float_output=True)  # float32 logits: no ties by rounding
-        self.lm_head = None
+        self._use_output_layout()
         self.decoder_loop = self._native_decoder_loop()  # None: the loop lacks Capability.MOE (logged)
 
     # --- weight loading -------------------------------------------------------------------------------------------

@@ -311,17 +311,16 @@ static at::Tensor quant_gemm_float(const at::Tensor& xc, const QuantWeight& w) {
 at::Tensor quant_gemm(const at::Tensor& x, const QuantWeight& w, at::ScalarType out_dtype) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in_features, "quant_gemm: x [M, in_features]");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "quant_gemm: float32 or bf16 out");
-  if (quant_amx_takes(w, x)) {
+  const bool amx = quant_amx_takes(w, x);
+  if (amx || (w.path == QuantPath::kAvx512Vnni && w.w8a8_codes.defined() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16))) {
     const auto xc = x.contiguous();
     auto out = at::empty({xc.size(0), w.out_features}, xc.options().dtype(out_dtype));
-    quant_amx_gemm(xc, w, out);
-    return out;
-  }
-  if (w.path == QuantPath::kAvx512Vnni && w.w8a8_codes.defined() &&
-      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)) {
-    const auto xc = x.contiguous();
-    auto out = at::empty({xc.size(0), w.out_features}, xc.options().dtype(out_dtype));
-    if (xc.size(0) > 0) w8a8_gemm(xc, w, out);
+    if (amx) {
+      quant_amx_gemm(xc, w, out);
+    } else if (xc.size(0) > 0) {
+      w8a8_gemm(xc, w, out);
+    }
     return out;
   }
   const auto out = quant_gemm_float(x.to(at::kFloat).contiguous(), w);
