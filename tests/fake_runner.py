@@ -36,7 +36,7 @@ class FakeRunner:
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.max_kv_blocks = num_kv_blocks if max_kv_blocks is None else max_kv_blocks  # > num_kv_blocks: it grows
-        self.resizes: list[tuple[int, bool]] = []  # (num_blocks, keep_contents) of every resize_kv_cache()
+        self.resizes: list[tuple[int, int]] = []  # (num_blocks, blocks kept) of every resize_kv_cache()
         self.num_swap_blocks = num_swap_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -53,14 +53,17 @@ class FakeRunner:
     def close(self) -> None:
         self.closed = True
 
-    def resize_kv_cache(self, num_blocks: int, keep_contents: bool) -> None:
-        """As ModelRunner's: without keep_contents every slot is lost, so a block the engine still believed cached
-        would read back None and change the sampled tokens."""
+    def resize_kv_cache(self, num_blocks: int, keep_block_ids) -> None:
+        """As ModelRunner's: only the blocks in keep_block_ids keep their slots, every other slot is lost, so a block
+        the engine believed cached but did not keep would read back None and change the sampled tokens."""
         assert self.num_kv_blocks <= num_blocks <= self.max_kv_blocks, (self.num_kv_blocks, num_blocks)
-        kept = self.cache if keep_contents else [None] * len(self.cache)
-        self.cache = kept + [None] * ((num_blocks - self.num_kv_blocks) * self.block_size)
+        kept = [None] * (num_blocks * self.block_size)
+        for block in keep_block_ids:
+            span = slice(block * self.block_size, (block + 1) * self.block_size)
+            kept[span] = self.cache[span]
+        self.cache = kept
         self.num_kv_blocks = num_blocks
-        self.resizes.append((num_blocks, keep_contents))
+        self.resizes.append((num_blocks, len(keep_block_ids)))
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         if self.crash.is_set():

@@ -127,16 +127,10 @@ class BlockPool:
             [self.null_block] = self.take_new(1)
         return self.null_block
 
-    def drop_cached(self) -> None:
-        """Forget the content of every cached block (the worker reallocated the K/V behind them). Only while no
-        request owns a block: an owned block's content is still needed."""
-        owned = self.num_used_blocks - (self.null_block is not None)
-        if owned:
-            raise BlockAccountingError(f"{owned} blocks are owned: their content cannot be dropped")
-        for block in self.cached.values():
-            block.key = None
-        self.cached = {}
-        self._num_cached_free = 0
+    def block_ids_with_content(self) -> list[int]:
+        """The blocks whose K/V is still needed: owned by a request, or free but cached for a prefix (the null block's
+        placeholder content never is)."""
+        return [b.block_id for b in self.blocks if (b.ref_count > 0 or b.key is not None) and b is not self.null_block]
 
     def take_new(self, count: int) -> list[KVBlock]:
         """Blocks with fresh (writable) content, each owned once. The caller checks num_free_blocks first."""

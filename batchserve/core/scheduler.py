@@ -130,12 +130,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
-    def grow_kv_pool(self, num_blocks: int, keep_cached: bool = True) -> None:
-        """The worker's KV cache now holds num_blocks blocks: so does the pool, and the length limit follows.
-        keep_cached=False when the worker reallocated its cache without copying it (no block may be owned then):
-        no cached block can be found again."""
-        if not keep_cached:
-            self.kv.pool.drop_cached()
+    def grow_kv_pool(self, num_blocks: int) -> None:
+        """The worker's KV cache now holds num_blocks blocks, every block with content kept at its id: so does the
+        pool, and the length limit follows."""
         self.kv.pool.grow(num_blocks)
         self.kv_capacity_tokens = num_blocks * self.kv.block_size
         self.max_model_len = min(self._model_len_limit, self.kv_capacity_tokens)

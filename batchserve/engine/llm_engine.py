@@ -39,7 +39,7 @@ class QueueFullError(RuntimeError):
 
 class Runner(Protocol):
     """What the engine drives. A runner whose pool can grow has, besides, `max_kv_blocks` (the most it may hold)
-    and `resize_kv_cache(num_blocks, keep_contents)` (ModelRunner, FakeRunner); one without them has a fixed pool."""
+    and `resize_kv_cache(num_blocks, keep_block_ids)` (ModelRunner, FakeRunner); one without them has a fixed pool."""
 
     num_kv_blocks: int
     num_swap_blocks: int
@@ -176,14 +176,15 @@ class LLMEngine:
 
     def reserve_kv_blocks(self, num_blocks: int) -> int:
         """Grow the KV pool to num_blocks, at most max_kv_blocks (a fixed pool stays as it is); it never shrinks.
-        Between steps. While no request holds a block the old pool is freed before the new one is allocated, and
-        its prefix cache is dropped; otherwise the blocks in it are copied. Returns the pool's size."""
+        Between steps. The blocks held by a request or cached for a prefix keep their K/V (the runner sets them
+        aside while it reallocates), so a grown pool still hits the prefixes of earlier requests. Returns the pool's
+        size."""
         current, target = self.runner.num_kv_blocks, min(num_blocks, self.max_kv_blocks)
         if target <= current:
             return current
-        keep = self.scheduler.kv.pool.num_used_blocks > 0
-        self.runner.resize_kv_cache(target, keep_contents=keep)  # type: ignore[attr-defined]
-        self.scheduler.grow_kv_pool(target, keep_cached=keep)
+        keep = self.scheduler.kv.pool.block_ids_with_content()
+        self.runner.resize_kv_cache(target, keep)  # type: ignore[attr-defined]
+        self.scheduler.grow_kv_pool(target)
         logger.info("KV pool: %d -> %d blocks (at most %d)", current, target, self.max_kv_blocks)
         return target
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,19 +107,20 @@ class KVCache:
         ]
         return cls(device_caches, host_caches)
 
-    def resize(self, num_blocks: int, keep_blocks: int = 0) -> None:
-        """A device pool of num_blocks (the host pool stays) whose first keep_blocks blocks keep their K/V: the old
-        and the new pool are both in memory while those are copied. With keep_blocks=0 the old pool is freed first
-        and the new one starts zeroed."""
+    def resize(self, num_blocks: int, keep_block_ids: Sequence[int] = ()) -> None:
+        """A device pool of num_blocks (the host pool stays) in which the blocks `keep_block_ids` keep their K/V, at
+        the same ids. Those blocks are set aside compactly and the old pool is freed before the new one is
+        allocated: the peak is the new pool plus the kept blocks, never both pools. The other blocks start zeroed."""
         first = self.device_caches[0][0]
         num_layers, shape, dtype, device = len(self.device_caches), tuple(first.shape[1:]), first.dtype, first.device
         del first
-        old = self.device_caches if keep_blocks else []  # else nothing holds the old pool now: freed here
-        self.device_caches = []
+        ids = torch.tensor(sorted(keep_block_ids), dtype=torch.long, device=device)
+        kept = [tuple(t.index_select(0, ids) for t in _parts(layer)) for layer in self.device_caches] if len(ids) else []
+        self.device_caches = []  # nothing holds the old pool now: freed here
         new = _zeroed_pool(num_layers, num_blocks, shape, dtype, device)
-        for new_layer, old_layer in zip(new, old):
-            for new_t, old_t in zip(_parts(new_layer), _parts(old_layer), strict=True):
-                new_t[:keep_blocks].copy_(old_t[:keep_blocks])
+        for new_layer, kept_layer in zip(new, kept):
+            for new_t, kept_t in zip(_parts(new_layer), kept_layer, strict=True):
+                new_t.index_copy_(0, ids, kept_t)
         self.device_caches = new
 
     @property

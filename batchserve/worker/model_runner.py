@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -80,15 +81,15 @@ class ModelRunner:
         self.decode_graphs = decode_graphs_for(self)  # None off CUDA and with enforce_eager
         self.draft: DraftModelProposer | None = None  # speculative method draft_model (engine/startup.py)
 
-    def resize_kv_cache(self, num_blocks: int, keep_contents: bool) -> None:
-        """Grow the device pool to num_blocks (at most max_kv_blocks), between steps. keep_contents: the blocks
-        held so far keep their K/V (copied); otherwise the pool starts anew, and no block may be in use."""
+    def resize_kv_cache(self, num_blocks: int, keep_block_ids: Sequence[int]) -> None:
+        """Grow the device pool to num_blocks (at most max_kv_blocks), between steps. keep_block_ids: the blocks
+        whose K/V stay (held by a request or cached for a prefix), at the same ids; the rest start anew (the old
+        scratch block's padding K/V is never kept)."""
         if not self.num_kv_blocks <= num_blocks <= self.max_kv_blocks:
             raise ValueError(
                 f"a KV pool of {num_blocks} blocks: it holds {self.num_kv_blocks}, may hold {self.max_kv_blocks}"
             )
-        keep = self.num_kv_blocks if keep_contents else 0  # the old scratch block's padding K/V is not kept
-        self.kv_cache.resize(num_blocks + 1, keep_blocks=keep)
+        self.kv_cache.resize(num_blocks + 1, keep_block_ids)
         self.num_kv_blocks = num_blocks
         self.requests.scratch_slot = num_blocks * self.block_size
         if self.decode_graphs is not None:

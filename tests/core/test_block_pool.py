@@ -85,14 +85,11 @@ def test_grown_pool_takes_its_new_blocks_before_evicting_a_cached_one():
         pool.grow(3)
 
 
-def test_dropping_the_cache_forgets_every_block_and_refuses_while_one_is_owned():
-    pool = BlockPool(3)
-    key = BlockKey(None, (1, 2))
-    (block,) = pool.take_new(1)
-    pool.register(block, key)
-    with pytest.raises(BlockAccountingError, match="owned"):
-        pool.drop_cached()
-    pool.release([block])
-    pool.drop_cached()
-    assert pool.lookup(key) is None and block.key is None and pool.num_cached_free_blocks == 0
-    assert pool.num_free_blocks == 3
+def test_the_blocks_with_content_are_the_owned_and_the_cached_free_ones_not_the_null_block():
+    pool = BlockPool(6)
+    null = pool.reserve_null_block()
+    owned, cached, plain = pool.take_new(1), pool.take_new(1), pool.take_new(1)
+    pool.register(cached[0], BlockKey(None, (1, 2)))
+    pool.release(cached + plain)
+    assert pool.block_ids_with_content() == sorted([owned[0].block_id, cached[0].block_id])
+    assert null.block_id not in pool.block_ids_with_content()

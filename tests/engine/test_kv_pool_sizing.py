@@ -43,7 +43,7 @@ def test_the_pool_grows_at_generate_to_the_worst_case_of_what_can_run_at_once(ma
     outs = generate(llm, prompts, 8)
     assert outs == [reference_generation(p, 8, LETTERS) for p in prompts]
     # (prompt + 8) in blocks: 1, 2, 2, 3, 1; four run at once at most: 3 + 2 + 2 + 1
-    assert engine.runner.resizes == [(8, False)]
+    assert engine.runner.resizes == [(8, 0)]
     assert engine.runner.num_kv_blocks == engine.scheduler.kv.pool.num_blocks == 8
     assert engine.effective_config()["num_kv_blocks"] == "8"
 
@@ -52,7 +52,7 @@ def test_the_budget_caps_the_pool_and_outputs_stay_the_same(make_engine):
     engine = make_engine(num_kv_blocks=1, max_kv_blocks=5, max_batch_size=4)
     prompts = letter_prompts([3, 10, 20, 40, 5])
     outs = generate(LLM.from_engine(engine), prompts, 8)
-    assert engine.runner.resizes == [(5, False)] and engine.runner.num_kv_blocks == 5
+    assert engine.runner.resizes == [(5, 0)] and engine.runner.num_kv_blocks == 5
     assert outs == [reference_generation(p, 8, LETTERS) for p in prompts]
 
 
@@ -64,19 +64,22 @@ def test_an_explicit_pool_is_never_resized(make_engine):
     assert outs == [reference_generation(p, 20, LETTERS) for p in prompts]
 
 
-def test_a_larger_batch_grows_the_pool_anew_and_a_smaller_one_keeps_it_and_its_cache(make_engine):
-    """Grown between batches, the pool is reallocated: its prefix cache must go with it (the FakeRunner's slots
-    read back None, so a stale hit would change the tokens). A batch that fits keeps both."""
+def test_a_larger_batch_grows_the_pool_keeping_the_cached_prefixes_and_a_smaller_one_keeps_both(make_engine):
+    """Grown between batches, the pool keeps every cached block at its id (the FakeRunner loses every slot it is not
+    told to keep, so a stale hit would change the tokens): the next batch hits the prefix the last one left."""
     engine = make_engine(num_kv_blocks=1, max_kv_blocks=1000)
     llm = LLM.from_engine(engine)
     shared = letter_prompts([32], seed=1)[0]  # two full blocks in common
     first = letter_prompts([4, 8], seed=2, prefix=shared)
     assert generate(llm, first, 6) == [reference_generation(p, 6, LETTERS) for p in first]
+    cached = engine.scheduler.kv.pool.num_cached_free_blocks
+    assert cached >= 2 and engine.scheduler.kv.pool.num_used_blocks == 0
     hits = engine.scheduler.kv.prefix_hits
     second = letter_prompts([4, 8, 30, 60], seed=3, prefix=shared)
     assert generate(llm, second, 6) == [reference_generation(p, 6, LETTERS) for p in second]
     grown = sum(cdiv(len(p) + 6, 16) for p in second)
-    assert engine.runner.resizes == [(sum(cdiv(len(p) + 6, 16) for p in first), False), (grown, False)]
+    assert engine.runner.resizes == [(sum(cdiv(len(p) + 6, 16) for p in first), 0), (grown, cached)]
+    assert engine.scheduler.kv.prefix_hits - hits == 32 * len(second)  # every one of them, the first included
     third = letter_prompts([5], seed=4, prefix=shared)
     hits = engine.scheduler.kv.prefix_hits
     assert generate(llm, third, 6) == [reference_generation(third[0], 6, LETTERS)]
@@ -87,11 +90,11 @@ def test_the_engine_used_directly_grows_for_each_request_copying_the_blocks_in_u
     engine = make_engine(num_kv_blocks=1, max_kv_blocks=64)
     a, b = letter_prompts([20], seed=5)[0], None
     engine.add_prompt("a", {"prompt_token_ids": a}, SamplingParams(max_tokens=10, **GREEDY))
-    assert engine.runner.resizes == [(2, False)]  # nothing held a block: a new pool
+    assert engine.runner.resizes == [(2, 0)]  # nothing held a block
     earlier = engine.step() + engine.step()
     b = a[:16] + letter_prompts([24], seed=6)[0]  # its first block is a's, cached
     engine.add_prompt("b", {"prompt_token_ids": b}, SamplingParams(max_tokens=30, **GREEDY))
-    assert engine.runner.resizes == [(2, False), (5, True)]  # a holds blocks: copied, cache kept
+    assert engine.runner.resizes == [(2, 0), (5, 2)]  # a holds two blocks: kept
     done = run_to_completion(engine, earlier=earlier)
     assert done["a"].token_ids == reference_generation(a, 10, LETTERS)
     assert done["b"].token_ids == reference_generation(b, 30, LETTERS)
@@ -160,3 +163,19 @@ def test_a_real_pool_grown_while_requests_run_keeps_their_kv(tiny, policy):
     fixed, _ = run(initial_kv_blocks=None)
     assert grown == fixed
     assert engine.runner.num_kv_blocks == max(cdiv(len(p) + m, 8) for p, m in requests) < 256
+
+
+def test_a_real_pool_grown_for_a_longer_request_still_hits_the_prompt_cached_before(tiny):
+    """The same prompt asked again with a larger max_tokens grows the offline pool: its cached blocks are kept (not
+    prefilled anew), and the tokens are those of a fixed pool."""
+    hf_model, directory = tiny
+    prompt = real_prompts([100], seed=7)[0]
+    llm = LLM(str(directory), device="cpu", dtype="float32", block_size=16)
+    short = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
+    blocks_before = llm.engine.runner.num_kv_blocks
+    params = SamplingParams(max_tokens=60, **GREEDY)
+    [longer] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert llm.engine.runner.num_kv_blocks > blocks_before  # the pool grew between the two
+    assert longer.metrics.num_cached_tokens == 96  # the prompt's six full blocks, not recomputed
+    assert longer.token_ids[:2] == short[0].token_ids
+    assert longer.token_ids == hf_greedy(hf_model, prompt, 60)

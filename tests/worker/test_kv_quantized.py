@@ -194,7 +194,7 @@ def test_swap_and_resize_move_the_scales_with_the_blocks(code):
         for t in layer.parts():
             t.zero_()
     cache.swap_in([(3, 0), (0, 2)])
-    cache.resize(6, keep_blocks=4)
+    cache.resize(6, keep_block_ids=[0, 3])
     for layer, (k, v) in zip(cache.device_caches, written, strict=True):
         k_now, v_now = kv_quant.dequantized_pool(layer)
         assert torch.equal(k_now[3], k[2]) and torch.equal(v_now[0], v[1])
