@@ -1,6 +1,7 @@
 """`batchserve` command line: generate | serve | bench | tune.
 
-Each command's module is imported only when it runs, so `batchserve --help` answers without loading torch.
+Each command's module is imported only when it runs, so `batchserve --help` and a flag the command does not take
+answer without loading torch.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batchserve {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
+    if command in COMMANDS and (refusal := flags_refused(command, rest)):
+        print(refusal, file=sys.stderr, end="")
+        return 2
     if command == "generate":
         from batchserve.entrypoints.generate import main as command_main
     elif command == "serve":
@@ -68,6 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # a model not found, options that cannot work: one message, not a traceback
         print(f"batchserve {command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def flags_refused(command: str, argv: list[str]) -> str | None:
+    """The error for flags `command` does not take (foreign ones answered with what to use), found before the
+    command's module is imported: its imports (torch, FastAPI) take seconds, a mistyped flag must answer at once."""
+    from batchserve.entrypoints.cli_flags import COMMAND_FLAGS
+    from batchserve.entrypoints.foreign_flags import flag_error, screen_flags
+
+    if "-h" in argv or "--help" in argv:
+        return None
+    screen = screen_flags(argv, COMMAND_FLAGS[command])
+    return flag_error(f"batchserve {command}", screen.problems) if screen.problems else None
 
 
 if __name__ == "__main__":

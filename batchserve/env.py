@@ -91,6 +91,19 @@ def grammar_mask_overlap() -> bool:
     return os.environ.get("BATCHSERVE_GRAMMAR_OVERLAP", "1") != "0"
 
 
+def json_integer_digits() -> int:
+    """BATCHSERVE_JSON_INTEGER_DIGITS (default "16"): the most digits of a JSON number's integer part that the JSON
+    grammar (response_format json_schema / json_object) lets a model write, where the schema gives no range; "0"
+    lifts the bound. A model looping on a digit then closes the number instead of running to max_tokens."""
+    return int(os.environ.get("BATCHSERVE_JSON_INTEGER_DIGITS", "16"))
+
+
+def json_fraction_digits() -> int:
+    """BATCHSERVE_JSON_FRACTION_DIGITS (default "16"): the most digits after a JSON number's decimal point that the
+    JSON grammar lets a model write (an exponent gets at most 3); "0" lifts the bound."""
+    return int(os.environ.get("BATCHSERVE_JSON_FRACTION_DIGITS", "16"))
+
+
 def cache_dir() -> Path:
     """BATCHSERVE_CACHE_DIR (default ~/.cache/batchserve): where GGUF files are converted to, once each."""
     return Path(os.environ.get("BATCHSERVE_CACHE_DIR", Path.home() / ".cache" / "batchserve"))

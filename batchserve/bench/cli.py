@@ -36,7 +36,7 @@ from batchserve.bench.args import (
 )
 from batchserve.bench.compare_checks import estimate_line, estimate_steps, noise_warning
 from batchserve.bench.grpc_client import run_grpc
-from batchserve.bench.http_client import CHAT_COMPLETIONS, COMPLETIONS, PROMPT_FORMATS, run_http
+from batchserve.bench.http_client import CHAT_COMPLETIONS, COMPLETIONS, PROMPT_FORMATS, run_http, served_models
 from batchserve.bench.metrics import summarize
 from batchserve.bench.outputs import compare_line, write_outputs
 from batchserve.bench.outputs import run_label as _label
@@ -100,9 +100,29 @@ def _http_tokenizer(args: argparse.Namespace) -> Any:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(args.tokenizer)
-    from batchserve.models.loader import load_tokenizer, resolve_model_path
+    from batchserve.models.loader import load_tokenizer
 
-    return load_tokenizer(resolve_model_path(args.model))
+    return load_tokenizer(_served_model_path(args))
+
+
+def _served_model_path(args: argparse.Namespace) -> Any:
+    """Where the tokenizer of `--model` is: the model itself when it is a local model; else, as vLLM's bench takes
+    --model, a name the server serves (its /v1/models): then it is also the requests' model field, and the card's
+    root says what the server loaded (none: batchserve's default model)."""
+    from batchserve.models.loader import ModelLoadError, resolve_model_path
+
+    try:
+        return resolve_model_path(args.model)
+    except ModelLoadError as not_local:
+        try:
+            served = served_models(args.base_url, args.api_key)
+        except (OSError, ValueError, KeyError) as exc:  # no server there, or not an OpenAI one
+            raise ModelLoadError(f"{not_local}; and {args.base_url}/v1/models did not answer ({exc})") from None
+        if args.model not in served:
+            names = ", ".join(served) or "nothing"
+            raise ModelLoadError(f"{not_local}; {args.base_url} serves {names}") from None
+        args.model_name = args.model_name or args.model
+        return resolve_model_path(served[args.model])
 
 
 def _rates(args: argparse.Namespace) -> list[float | None]:

@@ -52,6 +52,14 @@ def _chunk_text(choice: dict) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
+def served_models(base_url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, str | None]:
+    """The server's /v1/models: each served name -> its card's root (the model the server loaded, when it says)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout_s)
+    resp.raise_for_status()
+    return {card["id"]: card.get("root") for card in resp.json()["data"]}
+
+
 async def _first_model(client: httpx.AsyncClient) -> str:
     resp = await client.get("/v1/models")
     resp.raise_for_status()

@@ -43,7 +43,9 @@ class ReplicaDashboards:
             if DASHBOARD_KEY in stats and time.time() - stats.get(REPORTED_AT_KEY, 0.0) <= STALE_AFTER_S
         }
         replicas = sorted(reports)
-        chosen = replica if replica in reports else (replicas[0] if replicas else "")
+        if replica and replica not in reports:  # another replica's data would pass for this one's
+            raise LookupError(f"no replica {replica!r} is reporting; replicas: {', '.join(replicas) or 'none yet'}")
+        chosen = replica or (replicas[0] if replicas else "")
         snapshot = dict(reports.get(chosen) or LiveStats().snapshot())
         index = snapshot["step_fields"].index("index")
         snapshot["steps"] = [s for s in snapshot["steps"] if s[index] > since_step]

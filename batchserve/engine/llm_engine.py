@@ -27,6 +27,7 @@ from batchserve.engine.detokenizer import IncrementalDetokenizer
 from batchserve.engine.inputs import EngineLimits, Prompt, RequestBuilder
 from batchserve.engine.outputs import CompletionDelta, RequestMetrics
 from batchserve.engine.startup import load_runner
+from batchserve.models.loader import DEFAULT_MODEL_FILE
 from batchserve.request import EngineRequest, FinishReason, Request
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 
@@ -152,6 +153,8 @@ class LLMEngine:
             "dtype": str(getattr(self.runner, "dtype", "")).removeprefix("torch.") or None,
         }
         flat.update({k: str(v) for k, v in resolved.items() if v is not None})
+        if flat.get("model") is None:  # None would read as "no model" in the log and the config metric
+            flat["model"] = f"{DEFAULT_MODEL_FILE} (the default)"
         return flat
 
     # ---- the KV pool -------------------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """Every engine option as a command-line flag (help, choices and defaults from the one schema, engine_options.py),
 plus --config file.json; shared by all subcommands. vLLM's and TensorRT-LLM's names are flags too
-(--max-num-seqs is --max-batch-size), and a mistyped flag gets the closest one as a suggestion."""
+(--max-num-seqs is --max-batch-size); the flags of theirs we lack are answered with what to use instead, and a
+mistyped flag gets one of ours of the same meaning as a suggestion."""
 
 from __future__ import annotations
 
 import argparse
 import enum
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -15,11 +17,11 @@ from batchserve.entrypoints.engine_options import (
     SPECS,
     OptionSpec,
     canonical_value,
-    close_match,
     engine_config,
     read_config_file,
     validate_options,
 )
+from batchserve.entrypoints.foreign_flags import flag_error, screen_flags
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -34,21 +36,29 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with "did you mean" for unrecognized flags (Python 3.11's has none) and defaults in --help."""
+    """argparse with defaults in --help, vLLM's and llama.cpp's flags answered with what to use instead
+    (foreign_flags.py), and "did you mean" for an unrecognized flag among our names of the same meaning."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["formatter_class"] = HelpFormatter
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """Foreign flags first: refused with the table's answer, or dropped where they ask for what we do anyway
+        (--tensor-parallel-size 1)."""
+        argv = list(sys.argv[1:] if args is None else args)
+        screen = screen_flags(argv, self._option_string_actions, report_unknown=False)
+        if screen.problems:
+            self.exit(2, flag_error(self.prog, screen.problems))
+        return super().parse_known_args(screen.argv, namespace)
+
     def error(self, message: str) -> Any:
         """The message and where to read more, without argparse's usage line (which lists every flag: ~40 lines)."""
         if message.startswith("unrecognized arguments:"):
-            known = [s for s in self._option_string_actions if s.startswith("--")]
-            for word in message.removeprefix("unrecognized arguments:").split():
-                flag = word.split("=", 1)[0]
-                close = close_match(flag, known) if flag.startswith("--") else None
-                if close:
-                    message += f"\n  {flag}: did you mean {close}?"
+            words = message.removeprefix("unrecognized arguments:").split()
+            screen = screen_flags(words, self._option_string_actions)
+            strays = [f"{word}: unexpected argument" for word in screen.argv]
+            self.exit(2, flag_error(self.prog, screen.problems + strays))
         self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists every option)\n")
 
 

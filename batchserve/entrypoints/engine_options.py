@@ -2,17 +2,18 @@
 command-line flags (engine_args.py builds them, and their --help, from this table).
 
 Types are checked here, strictly (pydantic): 8.5 is not an int, "no" is not a bool, "eight" is not a number. Names
-are ours, TensorRT-LLM's or vLLM's (config.ALIASES); enum values match in any case (GUARANTEED_NO_EVICT); an unknown
-name gets the closest known one as a suggestion. Ranges stay with the dataclasses (config.py `validate()`), which
+are ours, TensorRT-LLM's or vLLM's (config.ALIASES); enum values match in any case (GUARANTEED_NO_EVICT); vLLM's and
+llama.cpp's options we lack are answered as their flags are (foreign_flags.py); an unknown name gets a known one of
+the same meaning as a suggestion. Ranges stay with the dataclasses (config.py `validate()`), which
 the engine trusts: the schema says what type a value has, the dataclass whether it can work.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import json
+import logging
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,7 +34,10 @@ from batchserve.config import (
     EngineConfig,
     SchedulerConfig,
 )
+from batchserve.entrypoints.foreign_flags import foreign_option, similar_name
 from batchserve.entrypoints.llm_api_options import enum_value, flatten_llm_api_options
+
+logger = logging.getLogger(__name__)
 
 # What each option does; "(default: ...)" where the default is not a plain value the dataclass holds.
 HELP: dict[str, str] = {
@@ -163,9 +167,9 @@ EngineOptions: type[BaseModel] = create_model(  # type: ignore[call-overload]
 
 
 def close_match(key: str, known: list[str]) -> str | None:
-    """The known name closest to a mistyped one, if any is close."""
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    return close[0] if close else None
+    """The known name that means what a mistyped one seems to mean (foreign_flags.similar_name: the same words,
+    mistyped at most; never a name that only looks alike), if any."""
+    return similar_name(key, known)
 
 
 def suggestion(key: str, known: list[str]) -> str:
@@ -192,7 +196,12 @@ def validate_options(options: Mapping[str, Any], source: str = "") -> dict[str, 
     canonical: dict[str, Any] = {}
     for key, value in flat.items():
         name = ALIASES.get(key, key)
-        if name not in SPEC_BY_NAME:
+        foreign = foreign_option(key) if name not in SPEC_BY_NAME else None
+        if foreign is not None and foreign.accepts(value):
+            logger.info("option %r = %r asks for what batchserve does anyway: left out", key, value)
+        elif foreign is not None:
+            problems.append(f"option {foreign.refusal(repr(key))}")
+        elif name not in SPEC_BY_NAME:
             problems.append(f"unknown option {key!r}{suggestion(key, [*SPEC_BY_NAME, *ALIASES])}")
         elif name in canonical:
             problems.append(f"option {name!r} given twice: as {spelled[name]!r} and as {key!r}")

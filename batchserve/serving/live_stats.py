@@ -126,7 +126,10 @@ class LiveStats:
     ) -> dict[str, Any]:
         """A JSON-able view: the current state, the steps after `since_step`, the latency percentiles of the last
         minute, the effective configuration; with_requests: each of the last minute's requests finished after
-        `finished_after` (wall time) too. `replica` is for the Ray app's reports (one engine here: ignored)."""
+        `finished_after` (wall time) too. `replica` is for the Ray app's reports: one engine here, so any id is
+        unknown (LookupError)."""
+        if replica:
+            raise LookupError(f"no replica {replica!r}: this server runs one engine (replicas are `serve --replicas N`)")
         now = time.time()
         with self._lock:
             self._forget_old(now)

@@ -80,14 +80,79 @@ def compile_constraint(compiler: xgr.GrammarCompiler, constraint: StructuredOutp
         raise InvalidRequestError(f"{constraint.source}: invalid {constraint.kind.value}: {reason}", constraint.source) from None
 
 
+@dataclass(frozen=True)
+class NumberBounds:
+    """The most digits a JSON number may have in the grammar, per part (0: unbounded). Without a bound a model that
+    loops on a digit fills a number field until max_tokens and the JSON never closes."""
+
+    integer_digits: int = 16
+    fraction_digits: int = 16
+    exponent_digits: int = 3
+
+    @classmethod
+    def from_env(cls) -> NumberBounds:
+        return cls(env.json_integer_digits(), env.json_fraction_digits())
+
+
+# xgrammar's rules for a number of any size (its JSON Schema converter, 0.2.x): the integer part, the fraction, the
+# exponent. Schema-specific rules (ranges) are its own and already finite on the fraction side.
+_INTEGER_PART_RULES = ("basic_integer", "basic_number_2")  # ... [1-9] [0-9]*
+_FRACTION_RULE, _EXPONENT_RULE = "basic_number_3", "basic_number_5"  # ... basic_number_digits{1, -1}
+
+
+def _bounded_rule(line: str, bounds: NumberBounds) -> str:
+    name = line.split(" ::= ", 1)[0]
+    if name in _INTEGER_PART_RULES and bounds.integer_digits:
+        return line.replace("[1-9] [0-9]*", f"[1-9] [0-9]{{0, {bounds.integer_digits - 1}}}")
+    digits = {_FRACTION_RULE: bounds.fraction_digits, _EXPONENT_RULE: bounds.exponent_digits}.get(name)
+    if digits:
+        return line.replace("basic_number_digits{1, -1}", f"basic_number_digits{{1, {digits}}}")
+    return line
+
+
+def json_grammar(schema: str, bounds: NumberBounds, strict_mode: bool = True) -> str:
+    """The EBNF of a JSON Schema (compact JSON, as xgrammar converts it) with its numbers bounded by `bounds`: the
+    integer part of an unbounded number and of a one-sided range, its fraction and its exponent."""
+    if bounds.integer_digits:
+        schema = json.dumps(_close_open_ranges(json.loads(schema), 10**bounds.integer_digits - 1))
+    # compact JSON: "any whitespace" lets a small model pad forever and run out of tokens mid-object
+    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
+    bounded = "\n".join(_bounded_rule(line, bounds) for line in grammar.splitlines())
+    if bounded == grammar and "basic_number_digits{1, -1}" in grammar and (bounds.fraction_digits or
+                                                                              bounds.exponent_digits):
+        logger.warning("xgrammar's number rules changed shape: JSON numbers are not bounded")  # pragma: no cover
+    return bounded
+
+
+def _close_open_ranges(schema: Any, limit: int) -> Any:
+    """`schema` with each number or integer range open on one side closed at +-limit (xgrammar bounds the digits of
+    a range it knows both ends of)."""
+    if isinstance(schema, list):
+        return [_close_open_ranges(item, limit) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _close_open_ranges(value, limit) for key, value in schema.items()}
+    if closed.get("type") in ("integer", "number"):
+        has_low = any(_is_number(closed.get(k)) for k in ("minimum", "exclusiveMinimum"))
+        has_high = any(_is_number(closed.get(k)) for k in ("maximum", "exclusiveMaximum"))
+        if has_low and not has_high:
+            closed["maximum"] = limit
+        elif has_high and not has_low:
+            closed["minimum"] = -limit
+    return closed
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)  # draft 4's exclusiveMinimum is a bool
+
+
 def _compile(compiler: xgr.GrammarCompiler, constraint: StructuredOutputsParams) -> xgr.CompiledGrammar:
     kind, spec = constraint.kind, constraint.spec
     if kind == ConstraintKind.JSON:
         check_schema_keywords(json.loads(spec))
-        # compact JSON: "any whitespace" lets a small model pad forever and run out of tokens mid-object
-        return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
+        return compiler.compile_grammar(json_grammar(spec, NumberBounds.from_env()))
     if kind == ConstraintKind.JSON_OBJECT:
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        return compiler.compile_grammar(json_grammar('{"type": "object"}', NumberBounds.from_env(), strict_mode=False))
     if kind == ConstraintKind.REGEX:
         return compiler.compile_regex(spec)
     if kind == ConstraintKind.CHOICE:

@@ -140,6 +140,12 @@ def test_effective_config_is_logged_at_start_up_with_what_the_engine_resolved(ma
     assert "max_batch_size=5" in line and "max_model_len=640" in line and "enable_prefix_caching=True" in line
 
 
+def test_effective_config_names_the_default_model_rather_than_none(make_engine):
+    engine = make_engine()
+    assert engine.config.model is None  # the test engine runs the default model
+    assert engine.effective_config()["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf (the default)"
+
+
 def test_a_built_request_reaches_the_scheduler_unchanged(make_engine, tokenizer):
     """Built (tokenized, checked) once; the async engine's stream and the scheduler hold that very request's data."""
     engine = make_engine(delay_s=0.005)

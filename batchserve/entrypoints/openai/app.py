@@ -37,6 +37,7 @@ from batchserve.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from batchserve.entrypoints.openai.unsupported import answer_unsupported_endpoints
 from batchserve.sampling_params import InvalidRequestError
 from batchserve.serving.client import EngineClient
 from batchserve.serving.errors import ServingError
@@ -114,6 +115,7 @@ def build_front_app(
     add_kserve_routes(app, front)  # /v2/...: Triton's generate extension for TensorRT-LLM callers
     _add_health(app, health_problem)
     _document_request_bodies(app)
+    answer_unsupported_endpoints(app)  # other APIs' endpoints: what to use instead, behind every real route
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app

@@ -27,7 +27,7 @@ def dashboard_html() -> str:
 
 class SnapshotSource(Protocol):
     """LiveStats beside a local engine; the replicas' reports on the Ray ingress (distributed/dashboard.py), which
-    also take `replica`."""
+    also take `replica`. Both raise LookupError for a replica id they do not have."""
 
     def snapshot(self, since_step: int = -1, with_requests: bool = False, finished_after: float = 0.0,
                  replica: str = "") -> dict[str, Any]: ...  # fmt: skip
@@ -46,5 +46,10 @@ def add_dashboard_routes(app: FastAPI, source: SnapshotSource) -> None:
         replica: str = Query(""),
     ) -> Response:
         """`since`: only the steps after that index; `requests`: each request finished in the last minute (after
-        `finished_after`, a wall time) too; `replica`: which engine replica's (Ray app only)."""
-        return JSONResponse(source.snapshot(since, requests, finished_after, replica))
+        `finished_after`, a wall time) too; `replica`: which engine replica's (Ray app only; an id no replica has
+        is a 404, not another replica's data)."""
+        try:
+            return JSONResponse(source.snapshot(since, requests, finished_after, replica))
+        except LookupError as exc:  # an unknown replica id
+            error = {"message": str(exc).strip("'\""), "type": "not_found_error", "param": "replica", "code": None}
+            return JSONResponse({"error": error}, status_code=404)

@@ -1,0 +1,168 @@
+"""The flags each `batchserve` command takes, written out, so that a flag it does not take is answered before the
+command's module is imported (torch, FastAPI: seconds). tests/test_cli.py checks this table against the parsers;
+`python -m batchserve.entrypoints.cli_flags` rewrites it after a flag is added."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# command -> the modules whose parser reads its flags ("module:function"); serve and tune have two
+PARSERS: dict[str, tuple[str, ...]] = {
+    "generate": ("batchserve.entrypoints.generate:build_generate_parser",),
+    "serve": ("batchserve.entrypoints.openai.launch:make_parser",),
+    "bench": ("batchserve.bench.cli:build_parser",),
+    "tune": ("batchserve.bench.tune:build_parser", "batchserve.simulator.tune_sim:build_parser"),
+    "profile": ("batchserve.simulator.profiler:build_parser",),
+    "simulate": ("batchserve.simulator.cli:build_parser",),
+    "doctor": ("batchserve.doctor.cli:build_parser",),
+}
+
+# BEGIN GENERATED
+COMMAND_FLAGS: dict[str, frozenset[str]] = {
+    'generate': frozenset({
+        '--block-size', '--config', '--deterministic', '--device', '--dtype', '--enable-chunked-prefill',
+        '--enable-prefix-caching', '--enforce-eager', '--extra-llm-api-options', '--extra_llm_api_options',
+        '--gpu-memory-utilization', '--help', '--json', '--kv-cache-dtype', '--kv-cache-memory-fraction',
+        '--max-batch-size', '--max-input-len', '--max-model-len', '--max-num-batched-tokens', '--max-num-seqs',
+        '--max-num-tokens', '--max-tokens', '--max-wait-s', '--max-waiting-requests', '--model', '--no-deterministic',
+        '--no-enable-chunked-prefill', '--no-enable-prefix-caching', '--no-enforce-eager', '--no-record-steps',
+        '--no-static-padding', '--num-gpu-blocks-override', '--num-kv-blocks', '--num-swap-blocks', '--num-threads',
+        '--preemption-mode', '--quantization', '--raw', '--record-steps', '--scheduler-policy', '--scheduling-order',
+        '--seed', '--speculative-config', '--static-padding', '--swap-space', '--swap-space-gb', '--temperature',
+        '--tokenizer', '--top-p', '--truncation', '-h',
+    }),
+    'serve': frozenset({
+        '--api-key', '--block-size', '--body-timeout', '--chat-template', '--config', '--deterministic', '--device',
+        '--drain-timeout', '--dtype', '--enable-chunked-prefill', '--enable-prefix-caching', '--enforce-eager',
+        '--extra-llm-api-options', '--extra_llm_api_options', '--gpu-memory-utilization', '--grpc-port',
+        '--header-timeout', '--help', '--host', '--keep-alive-timeout', '--kv-cache-dtype',
+        '--kv-cache-memory-fraction', '--lenient', '--log-format', '--log-level', '--max-batch-size',
+        '--max-body-bytes', '--max-connections', '--max-input-len', '--max-model-len', '--max-num-batched-tokens',
+        '--max-num-seqs', '--max-num-tokens', '--max-replicas', '--max-wait-s', '--max-waiting-requests', '--model',
+        '--no-deterministic', '--no-enable-chunked-prefill', '--no-enable-prefix-caching', '--no-enforce-eager',
+        '--no-record-steps', '--no-static-padding', '--num-gpu-blocks-override', '--num-kv-blocks',
+        '--num-swap-blocks', '--num-threads', '--otlp-traces-endpoint', '--port', '--preemption-mode',
+        '--quantization', '--ray-address', '--ray-proxy', '--reasoning-parser', '--record-steps', '--replica-cpus',
+        '--replicas', '--router', '--scheduler-policy', '--scheduling-order', '--seed', '--served-model-name',
+        '--speculative-config', '--stall-timeout', '--static-padding', '--swap-space', '--swap-space-gb',
+        '--target-ongoing-requests', '--tokenizer', '--tool-call-parser', '--truncation', '-h',
+    }),
+    'bench': frozenset({
+        '--api-key', '--arrival', '--backend', '--base-url', '--block-size', '--burstiness', '--compare-static',
+        '--config', '--dataset', '--dataset-name', '--dataset-path', '--deterministic', '--device', '--disable-tqdm',
+        '--dtype', '--enable-chunked-prefill', '--enable-prefix-caching', '--endpoint', '--enforce-eager',
+        '--extra-llm-api-options', '--extra_llm_api_options', '--goodput', '--gpu-memory-utilization',
+        '--grpc-target', '--help', '--host', '--ignore-eos', '--input-len', '--kv-cache-dtype',
+        '--kv-cache-memory-fraction', '--long-input-len', '--long-output-len', '--long-ratio', '--max-batch-size',
+        '--max-concurrency', '--max-input-len', '--max-model-len', '--max-num-batched-tokens', '--max-num-seqs',
+        '--max-num-tokens', '--max-output-len', '--max-wait-s', '--max-waiting-requests', '--model', '--model-name',
+        '--no-deterministic', '--no-enable-chunked-prefill', '--no-enable-prefix-caching', '--no-enforce-eager',
+        '--no-ignore-eos', '--no-plots', '--no-progress', '--no-record-steps', '--no-save-result',
+        '--no-static-padding', '--num-gpu-blocks-override', '--num-kv-blocks', '--num-prefixes', '--num-prompts',
+        '--num-requests', '--num-swap-blocks', '--num-threads', '--num-warmups', '--offline', '--output-dir',
+        '--output-len', '--percentile-metrics', '--port', '--preemption-mode', '--prefix-len', '--prompt-format',
+        '--quantization', '--random-input-len', '--random-output-len', '--random-range-ratio', '--record-steps',
+        '--request-rate', '--result-dir', '--save-result', '--scheduler-policy', '--scheduling-order', '--seed',
+        '--served-model-name', '--sigma', '--slo-tpot-ms', '--slo-ttft-ms', '--speculative-config', '--spread',
+        '--static-padding', '--swap-space', '--swap-space-gb', '--sweep-rates', '--timeline-steps', '--timeout',
+        '--tokenizer', '--truncation', '--warmup-requests', '--workload', '-h',
+    }),
+    'tune': frozenset({
+        '--arrival', '--batch-sizes', '--block-size', '--block-sizes', '--burstiness', '--chunked', '--config',
+        '--confirm', '--dataset', '--dataset-name', '--dataset-path', '--decode-time-scale', '--deterministic',
+        '--device', '--device-preset', '--disable-tqdm', '--dtype', '--enable-chunked-prefill',
+        '--enable-prefix-caching', '--enforce-eager', '--extra-llm-api-options', '--extra_llm_api_options',
+        '--goodput', '--gpu', '--gpu-memory-utilization', '--help', '--ignore-eos', '--input-len', '--kv-cache-dtype',
+        '--kv-cache-memory-fraction', '--long-input-len', '--long-output-len', '--long-ratio', '--max-batch-size',
+        '--max-concurrency', '--max-input-len', '--max-model-len', '--max-num-batched-tokens', '--max-num-seqs',
+        '--max-num-tokens', '--max-output-len', '--max-wait-s', '--max-waiting-requests', '--min-attainment',
+        '--model', '--model-shapes', '--no-deterministic', '--no-enable-chunked-prefill',
+        '--no-enable-prefix-caching', '--no-enforce-eager', '--no-ignore-eos', '--no-progress', '--no-record-steps',
+        '--no-static-padding', '--num-gpu-blocks-override', '--num-kv-blocks', '--num-prefixes', '--num-prompts',
+        '--num-requests', '--num-swap-blocks', '--num-threads', '--num-tokens', '--num-warmups', '--orders',
+        '--output', '--output-len', '--percentile-metrics', '--policies', '--preemption-mode', '--prefix-len',
+        '--profile', '--quantization', '--random-input-len', '--random-output-len', '--random-range-ratio',
+        '--record-steps', '--replicas', '--replicas-list', '--request-rate', '--results-json', '--router',
+        '--scheduler-policy', '--scheduling-order', '--seed', '--sigma', '--simulate', '--slo-tpot-ms',
+        '--slo-ttft-ms', '--spec-acceptance-rate', '--speculative-config', '--spread', '--static-padding',
+        '--swap-space', '--swap-space-gb', '--time-scale', '--tokenizer', '--trace', '--truncation',
+        '--warmup-requests', '--workload', '-h',
+    }),
+    'profile': frozenset({
+        '--block-size', '--check', '--config', '--deterministic', '--device', '--dtype', '--enable-chunked-prefill',
+        '--enable-prefix-caching', '--enforce-eager', '--extra-llm-api-options', '--extra_llm_api_options',
+        '--gpu-memory-utilization', '--help', '--knots', '--kv-cache-dtype', '--kv-cache-memory-fraction',
+        '--max-batch-size', '--max-input-len', '--max-model-len', '--max-num-batched-tokens', '--max-num-seqs',
+        '--max-num-tokens', '--max-wait-s', '--max-waiting-requests', '--model', '--no-deterministic',
+        '--no-enable-chunked-prefill', '--no-enable-prefix-caching', '--no-enforce-eager', '--no-progress',
+        '--no-record-steps', '--no-static-padding', '--num-gpu-blocks-override', '--num-kv-blocks',
+        '--num-swap-blocks', '--num-threads', '--output', '--preemption-mode', '--quantization', '--record-steps',
+        '--refit', '--scheduler-policy', '--scheduling-order', '--seed', '--speculative-config', '--static-padding',
+        '--swap-space', '--swap-space-gb', '--tokenizer', '--truncation', '-h',
+    }),
+    'simulate': frozenset({
+        '--arrival', '--block-size', '--burstiness', '--compare-static', '--config', '--dataset', '--dataset-name',
+        '--dataset-path', '--decode-time-scale', '--deterministic', '--device', '--device-preset', '--disable-tqdm',
+        '--dtype', '--enable-chunked-prefill', '--enable-prefix-caching', '--enforce-eager',
+        '--extra-llm-api-options', '--extra_llm_api_options', '--goodput', '--gpu', '--gpu-memory-utilization',
+        '--help', '--ignore-eos', '--input-len', '--kv-cache-dtype', '--kv-cache-memory-fraction', '--long-input-len',
+        '--long-output-len', '--long-ratio', '--max-batch-size', '--max-concurrency', '--max-input-len',
+        '--max-model-len', '--max-num-batched-tokens', '--max-num-seqs', '--max-num-tokens', '--max-output-len',
+        '--max-wait-s', '--max-waiting-requests', '--model', '--model-shapes', '--no-deterministic',
+        '--no-enable-chunked-prefill', '--no-enable-prefix-caching', '--no-enforce-eager', '--no-ignore-eos',
+        '--no-plots', '--no-progress', '--no-record-steps', '--no-save-result', '--no-static-padding',
+        '--num-gpu-blocks-override', '--num-kv-blocks', '--num-prefixes', '--num-prompts', '--num-requests',
+        '--num-swap-blocks', '--num-threads', '--num-warmups', '--output-dir', '--output-len', '--percentile-metrics',
+        '--preemption-mode', '--prefix-len', '--profile', '--quantization', '--random-input-len',
+        '--random-output-len', '--random-range-ratio', '--record-steps', '--replicas', '--request-rate',
+        '--result-dir', '--router', '--save-result', '--scheduler-policy', '--scheduling-order', '--seed', '--sigma',
+        '--slo-tpot-ms', '--slo-ttft-ms', '--spec-acceptance-rate', '--speculative-config', '--spread',
+        '--static-padding', '--swap-space', '--swap-space-gb', '--sweep-rates', '--time-scale', '--timeline-steps',
+        '--tokenizer', '--trace', '--truncation', '--warmup-requests', '--workload', '-h',
+    }),
+    'doctor': frozenset({
+        '--api-key', '--help', '--json', '--no-simulate', '--profile', '--set', '--url', '--window', '-h',
+    }),
+}
+# END GENERATED
+
+
+def flags_of_parsers(command: str) -> frozenset[str]:
+    """The flags of `command` as its parsers define them now (imports the command's modules)."""
+    import importlib
+
+    flags: set[str] = set()
+    for target in PARSERS[command]:
+        module, function = target.split(":")
+        flags.update(getattr(importlib.import_module(module), function)()._option_string_actions)
+    return frozenset(flags)
+
+
+def generated_table() -> str:
+    lines = ["COMMAND_FLAGS: dict[str, frozenset[str]] = {"]
+    for command in PARSERS:
+        lines.append(f"    {command!r}: frozenset({{")
+        line = "       "
+        for flag in sorted(flags_of_parsers(command)):
+            if len(line) + len(flag) + 4 > 118:
+                lines.append(line)
+                line = "       "
+            line += f" {flag!r},"
+        lines.append(line)
+        lines.append("    }),")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def rewrite() -> None:
+    path = Path(__file__)
+    text = path.read_text()
+    head, rest = text.split("# BEGIN GENERATED\n", 1)
+    _, tail = rest.split("# END GENERATED\n", 1)
+    path.write_text(f"{head}# BEGIN GENERATED\n{generated_table()}\n# END GENERATED\n{tail}")
+
+
+if __name__ == "__main__":
+    rewrite()
+    sys.exit(0)
