@@ -29,7 +29,7 @@ from batchserve.entrypoints.openai.chat import chat_prompt, create_chat_completi
 from batchserve.entrypoints.openai.completions import create_completion
 from batchserve.entrypoints.openai.errors import APIError, APIKeyMiddleware, as_api_error
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES, OpenAIFrontEnd
-from batchserve.entrypoints.openai.messages import add_messages_routes
+from batchserve.entrypoints.openai.messages import CountTokensRequest, MessagesRequest, add_messages_routes
 from batchserve.entrypoints.openai.observability import add_observability
 from batchserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -39,7 +39,7 @@ from batchserve.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from batchserve.entrypoints.openai.responses import add_responses_routes
+from batchserve.entrypoints.openai.responses import ResponsesRequest, add_responses_routes
 from batchserve.sampling_params import InvalidRequestError
 from batchserve.serving.client import EngineClient
 from batchserve.serving.errors import ServingError
@@ -227,6 +227,9 @@ def _add_health(app: FastAPI, health_problem: Callable[[], Awaitable[str | None]
 _BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
