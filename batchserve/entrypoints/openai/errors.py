@@ -22,6 +22,7 @@ _BY_KIND: dict[ErrorKind, tuple[int, str, str | None]] = {
     ErrorKind.OVERLOADED: (503, "service_unavailable", "queue_full"),
     ErrorKind.UNAVAILABLE: (503, "service_unavailable", "engine_dead"),
     ErrorKind.CANCELLED: (499, "invalid_request_error", "client_closed_request"),
+    ErrorKind.TIMEOUT: (408, "timeout_error", "request_timeout"),
     ErrorKind.INTERNAL: (500, "internal_error", None),
 }
 

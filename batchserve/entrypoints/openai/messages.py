@@ -55,6 +55,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool = False
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}}: structured output
+    timeout: float | None = None  # seconds this request may take, waiting and running (else --request-timeout)
     metadata: dict[str, Any] | None = None  # {"user_id"}: for the caller's own monitoring, changes nothing computed
 
 
@@ -97,11 +98,12 @@ async def count_tokens(front: OpenAIFrontEnd, request: Request) -> Response:
 
 async def create_message(front: OpenAIFrontEnd, request: Request) -> Response:
     req = await front.parse(request, MessagesRequest)
+    deadline = front.service.deadline(req.timeout)
     prompt, tools = await _prompt(front, req)
     params = turn_params(front, len(prompt), req.max_tokens, tools, output_constraint(req.output_config), temperature=req.temperature,
                          top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences)  # fmt: skip
     service = front.service
-    streams = await service.submit(request_id_of(request, "msg"), [prompt], params)
+    streams = await service.submit(request_id_of(request, "msg"), [prompt], params, deadline=deadline)
     layout = MessageLayout(front.model_name, req, len(prompt))
     fmt = output_format(front, tools)
     if req.stream:

@@ -56,6 +56,7 @@ class ResponsesRequest(RequestBody):
     user: str | None = None  # an end-user id for the caller's own monitoring: it changes nothing computed
     truncation: Literal["disabled"] | None = None  # "auto" (dropping old turns to fit) is not built
     include: list[str] | None = Field(None, max_length=0)  # no extra output data is built
+    timeout: float | None = None  # seconds this request may take, waiting and running (else --request-timeout)
 
 
 def add_responses_routes(app: FastAPI, front: OpenAIFrontEnd, store: ResponseStore | None = None) -> None:
@@ -87,6 +88,7 @@ def _stored(store: ResponseStore, response_id: str, param: str = "response_id") 
 
 async def create_response(front: OpenAIFrontEnd, store: ResponseStore, request: Request) -> Response:
     req = await front.parse(request, ResponsesRequest)
+    deadline = front.service.deadline(req.timeout)
     if req.background:
         raise APIError(400, "background responses are not supported by this server: leave background unset and "
                        "keep the connection open (or stream)", param="background", code="unsupported_value")  # fmt: skip
@@ -109,7 +111,7 @@ async def create_response(front: OpenAIFrontEnd, store: ResponseStore, request: 
             ) from None
         raise
     service = front.service
-    streams = await service.submit(request_id_of(request, "resp"), [prompt], params)
+    streams = await service.submit(request_id_of(request, "resp"), [prompt], params, deadline=deadline)
     layout = ResponseLayout(front, req)
     fmt = output_format(front, tools)
     if req.stream:
