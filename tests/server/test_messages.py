@@ -167,3 +167,23 @@ def test_tool_use_and_tool_result_round_trip(real_server):
     )
     assert second.content and second.stop_reason in ("end_turn", "max_tokens", "tool_use")
     assert second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_content_blocks_lay_out_thinking_text_and_tool_use_in_order():
+    from batchserve.entrypoints.openai.messages import ContentBlocks
+    from batchserve.entrypoints.openai.turns import Piece
+
+    blocks = ContentBlocks()
+    pieces = [Piece("reasoning", "hmm"), Piece("text", "Let me look."), Piece("call", call_id="t1", name="f"),
+              Piece("arguments", '{"a": '), Piece("arguments", "1}")]  # fmt: skip
+    events = [e for piece in pieces for e in blocks.feed(piece)] + blocks.close()
+    assert [(e["type"], e["index"]) for e in events] == [
+        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_stop", 0),
+        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1),
+        ("content_block_start", 2), ("content_block_delta", 2), ("content_block_delta", 2), ("content_block_stop", 2),
+    ]  # fmt: skip
+    assert [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"] == [
+        "thinking_delta", "text_delta", "input_json_delta", "input_json_delta"]  # fmt: skip
+    assert blocks.content() == [{"type": "thinking", "thinking": "hmm", "signature": ""},
+                                {"type": "text", "text": "Let me look."},
+                                {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]  # fmt: skip

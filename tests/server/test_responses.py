@@ -193,3 +193,34 @@ def test_function_call_round_trip_with_previous_response_id(real_server, client)
     )  # fmt: skip
     assert second.status in ("completed", "incomplete") and second.output
     assert second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_output_items_lay_out_reasoning_text_and_calls_in_order():
+    from batchserve.entrypoints.openai.responses import OutputItems
+    from batchserve.entrypoints.openai.turns import Piece
+
+    items = OutputItems()
+    pieces = [Piece("reasoning", "think "), Piece("reasoning", "more"), Piece("text", "Hi"), Piece("text", "!"),
+              Piece("call", call_id="call_1", name="f"), Piece("arguments", '{"a": '), Piece("arguments", "1}")]  # fmt: skip
+    events = [e for piece in pieces for e in items.feed(piece)] + items.close()
+    assert [e["type"] for e in events] == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]  # fmt: skip
+    reasoning, message, call = items.items
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [
+        {"type": "reasoning_text", "text": "think more"}
+    ]
+    assert message["content"][0]["text"] == "Hi!" and message["status"] == "completed"
+    assert (call["call_id"], call["name"], call["arguments"]) == ("call_1", "f", '{"a": 1}')
+    assert events[0]["item"]["content"] == [] and events[0]["item"]["status"] == "in_progress"  # a snapshot
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
+    assert items.turn.chat_message() == {"role": "assistant", "content": "Hi!", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}  # fmt: skip
