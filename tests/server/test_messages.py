@@ -187,3 +187,22 @@ def test_content_blocks_lay_out_thinking_text_and_tool_use_in_order():
     assert blocks.content() == [{"type": "thinking", "thinking": "hmm", "signature": ""},
                                 {"type": "text", "text": "Let me look."},
                                 {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_greedy_text_equals_chat_on_smollm2_whole_and_streamed(real_server, client):
+    claude = anthropic.Anthropic(base_url=real_server.url, api_key="unused", max_retries=0)
+    model = real_server.model_id()
+    ask = [{"role": "user", "content": "What colour is the sky?"}]
+    args = dict(model=model, max_tokens=40, system="Answer in one short sentence.", messages=ask,
+                extra_body={"temperature": 0})  # fmt: skip
+    whole = claude.messages.create(**args)
+    chat = client.chat.completions.create(
+        model=model, max_tokens=40, temperature=0,
+        messages=[{"role": "system", "content": "Answer in one short sentence."}, *ask],
+    )  # fmt: skip
+    assert whole.content[0].text == chat.choices[0].message.content
+    assert whole.stop_reason == ("end_turn" if chat.choices[0].finish_reason == "stop" else "max_tokens")
+    with claude.messages.stream(**args) as stream:
+        assert "".join(stream.text_stream) == whole.content[0].text
+        assert stream.get_final_message().usage.output_tokens == whole.usage.output_tokens

@@ -224,3 +224,21 @@ def test_output_items_lay_out_reasoning_text_and_calls_in_order():
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
     assert items.turn.chat_message() == {"role": "assistant", "content": "Hi!", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_greedy_text_equals_chat_on_smollm2_whole_and_streamed(real_server, client):
+    model = real_server.model_id()
+    args = dict(model=model, instructions="Answer in one short sentence.", input="What colour is the sky?",
+                max_output_tokens=40, temperature=0)  # fmt: skip
+    whole = client.responses.create(**args)
+    chat = client.chat.completions.create(
+        model=model, max_tokens=40, temperature=0,
+        messages=[{"role": "system", "content": "Answer in one short sentence."},
+                  {"role": "user", "content": "What colour is the sky?"}],
+    )  # fmt: skip
+    assert whole.output_text == chat.choices[0].message.content and whole.output_text
+    assert whole.status == ("completed" if chat.choices[0].finish_reason == "stop" else "incomplete")
+    with client.responses.stream(**args) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text
