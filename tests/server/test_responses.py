@@ -242,3 +242,29 @@ def test_greedy_text_equals_chat_on_smollm2_whole_and_streamed(real_server, clie
     with client.responses.stream(**args) as stream:
         deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
     assert deltas == whole.output_text
+
+
+def test_reasoning_streamed_in_pieces_assembles_to_the_whole_turn():
+    from types import SimpleNamespace
+
+    from batchserve.entrypoints.openai.chat_output import ChatOutputFormat
+    from batchserve.entrypoints.openai.responses import OutputItems
+    from batchserve.entrypoints.openai.turns import TurnStream, whole_pieces
+    from batchserve.serving.reasoning import reasoning_parser
+
+    output = ChatOutputFormat(reasoning=reasoning_parser("qwen3"))
+    chunks = ["<thi", "nk>weigh ", "it</th", "ink>\n\nThe ", "answer"]
+    streamed, turn = OutputItems(), TurnStream(output)
+    for i, chunk in enumerate(chunks):
+        result = SimpleNamespace(delta=SimpleNamespace(delta_text=chunk), finished=i == len(chunks) - 1)
+        for piece in turn.feed(result):
+            streamed.feed(piece)
+    streamed.close()
+    whole = OutputItems()
+    finished = SimpleNamespace(completion=SimpleNamespace(text="".join(chunks)), finish_reason="stop")
+    for piece in whole_pieces(output, finished)[0]:
+        whole.feed(piece)
+    whole.close()
+    shape = [(item["type"], item["content"][0]["text"]) for item in streamed.items]
+    assert shape == [("reasoning", "weigh it"), ("message", "The answer")]
+    assert shape == [(item["type"], item["content"][0]["text"]) for item in whole.items]
