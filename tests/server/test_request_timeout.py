@@ -103,3 +103,22 @@ def test_request_timeout_option_is_checked():
     assert EngineConfig.from_options(request_timeout=2.5).scheduler.request_timeout == 2.5
     with pytest.raises(ConfigError):
         EngineConfig.from_options(request_timeout=0)
+
+
+def test_grpc_requests_get_the_server_default_as_deadline_exceeded():
+    import grpc
+
+    from batchserve.entrypoints.grpc.pb import generation_pb2 as pb
+    from tests.server.grpc_live import LiveGrpc
+
+    http = start_server(fake_engine(delay_s=SLOW, request_timeout=0.4), served_model_name=["fake"])
+    live = LiveGrpc(http.async_engine, ["fake"])
+    try:
+        request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=300, ignore_eos=True))
+        with pytest.raises(grpc.RpcError) as info:
+            list(live.generation.Generate(request, timeout=30))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "0.4 s" in info.value.details()
+        _assert_idle(http)
+    finally:
+        live.stop()
+        http.stop()
