@@ -78,9 +78,12 @@ class SchedulerConfig:
     # static policy: a member that finishes keeps its slot, computed as padding, until the whole batch is done (as
     # a padded batch tensor does in classic static batching); False frees the slot's compute at once
     static_padding: bool = True
+    # seconds a served request may take, queued and running, unless it asks for its own `timeout`; None: no limit
+    request_timeout: float | None = None
 
     def validate(self) -> None:
         _require(self.max_batch_size >= 1, "max_batch_size must be >= 1")
+        _require(self.request_timeout is None or self.request_timeout > 0, "request_timeout must be > 0")
         _require(self.max_num_tokens >= 1, "max_num_tokens must be >= 1")
         # strings from options, flags or files become members here, once; the engine compares members
         self.scheduler_policy = _as_enum(SchedulerPolicy, self.scheduler_policy, "scheduler_policy")

@@ -67,6 +67,8 @@ HELP: dict[str, str] = {
     "scheduling_order": "fcfs; priority: the request's integer, lower first; shortest_first: prompt + max_tokens, "
     "with aging after max_wait_s",
     "max_wait_s": "shortest_first: a request waiting longer than this (seconds) goes ahead of newer ones",
+    "request_timeout": "seconds a served request may take, waiting and running, when it gives no `timeout` of its "
+    "own: then it is ended with a timeout error and its KV blocks are freed (default: no limit)",
     "enable_chunked_prefill": "split a prompt longer than the step's remaining token budget over several steps",
     "preemption_mode": "recompute: drop a preempted request's blocks and prefill again later; swap: park them in "
     "host memory (swap_space_gb)",

@@ -20,6 +20,7 @@ class ErrorKind(enum.StrEnum):
     OVERLOADED = "overloaded"  # the waiting queue is full: retry later
     UNAVAILABLE = "unavailable"  # the engine is not running
     CANCELLED = "cancelled"  # the caller went away first
+    TIMEOUT = "timeout"  # the request's deadline passed first: it was ended and its blocks freed
     INTERNAL = "internal"  # a bug: logged with its traceback
 
 

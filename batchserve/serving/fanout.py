@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from batchserve.engine.async_engine import RequestStream
 from batchserve.request import EngineRequest
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
-from batchserve.serving.generation import MAX_PROMPTS_PER_REQUEST, GenerationService
+from batchserve.serving.generation import MAX_PROMPTS_PER_REQUEST, Deadline, GenerationService
 from batchserve.serving.results import GenerationResult, Usage
 
 
@@ -24,11 +24,11 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
 
 async def submit_choices(
     service: GenerationService, base_id: str, prompts: Sequence[str | list[int]], params: SamplingParams,
-    priority: int = 0,
+    priority: int = 0, deadline: Deadline | None = None,
 ) -> list[RequestStream]:  # fmt: skip
-    """Streams in choice order (prompt-major); all admitted or none."""
+    """Streams in choice order (prompt-major); all admitted or none. `deadline`: when they must all be done."""
     if params.n == 1:
-        return await service.submit(base_id, prompts, params, priority)
+        return await service.submit(base_id, prompts, params, priority, deadline)
     if len(prompts) * params.n > MAX_PROMPTS_PER_REQUEST:
         raise InvalidRequestError(
             f"prompts x n may be at most {MAX_PROMPTS_PER_REQUEST}, got {len(prompts)} x {params.n}", "n"
@@ -39,10 +39,11 @@ async def submit_choices(
         first = await service.request(f"{base_id}-{p}-0", prompt, children[0], priority)
         groups.append([first] + [dataclasses.replace(first, request_id=f"{base_id}-{p}-{i}", sampling_params=c)
                                  for i, c in enumerate(children[1:], start=1)])  # fmt: skip
-    firsts = await service.admit([group[0] for group in groups])
+    deadline = deadline if deadline is not None else service.deadline(None)
+    firsts = await service.admit([group[0] for group in groups], deadline)
     try:
         await asyncio.gather(*(_first_output(s) for s in firsts))
-        rests = await service.admit([r for group in groups for r in group[1:]])
+        rests = await service.admit([r for group in groups for r in group[1:]], deadline)
     except BaseException:
         service.abort_unfinished(firsts)
         raise

@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -24,6 +27,8 @@ from batchserve.serving.errors import ErrorKind, ServingError
 from batchserve.serving.results import GenerationResult
 from batchserve.serving.structured import ConstraintChecker
 
+T = TypeVar("T")
+
 MAX_PROMPTS_PER_REQUEST = 128  # a batch of prompts in one request; more is a bulk job for the offline API
 
 
@@ -32,6 +37,25 @@ class ClientGone(ServingError):
 
     def __init__(self) -> None:
         super().__init__(ErrorKind.CANCELLED, "client disconnected")
+
+
+class RequestTimedOut(ServingError):
+    """A request's deadline passed before it finished; it has been aborted and its KV blocks freed."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(ErrorKind.TIMEOUT, f"the request did not finish within its timeout of {timeout_s:g} s "
+                         "(waiting and running): it was ended and its KV blocks freed", "timeout")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a request must be done (time.monotonic()), and the timeout that set it (for the error's words)."""
+
+    timeout_s: float
+    at: float
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
 
 
 class GenerationService:
@@ -43,6 +67,9 @@ class GenerationService:
         self.limits: EngineLimits = client.limits
         self.requests = RequestBuilder(self.tokenizer, self.limits)  # the one place a request is checked
         self.constraints = ConstraintChecker(self.tokenizer)  # a structured-output constraint compiles, in time
+        self.request_timeout_s: float | None = client.config.scheduler.request_timeout  # --request-timeout
+        # each admitted stream's deadline, read while its results are awaited (weak: a stream dropped is forgotten)
+        self._deadlines: weakref.WeakKeyDictionary[RequestStream, Deadline] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ inputs
     # Tokenizing a megabyte of text takes seconds: it runs in a worker thread (the Rust tokenizer releases the GIL),
@@ -91,9 +118,20 @@ class GenerationService:
         return self.requests.build(request_id, prompt, params, priority)
 
     # ------------------------------------------------------------------ submitting
+    def deadline(self, timeout_s: float | None) -> Deadline | None:
+        """When a request submitted now must be done: its own `timeout`, else the server's --request-timeout."""
+        if timeout_s is None:
+            timeout_s = self.request_timeout_s
+        if timeout_s is None:
+            return None
+        if not timeout_s > 0:
+            raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout_s}", "timeout")
+        return Deadline(timeout_s, time.monotonic() + timeout_s)
+
     async def submit(
-        self, base_id: str, prompts: Sequence[str | list[int]], params: SamplingParams, priority: int = 0
-    ) -> list[RequestStream]:
+        self, base_id: str, prompts: Sequence[str | list[int]], params: SamplingParams, priority: int = 0,
+        deadline: Deadline | None = None,
+    ) -> list[RequestStream]:  # fmt: skip
         """One request per prompt (ids `base_id`, or `base_id-i` for several), all built and checked before any is
         admitted; then every one admitted, or none."""
         if not prompts:
@@ -103,11 +141,14 @@ class GenerationService:
                 f"a request may hold at most {MAX_PROMPTS_PER_REQUEST} prompts, got {len(prompts)}", "prompt"
             )
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
-        return await self.admit([await self.request(rid, p, params, priority) for rid, p in zip(ids, prompts)])
+        requests = [await self.request(rid, p, params, priority) for rid, p in zip(ids, prompts)]
+        return await self.admit(requests, deadline)
 
-    async def admit(self, requests: Sequence[EngineRequest]) -> list[RequestStream]:
+    async def admit(self, requests: Sequence[EngineRequest], deadline: Deadline | None = None) -> list[RequestStream]:
         """Every request admitted, or none: a failure aborts those already added and raises. Each output constraint
-        compiles (in time) before any request is added: every front end's requests pass here."""
+        compiles (in time) before any request is added: every front end's requests pass here. `deadline`: when
+        they must be done (None: the server's --request-timeout from now, if it has one)."""
+        deadline = deadline if deadline is not None else self.deadline(None)
         for constraint in {r.sampling_params.structured_outputs for r in requests}:
             await self.constraints.check(constraint)
         streams: list[RequestStream] = []
@@ -117,7 +158,14 @@ class GenerationService:
         except BaseException:
             self.abort_unfinished(streams)
             raise
+        if deadline is not None:
+            for stream in streams:
+                self._deadlines[stream] = deadline
         return streams
+
+    def _deadline_of(self, streams: Sequence[RequestStream]) -> Deadline | None:
+        deadlines = [d for d in (self._deadlines.get(s) for s in streams) if d is not None]
+        return min(deadlines, key=lambda d: d.at) if deadlines else None
 
     def abort_unfinished(self, streams: Sequence[RequestStream]) -> None:
         self.client.abort([s.request_id for s in streams if not s.finished])
@@ -138,12 +186,17 @@ class GenerationService:
 
         gathering = asyncio.gather(*(last(i, s) for i, s in enumerate(streams)))
         watching = asyncio.ensure_future(caller_gone) if caller_gone is not None else None
+        deadline = self._deadline_of(streams)
         try:
             waited = {gathering} | ({watching} if watching else set())
-            done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waited, timeout=deadline and max(0.0, deadline.remaining()),
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             if gathering in done:
                 return list(gathering.result())
-            raise ClientGone()
+            if watching is not None and watching in done:
+                raise ClientGone()
+            assert deadline is not None, "only a deadline ends the wait with nothing done"
+            raise RequestTimedOut(deadline.timeout_s)
         finally:
             if watching is not None:
                 watching.cancel()
@@ -154,12 +207,18 @@ class GenerationService:
             self.abort_unfinished(streams)
 
     async def results(self, streams: Sequence[RequestStream]) -> AsyncIterator[GenerationResult]:
-        """Every stream's results as they arrive, interleaved; the caller aborts the unfinished ones when it stops."""
+        """Every stream's results as they arrive, interleaved; the caller aborts the unfinished ones when it stops.
+        Past the streams' deadline they are aborted and RequestTimedOut is raised."""
         completions = [Completion.of(stream.request) for stream in streams]
+        deadline = self._deadline_of(streams)
         if len(streams) == 1:
-            async for out in streams[0]:
+            outputs = aiter(streams[0])
+            while True:
+                try:
+                    out = await self._within(anext(outputs), deadline, streams)
+                except StopAsyncIteration:
+                    return
                 yield _folded(out, completions[0], 0)
-            return
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:
@@ -173,7 +232,7 @@ class GenerationService:
         try:
             remaining = len(streams)
             while remaining:
-                index, item = await queue.get()
+                index, item = await self._within(queue.get(), deadline, streams)
                 if isinstance(item, BaseException):
                     raise item
                 remaining -= item.finished
@@ -181,6 +240,16 @@ class GenerationService:
         finally:
             for task in tasks:
                 task.cancel()
+
+    async def _within(self, next_item: Awaitable[T], deadline: Deadline | None, streams: Sequence[RequestStream]) -> T:
+        """`next_item` awaited until the deadline; past it the streams are aborted and RequestTimedOut raised."""
+        if deadline is None:
+            return await next_item
+        try:
+            return await asyncio.wait_for(next_item, max(0.0, deadline.remaining()))
+        except TimeoutError:
+            self.abort_unfinished(streams)
+            raise RequestTimedOut(deadline.timeout_s) from None
 
 
 def _folded(delta: CompletionDelta, completion: Completion, index: int) -> GenerationResult:

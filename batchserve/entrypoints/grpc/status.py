@@ -17,6 +17,7 @@ STATUS_OF_KIND: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,  # the waiting queue is full: retry later
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,
+    ErrorKind.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 

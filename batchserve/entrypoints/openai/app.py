@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI routes over the serving layer, plus /tokenize, /detokenize, /health and /metrics.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not), GET /v1/models, GET /health, GET|POST
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not), POST /v1/responses (and GET|DELETE
+/v1/responses/{id}), POST /v1/messages and /v1/messages/count_tokens, GET /v1/models, GET /health, GET|POST
 /ping (as /health: vLLM's name), GET /version,
 POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
 """
@@ -28,6 +29,7 @@ from batchserve.entrypoints.openai.chat import chat_prompt, create_chat_completi
 from batchserve.entrypoints.openai.completions import create_completion
 from batchserve.entrypoints.openai.errors import APIError, APIKeyMiddleware, as_api_error
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES, OpenAIFrontEnd
+from batchserve.entrypoints.openai.messages import CountTokensRequest, MessagesRequest, add_messages_routes
 from batchserve.entrypoints.openai.observability import add_observability
 from batchserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -37,6 +39,7 @@ from batchserve.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from batchserve.entrypoints.openai.responses import ResponsesRequest, add_responses_routes
 from batchserve.entrypoints.openai.unsupported import answer_unsupported_endpoints
 from batchserve.sampling_params import InvalidRequestError
 from batchserve.serving.client import EngineClient
@@ -112,6 +115,8 @@ def build_front_app(
     app.state.front = front
     _add_error_handlers(app)
     _add_routes(app, front, client, render_metrics)
+    add_responses_routes(app, front)  # /v1/responses: OpenAI's Responses API over the same service
+    add_messages_routes(app, front)  # /v1/messages: Anthropic's Messages API over the same service
     add_kserve_routes(app, front)  # /v2/...: Triton's generate extension for TensorRT-LLM callers
     _add_health(app, health_problem)
     _document_request_bodies(app)
@@ -224,6 +229,9 @@ def _add_health(app: FastAPI, health_problem: Callable[[], Awaitable[str | None]
 _BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }

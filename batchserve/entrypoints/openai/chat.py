@@ -37,6 +37,7 @@ async def chat_prompt(
 
 async def create_chat_completion(front: OpenAIFrontEnd, request: Request) -> Response:
     req = await front.parse(request, ChatCompletionRequest)
+    deadline = front.service.deadline(req.timeout)  # from arrival: rendering the template counts
     tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -49,7 +50,7 @@ async def create_chat_completion(front: OpenAIFrontEnd, request: Request) -> Res
     params = with_tool_constraint(sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None), tools)
     output_format = _output_format(front, tools)
     request_id = request_id_of(request, "chatcmpl")  # X-Request-Id when the client sent one
-    streams = await submit_choices(service, request_id, [prompt_ids], params, req.priority)
+    streams = await submit_choices(service, request_id, [prompt_ids], params, req.priority, deadline)
     head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": front.model_name}
     if req.stream:
         chunks = _stream(front, req, {**head, "object": "chat.completion.chunk"}, streams, output_format)

@@ -33,6 +33,7 @@ Prompt = str | list[int]
 
 async def create_completion(front: OpenAIFrontEnd, request: Request) -> Response:
     req = await front.parse(request, CompletionRequest)
+    deadline = front.service.deadline(req.timeout)  # from arrival: tokenizing counts
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of not in (None, 1):
@@ -43,7 +44,7 @@ async def create_completion(front: OpenAIFrontEnd, request: Request) -> Response
     params = sampling_params(req, 1 if scoring_only else max_tokens, req.logprobs)
     params, scoring = scoring_params(params, req.echo, req.logprobs, max_tokens, req.prompt_logprobs)
     request_id = request_id_of(request, "cmpl")  # X-Request-Id when the client sent one
-    streams = await submit_choices(front.service, request_id, prompts, params, req.priority)
+    streams = await submit_choices(front.service, request_id, prompts, params, req.priority, deadline)
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": front.model_name}
     if req.stream:
         chunks = _stream(front, req, head, prompts, streams, scoring)

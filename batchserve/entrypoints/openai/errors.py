@@ -22,6 +22,7 @@ _BY_KIND: dict[ErrorKind, tuple[int, str, str | None]] = {
     ErrorKind.OVERLOADED: (503, "service_unavailable", "queue_full"),
     ErrorKind.UNAVAILABLE: (503, "service_unavailable", "engine_dead"),
     ErrorKind.CANCELLED: (499, "invalid_request_error", "client_closed_request"),
+    ErrorKind.TIMEOUT: (408, "timeout_error", "request_timeout"),
     ErrorKind.INTERNAL: (500, "internal_error", None),
 }
 
@@ -71,7 +72,8 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
 
 
 class APIKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every path but /health and /metrics; compared in constant time."""
+    """``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as Anthropic's clients send it) on every path but
+    /health and /metrics; compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -82,6 +84,9 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        if not given:  # Anthropic's clients send the key as `x-api-key: <key>`
+            api_key = next((value for name, value in scope["headers"] if name == b"x-api-key"), None)
+            given = b"Bearer " + api_key if api_key is not None else b""
         if api_key_matches(given, self.api_key):
             await self.app(scope, receive, send)
             return

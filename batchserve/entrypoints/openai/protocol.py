@@ -71,6 +71,7 @@ class SamplingRequest(RequestBody):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own monitoring: it changes nothing computed
     priority: int = 0  # lower is served first under scheduling_order="priority"
+    timeout: float | None = None  # seconds this request may take, waiting and running (else --request-timeout)
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias added to its logit
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs object
     response_format: dict[str, Any] | None = None

@@ -16,15 +16,15 @@ from starlette.types import Receive, Scope, Send
 
 from batchserve.entrypoints.openai.errors import APIError
 
-OPENAI, VLLM, LLAMA_CPP, ANTHROPIC = "OpenAI", "vLLM", "llama.cpp", "Anthropic"
+OPENAI, VLLM, LLAMA_CPP = "OpenAI", "vLLM", "llama.cpp"
 STATUS = 404  # a client's "not found" class (openai.NotFoundError), and what a probing client falls back on
 CODE = "unsupported_endpoint"
 
 TEXT_ROUTES = "/v1/completions and /v1/chat/completions generate text"
 NO_POOLING = f"pooling models (embeddings, rerank, score) are not built yet: {TEXT_ROUTES}"
 NO_LORA = "LoRA adapters are not built yet: merge the adapter into the weights and serve the merged model"
-NO_RESPONSES = "the Responses API is not built yet: use /v1/chat/completions (the same messages, tools and streaming)"
-NO_MESSAGES = "Anthropic's Messages API is not built: use /v1/chat/completions (OpenAI's shape of the same request)"
+NO_RESPONSE_PARTS = ("not built: background responses are refused, so there is nothing to cancel, and a stored response is "
+                     "read whole with GET /v1/responses/{id}")  # fmt: skip
 NO_AUDIO = f"audio models are not built: {TEXT_ROUTES}"
 NO_IMAGES = f"image models are not built: {TEXT_ROUTES}"
 NO_STORED_OBJECTS = ("not built: the server keeps no files, batches or assistants; for offline batches use "
@@ -56,9 +56,7 @@ def _e(paths: str, origin: str, what: str, instead: str) -> list[UnsupportedEndp
 
 UNSUPPORTED_ENDPOINTS: tuple[UnsupportedEndpoint, ...] = (
     *_e("/v1/embeddings", OPENAI, "embeddings endpoint", NO_POOLING),
-    *_e("/v1/responses /v1/responses/{id} /v1/responses/{id}/cancel /v1/responses/{id}/input_items", OPENAI,
-        "Responses API", NO_RESPONSES),
-    *_e("/v1/messages /v1/messages/count_tokens", ANTHROPIC, "Messages API", NO_MESSAGES),
+    *_e("/v1/responses/{id}/cancel /v1/responses/{id}/input_items", OPENAI, "Responses API", NO_RESPONSE_PARTS),
     *_e("/v1/audio/transcriptions /v1/audio/translations /v1/audio/speech", OPENAI, "audio endpoint", NO_AUDIO),
     *_e("/v1/images/generations /v1/images/edits /v1/images/variations", OPENAI, "image endpoint", NO_IMAGES),
     *_e("/v1/moderations", OPENAI, "moderation endpoint", NO_POOLING),
