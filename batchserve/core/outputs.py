@@ -151,3 +151,8 @@ class RunnerTimings:
     prepare_s: float = 0.0  # swaps, request table updates, building the packed batch
     forward_s: float = 0.0  # the model and the logits
     sample_s: float = 0.0  # sampling metadata, the sampler, the sampled ids back to the host
+
+    @property
+    def model_s(self) -> float:
+        """The step's time on the runner: what a step-time model predicts."""
+        return self.prepare_s + self.forward_s + self.sample_s

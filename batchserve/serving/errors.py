@@ -7,6 +7,7 @@ import enum
 import logging
 from dataclasses import dataclass
 
+from batchserve.core.slo import SloUnattainableError
 from batchserve.engine.async_engine import EngineDeadError
 from batchserve.engine.llm_engine import QueueFullError
 from batchserve.sampling_params import InvalidRequestError
@@ -42,7 +43,7 @@ def classify(exc: BaseException) -> ServingError:
         return exc
     if isinstance(exc, InvalidRequestError):
         return ServingError(ErrorKind.INVALID_REQUEST, str(exc), exc.param)
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, QueueFullError | SloUnattainableError):
         return ServingError(ErrorKind.OVERLOADED, f"server overloaded, retry later: {exc}")
     if isinstance(exc, EngineDeadError):
         return ServingError(ErrorKind.UNAVAILABLE, str(exc))

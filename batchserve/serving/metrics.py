@@ -96,6 +96,12 @@ class EngineMetrics:
             ["model_name", "finished_reason"],
             registry=f.registry,
         )
+        self.request_slo = Counter(
+            PREFIX + "request_slo",
+            "Finished requests with service-level targets, by whether they met them (goodput: met per second).",
+            ["model_name", "result"],
+            registry=f.registry,
+        )
         self.time_to_first_token = f.histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.time_per_output_token = f.histogram(
             "time_per_output_token_seconds", "Mean time between output tokens of a request.", TPOT_BUCKETS
@@ -179,6 +185,9 @@ class EngineMetrics:
         self.request_prompt_tokens.observe(out.num_prompt_tokens)
         self.request_generation_tokens.observe(out.num_output_tokens)
         m = out.metrics
+        met = m.slo_met(out.num_output_tokens)
+        if met is not None:
+            self.request_slo.labels(self.model_name, "met" if met else "missed").inc()
         if m.first_scheduled_time is not None:
             self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.first_token_time is not None:
