@@ -59,6 +59,7 @@ class _StepBuilder:
         self.limits = limits
         self.output = SchedulerOutput()
         self.num_preempted = 0
+        self.num_blocked = 0  # running requests that wait for blocks because only pinned requests could give them
         self.num_prefill_tokens = 0
         self.scheduled: dict[str, tuple[int, bool]] = {}
 
@@ -128,6 +129,7 @@ class Scheduler:
         self._padding: dict[str, Request] = {}  # static_padding: finished members of the current static batch
         self._rejected: list[RequestOutput] = []  # ended by schedule() (never schedulable), reported by the update
         self.num_preemptions_total = 0
+        self.num_forced_preemptions = 0  # preemptions of a pinned request (_break_stall)
         self._last_step: _StepBuilder | None = None
         speculates = speculative is not None and config.scheduler_policy != SchedulerPolicy.STATIC
         self.speculation = SpeculationPlanner(speculative) if speculates else None
@@ -210,11 +212,13 @@ class Scheduler:
             self._preempt_for_higher_priority(step)
         preempted_for_priority = step.num_preempted  # made room for the queue's head: it is admitted below
         self._schedule_running(step)
+        if step.num_blocked and not step.num_seqs:
+            self._break_stall(step)
         for request in self._padding.values():  # within the token budget (a member may end while others still prefill)
             if step.token_budget <= 0:
                 break
             step.add_padding(request)
-        if policy != SchedulerPolicy.STATIC and step.num_preempted == preempted_for_priority:
+        if policy != SchedulerPolicy.STATIC and step.num_preempted == preempted_for_priority and not step.num_blocked:
             self._admit_waiting(step)  # not while running requests lose blocks: they would only lose more
         if not step.num_seqs and not self.running and step.num_preempted == 0 and len(self.waiting):
             self._reject_unschedulable(self.waiting.peek())
@@ -276,6 +280,9 @@ class Scheduler:
             return new_blocks  # reservations make failure impossible; never preempt under these policies
         while new_blocks is None:
             victim = self._pick_victim(request)
+            if victim is None:
+                step.num_blocked += 1  # it waits a step, keeping its blocks: the requests ahead of it free some
+                return None
             self._preempt(victim, step)
             if victim is request:
                 return None
@@ -298,19 +305,27 @@ class Scheduler:
             return 0
         return min(remaining, budget)
 
-    def _pick_victim(self, request: Request) -> Request:
+    def _pick_victim(self, request: Request) -> Request | None:
         """Whom to preempt so that `request` gets its blocks: it or a request after it (those before it are in
         this step already). Pinned requests (preempted max_preemptions_per_request times) are passed over; under
-        slo_admission the one with the most slack goes (ties: the lowest-ranked), else the lowest-ranked."""
+        slo_admission the one with the most slack goes (ties: the lowest-ranked), else the lowest-ranked. None:
+        only pinned ones are left after it, so it waits (_break_stall if nothing at all can run)."""
         after = self.running[self.running.index(request) :]
-        limit = self.config.max_preemptions_per_request
-        candidates = [r for r in after if limit is None or r.num_preemptions < limit]
+        candidates = [r for r in after if not self._is_pinned(r)]
         if not candidates:
-            return self.running[-1]  # all pinned: the guard gives way rather than stall every request
+            return None
         if self.config.slo_admission == SloAdmission.OFF:
             return candidates[-1]
         now = self.clock()
         return max(reversed(candidates), key=lambda r: slack_s(r, now))
+
+    def _break_stall(self, step: _StepBuilder) -> None:
+        """Every running request waits for blocks that only pinned requests hold: the thrash guard gives way once,
+        for the lowest-ranked, rather than stall the engine, and the step is scheduled again."""
+        self.num_forced_preemptions += 1
+        self._preempt(self.running[-1], step)
+        step.num_blocked = 0
+        self._schedule_running(step)
 
     def _next_admissible(self, limits: PrefillLimits, deferred: set[int]) -> Request | None:
         """The queue's head, or, when the prefill caps hold it back, the first request within LOOKAHEAD that they
@@ -338,7 +353,7 @@ class Scheduler:
                 continue
             hit = self.kv.find_prefix_hit(request)
             num_tokens = self._tokens_to_schedule(request, hit, step.limits.cap(request, step.token_budget))
-            if num_tokens == 0 or not self._reservation_fits(request, hit):
+            if num_tokens == 0 or not self._reservation_fits(request, hit) or not self._pinned_fit(request):
                 return
             new_blocks = self.kv.allocate(request, num_tokens, hit)
             if new_blocks is None:
@@ -420,8 +435,14 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
 
+    def _is_pinned(self, request: Request) -> bool:
+        limit = self.config.max_preemptions_per_request
+        return limit is not None and request.num_preemptions >= limit
+
     def _insert_running(self, request: Request) -> None:
-        if self.config.scheduling_order == SchedulingOrder.PRIORITY:
+        if self._is_pinned(request):  # ranked first: everyone after it may give it blocks, it gives none
+            self.running.insert(sum(1 for _ in itertools.takewhile(self._is_pinned, self.running)), request)
+        elif self.config.scheduling_order == SchedulingOrder.PRIORITY:
             keys = [(r.priority, r.arrival_time) for r in self.running]
             self.running.insert(bisect.bisect_right(keys, (request.priority, request.arrival_time)), request)
         else:
@@ -440,6 +461,16 @@ class Scheduler:
         reserved = sum(self._worst_case_blocks(r) - self.kv.num_blocks_of(r) for r in self.running)
         shared = sum(1 for b in hit.blocks if b.ref_count > 0)  # already owned: costs no free block
         return self._worst_case_blocks(request) - shared + reserved <= self.kv.pool.num_free_blocks
+
+    def _pinned_fit(self, request: Request) -> bool:
+        """A pinned request is let in only when every pinned request's worst case fits in the blocks that are free
+        or held by requests that may still be preempted: a pinned request never has to wait for blocks for ever."""
+        if not self._is_pinned(request):
+            return True
+        pinned = [r for r in self.running if self._is_pinned(r)] + [request]
+        need = sum(self._worst_case_blocks(r) - self.kv.num_blocks_of(r) for r in pinned)
+        yielding = sum(self.kv.num_blocks_of(r) for r in self.running if not self._is_pinned(r))
+        return need <= self.kv.pool.num_free_blocks + yielding
 
     def _form_static_batch(self) -> None:
         """Static batching: the next batch is up to max_batch_size waiting requests whose worst case fits."""
