@@ -81,6 +81,7 @@ class LoadSnapshot:
     """What is ahead of a waiting request when the scheduler looks: filled once per look, then extended."""
 
     prefill_tokens_ahead: int  # prompt tokens that will be computed before its own
+    long_tokens_ahead: int  # of long prompts (long_prefill_token_threshold): a short one overtakes them
     num_decodes: int  # running sequences past their prompt: each takes a token of every step
     decode_steps_left: list[int]  # running requests' remaining output tokens, sorted: when their slots free
     free_slots: int  # max_batch_size - running
@@ -101,12 +102,16 @@ class SloPlanner:
     def mode(self) -> SloAdmission:
         return self.config.slo_admission
 
+    def _is_long(self, request: Request) -> bool:
+        return 0 < self.config.long_prefill_token_threshold < remaining_tokens(request)
+
     def snapshot(self, running: Iterable[Request]) -> LoadSnapshot:
         running = list(running)
-        prefill = sum(remaining_tokens(r) for r in running if remaining_tokens(r) > 1)
-        decodes = [r for r in running if remaining_tokens(r) <= 1]
+        prefills = [r for r in running if remaining_tokens(r) > 1]
+        short = sum(remaining_tokens(r) for r in prefills if not self._is_long(r))
+        long = sum(remaining_tokens(r) for r in prefills if self._is_long(r))
         left = sorted(r.sampling_params.max_tokens - r.num_output_tokens for r in running)
-        return LoadSnapshot(prefill, len(decodes), left, self.config.max_batch_size - len(running))
+        return LoadSnapshot(short, long, len(running) - len(prefills), left, self.config.max_batch_size - len(running))
 
     def predicted_wait_s(self, request: Request, load: LoadSnapshot) -> float | None:
         """Seconds from now to the request's first token, served after what `load` holds; None without a fit."""
@@ -115,16 +120,23 @@ class SloPlanner:
             return None
         fixed_s, per_token_s = coefficients
         own = remaining_tokens(request)
-        per_step = max(1, self.config.max_num_tokens - load.num_decodes)
-        own_per_step = self._own_chunk(own, per_step)
-        prefill_steps = max(math.ceil((load.prefill_tokens_ahead + own) / per_step), math.ceil(own / own_per_step))
-        decode_step_s = fixed_s + per_token_s * load.num_decodes
-        prefill_s = prefill_steps * decode_step_s + per_token_s * (load.prefill_tokens_ahead + own)
-        return max(prefill_s, self._slot_wait_steps(load) * decode_step_s + per_token_s * own)
+        if self._is_long(request):  # behind everything ahead of it, at most a threshold a step
+            ahead, beside = load.prefill_tokens_ahead + load.long_tokens_ahead, 0
+            own_per_step = self.config.long_prefill_token_threshold
+        else:  # long prompts ahead only take their chunk of each step: it overtakes them
+            ahead, beside, own_per_step = load.prefill_tokens_ahead, self._long_chunk(load), own
+        per_step = max(1, self.config.max_num_tokens - load.num_decodes - beside)
+        steps = max(math.ceil((ahead + own) / per_step), math.ceil(own / max(1, min(own_per_step, per_step))))
+        step_s = fixed_s + per_token_s * (load.num_decodes + beside)
+        prefill_s = steps * step_s + per_token_s * (ahead + own)
+        return max(prefill_s, self._slot_wait_steps(load) * step_s + per_token_s * own)
 
-    def _own_chunk(self, own: int, per_step: int) -> int:
-        threshold = self.config.long_prefill_token_threshold
-        return min(per_step, threshold) if 0 < threshold < own else per_step
+    def _long_chunk(self, load: LoadSnapshot) -> int:
+        """Tokens of long prefill in each step while there is any."""
+        if not load.long_tokens_ahead:
+            return 0
+        most = self.config.long_prefill_token_threshold * (self.config.max_long_partial_prefills or 1)
+        return min(most, load.long_tokens_ahead)
 
     @staticmethod
     def _slot_wait_steps(load: LoadSnapshot) -> int:
@@ -152,6 +164,10 @@ class SloPlanner:
         return late if late > 0 else None
 
     def account(self, request: Request, load: LoadSnapshot) -> None:
-        """The request stays ahead of those after it: its prompt and its slot count in their predictions."""
+        """The request stays ahead of those after it: its prompt and its slot count in their predictions (a long
+        prompt's only in part: short requests overtake it while it waits for a long-prefill slot)."""
+        if self._is_long(request):
+            load.long_tokens_ahead += remaining_tokens(request)
+            return
         load.prefill_tokens_ahead += remaining_tokens(request)
         load.num_ahead += 1

@@ -86,7 +86,8 @@ class Cluster:
         rep.engine.clock.advance_to(now)
         rep.ready_at = max(rep.ready_at, now)
         result = RequestResult(req.request_id, req.prompt_len, 0, now, category=req.category)
-        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0,
+                                ttft_slo_ms=req.ttft_slo_ms, tpot_slo_ms=req.tpot_slo_ms)  # fmt: skip
         try:
             rep.engine.add_request(req.request_id, req.prompt_token_ids, params, arrival_time=now)
             rep.live[req.request_id] = result

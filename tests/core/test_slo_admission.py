@@ -147,3 +147,20 @@ def test_no_request_is_preempted_more_than_k_times(k):
 def test_without_the_guard_the_same_load_thrashes():
     most, _ = _thrash(None)
     assert most > 3
+
+
+def test_a_short_prompt_is_predicted_to_overtake_waiting_long_ones():
+    from batchserve.config import SchedulerConfig
+    from batchserve.core.slo import LoadSnapshot, SloPlanner
+
+    config = SchedulerConfig(max_num_tokens=1024, long_prefill_token_threshold=128, max_long_partial_prefills=1)
+    planner = SloPlanner(config, FixedStepCost(fixed_s=0.05, per_token_s=0.001))
+    load = planner.snapshot([])
+    for i in range(2):
+        planner.account(make_request(f"long{i}", prompt_len=2000), load)
+    short, long = make_request("short", prompt_len=50), make_request("long", prompt_len=2000)
+    # one step: its own 50 tokens beside one 128-token chunk of the long prompts ahead
+    assert planner.predicted_wait_s(short, load) == pytest.approx(0.05 + 0.001 * 128 + 0.001 * 50)
+    # a long prompt waits for all 6,000 tokens, its own 2,000 at 128 a step: 16 steps
+    assert planner.predicted_wait_s(long, load) == pytest.approx(16 * 0.05 + 0.001 * 6000)
+    assert planner.predicted_wait_s(short, LoadSnapshot(0, 0, 0, [], 0)) == pytest.approx(0.05 + 0.001 * 50)
