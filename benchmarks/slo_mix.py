@@ -87,18 +87,18 @@ def simulate(policy: str, profile: Profile, requests, rate: float, seed: int) ->
     return summary(trace.requests, requests, trace.meta["duration_s"])
 
 
-def on_engine(policy: str, requests, rate: float, seed: int, args: argparse.Namespace) -> dict[str, float]:
-    """The real engine (the default model) through bench's offline driver, on the same trace."""
-    from batchserve.bench.offline import OfflineRun, drive
-    from batchserve.engine.llm_engine import LLMEngine
+def on_engine(names: list[str], requests, rate: float, seed: int, args: argparse.Namespace) -> dict[str, dict]:
+    """The real engine (the default model) through bench's offline driver, on the same trace; one model load, a
+    fresh scheduler per policy."""
+    from batchserve.bench.offline import build_engine, run_offline
 
-    config = EngineConfig.from_options(**MIX, **POLICIES[policy], num_kv_blocks=args.num_kv_blocks)
-    engine = LLMEngine(config)
-    try:
-        trace = drive(OfflineRun(engine, requests, ArrivalProcess(request_rate=rate), seed, policy, False))
-    finally:
-        engine.close()
-    return summary(trace.requests, requests, trace.meta["duration_s"])
+    rows, engine = {}, None
+    for name in names:
+        config = EngineConfig.from_options(**MIX, **POLICIES[name], num_kv_blocks=args.num_kv_blocks)
+        engine = build_engine(config, like=engine)
+        trace = run_offline(engine, requests, ArrivalProcess(request_rate=rate), seed, name, False)
+        rows[name] = summary(trace.requests, requests, trace.meta["duration_s"])
+    return rows
 
 
 def table(rows: dict[str, dict[str, float]]) -> str:
@@ -120,6 +120,7 @@ def main() -> None:
     p.add_argument("--profile", required=True)
     p.add_argument("--num-requests", type=int, default=300)
     p.add_argument("--long-ratio", type=float, default=0.2)
+    p.add_argument("--long-output-len", type=int, default=500)
     p.add_argument("--rate", type=float, default=None, help="requests/s (default: searched over --rates)")
     p.add_argument("--rates", default="0.5,0.6,0.7,0.8,0.85,0.9,1,1.2,1.5,2,3,4")
     p.add_argument("--short-ttft-ms", type=float, default=500.0)
@@ -135,7 +136,7 @@ def main() -> None:
     POLICIES.update(policies(args.threshold))
 
     profile = Profile.load(args.profile)
-    options = WorkloadOptions(long_ratio=args.long_ratio)
+    options = WorkloadOptions(long_ratio=args.long_ratio, long_output_len=args.long_output_len)
     requests = make_workload("mixed", workload_tokenizer(None, None), args.num_requests, args.seed, options)
     requests = targets(requests, args)
     rate = args.rate
@@ -154,7 +155,7 @@ def main() -> None:
     out = {"rate": rate, "simulated": rows}
     if args.engine:
         start = time.monotonic()
-        real = {name: on_engine(name, requests, rate, args.seed, args) for name in ("fcfs", "slo")}
+        real = on_engine(["fcfs", "slo"], requests, rate, args.seed, args)
         print(f"\nengine ({time.monotonic() - start:.1f} s)\n{table(real)}")
         out["engine"] = real
     if args.json:
