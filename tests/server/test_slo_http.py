@@ -43,7 +43,18 @@ def test_a_target_the_engine_cannot_meet_is_a_503_with_retry_after(server):
     reply = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "ttft_slo_ms": 100})
     assert reply.status_code == 503, reply.text
     assert "TTFT target" in reply.json()["error"]["message"]
-    assert int(reply.headers["Retry-After"]) >= 1
+    # predicted ~1 s late (one modelled step of 1 s against a 0.1 s target): retry in about that
+    assert int(reply.headers["Retry-After"]) == 1
+
+
+def test_retry_after_follows_how_late_the_engine_predicts(server):
+    body = {"prompt": "a", "max_tokens": 2, "ttft_slo_ms": 100}
+    server.engine.scheduler.slo.cost = FixedStepCost(fixed_s=5.0, per_token_s=0.0)
+    try:
+        reply = httpx.post(server.url + "/v1/completions", json=body)
+    finally:
+        server.engine.scheduler.slo.cost = FixedStepCost(fixed_s=1.0, per_token_s=0.0)
+    assert reply.status_code == 503 and int(reply.headers["Retry-After"]) == 5
 
 
 def test_goodput_is_counted_in_the_metrics(server):
