@@ -104,6 +104,10 @@ class SchedulerStats:
     num_swapped: int = 0  # waiting requests whose KV sits in host memory
     num_preempted_this_step: int = 0
     num_preemptions_total: int = 0
+    # SLO admission since start (core/slo.py): refused (at arrival or while waiting), demoted, dropped at a deadline
+    slo_num_refused: int = 0
+    slo_num_demoted: int = 0
+    slo_num_deadline_dropped: int = 0
     num_prefill_tokens: int = 0  # prompt (or recompute) tokens computed this step
     num_decode_tokens: int = 0  # generated-token positions computed this step
     num_scheduled_seqs: int = 0

@@ -58,11 +58,16 @@ def test_retry_after_follows_how_late_the_engine_predicts(server):
 
 
 def test_goodput_is_counted_in_the_metrics(server):
+    hopeless = {"prompt": "a", "max_tokens": 2, "ttft_slo_ms": 100}
+    assert httpx.post(server.url + "/v1/completions", json=hopeless).status_code == 503
     body = {"prompt": "a", "max_tokens": 2, "ignore_eos": True, "ttft_slo_ms": 60_000, "tpot_slo_ms": 60_000}
     assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
     metrics = httpx.get(server.url + "/metrics").text
     met = [line for line in metrics.splitlines() if line.startswith("batchserve:request_slo_total") and "met" in line]
     assert met and float(met[0].split()[-1]) >= 1.0, metrics
+    refused = [line for line in metrics.splitlines() if line.startswith("batchserve:slo_admission_total")
+               and 'decision="refused"' in line]  # fmt: skip
+    assert refused and float(refused[0].split()[-1]) >= 1.0  # the 503 above, counted at the next step
 
 
 def test_grpc_carries_the_targets_and_checks_them():
