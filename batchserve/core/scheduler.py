@@ -13,6 +13,12 @@ Policies (scheduler_policy):
   With static_padding (the default) a member that finishes stays in the batch as padding until the last one is
   done: its slot keeps being computed, its blocks stay held, as with the padded batch tensor of classic static
   batching; its result is returned when it finishes.
+
+Beside them, for latency targets (docs/slo.md): long-prompt isolation (core/prefill_limits.py: a long prompt is
+chunked, few prefill at once, a held-back one does not block short ones), SLO admission (core/slo.py: a request
+predicted to miss its TTFT target or deadline is refused or demoted before it takes blocks; preemption by slack) and
+a thrash guard (max_preemptions_per_request: a request preempted that often is pinned, ranked first, and let in only
+when every pinned request's worst case fits).
 """
 
 from __future__ import annotations
