@@ -80,3 +80,11 @@ def test_grpc_carries_the_targets_and_checks_them():
     with pytest.raises(InvalidRequestError) as error:
         sampling_params(pb.SamplingParams(tpot_slo_ms=-1), 16)
     assert error.value.param == "tpot_slo_ms"
+
+
+def test_kserve_generate_carries_the_targets(server):
+    url = server.url + "/v2/models/ensemble/generate"
+    bad = httpx.post(url, json={"text_input": "a", "max_tokens": 2, "ttft_slo_ms": -1}, timeout=30)
+    assert bad.status_code == 400 and "ttft_slo_ms" in bad.json()["error"]
+    hopeless = httpx.post(url, json={"text_input": "a", "max_tokens": 2, "ttft_slo_ms": 100}, timeout=30)
+    assert hopeless.status_code == 503  # the same prediction as the OpenAI routes'
