@@ -28,6 +28,12 @@ class SchedulingOrder(enum.StrEnum):
     SHORTEST_FIRST = "shortest_first"  # prompt + max_tokens, with aging after max_wait_s
 
 
+class SloAdmission(enum.StrEnum):
+    OFF = "off"  # targets are measured (goodput), not acted on
+    REFUSE = "refuse"  # a request predicted to miss its TTFT target is refused (503 + Retry-After) or dropped
+    DEPRIORITIZE = "deprioritize"  # it is served after every request that can still meet its target
+
+
 class PreemptionMode(enum.StrEnum):
     RECOMPUTE = "recompute"  # drop the blocks, prefill again later
     SWAP = "swap"  # park the blocks in host memory
@@ -80,6 +86,17 @@ class SchedulerConfig:
     static_padding: bool = True
     # seconds a served request may take, queued and running, unless it asks for its own `timeout`; None: no limit
     request_timeout: float | None = None
+    # long-prompt isolation (vLLM's names): a prompt with more than long_prefill_token_threshold tokens left to
+    # compute is long; it gets at most that many tokens a step, and at most max_long_partial_prefills long prompts
+    # (max_num_partial_prefills prompts of any length) prefill at once; 0 / None: off
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int | None = None
+    max_long_partial_prefills: int | None = None
+    # service-level targets of requests that give none (docs/slo.md), and what the scheduler does with them
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    slo_admission: SloAdmission = SloAdmission.OFF
+    max_preemptions_per_request: int | None = None  # a request preempted this often is never chosen again
 
     def validate(self) -> None:
         _require(self.max_batch_size >= 1, "max_batch_size must be >= 1")
@@ -90,6 +107,8 @@ class SchedulerConfig:
         self.scheduling_order = _as_enum(SchedulingOrder, self.scheduling_order, "scheduling_order")
         self.preemption_mode = _as_enum(PreemptionMode, self.preemption_mode, "preemption_mode")
         self.truncation = _as_enum(Truncation, self.truncation, "truncation")
+        self.slo_admission = _as_enum(SloAdmission, self.slo_admission, "slo_admission")
+        self._validate_slo_knobs()
         _require(self.max_wait_s >= 0, "max_wait_s must be >= 0")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _require(self.max_input_len is None or self.max_input_len >= 1, "max_input_len must be >= 1")
@@ -101,6 +120,13 @@ class SchedulerConfig:
                 self.max_num_tokens >= self.max_model_len,
                 "without chunked prefill max_num_tokens must hold a whole prompt (>= max_model_len)",
             )
+
+    def _validate_slo_knobs(self) -> None:
+        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
+        for name in ("max_num_partial_prefills", "max_long_partial_prefills", "max_preemptions_per_request"):
+            _require(getattr(self, name) is None or getattr(self, name) >= 1, f"{name} must be >= 1")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            _require(getattr(self, name) is None or getattr(self, name) > 0, f"{name} must be > 0")
 
 
 @dataclass
@@ -214,7 +240,10 @@ class SpeculativeConfig:
         return config
 
     def validate(self) -> None:
-        _require(self.method in SPECULATIVE_METHODS, f"speculative_config.method {self.method!r}: one of {SPECULATIVE_METHODS}")
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            f"speculative_config.method {self.method!r}: one of {SPECULATIVE_METHODS}",
+        )
         k = self.num_speculative_tokens
         _require(1 <= k <= MAX_SPECULATIVE_TOKENS, f"num_speculative_tokens {k}: 1 to {MAX_SPECULATIVE_TOKENS}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

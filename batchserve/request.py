@@ -61,6 +61,12 @@ class Request:
     # the first block's parent in its prefix-cache keys: sequences with another salt never share blocks
     # (core/long_context.py: LongRoPE's long sequences)
     cache_salt: int | None = None
+    # service-level targets in seconds, the request's own or the server's (Scheduler.add_request fills them), and
+    # the queue deadline on the scheduler's clock: past it, a request that has not started is dropped (core/slo.py)
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    deadline: float | None = None
+    slo_demoted: bool = False  # predicted to miss its TTFT target: served after those that can still meet theirs
     # timings (time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -68,7 +74,7 @@ class Request:
 
     @classmethod
     def of(cls, request: EngineRequest, eos_token_ids: tuple[int, ...]) -> Request:
-        return cls(
+        scheduled = cls(
             request.request_id,
             request.prompt_token_ids,
             request.sampling_params,
@@ -76,6 +82,10 @@ class Request:
             request.priority,
             request.arrival_time,
         )
+        wall_deadline = request.sampling_params.deadline
+        if wall_deadline is not None:  # Unix seconds -> the monotonic clock its arrival time is on
+            scheduled.deadline = request.arrival_time + (wall_deadline - time.time())
+        return scheduled
 
     @property
     def num_prompt_tokens(self) -> int:

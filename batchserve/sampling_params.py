@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -85,6 +86,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow (worker masks)
     speculate: bool = True  # False: never speculate for this request (docs/speculative-decoding.md)
+    # service-level targets (docs/slo.md); None: the server's --ttft-slo-ms / --tpot-slo-ms, if any
+    ttft_slo_ms: float | None = None  # arrival to first token
+    tpot_slo_ms: float | None = None  # mean time between output tokens after the first
+    # the latest wall-clock time (Unix seconds) the request may still wait for its first token: later, it is dropped
+    # instead of served late; one already past is refused at once
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -147,6 +154,14 @@ class SamplingParams:
             _integer("stop_token_ids", token_id, low=0)
         if self.logit_bias is not None:
             _logit_bias(self.logit_bias)
+        self._validate_service_targets()
+
+    def _validate_service_targets(self) -> None:
+        for name in ("ttft_slo_ms", "tpot_slo_ms", "deadline"):
+            if getattr(self, name) is not None:
+                _real(name, getattr(self, name), low=0.0, low_open=True)
+        if self.deadline is not None and self.deadline <= time.time():
+            raise InvalidRequestError(f"deadline {self.deadline} (Unix seconds) has already passed", "deadline")
 
 
 def _logit_bias(bias: object) -> None:

@@ -48,7 +48,8 @@ def same_runner(a: Any, b: Any) -> bool:
 def _sampling_params(req: BenchRequest) -> Any:
     from batchserve.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=req.output_len, ignore_eos=req.ignore_eos, temperature=0.0)
+    return SamplingParams(max_tokens=req.output_len, ignore_eos=req.ignore_eos, temperature=0.0,
+                          ttft_slo_ms=req.ttft_slo_ms, tpot_slo_ms=req.tpot_slo_ms)  # fmt: skip
 
 
 def _engine_max_batch_size(engine: Any) -> int:

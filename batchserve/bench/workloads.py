@@ -34,6 +34,8 @@ class BenchRequest:
     category: str = ""
     prompt_text: str | None = None  # the text the ids came from (sharegpt) or decode(ids)
     ignore_eos: bool = True  # generate output_len tokens whatever the model says (bench --no-ignore-eos: stop at EOS)
+    ttft_slo_ms: float | None = None  # the request's own targets, sent with it (None: the server's, if any)
+    tpot_slo_ms: float | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -104,6 +104,10 @@ class SchedulerStats:
     num_swapped: int = 0  # waiting requests whose KV sits in host memory
     num_preempted_this_step: int = 0
     num_preemptions_total: int = 0
+    # SLO admission since start (core/slo.py): refused (at arrival or while waiting), demoted, dropped at a deadline
+    slo_num_refused: int = 0
+    slo_num_demoted: int = 0
+    slo_num_deadline_dropped: int = 0
     num_prefill_tokens: int = 0  # prompt (or recompute) tokens computed this step
     num_decode_tokens: int = 0  # generated-token positions computed this step
     num_scheduled_seqs: int = 0
@@ -151,3 +155,8 @@ class RunnerTimings:
     prepare_s: float = 0.0  # swaps, request table updates, building the packed batch
     forward_s: float = 0.0  # the model and the logits
     sample_s: float = 0.0  # sampling metadata, the sampler, the sampled ids back to the host
+
+    @property
+    def model_s(self) -> float:
+        """The step's time on the runner: what a step-time model predicts."""
+        return self.prepare_s + self.forward_s + self.sample_s

@@ -147,6 +147,44 @@ class ShortestFirstQueue(_HeapQueue):
         return self._by_length.top(self._live.keys())
 
 
+class DemotingQueue:
+    """The configured queue, and behind it the demoted requests (slo_admission "deprioritize"), FCFS among
+    themselves: one is served only when no request ahead of the demoted is waiting."""
+
+    def __init__(self, main: RequestQueue) -> None:
+        self.main = main
+        self.demoted = FCFSQueue()
+
+    def _tier(self, request: Request) -> RequestQueue:
+        return self.demoted if request.slo_demoted else self.main
+
+    def push(self, request: Request) -> None:
+        self._tier(request).push(request)
+
+    def push_front(self, request: Request) -> None:
+        self._tier(request).push_front(request)
+
+    def peek(self) -> Request:
+        return self.main.peek() if len(self.main) else self.demoted.peek()
+
+    def pop(self) -> Request:
+        return self.main.pop() if len(self.main) else self.demoted.pop()
+
+    def remove(self, request: Request) -> None:
+        self._tier(request).remove(request)
+
+    def demote(self, request: Request) -> None:
+        self.main.remove(request)
+        request.slo_demoted = True
+        self.demoted.push(request)
+
+    def __len__(self) -> int:
+        return len(self.main) + len(self.demoted)
+
+    def __iter__(self) -> Iterator[Request]:
+        return itertools.chain(self.main, self.demoted)
+
+
 def make_request_queue(
     order: SchedulingOrder, max_wait_s: float = 10.0, clock: Callable[[], float] = time.monotonic
 ) -> RequestQueue:

@@ -13,15 +13,29 @@ Policies (scheduler_policy):
   With static_padding (the default) a member that finishes stays in the batch as padding until the last one is
   done: its slot keeps being computed, its blocks stay held, as with the padded batch tensor of classic static
   batching; its result is returned when it finishes.
+
+Beside them, for latency targets (docs/slo.md): long-prompt isolation (core/prefill_limits.py: a long prompt is
+chunked, few prefill at once, a held-back one does not block short ones), SLO admission (core/slo.py: a request
+predicted to miss its TTFT target or deadline is refused or demoted before it takes blocks; preemption by slack) and
+a thrash guard (max_preemptions_per_request: a request preempted that often is pinned, ranked first, and let in only
+when every pinned request's worst case fits).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections.abc import Callable, Iterable
 
-from batchserve.config import PreemptionMode, SchedulerConfig, SchedulerPolicy, SchedulingOrder, SpeculativeConfig
+from batchserve.config import (
+    PreemptionMode,
+    SchedulerConfig,
+    SchedulerPolicy,
+    SchedulingOrder,
+    SloAdmission,
+    SpeculativeConfig,
+)
 from batchserve.core.kv_cache_manager import KVCacheManager, PrefixHit
 from batchserve.core.long_context import draft_room, mark_if_long, outgrew_short_context, start_over
 from batchserve.core.outputs import (
@@ -32,19 +46,26 @@ from batchserve.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from batchserve.core.request_queue import make_request_queue
+from batchserve.core.prefill_limits import PrefillLimits
+from batchserve.core.request_queue import DemotingQueue, make_request_queue
+from batchserve.core.slo import SloPlanner, SloUnattainableError, StepCost, resolve_targets, slack_s
 from batchserve.core.speculative import SpeculationPlanner, SpeculationStats
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.sampling_params import InvalidRequestError
+
+# waiting requests looked at past a head that the prefill caps hold back (the scan is per admission, per step)
+LOOKAHEAD = 64
 
 
 class _StepBuilder:
     """Accumulates one step's decisions."""
 
-    def __init__(self, token_budget: int) -> None:
+    def __init__(self, token_budget: int, limits: PrefillLimits) -> None:
         self.token_budget = token_budget
+        self.limits = limits
         self.output = SchedulerOutput()
         self.num_preempted = 0
+        self.num_blocked = 0  # running requests that wait for blocks because only pinned requests could give them
         self.num_prefill_tokens = 0
         self.scheduled: dict[str, tuple[int, bool]] = {}
 
@@ -93,6 +114,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         speculative: SpeculativeConfig | None = None,
         long_context_from: int | None = None,  # LongRoPE's original context (core/long_context.py)
+        step_cost: StepCost | None = None,  # SLO predictions' step-time model (core/slo.py); None: learnt online
     ) -> None:
         config.validate()
         self.config = config
@@ -103,12 +125,17 @@ class Scheduler:
         self.max_model_len = min(self._model_len_limit, self.kv_capacity_tokens)
         self.clock = clock
         self.waiting = make_request_queue(config.scheduling_order, config.max_wait_s, clock)
+        if config.slo_admission == SloAdmission.DEPRIORITIZE:
+            self.waiting = DemotingQueue(self.waiting)
+        self.slo = SloPlanner(config, step_cost)
+        self._num_with_deadline = 0  # waiting or running requests with a queue deadline: checked each step
         self.running: list[Request] = []  # in rank order: the tail is preempted first
         self.requests: dict[str, Request] = {}
         self._forget: set[str] = set()  # ids the worker must drop at the next step
         self._padding: dict[str, Request] = {}  # static_padding: finished members of the current static batch
         self._rejected: list[RequestOutput] = []  # ended by schedule() (never schedulable), reported by the update
         self.num_preemptions_total = 0
+        self.num_forced_preemptions = 0  # preemptions of a pinned request (_break_stall)
         self._last_step: _StepBuilder | None = None
         speculates = speculative is not None and config.scheduler_policy != SchedulerPolicy.STATIC
         self.speculation = SpeculationPlanner(speculative) if speculates else None
@@ -127,8 +154,16 @@ class Scheduler:
                 "prompt",
             )
         mark_if_long(request, self.long_context_from)
+        resolve_targets(request, self.config)
+        self._admission_check(request)
+        self._num_with_deadline += request.deadline is not None
         self.requests[request.request_id] = request
         self.waiting.push(request)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step's scheduled tokens and its model time (the engine's, or the simulator's): the SLO predictions'
+        step-time fit learns from it."""
+        self.slo.cost.observe(num_tokens, seconds)
 
     def grow_kv_pool(self, num_blocks: int) -> None:
         """The worker's KV cache now holds num_blocks blocks, every block with content kept at its id: so does the
@@ -169,20 +204,24 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _StepBuilder(self.config.max_num_tokens)
+        step = _StepBuilder(self.config.max_num_tokens, PrefillLimits.of(self.config))
         step.output.finished_req_ids, self._forget = self._forget, set()
         policy = self.config.scheduler_policy
+        if len(self.waiting) and (self._num_with_deadline or self.slo.mode != SloAdmission.OFF):
+            self._review_waiting()
         if policy == SchedulerPolicy.STATIC and not self.running:
             self._form_static_batch()
         if policy == SchedulerPolicy.MAX_UTILIZATION and self.config.scheduling_order == SchedulingOrder.PRIORITY:
             self._preempt_for_higher_priority(step)
         preempted_for_priority = step.num_preempted  # made room for the queue's head: it is admitted below
         self._schedule_running(step)
+        if step.num_blocked and not step.num_seqs:
+            self._break_stall(step)
         for request in self._padding.values():  # within the token budget (a member may end while others still prefill)
             if step.token_budget <= 0:
                 break
             step.add_padding(request)
-        if policy != SchedulerPolicy.STATIC and step.num_preempted == preempted_for_priority:
+        if policy != SchedulerPolicy.STATIC and step.num_preempted == preempted_for_priority and not step.num_blocked:
             self._admit_waiting(step)  # not while running requests lose blocks: they would only lose more
         if not step.num_seqs and not self.running and step.num_preempted == 0 and len(self.waiting):
             self._reject_unschedulable(self.waiting.peek())
@@ -207,8 +246,10 @@ class Scheduler:
             hit = self._first_hit(request)
             is_decode = request.num_tokens - request.num_computed_tokens == 1
             pending_decodes -= is_decode
+            if not step.limits.admits(request):
+                continue  # a prefill over the step's caps waits; the decodes behind it do not
             budget = step.token_budget if is_decode else step.token_budget - pending_decodes
-            num_tokens = self._tokens_to_schedule(request, hit, budget)
+            num_tokens = self._tokens_to_schedule(request, hit, step.limits.cap(request, budget))
             if num_tokens == 0:
                 continue
             drafts = self._drafts(request, budget) if is_decode and not resumed else []
@@ -219,6 +260,7 @@ class Scheduler:
                     return  # it preempted itself: nothing behind it is left
                 continue
             self._on_scheduled(request)
+            step.limits.count(request)
             step.add(request, num_tokens, self.kv.block_ids(request) if resumed else new_blocks, resumed)
             if drafts:
                 step.output.spec_token_ids[request.request_id] = drafts
@@ -240,7 +282,10 @@ class Scheduler:
         if self.config.scheduler_policy != SchedulerPolicy.MAX_UTILIZATION:
             return new_blocks  # reservations make failure impossible; never preempt under these policies
         while new_blocks is None:
-            victim = self.running[-1]
+            victim = self._pick_victim(request)
+            if victim is None:
+                step.num_blocked += 1  # it waits a step, keeping its blocks: the requests ahead of it free some
+                return None
             self._preempt(victim, step)
             if victim is request:
                 return None
@@ -263,27 +308,122 @@ class Scheduler:
             return 0
         return min(remaining, budget)
 
+    def _pick_victim(self, request: Request) -> Request | None:
+        """Whom to preempt so that `request` gets its blocks: it or a request after it (those before it are in
+        this step already). Pinned requests (preempted max_preemptions_per_request times) are passed over; under
+        slo_admission the one with the most slack goes (ties: the lowest-ranked), else the lowest-ranked. None:
+        only pinned ones are left after it, so it waits (_break_stall if nothing at all can run)."""
+        after = self.running[self.running.index(request) :]
+        candidates = [r for r in after if not self._is_pinned(r)]
+        if not candidates:
+            return None
+        if self.config.slo_admission == SloAdmission.OFF:
+            return candidates[-1]
+        now = self.clock()
+        return max(reversed(candidates), key=lambda r: slack_s(r, now))
+
+    def _break_stall(self, step: _StepBuilder) -> None:
+        """Every running request waits for blocks that only pinned requests hold: the thrash guard gives way once,
+        for the lowest-ranked, rather than stall the engine, and the step is scheduled again."""
+        self.num_forced_preemptions += 1
+        self._preempt(self.running[-1], step)
+        step.num_blocked = 0
+        self._schedule_running(step)
+
+    def _next_admissible(self, limits: PrefillLimits, deferred: set[int]) -> Request | None:
+        """The queue's head, or, when the prefill caps hold it back, the first request within LOOKAHEAD that they
+        let in: a long prompt waiting for a long-prefill slot does not hold up the short ones behind it."""
+        head = self.waiting.peek()
+        if not limits.active:
+            return head
+        for request in itertools.chain((head,), itertools.islice(self.waiting, LOOKAHEAD)):
+            if id(request) in deferred:
+                continue
+            if limits.admits(request):
+                return request
+            deferred.add(id(request))
+        return None
+
     def _admit_waiting(self, step: _StepBuilder) -> None:
+        deferred: set[int] = set()
         while len(self.waiting) and step.token_budget > 0 and len(self.running) < self.config.max_batch_size:
-            request = self.waiting.peek()
+            request = self._next_admissible(step.limits, deferred)
+            if request is None:
+                return
             if self.kv.is_swapped(request):
-                if not self._swap_in(request, step):
+                if request is not self.waiting.peek() or not self._swap_in(request, step):
                     return
                 continue
             hit = self.kv.find_prefix_hit(request)
-            num_tokens = self._tokens_to_schedule(request, hit, step.token_budget)
-            if num_tokens == 0 or not self._reservation_fits(request, hit):
+            num_tokens = self._tokens_to_schedule(request, hit, step.limits.cap(request, step.token_budget))
+            if num_tokens == 0 or not self._reservation_fits(request, hit) or not self._pinned_fit(request):
                 return
             new_blocks = self.kv.allocate(request, num_tokens, hit)
             if new_blocks is None:
                 return
-            self.waiting.pop()
+            self.waiting.remove(request)
+            step.limits.count(request)
             if request.status == RequestStatus.WAITING:
                 self.kv.record_prefix_query(request, hit)
                 request.num_cached_prompt_tokens = hit.num_tokens
             self._on_scheduled(request)
             self._insert_running(request)
             step.add(request, num_tokens, self.kv.block_ids(request), resumed=True)
+
+    # ---- service-level targets (core/slo.py) ------------------------------------------------------------------
+    def _admission_check(self, request: Request) -> None:
+        """Refuse (SloUnattainableError), before it takes a block, a request predicted to miss its TTFT target
+        (slo_admission refuse) or its deadline; under deprioritize one that would miss its target is demoted."""
+        if self.slo.mode == SloAdmission.OFF and request.deadline is None:
+            return
+        now = self.clock()
+        if request.deadline is not None and request.deadline <= now:
+            raise SloUnattainableError("the request's deadline has passed")
+        load = self.slo.snapshot(self.running)
+        for ahead in self.waiting:
+            if not ahead.slo_demoted:
+                self.slo.account(ahead, load)
+        late = self.slo.will_miss(request, load, now)
+        if late is None:
+            return
+        if self.slo.mode == SloAdmission.DEPRIORITIZE:
+            request.slo_demoted = True
+            self.slo.num_demoted += 1
+            return
+        self.slo.num_refused += 1
+        raise SloUnattainableError(
+            f"at the present load its first token is predicted {1000 * late:.0f} ms after its TTFT target or "
+            f"deadline; retry later",
+            retry_after_s=late,
+        )
+
+    def _review_waiting(self) -> None:
+        """Each step, in queue order: drop the never-started requests whose deadline has passed, and refuse or
+        demote (slo_admission) those now predicted to miss their TTFT target."""
+        now = self.clock()
+        load = self.slo.snapshot(self.running)
+        for request in list(self.waiting):
+            if request.slo_demoted:
+                continue
+            if request.deadline is not None and request.first_scheduled_time is None and now > request.deadline:
+                self.slo.num_deadline_dropped += 1
+                self._drop_waiting(request, "deadline")
+                continue
+            late = None if self.slo.mode == SloAdmission.OFF else self.slo.will_miss(request, load, now)
+            if late is None:
+                self.slo.account(request, load)
+            elif self.slo.mode == SloAdmission.REFUSE:
+                self.slo.num_refused += 1
+                self._drop_waiting(request, "slo_unattainable")
+            else:
+                self.slo.num_demoted += 1
+                self.waiting.demote(request)
+
+    def _drop_waiting(self, request: Request, why: str) -> None:
+        self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        request.stop_reason = why
+        self._rejected.append(RequestOutput(request.request_id, [], True, FinishReason.ABORT, why))
 
     def _reject_unschedulable(self, request: Request) -> None:
         """The head of the queue was not admitted into an empty batch, on an empty pool: it never will be (its
@@ -298,8 +438,14 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
 
+    def _is_pinned(self, request: Request) -> bool:
+        limit = self.config.max_preemptions_per_request
+        return limit is not None and request.num_preemptions >= limit
+
     def _insert_running(self, request: Request) -> None:
-        if self.config.scheduling_order == SchedulingOrder.PRIORITY:
+        if self._is_pinned(request):  # ranked first: everyone after it may give it blocks, it gives none
+            self.running.insert(sum(1 for _ in itertools.takewhile(self._is_pinned, self.running)), request)
+        elif self.config.scheduling_order == SchedulingOrder.PRIORITY:
             keys = [(r.priority, r.arrival_time) for r in self.running]
             self.running.insert(bisect.bisect_right(keys, (request.priority, request.arrival_time)), request)
         else:
@@ -318,6 +464,16 @@ class Scheduler:
         reserved = sum(self._worst_case_blocks(r) - self.kv.num_blocks_of(r) for r in self.running)
         shared = sum(1 for b in hit.blocks if b.ref_count > 0)  # already owned: costs no free block
         return self._worst_case_blocks(request) - shared + reserved <= self.kv.pool.num_free_blocks
+
+    def _pinned_fit(self, request: Request) -> bool:
+        """A pinned request is let in only when every pinned request's worst case fits in the blocks that are free
+        or held by requests that may still be preempted: a pinned request never has to wait for blocks for ever."""
+        if not self._is_pinned(request):
+            return True
+        pinned = [r for r in self.running if self._is_pinned(r)] + [request]
+        need = sum(self._worst_case_blocks(r) - self.kv.num_blocks_of(r) for r in pinned)
+        yielding = sum(self.kv.num_blocks_of(r) for r in self.running if not self._is_pinned(r))
+        return need <= self.kv.pool.num_free_blocks + yielding
 
     def _form_static_batch(self) -> None:
         """Static batching: the next batch is up to max_batch_size waiting requests whose worst case fits."""
@@ -443,6 +599,7 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        self._num_with_deadline -= request.deadline is not None
         batch_member = request.status == RequestStatus.RUNNING and request.num_computed_tokens > 0
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -480,6 +637,9 @@ class Scheduler:
             num_swapped=len(self.kv.req_host_blocks),
             num_preempted_this_step=step.num_preempted if step else 0,
             num_preemptions_total=self.num_preemptions_total,
+            slo_num_refused=self.slo.num_refused,
+            slo_num_demoted=self.slo.num_demoted,
+            slo_num_deadline_dropped=self.slo.num_deadline_dropped,
             num_prefill_tokens=step.num_prefill_tokens if step else 0,
             num_decode_tokens=sum(n for n, prefill in scheduled.values() if not prefill),
             num_scheduled_seqs=len(scheduled),

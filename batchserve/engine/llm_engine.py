@@ -247,6 +247,8 @@ class LLMEngine:
         scheduled_at = time.monotonic()
         model_output = self.runner.execute(scheduled)
         executed_at = time.monotonic()
+        if not scheduled.is_empty:  # the SLO predictions' step-time fit (core/slo.py)
+            self.scheduler.observe_step(scheduled.total_num_scheduled_tokens, self.runner.last_timings.model_s)
         if self.scheduler.speculation is not None and not scheduled.is_empty:  # k_policy "cost" learns step costs
             self.scheduler.speculation.observe_step(scheduled.total_num_scheduled_tokens, executed_at - scheduled_at)
         for request_id, scores in model_output.prompt_logprobs.items():
@@ -315,6 +317,8 @@ class LLMEngine:
                 finished_time=request.finished_time,
                 num_cached_tokens=request.num_cached_prompt_tokens,
                 num_preemptions=request.num_preemptions,
+                ttft_slo_s=request.ttft_slo_s,
+                tpot_slo_s=request.tpot_slo_s,
             ),
             prompt_logprobs=prompt_logprobs,
         )

@@ -17,6 +17,21 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    ttft_slo_s: float | None = None  # the targets the request was served against (its own or the server's)
+    tpot_slo_s: float | None = None
+
+    def slo_met(self, num_output_tokens: int) -> bool | None:
+        """Whether a finished request met its targets; None when it had none. A request that never produced a
+        token missed its TTFT target; TPOT is undefined (so met) with a single output token."""
+        if self.ttft_slo_s is None and self.tpot_slo_s is None:
+            return None
+        if self.first_token_time is None:
+            return False
+        if self.ttft_slo_s is not None and self.first_token_time - self.arrival_time > self.ttft_slo_s:
+            return False
+        if self.tpot_slo_s is None or num_output_tokens <= 1 or self.finished_time is None:
+            return True
+        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1) <= self.tpot_slo_s
 
 
 @dataclass

@@ -78,6 +78,18 @@ HELP: dict[str, str] = {
     "truncation": "a prompt over max_input_len: error (refuse it), left (keep its end), right (keep its start)",
     "max_waiting_requests": "bound of the waiting queue; when full the server answers 503 (default: unbounded)",
     "static_padding": "static policy: a finished member is computed as padding until its whole batch is done",
+    "long_prefill_token_threshold": "a prompt with more tokens than this left to compute is long: it is chunked to "
+    "at most this many tokens a step, so running decodes never wait a whole long prefill (default 0: off)",
+    "max_num_partial_prefills": "prompts of any length prefilling (chunked) at once (default: no cap)",
+    "max_long_partial_prefills": "long prompts (long_prefill_token_threshold) prefilling at once (default: no cap)",
+    "ttft_slo_ms": "time-to-first-token target of requests that set none, ms: goodput counts requests within "
+    "their targets; slo_admission acts on them (docs/slo.md; default: none)",
+    "tpot_slo_ms": "time-per-output-token target of requests that set none, ms (default: none)",
+    "slo_admission": "a waiting request predicted to miss its TTFT target: off (serve it anyway), refuse (503 with "
+    "Retry-After at admission, dropped from the queue later), deprioritize (served after those that can still meet "
+    "theirs); preemption then picks the running request with the most slack",
+    "max_preemptions_per_request": "a request preempted this many times is pinned: never preempted again, so "
+    "preemption cannot thrash (default: no bound)",
     "block_size": "tokens per KV block, 8-128",
     "num_kv_blocks": "KV pool size in blocks (default: from kv_cache_memory_fraction; `generate` and the offline LLM "
     "size it to their requests, up to that)",

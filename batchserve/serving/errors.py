@@ -7,6 +7,7 @@ import enum
 import logging
 from dataclasses import dataclass
 
+from batchserve.core.slo import SloUnattainableError
 from batchserve.engine.async_engine import EngineDeadError
 from batchserve.engine.llm_engine import QueueFullError
 from batchserve.sampling_params import InvalidRequestError
@@ -29,12 +30,13 @@ class ServingError(Exception):
     kind: ErrorKind
     message: str
     param: str | None = None  # the request field the error is about, when known
+    retry_after_s: float | None = None  # overloaded: when a retry may succeed, when the engine could tell
 
     def __str__(self) -> str:
         return self.message
 
-    def __reduce__(self) -> tuple[type, tuple[ErrorKind, str, str | None]]:  # pickled whole (Ray sends it)
-        return ServingError, (self.kind, self.message, self.param)
+    def __reduce__(self) -> tuple[type, tuple[ErrorKind, str, str | None, float | None]]:  # pickled whole (Ray)
+        return ServingError, (self.kind, self.message, self.param, self.retry_after_s)
 
 
 def classify(exc: BaseException) -> ServingError:
@@ -43,6 +45,8 @@ def classify(exc: BaseException) -> ServingError:
         return exc
     if isinstance(exc, InvalidRequestError):
         return ServingError(ErrorKind.INVALID_REQUEST, str(exc), exc.param)
+    if isinstance(exc, SloUnattainableError):
+        return ServingError(ErrorKind.OVERLOADED, f"server overloaded, retry later: {exc}", None, exc.retry_after_s)
     if isinstance(exc, QueueFullError):
         return ServingError(ErrorKind.OVERLOADED, f"server overloaded, retry later: {exc}")
     if isinstance(exc, EngineDeadError):

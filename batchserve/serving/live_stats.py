@@ -61,6 +61,7 @@ class RequestPoint:
     ttft_s: float | None
     tpot_s: float | None
     e2e_s: float
+    slo_met: bool | None = None  # within its TTFT / TPOT targets; None: it had none
 
 
 class LiveStats:
@@ -113,7 +114,7 @@ class LiveStats:
             finish_reason=str(out.finish_reason or "abort"),
             queue_s=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
             ttft_s=None if first_token is None else first_token - m.arrival_time,
-            tpot_s=tpot, e2e_s=finished - m.arrival_time,
+            tpot_s=tpot, e2e_s=finished - m.arrival_time, slo_met=m.slo_met(out.num_output_tokens),
         )  # fmt: skip
 
     def _forget_old(self, now: float) -> None:
@@ -180,6 +181,8 @@ def latency_summary(requests: Iterable[RequestPoint], window_s: float) -> dict[s
     for name in ("queue_s", "ttft_s", "tpot_s", "e2e_s"):
         values = [v for v in (getattr(r, name) for r in requests) if v is not None]
         summary[name] = {f"p{p}": percentile(values, p) for p in PERCENTILES}
+    judged = [r.slo_met for r in requests if r.slo_met is not None]
+    summary["slo"] = {"with_targets": len(judged), "met": sum(judged), "goodput_rps": sum(judged) / window_s}
     return summary
 
 

@@ -73,6 +73,14 @@ class EngineMetrics:
             "spec_decode_mean_acceptance_length", "Tokens emitted per verification step, since start."
         )
         self._last_spec = dict.fromkeys(self.spec_counters, 0)
+        slo = Counter(PREFIX + "slo_admission", "Requests the SLO admission acted on (docs/slo.md), by decision.",
+                      ["model_name", "decision"], registry=f.registry)  # fmt: skip
+        self.slo_counters = {  # SchedulerStats field -> counter
+            "slo_num_refused": slo.labels(f.model_name, "refused"),
+            "slo_num_demoted": slo.labels(f.model_name, "demoted"),
+            "slo_num_deadline_dropped": slo.labels(f.model_name, "deadline_dropped"),
+        }
+        self._last_slo = dict.fromkeys(self.slo_counters, 0)
 
     def _add_token_metrics(self, f: _Family) -> None:
         self.prompt_tokens = f.counter("prompt_tokens", "Prompt tokens of the requests admitted.")
@@ -94,6 +102,12 @@ class EngineMetrics:
             PREFIX + "request_success",
             "Finished requests by finish reason.",
             ["model_name", "finished_reason"],
+            registry=f.registry,
+        )
+        self.request_slo = Counter(
+            PREFIX + "request_slo",
+            "Finished requests with service-level targets, by whether they met them (goodput: met per second).",
+            ["model_name", "result"],
             registry=f.registry,
         )
         self.time_to_first_token = f.histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
@@ -149,6 +163,8 @@ class EngineMetrics:
         self._last_prefix_hits = _advance(self.prefix_cache_hits, stats.prefix_cache_hits, self._last_prefix_hits)
         for name, counter in self.spec_counters.items():
             self._last_spec[name] = _advance(counter, getattr(stats, name), self._last_spec[name])
+        for name, counter in self.slo_counters.items():
+            self._last_slo[name] = _advance(counter, getattr(stats, name), self._last_slo[name])
         if stats.spec_num_drafts:
             self.spec_mean_acceptance_length.set(stats.spec_num_emitted_tokens / stats.spec_num_drafts)
 
@@ -179,6 +195,9 @@ class EngineMetrics:
         self.request_prompt_tokens.observe(out.num_prompt_tokens)
         self.request_generation_tokens.observe(out.num_output_tokens)
         m = out.metrics
+        met = m.slo_met(out.num_output_tokens)
+        if met is not None:
+            self.request_slo.labels(self.model_name, "met" if met else "missed").inc()
         if m.first_scheduled_time is not None:
             self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.first_token_time is not None:

@@ -13,6 +13,7 @@ from batchserve.bench.arrivals import ArrivalProcess
 from batchserve.bench.metrics import RequestResult, StepSample
 from batchserve.bench.trace import RunTrace
 from batchserve.bench.workloads import BenchRequest
+from batchserve.core.slo import SloUnattainableError
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.simulator.engine import SimEngine
 
@@ -85,12 +86,13 @@ class Cluster:
         rep.engine.clock.advance_to(now)
         rep.ready_at = max(rep.ready_at, now)
         result = RequestResult(req.request_id, req.prompt_len, 0, now, category=req.category)
-        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0,
+                                ttft_slo_ms=req.ttft_slo_ms, tpot_slo_ms=req.tpot_slo_ms)  # fmt: skip
         try:
             rep.engine.add_request(req.request_id, req.prompt_token_ids, params, arrival_time=now)
             rep.live[req.request_id] = result
-        except InvalidRequestError as exc:
-            result.success, result.error = False, f"InvalidRequestError: {exc}"
+        except (InvalidRequestError, SloUnattainableError) as exc:
+            result.success, result.error = False, f"{type(exc).__name__}: {exc}"
             done.append(result)
         return index
 

@@ -127,6 +127,8 @@ class SimEngine:
     def step(self) -> list[SimOutput]:
         scheduled = self.scheduler.schedule()
         model_output = self.runner.execute(scheduled)
+        if not scheduled.is_empty:  # as LLMEngine.step: the SLO predictions learn the step's time
+            self.scheduler.observe_step(scheduled.total_num_scheduled_tokens, self.runner.last_timings.model_s)
         request_outputs = self.scheduler.update_from_output(scheduled, model_output)
         self.last_stats = self.scheduler.stats()
         self.num_steps += 1

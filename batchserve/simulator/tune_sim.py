@@ -2,6 +2,8 @@
 optionally confirm the best few on the real engine (`--confirm N`).
 
   batchserve tune --simulate --profile prof.json --workload longtail --request-rate 4 --slo-ttft-ms 500
+  batchserve tune --simulate --profile prof.json --workload mixed --request-rate 1 --slo ttft=500,tpot=250 \
+      --prefill-thresholds 0,128,512 --slo-admissions off,refuse
   batchserve tune --simulate --device-preset h100-sxm --model-shapes llama-3-8b --request-rate 100 \\
       --replicas-list 1,2,4,8 --num-requests 2000
 
@@ -31,7 +33,7 @@ from batchserve.simulator.cli import add_simulator_arguments, load_profile
 from batchserve.simulator.tokens import workload_tokenizer
 
 KNOBS = ("replicas", "scheduler_policy", "scheduling_order", "max_batch_size", "max_num_tokens", "block_size",
-         "enable_chunked_prefill")  # fmt: skip
+         "enable_chunked_prefill", "long_prefill_token_threshold", "slo_admission")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunked", default="on", help="chunked prefill settings to try: on, off or on,off")
     g.add_argument("--replicas-list", default="1", help="replica counts to try")
     g.add_argument("--confirm", type=int, default=0, help="run the best N on the real engine and print both")
+    g.add_argument("--slo", default=None, metavar="ttft=MS,tpot=MS",
+                   help="the targets in one flag (= --slo-ttft-ms / --slo-tpot-ms); under an slo_admission other than "
+                   "off they are also the engine's --ttft-slo-ms / --tpot-slo-ms")  # fmt: skip
+    g.add_argument("--prefill-thresholds", default="0", help="long_prefill_token_threshold values to try (0: off; "
+                   "above 0 with max_long_partial_prefills 1)")  # fmt: skip
+    g.add_argument("--slo-admissions", default="off", help="slo_admission values to try (off,refuse,deprioritize)")
     add_simulator_arguments(p)
     p.set_defaults(num_requests=500)
     return p
@@ -55,8 +63,38 @@ def _list(text: str, kind: type = str) -> list[Any]:
 def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     chunked = [x == "on" for x in _list(args.chunked)]
     axes = (_list(args.replicas_list, int), _list(args.policies), _list(args.orders), _list(args.batch_sizes, int),
-            _list(args.num_tokens, int), _list(args.block_sizes, int), chunked)  # fmt: skip
+            _list(args.num_tokens, int), _list(args.block_sizes, int), chunked, _list(args.prefill_thresholds, int),
+            _list(args.slo_admissions))  # fmt: skip
     return [dict(zip(KNOBS, values, strict=True)) for values in itertools.product(*axes)]
+
+
+def parse_slo(args: argparse.Namespace) -> None:
+    """--slo ttft=500,tpot=100 as --slo-ttft-ms / --slo-tpot-ms. Raises ValueError naming what is wrong."""
+    if not args.slo:
+        return
+    names = {"ttft": "slo_ttft_ms", "tpot": "slo_tpot_ms"}
+    for item in args.slo.split(","):
+        key, _, value = item.strip().partition("=")
+        if key not in names:
+            raise ValueError(f"--slo takes ttft=MS and/or tpot=MS, not {item!r}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"--slo {item!r}: {value!r} is not a number of milliseconds") from None
+        if not ms > 0:
+            raise ValueError(f"--slo {item!r}: the target must be > 0 ms")
+        setattr(args, names[key], ms)
+
+
+def engine_options(knobs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """A grid point as engine options: a prefill threshold comes with one long prefill at a time, and SLO admission
+    with the targets as the engine's defaults (the workload's requests carry none of their own)."""
+    options = {k: v for k, v in knobs.items() if k != "replicas"}
+    if options["long_prefill_token_threshold"]:
+        options["max_long_partial_prefills"] = 1
+    if options["slo_admission"] != "off":
+        options["ttft_slo_ms"], options["tpot_slo_ms"] = args.slo_ttft_ms, args.slo_tpot_ms
+    return options
 
 
 def pick(rows: list[dict[str, Any]], min_attainment: float) -> tuple[list[dict[str, Any]], bool]:
@@ -71,14 +109,14 @@ def pick(rows: list[dict[str, Any]], min_attainment: float) -> tuple[list[dict[s
 
 def format_rows(rows: list[dict[str, Any]], limit: int = 15) -> str:
     head = (f"{'rep':>3} {'policy':<20} {'order':<14} {'batch':>5} {'tokens':>6} {'block':>5} {'chunk':>5} "
-            f"{'goodput':>8} {'SLO %':>6} {'out tok/s':>9} {'TTFT p99':>9} {'TPOT p99':>9}")  # fmt: skip
+            f"{'long>':>5} {'admission':<12} {'goodput':>8} {'SLO %':>6} {'out tok/s':>9} {'TTFT p99':>9} {'TPOT p99':>9}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows[:limit]:
         c, s = r["config"], r["summary"]
         lines.append(
             f"{c['replicas']:>3} {c['scheduler_policy']:<20} {c['scheduling_order']:<14} {c['max_batch_size']:>5} "
             f"{c['max_num_tokens']:>6} {c['block_size']:>5} {'on' if c['enable_chunked_prefill'] else 'off':>5} "
-            f"{s['goodput']:>8.3f} {100 * s['slo_attainment']:>6.1f} {s['output_throughput']:>9.1f} "
+            f"{c['long_prefill_token_threshold'] or '-':>5} {c['slo_admission']:<12} {s['goodput']:>8.3f} {100 * s['slo_attainment']:>6.1f} {s['output_throughput']:>9.1f} "
             f"{s['ttft_ms']['p99']:>9.1f} {s['tpot_ms']['p99']:>9.1f}"
         )
     if len(rows) > limit:
@@ -90,7 +128,7 @@ def search(args: argparse.Namespace, base: EngineConfig, profile: Any, requests:
     slo = slo_from_args(args)
     rows = []
     for knobs in grid(args):
-        options = {k: v for k, v in knobs.items() if k != "replicas"}
+        options = engine_options(knobs, args)
         try:
             config = EngineConfig.from_options(**{**base.to_flat_dict(), **options})
         except ConfigError as exc:
@@ -112,7 +150,7 @@ def confirm(args: argparse.Namespace, base: EngineConfig, rows: list[dict], arri
     slo, engine = slo_from_args(args), None
     print("\nconfirmed on the real engine (predicted -> measured):")
     for r in [r for r in rows if r["config"]["replicas"] == 1][: args.confirm]:
-        options = {k: v for k, v in r["config"].items() if k != "replicas"}
+        options = engine_options(r["config"], args)
         engine = offline.build_engine(EngineConfig.from_options(**{**base.to_flat_dict(), **options}), like=engine)
         requests = make_requests(args, engine.tokenizer, args.num_requests, args.seed or 0)
         trace = offline.run_offline(engine, requests, arrivals, args.seed or 0, "confirm", not args.no_progress)
@@ -127,6 +165,7 @@ def confirm(args: argparse.Namespace, base: EngineConfig, rows: list[dict], arri
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        parse_slo(args)
         normalize(args)
         base = engine_config_from_args(args)
         profile = load_profile(args, base)
@@ -155,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.results_json:
         save_json({"rows": ranked, "meets_slo": meets, "profile": profile.label}, args.results_json)
     best = ranked[0]["config"]
-    chosen = {**explicit_options(args), **{k: v for k, v in best.items() if k != "replicas"}}
+    chosen = {**explicit_options(args), **engine_options(best, args)}
     EngineConfig.from_options(**chosen)  # what we write must load
     Path(args.output).write_text(json.dumps(chosen, indent=2) + "\n")
     verdict = "meets the SLO" if meets else "NO configuration met the SLO; this one has the highest goodput"

@@ -72,3 +72,15 @@ def test_the_data_needs_the_key_the_page_does_not():
         assert ok.status_code == 200 and ok.json()["now"]["waiting"] == 0
     finally:
         server.stop()
+
+
+def test_goodput_of_the_last_minute_agrees_with_metrics(server):
+    targets = [{"ttft_slo_ms": 60_000}, {"ttft_slo_ms": 60_000, "tpot_slo_ms": 0.001}, {}]  # met, missed, none
+    for extra in targets:
+        body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True, **extra}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    server.wait_idle()
+    slo = httpx.get(server.url + "/dashboard/data", timeout=10).json()["latency"]["slo"]
+    assert (slo["with_targets"], slo["met"]) == (2, 1)
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'batchserve:request_slo_total{model_name="' in text and 'result="missed"} 1.0' in text

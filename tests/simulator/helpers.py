@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from batchserve.bench.offline import OfflineRun, drive
+from batchserve.core.outputs import RunnerTimings
 from batchserve.simulator.clock import VirtualClock
 from batchserve.simulator.shape import shape_of
 from batchserve.simulator.step_model import LinearStepModel
@@ -20,7 +21,7 @@ class ClockedFake:
     def __init__(self, engine, clock: VirtualClock, model=STEP_MODEL) -> None:
         self.inner, self.engine, self.clock, self.model = engine.runner, engine, clock, model
         self.num_kv_blocks, self.num_swap_blocks = self.inner.num_kv_blocks, self.inner.num_swap_blocks
-        self.last_timings = self.inner.last_timings
+        self.last_timings = RunnerTimings()
 
     @property
     def steps(self):
@@ -29,8 +30,10 @@ class ClockedFake:
     def execute(self, out):
         shape = shape_of(out, self.engine.scheduler)
         result = self.inner.execute(out)
-        if not out.is_empty:
-            self.clock.advance(self.model.predict(shape))
+        if not out.is_empty:  # the modelled time, as the simulator's runner reports it (the SLO fit learns it)
+            seconds = self.model.predict(shape)
+            self.clock.advance(seconds)
+            self.last_timings = RunnerTimings(forward_s=seconds)
         return result
 
 
@@ -38,6 +41,7 @@ def run_real(engine, requests, arrivals, seed=0):
     """bench's own driver (OfflineRun) over the real engine, on a virtual clock."""
     clock = VirtualClock()
     engine.runner = ClockedFake(engine, clock)
+    engine.scheduler.clock = clock  # deadlines and slack on the simulated time, as in the simulator
     return drive(OfflineRun(engine, requests, arrivals, seed, "real", False, clock, sleep=clock.sleep)), engine.runner
 
 

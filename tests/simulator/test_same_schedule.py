@@ -26,6 +26,15 @@ CASES = {
     "swap": ("uniform", dict(max_batch_size=8, num_kv_blocks=24, block_size=8, preemption_mode="swap",
                              num_swap_blocks=32), dict(input_len=24)),
     "static": ("longtail", dict(max_batch_size=4, scheduler_policy="static", num_kv_blocks=128, block_size=8), {}),
+    # long-prompt isolation: long prompts chunked to 16 tokens, one long and two prompts in all prefilling at once
+    "long-prefill-limits": ("longtail", dict(max_batch_size=6, max_num_tokens=48, num_kv_blocks=96, block_size=8,
+                                             long_prefill_token_threshold=16, max_long_partial_prefills=1,
+                                             max_num_partial_prefills=2), {}),
+    # SLO admission on the step-time fit both learn from the same modelled steps: refusals, drops, slack victims
+    "slo-refuse": ("longtail", dict(max_batch_size=4, max_num_tokens=40, num_kv_blocks=48, block_size=8,
+                                    slo_admission="refuse", ttft_slo_ms=40, max_preemptions_per_request=2), {}),
+    "slo-deprioritize": ("longtail", dict(max_batch_size=4, max_num_tokens=40, num_kv_blocks=48, block_size=8,
+                                          slo_admission="deprioritize", ttft_slo_ms=40), {}),
     "no-evict-priority": ("uniform", dict(max_batch_size=8, scheduler_policy="guaranteed_no_evict",
                                           num_kv_blocks=40, block_size=8), dict(input_len=20)),
 }  # fmt: skip
@@ -62,6 +71,12 @@ def test_simulated_schedule_equals_the_engines(make_engine, case, rate):
         assert sim_summary[key] == pytest.approx(real_summary[key], rel=1e-9), key
     for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
         assert sim_summary[key] == pytest.approx(real_summary[key], rel=1e-9), key
+    if case.startswith("slo-"):  # the case decides something: refusals or demotions, the same in both
+        real_slo, sim_slo = engine.scheduler.slo, sim.scheduler.slo
+        assert real_slo.num_refused + real_slo.num_demoted > 0
+        assert (real_slo.num_refused, real_slo.num_demoted) == (sim_slo.num_refused, sim_slo.num_demoted)
+    if case == "long-prefill-limits":  # long prompts were chunked to the threshold
+        assert any(16 in o.num_scheduled_tokens.values() for o in fake.steps)
     if case.startswith("uniform-preempting"):
         assert real_summary["step_preemptions"] > 0  # the case tests what it says
     if case == "shared-prefix-hits":

@@ -15,7 +15,8 @@ from batchserve.serving.structured import constraint_for
 
 # optional scalar fields copied as they are when set; unset ones keep SamplingParams' defaults
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "logprobs", "skip_special_tokens", "n")  # fmt: skip
+             "frequency_penalty", "seed", "logprobs", "skip_special_tokens", "n", "ttft_slo_ms", "tpot_slo_ms",
+             "deadline")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,9 @@ INPUTS: dict[str, Field] = {
     "embedding_bias_weights": Field("reals", "FP32"),
     "guided_decoding_guide_type": Field("text", "BYTES"),
     "guided_decoding_guide": Field("text", "BYTES"),
+    # batchserve's own: service-level targets in ms, as the HTTP fields (docs/slo.md)
+    "ttft_slo_ms": Field("real", "FP32"),
+    "tpot_slo_ms": Field("real", "FP32"),
 }
 # ensemble inputs that need a feature batchserve does not have: refused by name, whatever their value
 REFUSED: dict[str, str] = {
@@ -152,7 +155,7 @@ def _sampling_params(get: _Reader) -> SamplingParams:
         options["temperature"] = get.one("temperature", 1.0)
         options["top_k"] = max(top_k, 0)
         options["top_p"] = top_p if top_p > 0 else 1.0
-    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "ttft_slo_ms", "tpot_slo_ms"):
         if name in get.values:
             options[name] = get.one(name)
     min_tokens = get.one("min_tokens", get.one("min_length", 0))

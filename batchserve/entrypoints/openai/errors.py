@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -56,7 +57,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return validation_error(exc)
     error = classify(exc)
     status, type_, code = _BY_KIND[error.kind]
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.kind == ErrorKind.OVERLOADED else None
+    retry_s = RETRY_AFTER_S if error.retry_after_s is None else max(RETRY_AFTER_S, math.ceil(error.retry_after_s))
+    headers = {"Retry-After": str(retry_s)} if error.kind == ErrorKind.OVERLOADED else None
     return APIError(status, error.message, type_, error.param, code, headers)
 
 

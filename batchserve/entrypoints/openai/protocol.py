@@ -72,6 +72,10 @@ class SamplingRequest(RequestBody):
     user: str | None = None  # an end-user id for the caller's own monitoring: it changes nothing computed
     priority: int = 0  # lower is served first under scheduling_order="priority"
     timeout: float | None = None  # seconds this request may take, waiting and running (else --request-timeout)
+    # service-level targets and queue deadline (docs/slo.md): numbers, checked by SamplingParams (> 0, not past)
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    deadline: float | None = None  # Unix seconds
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias added to its logit
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs object
     response_format: dict[str, Any] | None = None
@@ -116,6 +120,9 @@ class SamplingRequest(RequestBody):
             "repetition_penalty",
             "presence_penalty",
             "frequency_penalty",
+            "ttft_slo_ms",
+            "tpot_slo_ms",
+            "deadline",
         ):
             value = getattr(self, name)
             if value is not None:

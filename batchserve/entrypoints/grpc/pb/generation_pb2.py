@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/batchserve/entrypoints/grpc/pb/generation.proto\x12\rbatchserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xde\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12@\n\nlogit_bias\x18\x11 \x03(\x0b\x32,.batchserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x16.batchserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x12\x0e\n\x01n\x18\x17 \x01(\x05H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xd1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x06tokens\x18\x03 \x01(\x0b\x32\x17.batchserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.batchserve.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12\x13\n\x0breturn_text\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.batchserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x80\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.batchserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.batchserve.v1.Usage\x12\r\n\x05index\x18\t \x01(\x05\x42\r\n\x0bstop_reason\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0b\x61\x62orted_ids\x18\x01 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xc4\x02\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12served_model_names\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x15\n\rmax_input_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12\x16\n\x0emax_num_tokens\x18\t \x01(\x05\x12\x1c\n\x14max_waiting_requests\x18\n \x01(\x05\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x12\n\ntruncation\x18\x0c \x01(\t\x12\x19\n\x11max_request_bytes\x18\r \x01(\x05\"\x13\n\x11ServerInfoRequest\"\xf6\x01\n\x12ServerInfoResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x01\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x16\n\x0e\x65ngine_running\x18\t \x01(\x08\x12\x0f\n\x07version\x18\n \x01(\t2\xc2\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.batchserve.v1.GenerateRequest\x1a\x1f.batchserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.batchserve.v1.AbortRequest\x1a\x1c.batchserve.v1.AbortResponse\x12N\n\tModelInfo\x12\x1f.batchserve.v1.ModelInfoRequest\x1a .batchserve.v1.ModelInfoResponse\x12Q\n\nServerInfo\x12 .batchserve.v1.ServerInfoRequest\x1a!.batchserve.v1.ServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/batchserve/entrypoints/grpc/pb/generation.proto\x12\rbatchserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd6\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12@\n\nlogit_bias\x18\x11 \x03(\x0b\x32,.batchserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x16.batchserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x12\x0e\n\x01n\x18\x17 \x01(\x05H\x0c\x88\x01\x01\x12\x18\n\x0bttft_slo_ms\x18\x18 \x01(\x01H\r\x88\x01\x01\x12\x18\n\x0btpot_slo_ms\x18\x19 \x01(\x01H\x0e\x88\x01\x01\x12\x15\n\x08\x64\x65\x61\x64line\x18\x1a \x01(\x01H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x0e\n\x0c_ttft_slo_msB\x0e\n\x0c_tpot_slo_msB\x0b\n\t_deadline\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xd1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x06tokens\x18\x03 \x01(\x0b\x32\x17.batchserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.batchserve.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12\x13\n\x0breturn_text\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.batchserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x80\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.batchserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.batchserve.v1.Usage\x12\r\n\x05index\x18\t \x01(\x05\x42\r\n\x0bstop_reason\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0b\x61\x62orted_ids\x18\x01 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xc4\x02\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12served_model_names\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x15\n\rmax_input_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12\x16\n\x0emax_num_tokens\x18\t \x01(\x05\x12\x1c\n\x14max_waiting_requests\x18\n \x01(\x05\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x12\n\ntruncation\x18\x0c \x01(\t\x12\x19\n\x11max_request_bytes\x18\r \x01(\x05\"\x13\n\x11ServerInfoRequest\"\xf6\x01\n\x12ServerInfoResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x01\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x16\n\x0e\x65ngine_running\x18\t \x01(\x08\x12\x0f\n\x07version\x18\n \x01(\t2\xc2\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.batchserve.v1.GenerateRequest\x1a\x1f.batchserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.batchserve.v1.AbortRequest\x1a\x1c.batchserve.v1.AbortResponse\x12N\n\tModelInfo\x12\x1f.batchserve.v1.ModelInfoRequest\x1a .batchserve.v1.ModelInfoResponse\x12Q\n\nServerInfo\x12 .batchserve.v1.ServerInfoRequest\x1a!.batchserve.v1.ServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,33 +36,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=66
   _globals['_TOKENIDS']._serialized_end=89
   _globals['_SAMPLINGPARAMS']._serialized_start=92
-  _globals['_SAMPLINGPARAMS']._serialized_end=954
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=713
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=761
-  _globals['_CHOICES']._serialized_start=956
-  _globals['_CHOICES']._serialized_end=981
-  _globals['_GENERATEREQUEST']._serialized_start=984
-  _globals['_GENERATEREQUEST']._serialized_end=1193
-  _globals['_TOPLOGPROB']._serialized_start=1195
-  _globals['_TOPLOGPROB']._serialized_end=1242
-  _globals['_TOKENLOGPROB']._serialized_start=1244
-  _globals['_TOKENLOGPROB']._serialized_end=1347
-  _globals['_USAGE']._serialized_start=1349
-  _globals['_USAGE']._serialized_end=1429
-  _globals['_GENERATERESPONSE']._serialized_start=1432
-  _globals['_GENERATERESPONSE']._serialized_end=1688
-  _globals['_ABORTREQUEST']._serialized_start=1690
-  _globals['_ABORTREQUEST']._serialized_end=1725
-  _globals['_ABORTRESPONSE']._serialized_start=1727
-  _globals['_ABORTRESPONSE']._serialized_end=1763
-  _globals['_MODELINFOREQUEST']._serialized_start=1765
-  _globals['_MODELINFOREQUEST']._serialized_end=1783
-  _globals['_MODELINFORESPONSE']._serialized_start=1786
-  _globals['_MODELINFORESPONSE']._serialized_end=2110
-  _globals['_SERVERINFOREQUEST']._serialized_start=2112
-  _globals['_SERVERINFOREQUEST']._serialized_end=2131
-  _globals['_SERVERINFORESPONSE']._serialized_start=2134
-  _globals['_SERVERINFORESPONSE']._serialized_end=2380
-  _globals['_GENERATION']._serialized_start=2383
-  _globals['_GENERATION']._serialized_end=2705
+  _globals['_SAMPLINGPARAMS']._serialized_end=1074
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=788
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=836
+  _globals['_CHOICES']._serialized_start=1076
+  _globals['_CHOICES']._serialized_end=1101
+  _globals['_GENERATEREQUEST']._serialized_start=1104
+  _globals['_GENERATEREQUEST']._serialized_end=1313
+  _globals['_TOPLOGPROB']._serialized_start=1315
+  _globals['_TOPLOGPROB']._serialized_end=1362
+  _globals['_TOKENLOGPROB']._serialized_start=1364
+  _globals['_TOKENLOGPROB']._serialized_end=1467
+  _globals['_USAGE']._serialized_start=1469
+  _globals['_USAGE']._serialized_end=1549
+  _globals['_GENERATERESPONSE']._serialized_start=1552
+  _globals['_GENERATERESPONSE']._serialized_end=1808
+  _globals['_ABORTREQUEST']._serialized_start=1810
+  _globals['_ABORTREQUEST']._serialized_end=1845
+  _globals['_ABORTRESPONSE']._serialized_start=1847
+  _globals['_ABORTRESPONSE']._serialized_end=1883
+  _globals['_MODELINFOREQUEST']._serialized_start=1885
+  _globals['_MODELINFOREQUEST']._serialized_end=1903
+  _globals['_MODELINFORESPONSE']._serialized_start=1906
+  _globals['_MODELINFORESPONSE']._serialized_end=2230
+  _globals['_SERVERINFOREQUEST']._serialized_start=2232
+  _globals['_SERVERINFOREQUEST']._serialized_end=2251
+  _globals['_SERVERINFORESPONSE']._serialized_start=2254
+  _globals['_SERVERINFORESPONSE']._serialized_end=2500
+  _globals['_GENERATION']._serialized_start=2503
+  _globals['_GENERATION']._serialized_end=2825
 # @@protoc_insertion_point(module_scope)
