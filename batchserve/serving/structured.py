@@ -12,7 +12,12 @@ from typing import Any
 import jsonschema
 
 from batchserve.sampling_params import ConstraintKind, InvalidRequestError, StructuredOutputsParams
-from batchserve.worker.structured_output import compile_constraint, new_compiler
+from batchserve.worker.structured_output import (
+    check_json_depth,
+    compile_constraint,
+    new_compiler,
+    parse_schema_text,
+)
 
 # A grammar whose compilation takes longer is refused: the engine would compile it again, inside its step loop.
 COMPILE_TIMEOUT_S = 10.0
@@ -27,14 +32,13 @@ def canonical_json(value: Any) -> str:
 
 
 def json_schema_constraint(schema: Any, source: str) -> StructuredOutputsParams:
-    """A JSON Schema given as an object or as JSON text, checked against its metaschema."""
+    """A JSON Schema given as an object or as JSON text, checked against its metaschema (after its nesting depth,
+    which the metaschema check would otherwise recurse through)."""
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as exc:
-            raise InvalidRequestError(f"{source}: the schema is not valid JSON: {exc}", source) from None
+        schema = parse_schema_text(schema, source)
     if not isinstance(schema, dict | bool):
         raise InvalidRequestError(f"{source}: a JSON Schema must be an object", source)
+    check_json_depth(schema, source)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -123,6 +127,11 @@ class ConstraintChecker:
             eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
             self._compiler = new_compiler(self.tokenizer, len(self.tokenizer), eos)
         compile_constraint(self._compiler, constraint)
+
+    def check_blocking(self, constraint: StructuredOutputsParams | None) -> None:
+        """As check, on the caller's thread (the offline LLM, which has no event loop to keep free)."""
+        if constraint is not None:
+            self._compile(constraint)
 
     async def check(self, constraint: StructuredOutputsParams | None) -> None:
         if constraint is None:

@@ -39,7 +39,39 @@ SCHEMA_KEYWORDS = frozenset(
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keyword -> {name: schema}
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # keyword -> [schema]
 _SCHEMA_VALUES = ("items", "additionalProperties")  # keyword -> schema (or a bool)
-_MAX_SCHEMA_DEPTH = 64
+_MAX_SCHEMA_DEPTH = 64  # JSON levels: far deeper than any real schema, and well inside Python's recursion limit
+
+
+def check_json_depth(value: Any, source: str | None = None, limit: int = _MAX_SCHEMA_DEPTH) -> None:
+    """InvalidRequestError when a JSON value nests deeper than `limit` objects and arrays; measured without
+    recursion, before anything that recurses through it (the metaschema check, the compiler) sees it."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            raise InvalidRequestError(_named(source, f"the JSON Schema nests deeper than {limit} levels"), source)
+        pending.extend((child, depth + 1) for child in children)
+
+
+def parse_schema_text(text: str, source: str | None = None) -> Any:
+    """A schema's JSON text parsed; InvalidRequestError for malformed JSON or nesting past the parser's limit."""
+    try:
+        schema = json.loads(text)
+    except RecursionError:
+        message = f"the JSON Schema nests deeper than {_MAX_SCHEMA_DEPTH} levels"
+        raise InvalidRequestError(_named(source, message), source) from None
+    except ValueError as exc:
+        raise InvalidRequestError(_named(source, f"the schema is not valid JSON: {exc}"), source) from None
+    check_json_depth(schema, source)
+    return schema
+
+
+def _named(source: str | None, message: str) -> str:
+    """The message after the field it is about (`source`: None where the caller prefixes it)."""
+    return message if source is None else f"{source}: {message}"
 
 
 def check_schema_keywords(schema: Any, path: str = "") -> None:
@@ -83,7 +115,7 @@ def compile_constraint(compiler: xgr.GrammarCompiler, constraint: StructuredOutp
 def _compile(compiler: xgr.GrammarCompiler, constraint: StructuredOutputsParams) -> xgr.CompiledGrammar:
     kind, spec = constraint.kind, constraint.spec
     if kind == ConstraintKind.JSON:
-        check_schema_keywords(json.loads(spec))
+        check_schema_keywords(parse_schema_text(spec))
         # compact JSON: "any whitespace" lets a small model pad forever and run out of tokens mid-object
         return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
     if kind == ConstraintKind.JSON_OBJECT:

@@ -6,10 +6,11 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from batchserve.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from batchserve.serving.chat import message_shape_error
 from batchserve.serving.results import Usage
 from batchserve.serving.structured import constraint_of
 
@@ -181,6 +182,13 @@ class ChatMessage(RequestBody):
                     {"kind": repr(kind)},
                 )
         return content
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        problem = message_shape_error(self.role, True, self.content, self.tool_calls, self.tool_call_id)
+        if problem is not None:
+            raise PydanticCustomError("message_shape", problem)
+        return self
 
     def text(self) -> str:
         if self.content is None:
