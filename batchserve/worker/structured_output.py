@@ -39,6 +39,7 @@ SCHEMA_KEYWORDS = frozenset(
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keyword -> {name: schema}
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # keyword -> [schema]
 _SCHEMA_VALUES = ("items", "additionalProperties")  # keyword -> schema (or a bool)
+COMPILED_GRAMMAR_CACHE_BYTES = 256 * 1024 * 1024  # the worker's compiled grammars kept for reuse
 _MAX_SCHEMA_DEPTH = 64  # JSON levels: far deeper than any real schema, and well inside Python's recursion limit
 
 
@@ -129,11 +130,18 @@ def _compile(compiler: xgr.GrammarCompiler, constraint: StructuredOutputsParams)
     raise InvalidRequestError(f"unknown constraint kind {kind!r}")
 
 
+def tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """The tokenizer's vocabulary as xgrammar reads it (`vocab_size`: the logits' width, which may pad the
+    tokenizer's)."""
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+
+
 def new_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> xgr.GrammarCompiler:
-    """A compiler over the tokenizer's vocabulary (`vocab_size`: the logits' width, which may pad the tokenizer's).
-    One thread: the engine's CPUs are the model's."""
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
-    return xgr.GrammarCompiler(info, max_threads=1)
+    """A compiler over the tokenizer's vocabulary. One thread: the engine's CPUs are the model's. Its cache of
+    compiled grammars (least recently used first out) is bounded in bytes: one per distinct schema would grow
+    for the server's life."""
+    info = tokenizer_info(tokenizer, vocab_size, eos_token_ids)
+    return xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILED_GRAMMAR_CACHE_BYTES)
 
 
 @dataclass(frozen=True)

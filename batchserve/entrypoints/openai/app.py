@@ -76,6 +76,7 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         yield
+        app.state.front.service.constraints.close()  # a grammar compile in progress is killed, not waited for
         if owned:  # uvicorn has already waited for the in-flight requests (graceful shutdown)
             await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 

@@ -9,7 +9,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from batchserve.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from batchserve.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_TOKEN_IDS,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from batchserve.serving.chat import message_shape_error
 from batchserve.serving.results import Usage
 from batchserve.serving.structured import constraint_of
@@ -62,7 +68,8 @@ class SamplingRequest(RequestBody):
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    # bounded here, so a huge list is refused by its length before any element is validated
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -72,7 +79,8 @@ class SamplingRequest(RequestBody):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own monitoring: it changes nothing computed
     priority: int = 0  # lower is served first under scheduling_order="priority"
-    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias added to its logit
+    # token id (a JSON key, so a string) -> bias added to its logit
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs object
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
