@@ -120,3 +120,22 @@ def test_huge_lists_are_refused_by_their_length_before_their_elements(server, fi
     response = httpx.post(server.url + COMPLETIONS, json={"prompt": "a", field: value}, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == field
 
+
+@pytest.mark.parametrize("protect", [False, True])
+def test_metrics_need_the_api_key_when_the_operator_says_so(protect):
+    s = start_server(fake_engine(), api_key="s3cret", api_key_protects_metrics=protect)
+    try:
+        open_metrics = httpx.get(s.url + "/metrics", timeout=30)
+        assert open_metrics.status_code == (401 if protect else 200)
+        keyed = httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer s3cret"}, timeout=30)
+        assert keyed.status_code == 200 and "batchserve:" in keyed.text
+        assert httpx.get(s.url + "/health", timeout=30).status_code == 200  # health stays open either way
+    finally:
+        s.stop()
+
+
+def test_the_metrics_protection_is_a_serve_flag():
+    from batchserve.entrypoints.openai.launch import make_parser
+
+    assert make_parser().parse_args(["--api-key-protects-metrics"]).api_key_protects_metrics
+    assert not make_parser().parse_args([]).api_key_protects_metrics

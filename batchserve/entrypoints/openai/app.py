@@ -55,6 +55,7 @@ def build_app(
     *,
     served_model_name: str | Sequence[str] | None = None,
     api_key: str | None = None,
+    api_key_protects_metrics: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: EngineMetrics | None = None,
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
@@ -66,7 +67,7 @@ def build_app(
     caller starts and stops it; the app starts it if needed). /health answers 503 once the engine loop has made no
     progress for `stall_timeout_s` with requests pending. `lenient`: request fields the server does not act on are
     dropped with a logged warning instead of answered 400. `tracer`, `access_log`: request spans and JSON access
-    lines (--otlp-traces-endpoint, --log-format json)."""
+    lines (--otlp-traces-endpoint, --log-format json). `api_key_protects_metrics`: /metrics needs the key too."""
     owned = isinstance(engine, LLMEngine)
     async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
     names = model_names(served_model_name, async_engine.config.model)
@@ -86,6 +87,7 @@ def build_app(
     app = build_front_app(
         async_engine, names, api_key=api_key, max_body_bytes=max_body_bytes, lenient=lenient,
         render_metrics=metrics.render, health_problem=health_problem, lifespan=lifespan,
+        api_key_protects_metrics=api_key_protects_metrics,
     )  # fmt: skip
     app.state.async_engine = async_engine
     app.state.metrics = metrics
@@ -103,6 +105,7 @@ def build_front_app(
     render_metrics: Callable[[], Awaitable[bytes] | bytes],
     health_problem: Callable[[], Awaitable[str | None]],
     lifespan: Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]] | None = None,
+    api_key_protects_metrics: bool = False,
 ) -> FastAPI:
     """The OpenAI (and KServe) routes over any EngineClient: one engine in this process, or a Ray Serve deployment
     of them (batchserve.distributed). `render_metrics` answers /metrics; `health_problem` is None when healthy,
@@ -116,7 +119,7 @@ def build_front_app(
     _add_health(app, health_problem)
     _document_request_bodies(app)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_metrics=api_key_protects_metrics)
     return app
 
 
