@@ -126,8 +126,10 @@ class GrammarCompilePool:
             )
         try:
             outcome, message = child.conn.recv()
-        except (EOFError, OSError):  # the child died (out of memory, a crash in the compiler)
+        except (EOFError, OSError):  # the child died (out of memory, a crash in the compiler) or was stopped
             self._kill_child()
+            if self._closed:
+                raise ServingError(ErrorKind.UNAVAILABLE, "the server is shutting down") from None
             raise InvalidRequestError(
                 f"{constraint.source}: the {constraint.kind.value} could not be compiled (the compiler died after "
                 f"{time.monotonic() - started:.1f} s)",
@@ -148,12 +150,14 @@ class GrammarCompilePool:
         )
         process.start()
         child_conn.close()
-        child = _Child(process, parent_conn)
-        if not parent_conn.poll(CHILD_START_TIMEOUT_S):
-            child.kill()
-            raise ServingError(ErrorKind.UNAVAILABLE, "the grammar compiler did not start")
-        parent_conn.recv()  # "ready"
-        self._child = child
+        child = self._child = _Child(process, parent_conn)  # registered now: close() kills a child still starting
+        try:
+            if not parent_conn.poll(CHILD_START_TIMEOUT_S):
+                raise EOFError
+            parent_conn.recv()  # "ready"
+        except (EOFError, OSError):
+            self._kill_child()
+            raise ServingError(ErrorKind.UNAVAILABLE, "the grammar compiler did not start") from None
         return child
 
     def _kill_child(self) -> None:

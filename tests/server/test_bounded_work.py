@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import textwrap
+import threading
 import time
 
 import httpx
@@ -20,7 +23,7 @@ from batchserve.serving.grammar_pool import MAX_CONSTRAINT_BYTES, ConstraintCach
 from batchserve.serving.structured import ConstraintChecker, json_schema_constraint
 from batchserve.worker.structured_output import COMPILED_GRAMMAR_CACHE_BYTES, new_compiler
 from tests.server.fakes import byte_tokenizer, fake_engine
-from tests.server.live import start_server
+from tests.server.live import server_process, start_server
 
 COMPLETIONS = "/v1/completions"
 
@@ -30,7 +33,8 @@ def wide_schema(properties: int = 8000, description_chars: int = 100) -> dict:
     names = [f"field_{i:05d}" for i in range(properties)]
     return {
         "type": "object",
-        "properties": {name: {"type": "string", "description": "d" * description_chars} for name in names},
+        "properties": {name: {"type": "string"} | ({"description": "d" * description_chars} if description_chars else {})
+                       for name in names},
         "required": names,
     }
 
@@ -139,3 +143,47 @@ def test_the_metrics_protection_is_a_serve_flag():
 
     assert make_parser().parse_args(["--api-key-protects-metrics"]).api_key_protects_metrics
     assert not make_parser().parse_args([]).api_key_protects_metrics
+
+
+COMPILING_SERVER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from batchserve.engine.async_engine import AsyncLLMEngine
+    from batchserve.entrypoints.openai.app import build_app
+    from batchserve.entrypoints.openai.launch import serve
+    from batchserve.serving.structured import json_schema_constraint
+    from tests.server.fakes import fake_engine
+    async_engine = AsyncLLMEngine(fake_engine(delay_s=0.01))
+    app = build_app(async_engine)
+    checker = app.state.front.service.constraints
+    checker.timeout_s, checker.max_constraint_bytes = 600.0, 4 << 20  # only the shutdown can stop this compile
+    checker.check_blocking(json_schema_constraint({{"type": "string"}}, "guided_json"))  # the child, started
+    Path({pid_file!r}).write_text(str(checker.pool.child_pid))
+    sys.exit(serve(app, async_engine, port=int(sys.argv[1]), log_level="warning", drain_timeout=2))
+    """
+)
+
+
+def test_sigterm_during_a_compile_exits_within_the_drain_deadline_and_kills_the_compile(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    with server_process(COMPILING_SERVER_SCRIPT.format(pid_file=str(pid_file)), timeout_s=180) as (proc, url):
+        child = int(pid_file.read_text())
+        assert alive(child)
+        schema = json.dumps(wide_schema(properties=5000, description_chars=0), separators=(",", ":"))
+        assert len(schema) < MAX_CONSTRAINT_BYTES  # under the front end's cap: it reaches the compiler
+        body = {"prompt": "hi", "max_tokens": 2, "guided_json": schema}
+        answer: dict = {}
+        sender = threading.Thread(
+            target=lambda: answer.setdefault("response", httpx.post(url + COMPLETIONS, json=body, timeout=120))
+        )
+        sender.start()
+        time.sleep(2.0)  # parsed and compiling in the child by now
+        assert proc.poll() is None and sender.is_alive(), answer["response"].text
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        assert time.monotonic() - signalled < 20  # the 2 s drain, then the compile is killed, not waited for
+        sender.join(30)
+        assert not alive(child)
+        assert answer["response"].status_code in (400, 503)
