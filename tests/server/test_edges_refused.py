@@ -199,3 +199,36 @@ def test_offline_raises_what_http_answers_400_and_leaves_nothing_behind(make_llm
     assert not llm.engine.has_unfinished_requests()
     (out,) = llm.generate(["abc"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(out.token_ids) == 3
+
+
+# ------------------------------------------------------------------------------------------------ gRPC
+def test_grpc_messages_that_cannot_be_decoded_or_hold_bad_values_are_invalid_argument():
+    import grpc
+
+    from batchserve.engine.async_engine import AsyncLLMEngine
+    from batchserve.entrypoints.grpc.pb import generation_pb2 as pb
+    from tests.server.grpc_live import LiveGrpc
+
+    engine = AsyncLLMEngine(fake_engine(delay_s=0.001))
+    live = LiveGrpc(engine, ["fake"])
+    try:
+        raw = live.channel.unary_stream("/batchserve.v1.Generation/Generate", request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)  # fmt: skip
+        text_field = pb.GenerateRequest.DESCRIPTOR.fields_by_name["text"].number
+        for body in (bytes([text_field << 3 | 2, 3]) + b"\xed\xa0\x80", b"\x12\x7f"):  # a surrogate's bytes; truncated
+            with pytest.raises(grpc.RpcError) as error:
+                list(raw(body, timeout=30))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()  # was INTERNAL
+        for request in (
+            pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=2, stop_token_ids=[10**9])),
+            pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(
+                max_tokens=2, json_schema=json.dumps(nested_schema(200)))),
+        ):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as error:
+                list(live.generation.Generate(request, timeout=30))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+        (ok,) = live.generation.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=2)))
+        assert len(ok.token_ids) == 2
+    finally:
+        live.stop()
+        engine.shutdown()
