@@ -171,9 +171,7 @@ class GrammarCompilePool:
         self._kill_child()
 
 
-def too_large(
-    constraint: StructuredOutputsParams, size: int, limit: int = MAX_CONSTRAINT_BYTES
-) -> InvalidRequestError:
+def too_large(constraint: StructuredOutputsParams, size: int, limit: int = MAX_CONSTRAINT_BYTES) -> InvalidRequestError:
     """The refusal of a constraint of `size` bytes, over `limit`."""
     return InvalidRequestError(
         f"{constraint.source}: the {constraint.kind.value} is {size} bytes, more than the {limit} a constraint may be",
