@@ -58,6 +58,19 @@ class StructuredOutputsParams:
     # where the constraint came from (`response_format`, `guided_json`, `tool_choice`...): a 400 names it
     source: str = "structured_outputs"
 
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", ConstraintKind(self.kind))
+        except ValueError:
+            kinds = ", ".join(k.value for k in ConstraintKind)
+            raise InvalidRequestError(
+                f"a constraint's kind must be one of {kinds}, got {self.kind!r}", "structured_outputs"
+            ) from None
+        if not isinstance(self.spec, str):
+            raise InvalidRequestError(
+                f"a constraint's spec must be a string, got {type(self.spec).__name__}", "structured_outputs"
+            )
+
     @property
     def cache_key(self) -> tuple[str, str]:
         return self.kind.value, self.spec
@@ -122,7 +135,7 @@ class SamplingParams:
     def validate(self) -> None:
         """Every field's type and range; InvalidRequestError naming the first field that is wrong."""
         _integer("max_tokens", self.max_tokens, low=1)
-        _real("temperature", self.temperature, low=0.0, high=MAX_TEMPERATURE)
+        check_temperature(self.temperature)
         _real("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _integer("top_k", self.top_k, low=-1, high=MAX_TOP_K)
         _real("min_p", self.min_p, low=0.0, high=1.0)
@@ -146,6 +159,8 @@ class SamplingParams:
             )
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", "stop")
+        if not all(s.isascii() or _is_unicode(s) for s in self.stop):
+            raise InvalidRequestError("a stop string holds a lone surrogate (not valid Unicode)", "stop")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(
                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}", "stop_token_ids"
@@ -155,6 +170,12 @@ class SamplingParams:
         if self.logit_bias is not None:
             _logit_bias(self.logit_bias)
         self._validate_service_targets()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestError(
+                "structured_outputs must be a StructuredOutputsParams (kind and spec), got "
+                f"{type(self.structured_outputs).__name__}",
+                "structured_outputs",
+            )
 
     def _validate_service_targets(self) -> None:
         for name in ("ttft_slo_ms", "tpot_slo_ms", "deadline"):
@@ -162,6 +183,20 @@ class SamplingParams:
                 _real(name, getattr(self, name), low=0.0, low_open=True)
         if self.deadline is not None and self.deadline <= time.time():
             raise InvalidRequestError(f"deadline {self.deadline} (Unix seconds) has already passed", "deadline")
+
+
+def check_temperature(value: object) -> None:
+    """A temperature in [0, MAX_TEMPERATURE]; checked whatever the decoding mode, also where a front end samples
+    greedily for other reasons (TensorRT-LLM's top_k = top_p = 0)."""
+    _real("temperature", value, low=0.0, high=MAX_TEMPERATURE)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _logit_bias(bias: object) -> None:

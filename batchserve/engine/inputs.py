@@ -14,6 +14,18 @@ from batchserve.sampling_params import InvalidRequestError, SamplingParams
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
 
 
+def check_text(text: str, param: str = "prompt") -> str:
+    """The text as given; InvalidRequestError when it holds a lone surrogate (\\ud800, from a JSON escape): not
+    Unicode, so no tokenizer can encode it nor any response carry it back."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param} holds a lone surrogate at character {exc.start} (not valid Unicode)", param
+        ) from None
+    return text
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     """The limits the engine enforces, computed once from its config, the model and the KV pool: every front end
@@ -100,6 +112,8 @@ class RequestBuilder:
             raise InvalidRequestError(f"this entry point serves n=1 only, got n={params.n}", "n")
         if params.logit_bias:
             self.limits.check_token_ids(list(params.logit_bias), "logit_bias token ids", "logit_bias")
+        if params.stop_token_ids:
+            self.limits.check_token_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         if isinstance(prompt_token_ids, list | tuple) and not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param)
         token_ids = self.limits.fit_prompt(self.limits.check_token_ids(prompt_token_ids, param=param))
@@ -133,7 +147,7 @@ class RequestBuilder:
                 raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
             prompt = text
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer(prompt).input_ids) if prompt else []
+            return prompt, list(self.tokenizer(check_text(prompt)).input_ids) if prompt else []
         if isinstance(prompt, list | tuple):
             return text, prompt
         raise InvalidRequestError(

@@ -7,6 +7,7 @@ what the default memory fraction allows; it only grows. A server's pool, sized t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from batchserve.host.process import configure_torch
 from batchserve.request import EngineRequest
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.chat import chat_prompt_ids
+from batchserve.serving.structured import ConstraintChecker
 
 Message = Mapping[str, Any]
 
@@ -50,6 +52,10 @@ class LLM:
         llm.engine = engine
         return llm
 
+    @functools.cached_property
+    def _constraints(self) -> ConstraintChecker:
+        return ConstraintChecker(self.tokenizer)
+
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
@@ -72,6 +78,8 @@ class LLM:
         # every request built (prompts tokenized, everything checked) before the pool grows and before any is admitted
         build, new_id = self.engine.requests.from_prompt, self.engine.new_request_id
         requests = [build(new_id(), prompt, p, prio) for prompt, p, prio in zip(prompts, params, priorities)]
+        for constraint in {r.sampling_params.structured_outputs for r in requests}:
+            self._constraints.check_blocking(constraint)  # a bad schema raises here, as it is a 400 over HTTP
         self.engine.reserve_kv_for([(r.num_prompt_tokens, r.sampling_params.max_tokens) for r in requests])
         ids: list[str] = []
         try:

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from batchserve.config import Truncation
 from batchserve.engine.async_engine import RequestStream
-from batchserve.engine.inputs import EngineLimits, RequestBuilder
+from batchserve.engine.inputs import EngineLimits, RequestBuilder, check_text
 from batchserve.engine.outputs import Completion, CompletionDelta
 from batchserve.request import EngineRequest
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
@@ -80,7 +80,7 @@ class GenerationService:
         return await asyncio.to_thread(chat_prompt_ids, self.tokenizer, messages, add_generation_prompt)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        self.check_text_length(len(text))
+        self.check_text_length(len(check_text(text)))
         return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
 
     def detokenize(self, token_ids: list[int]) -> str:

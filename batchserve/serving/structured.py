@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 import jsonschema
 
 from batchserve.sampling_params import ConstraintKind, InvalidRequestError, StructuredOutputsParams
-from batchserve.worker.structured_output import compile_constraint, new_compiler
+from batchserve.serving.grammar_pool import (
+    COMPILE_TIMEOUT_S,
+    MAX_CONSTRAINT_BYTES,
+    GrammarCompilePool,
+    tokenizer_info_json,
+    too_large,
+)
+from batchserve.worker.structured_output import check_json_depth, check_schema_keywords, parse_schema_text
 
-# A grammar whose compilation takes longer is refused: the engine would compile it again, inside its step loop.
-COMPILE_TIMEOUT_S = 10.0
 MAX_CHOICES = 1024
 # vLLM's structured_outputs fields this server acts on; the others (backend knobs) are answered 400 by name.
 _STRUCTURED_FIELDS = {"json": ConstraintKind.JSON, "regex": ConstraintKind.REGEX, "choice": ConstraintKind.CHOICE,
@@ -27,19 +33,27 @@ def canonical_json(value: Any) -> str:
 
 
 def json_schema_constraint(schema: Any, source: str) -> StructuredOutputsParams:
-    """A JSON Schema given as an object or as JSON text, checked against its metaschema."""
+    """A JSON Schema given as an object or as JSON text, checked against its metaschema (after its nesting depth,
+    which the metaschema check would otherwise recurse through)."""
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as exc:
-            raise InvalidRequestError(f"{source}: the schema is not valid JSON: {exc}", source) from None
+        _check_size(ConstraintKind.JSON, schema, source)
+        schema = parse_schema_text(schema, source)
     if not isinstance(schema, dict | bool):
         raise InvalidRequestError(f"{source}: a JSON Schema must be an object", source)
+    check_json_depth(schema, source)
+    spec = canonical_json(schema)  # measured before the metaschema check, which takes seconds a megabyte
+    _check_size(ConstraintKind.JSON, spec, source)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise InvalidRequestError(f"{source}: invalid JSON Schema: {exc.message}", source) from None
-    return StructuredOutputsParams(ConstraintKind.JSON, canonical_json(schema), source)
+    return StructuredOutputsParams(ConstraintKind.JSON, spec, source)
+
+
+def _check_size(kind: ConstraintKind, spec: str, source: str) -> None:
+    """A constraint over MAX_CONSTRAINT_BYTES is refused before anything parses or compiles it."""
+    if len(spec) > MAX_CONSTRAINT_BYTES // 4 and len(spec.encode("utf-8", "surrogatepass")) > MAX_CONSTRAINT_BYTES:
+        raise too_large(StructuredOutputsParams(kind, "", source), len(spec.encode("utf-8", "surrogatepass")))
 
 
 def from_response_format(response_format: Mapping[str, Any] | None) -> StructuredOutputsParams | None:
@@ -79,9 +93,12 @@ def _one(kind: ConstraintKind, value: Any, source: str) -> StructuredOutputsPara
             raise InvalidRequestError(f"{source}: choices must be a non-empty list of non-empty strings", source)
         if len(value) > MAX_CHOICES:
             raise InvalidRequestError(f"{source}: at most {MAX_CHOICES} choices", source)
-        return StructuredOutputsParams(kind, canonical_json(value), source)
+        spec = canonical_json(value)
+        _check_size(kind, spec, source)
+        return StructuredOutputsParams(kind, spec, source)
     if not isinstance(value, str) or not value:
         raise InvalidRequestError(f"{source} must be a non-empty string", source)
+    _check_size(kind, value, source)
     return StructuredOutputsParams(kind, value, source)
 
 
@@ -110,27 +127,50 @@ def constraint_of(
 
 
 class ConstraintChecker:
-    """Compiles each constraint once before admission (the compiler caches it), in a worker thread and within
-    COMPILE_TIMEOUT_S. A compile that overruns keeps its thread until it ends; the request is refused at once."""
+    """Compiles each constraint once before admission, in a child process (serving/grammar_pool.py) that is killed
+    when its compile overruns `timeout_s`; a constraint larger than `max_constraint_bytes` is refused unparsed."""
 
-    def __init__(self, tokenizer: Any, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        timeout_s: float = COMPILE_TIMEOUT_S,
+        max_constraint_bytes: int = MAX_CONSTRAINT_BYTES,
+    ) -> None:
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
-        self._compiler = None
+        self.max_constraint_bytes = max_constraint_bytes
+        self._pool: GrammarCompilePool | None = None
+        self._pool_lock = threading.Lock()
 
-    def _compile(self, constraint: StructuredOutputsParams) -> None:
-        if self._compiler is None:
-            eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-            self._compiler = new_compiler(self.tokenizer, len(self.tokenizer), eos)
-        compile_constraint(self._compiler, constraint)
+    @property
+    def pool(self) -> GrammarCompilePool:
+        """Built at the first constraint (reading the vocabulary takes a moment): a server that never sees one
+        starts no child process."""
+        with self._pool_lock:
+            if self._pool is None:
+                eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+                info = tokenizer_info_json(self.tokenizer, len(self.tokenizer), eos)
+                self._pool = GrammarCompilePool(info, self.timeout_s, self.max_constraint_bytes)
+            return self._pool
 
-    async def check(self, constraint: StructuredOutputsParams | None) -> None:
+    def check_blocking(self, constraint: StructuredOutputsParams | None) -> None:
+        """Returns once the constraint compiles; InvalidRequestError otherwise (the offline LLM calls this on its
+        own thread; the server through check)."""
         if constraint is None:
             return
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self._compile, constraint), self.timeout_s)
-        except TimeoutError:
-            raise InvalidRequestError(
-                f"{constraint.source}: the {constraint.kind.value} took over {self.timeout_s:g} s to compile",
-                constraint.source,
-            ) from None
+        if constraint.kind == ConstraintKind.JSON and len(constraint.spec) <= self.max_constraint_bytes:
+            try:  # what needs no compiler is checked here, without a round trip to the child
+                check_schema_keywords(parse_schema_text(constraint.spec))
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"{constraint.source}: {exc}", constraint.source) from None
+        self.pool.check(constraint)
+
+    async def check(self, constraint: StructuredOutputsParams | None) -> None:
+        """As check_blocking, in a worker thread: the event loop streams everyone's tokens meanwhile."""
+        if constraint is not None:
+            await asyncio.to_thread(self.check_blocking, constraint)
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.close()

@@ -39,7 +39,40 @@ SCHEMA_KEYWORDS = frozenset(
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keyword -> {name: schema}
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # keyword -> [schema]
 _SCHEMA_VALUES = ("items", "additionalProperties")  # keyword -> schema (or a bool)
-_MAX_SCHEMA_DEPTH = 64
+COMPILED_GRAMMAR_CACHE_BYTES = 256 * 1024 * 1024  # the worker's compiled grammars kept for reuse
+_MAX_SCHEMA_DEPTH = 64  # JSON levels: far deeper than any real schema, and well inside Python's recursion limit
+
+
+def check_json_depth(value: Any, source: str | None = None, limit: int = _MAX_SCHEMA_DEPTH) -> None:
+    """InvalidRequestError when a JSON value nests deeper than `limit` objects and arrays; measured without
+    recursion, before anything that recurses through it (the metaschema check, the compiler) sees it."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            raise InvalidRequestError(_named(source, f"the JSON Schema nests deeper than {limit} levels"), source)
+        pending.extend((child, depth + 1) for child in children)
+
+
+def parse_schema_text(text: str, source: str | None = None) -> Any:
+    """A schema's JSON text parsed; InvalidRequestError for malformed JSON or nesting past the parser's limit."""
+    try:
+        schema = json.loads(text)
+    except RecursionError:
+        message = f"the JSON Schema nests deeper than {_MAX_SCHEMA_DEPTH} levels"
+        raise InvalidRequestError(_named(source, message), source) from None
+    except ValueError as exc:
+        raise InvalidRequestError(_named(source, f"the schema is not valid JSON: {exc}"), source) from None
+    check_json_depth(schema, source)
+    return schema
+
+
+def _named(source: str | None, message: str) -> str:
+    """The message after the field it is about (`source`: None where the caller prefixes it)."""
+    return message if source is None else f"{source}: {message}"
 
 
 def check_schema_keywords(schema: Any, path: str = "") -> None:
@@ -149,7 +182,7 @@ def _is_number(value: Any) -> bool:
 def _compile(compiler: xgr.GrammarCompiler, constraint: StructuredOutputsParams) -> xgr.CompiledGrammar:
     kind, spec = constraint.kind, constraint.spec
     if kind == ConstraintKind.JSON:
-        check_schema_keywords(json.loads(spec))
+        check_schema_keywords(parse_schema_text(spec))
         return compiler.compile_grammar(json_grammar(spec, NumberBounds.from_env()))
     if kind == ConstraintKind.JSON_OBJECT:
         return compiler.compile_grammar(json_grammar('{"type": "object"}', NumberBounds.from_env(), strict_mode=False))
@@ -162,11 +195,18 @@ def _compile(compiler: xgr.GrammarCompiler, constraint: StructuredOutputsParams)
     raise InvalidRequestError(f"unknown constraint kind {kind!r}")
 
 
+def tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """The tokenizer's vocabulary as xgrammar reads it (`vocab_size`: the logits' width, which may pad the
+    tokenizer's)."""
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+
+
 def new_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> xgr.GrammarCompiler:
-    """A compiler over the tokenizer's vocabulary (`vocab_size`: the logits' width, which may pad the tokenizer's).
-    One thread: the engine's CPUs are the model's."""
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
-    return xgr.GrammarCompiler(info, max_threads=1)
+    """A compiler over the tokenizer's vocabulary. One thread: the engine's CPUs are the model's. Its cache of
+    compiled grammars (least recently used first out) is bounded in bytes: one per distinct schema would grow
+    for the server's life."""
+    info = tokenizer_info(tokenizer, vocab_size, eos_token_ids)
+    return xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILED_GRAMMAR_CACHE_BYTES)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from batchserve.entrypoints.openai.app import build_app
 from batchserve.entrypoints.openai.connections import ConnectionLimits
 from tests.server.fakes import fake_engine
 
-LIMITS = ConnectionLimits(header_timeout_s=0.6, body_timeout_s=0.6, keep_alive_timeout_s=0.6, max_connections=64)
+LIMITS = ConnectionLimits(header_timeout_s=0.6, body_timeout_s=0.6, keep_alive_timeout_s=0.6, max_connections=64,
+                          body_read_timeout_s=1.5)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,42 @@ def test_half_a_request_line_is_disconnected_after_the_header_timeout(port):
 def test_a_stalled_body_is_disconnected_after_the_body_timeout(port):
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     assert 0.5 <= seconds_until_closed(port, head + b'{"prompt":') < 3.0
+
+
+def test_a_body_trickled_a_byte_at_a_time_is_cut_with_a_408(port):
+    # never a gap long enough for the body timeout, so only the whole read's deadline stops it (it was never cut)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.settimeout(0.2)
+        start = time.monotonic()
+        conn.sendall(head)
+        answer = b""
+        while time.monotonic() - start < 10:
+            try:
+                conn.sendall(b" ")  # a byte every 0.2 s, well inside the 0.6 s body timeout
+            except OSError:
+                break  # the server closed the connection
+            try:
+                chunk = conn.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            answer += chunk
+        elapsed = time.monotonic() - start
+    assert 1.4 <= elapsed < 4.0, elapsed
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"did not arrive in time" in answer
+
+
+def test_the_body_read_timeout_is_a_serve_flag():
+    from batchserve.entrypoints.openai.launch import connection_limits_from_args, make_parser
+
+    args = make_parser().parse_args(["--body-read-timeout", "12.5", "--body-timeout", "3"])
+    limits = connection_limits_from_args(args)
+    assert (limits.body_read_timeout_s, limits.body_timeout_s) == (12.5, 3)
 
 
 def test_an_idle_keep_alive_connection_is_closed(port):

@@ -143,7 +143,7 @@ def test_a_reallocated_pool_needs_a_new_capture(runner):
     graphs.capture_all()
     batch = prefill_then_decode(runner, [4], "g", first_block=44)
     assert graphs.takes(batch.attn_metadata)
-    runner.resize_kv_cache(runner.num_kv_blocks, keep_contents=True)  # new tensors, same size
+    runner.resize_kv_cache(runner.num_kv_blocks, keep_block_ids=range(runner.num_kv_blocks))  # new tensors, same size
     assert not graphs.takes(batch.attn_metadata)
     graphs.capture_all()
     assert graphs.takes(batch.attn_metadata)

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.entrypoints.grpc.auth import ApiKeyInterceptor
+from batchserve.entrypoints.grpc.decoding import DecodeErrorInterceptor
 from batchserve.entrypoints.grpc.generation import GenerationServicer
 from batchserve.entrypoints.grpc.pb import generation_pb2, generation_pb2_grpc
 from batchserve.entrypoints.grpc.served import DEFAULT_MAX_REQUEST_BYTES, ServedModel
@@ -69,7 +70,10 @@ class GrpcServer:
             self.engine.start()
         service = GenerationService(self.engine)
         server = grpc.aio.server(
-            interceptors=[ApiKeyInterceptor(self.api_key)] if self.api_key else [],
+            interceptors=[
+                *([ApiKeyInterceptor(self.api_key)] if self.api_key else []),
+                DecodeErrorInterceptor((GENERATION_SERVICE, KSERVE_SERVICE)),  # undecodable: INVALID_ARGUMENT
+            ],
             options=[
                 ("grpc.max_receive_message_length", self.served.max_request_bytes),
                 ("grpc.so_reuseport", 0),  # a port already in use is an error, not a second silent listener

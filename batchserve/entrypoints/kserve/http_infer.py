@@ -76,6 +76,8 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], 
             raise invalid(f"{HEADER_LENGTH} {size} does not fit a body of {len(body)} bytes", HEADER_LENGTH)
     try:
         header = json.loads(body[:size])
+    except RecursionError:
+        raise invalid("the request's JSON is nested too deeply", "body") from None
     except ValueError as exc:
         raise invalid(f"the request's JSON is malformed: {exc}", "body") from None
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):

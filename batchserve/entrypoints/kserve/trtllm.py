@@ -17,7 +17,7 @@ from typing import Any
 from batchserve.engine.async_engine import RequestStream
 from batchserve.entrypoints.grpc.status import invalid
 from batchserve.entrypoints.kserve.tensors import Output
-from batchserve.sampling_params import MAX_N, SamplingParams
+from batchserve.sampling_params import MAX_N, SamplingParams, check_temperature
 from batchserve.serving.fanout import submit_choices
 from batchserve.serving.generation import GenerationService
 from batchserve.serving.results import GenerationResult
@@ -149,7 +149,11 @@ def parse_request(
 def _sampling_params(get: _Reader) -> SamplingParams:
     options: dict[str, Any] = {"max_tokens": get.one("max_tokens"), "stop": [s for s in get.texts("stop_words") if s]}
     top_k, top_p = get.one("top_k", 0), get.one("top_p", 0.0)
-    if top_k <= 0 and top_p <= 0:
+    _refuse_unless(top_k >= 0, "top_k", f"top_k must be >= 0 (0: off), got {top_k}")
+    _refuse_unless(0.0 <= top_p <= 1.0, "top_p", f"top_p must be in [0, 1] (0: off), got {top_p}")
+    if "temperature" in get.values:  # checked even where it is unused: a wrong value is the caller's mistake
+        check_temperature(get.one("temperature"))
+    if top_k == 0 and top_p == 0:
         options["temperature"] = 0.0  # TensorRT-LLM samples greedily when neither top_k nor top_p is set
     else:
         options["temperature"] = get.one("temperature", 1.0)
@@ -164,6 +168,7 @@ def _sampling_params(get: _Reader) -> SamplingParams:
         options["seed"] = get.one("random_seed")
     end_id = get.one("end_id", None)
     if end_id is not None:  # it replaces the model's EOS; -1: never stop early (benchmarks use it)
+        _refuse_unless(end_id >= -1, "end_id", f"end_id must be a token id or -1 (never stop early), got {end_id}")
         options["ignore_eos"] = True
         options["stop_token_ids"] = [end_id] if end_id >= 0 else []
     if get.one("return_log_probs", False):

@@ -59,6 +59,7 @@ def build_app(
     *,
     served_model_name: str | Sequence[str] | None = None,
     api_key: str | None = None,
+    api_key_protects_metrics: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: EngineMetrics | None = None,
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
@@ -70,7 +71,7 @@ def build_app(
     caller starts and stops it; the app starts it if needed). /health answers 503 once the engine loop has made no
     progress for `stall_timeout_s` with requests pending. `lenient`: request fields the server does not act on are
     dropped with a logged warning instead of answered 400. `tracer`, `access_log`: request spans and JSON access
-    lines (--otlp-traces-endpoint, --log-format json)."""
+    lines (--otlp-traces-endpoint, --log-format json). `api_key_protects_metrics`: /metrics needs the key too."""
     owned = isinstance(engine, LLMEngine)
     async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
     names = model_names(served_model_name, async_engine.config.model)
@@ -80,6 +81,7 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         yield
+        app.state.front.service.constraints.close()  # a grammar compile in progress is killed, not waited for
         if owned:  # uvicorn has already waited for the in-flight requests (graceful shutdown)
             await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
@@ -89,6 +91,7 @@ def build_app(
     app = build_front_app(
         async_engine, names, api_key=api_key, max_body_bytes=max_body_bytes, lenient=lenient,
         render_metrics=metrics.render, health_problem=health_problem, lifespan=lifespan,
+        api_key_protects_metrics=api_key_protects_metrics,
     )  # fmt: skip
     app.state.async_engine = async_engine
     app.state.metrics = metrics
@@ -106,6 +109,7 @@ def build_front_app(
     render_metrics: Callable[[], Awaitable[bytes] | bytes],
     health_problem: Callable[[], Awaitable[str | None]],
     lifespan: Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]] | None = None,
+    api_key_protects_metrics: bool = False,
 ) -> FastAPI:
     """The OpenAI (and KServe) routes over any EngineClient: one engine in this process, or a Ray Serve deployment
     of them (batchserve.distributed). `render_metrics` answers /metrics; `health_problem` is None when healthy,
@@ -122,7 +126,7 @@ def build_front_app(
     _document_request_bodies(app)
     answer_unsupported_endpoints(app)  # other APIs' endpoints: what to use instead, behind every real route
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_metrics=api_key_protects_metrics)
     return app
 
 

@@ -3,13 +3,16 @@ response, so a client that sends half a request line (or half a body) and waits 
 
 A request's headers must arrive within `header_timeout` of its first byte (of the connection, for the first
 request), and while its body is read no gap between two reads may exceed `body_timeout` (nginx's
-client_header_timeout and client_body_timeout). Past either the connection is closed. Once a request is read,
-the time the app takes is not a read and is never timed out here.
+client_header_timeout and client_body_timeout). Past either the connection is closed. The whole body must arrive
+within `body_read_timeout` of the headers' end: a client that trickles a byte a second never leaves a gap, so this
+deadline is what cuts it, answered 408 (unless a response has begun) before the connection is closed. Once a request
+is read, the time the app takes is not a read and is never timed out here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +23,7 @@ logger = logging.getLogger("batchserve.server")
 
 DEFAULT_HEADER_TIMEOUT_S = 30.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_BODY_READ_TIMEOUT_S = 120.0  # a body's whole read: ample for the largest body at dial-up speed
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # uvicorn's: an idle keep-alive connection is closed after it
 
 
@@ -29,11 +33,12 @@ class ConnectionLimits:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
     max_connections: int | None = None  # over it, uvicorn answers 503 (its limit_concurrency)
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
 
     def uvicorn_options(self) -> dict[str, Any]:
         """uvicorn.Config keywords: the guarded protocol class, the keep-alive timeout and the connection cap."""
         return {
-            "http": guarded_protocol(self.header_timeout_s, self.body_timeout_s),
+            "http": guarded_protocol(self.header_timeout_s, self.body_timeout_s, self.body_read_timeout_s),
             "timeout_keep_alive": self.keep_alive_timeout_s,
             "limit_concurrency": self.max_connections,
         }
@@ -45,6 +50,7 @@ class _ReadDeadlines:
 
     header_timeout_s: float
     body_timeout_s: float
+    body_read_timeout_s: float
     cycle: Any
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
@@ -52,6 +58,8 @@ class _ReadDeadlines:
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._read_timer: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
+        self._body_cycle: Any = None  # the request whose body the deadline is for
         self._arm(self.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
@@ -67,6 +75,7 @@ class _ReadDeadlines:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._end_body_deadline()
         super().connection_lost(exc)  # type: ignore[misc]
 
     def _phase(self) -> str:
@@ -79,8 +88,29 @@ class _ReadDeadlines:
         phase = self._phase()
         if phase == "body":
             self._arm(self.body_timeout_s)  # the gap between reads, restarted at each one
-        elif phase == "read":
-            self._disarm()
+            if self._body_cycle is not self.cycle:  # this request's body began: its whole read has a deadline
+                self._end_body_deadline()
+                self._body_cycle = self.cycle
+                self._body_deadline = self.loop.call_later(self.body_read_timeout_s, self._body_expired)
+        else:
+            self._end_body_deadline()
+            if phase == "read":
+                self._disarm()
+
+    def _end_body_deadline(self) -> None:
+        deadline, self._body_deadline = getattr(self, "_body_deadline", None), None
+        self._body_cycle = None
+        if deadline is not None:
+            deadline.cancel()
+
+    def _body_expired(self) -> None:
+        self._body_deadline = None
+        if self._phase() != "body" or self.transport.is_closing():
+            return
+        logger.info("closing a connection whose request body took over %g s to arrive", self.body_read_timeout_s)
+        if not self.cycle.response_started:
+            self.transport.write(_REQUEST_TIMEOUT)
+        self.transport.close()
 
     def _arm(self, timeout_s: float) -> None:
         self._disarm()
@@ -100,10 +130,29 @@ class _ReadDeadlines:
         self.transport.close()
 
 
-def guarded_protocol(header_timeout_s: float, body_timeout_s: float) -> type[asyncio.Protocol]:
+def _request_timeout_response() -> bytes:
+    body = json.dumps({"error": {"message": "the request body did not arrive in time", "type": "invalid_request_error",
+                                 "param": None, "code": "request_timeout"}}).encode()  # fmt: skip
+    head = (
+        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+_REQUEST_TIMEOUT = _request_timeout_response()
+
+
+def guarded_protocol(
+    header_timeout_s: float, body_timeout_s: float, body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+) -> type[asyncio.Protocol]:
     """uvicorn's own HTTP protocol class (httptools when installed, else h11) with read deadlines."""
     return type(
         "GuardedHTTPProtocol",
         (_ReadDeadlines, AutoHTTPProtocol),
-        {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s},
+        {
+            "header_timeout_s": header_timeout_s,
+            "body_timeout_s": body_timeout_s,
+            "body_read_timeout_s": body_read_timeout_s,
+        },
     )

@@ -75,14 +75,16 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
 
 class APIKeyMiddleware:
     """``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as Anthropic's clients send it) on every path but
-    /health and /metrics; compared in constant time."""
+    /health and /metrics (and /metrics too with `protect_metrics`: its labels can name models and its counts show the
+    traffic); compared in constant time."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
         self.api_key = api_key.encode()
+        self.open_paths = tuple(p for p in OPEN_PATHS if not (protect_metrics and p == "/metrics"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")

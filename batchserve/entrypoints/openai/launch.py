@@ -25,6 +25,7 @@ from batchserve.entrypoints.grpc.server import GrpcServer
 from batchserve.entrypoints.openai.app import DEFAULT_MODEL_NAME, DEFAULT_STALL_TIMEOUT_S, build_app
 from batchserve.entrypoints.openai.chat_options import add_chat_arguments, apply_chat_options
 from batchserve.entrypoints.openai.connections import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
@@ -57,6 +58,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env BATCHSERVE_API_KEY)"
     )
+    parser.add_argument(
+        "--api-key-protects-metrics", action="store_true",
+        help="with --api-key, /metrics needs the key too (default: open, as Prometheus scrapers expect)",
+    )  # fmt: skip
     parser.add_argument(
         "--served-model-name", default=None, help="name clients use (comma-separated aliases allowed; first reported)"
     )
@@ -107,6 +112,11 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_BODY_TIMEOUT_S:g})",
     )  # fmt: skip
     group.add_argument(
+        "--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S,
+        help="answer 408 and close a connection whose request body has not all arrived this long (seconds) after "
+        f"its headers, however steadily it trickles in (default: {DEFAULT_BODY_READ_TIMEOUT_S:g})",
+    )  # fmt: skip
+    group.add_argument(
         "--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
         help=f"close an idle keep-alive connection after this long (default: {DEFAULT_KEEP_ALIVE_TIMEOUT_S:g})",
     )
@@ -117,7 +127,9 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
-    return ConnectionLimits(args.header_timeout, args.body_timeout, args.keep_alive_timeout, args.max_connections)
+    return ConnectionLimits(
+        args.header_timeout, args.body_timeout, args.keep_alive_timeout, args.max_connections, args.body_read_timeout
+    )
 
 
 SCALE_OUT_FLAGS = ("--replicas", "--max-replicas", "--ray-address")
@@ -176,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         async_engine,
         served_model_name=names,
         api_key=api_key,
+        api_key_protects_metrics=args.api_key_protects_metrics,
         max_body_bytes=args.max_body_bytes,
         stall_timeout_s=args.stall_timeout,
         lenient=args.lenient,

@@ -6,10 +6,17 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from batchserve.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from batchserve.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_TOKEN_IDS,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from batchserve.serving.chat import message_shape_error
 from batchserve.serving.results import Usage
 from batchserve.serving.structured import constraint_of
 
@@ -61,7 +68,8 @@ class SamplingRequest(RequestBody):
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    # bounded here, so a huge list is refused by its length before any element is validated
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -76,7 +84,8 @@ class SamplingRequest(RequestBody):
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     deadline: float | None = None  # Unix seconds
-    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias added to its logit
+    # token id (a JSON key, so a string) -> bias added to its logit
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs object
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -189,6 +198,13 @@ class ChatMessage(RequestBody):
                     {"kind": repr(kind)},
                 )
         return content
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        problem = message_shape_error(self.role, True, self.content, self.tool_calls, self.tool_call_id)
+        if problem is not None:
+            raise PydanticCustomError("message_shape", problem)
+        return self
 
     def text(self) -> str:
         if self.content is None:
