@@ -220,8 +220,8 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
        takes_value=False),
     _f("--additional-config --reasoning-parser-plugin --served-model-names", VLLM,
        "not built: --reasoning-parser and --served-model-name take the built-in choices"),
-    _f("--enable-responses-api-store", VLLM, "not built: the server keeps no responses between requests",
-       takes_value=False),
+    _f("--enable-responses-api-store", VLLM, "always on: stored responses are kept in a bounded in-memory store",
+       takes_value=False, neutral=ANY_VALUE),
     _f("--quantization-param-path --kv-quant-params-path", VLLM, "not needed: --kv-cache-dtype int8 / fp8_e4m3 "
        "computes its scales at run time"),
     _f("-q", VLLM, "use --quantization (int8, int4, int4_g64, int4_g128, none; docs/quantization.md)"),
