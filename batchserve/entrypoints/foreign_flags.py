@@ -173,9 +173,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
        "--generation-config", VLLM, "not built: the model's own config.json is used as it is"),
     _f("--max-seq-len-to-capture --cuda-graph-sizes --compilation-config -O --kv-sharing-fast-prefill", VLLM,
        NO_GRAPHS),
-    _f("--max-num-partial-prefills --max-long-partial-prefills --long-prefill-token-threshold", VLLM,
-       "use --max-num-tokens N: the step's token budget bounds how much of a long prompt one step prefills "
-       "(--enable-chunked-prefill)"),
     _f("--scheduling-policy", VLLM, "use --scheduling-order (fcfs, priority, shortest_first)"),
     _f("--scheduler-delay-factor --num-scheduler-steps --scheduler-cls --async-scheduling", VLLM,
        "not built: the scheduler is set with --scheduler-policy, --scheduling-order and --max-num-tokens"),
