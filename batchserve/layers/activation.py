@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from batchserve.layers.mlp import MLP
+from batchserve.layers.op_plan import Op, OpKind
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -19,6 +20,9 @@ class GeGLUMLP(MLP):
     plain [gate rows; up rows] layout on the CPU (CpuLinear without swiglu=True), since no native kernel fuses GELU."""
 
     swiglu = False
+
+    def op(self) -> Op:
+        return Op(OpKind.GEGLU_MLP, linears=(self.gate_up_proj, self.down_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))

@@ -1,11 +1,11 @@
-"""What a model's layers compute, as an explicit list: a model declares its capabilities, and a runner of layers
-(the native decoder loop) runs a model only if it implements every one of them. A feature added to a model's Python
-layers is declared here first, so that no runner that lacks it can skip it silently."""
+"""What a model computes, as named features. A model's capabilities are read off its modules' op plan
+(layers/op_plan.py capabilities): each module that computes a feature contributes the op that names it, so a feature
+is declared once, where it is computed. They tell a reader (and the CUDA graph capture, which skips MoE models) what a
+model does; which runner takes the model is decided by the plan's op kinds (op_plan.native_loop)."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
 
 
 class Capability(str, enum.Enum):
@@ -16,7 +16,6 @@ class Capability(str, enum.Enum):
     QKV_BIAS = "qkv_bias"  # a bias on the q/k/v projection
     O_BIAS = "o_bias"  # a bias on the output projection
     TIED_EMBEDDINGS = "tied_embeddings"  # the embedding table is the output matrix
-    # not computed by the native decoder loop yet
     QK_NORM = "qk_norm"  # a norm on q and k per head before RoPE
     PARTIAL_ROTARY = "partial_rotary"  # RoPE on a head's first dims only (Phi-4-mini)
     SLIDING_WINDOW = "sliding_window"  # attention to the last W tokens only
@@ -24,9 +23,3 @@ class Capability(str, enum.Enum):
     MOE = "moe"  # a mixture-of-experts MLP
     GEGLU = "geglu"  # gelu(gate, tanh approximation) * up MLP (Gemma)
     SANDWICH_NORM = "sandwich_norm"  # (1 + w) RMSNorms after attention and MLP too, scaled embeddings (Gemma)
-
-
-def missing(declared: Iterable[Capability], implemented: Iterable[str]) -> list[str]:
-    """The declared capabilities that `implemented` (capability values) lacks, sorted by name."""
-    have = set(implemented)
-    return sorted(c.value for c in declared if c.value not in have)

@@ -9,6 +9,7 @@ from torch import nn
 from batchserve.config import ModelConfig
 from batchserve.layers import kernels
 from batchserve.layers.linear import CpuLinear
+from batchserve.layers.op_plan import Op, OpKind
 
 
 class MLP(nn.Module):
@@ -19,6 +20,10 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def op(self) -> Op:
+        """This MLP as an op of the layer's plan (layers/op_plan.py)."""
+        return Op(OpKind.SWIGLU_MLP, linears=(self.gate_up_proj, self.down_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.gate_up_proj, CpuLinear):  # the native Projection's silu_and_mul (AMX-fused where it can)

@@ -17,6 +17,7 @@ from torch import nn
 
 from batchserve.layers import kernels
 from batchserve.layers.linear import CpuLinear
+from batchserve.layers.op_plan import Op, OpKind
 
 
 class Router(nn.Module):
@@ -98,6 +99,17 @@ class SparseMoE(nn.Module):
 
     def use_cpu_linear_layouts(self) -> None:
         self.experts.use_cpu_linear_layouts()
+
+    def op(self) -> Op:
+        """This block as an op of the layer's plan (layers/op_plan.py); its experts' projections once laid out for the
+        CPU (each expert's gate/up, then down)."""
+        layouts = self.experts.cpu_layouts or ()
+        return Op(
+            OpKind.MOE_MLP,
+            tensors=(self.gate.weight,),
+            linears=tuple(linear for pair in layouts for linear in pair),
+            ints=(self.gate.top_k, int(self.gate.normalize)),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]: each token's top-k experts' outputs, weighted by the router, summed in float32."""

@@ -7,9 +7,9 @@ that hold such keys are read through the block table: a block that has left the 
 and its table entry may be stale, so it is never touched. Soft-capping follows Gemma 2: scores = cap * tanh(scores /
 cap), applied after the scale and before the mask.
 
-The native kernels take neither (their decode and prefill loops read a sequence's context from position 0, with no
-start offset and no cap), so a model that uses these declares Capability.SLIDING_WINDOW / SOFTCAP and its layers run
-this code, the native decoder loop refusing it.
+The native attention kernels take neither (their decode and prefill loops read a sequence's context from position 0,
+with no start offset and no cap): the Python layers run this code, and the native decoder loop the same ATen calls in
+the same order (kernels/composed_ops.cpp windowed_attention). A change here is a change there.
 """
 
 from __future__ import annotations

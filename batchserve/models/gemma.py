@@ -27,18 +27,20 @@ from torch import nn
 
 from batchserve.config import ModelConfig
 from batchserve.layers.activation import GeGLUMLP
-from batchserve.layers.attention import AttentionMetadata, KVCache, paged_attention
+from batchserve.layers.attention import AttentionMetadata, KVCache
 from batchserve.layers.capabilities import Capability
 from batchserve.layers.embedding import token_embedding
 from batchserve.layers.linear import CpuLinear
 from batchserve.layers.norm import RMSNorm
-from batchserve.layers.rotary import RotaryEmbedding, apply_rope
+from batchserve.layers.op_plan import LayerPlan, OpKind, norm_op
+from batchserve.layers.rotary import RotaryEmbedding
 from batchserve.models.llama import Attention, LlamaForCausalLM
 from batchserve.models.registry import ArchitectureSpec, register
 
 logger = logging.getLogger(__name__)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+ROPE_TABLES = (FULL, SLIDING)  # the order of GemmaForCausalLM.rope_tables
 
 
 @dataclass(frozen=True)
@@ -106,23 +108,6 @@ def _rope_parameters(hf: dict[str, Any], version: int) -> tuple[dict[str, Any], 
     return full, {"rope_theta": local_theta}
 
 
-def model_capabilities(config: ModelConfig) -> frozenset[Capability]:
-    """What a Gemma model's layers compute (layers/capabilities.py)."""
-    settings = GemmaSettings.of(config)
-    declared = {Capability.ROPE, Capability.RMS_NORM, Capability.GEGLU, Capability.SANDWICH_NORM}
-    if config.num_kv_heads < config.num_heads:
-        declared.add(Capability.GQA)
-    if config.tie_word_embeddings:
-        declared.add(Capability.TIED_EMBEDDINGS)
-    if settings.sliding_window is not None:
-        declared.add(Capability.SLIDING_WINDOW)
-    if settings.attn_softcap is not None or settings.final_softcap is not None:
-        declared.add(Capability.SOFTCAP)
-    if settings.version == 3:
-        declared.add(Capability.QK_NORM)
-    return frozenset(declared)
-
-
 class GemmaRMSNorm(RMSNorm):
     """The shared RMSNorm, its weight holding 1 + w once loaded (GemmaForCausalLM.load_weights adds the 1). Off the
     native kernel a low-precision input is scaled in float32 and rounded once, Gemma's order ((x * w).to(dtype))."""
@@ -141,25 +126,11 @@ class GemmaAttention(Attention):
         self.scale = settings.query_pre_attn_scalar**-0.5
         self.window = settings.sliding_window if layer_type == SLIDING else None
         self.softcap = settings.attn_softcap
+        self.rope_table = ROPE_TABLES.index(layer_type)
         self.q_norm = self.k_norm = None
         if settings.version == 3:
             self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-
-    def forward(self, x, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q, k = apply_rope(q.contiguous(), cos, sin), apply_rope(k.contiguous(), cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(
-            q, k, v, kv_cache, attn_metadata, scale=self.scale, window=self.window, softcap=self.softcap
-        )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -173,6 +144,17 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.mlp = GeGLUMLP(config, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+
+    def ops(self) -> LayerPlan:
+        """The Llama layer's ops with a NORM after each sublayer (layers/op_plan.py)."""
+        return [
+            norm_op(OpKind.RESIDUAL_NORM, self.input_layernorm),
+            *self.self_attn.ops(),
+            norm_op(OpKind.NORM, self.post_attention_layernorm),
+            norm_op(OpKind.RESIDUAL_NORM, self.pre_feedforward_layernorm),
+            self.mlp.op(),
+            norm_op(OpKind.NORM, self.post_feedforward_layernorm),
+        ]
 
     def forward(self, x, residual, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata):
         """(x, residual) -> (x, residual) of the next layer, the stream being x + residual (None at layer 0): each
@@ -205,14 +187,13 @@ class LayerRotary(nn.Module):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    """Gemma 2 / Gemma 3 text. Its capabilities (GeGLU, sandwich norms, windows, soft-caps) are beyond the native
-    decoder loop: the Python layers run, each operator on the native kernels where it has one."""
+    """Gemma 2 / Gemma 3 text: the Llama model's forward and native decoder loop over Gemma's layers (their op plan
+    has GeGLU, sandwich norms, windows and soft-caps), a scaled embedding and one RoPE table per layer type."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
         nn.Module.__init__(self)
         self.config = config
         self.settings = GemmaSettings.of(config)
-        self.capabilities = model_capabilities(config)
         self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, kind, dtype) for kind in self.settings.layer_types)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -223,17 +204,17 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.output_proj: CpuLinear | None = None
         self.decoder_loop = None
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], attn_metadata
-    ) -> torch.Tensor:
-        """Packed tokens [T] at positions [T] -> final hidden states [T, H] (normed)."""
+    def model_level_capabilities(self) -> set[Capability]:
+        final_softcap = {Capability.SOFTCAP} if self.settings.final_softcap is not None else set()
+        return super().model_level_capabilities() | final_softcap
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # rounded to the dtype, as transformers
-        rope = self.rotary(positions, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, *rope[layer.layer_type], kv_cache, attn_metadata)
-        return self.norm(x, residual)[0]
+        return x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # rounded to the dtype, as transformers
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype, attn_metadata) -> list:
+        tables = self.rotary(positions, dtype)
+        return [tables[kind] for kind in ROPE_TABLES]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
@@ -251,8 +232,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
 for _spec in (
     ArchitectureSpec("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), "batchserve.models.gemma:GemmaForCausalLM", config_fields,
-                     "exact (soft-capping, sliding/global layers, sandwich norms; Python layers)"),
+                     "exact (soft-capping, sliding/global layers, sandwich norms)"),
     ArchitectureSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3",), "batchserve.models.gemma:GemmaForCausalLM",
-                     config_fields, "exact, text only (q/k norms, per-layer RoPE bases; Python layers)"),
+                     config_fields, "exact, text only (q/k norms, per-layer RoPE bases)"),
 ):  # fmt: skip
     register(_spec)

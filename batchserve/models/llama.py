@@ -18,39 +18,20 @@ from torch import nn
 
 from batchserve import env
 from batchserve.config import ModelConfig
-from batchserve.layers import capabilities, kernels
+from batchserve.layers import kernels, op_plan
 from batchserve.layers.attention import AttentionMetadata, KVCache, native_step, paged_attention, quantized_kv_scales
 from batchserve.layers.capabilities import Capability
 from batchserve.layers.embedding import token_embedding
 from batchserve.layers.linear import CpuLinear
 from batchserve.layers.mlp import MLP
 from batchserve.layers.norm import RMSNorm
-from batchserve.layers.rotary import RotaryEmbedding, apply_partial_rope
+from batchserve.layers.op_plan import LayerPlan, Op, OpKind, norm_op
+from batchserve.layers.rotary import RotaryEmbedding, apply_partial_rope, rotary_dim
+from batchserve.layers.windowed_attention import QUERY_TILE
 from batchserve.models.hf_config import qwen_window_fields
 from batchserve.models.registry import ArchitectureSpec, ModelLoadError, register
 
 logger = logging.getLogger(__name__)
-
-
-def model_capabilities(config: ModelConfig) -> frozenset[Capability]:
-    """What this model's layers compute for `config` (layers/capabilities.py): every runner of its layers must
-    implement all of it."""
-    declared = {Capability.ROPE, Capability.RMS_NORM, Capability.SWIGLU}
-    if config.num_kv_heads < config.num_heads:
-        declared.add(Capability.GQA)
-    if config.attention_bias:
-        declared.add(Capability.QKV_BIAS)
-        if config.architecture != "qwen2":  # Qwen2: bias on q/k/v only
-            declared.add(Capability.O_BIAS)
-    if config.tie_word_embeddings:
-        declared.add(Capability.TIED_EMBEDDINGS)
-    if config.sliding_window is not None or config.extra.get("windowed_layers"):
-        declared.add(Capability.SLIDING_WINDOW)
-    if config.qk_norm:
-        declared.add(Capability.QK_NORM)
-    if config.rotary_dim not in (None, config.head_dim):
-        declared.add(Capability.PARTIAL_ROTARY)
-    return frozenset(declared)
 
 
 class Attention(nn.Module):
@@ -71,10 +52,28 @@ class Attention(nn.Module):
         self.window = config.sliding_window
         if layer_index in config.extra.get("windowed_layers", ()):  # Qwen's use_sliding_window on some layers
             self.window = config.extra["layer_window"]
+        self.softcap: float | None = None  # tanh soft-capping of the scores (Gemma 2)
+        self.rotary_dims = rotary_dim(config)  # Phi-4-mini: fewer than head_dim
+        self.rope_table = 0  # which of the model's RoPE tables this layer rotates with (Gemma: per layer type)
         self.q_norm = self.k_norm = None
         if config.qk_norm:  # Qwen3
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+
+    def ops(self) -> LayerPlan:
+        """What forward runs, as op plan ops (layers/op_plan.py): a q/k norm inserts QK_NORM; the rotary dims, window
+        and soft-cap are arguments of ROPE and ATTENTION."""
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+        ops = [Op(OpKind.QKV, linears=(self.qkv_proj,), ints=shape)]
+        if self.q_norm is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight)
+            ops.append(Op(OpKind.QK_NORM, tensors=norms, ints=shape, floats=(self.q_norm.eps,)))
+        return [
+            *ops,
+            Op(OpKind.ROPE, ints=(self.rope_table, self.rotary_dims, self.head_dim)),
+            Op(OpKind.ATTENTION, ints=(*shape, self.window or 0, QUERY_TILE), floats=(self.scale, self.softcap or 0.0)),
+            Op(OpKind.O_PROJ, linears=(self.o_proj,)),
+        ]
 
     def forward(self, x, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -89,7 +88,9 @@ class Attention(nn.Module):
         qk = apply_partial_rope(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, attn_metadata, scale=self.scale, window=self.window)
+        out = paged_attention(
+            q, k, v, kv_cache, attn_metadata, scale=self.scale, window=self.window, softcap=self.softcap
+        )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -100,6 +101,14 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, dtype, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
+
+    def ops(self) -> LayerPlan:
+        return [
+            norm_op(OpKind.RESIDUAL_NORM, self.input_layernorm),
+            *self.self_attn.ops(),
+            norm_op(OpKind.RESIDUAL_NORM, self.post_attention_layernorm),
+            self.mlp.op(),
+        ]
 
     def forward(self, x, residual, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata):
         """(x, residual) -> (x, residual) of the next layer: the residual stream is x + residual (None at layer 0),
@@ -117,7 +126,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
         super().__init__()
         self.config = config
-        self.capabilities = model_capabilities(config)
         self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -128,6 +136,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.output_proj: CpuLinear | None = None  # set by use_cpu_linear_layouts
         self.decoder_loop = None  # the layers as one native call, set by use_cpu_linear_layouts
+
+    def op_plan(self) -> list[LayerPlan]:
+        """Each layer's ops (layers/op_plan.py), from its modules: what the native decoder loop runs."""
+        return [layer.ops() for layer in self.layers]
+
+    def model_level_capabilities(self) -> set[Capability]:
+        """What the model computes outside its layers."""
+        return {Capability.TIED_EMBEDDINGS} if self.config.tie_word_embeddings else set()
+
+    @property
+    def capabilities(self) -> frozenset[Capability]:
+        """What this model computes (layers/capabilities.py), read off its modules' op plan."""
+        return op_plan.capabilities(self.op_plan(), self.model_level_capabilities())
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -156,33 +177,29 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
 
     def _native_decoder_loop(self):
-        """The layers as one native call (kernels/decoder_loop.cpp: it sequences the operators the Python layers call,
-        without some twenty interpreter round trips a layer), or None where it does not run them: native kernels off
-        or not built, a dtype they do not take, or a capability of this model the loop does not implement (logged)."""
+        """The layers as one native call (kernels/decoder_loop.cpp runs the op plan with the operators the Python
+        layers call, without some twenty interpreter round trips a layer), or None where it does not run them: native
+        kernels off or not built, a dtype they do not take, or an op the loop lacks (logged)."""
         dtype = self.embed_tokens.weight.dtype
         native = kernels.for_tensors(self.embed_tokens.weight, dtypes=kernels.FUSED_DTYPES)
         if native is None or not env.native_decoder_loop():
             return None
-        lacking = capabilities.missing(self.capabilities, native.DecoderLoop.capabilities())
-        if lacking:
-            logger.info("native decoder loop: off, it does not implement %s; the Python layers run", ", ".join(lacking))
+        plan = self.op_plan()
+        tensors = [t for layer in plan for op in layer for t in op.tensors]
+        if any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
             return None
-        attn = self.layers[0].self_attn
-        loop = native.DecoderLoop(
-            num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            eps=self.config.rms_norm_eps,
-            scale=attn.scale,
-        )
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
-                return None
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            loop.add_layer(*(w.detach() for w in norms), *(p.native for p in projections))
-        return loop
+        # windowed or soft-capped attention has no 8-bit pool path: such steps go to the Python layers, which say so
+        self._loop_takes_8bit_kv = not {Capability.SLIDING_WINDOW, Capability.SOFTCAP} & op_plan.capabilities(plan)
+        return op_plan.native_loop(native, plan)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def rope_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype, attn_metadata: AttentionMetadata
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) of each RoPE table a layer may rotate with (Attention.rope_table indexes them)."""
+        return [self.rotary(positions, dtype, attn_metadata.long_context)]
 
     def forward(
         self,
@@ -192,17 +209,20 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Packed tokens [T] at positions [T] -> final hidden states [T, H] (normed)."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype, attn_metadata.long_context)
+        x = self.embed(input_ids)
+        tables = self.rope_tables(positions, x.dtype, attn_metadata)
         step = None if self.decoder_loop is None else native_step(x, self.config.head_dim, kv_caches[0], attn_metadata)
         if step is not None:
             keys, values = [k for k, _ in kv_caches], [v for _, v in kv_caches]
             scales = [quantized_kv_scales(kv) for kv in kv_caches]  # an 8-bit pool's; none for a float one
             key_scales, value_scales = [k for k, _ in scales if k is not None], [v for _, v in scales if v is not None]
-            x, residual = self.decoder_loop.forward(x, cos, sin, keys, values, step, key_scales, value_scales)
-            return self.norm(x, residual)[0]
+            if not key_scales or self._loop_takes_8bit_kv:
+                rope = [t for table in tables for t in table]
+                x, residual = self.decoder_loop.forward(x, rope, keys, values, step, key_scales, value_scales)
+                return self.norm(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cos, sin = tables[layer.self_attn.rope_table]
             x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
         return self.norm(x, residual)[0]
 
@@ -329,11 +349,11 @@ for _spec in (
     ArchitectureSpec("llama", ("LlamaForCausalLM",), ("llama",), _MODEL, _llama_fields,
                      f"exact (Llama 2/3.x, SmolLM2); {_EXACT_ROPE}; GGUF rope_freqs as llama.cpp applies them"),
     ArchitectureSpec("mistral", ("MistralForCausalLM",), (), _MODEL, _mistral_fields,
-                     "exact, sliding window honoured (Python layers when set)"),
+                     "exact, sliding window honoured"),
     ArchitectureSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _MODEL, _qwen2_fields,
-                     "exact (q/k/v biases; use_sliding_window on its layers, Python layers then)"),
+                     "exact (q/k/v biases; use_sliding_window on its layers)"),
     ArchitectureSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _MODEL, _qwen3_fields,
-                     "exact (q/k RMSNorm, explicit head_dim, use_sliding_window; Python layers)"),
+                     "exact (q/k RMSNorm, explicit head_dim, use_sliding_window)"),
     ArchitectureSpec("phi3", ("Phi3ForCausalLM",), ("phi3",), _MODEL, _phi3_fields,
                      "exact (fused qkv/gate_up, partial rotary, LongRoPE past original_max_position_embeddings)"),
 ):  # fmt: skip

@@ -5,9 +5,9 @@ that module's; Qwen3-MoE's q/k RMSNorm is Qwen3's) whose MLPs are sparse MoE blo
 each token's top-k experts. Qwen3-MoE keeps a dense MLP of intermediate_size on the layers `mlp_only_layers` names and
 on those `decoder_sparse_step` skips. The experts load from a checkpoint's per-expert tensors (Mixtral's
 `block_sparse_moe.experts.N.w1/w2/w3`, Qwen3-MoE's `mlp.experts.N.gate_proj/up_proj/down_proj`) into stacked
-weights, or from transformers 5's stacked `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`. The native decoder
-loop does not run MoE layers (Capability.MOE): the Python layers do. The architectures register themselves in
-models/registry.py at the end of this module.
+weights, or from transformers 5's stacked `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`. An MoE block is one
+op of the layer's plan (layers/op_plan.py MOE_MLP), which the native decoder loop runs as the Python block does. The
+architectures register themselves in models/registry.py at the end of this module.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import torch
 from torch import nn
 
 from batchserve.config import ModelConfig
-from batchserve.layers.capabilities import Capability
 from batchserve.layers.linear import CpuLinear
 from batchserve.layers.moe import SparseMoE
 from batchserve.models.hf_config import qwen_window_fields
-from batchserve.models.llama import LlamaForCausalLM, _silu_only, model_capabilities
+from batchserve.models.llama import LlamaForCausalLM, _silu_only
 from batchserve.models.registry import ArchitectureSpec, register
 
 # a per-expert checkpoint tensor: layers.<i>.mlp.experts.<e>.<projection>.weight (after Mixtral's names are mapped)
@@ -46,7 +45,6 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
         super().__init__(config, dtype)
-        self.capabilities = model_capabilities(config) | {Capability.MOE}
         for index, layer in enumerate(self.layers):
             if is_sparse_layer(config, index):
                 layer.mlp = SparseMoE(
@@ -69,7 +67,7 @@ class MoEForCausalLM(LlamaForCausalLM):
                 mlp.gate_up_proj = CpuLinear.from_linear(mlp.gate_up_proj, swiglu=mlp.swiglu)
                 mlp.down_proj = CpuLinear.from_linear(mlp.down_proj)
         self._use_output_layout()
-        self.decoder_loop = self._native_decoder_loop()  # None: the loop lacks Capability.MOE (logged)
+        self.decoder_loop = self._native_decoder_loop()
 
     # --- weight loading -------------------------------------------------------------------------------------------
 
@@ -168,9 +166,9 @@ def _qwen3_moe_fields(cfg: dict) -> dict:
 _MODEL = "batchserve.models.moe:MoEForCausalLM"
 for _spec in (
     ArchitectureSpec("mixtral", ("MixtralForCausalLM",), (), _MODEL, _mixtral_fields,
-                     "exact (top-k renormalised; experts grouped per step; Python layers), sliding window honoured"),
+                     "exact (top-k renormalised; experts grouped per step), sliding window honoured"),
     ArchitectureSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3moe",), _MODEL, _qwen3_moe_fields,
                      "exact (q/k RMSNorm, norm_topk_prob, dense mlp_only_layers / decoder_sparse_step; experts grouped "
-                     "per step; use_sliding_window; Python layers)"),
+                     "per step; use_sliding_window)"),
 ):  # fmt: skip
     register(_spec)

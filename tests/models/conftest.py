@@ -167,3 +167,14 @@ def staggered_outputs(runner, chunk: int, prompts: dict[str, list[int]], max_new
     sched.add("b", prompts["b"], max_new["b"])
     return sched.run(hooks={2: lambda s: s.add("a", prompts["a"], max_new["a"]),
                             3: lambda s: s.add("c", prompts["c"], max_new["c"])})  # fmt: skip
+
+
+class CountingLoop:
+    """The native decoder loop, its forward calls counted (it is a C++ object: no attribute to spy on)."""
+
+    def __init__(self, loop):
+        self.loop, self.calls = loop, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.loop.forward(*args)

@@ -1,8 +1,8 @@
 """Architectures of issue 42 against transformers: Qwen3 (q/k RMSNorm, explicit head_dim), Llama with YaRN and dynamic
 NTK RoPE, Phi-3 (fused qkv / gate_up, LongRoPE) and Phi-4-mini's partial rotary. Tiny random models saved by
 transformers go through our loader; greedy float32 tokens are transformers' own, with chunked prefills batched beside
-other requests' decodes, and each test asserts which sequencing ran (the native decoder loop, or the Python layers
-when the model declares a capability the loop lacks)."""
+other requests' decodes, and each test asserts that the native decoder loop ran the steps (where the kernels are
+built: it runs every family's op plan)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,12 @@ from batchserve.layers import kernels, rotary
 from batchserve.layers.capabilities import Capability
 from batchserve.models.gguf_config import llama3_scaling_from_factors
 from batchserve.models.hf_config import common_fields, hf_rope
-from tests.models.conftest import MiniScheduler, load_ours, make_runner, staggered_outputs
+from tests.models.conftest import CountingLoop, MiniScheduler, load_ours, make_runner, staggered_outputs
 from tests.models.test_gemma import widened_window_greedy
 from tests.models.test_llama import our_prefill_logits, prompt_ids
 from tests.tiny_models import ARCH_KINDS, VOCAB, build_hf_model, hf_greedy
 
 NATIVE = kernels.load() is not None
-# kind -> the capability that keeps it off the native decoder loop (None: the loop runs it)
-PYTHON_LAYERS_FOR = {"qwen3": Capability.QK_NORM, "phi4_mini": Capability.PARTIAL_ROTARY,
-                     "phi3_window": Capability.SLIDING_WINDOW}  # fmt: skip
 
 
 def test_qwen3_config(tiny_models):
@@ -105,34 +102,17 @@ def test_logits_match_transformers(tiny_models, kind):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-class CountingLoop:
-    """The native decoder loop, its forward calls counted (it is a C++ object: no attribute to spy on)."""
-
-    def __init__(self, loop):
-        self.loop, self.calls = loop, 0
-
-    def forward(self, *args):
-        self.calls += 1
-        return self.loop.forward(*args)
-
-
 @pytest.mark.parametrize("kind,block_size,chunk", [("qwen3", 8, 5), ("llama_yarn", 16, 7), ("llama_dynamic", 8, 6),
                                                    ("phi3", 8, 9), ("phi4_mini", 16, 4), ("phi3_window", 8, 5)])  # fmt: skip
 def test_greedy_generation_matches_transformers(tiny_models, caplog, kind, block_size, chunk):
     """Prompts shorter than the original context, generations past it (dynamic NTK grows its base there; YaRN scales
-    cos/sin), prefilled in chunks beside another request's decodes; the sequencing the model's capabilities call for."""
+    cos/sin), prefilled in chunks beside another request's decodes, by the native decoder loop."""
     hf, directory = tiny_models(kind)
     with caplog.at_level(logging.INFO):
         runner = make_runner(directory, block_size=block_size, num_kv_blocks=64)
     model = runner.model
-    lacking = PYTHON_LAYERS_FOR.get(kind)
     counter = None
-    if lacking is not None:
-        assert lacking in model.capabilities and model.decoder_loop is None
-        if NATIVE:
-            refusals = [r.getMessage() for r in caplog.records if "native decoder loop: off" in r.getMessage()]
-            assert len(refusals) == 1 and lacking.value in refusals[0]
-    elif NATIVE:
+    if NATIVE:
         assert model.decoder_loop is not None
         counter = model.decoder_loop = CountingLoop(model.decoder_loop)
     prompts = {"a": prompt_ids(2, 19), "b": prompt_ids(3, 4), "c": prompt_ids(4, 13)}

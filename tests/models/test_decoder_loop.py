@@ -1,7 +1,8 @@
-"""The native decoder loop (kernels/decoder_loop.cpp) against the Python layers it stands in for: both call the same
-native operators (layer_ops.h) in the same order, so the hidden states and the K/V it writes must be bit for bit the
-same, whatever GEMM path the rows take (x @ W, the small-M kernel, oneDNN packed, bf16 rows padded to 4, the AMX kernel
-or its emulation)."""
+"""The native decoder loop (kernels/decoder_loop.cpp) against the Python layers it stands in for: it runs the model's
+op plan (layers/op_plan.py) with the operators the Python layers call (layer_ops.h, composed_ops.cpp) in the same
+order, so the hidden states and the K/V it writes must be bit for bit the same, for every model family, on every
+attention path, whatever GEMM path the rows take (x @ W, the small-M kernel, oneDNN packed, bf16 rows padded to 4, the
+AMX kernel or its emulation)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import pytest
 import torch
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
-from batchserve.layers import kernels
-from batchserve.layers.attention import PREFILL_KERNEL_PATHS, native_step, prefill_method
+from batchserve.layers import kernels, windowed_attention
+from batchserve.layers.attention import PREFILL_KERNEL_PATHS, native_step, preferred_prefill_method, prefill_method
 from batchserve.layers.linear import CpuLinear
+from batchserve.layers.moe import SparseMoE
+from batchserve.models import llama
+from batchserve.models.gemma import GemmaDecoderLayer
 from batchserve.models.llama import DecoderLayer
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.input_batch import RequestTable
 from tests.models.conftest import load_ours
+from tests.models.test_moe import MOE_KINDS, moe_models  # noqa: F401  (a fixture of the tests here)
 from tests.tiny_models import VOCAB
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="native kernels not built here")
@@ -91,7 +96,8 @@ def native_forward(model, batch, kv, monkeypatch):
         raise AssertionError("the step took the Python layers")
 
     with monkeypatch.context() as m:
-        m.setattr(DecoderLayer, "forward", python_layer_ran)
+        for layer_class in (DecoderLayer, GemmaDecoderLayer):
+            m.setattr(layer_class, "forward", python_layer_ran)
         return forward(model, batch, kv)
 
 
@@ -218,3 +224,84 @@ def test_the_loop_can_be_turned_off(tiny_models, monkeypatch):
     _, directory = tiny_models("llama")
     _, model = load_ours(directory)
     assert model.decoder_loop is None
+
+
+# One kind of each family, and the variants that change an op: a window on every layer (Mistral, Mixtral, Phi-3-mini
+# 4k) or on some (Qwen's use_sliding_window, Gemma's sliding layers), soft-capped scores (Gemma 2), q/k norms (Qwen3,
+# Gemma 3, Qwen3-MoE), partial rotary (Phi-4-mini), LongRoPE (Phi-3), MoE MLPs with dense layers between (Qwen3-MoE),
+# GeGLU and sandwich norms (Gemma).
+FAMILY_KINDS = ("llama", "qwen2", "mistral_window", "qwen2_window", "qwen3", "phi3", "phi3_window", "phi4_mini",
+                "gemma2", "gemma3", "gemma3_tied", "mixtral", "mixtral_window", "qwen3_moe", "qwen3_moe_norm_topk")  # fmt: skip
+
+
+@pytest.fixture
+def family_model(tiny_models, request):
+    """kind -> the saved folder of its tiny random model."""
+    moe = request.getfixturevalue("moe_models")
+    return lambda kind: (moe if kind in MOE_KINDS else tiny_models)(kind)[1]
+
+
+@pytest.fixture
+def force_attention_path(monkeypatch):
+    """force_attention_path(path): the native attention kernels take `path` (skipped where it cannot run here),
+    prefill chunks the native prefill kernel where that path has one."""
+
+    def force(path: str) -> None:
+        if not kernels.attention_path_runs(path):
+            pytest.skip(f"attention path {path!r} cannot run on this CPU")
+        monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", path)
+        monkeypatch.setenv("BATCHSERVE_PREFILL_ATTENTION", "native")
+        kernels.attention_path.cache_clear()
+        preferred_prefill_method.cache_clear()
+
+    yield force
+    kernels.attention_path.cache_clear()
+    preferred_prefill_method.cache_clear()
+
+
+@pytest.mark.parametrize("path", ["avx512_bf16", "avx512", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_every_family_runs_the_native_loop_bit_for_bit(family_model, force_attention_path, monkeypatch, kind, dtype,
+                                                       path):  # fmt: skip
+    """Decodes over contexts longer than the windows (8), a fresh prompt, chunks after earlier context: the loop's
+    rows and K/V are the Python layers'."""
+    force_attention_path(path)
+    config, model = load_ours(family_model(kind), dtype)
+    assert model.decoder_loop is not None and model.decoder_loop.num_layers() == config.num_layers
+    batch, kv = step_batch(config, 5, 8, dtype, seed=len(kind), prompts=((0, 13), (11, 6), (16, 9)))
+    native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)
+    model.decoder_loop = None
+    python_hidden, python_kv = forward(model, batch, kv)
+    assert native_hidden.dtype == dtype
+    assert_same(native_hidden, native_kv, python_hidden, python_kv)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "mistral_window"])
+def test_windowed_prefill_in_query_tiles(family_model, monkeypatch, kind):
+    """A prompt longer than the windowed attention's query tile (4 here) attends tile by tile in both sequencings."""
+    monkeypatch.setattr(windowed_attention, "QUERY_TILE", 4)
+    monkeypatch.setattr(llama, "QUERY_TILE", 4)  # the tile the plan hands the native loop
+    config, model = load_ours(family_model(kind))
+    batch, kv = step_batch(config, 2, 8, torch.float32, seed=3, prompts=((0, 23), (13, 10)))
+    native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)
+    model.decoder_loop = None
+    python_hidden, python_kv = forward(model, batch, kv)
+    assert_same(native_hidden, native_kv, python_hidden, python_kv)
+
+
+def test_the_moe_loop_runs_each_expert_on_its_tokens(family_model, monkeypatch):
+    """A decode batch routed over all of Qwen3-MoE's experts: the MoE op's grouping, weighting and scatter-add are the
+    Python block's."""
+    config, model = load_ours(family_model("qwen3_moe"))
+    batch, kv = decode_step(config, 40, block_size=8, dtype=torch.float32, seed=7)
+    routed = set()
+    for layer in model.layers:
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.gate.register_forward_hook(lambda module, args, out: routed.update(out[1].reshape(-1).tolist()))
+    native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)
+    assert not routed, "the native loop routes in C++"
+    model.decoder_loop = None
+    python_hidden, python_kv = forward(model, batch, kv)
+    assert routed == set(range(config.num_experts))
+    assert_same(native_hidden, native_kv, python_hidden, python_kv)

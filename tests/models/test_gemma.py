@@ -1,11 +1,10 @@
 """Gemma 2 and Gemma 3 text (models/gemma.py) against transformers: config reading, logits, and greedy generation
 through ModelRunner with prompts longer than the sliding window, chunked prefill mixed with other requests' decodes,
-on the Python layers (the native decoder loop refuses these models) and the windowed attention path."""
+by the native decoder loop (the model's op plan) and by the Python layers with their windowed attention path."""
 
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import transformers
 from batchserve.layers import attention, kernels
 from batchserve.layers.capabilities import Capability
 from batchserve.models import gemma
-from tests.models.conftest import MiniScheduler, load_ours, make_runner
+from tests.models.conftest import CountingLoop, MiniScheduler, load_ours, make_runner
 from tests.models.test_llama import our_prefill_logits, prompt_ids
 from tests.tiny_models import hf_greedy
 
@@ -71,10 +70,12 @@ def widened_window_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
     return hf_greedy(wide, prompt, max_new)
 
 
+@pytest.mark.parametrize("native_loop", [True, False])
 @pytest.mark.parametrize("kind,block_size,chunk", [("gemma2", 4, 5), ("gemma3", 8, 3), ("gemma3_tied", 16, 16)])
-def test_greedy_generation_matches_transformers(tiny_models, monkeypatch, caplog, kind, block_size, chunk):
-    """Prompts longer than the window (8), chunked, sharing steps with another request's decodes; the Python
-    layers run (the native loop refuses the model) and every windowed layer takes the windowed attention."""
+def test_greedy_generation_matches_transformers(tiny_models, monkeypatch, kind, block_size, chunk, native_loop):
+    """Prompts longer than the window (8), chunked, sharing steps with another request's decodes; run by the native
+    decoder loop (its op plan: GeGLU, sandwich norms, windows, soft-caps) or by the Python layers, where every windowed
+    layer takes the windowed attention."""
     hf, directory = tiny_models(kind)
     windowed_calls = []
 
@@ -84,12 +85,15 @@ def test_greedy_generation_matches_transformers(tiny_models, monkeypatch, caplog
 
     real = attention.windowed_attention
     monkeypatch.setattr(attention, "windowed_attention", spy)
-    with caplog.at_level(logging.INFO):
-        runner = make_runner(directory, block_size=block_size, num_kv_blocks=96)
+    if not native_loop:
+        monkeypatch.setenv("BATCHSERVE_NATIVE_DECODER_LOOP", "0")
+    runner = make_runner(directory, block_size=block_size, num_kv_blocks=96)
     model = runner.model
-    assert model.decoder_loop is None and Capability.SLIDING_WINDOW in model.capabilities
-    if kernels.load() is not None:
-        assert any("native decoder loop: off" in r.getMessage() for r in caplog.records)
+    assert Capability.SLIDING_WINDOW in model.capabilities
+    loop_runs = native_loop and kernels.load() is not None
+    assert (model.decoder_loop is not None) == loop_runs
+    if loop_runs:
+        model.decoder_loop = counter = CountingLoop(model.decoder_loop)
     prompts = {"a": prompt_ids(2, 37), "b": prompt_ids(3, 4), "c": prompt_ids(4, 20)}
     sched = MiniScheduler(runner, chunk=chunk)
     sched.add("b", prompts["b"], 16)
@@ -97,7 +101,10 @@ def test_greedy_generation_matches_transformers(tiny_models, monkeypatch, caplog
     assert outputs["a"] == hf_greedy(hf, prompts["a"], 10)
     assert outputs["b"] == hf_greedy(hf, prompts["b"], 16)
     assert outputs["c"] == hf_greedy(hf, prompts["c"], 5)
-    assert 8 in windowed_calls
+    if loop_runs:
+        assert counter.calls > 0 and not windowed_calls, "the native loop ran every step"
+    else:
+        assert 8 in windowed_calls
     if kind == "gemma2":
         assert outputs["a"] != widened_window_greedy(hf, prompts["a"], 10), "the window must change these tokens"
 

@@ -1,6 +1,6 @@
 """Mixture of experts (layers/moe.py, models/moe.py): the grouped expert path against a per-token reference, and tiny
 random Mixtral / Qwen3-MoE models saved by transformers against transformers' greedy tokens, prefilled in chunks beside
-other requests' decodes, through the Python layers (the native decoder loop lacks Capability.MOE)."""
+other requests' decodes, through the native decoder loop (its MOE_MLP op) and through the Python layers."""
 
 from __future__ import annotations
 
@@ -224,17 +224,17 @@ def test_logits_match_transformers(moe_models, kind):
 
 @pytest.mark.parametrize("kind,block_size,chunk", [("mixtral", 8, 5), ("mixtral_window", 8, 5),
                                                    ("qwen3_moe", 16, 7), ("qwen3_moe_norm_topk", 8, 6)])  # fmt: skip
-def test_greedy_generation_matches_transformers(moe_models, caplog, kind, block_size, chunk):
+@pytest.mark.parametrize("native_loop", [True, False])
+def test_greedy_generation_matches_transformers(moe_models, monkeypatch, kind, block_size, chunk, native_loop):
     """Chunked prefills beside another request's decodes, greedy float32 tokens identical to transformers', run by
-    the Python layers: the native decoder loop refuses the model for Capability.MOE and the MoE blocks run."""
+    the native decoder loop or by the Python layers (their MoE blocks on batched tokens)."""
     hf, directory = moe_models(kind)
-    with caplog.at_level(logging.INFO):
-        runner = make_runner(directory, block_size=block_size, num_kv_blocks=64)
+    if not native_loop:
+        monkeypatch.setenv("BATCHSERVE_NATIVE_DECODER_LOOP", "0")
+    runner = make_runner(directory, block_size=block_size, num_kv_blocks=64)
     model = runner.model
-    assert model.decoder_loop is None
-    if kernels.load() is not None:
-        refusals = [r.getMessage() for r in caplog.records if "native decoder loop: off" in r.getMessage()]
-        assert len(refusals) == 1 and Capability.MOE.value in refusals[0]
+    loop_runs = native_loop and kernels.load() is not None
+    assert (model.decoder_loop is not None) == loop_runs
     block_calls = []
     for layer in model.layers:
         if isinstance(layer.mlp, SparseMoE):
@@ -244,7 +244,10 @@ def test_greedy_generation_matches_transformers(moe_models, caplog, kind, block_
     outputs = staggered_outputs(runner, chunk, prompts, max_new)
     for req_id, prompt in prompts.items():
         assert outputs[req_id] == hf_greedy(hf, prompt, max_new[req_id]), req_id
-    assert max(block_calls) > 1, "the MoE blocks ran on batched tokens"
+    if loop_runs:
+        assert not block_calls, "the native loop ran every step"
+    else:
+        assert max(block_calls) > 1, "the MoE blocks ran on batched tokens"
 
 
 def test_bfloat16_as_near_float32_as_transformers_bfloat16(moe_models):

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
+from batchserve.layers import kernels
 from batchserve.layers.attention import paged_attention
 from batchserve.layers.capabilities import Capability
 from batchserve.sampling_params import SamplingParams
@@ -132,11 +133,12 @@ def _unwindowed_greedy(hf, config, name: str) -> list[int]:
 
 
 def test_mistral_honours_its_window(tiny_models):
-    """Mistral with sliding_window=8, block size 4, on the Python layers: transformers' tokens (it masks by the
-    window), and not those of the same weights without the window."""
+    """Mistral with sliding_window=8, block size 4 (the native decoder loop where the kernels are built):
+    transformers' tokens (it masks by the window), and not those of the same weights without the window."""
     hf, directory = tiny_models("mistral_window")
     runner = make_runner(directory, block_size=4, num_kv_blocks=64)
-    assert runner.model_config.sliding_window == 8 and runner.model.decoder_loop is None
+    assert runner.model_config.sliding_window == 8
+    assert (runner.model.decoder_loop is not None) == (kernels.load() is not None)
     assert Capability.SLIDING_WINDOW in runner.model.capabilities
     outputs = _staggered_equals_transformers(hf, runner)
     full = transformers.MistralConfig(**{**hf.config.to_dict(), "sliding_window": None})
@@ -151,7 +153,8 @@ def test_qwen_use_sliding_window_windows_the_layers_transformers_windows(tiny_mo
     config = runner.model_config
     assert config.sliding_window is None and config.extra == {"windowed_layers": [1], "layer_window": 8}
     assert [layer.self_attn.window for layer in runner.model.layers] == [None, 8]
-    assert Capability.SLIDING_WINDOW in runner.model.capabilities and runner.model.decoder_loop is None
+    assert Capability.SLIDING_WINDOW in runner.model.capabilities
+    assert (runner.model.decoder_loop is not None) == (kernels.load() is not None)
     outputs = _staggered_equals_transformers(hf, runner)
     full = transformers.Qwen2Config(**{**hf.config.to_dict(), "use_sliding_window": False, "layer_types": None})
     assert outputs["a"] != _unwindowed_greedy(hf, full, "a"), "the window must change these tokens"

@@ -1,8 +1,12 @@
-// A step's decoder layers in one native call. It only sequences the operators the Python layers call
-// (models/llama.py DecoderLayer: rms_norm, the Projections, rope_, paged_attention, silu_and_mul; layer_ops.h), in the
-// same order on the same tensors, so its output is bit for bit theirs. What it saves is the interpreter: some twenty
-// Python-level calls a layer, which add up over a model's layers at every step.
+// A step's decoder layers in one native call, run from the model's op plan (layers/op_plan.py): each layer a list of
+// ops, built from the model's Python modules and handed over once. Each op calls the operator its Python module calls
+// (rms_norm, the Projections, rope_, paged_attention, silu_and_mul: layer_ops.h; the torch code of windowed attention,
+// MoE routing and GeGLU as the same ATen calls: composed_ops.cpp), in the same order on the same tensors, so its output
+// is bit for bit theirs. What it saves is the interpreter: some twenty Python-level calls a layer, which add up over a
+// model's layers at every step.
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <torch/extension.h>  // pybind11: this file registers its classes
@@ -11,94 +15,220 @@
 
 namespace {
 
-// What the loop computes, in the names of layers/capabilities.py Capability: a model is run here only if it declares
-// nothing else (models/llama.py checks, and says in the log what is missing). Tied embeddings are outside the layers.
-const std::vector<std::string> kCapabilities = {"rope", "rms_norm", "gqa", "swiglu", "qkv_bias", "o_bias",
-                                                "tied_embeddings"};
+// layers/op_plan.py OpKind, one for one; the arguments each takes are listed there.
+enum class OpKind { kResidualNorm, kNorm, kQkv, kQkNorm, kRope, kAttention, kOProj, kSwigluMlp, kGegluMlp, kMoeMlp };
 
-struct DecoderLayerWeights {
-  at::Tensor input_norm, post_attention_norm;
-  Projection qkv, o, gate_up, down;
+// The op kinds this loop runs, by their OpKind values, with the (tensors, projections, ints, floats) each takes
+// (-1: any number). The Python side reads the names (DecoderLoop.op_kinds) and runs a model here only if its plan
+// has no other kind.
+struct KindInfo {
+  const char* name;
+  OpKind kind;
+  int tensors, projections, ints, floats;
 };
+const std::vector<KindInfo> kOpKinds = {
+    {"residual_norm", OpKind::kResidualNorm, 1, 0, 0, 1},  // weight; eps
+    {"norm", OpKind::kNorm, 1, 0, 0, 1},                   // weight; eps
+    {"qkv", OpKind::kQkv, 0, 1, 3, 0},                     // qkv; heads, kv heads, head size
+    {"qk_norm", OpKind::kQkNorm, 2, 0, 3, 1},              // q, k weights; heads, kv heads, head size; eps
+    {"rope", OpKind::kRope, 0, 0, 3, 0},                   // table, rotary dims, head size
+    {"attention", OpKind::kAttention, 0, 0, 5, 2},  // heads, kv heads, head size, window (0: none), query tile;
+                                                    // scale, softcap (0: none)
+    {"o_proj", OpKind::kOProj, 0, 1, 0, 0},
+    {"swiglu_mlp", OpKind::kSwigluMlp, 0, 2, 0, 0},  // gate/up, down
+    {"geglu_mlp", OpKind::kGegluMlp, 0, 2, 0, 0},    // gate/up, down
+    {"moe_mlp", OpKind::kMoeMlp, 1, -1, 2, 0},       // router; each expert's gate/up, down; top k, normalize
+};
+
+// One op as layers/op_plan.py exports it: (kind, tensors, projections, ints, floats)
+using OpSpec = std::tuple<std::string, std::vector<at::Tensor>, std::vector<Projection>, std::vector<int64_t>,
+                          std::vector<double>>;
+
+struct Op {
+  OpKind kind;
+  std::vector<at::Tensor> tensors;
+  std::vector<Projection> projections;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+};
+
+Op make_op(OpSpec spec) {
+  auto& [name, tensors, projections, ints, floats] = spec;
+  for (const auto& info : kOpKinds) {
+    if (name != info.name) continue;
+    const auto count_ok = [](int want, size_t have) { return want < 0 || static_cast<size_t>(want) == have; };
+    TORCH_CHECK_VALUE(count_ok(info.tensors, tensors.size()) && count_ok(info.projections, projections.size()) &&
+                          count_ok(info.ints, ints.size()) && count_ok(info.floats, floats.size()),
+                      "op ", name, ": wrong number of arguments");
+    return {info.kind, std::move(tensors), std::move(projections), std::move(ints), std::move(floats)};
+  }
+  TORCH_CHECK_VALUE(false, "the native decoder loop has no op ", name);
+}
+
+// The step's values between ops, named as the Python layers name them: h (the sublayer's input or output), the
+// residual stream (undefined before the first layer's norm), this layer's q and k heads [T, H + Hkv, D] and v.
+struct Registers {
+  at::Tensor h, residual, qk, v;
+};
+
+// One layer's pool and what the step shares between layers
+struct LayerContext {
+  const at::Tensor &key_cache, &value_cache;
+  c10::optional<at::Tensor> key_scale, value_scale;
+  const StepAttention& step;
+  const std::vector<at::Tensor>& rope;  // cos, sin of each RoPE table
+  DecodeWindows& windows;
+};
+
+// layers/rotary.py apply_rope: the native kernel rotates x in place
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "RoPE on heads contiguous within a token");
+  rope_(x, cos, sin);
+  return x;
+}
+
+// layers/rotary.py apply_partial_rope: a head's first 2 * cos.size(-1) dims rotated, the rest passed through
+at::Tensor apply_partial_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rot = 2 * cos.size(-1);
+  if (rot == x.size(-1)) return apply_rope(x, cos, sin);
+  return at::cat({apply_rope(x.slice(-1, 0, rot).contiguous(), cos, sin), x.slice(-1, rot)}, -1);
+}
 
 class DecoderLoop {
  public:
-  DecoderLoop(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
-      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
-
-  void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, Projection qkv, Projection o,
-                 Projection gate_up, Projection down) {
-    layers_.push_back({std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
-                       std::move(gate_up), std::move(down)});
+  void add_layer(std::vector<OpSpec> ops) {
+    std::vector<Op> layer;
+    for (auto& spec : ops) layer.push_back(make_op(std::move(spec)));
+    layers_.push_back(std::move(layer));
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x [T, H] (the step's embedded tokens) -> (x, residual) after the last layer, before the final norm.
-  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
-                                                   const std::vector<at::Tensor>& key_caches,
-                                                   const std::vector<at::Tensor>& value_caches,
-                                                   const StepAttention& step,
-                                                   const std::vector<at::Tensor>& key_scales,
-                                                   const std::vector<at::Tensor>& value_scales) const {
+  // x [T, H] (the step's embedded tokens) -> (x, residual) after the last layer, before the final norm. rope: cos, sin
+  // of each table the plan's rope ops name.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, const std::vector<at::Tensor>& rope,
+                                             const std::vector<at::Tensor>& key_caches,
+                                             const std::vector<at::Tensor>& value_caches, const StepAttention& step,
+                                             const std::vector<at::Tensor>& key_scales,
+                                             const std::vector<at::Tensor>& value_scales) const {
     TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
     const bool quantized = !key_scales.empty();
     TORCH_CHECK(!quantized || (key_scales.size() == layers_.size() && value_scales.size() == layers_.size()),
                 "a quantized pool: one K and one V scale tensor per layer");
-    at::Tensor residual;
+    Registers r{std::move(x), {}, {}, {}};
+    DecodeWindows windows;
     for (size_t i = 0; i < layers_.size(); ++i) {
-      const DecoderLayerWeights& layer = layers_[i];
-      at::Tensor h;
-      if (i == 0) {
-        residual = x;
-        h = rms_norm(x, c10::nullopt, layer.input_norm, eps_);
-      } else {
-        h = rms_norm(x, residual, layer.input_norm, eps_);
-      }
-      h = attention(layer, h, cos, sin, key_caches[i], value_caches[i], step,
-                    quantized ? c10::optional<at::Tensor>(key_scales[i]) : c10::nullopt,
-                    quantized ? c10::optional<at::Tensor>(value_scales[i]) : c10::nullopt);
-      h = rms_norm(h, residual, layer.post_attention_norm, eps_);
-      x = layer.down(layer.gate_up.silu_and_mul_of(h));
+      LayerContext context{key_caches[i],
+                           value_caches[i],
+                           quantized ? c10::optional<at::Tensor>(key_scales[i]) : c10::nullopt,
+                           quantized ? c10::optional<at::Tensor>(value_scales[i]) : c10::nullopt,
+                           step,
+                           rope,
+                           windows};
+      for (const Op& op : layers_[i]) run(op, r, context);
     }
-    return {x, residual};
+    return {r.h, r.residual};
   }
 
  private:
-  // models/llama.py Attention.forward
-  at::Tensor attention(const DecoderLayerWeights& layer, const at::Tensor& h, const at::Tensor& cos,
-                          const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                          const StepAttention& step, const c10::optional<at::Tensor>& key_scale,
-                          const c10::optional<at::Tensor>& value_scale) const {
-    const int64_t tokens = h.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    const auto parts = layer.qkv(h).split_with_sizes({q_size + kv_size, kv_size}, -1);
-    const at::Tensor qk = parts[0].view({tokens, num_heads_ + num_kv_heads_, head_dim_});
-    rope_(qk, cos, sin);
-    const auto q_k = qk.split_with_sizes({num_heads_, num_kv_heads_}, 1);
-    const at::Tensor v = parts[1].view({tokens, num_kv_heads_, head_dim_});
-    const at::Tensor out =
-        paged_attention(q_k[0], q_k[1], v, key_cache, value_cache, step, scale_, key_scale, value_scale);
-    return layer.o(out.reshape({tokens, q_size}));
+  static void run(const Op& op, Registers& r, LayerContext& context) {
+    const auto& t = op.tensors;
+    const auto& p = op.projections;
+    const auto& n = op.ints;
+    switch (op.kind) {
+      case OpKind::kResidualNorm:  // models/llama.py DecoderLayer: the residual add fused into the norm
+        if (!r.residual.defined()) {
+          r.residual = r.h;
+          r.h = rms_norm(r.h, c10::nullopt, t[0], op.floats[0]);
+        } else {
+          r.h = rms_norm(r.h, r.residual, t[0], op.floats[0]);
+        }
+        return;
+      case OpKind::kNorm:
+        r.h = rms_norm(r.h, c10::nullopt, t[0], op.floats[0]);
+        return;
+      case OpKind::kQkv: {  // models/llama.py Attention.forward
+        const int64_t tokens = r.h.size(0), heads = n[0], kv_heads = n[1], head_dim = n[2];
+        const auto parts = p[0](r.h).split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
+        r.qk = parts[0].view({tokens, heads + kv_heads, head_dim});
+        r.v = parts[1].view({tokens, kv_heads, head_dim});
+        return;
+      }
+      case OpKind::kQkNorm: {
+        const int64_t tokens = r.qk.size(0), heads = n[0], kv_heads = n[1], head_dim = n[2];
+        const auto q_k = r.qk.split_with_sizes({heads, kv_heads}, 1);
+        const auto q = rms_norm(q_k[0].reshape({-1, head_dim}), c10::nullopt, t[0], op.floats[0])
+                           .view({tokens, heads, head_dim});
+        const auto k = rms_norm(q_k[1].reshape({-1, head_dim}), c10::nullopt, t[1], op.floats[0])
+                           .view({tokens, kv_heads, head_dim});
+        r.qk = at::cat({q, k}, 1);
+        return;
+      }
+      case OpKind::kRope: {
+        const auto& cos = context.rope.at(2 * n[0]);
+        TORCH_CHECK(2 * cos.size(-1) == n[1], "the RoPE table rotates ", 2 * cos.size(-1), " dims, the plan ", n[1]);
+        r.qk = apply_partial_rope(r.qk, cos, context.rope.at(2 * n[0] + 1));
+        return;
+      }
+      case OpKind::kAttention:
+        r.h = attention(op, r, context);
+        return;
+      case OpKind::kOProj:
+        r.h = p[0](r.h);
+        return;
+      case OpKind::kSwigluMlp:  // layers/mlp.py MLP.forward
+        r.h = p[1](p[0].silu_and_mul_of(r.h));
+        return;
+      case OpKind::kGegluMlp:
+        r.h = geglu_mlp(r.h, p[0], p[1]);
+        return;
+      case OpKind::kMoeMlp:
+        r.h = moe_mlp(r.h, t[0], p, n[0], n[1] != 0);
+        return;
+    }
   }
 
-  int64_t num_heads_, num_kv_heads_, head_dim_;
-  double eps_, scale_;
-  std::vector<DecoderLayerWeights> layers_;
+  // models/llama.py Attention.forward from the split of q and k on; layers/attention.py paged_attention
+  static at::Tensor attention(const Op& op, const Registers& r, LayerContext& c) {
+    const int64_t tokens = r.qk.size(0), heads = op.ints[0], kv_heads = op.ints[1], head_dim = op.ints[2];
+    const int64_t window = op.ints[3], query_tile = op.ints[4];
+    const double scale = op.floats[0], softcap = op.floats[1];
+    const auto q_k = r.qk.split_with_sizes({heads, kv_heads}, 1);
+    at::Tensor out;
+    if (window > 0 || softcap > 0) {
+      TORCH_CHECK(!c.key_scale.has_value(), "an 8-bit KV cache with sliding-window or soft-capped attention");
+      write_kv_(q_k[1], r.v, c.key_cache, c.value_cache, c.step.slot_mapping);
+      out = windowed_attention(q_k[0], q_k[1], r.v, c.key_cache, c.value_cache, c.step, scale, window, softcap,
+                               query_tile, c.windows);
+    } else {
+      out = paged_attention(q_k[0], q_k[1], r.v, c.key_cache, c.value_cache, c.step, scale, c.key_scale,
+                            c.value_scale);
+    }
+    return out.reshape({tokens, heads * head_dim});
+  }
+
+  std::vector<std::vector<Op>> layers_;
 };
+
+std::vector<std::string> op_kind_names() {
+  std::vector<std::string> names;
+  for (const auto& info : kOpKinds) names.emplace_back(info.name);
+  return names;
+}
 
 }  // namespace
 
 void register_decoder_loop(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<DecoderLoop>(m, "DecoderLoop")
-      .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("num_heads"), py::arg("num_kv_heads"),
-           py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
-      .def_static("capabilities", [] { return kCapabilities; }, "what the loop computes (Capability values)")
-      .def("add_layer", &DecoderLoop::add_layer)
+      .def(py::init<>())
+      .def_static("op_kinds", &op_kind_names, "the op kinds the loop runs (layers/op_plan.py OpKind values)")
+      .def("add_layer", &DecoderLoop::add_layer, "one layer's ops: (kind, tensors, projections, ints, floats) each",
+           py::arg("ops"))
       .def("num_layers", &DecoderLoop::num_layers)
       .def("forward", &DecoderLoop::forward, "a step's decoder layers -> (x, residual); scales: a quantized pool's",
-           py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("cos"), py::arg("sin"),
-           py::arg("key_caches"), py::arg("value_caches"), py::arg("step"),
-           py::arg("key_scales") = std::vector<at::Tensor>(), py::arg("value_scales") = std::vector<at::Tensor>());
+           py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("rope"), py::arg("key_caches"),
+           py::arg("value_caches"), py::arg("step"), py::arg("key_scales") = std::vector<at::Tensor>(),
+           py::arg("value_scales") = std::vector<at::Tensor>());
 }

@@ -69,6 +69,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                               const c10::optional<at::Tensor>& key_scale = c10::nullopt,
                               const c10::optional<at::Tensor>& value_scale = c10::nullopt);
 
+// composed_ops.cpp: operators the Python layers write as torch code, here as the same ATen calls in the same order
+// (so that the native decoder loop's rows are theirs bit for bit).
+// layers/windowed_attention.py windowed_attention: a layer with a sliding window (> 0) and/or soft-capped scores
+// (softcap > 0), this step's K/V already in the pool; q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]. `decode_windows`
+// keeps each window's decode block ids and visible slots for the step's later layers (the Python code's per-step cache).
+using DecodeWindows = std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>>;
+at::Tensor windowed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_cache,
+                              const at::Tensor& value_cache, const StepAttention& step, double scale, int64_t window,
+                              double softcap, int64_t query_tile, DecodeWindows& decode_windows);
+// layers/moe.py SparseMoE.forward: x [T, H] -> [T, H]; experts: each expert's gate/up then down projection.
+at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const std::vector<Projection>& experts, int64_t top_k,
+                   bool normalize);
+// layers/activation.py GeGLUMLP.forward: down(gelu_tanh(gate) * up)
+at::Tensor geglu_mlp(const at::Tensor& x, const Projection& gate_up, const Projection& down);
+
 // kv_quantized.cpp: whether a pool element type is a quantized one (int8, float8 e4m3); k/v [T, Hkv, D] quantized into
 // the pool's slots -> (k, v) as stored, dequantized, in k's dtype; a pool's blocks dequantized to dtype
 // [len(blocks), block_size, Hkv, D]
