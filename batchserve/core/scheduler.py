@@ -110,8 +110,8 @@ class Scheduler:
         self._rejected: list[RequestOutput] = []  # ended by schedule() (never schedulable), reported by the update
         self.num_preemptions_total = 0
         self._last_step: _StepBuilder | None = None
-        speculates = speculative is not None and config.scheduler_policy != SchedulerPolicy.STATIC
-        self.speculation = SpeculationPlanner(speculative) if speculates else None
+        # the speculative config as the engine runs it (batchserve/modes.py turns it off where a mode rules it out)
+        self.speculation = SpeculationPlanner(speculative) if speculative is not None else None
         self.long_context_from = long_context_from
 
     # ---- requests in and out -------------------------------------------------------------------------------

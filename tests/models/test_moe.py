@@ -268,7 +268,7 @@ def test_experts_kept_quantized(moe_models):
 
     directory = moe_models("qwen3_moe_norm_topk")[1]
     config, model = load_ours(directory)
-    with quantized_linears("int8", torch.device("cpu")):
+    with quantized_linears("int8"):
         _, quantized = load_ours(directory)
     sparse = quantized.layers[1].mlp
     assert isinstance(sparse, SparseMoE)
