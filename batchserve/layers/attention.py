@@ -122,7 +122,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_map
         return
     key_cache, value_cache = kv_cache
     native = kernels.for_tensors(key, value, key_cache, dtypes=kernels.FUSED_DTYPES)
-    if native is not None:
+    if native is not None and key.dtype == key_cache.dtype:  # the native store converts no dtype (kv_cache_dtype's)
         native.write_kv_(key, value, key_cache, value_cache, slot_mapping)
         return
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
