@@ -137,8 +137,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_forced_preemptions = 0  # preemptions of a pinned request (_break_stall)
         self._last_step: _StepBuilder | None = None
-        speculates = speculative is not None and config.scheduler_policy != SchedulerPolicy.STATIC
-        self.speculation = SpeculationPlanner(speculative) if speculates else None
+        # the speculative config as the engine runs it (batchserve/modes.py turns it off where a mode rules it out)
+        self.speculation = SpeculationPlanner(speculative) if speculative is not None else None
         self.long_context_from = long_context_from
 
     # ---- requests in and out -------------------------------------------------------------------------------

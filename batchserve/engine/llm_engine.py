@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
+from batchserve import modes
 from batchserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from batchserve.core.build import build_scheduler
 from batchserve.core.kv_cache_manager import cdiv
@@ -86,6 +87,20 @@ class _Tracked:
     prompt_logprobs: list[Logprobs | None] | None = None  # until its next delta carries them
 
 
+def _mode_facts_of(config: EngineConfig, model_config: ModelConfig, runner: Runner) -> modes.ModeFacts:
+    """The mode table's facts for a runner built elsewhere (a test's, a fake): its device and dtype where it has them,
+    the host's kernels taken as present (a runner already built has chosen its paths)."""
+    device = getattr(runner, "device", None)
+    dtype = getattr(runner, "dtype", None)
+    return modes.ModeFacts.of(
+        config,
+        model_config,
+        getattr(device, "type", "cpu"),
+        str(dtype).removeprefix("torch.") if dtype is not None else str(config.dtype),
+        native_kernels=True,
+    )
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -105,6 +120,10 @@ class LLMEngine:
             runner, model_config, tokenizer = load_runner(config, initial_kv_blocks)
         assert model_config is not None and tokenizer is not None
         self.runner, self.model_config, self.tokenizer = runner, model_config, tokenizer
+        # the mode table's decision: load_runner's, made before loading; for a runner built elsewhere, made now
+        self.modes: modes.ModeDecision = getattr(runner, "modes", None) or modes.enforce(
+            config, _mode_facts_of(config, model_config, runner)
+        )
         self.limits = EngineLimits.of(config, model_config, self.max_kv_blocks * config.cache.block_size)
         self.requests = RequestBuilder(tokenizer, self.limits)
         self.scheduler = build_scheduler(

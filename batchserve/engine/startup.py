@@ -10,6 +10,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
+from batchserve import modes
 from batchserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ def load_runner(
     from batchserve.layers.linear import deterministic_gemm_path, deterministic_gemms, gemm_path
     from batchserve.layers.quantization import quantized_linears
     from batchserve.models.loader import (
+        is_gguf,
         load_model,
         load_model_config,
         load_tokenizer,
@@ -44,25 +46,29 @@ def load_runner(
     path = resolve_model_path(config.model)
     model_config = load_model_config(path)
     logger.info("loading %s (%s) on %s as %s", path, model_config.architecture, device, dtype)
+    native_kernels = device.type == "cpu" and kernels.load() is not None
     if device.type == "cpu":
-        logger.info("CPU path: %s; native kernels %s", gemm_path(dtype), "on" if kernels.load() else "off")
-    if config.deterministic:
+        logger.info("CPU path: %s; native kernels %s", gemm_path(dtype), "on" if native_kernels else "off")
+    # the one place that decides which combination of modes runs, before anything is allocated (batchserve/modes.py)
+    facts = modes.ModeFacts.of(config, model_config, device.type, config.dtype, native_kernels, is_gguf(path))
+    decision = modes.enforce(config, facts)
+    if config.deterministic and device.type == "cpu":
         logger.info(
             "deterministic mode: GEMMs: %s; attention: every row by the decode kernel in 16-token tiles of the pool's "
-            "blocks (prefill chunks too); logits in float32", deterministic_gemm_path(dtype) if device.type == "cpu"
-            else "the device's own (not made invariant off the CPU)",
+            "blocks (prefill chunks too); logits in float32", deterministic_gemm_path(dtype),
         )
     if config.quantization != "none":
         logger.info("weights kept quantized: %s (docs/quantization.md)", config.quantization)
     if config.quantization == "none":  # quantized weights are smaller than this count
         check_memory_before_loading(config, path, model_config, dtype, device)
-    with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, device, dtype):
+    with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, dtype):
         model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
     config.tokenizer = str(tokenizer_folder(path, config.tokenizer))  # the effective value, as the logs report it
     logger.info("tokenizer from %s (a Hugging Face folder other tools can load too)", config.tokenizer)
     runner = ModelRunner(config, model_config, model, device, dtype, initial_kv_blocks)
     runner.structured_outputs.tokenizer = tokenizer
+    runner.modes = decision
     speculative = SpeculativeConfig.from_value(config.speculative_config)
     if speculative is not None and speculative.method == "draft_model":
         runner.draft = load_draft_model(config, speculative.model, runner, tokenizer)

@@ -122,7 +122,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_map
         return
     key_cache, value_cache = kv_cache
     native = kernels.for_tensors(key, value, key_cache, dtypes=kernels.FUSED_DTYPES)
-    if native is not None:
+    if native is not None and key.dtype == key_cache.dtype:  # the native store converts no dtype (kv_cache_dtype's)
         native.write_kv_(key, value, key_cache, value_cache, slot_mapping)
         return
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -133,8 +133,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_map
 def gather_kv(
     kv_cache: KVCache, block_tables: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read each sequence's context through its block table -> K, V as [B, Hkv, max_blocks * block_size, D] (an
-    8-bit pool's dequantized to `dtype`)."""
+    """Read each sequence's context through its block table -> K, V as [B, Hkv, max_blocks * block_size, D] in `dtype`
+    (an 8-bit pool's dequantized to it; a float pool of another dtype, kv_cache_dtype's, converted)."""
     key_cache, value_cache = kv_cache
     num_seqs, max_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -144,7 +144,7 @@ def gather_kv(
         flat = torch.arange(flat.shape[0], device=flat.device)
     keys = key_cache.index_select(0, flat).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
     values = value_cache.index_select(0, flat).view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-    return keys.transpose(1, 2), values.transpose(1, 2)
+    return keys.transpose(1, 2).to(dtype), values.transpose(1, 2).to(dtype)
 
 
 def paged_attention(

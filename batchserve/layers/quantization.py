@@ -194,17 +194,12 @@ def gguf_as_stored() -> bool:
 
 
 @contextlib.contextmanager
-def quantized_linears(name: str, device: torch.device | None = None, dtype: torch.dtype | None = None):
+def quantized_linears(name: str, dtype: torch.dtype | None = None):
     """Projections laid out inside (CpuLinear.from_linear: a decoder layer's qkv, o, gate/up and down; not the
-    output projection, whose float32 logits stay unquantized) are kept quantized in `name`'s scheme. A device other
-    than the CPU is refused for any scheme but none, naming what works. `dtype` bfloat16 on a CPU with bf16 units:
-    many rows multiply dequantized tiles in bf16, as the bf16 model's own GEMMs would."""
+    output projection, whose float32 logits stay unquantized) are kept quantized in `name`'s scheme (on the CPU: the
+    mode table, batchserve/modes.py, refuses another device before loading). `dtype` bfloat16 on a CPU with bf16
+    units: many rows multiply dequantized tiles in bf16, as the bf16 model's own GEMMs would."""
     scheme = parse_quantization(name)
-    if name != "none" and device is not None and device.type != "cpu":
-        raise ConfigError(
-            f"quantization {name}: the quantized kernels run on the CPU; on {device.type} use quantization none "
-            "(or --device cpu)"
-        )
     if name != "none" and kernels.load() is not None:
         quant_gemm_path()  # a forced path this CPU cannot run is refused here, at load
     token, stored = _active.set(scheme), _as_stored.set(name == GGUF_AS_STORED)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from batchserve.config import ConfigError, ModelConfig
+from batchserve.config import ModelConfig
 from batchserve.layers import gguf_codes
 from batchserve.layers.quantization import QuantizedLinear
 
@@ -37,14 +37,6 @@ _PROJECTION_NAME = re.compile(r"\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|d
 def runs_from_codes(hf_name: str) -> bool:
     """Whether a checkpoint tensor is one of the projections use_stored_projections replaces."""
     return _PROJECTION_NAME.search(hf_name) is not None
-
-
-def refuse_unless_gguf(path: Path, is_gguf: bool) -> None:
-    if not is_gguf:
-        raise ConfigError(
-            f"quantization gguf runs a GGUF file's own quantized tensors; {path} is not a .gguf file (for a Hugging "
-            "Face folder use quantization int8 or int4, quantized at load, or none)"
-        )
 
 
 class StoredTensors:

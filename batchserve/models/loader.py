@@ -217,10 +217,9 @@ def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device
 def _use_stored_codes(
     path: Path, model: nn.Module, config: ModelConfig, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """quantization gguf (refused for anything but a GGUF file): the output and decoder projections set from the
-    file's codes; -> the float tensors still to load. The reader of the codes is dropped on return, its mapped pages
-    with it, before the float tensors are read through another."""
-    gguf_quantized.refuse_unless_gguf(path, is_gguf(path))
+    """quantization gguf (the mode table refuses it for anything but a GGUF file, batchserve/modes.py): the output and
+    decoder projections set from the file's codes; -> the float tensors still to load. The reader of the codes is
+    dropped on return, its mapped pages with it, before the float tensors are read through another."""
     stored = gguf_quantized.StoredTensors.open(path, config, _permuted_qk_heads(config))
     stored.check_matrices()  # before the float conversion: its refusal would not say what runs as stored
     output_from_codes = gguf_quantized.use_stored_output(model, stored)

@@ -126,6 +126,12 @@ class EngineMetrics:
             PREFIX + "engine_config", "The engine's effective configuration (as vLLM's cache_config_info).",
             ["model_name"], registry=f.registry,
         ).labels(f.model_name)  # fmt: skip
+        self.mode_fallback = Gauge(
+            PREFIX + "mode_fallback",
+            "1 for each rule of the mode table (batchserve/modes.py) this engine runs a fallback of.",
+            ["model_name", "rule"],
+            registry=f.registry,
+        )
 
     def attach(self, engine: AsyncLLMEngine) -> EngineMetrics:
         """Observe every step of `engine` from now on; what is fixed for its life (the configuration, the pool's
@@ -134,6 +140,8 @@ class EngineMetrics:
             {k: "" if v is None else str(v) for k, v in engine.engine.effective_config().items()}
         )
         self.kv_cache_blocks_total.set(engine.engine.runner.num_kv_blocks)
+        for rule in engine.engine.modes.fallback_names:
+            self.mode_fallback.labels(self.model_name, rule).set(1)
         engine.step_listeners.append(self._on_step)
         return self
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchserve.config import EngineConfig, SpeculativeConfig
+from batchserve import modes
+from batchserve.config import EngineConfig
 from batchserve.core.build import build_scheduler
 from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput, SchedulerStats
 from batchserve.core.scheduler import Scheduler
@@ -89,7 +90,7 @@ class SimEngine:
         cache = config.cache
         limit = min(max_model_len, config.scheduler.max_model_len or max_model_len, num_kv_blocks * cache.block_size)
         self.max_model_len = limit
-        speculative = SpeculativeConfig.from_value(config.speculative_config)
+        speculative = modes.effective_speculation(config)  # as the engine would run it (static: off)
         acceptance = None
         if speculative is not None:
             if acceptance_rate is None:

@@ -22,7 +22,6 @@ from typing import Protocol
 import torch
 
 from batchserve.layers.attention import AttentionMetadata, KVCache, SeqGroup
-from batchserve.layers.capabilities import Capability
 
 logger = logging.getLogger(__name__)
 
@@ -243,10 +242,7 @@ def decode_graphs_for(runner) -> DecodeGraphs | None:
     from batchserve.layers.gpu import paged_attention as gpu_attention
 
     if runner.device.type != "cuda" or runner.engine_config.enforce_eager:
-        return None
-    if Capability.MOE in getattr(runner.model, "capabilities", ()):
-        logger.info("CUDA graphs off: MoE layers (layers/moe.py) split each step's tokens by expert on the host")
-        return None
+        return None  # the mode table sets enforce_eager where a mode rules graphs out (MoE, an 8-bit pool: modes.py)
     pool = runner.kv_caches[0]
     if not gpu_attention.supports(pool[0][:1, 0], pool):
         logger.info("CUDA graphs off: attention on this pool is not the Triton kernels (BATCHSERVE_GPU_ATTENTION)")

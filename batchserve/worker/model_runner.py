@@ -31,6 +31,7 @@ from batchserve.worker.speculative import draft_hidden_rows, stage_drafts, unsta
 from batchserve.worker.structured_output import StructuredOutputs
 
 if TYPE_CHECKING:
+    from batchserve.modes import ModeDecision
     from batchserve.worker.draft_model import DraftModelProposer
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class ModelRunner:
         self._log_pool()
         self.decode_graphs = decode_graphs_for(self)  # None off CUDA and with enforce_eager
         self.draft: DraftModelProposer | None = None  # speculative method draft_model (engine/startup.py)
+        self.modes: ModeDecision | None = None  # the mode table's decision, made before loading (engine/startup.py)
 
     def resize_kv_cache(self, num_blocks: int, keep_block_ids: Sequence[int]) -> None:
         """Grow the device pool to num_blocks (at most max_kv_blocks), between steps. keep_block_ids: the blocks

@@ -4,6 +4,8 @@ so that neither page can drift from it.
 - `<!-- generated: engine-options -->` in a page becomes one table per config dataclass, from the options schema
   (batchserve/entrypoints/engine_options.py): every option, its flags, its config-file keys, type, default, choices
   and help text.
+- `<!-- generated: mode-rules -->` becomes the mode table (batchserve/modes.py): which combinations of options run,
+  are refused or fall back, and why.
 - `<!-- generated: environment -->` becomes the table of every variable batchserve/env.py reads, taken from the
   docstrings of its functions, each of which must begin `NAME (default ...): what it does`. A function without that
   form fails the build instead of being left out.
@@ -24,6 +26,7 @@ ENV_FILE = REPO / "batchserve" / "env.py"
 MARKERS = {
     "<!-- generated: engine-options -->": lambda: engine_options_markdown(),
     "<!-- generated: environment -->": lambda: environment_markdown(),
+    "<!-- generated: mode-rules -->": lambda: mode_rules_markdown(),
 }
 
 
@@ -94,6 +97,13 @@ def engine_options_markdown() -> str:
     return "\n\n".join(parts)
 
 
+def mode_rules_markdown() -> str:
+    """The mode table (batchserve/modes.py): every rule, its verdict, why, and what would work or what runs."""
+    from batchserve.modes import markdown_table
+
+    return markdown_table()
+
+
 _ENV_DOC = re.compile(r"^(?P<name>[A-Z][A-Z0-9_]+) \(default(?P<rest>.*)$", re.DOTALL)
 
 
@@ -136,4 +146,5 @@ def environment_markdown() -> str:
 
 if __name__ == "__main__":
     print(engine_options_markdown(), "\n")
+    print(mode_rules_markdown(), "\n")
     print(environment_markdown())

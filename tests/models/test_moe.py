@@ -271,7 +271,7 @@ def test_experts_kept_quantized(moe_models):
 
     directory = moe_models("qwen3_moe_norm_topk")[1]
     config, model = load_ours(directory)
-    with quantized_linears("int8", torch.device("cpu")):
+    with quantized_linears("int8"):
         _, quantized = load_ours(directory)
     sparse = quantized.layers[1].mlp
     assert isinstance(sparse, SparseMoE)
@@ -282,17 +282,15 @@ def test_experts_kept_quantized(moe_models):
 
 
 def test_no_cuda_graphs_for_moe(caplog):
-    """Decode CUDA graphs skip a MoE model (its per-step split by expert is read on the host), said in the log;
-    checked before anything touches a GPU."""
-    from types import SimpleNamespace
+    """Decode CUDA graphs skip a MoE model (its per-step split by expert is read on the host): a fallback row of the
+    mode table, said in one log line and set as enforce_eager before anything touches a GPU."""
+    from batchserve import modes
+    from batchserve.config import EngineConfig, ModelConfig
 
-    from batchserve.worker.cuda_graphs import decode_graphs_for
-
-    runner = SimpleNamespace(
-        device=torch.device("cuda"),
-        engine_config=SimpleNamespace(enforce_eager=False),
-        model=SimpleNamespace(capabilities=frozenset({Capability.MOE, Capability.ROPE})),
-    )
-    with caplog.at_level(logging.INFO):
-        assert decode_graphs_for(runner) is None
-    assert any("CUDA graphs off: MoE" in r.getMessage() for r in caplog.records)
+    moe = ModelConfig(8, 8, 8, 1, 1, 1, 8, 16, num_experts=4, num_experts_per_tok=2)
+    config = EngineConfig()
+    facts = modes.ModeFacts.of(config, moe, "cuda", "bfloat16", native_kernels=False)
+    with caplog.at_level(logging.WARNING, logger="batchserve.modes"):
+        decision = modes.enforce(config, facts)
+    assert decision.fallback_names == ["moe_without_cuda_graphs"] and config.enforce_eager
+    assert any("mode fallback moe_without_cuda_graphs" in r.getMessage() for r in caplog.records)
