@@ -24,7 +24,7 @@ TEXT_ROUTES = "/v1/completions and /v1/chat/completions generate text"
 NO_POOLING = f"pooling models (embeddings, rerank, score) are not built yet: {TEXT_ROUTES}"
 NO_LORA = "LoRA adapters are not built yet: merge the adapter into the weights and serve the merged model"
 NO_RESPONSE_PARTS = ("not built: background responses are refused, so there is nothing to cancel, and a stored response is "
-                     "read whole with GET /v1/responses/{id}")  # fmt: skip
+                     "read whole by a GET of its id under /v1/responses")  # fmt: skip
 NO_AUDIO = f"audio models are not built: {TEXT_ROUTES}"
 NO_IMAGES = f"image models are not built: {TEXT_ROUTES}"
 NO_STORED_OBJECTS = ("not built: the server keeps no files, batches or assistants; for offline batches use "
