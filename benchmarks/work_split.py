@@ -4,12 +4,17 @@ among many short ones, oldest (longest) first as the engine lists them: the case
 leaves one thread the long contexts. Run it once per build to compare schedulers (the build folder and the source tree
 decide which kernels load), alternating the runs on a shared host:
 
-    PYTHONPATH=. .venv/bin/python benchmarks/work_split.py [--threads 2] [--rounds 40]
+    PYTHONPATH=. .venv/bin/python benchmarks/work_split.py [--threads 2] [--rounds 40] [--library OLD.so]
+
+--library loads a built kernels library directly (another checkout's, copied out of its build folder), so that two
+builds are compared with one script.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
 import os
 import random
 import statistics
@@ -50,16 +55,26 @@ def make_batch(lens: list[int], dtype: torch.dtype):
     return query, key, value, tables, torch.tensor(lens)
 
 
+def load_library(path: str):
+    """A kernels library file loaded as the Python module it is (named as its file)."""
+    name = Path(path).name.split(".")[0]
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+    loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--calls", type=int, default=10, help="calls per timing (default: %(default)s)")
+    ap.add_argument("--library", default=None, help="a built kernels library (.so) to load instead of this tree's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    native = kernels.load()
+    native = load_library(args.library) if args.library else kernels.load()
     assert native is not None, "native kernels not built here"
-    paths = [p for p in kernels.ATTENTION_PATHS if kernels.attention_path_runs(p)]
+    paths = [p for p in kernels.ATTENTION_PATHS if native.attention_path_runs(native.AttentionPath.__members__[p])]
     print(f"{Path(native.__file__).parent.name}: {args.threads} threads, load average {os.getloadavg()[0]:.1f}")
     print(f"{'batch':>5s} {'pool':9s} {'path':12s} {'median ms':>10s} {'best ms':>8s}")
     for batch in (1, 32):
