@@ -69,9 +69,10 @@ BF16_TARGET void values_group_bf16(const bf16_t* v_head, const int64_t* table, i
 // its softmax needs no online rescaling: (1) every score of the sequence, and their max; (2) the weights
 // exp(s - max) in bf16, and their sum; (3) P.V with the accumulators in registers from the first token to the last.
 template <int NC>
-BF16_TARGET void decode_items_bf16(WorkQueue& queue, const DecodeSplit& split, const float* q, const bf16_t* k_cache, const bf16_t* v_cache,
-                                   const int64_t* tables, const int64_t* seq_lens, float* out, int64_t num_heads,
-                                   int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
+BF16_TARGET void decode_items_bf16(WorkQueue& queue, const DecodeSplit& split, const float* q,
+                                   const bf16_t* k_cache, const bf16_t* v_cache, const int64_t* tables,
+                                   const int64_t* seq_lens, float* out, int64_t num_heads, int64_t num_kv_heads,
+                                   int64_t block_size, int64_t max_blocks, float scale) {
   constexpr int64_t D = NC * 16;
   constexpr int NP = NC / 2;
   const int64_t group = num_heads / num_kv_heads;

@@ -57,7 +57,8 @@ at::Tensor Projection::gemm(const at::Tensor& x) const {
     if (amx_packed.has_value() && m < rows.amx_max_m && !swiglu)  // swiglu panels: only through silu_and_mul_of
       return amx_gemm(x, *amx_packed, bias, amx_emulated, false);
     if (m < rows.packed_min_m)
-      return packed_linear(at::cat({x, x.new_zeros({rows.packed_min_m - m, x.size(1)})}), *packed, bias).narrow(0, 0, m);
+      return packed_linear(at::cat({x, x.new_zeros({rows.packed_min_m - m, x.size(1)})}), *packed, bias)
+          .narrow(0, 0, m);
     return packed_linear(x, *packed, bias);
   }
   at::Tensor out;

@@ -5,7 +5,7 @@
 // Policy (one for all paths): items are claimed one at a time from a shared counter, costliest first. The threads end
 // together however the costs are spread (a batch lists its sequences oldest, longest context, first: contiguous runs
 // or a static round robin gave one thread the long contexts), and a thread the OS preempts holds up only the item it
-// is on. Measured against the round robin and contiguous runs it replaced in docs/cpu-kernels.md ("Work split").
+// is on. benchmarks/work_split.py times it on mixed context lengths against another build's kernels.
 #pragma once
 
 #include <ATen/Parallel.h>
