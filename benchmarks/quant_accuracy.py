@@ -74,7 +74,7 @@ def text_log_probs(
 ) -> dict:
     """{kv dtype: log-probs [tokens, V]} of the model in weight format fmt and `dtype`, over a pool of each kv dtype."""
     cpu = torch.device("cpu")
-    with quantized_linears(fmt, cpu, dtype):
+    with quantized_linears(fmt, dtype):
         model = load_model(path, config, dtype, cpu)
     return {kv: torch.cat([window_logits(model, config, w, kv, dtype) for w in windows]) for kv in kv_dtypes}
 

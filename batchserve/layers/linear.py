@@ -4,31 +4,73 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from batchserve.layers import kernels
+from batchserve.layers.kernels.paths import RowSchedule
+
+if TYPE_CHECKING:
+    from batchserve.layers.quantization import QuantScheme
 
 logger = logging.getLogger(__name__)
 
-# Set by deterministic_gemms() around a model's layouts: CpuLinear then takes one GEMM for every M (docs/determinism.md)
-_deterministic = contextvars.ContextVar("deterministic_gemms", default=False)
 ALL_ROWS = 2**62  # a row-count threshold no batch reaches
+
+
+@dataclass(frozen=True)
+class LinearPolicy:
+    """How projections are laid out, handed to each layer's constructor (CpuLinear, QuantizedLinear): nothing about
+    it is read from ambient state there.
+
+    deterministic: one GEMM for every M whose order per row is fixed (docs/determinism.md); scheme: the decoder
+    layers' projections kept quantized in it (None: not; quantization.parse_quantization); gguf_as_stored: a GGUF
+    file's quantized tensors run as stored; bf16_tiles: a bfloat16 model on a CPU with bf16 units, whose quantized
+    GEMM of many rows multiplies dequantized bf16 tiles."""
+
+    deterministic: bool = False
+    scheme: QuantScheme | None = None
+    gguf_as_stored: bool = False
+    bf16_tiles: bool = False
+
+
+DEFAULT_POLICY = LinearPolicy()
+
+# The policy of the model being loaded, for the model code that lays out its projections without being handed one
+# (CpuLinear.from_linear; engine/startup.py sets it around load_model). Read by loading_policy() only, never by a
+# constructor.
+_loading = contextvars.ContextVar("linear_policy", default=DEFAULT_POLICY)
+
+
+def loading_policy() -> LinearPolicy:
+    """The policy of the model being loaded (layout_policy), DEFAULT_POLICY outside one."""
+    return _loading.get()
+
+
+@contextlib.contextmanager
+def layout_policy(policy: LinearPolicy):
+    """Inside, loading_policy() is `policy`: the model's layout code hands it to the projections it builds."""
+    token = _loading.set(policy)
+    try:
+        yield policy
+    finally:
+        _loading.reset(token)
 
 
 @contextlib.contextmanager
 def deterministic_gemms(on: bool = True):
-    """CpuLinear layouts made inside compute each output row in one reduction order, whatever the number of rows and
-    the row's position: one kernel for every M whose order is fixed (bf16_gemm on AVX512-BF16, the small-M float32
-    kernel otherwise), never the libraries' GEMMs, whose blocking follows M."""
-    token = _deterministic.set(on)
-    try:
-        yield
-    finally:
-        _deterministic.reset(token)
+    """The loading policy with `deterministic` = on: projections laid out inside compute each output row in one
+    reduction order, whatever the number of rows and the row's position: one kernel for every M whose order is fixed
+    (bf16_gemm on AVX512-BF16, the small-M float32 kernel otherwise), never the libraries' GEMMs, whose blocking
+    follows M."""
+    with layout_policy(dataclasses.replace(loading_policy(), deterministic=on)) as policy:
+        yield policy
 
 
 class CpuLinear(nn.Module):
@@ -54,17 +96,34 @@ class CpuLinear(nn.Module):
     AMX_MAX_M = 1280
     NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
 
+    @classmethod
+    def row_schedule_for(cls, small_path: str, narrow: bool = False) -> RowSchedule:
+        """The row counts at which a projection on small-M path `small_path` changes GEMM (this class's thresholds,
+        read when a layer is built, so that a test may move one)."""
+        return RowSchedule(
+            small_min_m=cls.SMALL_MIN_M[small_path],
+            small_max_m=cls.SMALL_MAX_M[small_path][narrow],
+            packed_min_m=cls.PACKED_MIN_M,
+            packed_max_m=cls.PACKED_MAX_M,
+            amx_max_m=cls.AMX_MAX_M,
+        )
+
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False, float_output: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        swiglu: bool = False,
+        float_output: bool = False,
+        policy: LinearPolicy = DEFAULT_POLICY,
     ):
         """`swiglu`: a gate/up projection (gate rows, then as many up rows) that MLP reads through `silu_and_mul`:
         on the AMX path its panels interleave the two, so that the kernel writes silu(gate) * up itself.
         `float_output`: the result is the GEMM's float32 accumulator, never rounded to the model's dtype (the output
-        projection: rounded logits make ties). Inside deterministic_gemms() one GEMM serves every M."""
+        projection: rounded logits make ties). `policy.deterministic`: one GEMM serves every M."""
         super().__init__()
         self.out_features = weight.shape[0]
         self.float_output = float_output
-        self.deterministic = _deterministic.get()
+        self.deterministic = policy.deterministic
         weight = weight.detach()
         low_precision = weight.dtype in (torch.bfloat16, torch.float16)
         # With bf16/fp16 matmul units (AMX, AVX512-BF16) oneDNN's GEMM on a pre-packed weight runs faster than
@@ -92,12 +151,13 @@ class CpuLinear(nn.Module):
         # [in, out] for x @ W, which the packed-only path never runs: not kept there (a whole weight's copy less)
         self.register_buffer("weight_t", None if self.packed_only else weight.t().contiguous())
         small_path = kernels.small_gemm_path() if kernels.for_tensors(weight) is not None else "library"
-        self.small_min_m, self.small_max_m = self.SMALL_MIN_M[small_path], self.SMALL_MAX_M[small_path][narrow]
+        self.rows = self.row_schedule_for(small_path, narrow)
         small = small_path != "library"
         if self.deterministic:
             # the small-M kernel's order is one per row at any M (threads split columns, K runs in one order); without
             # it x @ W serves every M (the library's order, not guaranteed: the start-up log says so)
-            self.small_min_m, self.small_max_m = (1, ALL_ROWS) if small else (ALL_ROWS, 0)
+            small_min_m, small_max_m = (1, ALL_ROWS) if small else (ALL_ROWS, 0)
+            self.rows = dataclasses.replace(self.rows, small_min_m=small_min_m, small_max_m=small_max_m)
             self.register_buffer("packed", None)
         self.register_buffer("small_packed", kernels.load().small_gemm_pack(weight, small_path) if small else None)
         path = self._amx_path(weight)
@@ -121,7 +181,7 @@ class CpuLinear(nn.Module):
         float_output (no oneDNN, AMX or [in, out] copy: never read)."""
         self.packed_only, self.amx_emulated, self.swiglu = False, False, False
         self.gemm_dtype = weight.dtype
-        self.small_min_m, self.small_max_m = ALL_ROWS, 0
+        self.rows = dataclasses.replace(self.row_schedule_for("library"), small_min_m=ALL_ROWS, small_max_m=0)
         self.register_buffer("bias", None if bias is None else bias.detach())
         for name in ("packed", "weight_t", "small_packed", "amx_packed"):
             self.register_buffer(name, None)
@@ -145,16 +205,17 @@ class CpuLinear(nn.Module):
         return kernels.load().amx_gemm_pack(weight)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, swiglu: bool = False) -> CpuLinear:
-        """The layout of a decoder layer's projection: kept quantized inside quantization.quantized_linears()."""
+    def from_linear(cls, linear: nn.Linear, swiglu: bool = False, policy: LinearPolicy | None = None) -> CpuLinear:
+        """The layout of a decoder layer's projection under `policy` (default: the loading policy, for the model code
+        that is not handed one): kept quantized where it has a scheme."""
         from batchserve.layers import quantization  # it builds on this module
 
         if isinstance(linear, quantization.QuantizedLinear):
             return linear  # laid out already: a GGUF file's own codes (quantization gguf)
-        scheme = quantization.active_scheme()
-        if scheme is not None:
-            return quantization.QuantizedLinear(linear.weight, linear.bias, scheme)
-        return cls(linear.weight, linear.bias, swiglu=swiglu)
+        policy = loading_policy() if policy is None else policy
+        if policy.scheme is not None:
+            return quantization.QuantizedLinear(linear.weight, linear.bias, policy.scheme, policy)
+        return cls(linear.weight, linear.bias, swiglu=swiglu, policy=policy)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this gate/up projection's output [M, 2I] -> [M, I]: one AMX call where it takes the
@@ -191,13 +252,9 @@ class CpuLinear(nn.Module):
             packed=self.packed,
             small_packed=self.small_packed,
             out_features=self.out_features,
-            small_max_m=self.small_max_m,
-            small_min_m=self.small_min_m,
-            packed_min_m=self.PACKED_MIN_M,
-            packed_max_m=self.PACKED_MAX_M,
+            rows=native.RowSchedule(**dataclasses.asdict(self.rows)),
             packed_only=self.packed_only,
             amx_packed=self.amx_packed,
-            amx_max_m=self.AMX_MAX_M,
             amx_emulated=self.amx_emulated,
             swiglu=self.swiglu,
             bf16_packed=getattr(self, "bf16_packed", None),

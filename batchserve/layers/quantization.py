@@ -10,17 +10,16 @@ Scales float32 [N, K / group]. A weight value is code * scale, the product the k
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from batchserve import env
 from batchserve.config import QUANTIZATIONS, ConfigError
 from batchserve.layers import kernels
-from batchserve.layers.linear import ALL_ROWS, CpuLinear, _deterministic
+from batchserve.layers.linear import ALL_ROWS, DEFAULT_POLICY, CpuLinear, LinearPolicy, layout_policy, loading_policy
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +28,6 @@ INT4_GROUPS = (32, 64, 128)
 # The quantized GEMM's instruction-set paths, best first (quant_gemm.h QuantPath). avx512_vnni is W8A8 at every M
 # (activations quantized per row to int8, quant_w8a8.cpp) where the weight's groups allow it, else avx512's kernel.
 W8A8_PATH = "avx512_vnni"
-QUANT_GEMM_PATHS = (W8A8_PATH, "avx512", "avx2", "portable")
 
 
 @dataclass(frozen=True)
@@ -154,62 +152,56 @@ def check_shape(scheme: QuantScheme, in_features: int) -> None:
 # ---- the kernel path -------------------------------------------------------------------------------------------------
 
 
+QUANT_GEMM_PATHS = kernels.OPERATIONS["quant_gemm"].names
+
+
 def quant_gemm_path_runs(path: str) -> bool:
-    native = kernels.load()
-    return native is not None and path in native.quant_gemm_paths()
+    return kernels.load() is not None and kernels.path_runs("quant_gemm", path)
 
 
 @functools.cache
 def quant_gemm_path() -> str:
-    """The quantized GEMM's path, chosen once: BATCHSERVE_QUANT_GEMM_PATH when set (ValueError naming the paths that
-    run here when it names one that does not), else the best this build and CPU run. Logged once."""
-    runs = [p for p in QUANT_GEMM_PATHS if quant_gemm_path_runs(p)]
-    forced = env.quant_gemm_path()
-    if forced is not None and forced not in runs:
-        raise ValueError(
-            f"BATCHSERVE_QUANT_GEMM_PATH={forced!r}: not built here or not runnable on this CPU; "
-            f"runnable: {', '.join(runs) or 'none (native kernels off: the torch code runs)'}"
-        )
-    path = forced or runs[0]
-    logger.info("quantized GEMM path: %s (%s)", path, "BATCHSERVE_QUANT_GEMM_PATH" if forced else "the CPU's flags")
-    return path
+    """The quantized GEMM's path, chosen once from the kernel table (kernels/paths.py): BATCHSERVE_QUANT_GEMM_PATH when
+    set (ValueError naming the paths that run here when it names one that does not), else the best this build and
+    CPU run."""
+    return kernels.chosen_path("quant_gemm")
 
 
 # ---- the layer -------------------------------------------------------------------------------------------------------
 
-_active: contextvars.ContextVar[QuantScheme | None] = contextvars.ContextVar("quantized_linears", default=None)
-_as_stored: contextvars.ContextVar[bool] = contextvars.ContextVar("gguf_as_stored", default=False)
-# bf16 model on a CPU with bf16 units: the GEMM of many rows runs on bf16 tiles (set by quantized_linears)
-_bf16_tiles: contextvars.ContextVar[bool] = contextvars.ContextVar("quant_bf16_tiles", default=False)
-
 
 def active_scheme() -> QuantScheme | None:
-    """The scheme CpuLinear.from_linear quantizes projections with (set by quantized_linears), else None."""
-    return _active.get()
+    """The scheme of the model being loaded (the loading policy's: quantized_linears), else None."""
+    return loading_policy().scheme
 
 
 def gguf_as_stored() -> bool:
     """Whether the model loading now runs a GGUF file's quantized tensors as stored (quantization gguf)."""
-    return _as_stored.get()
+    return loading_policy().gguf_as_stored
+
+
+def linear_policy(name: str, dtype: torch.dtype | None = None, base: LinearPolicy = DEFAULT_POLICY) -> LinearPolicy:
+    """`base` with quantization `name`: decoder layers' projections (not the output projection, whose float32 logits
+    stay unquantized) kept quantized in its scheme (on the CPU: the mode table, batchserve/modes.py, refuses another
+    device before loading). `dtype` bfloat16 on a CPU with bf16 units: many rows multiply dequantized tiles in bf16,
+    as the bf16 model's own GEMMs would."""
+    scheme = parse_quantization(name)
+    if name != "none" and kernels.load() is not None:
+        quant_gemm_path()  # a forced path this CPU cannot run is refused here, at load
+    return dataclasses.replace(
+        base,
+        scheme=scheme,
+        gguf_as_stored=name == GGUF_AS_STORED,
+        bf16_tiles=dtype == torch.bfloat16 and kernels.has_matmul_units(torch.bfloat16),
+    )
 
 
 @contextlib.contextmanager
 def quantized_linears(name: str, dtype: torch.dtype | None = None):
-    """Projections laid out inside (CpuLinear.from_linear: a decoder layer's qkv, o, gate/up and down; not the
-    output projection, whose float32 logits stay unquantized) are kept quantized in `name`'s scheme (on the CPU: the
-    mode table, batchserve/modes.py, refuses another device before loading). `dtype` bfloat16 on a CPU with bf16
-    units: many rows multiply dequantized tiles in bf16, as the bf16 model's own GEMMs would."""
-    scheme = parse_quantization(name)
-    if name != "none" and kernels.load() is not None:
-        quant_gemm_path()  # a forced path this CPU cannot run is refused here, at load
-    token, stored = _active.set(scheme), _as_stored.set(name == GGUF_AS_STORED)
-    tiles = _bf16_tiles.set(dtype == torch.bfloat16 and kernels.has_matmul_units(torch.bfloat16))
-    try:
-        yield
-    finally:
-        _active.reset(token)
-        _as_stored.reset(stored)
-        _bf16_tiles.reset(tiles)
+    """The loading policy with quantization `name` (linear_policy) inside: the model's layout code hands it to the
+    projections it builds."""
+    with layout_policy(linear_policy(name, dtype, loading_policy())) as policy:
+        yield policy
 
 
 class QuantizedLinear(CpuLinear):
@@ -232,10 +224,18 @@ class QuantizedLinear(CpuLinear):
     # estimate from instruction counts (docs/quantization.md), not yet measured on an AMX host.
     AMX_MIN_M = 24
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        scheme: QuantScheme,
+        policy: LinearPolicy = DEFAULT_POLICY,
+    ):
+        """`policy`: deterministic (one order per row at every M) and bf16_tiles (LinearPolicy); its scheme is not
+        read (`scheme` is this layer's)."""
         torch.nn.Module.__init__(self)
         self.out_features, self.in_features = weight.shape
-        self._setup(*quantize(weight, scheme), bias, scheme)
+        self._setup(*quantize(weight, scheme), bias, scheme, policy)
 
     @classmethod
     def from_codes(
@@ -246,6 +246,7 @@ class QuantizedLinear(CpuLinear):
         bias: torch.Tensor | None = None,
         mins: torch.Tensor | None = None,
         float_output: bool = False,
+        policy: LinearPolicy = DEFAULT_POLICY,
     ) -> QuantizedLinear:
         """A layer over codes, scales and optional per-group minimums already in the kernels' layout (GGUF tensors'
         own: layers/gguf_codes.py), kept as they are. float_output: float32 out whatever the input (the logits)."""
@@ -253,13 +254,15 @@ class QuantizedLinear(CpuLinear):
         torch.nn.Module.__init__(layer)
         layer.out_features = codes.shape[0]
         layer.in_features = codes.shape[1] * (8 // scheme.bits)
-        layer._setup(codes, scales, bias, scheme, mins, float_output)
+        layer._setup(codes, scales, bias, scheme, policy, mins, float_output)
         return layer
 
-    def _setup(self, codes, scales, bias, scheme: QuantScheme, mins=None, float_output: bool = False) -> None:
+    def _setup(
+        self, codes, scales, bias, scheme: QuantScheme, policy: LinearPolicy, mins=None, float_output: bool = False
+    ) -> None:
         self.scheme, self.float_output, self.swiglu = scheme, float_output, False
-        self.deterministic = _deterministic.get()
-        self.bf16_tiles = _bf16_tiles.get() and not float_output  # bf16 tiles round the output to bf16
+        self.deterministic = policy.deterministic
+        self.bf16_tiles = policy.bf16_tiles and not float_output  # bf16 tiles round the output to bf16
         self.group = scheme.group_for(self.in_features)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)

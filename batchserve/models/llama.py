@@ -22,7 +22,7 @@ from batchserve.layers import kernels, op_plan
 from batchserve.layers.attention import AttentionMetadata, KVCache, native_step, paged_attention, quantized_kv_scales
 from batchserve.layers.capabilities import Capability
 from batchserve.layers.embedding import token_embedding
-from batchserve.layers.linear import CpuLinear
+from batchserve.layers.linear import CpuLinear, loading_policy
 from batchserve.layers.mlp import MLP
 from batchserve.layers.norm import RMSNorm
 from batchserve.layers.op_plan import LayerPlan, Op, OpKind, norm_op
@@ -173,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         """The output projection as a CpuLinear of float32 logits (no ties by rounding); tied embeddings: a transposed
         copy, the embedding table staying for lookups. One set already (a GGUF file's codes) is kept."""
         if self.output_proj is None:
-            self.output_proj = CpuLinear(self.output_weight, float_output=True)
+            self.output_proj = CpuLinear(self.output_weight, float_output=True, policy=loading_policy())
         self.lm_head = None
 
     def _native_decoder_loop(self):

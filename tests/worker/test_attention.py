@@ -431,7 +431,7 @@ def test_avx2_path_matches_the_portable_loop(dtype, force_path, native_kernels):
 
 
 def test_attention_path_choice(monkeypatch, native_kernels, caplog):
-    # Chosen once (the best path this build and CPU run) and logged once, as the module's AttentionPath that every
+    # Chosen once (the best path this build and CPU run) and logged once, as the module's Isa that every
     # call takes; BATCHSERVE_ATTENTION_PATH forces one, and a path that cannot run here is an error, not a silent
     # fallback, in Python and in the kernels alike.
     paths = native_kernels.AttentionPath
@@ -443,9 +443,11 @@ def test_attention_path_choice(monkeypatch, native_kernels, caplog):
     monkeypatch.delenv("BATCHSERVE_ATTENTION_PATH", raising=False)
     try:
         kernels.attention_path.cache_clear()
+        kernels._log_paths_once.cache_clear()  # the one line of every operation's path, logged at the first choice
         with caplog.at_level("INFO", logger=kernels.__name__):
             assert kernels.attention_path() == kernels.attention_path() == best
-        assert sum(f"native attention path: {best.name}" in r.getMessage() for r in caplog.records) == 1
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("native kernel paths:")]
+        assert len(lines) == 1 and f"attention {best.name}," in lines[0]
         for name in kernels.ATTENTION_PATHS:
             monkeypatch.setenv("BATCHSERVE_ATTENTION_PATH", name)
             kernels.attention_path.cache_clear()

@@ -1,4 +1,4 @@
-"""Deterministic GEMMs (layers/linear.py deterministic_gemms) on every kernel path, forced: a row's output bits do not
+"""Deterministic GEMMs (LinearPolicy(deterministic=True), layers/linear.py) on every kernel path, forced: a row's
 depend on how many rows share the call or where the row sits; and the output projection's result is float32 from the
 GEMM's accumulator on every path (logits never rounded to bf16)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchserve.layers import kernels
-from batchserve.layers.linear import CpuLinear, deterministic_gemms
+from batchserve.layers.linear import CpuLinear, LinearPolicy
 
 K, N = 800, 200  # K over several slices of the kernels' K blocking (192 floats, 192 bf16 pairs); a partial panel
 
@@ -24,6 +24,7 @@ def _force(path: str, force_gemm, force_small_gemm, monkeypatch) -> torch.dtype:
 
 BF16_PATHS = ["bf16-onednn", "bf16-amx_emulated"]
 FLOAT_PATHS = ["avx512", "avx2"]
+DETERMINISTIC = LinearPolicy(deterministic=True)  # handed to each layer: one GEMM for every M
 
 
 def _needs_bf16_dot(path: str, native) -> None:
@@ -42,9 +43,8 @@ def test_row_bits_do_not_depend_on_batch_size_or_position(path, native_kernels, 
         dtype = _force(path, force_gemm, force_small_gemm, monkeypatch)
     torch.manual_seed(0)
     weight, bias = torch.randn(N, K).to(dtype), torch.randn(N).to(dtype)
-    with deterministic_gemms():
-        layer = CpuLinear(weight, bias)
-        gate_up = CpuLinear(torch.randn(2 * 64, K).to(dtype), swiglu=True)
+    layer = CpuLinear(weight, bias, policy=DETERMINISTIC)
+    gate_up = CpuLinear(torch.randn(2 * 64, K).to(dtype), swiglu=True, policy=DETERMINISTIC)
     rows = torch.randn(300, K).to(dtype)
     alone = torch.cat([layer(rows[i : i + 1]) for i in range(300)])
     alone_swiglu = torch.cat([gate_up.silu_and_mul(rows[i : i + 1]) for i in range(300)])
@@ -66,8 +66,7 @@ def test_deterministic_bf16_uses_one_kernel_for_every_m(native_kernels, force_ge
     if not native_kernels.bf16_gemm_available():
         pytest.skip("no AVX512-BF16 here")
     force_gemm("amx_emulated")
-    with deterministic_gemms():
-        layer = CpuLinear(torch.randn(256, K).bfloat16())  # a shape the AMX kernel takes (multiples of 32)
+    layer = CpuLinear(torch.randn(256, K).bfloat16(), policy=DETERMINISTIC)  # a shape the AMX kernel takes
     assert layer.bf16_pairs and layer.packed is None and layer.amx_packed is None and layer.weight_t is None
     outside = CpuLinear(torch.randn(256, K).bfloat16())
     assert not outside.bf16_pairs and outside.amx_packed is not None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchserve.layers import quantization
-from batchserve.layers.linear import deterministic_gemms
+from batchserve.layers.linear import LinearPolicy
 from batchserve.layers.quantization import QuantizedLinear, QuantScheme, dequantize, quantize
 
 K, N = 384, 88  # N: two whole pairs and a third with 24 columns
@@ -100,8 +100,7 @@ def amx_layer(force_gemm, force_quant_gemm):
     def build(gemm_path: str, quant_path: str, scheme: QuantScheme, weight: torch.Tensor) -> QuantizedLinear:
         force_quant_gemm(quant_path)
         force_gemm(gemm_path)
-        with quantization.quantized_linears("int8", dtype=torch.bfloat16):
-            return QuantizedLinear(weight, None, scheme)
+        return QuantizedLinear(weight, None, scheme, quantization.linear_policy("int8", dtype=torch.bfloat16))
 
     return build
 
@@ -129,8 +128,8 @@ def test_deterministic_mode_keeps_one_order_per_row(native_kernels, force_gemm, 
     force_quant_gemm(quantization.W8A8_PATH)
     force_gemm("amx_emulated")
     torch.manual_seed(4)
-    with deterministic_gemms(), quantization.quantized_linears("int8", dtype=torch.bfloat16):
-        layer = QuantizedLinear(torch.randn(64, 128), None, QuantScheme(8, None))
+    policy = quantization.linear_policy("int8", dtype=torch.bfloat16, base=LinearPolicy(deterministic=True))
+    layer = QuantizedLinear(torch.randn(64, 128), None, QuantScheme(8, None), policy)
     x = torch.randn(40, 128).bfloat16()
     assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(40)]))
 

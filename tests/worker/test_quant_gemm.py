@@ -221,13 +221,13 @@ def test_a_bf16_model_multiplies_many_rows_on_bf16_tiles(monkeypatch, force_quan
     torch.manual_seed(0)
     weight = torch.randn(96, 256)
     plain = QuantizedLinear(weight, None, QuantScheme(8, None))
-    with quantization.quantized_linears("int8", dtype=torch.bfloat16):
-        tiled = QuantizedLinear(weight, None, QuantScheme(8, None))
-    with quantization.quantized_linears("int8", dtype=torch.float32):
-        assert not QuantizedLinear(weight, None, QuantScheme(8, None)).bf16_tiles
+    bf16_model = quantization.linear_policy("int8", dtype=torch.bfloat16)
+    tiled = QuantizedLinear(weight, None, QuantScheme(8, None), bf16_model)
+    float32_model = quantization.linear_policy("int8", dtype=torch.float32)
+    assert not QuantizedLinear(weight, None, QuantScheme(8, None), float32_model).bf16_tiles
     assert tiled.bf16_tiles == (units == "1")
-    with quantization.quantized_linears("int8", dtype=torch.bfloat16):  # logits stay float32: never bf16 tiles
-        assert not QuantizedLinear.from_codes(plain.codes, plain.scales, plain.scheme, float_output=True).bf16_tiles
+    logits = QuantizedLinear.from_codes(plain.codes, plain.scales, plain.scheme, float_output=True, policy=bf16_model)
+    assert not logits.bf16_tiles  # logits stay float32: never bf16 tiles
     few, many = torch.randn(tiled.SMALL_MAX_M_BF16_TILES, 256), torch.randn(80, 256)
     assert torch.equal(tiled(few), plain(few))
     reference = dequantize(plain.codes, plain.scales, 8)

@@ -8,13 +8,23 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 from pathlib import Path
 
 import torch
 
 from batchserve import env
-from batchserve.layers.kernels.build import build_or_load
+from batchserve.layers.kernels.build import build_or_load, sources_for
+from batchserve.layers.kernels.paths import (
+    OPERATIONS,
+    KernelPaths,
+    built_pairs,
+    flag_set,
+    select_path,
+    select_paths,
+    why_not,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,104 +56,101 @@ def has_matmul_units(dtype: torch.dtype) -> bool:
     return any(flag in flags for flag in wanted.get(dtype, ()))
 
 
-# The native attention kernels' instruction-set paths by name, best first (kernels.h AttentionPath): bf16 K/V by
-# vdpbf16ps (float32 K/V as "avx512"), K/V widened to float32 under AVX-512, K/V widened to float32 in 8-wide AVX2 +
-# FMA, the plain loop. A path takes the next one down for what it does not cover (a head size other than 32/64/128
-# runs the plain loop); prefill has a kernel on the AVX-512 paths only (on the others the torch code runs).
-ATTENTION_PATHS = ("avx512_bf16", "avx512", "avx2", "portable")
+# Each operation's paths by name, best first (paths.py OPERATIONS: the kernel table's rules). Attention: bf16 K/V by
+# vdpbf16ps (float32 K/V as "avx512"), K/V widened to float32 under AVX-512, 8-wide AVX2 + FMA, the plain loop; a path
+# takes the next one down for what it does not cover (a head size other than 32/64/128 runs the plain loop); prefill
+# has a kernel on the AVX-512 paths only. bf16 GEMM on bf16 matmul units: the native AMX kernel (amx_gemm.cpp), its
+# tile operations emulated in scalar code (tests; never chosen by itself), oneDNN's packed GEMM. Float32 GEMM of
+# decode-sized M: the native small-M kernel in AVX-512 or AVX2 + FMA (small_gemm.cpp), the libraries' GEMMs.
+ATTENTION_PATHS = OPERATIONS["attention"].names
+GEMM_PATHS = OPERATIONS["bf16_gemm"].names
+SMALL_GEMM_PATHS = OPERATIONS["small_gemm"].names
+AMX_PANEL = 32  # output columns per panel of the AMX kernel's packed weights (amx_gemm.cpp kPanel)
+
+
+def built_here() -> frozenset[tuple[str, str]] | None:
+    """The kernel table of this build as (operation, instruction set) pairs, less AMX where the kernel does not grant
+    this process the tiles; None where the native kernels are not built."""
+    native = load()
+    return None if native is None else _table_of(native)
+
+
+@functools.cache
+def _table_of(native) -> frozenset[tuple[str, str]]:
+    amx_granted = native.cpu_runs(native.Isa.amx)
+    return frozenset(row for row in built_pairs(native.kernel_table()) if row[1] != "amx" or amx_granted)
+
+
+def path_runs(op: str, path: str) -> bool:
+    """Whether `path` of operation `op` (paths.py OPERATIONS) is built here and this CPU runs it."""
+    return path in OPERATIONS[op].names and why_not(op, path, flag_set(cpu_flags()), built_here()) is None
+
+
+def chosen_path(op: str) -> str | None:
+    """The path operation `op` takes in this process (paths.select_path on this CPU, build and environment):
+    ValueError naming the variable where it forces a path that cannot run here. The first choice logs every
+    operation's path in one line."""
+    _log_paths_once()
+    return select_path(op, cpu_flags(), os.environ, built_here())
+
+
+def kernel_paths() -> KernelPaths:
+    """Every operation's path in this process (paths.select_paths)."""
+    return select_paths(cpu_flags(), os.environ, built_here())
 
 
 def attention_path_runs(path: str) -> bool:
-    """Whether the native kernels are built here with the path named `path` and this CPU runs it."""
-    native = load()
-    if native is None or path not in ATTENTION_PATHS:
-        return False
-    return native.attention_path_runs(native.AttentionPath.__members__[path])
+    """Whether the native kernels are built here with the attention path named `path` and this CPU runs it."""
+    return load() is not None and path_runs("attention", path)
 
 
 @functools.cache
 def attention_path():
-    """The path the native attention kernels take (the module's AttentionPath, handed to every call), chosen once:
+    """The path the native attention kernels take (the module's Isa, handed to every call), chosen once:
     BATCHSERVE_ATTENTION_PATH when set (ValueError when it names no path or one that cannot run here), else the best
-    this build and CPU run. Logged once. None where the native kernels are not built."""
+    this build and CPU run. None where the native kernels are not built."""
     native = load()
     if native is None:
         return None
-    name = _chosen_path("native attention path", "BATCHSERVE_ATTENTION_PATH", env.attention_path(), ATTENTION_PATHS,
-                        attention_path_runs, native.best_attention_path().name, {"avx512_bf16": " (needs avx512_bf16)"})  # fmt: skip
-    return native.AttentionPath.__members__[name]
-
-
-def _chosen_path(
-    what: str, variable: str, forced: str | None, paths: tuple[str, ...], runs, auto: str, needs: dict[str, str]
-) -> str:
-    """A code path chosen once: `forced` (from `variable`) when set, checked against `paths` and `runs`, else
-    `auto`; logged."""
-    if forced is not None:
-        if forced not in paths:
-            raise ValueError(f"{variable}={forced!r}: not one of auto, {', '.join(paths)}")
-        if not runs(forced):
-            raise ValueError(
-                f"{variable}={forced!r}: not built here or not runnable on this CPU{needs.get(forced, '')}"
-            )
-    path = forced or auto
-    logger.info("%s: %s (%s)", what, path, variable if forced else "chosen by the CPU's flags")
-    return path
-
-
-# The GEMM paths of bfloat16 models on a CPU with bf16 matmul units (layers/linear.py CpuLinear), best first: the
-# native AMX kernel (amx_gemm.cpp), that kernel's tile operations emulated in scalar code (for tests), oneDNN's packed
-# GEMM. The emulated path is never chosen by itself.
-GEMM_PATHS = ("amx", "amx_emulated", "onednn")
-AMX_PANEL = 32  # output columns per panel of the AMX kernel's packed weights (amx_gemm.cpp kPanel)
+    return native.Isa.__members__[chosen_path("attention")]
 
 
 def gemm_path_runs(path: str) -> bool:
-    """Whether the native kernels are built here with `path` and this CPU runs it."""
-    if path == "onednn":
-        return True
-    native = load()
-    if native is None:
-        return False
-    flags = cpu_flags().split()  # the kernel's epilogue rounds with AVX512-BF16
-    return path == "amx_emulated" or ("amx_bf16" in flags and "avx512_bf16" in flags and native.amx_gemm_available())
+    """Whether the bf16 GEMM `path` is built here and this CPU runs it."""
+    return path_runs("bf16_gemm", path)
 
 
 @functools.cache
 def bf16_gemm_path() -> str:
     """The GEMM path of bfloat16 projections on bf16 matmul units, chosen once: BATCHSERVE_GEMM_PATH when set
-    (ValueError when it names no path or one that cannot run here), else AMX where the CPU has it. Logged once."""
-    auto = "amx" if gemm_path_runs("amx") else "onednn"
-    return _chosen_path("bf16 GEMM path", "BATCHSERVE_GEMM_PATH", env.gemm_path(), GEMM_PATHS, gemm_path_runs, auto, {})
-
-
-# The float32 GEMM paths of decode-sized batches (layers/linear.py CpuLinear), best first: the native small-M kernel
-# in AVX-512 or in AVX2 + FMA (small_gemm.cpp; each packs its own panel width), the libraries' GEMMs (oneDNN, x @ W).
-SMALL_GEMM_PATHS = ("avx512", "avx2", "library")
+    (ValueError when it names no path or one that cannot run here), else AMX where the CPU has it."""
+    return chosen_path("bf16_gemm")
 
 
 def small_gemm_path_runs(path: str) -> bool:
-    """Whether the native kernels are built here with `path` (built only where this CPU runs it)."""
-    if path == "library":
-        return True
-    native = load()
-    return native is not None and path in native.small_gemm_paths()
+    """Whether the small-M GEMM `path` is built here (built only where this CPU runs it)."""
+    return path_runs("small_gemm", path)
 
 
 @functools.cache
 def small_gemm_path() -> str:
     """The float32 GEMM path of decode-sized batches, chosen once: BATCHSERVE_SMALL_GEMM_PATH when set (ValueError
-    when it names no path or one that cannot run here), else the best this build runs. Logged once."""
-    auto = next(p for p in SMALL_GEMM_PATHS if small_gemm_path_runs(p))
-    return _chosen_path(
-        "small-M float32 GEMM path",
-        "BATCHSERVE_SMALL_GEMM_PATH",
-        env.small_gemm_path(),
-        SMALL_GEMM_PATHS,
-        small_gemm_path_runs,
-        auto,
-        {},
-    )
+    when it names no path or one that cannot run here), else the best this build runs."""
+    return chosen_path("small_gemm")
+
+
+@functools.cache
+def _log_paths_once() -> None:
+    """The one start-up line of every operation's path (a forced path that cannot run is refused later, by the
+    operation that asks for it, and said so here)."""
+    from batchserve.layers.linear import CpuLinear  # it builds on this module
+
+    try:
+        chosen = kernel_paths()
+    except ValueError as exc:
+        logger.info("native kernel paths: %s", exc)
+        return
+    logger.info(chosen.line(CpuLinear.row_schedule_for(chosen.paths["small_gemm"] or "library").describe()))
 
 
 def for_tensors(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
@@ -166,7 +173,8 @@ def _build():
     """The module built (or found built under its build key) once per process; None when it cannot be built here."""
     here = Path(__file__).parent
     try:
-        return build_or_load(tuple(_SOURCES), tuple(sorted(here.glob("*.h"))), tuple(CFLAGS), cpu_flags())
+        sources = tuple(sources_for(_SOURCES, cpu_flags()))
+        return build_or_load(sources, tuple(sorted(here.glob("*.h"))), tuple(CFLAGS), cpu_flags())
     except Exception as exc:  # a missing compiler must not stop the engine
         logger.warning("native CPU kernels unavailable (%s); using the torch attention path", exc)
         return None

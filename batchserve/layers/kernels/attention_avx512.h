@@ -4,7 +4,9 @@
 // bfloat16 widened to float32 as they are loaded. Compiled only where the build has AVX-512.
 #pragma once
 
-#if defined(__AVX512F__)
+#include "isa.h"
+
+#ifdef BATCHSERVE_ISA_AVX512
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -13,8 +15,9 @@
 #include <utility>
 #include <vector>
 
-#include "kernels.h"
+#include "paged_args.h"
 #include "vec_math.h"
+#include "work_split.h"
 
 namespace {
 
@@ -141,26 +144,30 @@ bool with_vectors_per_head(int64_t head_dim, F&& f) {
 }
 
 // Every sequence's query rows in tiles of up to 16, one tile x head per work item: tile(seq, first row, head, rows,
-// position of the first row). Items are dealt to threads round-robin: a tile's cost grows with its position, and
-// neighbouring items cost about the same.
+// position of the first row). Scheduled by work_split.h, an item costing the context its last row attends to.
 template <typename T, typename Tile>
 void for_each_prefill_tile(const PagedArgs<T>& a, Tile&& tile) {
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first query row)
-  for (int64_t s = 0; s < a.num_seqs; ++s)
-    for (int64_t row = a.query_starts[s]; row < a.query_starts[s + 1]; row += 16) tiles.emplace_back(s, row);
+  struct PrefillTile {
+    int64_t seq, row, rows, position;
+  };
+  std::vector<PrefillTile> tiles;
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    const int64_t end_row = a.query_starts[s + 1];
+    for (int64_t row = a.query_starts[s]; row < end_row; row += 16)
+      tiles.push_back({s, row, std::min<int64_t>(16, end_row - row), a.seq_lens[s] - (end_row - row)});
+  }
   const int64_t num_items = static_cast<int64_t>(tiles.size()) * a.num_heads;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t worker = begin; worker < end; ++worker) {
-      for (int64_t item = worker; item < num_items; item += threads) {
-        const auto [seq, row] = tiles[item / a.num_heads];
-        const int64_t end_row = a.query_starts[seq + 1];
-        tile(seq, row, item % a.num_heads, std::min<int64_t>(16, end_row - row), a.seq_lens[seq] - (end_row - row));
-      }
-    }
-  });
+  const auto of = [&](int64_t item) -> const PrefillTile& { return tiles[item / a.num_heads]; };
+  run_costliest_first(
+      num_items, [&](int64_t item) { return of(item).position + of(item).rows; },
+      [&](WorkQueue& queue) {
+        for (int64_t item; queue.next(item);) {
+          const PrefillTile& t = of(item);
+          tile(t.seq, t.row, item % a.num_heads, t.rows, t.position);
+        }
+      });
 }
 
 }  // namespace
 
-#endif  // __AVX512F__
+#endif  // BATCHSERVE_ISA_AVX512

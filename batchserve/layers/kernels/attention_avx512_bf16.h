@@ -13,11 +13,13 @@
 // for that target, so the library still builds and runs on CPUs without it.
 #pragma once
 
+#include "isa.h"
+
 #include "attention_avx512.h"
 
-#if defined(__AVX512F__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
+#ifdef BATCHSERVE_ISA_AVX512_BF16
 #define BATCHSERVE_BF16_DOT 1
-#define BF16_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+#define BF16_TARGET BATCHSERVE_BF16_TARGET
 
 #include <cstring>
 

@@ -7,16 +7,18 @@
 // of 12 rows laid out [K / 2][rows] of pairs, each broadcast once per pair. An output element is the sum over k-pairs
 // in increasing k, one vdpbf16ps per pair, whatever the row block, the row chunk, the K slice (accumulators stored
 // and reloaded exactly) or the thread: threads split the panels, never K.
+#include "isa.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
 
-#if defined(__AVX512F__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
+#ifdef BATCHSERVE_ISA_AVX512_BF16
 #define BATCHSERVE_BF16_GEMM 1
 #include <immintrin.h>
-#define BF16_GEMM_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+#define BF16_GEMM_TARGET BATCHSERVE_BF16_TARGET
 #endif
 
 namespace {
@@ -113,8 +115,7 @@ void bf16_gemm_on(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, 
 
 bool bf16_gemm_available() {
 #ifdef BATCHSERVE_BF16_GEMM
-  static const bool supported = __builtin_cpu_supports("avx512bf16");
-  return supported;
+  return cpu_runs(Isa::kAvx512Bf16);
 #else
   return false;
 #endif

@@ -1,6 +1,5 @@
 // The Python module of the native CPU kernels (one extension built from every .cpp in this folder).
-#include <torch/extension.h>
-
+#include "bindings.h"
 #include "kernels.h"
 #include "layer_ops.h"
 
@@ -10,11 +9,17 @@
 static const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::enum_<AttentionPath>(m, "AttentionPath", "the native attention kernels' instruction-set paths")
-      .value("avx512_bf16", AttentionPath::kAvx512Bf16)
-      .value("avx512", AttentionPath::kAvx512)
-      .value("avx2", AttentionPath::kAvx2)
-      .value("portable", AttentionPath::kPortable);
+  // one enum of instruction sets for every operation's paths (isa.h; paths.py ISAS has the same names in order)
+  pybind11::enum_<Isa>(m, "Isa", "the instruction sets the native kernels are written for")
+      .value("portable", Isa::kPortable)
+      .value("avx2", Isa::kAvx2)
+      .value("avx512", Isa::kAvx512)
+      .value("avx512_bf16", Isa::kAvx512Bf16)
+      .value("avx512_vnni", Isa::kAvx512Vnni)
+      .value("amx", Isa::kAmx);
+  m.attr("AttentionPath") = m.attr("Isa");  // the attention paths are instruction sets
+  m.def("cpu_runs", &cpu_runs, "whether this CPU runs an instruction set (AMX: and the kernel grants its tiles)");
+  m.def("kernel_table", &kernel_table, "(operation, data format, instruction set) of every kernel built here");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", kNoGil,
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("path"));

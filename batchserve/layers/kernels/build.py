@@ -6,6 +6,11 @@ its path), the C++ compiler and the ninja binary. Two ninja versions sharing one
 "command changed" and rebuild everything, silently; with the version in the key they never share one, and the
 ninja installed beside this interpreter (a dependency of ours) is preferred to the one on PATH, so an activated and
 a non-activated venv build once between them.
+
+Only the sources this CPU runs are compiled (sources_for: the AVX-512 attention files where the CPU has AVX-512), and
+while a build runs each finished object is logged with its count ("[5/21] decode_avx2.o, 41 s"), so a first build shows
+its progress. The torch build tool runs (CPU count + 2) compilers at once; the files are split so that the slow ones
+(the three that include pybind11) start first and overlap with the rest.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +36,24 @@ from batchserve import env
 logger = logging.getLogger(__name__)
 
 LDFLAGS = ["-fopenmp"]
+
+# Sources compiled only where the CPU has the flag: each holds one instruction set's kernels, and the files that call
+# them do so only under that instruction set's macro (isa.h), so a build without them links.
+ISA_ONLY_SOURCES = {
+    "decode_avx512.cpp": "avx512f",
+    "decode_avx512_bf16.cpp": "avx512f",
+    "prefill_avx512.cpp": "avx512f",
+    "prefill_avx512_bf16.cpp": "avx512f",
+}
+# The translation units that include pybind11 (bindings.h): the slowest to compile, handed to the build tool first
+BINDING_SOURCES = ("bindings.cpp", "quant_projection.cpp", "decoder_loop.cpp")
+
+
+def sources_for(sources: list[Path], cpu_flags: str) -> list[Path]:
+    """The sources this CPU runs (ISA_ONLY_SOURCES dropped where it lacks their flag), the binding ones first."""
+    flags = set(cpu_flags.split())
+    kept = [p for p in sources if ISA_ONLY_SOURCES.get(p.name, "") in flags | {""}]
+    return sorted(kept, key=lambda p: (p.name not in BINDING_SOURCES, p.name))
 
 
 def tool_version(command: str) -> str:
@@ -112,14 +136,42 @@ def _load(directory: Path, name: str, sources: tuple[Path, ...], cflags: tuple[s
             "building the native CPU kernels into %s (once for this CPU, compiler and torch; minutes)", directory
         )
     start = time.perf_counter()
-    module = load_extension(
-        name=name,
-        sources=[str(p) for p in sources],
-        extra_cflags=list(cflags),
-        extra_ldflags=LDFLAGS,
-        build_directory=str(directory),
-        verbose=False,
-    )
+    with _progress_logged(directory, sources, start, quiet=built):
+        module = load_extension(
+            name=name,
+            sources=[str(p) for p in sources],
+            extra_cflags=list(cflags),
+            extra_ldflags=LDFLAGS,
+            build_directory=str(directory),
+            verbose=False,
+        )
     if not built:
         logger.warning("built the native CPU kernels in %.0f s", time.perf_counter() - start)
     return module
+
+
+@contextmanager
+def _progress_logged(directory: Path, sources: tuple[Path, ...], start: float, quiet: bool) -> Iterator[None]:
+    """While the body builds: each object file as it appears, "[k/N] name.o, T s" (the build tool's own output is
+    captured by torch until it ends)."""
+    if quiet:
+        yield
+        return
+    done = threading.Event()
+    objects = {f"{p.stem}.o" for p in sources}
+
+    def watch() -> None:
+        seen: set[str] = set()
+        while not done.wait(1.0):
+            for name in sorted(objects - seen):
+                if (directory / name).exists():
+                    seen.add(name)
+                    logger.warning("[%d/%d] %s, %.0f s", len(seen), len(objects), name, time.perf_counter() - start)
+
+    watcher = threading.Thread(target=watch, name="kernel-build-progress", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()

@@ -7,22 +7,20 @@
 // reduction (sum8) rather than one horizontal sum per token; (2) their max, exp(s - max) and the sum; (3) P.V with the
 // accumulators in registers from the first token to the last, at most 8 vectors of head_dim at a time (AVX2 has 16
 // registers).
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include "isa.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
-#include "kernels.h"
+#include "paged_args.h"
 #include "vec_math.h"
+#include "work_split.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef BATCHSERVE_ISA_AVX2
 
 namespace {
 
@@ -190,11 +188,9 @@ inline bool has_nan(const float* x, int64_t n) {
   return false;
 }
 
-// NC = head_dim / 8. A work item is one sequence with all its kv heads, so that its blocks are read from memory as
-// contiguous runs of whole tokens (every kv head's rows) and its later kv heads find them in cache; with fewer
-// sequences than 4 per thread, an item is one (sequence, kv head) so that every thread has work. Items are claimed
-// one at a time, longest context first, as on the bf16 path: the threads end together however the lengths are
-// spread, and a thread the OS preempts holds up only the item it is on.
+// NC = head_dim / 8. The work items (a sequence with all its kv heads, so that its blocks are read from memory as
+// contiguous runs of whole tokens and its later kv heads find them in cache, or one kv head of it) and their threads
+// are work_split.h's.
 template <int NC, typename T>
 void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                                 const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
@@ -205,20 +201,12 @@ void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cac
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
-  const int64_t splits = num_seqs < 4 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t heads_per_item = num_kv_heads / splits;
-  const int64_t num_items = num_seqs * splits;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-  std::vector<int64_t> order(num_items);
-  std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return seq_lens[a / splits] > seq_lens[b / splits]; });
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    if (begin >= end) return;
+  const DecodeSplit split = split_decode(num_seqs, num_kv_heads);
+  const int64_t heads_per_item = split.heads_per_item;
+  run_decode_items(split, seq_lens, [&](WorkQueue& queue) {
     std::vector<float> scores, weights, v_row_scales;
-    for (int64_t claimed = next++; claimed < num_items; claimed = next++) {
-      const int64_t seq = order[claimed] / splits, first_kv = order[claimed] % splits * heads_per_item;
+    for (int64_t item; queue.next(item);) {
+      const int64_t seq = split.seq(item), first_kv = split.first_kv(item);
       const int64_t len = seq_lens[seq];
       const int64_t* table = tables + seq * max_blocks;
       scores.resize(len + 8);  // the last tile of 8 may start at any token (a block size not a multiple of 8)

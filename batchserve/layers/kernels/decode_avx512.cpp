@@ -2,9 +2,10 @@
 // float32, head_dim 32, 64 or 128, 16 tokens scored at once and every kv head of a tile read in one pass. A quantized
 // pool's codes (int8, float8 e4m3) are read in place: a tile's scores times its K rows' scales, its softmax weights
 // times its V rows'.
+#include "isa.h"
 #include "attention_avx512.h"
 
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
 
 namespace {
 
@@ -17,10 +18,8 @@ inline __m512 tile_scales(const float* scales, int64_t slot0, int64_t num_kv_hea
   return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, rows, scales + slot0 * num_kv_heads + kv_head, 4);
 }
 
-// NC = head_dim / 16 vectors per head. A work item is one sequence with all its kv heads, so each 16-token tile is
-// read as one contiguous run of memory; with fewer sequences than 4 per thread, an item is one (sequence, kv head)
-// so that both threads have work. Items are dealt to threads round-robin: a batch lists its sequences oldest (longest
-// context) first, and contiguous runs of items would give one thread the long contexts and the other the short ones.
+// NC = head_dim / 16 vectors per head. The work items (a sequence with all its kv heads, so each 16-token tile is read
+// as one contiguous run of memory, or one kv head of it) and their threads are work_split.h's.
 template <int NC, typename T>
 void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                              const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
@@ -31,18 +30,15 @@ void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, con
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
-  const int64_t splits = num_seqs < 4 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t heads_per_item = num_kv_heads / splits;
+  const DecodeSplit split = split_decode(num_seqs, num_kv_heads);
+  const int64_t heads_per_item = split.heads_per_item;
   const bool grouped = group <= kMaxGroup;
-  const int64_t num_items = num_seqs * splits;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  run_decode_items(split, seq_lens, [&](WorkQueue& queue) {
     std::vector<float> acc_store(num_heads * D), m(num_heads), p(num_heads * 16), corr(num_heads), qs(num_heads * D);
     std::vector<__m512> l(num_heads);  // per-lane partial sums of the softmax denominator
     __m512 scores[kMaxGroup];
-    for (int64_t worker = begin; worker < end; ++worker)
-    for (int64_t item = worker; item < num_items; item += threads) {
-      const int64_t seq = item / splits, first_kv = item % splits * heads_per_item;
+    for (int64_t item; queue.next(item);) {
+      const int64_t seq = split.seq(item), first_kv = split.first_kv(item);
       const int64_t first_head = first_kv * group, last_head = first_head + heads_per_item * group;
       const float* q_seq = q + seq * num_heads * D;
       for (int64_t h = first_head; h < last_head; ++h)  // scaled once per sequence, not per tile
@@ -126,4 +122,4 @@ template bool decode_attention_avx512<c10::BFloat16>(const PagedArgs<c10::BFloat
 template bool decode_attention_avx512<int8_t>(const PagedArgs<int8_t>&);
 template bool decode_attention_avx512<c10::Float8_e4m3fn>(const PagedArgs<c10::Float8_e4m3fn>&);
 
-#endif  // __AVX512F__
+#endif  // BATCHSERVE_ISA_AVX512

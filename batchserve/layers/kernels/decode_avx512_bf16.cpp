@@ -3,8 +3,7 @@
 #include "attention_avx512_bf16.h"
 
 #ifdef BATCHSERVE_BF16_DOT
-#include <atomic>
-#include <numeric>
+#include "work_split.h"
 
 namespace {
 
@@ -65,29 +64,27 @@ BF16_TARGET void values_group_bf16(const bf16_t* v_head, const int64_t* table, i
   if (heads - h == 1) run(std::integral_constant<int, 1>{}, h);
 }
 
-// The work items of decode_attention_bf16 this thread claims from `next` (positions in `order`), until none is left
+// The work items of decode_attention_bf16 this thread claims from `queue` (work_split.h), until none is left
 // (a function of its own: a lambda would not carry the target). A decode query sees its whole context at once, so
 // its softmax needs no online rescaling: (1) every score of the sequence, and their max; (2) the weights
 // exp(s - max) in bf16, and their sum; (3) P.V with the accumulators in registers from the first token to the last.
 template <int NC>
-BF16_TARGET void decode_items_bf16(std::atomic<int64_t>& next, const int64_t* order, int64_t num_items,
-                                   const float* q, const bf16_t* k_cache, const bf16_t* v_cache,
-                                   const int64_t* tables, const int64_t* seq_lens, float* out, int64_t num_heads,
-                                   int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, int64_t splits,
-                                   float scale) {
+BF16_TARGET void decode_items_bf16(WorkQueue& queue, const DecodeSplit& split, const float* q,
+                                   const bf16_t* k_cache, const bf16_t* v_cache, const int64_t* tables,
+                                   const int64_t* seq_lens, float* out, int64_t num_heads, int64_t num_kv_heads,
+                                   int64_t block_size, int64_t max_blocks, float scale) {
   constexpr int64_t D = NC * 16;
   constexpr int NP = NC / 2;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
-  const int64_t heads_per_item = num_kv_heads / splits;
+  const int64_t heads_per_item = split.heads_per_item;
   const int64_t item_heads = heads_per_item * group;
   std::vector<float> scores, acc(item_heads * D), maxes(item_heads * 16);
   std::vector<uint16_t> qb(item_heads * D), pb;
   std::vector<float> sums(item_heads);
-  for (int64_t claimed; (claimed = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
-    const int64_t item = order[claimed];
-    const int64_t seq = item / splits, first_kv = item % splits * heads_per_item;
+  for (int64_t item; queue.next(item);) {
+    const int64_t seq = split.seq(item), first_kv = split.first_kv(item);
     const int64_t first_head = first_kv * group;
     const int64_t len = seq_lens[seq];
     const int64_t stride = (len + 31) / 16 * 16;  // per head, room for a whole last vector
@@ -155,25 +152,15 @@ BF16_TARGET void decode_items_bf16(std::atomic<int64_t>& next, const int64_t* or
   }
 }
 
-// decode_heads_avx512's work split (decode_avx512.cpp), on the bf16 dot-product path.
+// work_split.h's items and threads, on the bf16 dot-product path.
 template <int NC>
 void decode_attention_bf16(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, const int64_t* tables,
                            const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
-  const int64_t splits = num_seqs < 4 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t num_items = num_seqs * splits;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-  // Items are claimed one at a time, longest context first: the threads end together however the lengths are
-  // spread, and a thread the OS preempts holds up only the item it is on (the other takes the rest).
-  std::vector<int64_t> order(num_items);
-  std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return seq_lens[a / splits] > seq_lens[b / splits]; });
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    if (begin < end)
-      decode_items_bf16<NC>(next, order.data(), num_items, q, k_cache, v_cache, tables, seq_lens, out, num_heads,
-                            num_kv_heads, block_size, max_blocks, splits, scale);
+  const DecodeSplit split = split_decode(num_seqs, num_kv_heads);
+  run_decode_items(split, seq_lens, [&](WorkQueue& queue) {
+    decode_items_bf16<NC>(queue, split, q, k_cache, v_cache, tables, seq_lens, out, num_heads, num_kv_heads,
+                          block_size, max_blocks, scale);
   });
 }
 

@@ -1,14 +1,13 @@
 // Paged decode attention on the "portable" path, and the fallback of every other path: one query token per sequence
 // attends over its context, read in place through its block table (no gather into a padded copy). Online softmax a
 // block at a time; the query heads that share a kv head are done back to back so K/V come from L1. Parallel over
-// (sequence, kv head) pairs; any head size, float32 / bfloat16 / float16 (and float64) K/V.
-#include <ATen/Parallel.h>
-
+// (sequence, kv head) pairs (work_split.h); any head size, float32 / bfloat16 / float16 (and float64) K/V.
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "kernels.h"
+#include "paged_args.h"
+#include "work_split.h"
 
 namespace {
 
@@ -20,10 +19,11 @@ void decode_attention_impl(const float* q, const scalar_t* k_cache, const scalar
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const DecodeSplit split = split_decode(num_seqs, num_kv_heads, /*per_head=*/true);
+  run_decode_items(split, seq_lens, [&](WorkQueue& queue) {
     std::vector<float> acc(group * head_dim), m(group), l(group), scores(group * block_size), kv(head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+    for (int64_t item; queue.next(item);) {
+      const int64_t seq = split.seq(item), kv_head = split.first_kv(item);
       const float* q_seq = q + (seq * num_heads + kv_head * group) * head_dim;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -1e30f);  // finite: exp(m - max) must be 0, not NaN

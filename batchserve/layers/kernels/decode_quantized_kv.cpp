@@ -5,6 +5,8 @@
 // sizes 32 / 64 / 128; on portable (and other head sizes) plain C++ loops that the build's -march=native vectorises. Registered as a torch op
 // (torch.ops.batchserve_kv_quant.paged_decode)
 // so that it needs no entry in bindings.cpp.
+#include "isa.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -16,9 +18,9 @@
 
 #include <ATen/ATen.h>
 
-#include <torch/extension.h>  // layer_ops.h declares the pybind11 registrations
 
 #include "layer_ops.h"
+#include "work_split.h"
 
 namespace {
 
@@ -71,7 +73,7 @@ bool vectorized_decode(const at::Tensor& query, const at::Tensor& key, const at:
                          lens.size(0),             query.size(1),     key.size(2),
                          query.size(2),            key.size(1),       static_cast<float>(scale),
                          k_scale.data_ptr<float>(), v_scale.data_ptr<float>()};
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
   if (path == AttentionPath::kAvx512 || path == AttentionPath::kAvx512Bf16) return decode_attention_avx512<Code>(args);
 #endif
   return path == AttentionPath::kAvx2 && decode_attention_avx2<Code>(args);
@@ -89,9 +91,10 @@ void decode_loop(const at::Tensor& query, const at::Tensor& key, const at::Tenso
   float* out_p = out.data_ptr<float>();
   const auto* key_p = static_cast<const Code*>(key.data_ptr());
   const auto* value_p = static_cast<const Code*>(value.data_ptr());
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads;
+  const DecodeSplit split = split_decode(num_seqs, kv_heads, /*per_head=*/true);
+  run_decode_items(split, lens.data_ptr<int64_t>(), [&](WorkQueue& queue) {
+    for (int64_t item; queue.next(item);) {
+      const int64_t b = split.seq(item), h = split.first_kv(item);
       const int64_t first_head = h * group;
       decode_one(q_p + (b * heads + first_head) * head_dim, group, head_dim, key_p, value_p,
                  k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), tables.data_ptr<int64_t>() + b * max_blocks,

@@ -2,6 +2,8 @@
 // torch ops (and as many temporaries) it replaces. At prefill sizes those torch ops took a large share of a step, at
 // decode sizes their per-op overhead adds up over the layers. Same math as the torch references in batchserve/layers/ (norm.py, mlp.py,
 // rotary.py).
+#include "isa.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -48,7 +50,7 @@ void dispatch_float_or_bf16(at::ScalarType dtype, F&& f) {
 inline float sum_of_squares(const float* src, int64_t n) {
   int64_t i = 0;
   float sum = 0.f;
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
     const __m512 v = _mm512_loadu_ps(src + i);
@@ -63,7 +65,7 @@ inline float sum_of_squares(const float* src, int64_t n) {
 inline float sum_of_squares(const c10::BFloat16* src, int64_t n) {
   int64_t i = 0;
   float sum = 0.f;
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
@@ -105,7 +107,7 @@ void rms_norm_rows(const T* x, int64_t x_stride, T* residual, int64_t res_stride
 template <typename T>
 __attribute__((noinline)) void silu_and_mul_row(const T* g, const T* u, T* o, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
   const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
   for (; i + 16 <= n; i += 16) {
     const __m512 gv = load16(g + i);
@@ -172,7 +174,7 @@ inline bool is_nan_bits(float x) {
 int64_t argmax_of(const float* x, int64_t n) {
   float best = -INFINITY;
   int64_t i = 0;
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
   __m512 vmax = _mm512_set1_ps(-INFINITY);
   __mmask16 nan = 0;
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);

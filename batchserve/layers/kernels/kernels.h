@@ -12,12 +12,12 @@
 #include <vector>
 
 // ---- Attention paths ----
-// The native attention kernels' instruction-set paths, best first: "avx512_bf16" (a bfloat16 pool's K/V multiplied
+// The native attention kernels' paths are instruction sets (isa.h): "avx512_bf16" (a bfloat16 pool's K/V multiplied
 // as stored by vdpbf16ps; a float32 pool as "avx512"), "avx512" (K/V widened to float32, AVX-512 FMA), "avx2" (8-wide
 // AVX2 + FMA; decode only), "portable" (the plain loop, any CPU; decode only). A path takes the next one down where
-// it does not apply (a head size other than 32/64/128: the portable loop). Chosen once, when the module is loaded
-// (Python kernels.attention_path()), and handed to every call as this enum.
-enum class AttentionPath { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
+// it does not apply (a head size other than 32/64/128: the portable loop). Chosen once from the kernel table
+// (Python paths.select_paths), and handed to every call.
+#include "isa.h"
 
 std::vector<AttentionPath> attention_paths();     // built here, best first
 bool attention_path_runs(AttentionPath path);     // built here and runnable on this CPU
@@ -47,36 +47,4 @@ at::Tensor amx_gemm_pack(at::Tensor weight);
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, bool emulated,
                        bool swiglu);
 
-// ---- Per-instruction-set attention kernels (paged_attention.cpp checks the shapes before any of them runs) ----
-// One paged-attention call as raw pointers. Decode: one query row per sequence (q_stride = heads * head_dim,
-// query_starts unused). Prefill: the query rows of each sequence in order, query_starts [S + 1] cumulative.
-template <typename T>
-struct PagedArgs {
-  const float* q;
-  int64_t q_stride;  // floats from one query token to the next
-  const T* k_cache;
-  const T* v_cache;
-  const int64_t* tables;  // [num_seqs, max_blocks]
-  int64_t max_blocks;
-  const int64_t* seq_lens;
-  const int64_t* query_starts;
-  float* out;  // [rows, num_heads, head_dim], contiguous
-  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
-  float scale;
-  // an int8 pool (T = int8_t): each K and V row's scale, [slots, Hkv] (kv_cache_dtype="int8")
-  const float* k_scale = nullptr;
-  const float* v_scale = nullptr;
-};
-
-// Each returns false (and writes nothing) where it does not take the call: another head size, or a build without its
-// instruction set. decode_portable.cpp takes every call.
-template <typename T>
-void decode_attention_portable(const PagedArgs<T>& a);                     // decode_portable.cpp
-template <typename T>
-bool decode_attention_avx2(const PagedArgs<T>& a);                         // decode_avx2.cpp
-template <typename T>
-bool decode_attention_avx512(const PagedArgs<T>& a);                       // decode_avx512.cpp
-bool decode_attention_avx512_bf16(const PagedArgs<c10::BFloat16>& a);      // decode_avx512_bf16.cpp
-template <typename T>
-bool prefill_attention_avx512(const PagedArgs<T>& a);                      // prefill_avx512.cpp
-bool prefill_attention_avx512_bf16(const PagedArgs<c10::BFloat16>& a);     // prefill_avx512_bf16.cpp
+#include "paged_args.h"  // the per-instruction-set attention kernels paged_attention.cpp dispatches to

@@ -1,12 +1,13 @@
 // A quantized KV pool (kv_cache_dtype "int8" or "fp8_e4m3", layers/kv_quant.py) in the native step: this step's K/V
 // quantized per (token, KV head) and stored at their slots with their scales, by the float32 operations kv_quant.write
 // does in torch (the same codes and scales), and a sequence's blocks read back dequantized for the prefill rows' SDPA.
+#include "isa.h"
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
 
 #include <c10/util/Float8_e4m3fn.h>
-#include <torch/extension.h>  // layer_ops.h declares the pybind11 registrations
 
 #include "layer_ops.h"
 #include "vec_math.h"
@@ -60,7 +61,7 @@ __attribute__((optimize("no-fast-math"))) void quantize_token(const T* x, int64_
   }
 }
 
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
 // a / b rounded once, as torch divides: in assembly, which -ffast-math cannot turn into a multiplication by 1 / b
 inline __m512 exact_div(__m512 a, __m512 b) {
   __m512 r;
@@ -143,7 +144,7 @@ at::Tensor store(const at::Tensor& x, const at::Tensor& cache, const at::Tensor&
   T* out = stored.data_ptr<T>();
   for (int64_t t = 0; t < tokens; ++t) {
     Code* token_codes = codes + slots[t] * heads * D;
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
     if (D % 16 == 0) {
       quantize_token_avx512(src + t * x.stride(0), heads, D, token_codes, scale + slots[t] * heads,
                             out + t * heads * D);

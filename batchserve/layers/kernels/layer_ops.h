@@ -13,14 +13,22 @@
 #include "kernels.h"
 #include "quant_gemm.h"
 
-// A projection laid out for this CPU's GEMMs (layers/linear.py CpuLinear makes the layouts and the thresholds), which
+// The row counts at which a Projection changes GEMM, one object (layers/linear.py RowSchedule builds it): x @ W below
+// small_min_m, the native small-M kernel up to small_max_m, oneDNN's packed GEMM below packed_max_m (bf16 rows padded
+// up to packed_min_m), x @ W from there; bf16 on AMX: the AMX kernel below amx_max_m, oneDNN from there.
+struct RowSchedule {
+  int64_t small_min_m = 0, small_max_m = 0, packed_min_m = 0, packed_max_m = 0, amx_max_m = 0;
+};
+
+// A projection laid out for this CPU's GEMMs (layers/linear.py CpuLinear makes the layouts and the RowSchedule), which
 // picks its GEMM by the number of rows M: the native AMX kernel, oneDNN's packed GEMM (bf16 rows padded up to its
 // minimum), the native small-M kernel, or x @ W (projection.cpp).
 struct Projection {
   at::Tensor weight_t;  // [in, out] (empty when packed_only); its dtype is the GEMM's (float32 for bf16 weights
                            // without bf16 units)
   c10::optional<at::Tensor> bias, packed, small_packed, amx_packed;
-  int64_t out_features, small_max_m, small_min_m, packed_min_m, packed_max_m, amx_max_m;
+  int64_t out_features;
+  RowSchedule rows;
   bool packed_only, amx_emulated;
   bool swiglu = false;  // a gate/up projection whose AMX panels are in swiglu order: AMX only through silu_and_mul_of
   // bf16 pairs for bf16_gemm (bf16_gemm.cpp): when set, every M takes it (one reduction order per row, float32 out)
@@ -102,8 +110,3 @@ at::Tensor paged_decode_quantized(const at::Tensor& query, const at::Tensor& key
 bool bf16_gemm_available();
 at::Tensor bf16_gemm_pack(at::Tensor weight);
 at::Tensor bf16_gemm(at::Tensor x, at::Tensor packed, int64_t n);
-
-void register_projection(pybind11::module& m);      // projection.cpp
-void register_step_attention(pybind11::module& m);  // step_attention.cpp
-void register_decoder_loop(pybind11::module& m);    // decoder_loop.cpp
-void register_quant_gemm(pybind11::module& m);      // quant_projection.cpp

@@ -2,6 +2,8 @@
 // tensors), then the call handed to the kernel of its instruction-set path (kernels.h AttentionPath):
 //   decode:  decode_avx512_bf16.cpp, decode_avx512.cpp, decode_avx2.cpp, decode_portable.cpp
 //   prefill: prefill_avx512_bf16.cpp, prefill_avx512.cpp (the other paths have no prefill kernel: the torch code runs)
+#include "isa.h"
+
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -9,11 +11,10 @@
 #include "attention_avx512_bf16.h"
 #include "kernels.h"
 
-// Whether this CPU runs the bf16 dot-product path (and this build has it); asked of the CPU once.
+// Whether this CPU runs the bf16 dot-product path (and this build has it).
 bool bf16_dot_supported() {
 #ifdef BATCHSERVE_BF16_DOT
-  static const bool supported = __builtin_cpu_supports("avx512bf16");
-  return supported;
+  return cpu_runs(Isa::kAvx512Bf16);
 #else
   return false;
 #endif
@@ -24,22 +25,20 @@ std::vector<AttentionPath> attention_paths() {
 #ifdef BATCHSERVE_BF16_DOT
   paths.push_back(AttentionPath::kAvx512Bf16);
 #endif
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
   paths.push_back(AttentionPath::kAvx512);
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef BATCHSERVE_ISA_AVX2
   paths.push_back(AttentionPath::kAvx2);
 #endif
   paths.push_back(AttentionPath::kPortable);
   return paths;
 }
 
-// The library is built with -march=native, so a path built here runs here, except avx512_bf16, whose functions are
-// compiled for that target whatever the build's CPU.
+// built here, and this CPU runs its instruction set
 bool attention_path_runs(AttentionPath path) {
   const auto built = attention_paths();
-  if (std::find(built.begin(), built.end(), path) == built.end()) return false;
-  return path != AttentionPath::kAvx512Bf16 || bf16_dot_supported();
+  return std::find(built.begin(), built.end(), path) != built.end() && cpu_runs(path);
 }
 
 AttentionPath best_attention_path() {
@@ -49,7 +48,7 @@ AttentionPath best_attention_path() {
 }
 
 bool prefill_attention_available(int64_t head_dim) {
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
   return head_dim == 32 || head_dim == 64 || head_dim == 128;
 #else
   return false;
@@ -100,7 +99,7 @@ template <typename T>
 void decode_on_path(const PagedArgs<T>& a, AttentionPath path) {
   constexpr bool kVectorized = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
   if constexpr (kVectorized) {
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
     if (path == AttentionPath::kAvx512 || path == AttentionPath::kAvx512Bf16) {
 #ifdef BATCHSERVE_BF16_DOT
       if constexpr (std::is_same_v<T, c10::BFloat16>)
@@ -172,7 +171,7 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::T
                 ": query rows must be 1..seq_len");
   TORCH_CHECK(prefill_attention_available(query.size(2)), "paged_prefill_attention: head_dim 32, 64 or 128 only");
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
   if (cache_type == at::kFloat) {
     prefill_attention_avx512<float>(paged_args<float>(query, key_cache, value_cache, tables, lens, start, scale, out));
     return out;

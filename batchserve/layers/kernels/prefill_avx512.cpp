@@ -1,8 +1,9 @@
 // Paged prefill attention on the "avx512" path (and a float32 pool's on "avx512_bf16"): causal by absolute position,
 // tiles of up to 16 query rows of one sequence and one head, every key read in place from the pool.
+#include "isa.h"
 #include "attention_avx512.h"
 
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
 
 namespace {
 
@@ -68,4 +69,4 @@ bool prefill_attention_avx512(const PagedArgs<T>& a) {
 template bool prefill_attention_avx512<float>(const PagedArgs<float>&);
 template bool prefill_attention_avx512<c10::BFloat16>(const PagedArgs<c10::BFloat16>&);
 
-#endif  // __AVX512F__
+#endif  // BATCHSERVE_ISA_AVX512

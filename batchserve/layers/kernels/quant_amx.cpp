@@ -13,6 +13,8 @@
 // (+ the group's minimum, 8 x the scale added back where the minimum is packed at nibble 8), each in float32 with
 // one rounding (an FMA), then rounded to bf16. The dequantization runs in AVX-512 where the CPU has AVX512-BF16
 // (every AMX CPU), else in the scalar loop that the vector one is tested against.
+#include "isa.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -26,7 +28,7 @@
 #include "quant_gemm.h"
 #include "quant_w8a8.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#ifdef BATCHSERVE_ISA_AVX512_BF16_FILE
 #define BATCHSERVE_AMX_DEQUANT_AVX512 1
 #endif
 
@@ -164,8 +166,7 @@ void dequantize_pair_avx512(const PairSource& s, int64_t K, uint16_t* panel) {
 
 bool dequantizes_in_avx512() {
 #ifdef BATCHSERVE_AMX_DEQUANT_AVX512
-  static const bool ok = __builtin_cpu_supports("avx512bf16");
-  return ok;
+  return cpu_runs(Isa::kAvx512Bf16);
 #else
   return false;
 #endif

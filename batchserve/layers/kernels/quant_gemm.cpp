@@ -8,13 +8,14 @@
 //
 // One code path per instruction set (AVX-512, AVX2 + FMA, portable), chosen once in Python (kernels.quant_gemm_path)
 // and stored with the weight.
+#include "isa.h"
 #include "quant_gemm.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef BATCHSERVE_ISA_AVX2
 #include <immintrin.h>
 #endif
 
@@ -46,7 +47,7 @@ struct Portable {
   }
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef BATCHSERVE_ISA_AVX2
 // 16 int4 codes of a subblock's 16 bytes, centred, as int8: low nibbles (k = j) and high nibbles (k = j + 16)
 inline void int4_halves(const uint8_t* p, __m128i* lo, __m128i* hi) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -85,7 +86,7 @@ struct Avx2 {
 };
 #endif
 
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
 struct Avx512 {
   using Vec = __m512;
   static constexpr int kWidth = 16, kVecs = 2;
@@ -207,11 +208,11 @@ void small_m_of(const float* x, int64_t M, int64_t K, const QuantWeight& w, floa
 
 void small_m_on_path(const float* x, int64_t M, int64_t K, const QuantWeight& w, float* out) {
   switch (w.path) {
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
     case QuantPath::kAvx512Vnni:
     case QuantPath::kAvx512: return small_m_of<Avx512>(x, M, K, w, out);
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef BATCHSERVE_ISA_AVX2
     case QuantPath::kAvx2: return small_m_of<Avx2>(x, M, K, w, out);
 #endif
     case QuantPath::kPortable: return small_m_of<Portable>(x, M, K, w, out);
@@ -268,12 +269,12 @@ void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, float* dst) {
 
 std::vector<std::string> quant_gemm_paths() {
   std::vector<std::string> paths;
-  if (w8a8_built() && __builtin_cpu_supports("avx512vnni")) paths.push_back("avx512_vnni");
-#if defined(__AVX512F__)
-  if (__builtin_cpu_supports("avx512f")) paths.push_back("avx512");
+  if (w8a8_built() && cpu_runs(Isa::kAvx512Vnni)) paths.push_back("avx512_vnni");
+#ifdef BATCHSERVE_ISA_AVX512
+  if (cpu_runs(Isa::kAvx512)) paths.push_back("avx512");
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths.push_back("avx2");
+#ifdef BATCHSERVE_ISA_AVX2
+  if (cpu_runs(Isa::kAvx2)) paths.push_back("avx2");
 #endif
   paths.push_back("portable");
   return paths;

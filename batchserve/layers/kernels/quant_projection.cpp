@@ -1,11 +1,12 @@
-// Python entry points of the quantized GEMM (quant_gemm.cpp): a Projection (layer_ops.h) holding a weight kept
+// Python classes and functions of the layer operators (layer_ops.h), the one file besides bindings.cpp and
+// decoder_loop.cpp that includes pybind11: Projection and its RowSchedule (projection.cpp), StepAttention and
+// paged_attention (step_attention.cpp), and the quantized GEMM (quant_gemm.cpp): a Projection holding a weight kept
 // quantized, which CpuLinear's quantized counterpart (layers/quantization.py QuantizedLinear) and the native decoder
 // loop call like any other; and the GEMM and dequantization alone, for tests.
 #include <memory>
 #include <string>
 
-#include <torch/extension.h>  // pybind11: this file registers functions
-
+#include "bindings.h"
 #include "layer_ops.h"
 
 namespace {
@@ -59,6 +60,26 @@ std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor sca
     w->codes = w->scales = w->mins = at::Tensor();
   }
   return w;
+}
+
+StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optional<at::Tensor> decode_block_tables,
+                        c10::optional<at::Tensor> decode_seq_lens, c10::optional<at::Tensor> prefill_block_tables,
+                        c10::optional<at::Tensor> prefill_seq_lens, c10::optional<at::Tensor> prefill_query_starts,
+                        std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, bool native_prefill,
+                        AttentionPath path) {
+  TORCH_CHECK(decode_rows == 0 || (decode_block_tables.has_value() && decode_seq_lens.has_value()),
+              "decode rows need their block tables and lengths");
+  TORCH_CHECK(!native_prefill || prefill_query_starts.has_value(), "the native prefill kernel needs query starts");
+  StepAttention step{std::move(slot_mapping),         decode_rows,          std::move(decode_block_tables),
+                     std::move(decode_seq_lens),      std::move(prefill_block_tables), std::move(prefill_seq_lens),
+                     std::move(prefill_query_starts), std::move(spans),     native_prefill, path, {}};
+  if (!native_prefill)
+    for (const auto& [start, stop, context] : step.spans)
+      step.chunk_masks.push_back(context == 0 ? c10::optional<at::Tensor>()
+                                              : at::ones({stop - start, context + stop - start},
+                                                            at::TensorOptions().dtype(at::kBool))
+                                                    .tril(context));
+  return step;
 }
 
 }  // namespace
@@ -120,4 +141,57 @@ void register_quant_gemm(pybind11::module& m) {
       },
       "a quantized weight as float32 [N, K]", no_gil, py::arg("codes"), py::arg("scales"), py::arg("bits"),
       py::arg("group"), py::arg("mins") = py::none());
+}
+
+void register_step_attention(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<StepAttention>(m, "StepAttention")
+      .def(py::init(&make_step), py::arg("slot_mapping"), py::arg("decode_rows"), py::arg("decode_block_tables"),
+           py::arg("decode_seq_lens"), py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"),
+           py::arg("prefill_query_starts"), py::arg("spans"), py::arg("native_prefill"), py::arg("path"));
+  m.def("paged_attention", &paged_attention,
+        "one layer's attention over a step: store its K/V, then the decode and the prefill rows on their paths",
+        py::call_guard<py::gil_scoped_release>(), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("step"), py::arg("scale"), py::arg("key_scale") = py::none(),
+        py::arg("value_scale") = py::none());
+}
+
+void register_projection(pybind11::module& m) {
+  namespace py = pybind11;
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  py::class_<RowSchedule>(m, "RowSchedule", "the row counts at which a Projection changes GEMM (layer_ops.h)")
+      .def(py::init([](int64_t small_min_m, int64_t small_max_m, int64_t packed_min_m, int64_t packed_max_m,
+                       int64_t amx_max_m) {
+             return RowSchedule{small_min_m, small_max_m, packed_min_m, packed_max_m, amx_max_m};
+           }),
+           py::arg("small_min_m"), py::arg("small_max_m"), py::arg("packed_min_m"), py::arg("packed_max_m"),
+           py::arg("amx_max_m"))
+      .def_readonly("small_min_m", &RowSchedule::small_min_m)
+      .def_readonly("small_max_m", &RowSchedule::small_max_m)
+      .def_readonly("packed_min_m", &RowSchedule::packed_min_m)
+      .def_readonly("packed_max_m", &RowSchedule::packed_max_m)
+      .def_readonly("amx_max_m", &RowSchedule::amx_max_m);
+  py::class_<Projection>(m, "Projection")
+      .def(py::init([](at::Tensor weight_t, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> packed,
+                       c10::optional<at::Tensor> small_packed, int64_t out_features, RowSchedule rows,
+                       bool packed_only, c10::optional<at::Tensor> amx_packed, bool amx_emulated, bool swiglu,
+                       c10::optional<at::Tensor> bf16_packed, bool float_output) {
+             TORCH_CHECK(!packed_only || packed.has_value(), "packed_only needs a packed weight");
+             TORCH_CHECK(!swiglu || (packed_only && amx_packed.has_value() && !bias.has_value()),
+                         "swiglu: a packed-only gate/up projection with AMX panels and no bias");
+             return Projection{std::move(weight_t), std::move(bias),      std::move(packed),
+                               std::move(small_packed), std::move(amx_packed), out_features,
+                               rows,                packed_only,          amx_emulated,
+                               swiglu,              std::move(bf16_packed), float_output};
+           }),
+           py::arg("weight_t"), py::arg("bias"), py::arg("packed"), py::arg("small_packed"), py::arg("out_features"),
+           py::arg("rows"), py::arg("packed_only"), py::arg("amx_packed") = c10::optional<at::Tensor>(),
+           py::arg("amx_emulated") = false, py::arg("swiglu") = false,
+           py::arg("bf16_packed") = c10::optional<at::Tensor>(), py::arg("float_output") = false)
+      .def("__call__", &Projection::operator(), "x [M, in] -> [M, out], the GEMM chosen by M", no_gil)
+      .def("silu_and_mul", &Projection::silu_and_mul_of, "silu(gate) * up of this gate/up projection of x", no_gil);
+  m.def("bf16_gemm_available", &bf16_gemm_available, "whether bf16_gemm is built here and this CPU has AVX512-BF16");
+  m.def("bf16_gemm_pack", &bf16_gemm_pack, "[N, K] bf16 weight -> [N/32, K/2, 32, 2] pairs for bf16_gemm", no_gil);
+  m.def("bf16_gemm", &bf16_gemm, "x [M, K] bf16 @ packed weight -> [M, n] float32, one reduction order per row",
+        no_gil, py::arg("x"), py::arg("packed"), py::arg("n"));
 }

@@ -22,6 +22,7 @@
 // span) and end exact. Nothing is read per column but the codes and scales: a single row streams the weight's bytes
 // only. A row's result depends only on that row (one order per row, whatever M). Rows go in chunks whose codes stay in
 // L2 while every column block reads them.
+#include "isa.h"
 #include "quant_w8a8.h"
 #include "vec_math.h"
 
@@ -31,7 +32,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef BATCHSERVE_ISA_AVX512_VNNI
 #include <immintrin.h>
 #define BATCHSERVE_W8A8 1
 #endif

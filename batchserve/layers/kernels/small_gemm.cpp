@@ -9,6 +9,8 @@
 //   avx512: 32-column panels, 12-row blocks: 24 zmm accumulators + 2 weight vectors + 1 broadcast (of 32);
 //   avx2:   16-column panels,  6-row blocks: 12 ymm accumulators + 2 weight vectors + 1 broadcast (of 16).
 // Both are built wherever the compiler targets them (-march=native), so an AVX-512 CPU runs and tests both.
+#include "isa.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -18,13 +20,13 @@
 
 #include "vec_math.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef BATCHSERVE_ISA_AVX2
 #include <immintrin.h>
 #endif
 
 namespace {
 
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
 struct Avx512 {
   using Vec = __m512;
   static constexpr int64_t kWidth = 16;  // floats per vector
@@ -39,7 +41,7 @@ struct Avx512 {
 };
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef BATCHSERVE_ISA_AVX2
 struct Avx2 {
   using Vec = __m256;
   static constexpr int64_t kWidth = 8;
@@ -54,7 +56,7 @@ struct Avx2 {
 };
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef BATCHSERVE_ISA_AVX2
 // One R x panel block of out (+)= xb [kc][kRows] (a packed row block) @ panel [kc][2 vectors], kept in registers
 // over kc. `ahead`: the next weight slice (its first `ahead_rows` rows), pulled toward cache while this one
 // computes; only the first row block passing a slice reads it from memory.
@@ -172,10 +174,10 @@ int64_t panel_width(const std::string& path) {
 // The small-M paths built here, best first (each needs the compiler to target its ISA).
 std::vector<std::string> small_gemm_paths() {
   std::vector<std::string> paths;
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
   paths.push_back("avx512");
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef BATCHSERVE_ISA_AVX2
   paths.push_back("avx2");
 #endif
   return paths;
@@ -206,13 +208,13 @@ at::Tensor small_gemm(at::Tensor x, at::Tensor packed, int64_t n) {
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (P == 32) {
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
     small_gemm_on<Avx512>(xp, M, K, wp, panels, op);
 #else
     TORCH_CHECK(false, "small_gemm: 32-column panels are the avx512 path, not built here");
 #endif
   } else if (P == 16) {
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef BATCHSERVE_ISA_AVX2
     small_gemm_on<Avx2>(xp, M, K, wp, panels, op);
 #else
     TORCH_CHECK(false, "small_gemm: 16-column panels are the avx2 path, not built here");

@@ -2,8 +2,6 @@
 // (layers/attention.py paged_attention, on the CPU) and the native decoder loop call this same function.
 #include <string>
 
-#include <torch/extension.h>  // pybind11: this file registers its classes
-
 #include "layer_ops.h"
 
 namespace {
@@ -72,25 +70,6 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       .to(q.scalar_type());
 }
 
-StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optional<at::Tensor> decode_block_tables,
-                        c10::optional<at::Tensor> decode_seq_lens, c10::optional<at::Tensor> prefill_block_tables,
-                        c10::optional<at::Tensor> prefill_seq_lens, c10::optional<at::Tensor> prefill_query_starts,
-                        std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, bool native_prefill,
-                        AttentionPath path) {
-  TORCH_CHECK(decode_rows == 0 || (decode_block_tables.has_value() && decode_seq_lens.has_value()),
-              "decode rows need their block tables and lengths");
-  TORCH_CHECK(!native_prefill || prefill_query_starts.has_value(), "the native prefill kernel needs query starts");
-  StepAttention step{std::move(slot_mapping),         decode_rows,          std::move(decode_block_tables),
-                     std::move(decode_seq_lens),      std::move(prefill_block_tables), std::move(prefill_seq_lens),
-                     std::move(prefill_query_starts), std::move(spans),     native_prefill, path, {}};
-  if (!native_prefill)
-    for (const auto& [start, stop, context] : step.spans)
-      step.chunk_masks.push_back(context == 0 ? c10::optional<at::Tensor>()
-                                              : at::ones({stop - start, context + stop - start},
-                                                            at::TensorOptions().dtype(at::kBool))
-                                                    .tril(context));
-  return step;
-}
 
 }  // namespace
 
@@ -118,17 +97,4 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       .copy_(prefill(q.narrow(0, d, tokens - d), keys.narrow(0, d, tokens - d), values.narrow(0, d, tokens - d),
                      pool, step, scale));
   return out;
-}
-
-void register_step_attention(pybind11::module& m) {
-  namespace py = pybind11;
-  py::class_<StepAttention>(m, "StepAttention")
-      .def(py::init(&make_step), py::arg("slot_mapping"), py::arg("decode_rows"), py::arg("decode_block_tables"),
-           py::arg("decode_seq_lens"), py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"),
-           py::arg("prefill_query_starts"), py::arg("spans"), py::arg("native_prefill"), py::arg("path"));
-  m.def("paged_attention", &paged_attention,
-        "one layer's attention over a step: store its K/V, then the decode and the prefill rows on their paths",
-        py::call_guard<py::gil_scoped_release>(), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_cache"),
-        py::arg("value_cache"), py::arg("step"), py::arg("scale"), py::arg("key_scale") = py::none(),
-        py::arg("value_scale") = py::none());
 }

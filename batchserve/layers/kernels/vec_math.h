@@ -1,6 +1,8 @@
 // Vector math shared by the kernels (AVX-512, and AVX2 + FMA).
 #pragma once
 
+#include "isa.h"
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 
@@ -65,7 +67,7 @@ class RowPrefetcher {
 
 #endif
 
-#if defined(__AVX512F__)
+#ifdef BATCHSERVE_ISA_AVX512
 #include <immintrin.h>
 
 // 16 values as floats from float32 or bfloat16 (a bfloat16 is a float's upper half), and back; the bfloat16 store
@@ -127,7 +129,7 @@ inline __m512 exp512(__m512 x) {
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef BATCHSERVE_ISA_AVX2
 #include <immintrin.h>
 
 // exp512 in 8 lanes: the same clamp and polynomial; 2^k built in the exponent bits (AVX2 has no vscalefps), which

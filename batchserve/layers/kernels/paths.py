@@ -1,0 +1,170 @@
+"""The kernel table's choices: which path each operation of the native CPU kernels takes, from the CPU's flags, the
+kernels this build compiled (the module's kernel_table(): rows of operation, data format, instruction set) and the
+variables that force a path. `select_paths` is a pure function of those three, so any CPU can be tested with a fake
+flag string; the layers ask kernels.attention_path() and its siblings, which call it with this process's values.
+
+No torch here: a table and the rules that read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+# The instruction sets, in the order of the C++ enum (isa.h Isa, bound as the module's Isa; a test holds them equal).
+ISAS = ("portable", "avx2", "avx512", "avx512_bf16", "avx512_vnni", "amx")
+
+# The /proc/cpuinfo flags each instruction set needs (isa.cpp cpu_runs asks the CPU for the same).
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "portable": (),
+    "avx2": ("avx2", "fma"),
+    "avx512": ("avx512f",),
+    "avx512_bf16": ("avx512f", "avx512_bf16"),
+    "avx512_vnni": ("avx512f", "avx512_vnni"),
+    "amx": ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile"),  # the AMX kernel's epilogue rounds with AVX512-BF16
+}
+
+
+@dataclass(frozen=True)
+class Path:
+    """One path of an operation: the instruction set of its kernel-table row (None: a library's GEMM, torch's or
+    oneDNN's, which runs anywhere), and whether it is ever chosen by itself (an emulation for tests is not)."""
+
+    name: str
+    isa: str | None
+    auto: bool = True
+
+
+@dataclass(frozen=True)
+class Operation:
+    """An operation of the kernel table: its paths best first, and the variable that forces one (None: not
+    forceable)."""
+
+    name: str
+    variable: str | None
+    paths: tuple[Path, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.paths)
+
+    def path(self, name: str) -> Path:
+        return next(p for p in self.paths if p.name == name)
+
+
+def _isa_paths(*names: str) -> tuple[Path, ...]:
+    return tuple(Path(n, n) for n in names)
+
+
+OPERATIONS: dict[str, Operation] = {
+    op.name: op
+    for op in (
+        # paged attention, decode and (AVX-512 paths) prefill: kernels.h AttentionPath
+        Operation("attention", "BATCHSERVE_ATTENTION_PATH", _isa_paths("avx512_bf16", "avx512", "avx2", "portable")),
+        # float32 GEMM of decode-sized M (small_gemm.cpp); "library": oneDNN or x @ W at every M
+        Operation("small_gemm", "BATCHSERVE_SMALL_GEMM_PATH", (*_isa_paths("avx512", "avx2"), Path("library", None))),
+        # bfloat16 GEMM on a CPU with bf16 matmul units: the AMX kernel, its tiles emulated (tests), or oneDNN
+        Operation(
+            "bf16_gemm",
+            "BATCHSERVE_GEMM_PATH",
+            (Path("amx", "amx"), Path("amx_emulated", "portable", auto=False), Path("onednn", None)),
+        ),
+        # weights kept quantized (quant_gemm.cpp; avx512_vnni: W8A8, quant_w8a8.cpp)
+        Operation("quant_gemm", "BATCHSERVE_QUANT_GEMM_PATH", _isa_paths("avx512_vnni", "avx512", "avx2", "portable")),
+        # a quantized KV pool's quantize-on-store and dequantize (kv_quantized.cpp)
+        Operation("kv_codec", None, _isa_paths("avx512", "portable")),
+    )
+}
+
+FORCE_OFF = ("", "auto")  # a forcing variable with one of these values forces nothing
+
+
+def flag_set(cpu_flags: str) -> frozenset[str]:
+    """/proc/cpuinfo's "flags : fpu vme ..." line (or the flags alone) -> the set of flags."""
+    return frozenset(cpu_flags.split(":", 1)[-1].split())
+
+
+def why_not(op: str, path: str, flags: frozenset[str], built: Collection[tuple[str, str]] | None) -> str | None:
+    """Why `path` of operation `op` cannot run here (None: it can): not compiled in this build (or no native kernels
+    at all), or the CPU lacks a flag its instruction set needs."""
+    isa = OPERATIONS[op].path(path).isa
+    if isa is None:
+        return None
+    if built is None:
+        return "the native kernels are not built here"
+    if (op, isa) not in built:
+        return f"this build has no {isa} kernel for it"
+    missing = [f for f in ISA_FLAGS[isa] if f not in flags]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def select_path(
+    op: str, cpu_flags: str, env: Mapping[str, str], built: Collection[tuple[str, str]] | None
+) -> str | None:
+    """The path operation `op` takes: the one its variable forces (ValueError naming the variable, the value and why
+    it cannot run), else the first that runs and is chosen by itself; None where none runs (no native kernels)."""
+    operation = OPERATIONS[op]
+    flags = flag_set(cpu_flags)
+    forced = env.get(operation.variable, "") if operation.variable else ""
+    if forced not in FORCE_OFF:
+        if forced not in operation.names:
+            raise ValueError(f"{operation.variable}={forced!r}: not one of auto, {', '.join(operation.names)}")
+        reason = why_not(op, forced, flags, built)
+        if reason is not None:
+            runnable = [p.name for p in operation.paths if why_not(op, p.name, flags, built) is None]
+            raise ValueError(
+                f"{operation.variable}={forced!r}: not built here or not runnable on this CPU: {reason}; runnable: "
+                f"{', '.join(runnable) or 'none (native kernels off: the torch code runs)'}"
+            )
+        return forced
+    return next((p.name for p in operation.paths if p.auto and why_not(op, p.name, flags, built) is None), None)
+
+
+@dataclass(frozen=True)
+class KernelPaths:
+    """Each operation's chosen path (None: none runs here), and the operations whose path a variable forced."""
+
+    paths: dict[str, str | None]
+    forced: dict[str, str] = field(default_factory=dict)
+
+    def line(self, gemm_rows: str = "") -> str:
+        """The one start-up line: every operation's path, the forced ones marked with their variable."""
+        parts = []
+        for op, path in self.paths.items():
+            mark = f" ({self.forced[op]})" if op in self.forced else ""
+            parts.append(f"{op} {path or 'none'}{mark}")
+        rows = f"; GEMM by rows: {gemm_rows}" if gemm_rows else ""
+        return "native kernel paths: " + ", ".join(parts) + rows
+
+
+def select_paths(cpu_flags: str, env: Mapping[str, str], built: Collection[tuple[str, str]] | None) -> KernelPaths:
+    """Every operation's path (select_path), chosen from one CPU flag string, one environment and one build's
+    table: (operation, instruction set) pairs, or None without native kernels. Raises as select_path does."""
+    paths = {op: select_path(op, cpu_flags, env, built) for op in OPERATIONS}
+    forced = {op: o.variable for op, o in OPERATIONS.items() if o.variable and env.get(o.variable, "") not in FORCE_OFF}
+    return KernelPaths(paths, forced)
+
+
+def built_pairs(rows: Collection[tuple[str, str, object]]) -> frozenset[tuple[str, str]]:
+    """The module's kernel_table() rows (operation, data format, Isa) -> their (operation, instruction set) pairs."""
+    return frozenset((op, isa if isinstance(isa, str) else isa.name) for op, _format, isa in rows)
+
+
+@dataclass(frozen=True)
+class RowSchedule:
+    """The row counts at which a projection changes GEMM (kernels/layer_ops.h RowSchedule, to which it is handed):
+    x @ W below small_min_m, the native small-M kernel up to small_max_m, oneDNN's packed GEMM below packed_max_m
+    (bf16 rows padded up to packed_min_m), x @ W from there; bf16 on AMX: the AMX kernel below amx_max_m, then oneDNN.
+    """
+
+    small_min_m: int
+    small_max_m: int
+    packed_min_m: int
+    packed_max_m: int
+    amx_max_m: int
+
+    def describe(self) -> str:
+        return (
+            f"small-M kernel {self.small_min_m}..{self.small_max_m}, oneDNN packed < {self.packed_max_m} "
+            f"(padded to {self.packed_min_m}), AMX < {self.amx_max_m}"
+        )
