@@ -107,6 +107,7 @@ def test_an_interrupted_run_writes_what_finished(fake_build, tmp_path, capsys, m
             os.kill(os.getpid(), signal.SIGTERM)  # as `kill` would: the handler interrupts the run
 
     monkeypatch.setattr(ResultLog, "add", add_then_sigterm)
+    before = signal.getsignal(signal.SIGTERM)  # SIG_DFL, or what an earlier test of this process left (ray.init's)
     rc = cli.main(["--offline", "--num-requests", "40", "--input-len", "4", "--output-len", "6", "--max-batch-size",
                    "2", "--no-progress", "--output-dir", str(tmp_path), "--warmup-requests", "0"])  # fmt: skip
     assert rc == 130
@@ -115,4 +116,4 @@ def test_an_interrupted_run_writes_what_finished(fake_build, tmp_path, capsys, m
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] and 5 <= summary["runs"]["max_utilization"]["completed"] < 40
     assert len((run_dir / "requests.jsonl").read_text().splitlines()) == summary["runs"]["max_utilization"]["completed"]
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back

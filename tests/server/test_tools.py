@@ -83,7 +83,7 @@ def test_tool_choice_none_and_auto_answer(real_server, client):
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "tools"),
         ({"tools": [{"type": "retrieval"}]}, "tools"),
-        ({"messages": [{"role": "tool", "tool_calls": [{"function": True}]}]}, "messages"),  # found by the fuzzer
+        ({"messages": [{"role": "tool", "tool_calls": [{"function": True}]}]}, "messages.0"),  # found by the fuzzer
         ({"messages": [{"role": "assistant", "tool_calls": ["f"]}]}, "messages.0.tool_calls.0"),
     ],
 )

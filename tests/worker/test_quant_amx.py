@@ -135,14 +135,20 @@ def test_deterministic_mode_keeps_one_order_per_row(native_kernels, force_gemm, 
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32)], ids=lambda s: s.name)
-def test_amx_tiles_equal_the_emulated_ones(native_kernels, scheme):
-    """On a CPU with AMX the tiles give the emulated result, bit for bit (skipped elsewhere)."""
+def test_amx_tiles_multiply_the_bf16_weight_as_the_emulated_ones_do(native_kernels, scheme):
+    """On a CPU with AMX the tiles give the bf16 weight's product within float32 accumulation, as the emulation does
+    (skipped elsewhere). Not bit for bit: tdpbf16ps sums a tile's pairs in its own order, which the scalar emulation
+    does not reproduce (they differ in the last bits of about half the outputs, measured on an AMX Xeon)."""
     if not native_kernels.quant_amx_available():
         pytest.skip("no AMX on this CPU (or this build)")
     codes, scales, minimums, _ = _weight(scheme, "q4_1" if scheme.bits == 4 else None)
+    projection = _projection(native_kernels, codes, scales, scheme, minimums)
+    weight = _tiles_weight(native_kernels, projection)[:N].float()
     x = torch.randn(70, K).bfloat16()
     args = dict(codes=codes, scales=scales, bits=scheme.bits, group=scheme.group_for(K), mins=minimums)
     common = dict(path="portable", small_max_m=0, bf16_tiles=True, act_block=16, amx_min_m=16)
     on_amx = native_kernels.quant_gemm(x, **args, **common, amx_emulated=False)
-    assert torch.equal(on_amx, native_kernels.quant_gemm(x, **args, **common, amx_emulated=True))
     assert on_amx.dtype == torch.float32  # this entry point returns float32: the tiles' sums unrounded
+    bound = _accumulation_bound(x.float(), weight)
+    for got in (on_amx, native_kernels.quant_gemm(x, **args, **common, amx_emulated=True)):
+        assert ((got.double() - x.double() @ weight.double().T).abs() <= bound).all()
