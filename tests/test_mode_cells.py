@@ -94,7 +94,7 @@ CELLS = cells()
 def models(tmp_path_factory):
     """Each family's tiny model (folder, transformers' float32 model), the Llama's GGUF file of Q8_0 codes; the GGUF's
     float parts converted into this module's own cache folder."""
-    from tests.worker.test_gguf_as_stored import tiny_llama, write_quantized_gguf
+    from tests.layers.test_gguf_as_stored import tiny_llama, write_quantized_gguf
 
     root = tmp_path_factory.mktemp("mode_cells")
     built = {}

@@ -119,7 +119,7 @@ def run_quantized_batch(
 
 @pytest.fixture(params=["torch", *kernels.ATTENTION_PATHS])
 def attention_path(request, monkeypatch):
-    """Each CPU attention path forced (as tests/worker/test_attention.py forces them), and the torch code alone."""
+    """Each CPU attention path forced (as tests/layers/test_attention.py forces them), and the torch code alone."""
     if request.param == "torch":
         monkeypatch.setattr(kernels, "load", lambda: None)
     else:
