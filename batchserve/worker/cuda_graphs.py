@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -178,7 +179,9 @@ class DecodeGraphs:
         self.capture = capture
         self.inputs = StaticDecodeInputs.allocate(self.sizes[-1], max_blocks, device)
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
-        self._captured_pool: int | None = None  # data_ptr of the pool the graphs were captured on
+        # the pool tensor the graphs were captured on, weakly: a reallocated pool may come back at the same address
+        # (the old one is freed before the new one is allocated), so an address cannot tell the two apart
+        self._captured_pool: weakref.ref[torch.Tensor] | None = None
         self.replays: dict[int, int] = {}  # padded size -> replays (for benchmarks and tests)
 
     def capture_all(self) -> CaptureReport:
@@ -192,7 +195,7 @@ class DecodeGraphs:
             self.graphs[size] = self.capture(self._step_fn(size))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        self._captured_pool = self.kv_caches()[0][0].data_ptr()
+        self._captured_pool = weakref.ref(self.kv_caches()[0][0])
         report = CaptureReport(self.sizes, time.perf_counter() - start, max(0, free_before - _free_memory(device)))
         logger.info(
             "CUDA graphs: %d decode batch sizes (%d..%d) captured in %.2f s, %.0f MiB (--enforce-eager turns them off)",
@@ -220,7 +223,8 @@ class DecodeGraphs:
             and bool(self.graphs)
             and padded_size(decode.num_seqs, self.sizes) is not None
             and decode.block_tables.shape[1] <= self.inputs.max_blocks
-            and self.kv_caches()[0][0].data_ptr() == self._captured_pool
+            and self._captured_pool is not None
+            and self._captured_pool() is self.kv_caches()[0][0]
         )
 
     def run(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
