@@ -36,73 +36,27 @@ from batchserve.config import (
     SloAdmission,
     SpeculativeConfig,
 )
+from batchserve.core.capacity import CapacityPolicy
 from batchserve.core.kv_cache_manager import KVCacheManager, PrefixHit
 from batchserve.core.long_context import draft_room, mark_if_long, outgrew_short_context, start_over
 from batchserve.core.outputs import (
-    CachedRequestData,
     ModelOutput,
-    NewRequestData,
     RequestOutput,
     SchedulerOutput,
     SchedulerStats,
 )
 from batchserve.core.prefill_limits import PrefillLimits
 from batchserve.core.request_queue import DemotingQueue, make_request_queue
-from batchserve.core.slo import SloPlanner, SloUnattainableError, StepCost, resolve_targets, slack_s
-from batchserve.core.speculative import SpeculationPlanner, SpeculationStats
+from batchserve.core.scheduler_stats import scheduler_stats
+from batchserve.core.slo import SloPlanner, StepCost, resolve_targets, slack_s
+from batchserve.core.speculative import SpeculationPlanner
+from batchserve.core.step_builder import StepBuilder
+from batchserve.core.stopping import stop_reason
 from batchserve.request import FinishReason, Request, RequestStatus
 from batchserve.sampling_params import InvalidRequestError
 
 # waiting requests looked at past a head that the prefill caps hold back (the scan is per admission, per step)
 LOOKAHEAD = 64
-
-
-class _StepBuilder:
-    """Accumulates one step's decisions."""
-
-    def __init__(self, token_budget: int, limits: PrefillLimits) -> None:
-        self.token_budget = token_budget
-        self.limits = limits
-        self.output = SchedulerOutput()
-        self.num_preempted = 0
-        self.num_blocked = 0  # running requests that wait for blocks because only pinned requests could give them
-        self.num_prefill_tokens = 0
-        self.scheduled: dict[str, tuple[int, bool]] = {}
-
-    def add(self, request: Request, num_tokens: int, new_block_ids: list[int], resumed: bool) -> None:
-        if resumed:
-            self.output.new_requests.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    token_ids=request.all_token_ids,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    sampling_params=request.sampling_params,
-                    block_ids=new_block_ids,
-                    num_computed_tokens=request.num_computed_tokens,
-                )
-            )
-        else:
-            self.output.cached_requests.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
-            )
-        self.output.num_scheduled_tokens[request.request_id] = num_tokens
-        self.token_budget -= num_tokens
-        # a chunk is prefill while it computes known tokens beyond the one most recently sampled
-        is_prefill = request.num_tokens - request.num_computed_tokens > 1
-        if is_prefill:
-            self.num_prefill_tokens += num_tokens
-        self.scheduled[request.request_id] = (num_tokens, is_prefill)
-
-    def add_padding(self, request: Request) -> None:
-        """One token of wasted compute: the finished request's last computed position again."""
-        self.output.cached_requests.append(CachedRequestData(request.request_id, [], request.num_computed_tokens - 1))
-        self.output.num_scheduled_tokens[request.request_id] = 1
-        self.output.padding_req_ids.add(request.request_id)
-        self.token_budget -= 1
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.output.num_scheduled_tokens)
 
 
 class Scheduler:
@@ -119,6 +73,7 @@ class Scheduler:
         config.validate()
         self.config = config
         self.kv = kv_cache
+        self.capacity = CapacityPolicy(config, kv_cache)
         # no sequence may outgrow the whole pool: one alone would preempt itself and be readmitted for ever
         self._model_len_limit = max_model_len or config.max_model_len or 1 << 30
         self.kv_capacity_tokens = kv_cache.pool.num_blocks * kv_cache.block_size
@@ -136,7 +91,7 @@ class Scheduler:
         self._rejected: list[RequestOutput] = []  # ended by schedule() (never schedulable), reported by the update
         self.num_preemptions_total = 0
         self.num_forced_preemptions = 0  # preemptions of a pinned request (_break_stall)
-        self._last_step: _StepBuilder | None = None
+        self.last_step: StepBuilder | None = None
         # the speculative config as the engine runs it (batchserve/modes.py turns it off where a mode rules it out)
         self.speculation = SpeculationPlanner(speculative) if speculative is not None else None
         self.long_context_from = long_context_from
@@ -204,7 +159,7 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _StepBuilder(self.config.max_num_tokens, PrefillLimits.of(self.config))
+        step = StepBuilder(self.config.max_num_tokens, PrefillLimits.of(self.config))
         step.output.finished_req_ids, self._forget = self._forget, set()
         policy = self.config.scheduler_policy
         if len(self.waiting) and (self._num_with_deadline or self.slo.mode != SloAdmission.OFF):
@@ -229,10 +184,10 @@ class Scheduler:
         self._forget = set()
         if self.speculation is not None:
             step.output.num_draft_tokens = self.speculation.num_model_drafts(len(self.running))
-        self._last_step = step
+        self.last_step = step
         return step.output
 
-    def _schedule_running(self, step: _StepBuilder) -> None:
+    def _schedule_running(self, step: StepBuilder) -> None:
         # decodes behind a long prefill keep one token of the budget each, so a prompt never stalls them
         pending_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         index = 0
@@ -276,7 +231,7 @@ class Scheduler:
         return drafts
 
     def _allocate_or_preempt(
-        self, request: Request, num_tokens: int, hit: PrefixHit | None, step: _StepBuilder
+        self, request: Request, num_tokens: int, hit: PrefixHit | None, step: StepBuilder
     ) -> list[int] | None:
         new_blocks = self.kv.allocate(request, num_tokens, hit)
         if self.config.scheduler_policy != SchedulerPolicy.MAX_UTILIZATION:
@@ -314,7 +269,7 @@ class Scheduler:
         slo_admission the one with the most slack goes (ties: the lowest-ranked), else the lowest-ranked. None:
         only pinned ones are left after it, so it waits (_break_stall if nothing at all can run)."""
         after = self.running[self.running.index(request) :]
-        candidates = [r for r in after if not self._is_pinned(r)]
+        candidates = [r for r in after if not self.capacity.is_pinned(r)]
         if not candidates:
             return None
         if self.config.slo_admission == SloAdmission.OFF:
@@ -322,7 +277,7 @@ class Scheduler:
         now = self.clock()
         return max(reversed(candidates), key=lambda r: slack_s(r, now))
 
-    def _break_stall(self, step: _StepBuilder) -> None:
+    def _break_stall(self, step: StepBuilder) -> None:
         """Every running request waits for blocks that only pinned requests hold: the thrash guard gives way once,
         for the lowest-ranked, rather than stall the engine, and the step is scheduled again."""
         self.num_forced_preemptions += 1
@@ -344,7 +299,7 @@ class Scheduler:
             deferred.add(id(request))
         return None
 
-    def _admit_waiting(self, step: _StepBuilder) -> None:
+    def _admit_waiting(self, step: StepBuilder) -> None:
         deferred: set[int] = set()
         while len(self.waiting) and step.token_budget > 0 and len(self.running) < self.config.max_batch_size:
             request = self._next_admissible(step.limits, deferred)
@@ -356,7 +311,7 @@ class Scheduler:
                 continue
             hit = self.kv.find_prefix_hit(request)
             num_tokens = self._tokens_to_schedule(request, hit, step.limits.cap(request, step.token_budget))
-            if num_tokens == 0 or not self._reservation_fits(request, hit) or not self._pinned_fit(request):
+            if num_tokens == 0 or not self.capacity.reservation_fits(request, hit, self.running, self.max_model_len) or not self.capacity.pinned_fit(request, self.running, self.max_model_len):
                 return
             new_blocks = self.kv.allocate(request, num_tokens, hit)
             if new_blocks is None:
@@ -372,52 +327,11 @@ class Scheduler:
 
     # ---- service-level targets (core/slo.py) ------------------------------------------------------------------
     def _admission_check(self, request: Request) -> None:
-        """Refuse (SloUnattainableError), before it takes a block, a request predicted to miss its TTFT target
-        (slo_admission refuse) or its deadline; under deprioritize one that would miss its target is demoted."""
-        if self.slo.mode == SloAdmission.OFF and request.deadline is None:
-            return
-        now = self.clock()
-        if request.deadline is not None and request.deadline <= now:
-            raise SloUnattainableError("the request's deadline has passed")
-        load = self.slo.snapshot(self.running)
-        for ahead in self.waiting:
-            if not ahead.slo_demoted:
-                self.slo.account(ahead, load)
-        late = self.slo.will_miss(request, load, now)
-        if late is None:
-            return
-        if self.slo.mode == SloAdmission.DEPRIORITIZE:
-            request.slo_demoted = True
-            self.slo.num_demoted += 1
-            return
-        self.slo.num_refused += 1
-        raise SloUnattainableError(
-            f"at the present load its first token is predicted {1000 * late:.0f} ms after its TTFT target or "
-            f"deadline; retry later",
-            retry_after_s=late,
-        )
+        self.slo.check_admission(request, self.running, self.waiting, self.clock())
 
     def _review_waiting(self) -> None:
-        """Each step, in queue order: drop the never-started requests whose deadline has passed, and refuse or
-        demote (slo_admission) those now predicted to miss their TTFT target."""
-        now = self.clock()
-        load = self.slo.snapshot(self.running)
-        for request in list(self.waiting):
-            if request.slo_demoted:
-                continue
-            if request.deadline is not None and request.first_scheduled_time is None and now > request.deadline:
-                self.slo.num_deadline_dropped += 1
-                self._drop_waiting(request, "deadline")
-                continue
-            late = None if self.slo.mode == SloAdmission.OFF else self.slo.will_miss(request, load, now)
-            if late is None:
-                self.slo.account(request, load)
-            elif self.slo.mode == SloAdmission.REFUSE:
-                self.slo.num_refused += 1
-                self._drop_waiting(request, "slo_unattainable")
-            else:
-                self.slo.num_demoted += 1
-                self.waiting.demote(request)
+        for request, why in self.slo.review_waiting(self.waiting, self.running, self.clock()):
+            self._drop_waiting(request, why)
 
     def _drop_waiting(self, request: Request, why: str) -> None:
         self.waiting.remove(request)
@@ -438,56 +352,29 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
 
-    def _is_pinned(self, request: Request) -> bool:
-        limit = self.config.max_preemptions_per_request
-        return limit is not None and request.num_preemptions >= limit
-
     def _insert_running(self, request: Request) -> None:
-        if self._is_pinned(request):  # ranked first: everyone after it may give it blocks, it gives none
-            self.running.insert(sum(1 for _ in itertools.takewhile(self._is_pinned, self.running)), request)
+        if self.capacity.is_pinned(request):  # ranked first: everyone after it may give it blocks, it gives none
+            self.running.insert(sum(1 for _ in itertools.takewhile(self.capacity.is_pinned, self.running)), request)
         elif self.config.scheduling_order == SchedulingOrder.PRIORITY:
             keys = [(r.priority, r.arrival_time) for r in self.running]
             self.running.insert(bisect.bisect_right(keys, (request.priority, request.arrival_time)), request)
         else:
             self.running.append(request)
 
-    # ---- capacity policies ------------------------------------------------------------------------------------
-    def _worst_case_blocks(self, request: Request) -> int:
-        """All its blocks, or with a sliding window the most it holds at once (kv.max_live_blocks)."""
-        return self.kv.max_live_blocks(min(request.max_total_tokens, self.max_model_len), self.config.max_num_tokens)
-
-    def _reservation_fits(self, request: Request, hit: PrefixHit) -> bool:
-        """guaranteed_no_evict and static: the newcomer's worst case plus every running request's remaining
-        worst case must fit in the free blocks, so no running request can ever run out."""
-        if self.config.scheduler_policy == SchedulerPolicy.MAX_UTILIZATION:
-            return True
-        reserved = sum(self._worst_case_blocks(r) - self.kv.num_blocks_of(r) for r in self.running)
-        shared = sum(1 for b in hit.blocks if b.ref_count > 0)  # already owned: costs no free block
-        return self._worst_case_blocks(request) - shared + reserved <= self.kv.pool.num_free_blocks
-
-    def _pinned_fit(self, request: Request) -> bool:
-        """A pinned request is let in only when every pinned request's worst case fits in the blocks that are free
-        or held by requests that may still be preempted: a pinned request never has to wait for blocks for ever."""
-        if not self._is_pinned(request):
-            return True
-        pinned = [r for r in self.running if self._is_pinned(r)] + [request]
-        need = sum(self._worst_case_blocks(r) - self.kv.num_blocks_of(r) for r in pinned)
-        yielding = sum(self.kv.num_blocks_of(r) for r in self.running if not self._is_pinned(r))
-        return need <= self.kv.pool.num_free_blocks + yielding
-
+    # ---- static batches, preemption, swaps (what fits: core/capacity.py) --------------------------------------
     def _form_static_batch(self) -> None:
         """Static batching: the next batch is up to max_batch_size waiting requests whose worst case fits."""
         while len(self.waiting) and len(self.running) < self.config.max_batch_size:
             request = self.waiting.peek()
             hit = self.kv.find_prefix_hit(request)
-            if not self._reservation_fits(request, hit):
+            if not self.capacity.reservation_fits(request, hit, self.running, self.max_model_len):
                 break
             # hold the worst case now, as classic static batching does, so members never wait for blocks
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
 
-    def _preempt_for_higher_priority(self, step: _StepBuilder) -> None:
+    def _preempt_for_higher_priority(self, step: StepBuilder) -> None:
         """A waiting request of higher priority (lower value) than the lowest running one takes its place when
         it could not otherwise be admitted."""
         while len(self.waiting) and self.running:
@@ -501,7 +388,7 @@ class Scheduler:
                 return
             self._preempt(victim, step)
 
-    def _preempt(self, request: Request, step: _StepBuilder) -> None:
+    def _preempt(self, request: Request, step: StepBuilder) -> None:
         self.running.remove(request)
         swapped = self.config.preemption_mode == PreemptionMode.SWAP and self.kv.can_swap_out(request)
         if swapped:
@@ -516,12 +403,12 @@ class Scheduler:
         self._forget.add(request.request_id)
         self.waiting.push_front(request)
 
-    def _swap_in(self, request: Request, step: _StepBuilder) -> bool:
+    def _swap_in(self, request: Request, step: StepBuilder) -> bool:
         # never in a step that swaps out: a host block freed here could be overwritten before it is read
         if step.output.blocks_to_swap_out:
             return False
         num_tokens = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
-        if not self._reservation_fits(request, PrefixHit([], 0)):
+        if not self.capacity.reservation_fits(request, PrefixHit([], 0), self.running, self.max_model_len):
             return False
         plan = self.kv.plan_swap_in(request, num_tokens)
         if plan is None:
@@ -568,7 +455,7 @@ class Scheduler:
         reason = None
         for count, token_id in enumerate(token_ids, 1):
             request.output_token_ids.append(token_id)
-            reason = self._stop_reason(request, token_id)
+            reason = stop_reason(request, token_id, self.max_model_len)
             if reason is not None:
                 token_ids = token_ids[:count]
                 break
@@ -585,18 +472,6 @@ class Scheduler:
             request.stop_reason,
             [logprob] if logprob is not None else [],
         )
-
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return FinishReason.STOP
-            if token_id in params.stop_token_id_set:
-                request.stop_reason = token_id
-                return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self._num_with_deadline -= request.deadline is not None
@@ -621,37 +496,5 @@ class Scheduler:
         self.kv.free(request)
         self._forget.add(request.request_id)
 
-    # ---- statistics ------------------------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
-        step = self._last_step
-        pool = self.kv.pool
-        scheduled = step.scheduled if step else {}
-        spec = self.speculation.stats if self.speculation else SpeculationStats()
-        return SchedulerStats(
-            spec_num_draft_tokens=spec.num_proposed,
-            spec_num_accepted_tokens=spec.num_accepted,
-            spec_num_drafts=spec.num_verify_steps,
-            spec_num_emitted_tokens=spec.num_emitted,
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_swapped=len(self.kv.req_host_blocks),
-            num_preempted_this_step=step.num_preempted if step else 0,
-            num_preemptions_total=self.num_preemptions_total,
-            slo_num_refused=self.slo.num_refused,
-            slo_num_demoted=self.slo.num_demoted,
-            slo_num_deadline_dropped=self.slo.num_deadline_dropped,
-            num_prefill_tokens=step.num_prefill_tokens if step else 0,
-            num_decode_tokens=sum(n for n, prefill in scheduled.values() if not prefill),
-            num_scheduled_seqs=len(scheduled),
-            max_batch_size=self.config.max_batch_size,
-            kv_blocks_total=pool.num_blocks,
-            kv_blocks_used=pool.num_used_blocks,
-            kv_blocks_cached_free=pool.num_cached_free_blocks,
-            kv_blocks_free=pool.num_free_blocks,
-            kv_slots_allocated=sum(self.kv.num_blocks_of(r) for r in self.running) * self.kv.block_size,
-            kv_slots_filled=sum(r.num_computed_tokens for r in self.running),
-            prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits,
-            scheduled=dict(scheduled),
-            padding=sorted(step.output.padding_req_ids) if step else [],
-        )
+        return scheduler_stats(self)  # core/scheduler_stats.py

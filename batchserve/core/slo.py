@@ -102,6 +102,55 @@ class SloPlanner:
     def mode(self) -> SloAdmission:
         return self.config.slo_admission
 
+    def check_admission(self, request: Request, running: Iterable[Request], waiting: Iterable[Request], now: float) -> None:
+        """Refuse (SloUnattainableError), before it takes a block, a request predicted to miss its TTFT target
+        (slo_admission refuse) or its deadline; under deprioritize one that would miss its target is demoted."""
+        if self.mode == SloAdmission.OFF and request.deadline is None:
+            return
+        if request.deadline is not None and request.deadline <= now:
+            raise SloUnattainableError("the request's deadline has passed")
+        load = self.snapshot(running)
+        for ahead in waiting:
+            if not ahead.slo_demoted:
+                self.account(ahead, load)
+        late = self.will_miss(request, load, now)
+        if late is None:
+            return
+        if self.mode == SloAdmission.DEPRIORITIZE:
+            request.slo_demoted = True
+            self.num_demoted += 1
+            return
+        self.num_refused += 1
+        raise SloUnattainableError(
+            f"at the present load its first token is predicted {1000 * late:.0f} ms after its TTFT target or "
+            f"deadline; retry later",
+            retry_after_s=late,
+        )
+
+    def review_waiting(self, waiting, running: Iterable[Request], now: float) -> list[tuple[Request, str]]:
+        """Each step, in queue order: the never-started requests whose deadline has passed, and under refuse those
+        now predicted to miss their TTFT target, to be dropped, with why; under deprioritize those are demoted in
+        `waiting` here."""
+        drops = []
+        load = self.snapshot(running)
+        for request in list(waiting):
+            if request.slo_demoted:
+                continue
+            if request.deadline is not None and request.first_scheduled_time is None and now > request.deadline:
+                self.num_deadline_dropped += 1
+                drops.append((request, "deadline"))
+                continue
+            late = None if self.mode == SloAdmission.OFF else self.will_miss(request, load, now)
+            if late is None:
+                self.account(request, load)
+            elif self.mode == SloAdmission.REFUSE:
+                self.num_refused += 1
+                drops.append((request, "slo_unattainable"))
+            else:
+                self.num_demoted += 1
+                waiting.demote(request)
+        return drops
+
     def _is_long(self, request: Request) -> bool:
         return 0 < self.config.long_prefill_token_threshold < remaining_tokens(request)
 
