@@ -107,8 +107,27 @@ def _build_or_load(sources: tuple[Path, ...], headers: tuple[Path, ...], cflags:
     key = build_key([*sources, *headers], list(cflags), cpu_flags)
     directory = env.kernel_build_dir() / key
     directory.mkdir(parents=True, exist_ok=True)
+    name = f"batchserve_cpu_kernels_{key}"
     with _exclusive(directory):
-        return _load(directory, f"batchserve_cpu_kernels_{key}", sources, cflags)
+        if (directory / f"{name}.so").exists():
+            # the key covers the sources: a library under it is current, and loading it needs no build tool
+            from torch.utils.cpp_extension import _import_module_from_library
+
+            return _import_module_from_library(name, str(directory), True)
+        return _load(directory, name, _copied_sources(directory, sources, headers), cflags)
+
+
+def _copied_sources(directory: Path, sources: tuple[Path, ...], headers: tuple[Path, ...]) -> tuple[Path, ...]:
+    """The sources and headers copied into the key's folder, built from there: the build tool's records then name
+    paths inside the folder, so two checkouts with the same sources share one build instead of rebuilding each
+    other's (their own paths differ)."""
+    copies = directory / "src"
+    copies.mkdir(exist_ok=True)
+    for path in (*sources, *headers):
+        target = copies / path.name
+        if not target.exists() or target.read_bytes() != path.read_bytes():
+            shutil.copyfile(path, target)
+    return tuple(copies / path.name for path in sources)
 
 
 @contextmanager
