@@ -5,7 +5,7 @@ observed steps (a fixed cost per step, per token, per sequence), or taken from a
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchserve.bench.arrivals import ArrivalProcess
@@ -77,11 +77,25 @@ def _parse(value: Any) -> Any:
     return value
 
 
+@dataclass
+class BacklogArrivals(ArrivalProcess):
+    """The requests the server already held when the window opened (waiting or running) arrive at once at t=0, the
+    rest at the observed rate after them: a server found backed up starts its replay backed up, so the TTFT it
+    predicts counts the queue, not only the arrivals seen while watching."""
+
+    backlog: int = field(default=0, kw_only=True)
+
+    def offsets(self, n: int, seed: int = 0) -> list[float]:
+        held = min(self.backlog, n)
+        return [0.0] * held + super().offsets(n - held, seed) if n > held else [0.0] * n
+
+
 def replay_requests(obs: Observation, seed: int = 0) -> list[BenchRequest]:
-    """As many requests as arrived in the window (not only those that finished: an overloaded window finishes
-    fewer), their lengths drawn from the finished ones'; at most MAX_REPLAYED."""
+    """The backlog the window opened with, then as many requests as arrived in the window (not only those that
+    finished: an overloaded window finishes fewer), their lengths drawn from the finished ones'; at most
+    MAX_REPLAYED."""
     rng = random.Random(seed)
-    arrived = round(obs.arrival_rate * obs.duration_s)
+    arrived = round(obs.arrival_rate * obs.duration_s) + obs.in_flight_start
     count = min(MAX_REPLAYED, max(len(obs.requests), arrived))
     picked = [obs.requests[i % len(obs.requests)] for i in range(len(obs.requests))]
     picked += [rng.choice(obs.requests) for _ in range(count - len(picked))]
@@ -107,7 +121,8 @@ def simulate(obs: Observation, model: StepTimeModel, change: dict[str, Any], see
     router = make_router("least-loaded" if replicas > 1 else "round-robin", replicas, config.cache.block_size, blocks)
     cluster = Cluster(engines, router)
     rate = obs.arrival_rate if obs.arrival_rate > 0 else float("inf")
-    result = cluster.run(replay_requests(obs, seed), ArrivalProcess(request_rate=rate), seed=seed)
+    arrivals = BacklogArrivals(request_rate=rate, backlog=obs.in_flight_start)
+    result = cluster.run(replay_requests(obs, seed), arrivals, seed=seed)
     summary = summarize(result.trace.requests, result.trace.meta["duration_s"])
     return {
         "output_tok_s": summary["output_throughput"],
