@@ -135,7 +135,8 @@ COMMAND_FLAGS: dict[str, frozenset[str]] = {
         '--trace', '--truncation', '--ttft-slo-ms', '--warmup-requests', '--workload', '-h',
     }),
     'doctor': frozenset({
-        '--api-key', '--help', '--json', '--no-simulate', '--profile', '--set', '--url', '--window', '-h',
+        '--api-key', '--help', '--json', '--no-simulate', '--profile', '--set', '--slo-tpot-ms', '--slo-ttft-ms',
+        '--url', '--window', '-h',
     }),
 }
 # END GENERATED
