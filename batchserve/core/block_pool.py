@@ -38,6 +38,7 @@ class KVBlock:
     key: BlockKey | None = None  # set once the block is full and registered in the prefix cache
     priority: int = DEFAULT_PRIORITY  # retention (batchserve/kv_retention.py): lower is evicted first
     expires_at: float = 0.0  # time.time() after which the priority counts as the default; 0: never
+    free_order: int = 0  # when it joined the free queue (RetentionFreeQueue): an expired block keeps its LRU place
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
 
@@ -101,6 +102,7 @@ class RetentionFreeQueue:
         self.protected: frozenset[int] = frozenset()
         self.clock = clock
         self._next_expiry = float("inf")  # the earliest expiry of a block above or below the default level
+        self._last, self._first = 0, 0  # free_order of the newest and the oldest free blocks
 
     @property
     def num_free(self) -> int:
@@ -116,10 +118,14 @@ class RetentionFreeQueue:
         return queue
 
     def append(self, block: KVBlock) -> None:
+        self._last += 1
+        block.free_order = self._last
         self._level(block).append(block)
 
     def prepend(self, blocks: Sequence[KVBlock]) -> None:
         for block in reversed(blocks):
+            self._first -= 1
+            block.free_order = self._first
             self._level(block).prepend([block])
 
     def remove(self, block: KVBlock) -> None:
@@ -151,8 +157,10 @@ class RetentionFreeQueue:
         return head  # every block looked at will be needed: the least recently used of them goes
 
     def _demote_expired(self) -> None:
-        """Blocks whose retention ran out join the default level (at its tail: they were kept longest)."""
+        """Blocks whose retention ran out join the default level where their last use puts them (rare: the level is
+        rebuilt in free order)."""
         now, self._next_expiry = self.clock(), float("inf")
+        expired = []
         for level, queue in list(self.levels.items()):
             if level == DEFAULT_PRIORITY:
                 continue
@@ -160,9 +168,16 @@ class RetentionFreeQueue:
                 if block.expires_at and block.expires_at <= now:
                     queue.remove(block)
                     block.priority, block.expires_at = DEFAULT_PRIORITY, 0.0
-                    self.levels[DEFAULT_PRIORITY].append(block)
+                    expired.append(block)
                 elif block.expires_at:
                     self._next_expiry = min(self._next_expiry, block.expires_at)
+        if expired:
+            default = self.levels[DEFAULT_PRIORITY]
+            merged = sorted([*default, *expired], key=lambda b: b.free_order)
+            for block in list(default):
+                default.remove(block)
+            for block in merged:
+                default.append(block)
 
     def __iter__(self):
         for level in sorted(self.levels):

@@ -17,7 +17,6 @@ from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput
 from batchserve.core.speculative import speculates
 from batchserve.worker.cuda_graphs import decode_graphs_for
 from batchserve.worker.input_batch import InputBatch, RequestTable
-from batchserve.worker.kv_offload import BlockWriter, load_blocks
 from batchserve.worker.kv_cache import (
     GiB,
     KVCache,
@@ -26,6 +25,7 @@ from batchserve.worker.kv_cache import (
     num_swap_blocks_for_budget,
     pool_dtype,
 )
+from batchserve.worker.kv_offload import BlockWriter, load_blocks
 from batchserve.worker.prompt_logprobs import PromptLogprobs
 from batchserve.worker.sampler import Sampler, SamplingMetadata
 from batchserve.worker.speculative import draft_hidden_rows, stage_drafts, unstage_drafts, verify

@@ -217,3 +217,18 @@ def test_bad_options_are_refused_naming_them(tiny, tmp_path):
         engine(directory, "/proc")
     with pytest.raises(TierConfigError, match="kv_offload_max_bytes 1000 is smaller than one KV block"):
         engine(directory, tmp_path, kv_offload_max_bytes=1000)
+
+
+def test_a_windowed_model_runs_without_the_tier_and_says_so(tmp_path_factory, tmp_path, caplog):
+    model, directory = tiny_checkpoint(tmp_path_factory, "mistral_window", "tiny_mistral_window_tier")
+    caplog.set_level(logging.WARNING, logger="batchserve.modes")
+    eng = engine(directory, tmp_path)
+    assert eng.kv_tier is None and eng.config.cache.kv_offload_dir is None
+    assert any("mode fallback kv_offload_with_windows" in r.message for r in caplog.records)
+    tokens = prompt(8, 40)
+    eng.add_prompt(None, tokens, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    out = []
+    while eng.has_unfinished_requests():
+        out += [t for d in eng.step() for t in d.delta_token_ids]
+    assert out == hf_greedy(model, tokens, 4)
+    eng.close()
