@@ -77,7 +77,22 @@ def test_prefix_read_back_gives_transformers_tokens(tiny, tmp_path):
     again, hit = tier_hit_tokens(eng, tokens)
     assert hit == 5 * BLOCK  # every full prompt block read back, not recomputed
     assert first == again == hf_greedy(model, tokens, 6)
+    metrics = scraped(eng)
+    assert metrics["batchserve:kv_tier_hit_tokens_total"] == 5 * BLOCK
+    assert metrics["batchserve:kv_tier_read_bytes_total"] > 0 and metrics["batchserve:kv_tier_read_seconds_total"] > 0
     eng.close()
+
+
+def scraped(eng: LLMEngine) -> dict[str, float]:
+    """The tier's metrics as a Prometheus scrape reads them."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from batchserve.serving.kv_tier_metrics import register_tier_metrics
+    from batchserve.serving.metrics import parse_metrics
+
+    registry = CollectorRegistry()
+    register_tier_metrics(registry, "m", eng)
+    return parse_metrics(generate_latest(registry).decode())
 
 
 def test_bf16_blocks_read_back_bit_equal(tiny, tmp_path):
@@ -157,6 +172,7 @@ def test_bad_file_is_dropped_and_recomputed(tiny, other, tmp_path, caplog, damag
     assert hit == 2 * BLOCK  # the blocks before the bad one came from the tier; it and the rest were recomputed
     assert eng.kv_tier.stats.corrupt_dropped == 1
     assert any("dropped" in r.message and third.hex() in r.message for r in caplog.records)
+    assert scraped(eng)["batchserve:kv_tier_corrupt_dropped_total"] == 1
     eng.close()
 
 
@@ -188,6 +204,7 @@ def test_full_disk_keeps_serving(tiny, tmp_path, caplog, monkeypatch):
     first = generate(eng, tokens)
     assert eng.kv_tier.stats.write_errors >= 5 and eng.kv_tier.stats.blocks_written == 0
     assert any("disk full" in r.message for r in caplog.records)
+    assert scraped(eng)["batchserve:kv_tier_write_errors_total"] == eng.kv_tier.stats.write_errors
     assert not list(eng.kv_tier.store.dir.glob("*.tmp"))  # no temporary file left behind
     evict_all(eng)
     out, hit = tier_hit_tokens(eng, tokens)
