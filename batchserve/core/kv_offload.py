@@ -21,8 +21,7 @@ from batchserve.request import Request
 
 logger = logging.getLogger(__name__)
 
-PREFETCH_BLOCKS = 256  # reads started ahead of admission, at most (their payloads wait in memory)
-QUEUED_MEMORY = 1 << 16  # digests handed to the writer recently: not handed again while it works
+PREFETCH_BYTES = 128 << 20  # payloads read ahead of admission wait in memory: at most this much
 
 
 @dataclass(frozen=True)
@@ -33,15 +32,15 @@ class TierSave:
 
 
 class KVOffload:
-    def __init__(self, store: TierStore, retention_of=None) -> None:
+    def __init__(self, store: TierStore, block_bytes: int, retention_of=None) -> None:
         """retention_of(request, block_index) -> Retention: a block's retention (core/retention.py); None: the
         default for every block."""
         self.store = store
+        self.prefetch_blocks = max(4, PREFETCH_BYTES // block_bytes)
         self.retention_of = retention_of or (lambda request, index: Retention())
         self.req_digests: dict[str, list[bytes]] = {}
         self.loads: list[tuple[int, bytes]] = []  # (block id, payload) for the next step
         self.saves: list[TierSave] = []
-        self._queued: set[bytes] = set()
         self._prefetch: OrderedDict[bytes, Future] = OrderedDict()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-read")
 
@@ -61,7 +60,7 @@ class KVOffload:
         if digest in self._prefetch:
             self._prefetch.move_to_end(digest)
             return
-        while len(self._prefetch) >= PREFETCH_BLOCKS:
+        while len(self._prefetch) >= self.prefetch_blocks:
             self._prefetch.popitem(last=False)[1].cancel()
         self._prefetch[digest] = self._reader.submit(self.store.get, digest)
 
@@ -87,11 +86,8 @@ class KVOffload:
 
     def registered(self, request: Request, index: int, block_id: int, digest: bytes, loaded: bool) -> None:
         """A full block became findable in the pool: written to the tier unless it is there (or came from there)."""
-        if loaded or digest in self._queued or self.store.contains(digest):
+        if loaded or not self.store.claim(digest):
             return
-        if len(self._queued) >= QUEUED_MEMORY:
-            self._queued.clear()  # a block queued twice is written twice: harmless
-        self._queued.add(digest)
         self.saves.append(TierSave(block_id, digest, self.retention_of(request, index)))
 
     def forget(self, request_id: str) -> None:

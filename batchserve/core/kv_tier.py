@@ -112,6 +112,7 @@ class TierStore:
         self.stats = TierStats()
         self.protected: frozenset[bytes] = frozenset()  # digests waiting requests will need: evicted after others
         self._index: dict[bytes, _Entry] = {}
+        self._pending: set[bytes] = set()  # claimed for writing, not yet written (or failed)
         self._lock = threading.Lock()
         self._rebuild_index()
 
@@ -179,9 +180,34 @@ class TierStore:
         self._remove(digest)
 
     # ---- writes ---------------------------------------------------------------------------------------------
+    def claim(self, digest: bytes) -> bool:
+        """True when the caller should write this block: it is neither in the tier nor being written. put() (or
+        release()) ends the claim, so a block evicted or dropped later is written again when it is computed again."""
+        with self._lock:
+            if digest in self._pending or digest in self._index:
+                return False
+        if self.contains(digest):  # another engine sharing the directory wrote it
+            return False
+        with self._lock:
+            if digest in self._pending:
+                return False
+            self._pending.add(digest)
+            return True
+
+    def release(self, digests) -> None:
+        """Claims given up (a writer that skipped them)."""
+        with self._lock:
+            self._pending.difference_update(digests)
+
     def put(self, digest: bytes, payload: bytes, retention: Retention = Retention()) -> bool:
         """Write one block (atomic: temporary file, then rename). False when it was not written: a block larger than
         the cap, or an OS error such as a full disk (logged and counted; the engine keeps serving)."""
+        try:
+            return self._put(digest, payload, retention)
+        finally:
+            self.release((digest,))
+
+    def _put(self, digest: bytes, payload: bytes, retention: Retention) -> bool:
         if self._refresh_if_present(digest, retention):
             return True
         start = time.perf_counter()

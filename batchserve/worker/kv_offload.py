@@ -72,6 +72,7 @@ class BlockWriter:
             room = max(0, (self.max_queued_bytes - self._queued_bytes) // per_block)
             if room < len(saves):
                 self.num_skipped += len(saves) - room
+                self.store.release(s.digest for s in saves[room:])
                 saves = saves[:room]
             self._queued_bytes += len(saves) * per_block
         if not saves:
@@ -134,7 +135,7 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     max_bytes = cache.kv_offload_max_bytes if cache.kv_offload_max_bytes is not None else DEFAULT_MAX_BYTES
     description = tier_description(config, runner.model_config, runner.kv_cache, runner.block_size)
     store = TierStore(cache.kv_offload_dir, description, max_bytes, block_payload_bytes(runner.kv_cache))
-    offload = KVOffload(store, retention_of(cache.block_size))
+    offload = KVOffload(store, block_payload_bytes(runner.kv_cache), retention_of(cache.block_size))
     kv_manager.tier = offload
     runner.offload = BlockWriter(store)
     logger.info(

@@ -163,3 +163,49 @@ def test_retention_field_is_checked_naming_it():
         assert err.value.args and name in str(err.value)
     with pytest.raises(InvalidRequestError, match="kv_retention.decode_priority"):
         SamplingParams(kv_retention={"decode_priority": 500})
+
+
+# ---- the scheduler over the tier (payloads stand for K/V: the worker's side is tests/engine/test_kv_offload.py) ----
+def _run_saving(sched, request, store: TierStore) -> None:
+    """Serve one request alone, writing each block the steps hand over as the worker would (its digest as payload)."""
+    from batchserve.core.outputs import ModelOutput
+
+    sched.add_request(request)
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        for save in out.kv_saves:
+            store.put(save.digest, save.digest * 4, save.retention)
+        done = [r for r, n in out.num_scheduled_tokens.items()
+                if sched.requests[r].num_computed_tokens + n >= sched.requests[r].num_tokens]  # fmt: skip
+        sched.update_from_output(out, ModelOutput(req_ids=done, sampled_token_ids=[7] * len(done)))
+
+
+def test_tier_blocks_count_as_computed_and_a_bad_one_is_recomputed(tmp_path):
+    from batchserve.core.kv_offload import KVOffload
+
+    sched = make_scheduler(num_blocks=5, block_size=4, max_num_tokens=64)
+    tier = TierStore(tmp_path, "m", 10**6, 64)
+    sched.kv.tier = KVOffload(tier, 64)
+    prompt = list(range(1, 14))  # 3 full blocks and one token
+    _run_saving(sched, make_request("a", prompt=prompt, max_tokens=1), tier)
+    assert len(tier) == 3
+    _run_saving(sched, make_request("b", prompt=list(range(50, 67)), max_tokens=1), tier)  # evicts a's blocks
+    assert sched.kv.pool.lookup(BlockKey(None, (1, 2, 3, 4))) is None
+
+    sched.add_request(make_request("c", prompt=prompt, max_tokens=1))
+    out = sched.schedule()
+    (new,) = out.new_requests
+    assert new.num_computed_tokens == 12 and out.num_scheduled_tokens["c"] == 1  # only the last token is computed
+    assert [block_id for block_id, _ in out.kv_loads] == new.block_ids[:3]
+    chain = sched.kv.tier.req_digests["c"]
+    assert [payload for _, payload in out.kv_loads] == [d * 4 for d in chain[:3]]
+    assert not out.kv_saves  # read back, not written again
+
+    sched.abort_requests(["c"])
+    _run_saving(sched, make_request("d", prompt=list(range(70, 87)), max_tokens=1), tier)
+    path = tier.path_of(chain[1])
+    path.write_bytes(path.read_bytes()[:-1])  # truncated
+    _run_saving(sched, make_request("e", prompt=prompt, max_tokens=1), tier)
+    # e took the first block from the tier and recomputed from the bad one on (which was written anew)
+    assert tier.stats.corrupt_dropped == 1 and tier.stats.hits == 4 and len(tier) == 3 + 4 + 4
+    assert tier.get(chain[1]) == chain[1] * 4
