@@ -145,7 +145,7 @@ def main() -> None:
         engines = {"off": make_engine(args, None, 512), "on": make_engine(args, tier_dir, 512)}
         rng = random.Random(2)
         rates = {name: [] for name in engines}
-        for name, engine in engines.items():
+        for engine in engines.values():
             throughput(engine, [list(range(10, 40))], 2)  # warm-up
         for _ in range(args.rounds):
             for name, engine in engines.items():
