@@ -32,11 +32,12 @@ class TierSave:
 
 
 class KVOffload:
-    def __init__(self, store: TierStore, block_bytes: int, retention_of=None) -> None:
+    def __init__(self, store: TierStore, block_bytes: int, retention_of=None, prefetch: bool = True) -> None:
         """retention_of(request, block_index) -> Retention: a block's retention (core/retention.py); None: the
-        default for every block."""
+        default for every block. prefetch False: reads happen at admission, on the scheduler's thread (the
+        simulator, whose store is an index on a virtual clock)."""
         self.store = store
-        self.prefetch_blocks = max(4, PREFETCH_BYTES // block_bytes)
+        self.prefetch_blocks = max(4, PREFETCH_BYTES // block_bytes) if prefetch else 0
         self.retention_of = retention_of or (lambda request, index: Retention())
         self.req_digests: dict[str, list[bytes]] = {}
         self.loads: list[tuple[int, bytes]] = []  # (block id, payload) for the next step
@@ -57,6 +58,8 @@ class KVOffload:
         return True
 
     def _start_read(self, digest: bytes) -> None:
+        if not self.prefetch_blocks:
+            return
         if digest in self._prefetch:
             self._prefetch.move_to_end(digest)
             return

@@ -61,13 +61,14 @@ class BlockWriter:
         self.max_queued_bytes = max_queued_bytes
         self.num_skipped = 0  # saves dropped because the writer was behind
         self._queued_bytes = 0
+        self._per_block = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kv-tier-write", daemon=True)
         self._thread.start()
 
     def save(self, kv_cache: KVCache, saves: Sequence[TierSave]) -> None:
-        per_block = block_payload_bytes(kv_cache)
+        per_block = self._per_block = self._per_block or block_payload_bytes(kv_cache)  # the layout never changes
         with self._lock:
             room = max(0, (self.max_queued_bytes - self._queued_bytes) // per_block)
             if room < len(saves):
