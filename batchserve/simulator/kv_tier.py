@@ -33,7 +33,7 @@ class SimTierStore:
     def release(self, digests: Iterable[bytes]) -> None:
         self._pending.difference_update(digests)
 
-    def put(self, digest: bytes, payload: bytes = b"", retention: Retention = Retention()) -> bool:
+    def put(self, digest: bytes, payload: bytes = b"", retention: Retention | None = None) -> bool:
         self._pending.discard(digest)
         self._blocks[digest] = None
         self._blocks.move_to_end(digest)
