@@ -54,19 +54,25 @@ def serve_one(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[fl
     return ttft, out
 
 
-def chat(engine: LLMEngine, args, rng_seed: int = 0) -> tuple[list[list[int]], list[float], list[float]]:
-    """Round-robin turns; returns the histories, TTFTs of first turns and of later turns."""
+def chat(engines: dict[str, LLMEngine], args, rng_seed: int = 0) -> tuple[list[list[int]], dict[str, list[float]]]:
+    """Round-robin turns, each request served by every engine in turn (lockstep, so that a busy host slows both
+    alike); returns the histories and each engine's TTFTs of the turns after the first."""
     rng = random.Random(rng_seed)
-    vocab = engine.model_config.vocab_size
+    vocab = next(iter(engines.values())).model_config.vocab_size
     histories = [[rng.randrange(10, vocab) for _ in range(args.system)] for _ in range(args.conversations)]
-    first, later = [], []
+    later: dict[str, list[float]] = {name: [] for name in engines}
     for turn in range(args.turns):
         for history in histories:
             history += [rng.randrange(10, vocab) for _ in range(args.user)]
-            ttft, out = serve_one(engine, history, args.reply)
-            (first if turn == 0 else later).append(ttft)
-            history += out
-    return histories, first, later
+            outs = []
+            for name, engine in (engines.items() if turn % 2 else reversed(engines.items())):
+                ttft, out = serve_one(engine, history, args.reply)
+                outs.append(out)
+                if turn:
+                    later[name].append(ttft)
+            assert all(o == outs[0] for o in outs), "the tier changed the tokens"
+            history += outs[0]
+    return histories, later
 
 
 def throughput(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> float:
@@ -103,30 +109,25 @@ def main() -> None:
           f"histories to {final} tokens; pool {pool} blocks (~1/4 of {all_blocks})")  # fmt: skip
 
     with tempfile.TemporaryDirectory() as tier_dir:
-        off = make_engine(args, None, pool)
-        serve_one(off, list(range(10, 60)), 2)  # warm-up
-        _, _, later_off = chat(off, args)
-        on = make_engine(args, tier_dir, pool)
-        serve_one(on, list(range(10, 60)), 2)
-        histories, _, later_on = chat(on, args)
+        off, on = make_engine(args, None, pool), make_engine(args, tier_dir, pool)
+        for engine in (off, on):
+            serve_one(engine, list(range(10, 60)), 2)  # warm-up
+        histories, later = chat({"off": off, "on": on}, args)
         on.runner.offload.flush()
-        p50_off, p50_on = statistics.median(later_off), statistics.median(later_on)
+        p50_off, p50_on = statistics.median(later["off"]), statistics.median(later["on"])
         print(f"TTFT p50, turns 2..{args.turns}: off {p50_off * 1e3:.1f} ms, on {p50_on * 1e3:.1f} ms "
-              f"({p50_off / p50_on:.2f}x)")  # fmt: skip
+              f"({p50_off / p50_on:.2f}x); same tokens")  # fmt: skip
 
         stats = on.kv_tier.stats
         read_block = stats.read_s / max(stats.blocks_read, 1)
         longest = max(histories, key=len)
-        off_fresh = make_engine(args, None, pool)
-        serve_one(off_fresh, list(range(10, 60)), 2)
-        ttft, _ = serve_one(off_fresh, longest[: (len(longest) // BLOCK) * BLOCK + 1], 1)
+        ttft, _ = serve_one(off, [5] + longest[: (len(longest) // BLOCK) * BLOCK], 1)  # nothing cached: all computed
         per_block = ttft / (len(longest) // BLOCK)
         print(f"a block: read + check {read_block * 1e3:.2f} ms vs recompute {per_block * 1e3:.2f} ms "
               f"({per_block / read_block:.1f}x); {stats.blocks_read} blocks read, {stats.blocks_written} written, "
               f"{stats.bytes_written / 2**20:.0f} MiB")  # fmt: skip
         on.close()
         off.close()
-        off_fresh.close()
 
         restarted = make_engine(args, tier_dir, pool)
         rng = random.Random(1)
@@ -135,7 +136,7 @@ def main() -> None:
             prompt = history + [rng.randrange(10, restarted.model_config.vocab_size) for _ in range(args.user)]
             before = restarted.kv_tier.stats.hits
             serve_one(restarted, prompt, 1)
-            full += len(history) // BLOCK
+            full += (len(history) - 1) // BLOCK  # its last token was sampled, never computed: no K/V
             served += restarted.kv_tier.stats.hits - before
         print(f"restart: the first turn of each resumed conversation found {served / full:.0%} of its history's "
               f"full blocks in the tier ({served}/{full})")  # fmt: skip
