@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import gc
+import os
 
-import pytest
+# Before torch loads its OpenMP runtime (read once, then): a thread waiting for work sleeps instead of spinning. The
+# suite runs one worker per core and each worker's torch as many threads again, so a spinning waiter takes the core
+# another worker's thread needs (tiny-model tests on a busy 2-core host: half the CPU time, under half the wall time).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tests import doubles
-from tests.doubles import (
+import pytest  # noqa: E402
+
+from tests import doubles  # noqa: E402
+from tests.doubles import (  # noqa: E402
     LETTERS,
     FakeRunner,
     byte_tokenizer,
