@@ -145,9 +145,10 @@ class RequestTable:
         """Pack the scheduled tokens of every request (in batch order) into flat tensors, with one host->device copy."""
         bs = self.block_size
         scheduled = scheduler_output.num_scheduled_tokens
-        # decodes first, then prefill chunks: each attention path then takes a contiguous range of the batch's
-        # tokens (a view), not an index gather and scatter per layer
-        req_ids = sorted(scheduled, key=lambda r: scheduled[r] != 1)
+        # decodes (and verifications of drafts) first, then prefill chunks: each attention path then takes a
+        # contiguous range of the batch's tokens (a view), not an index gather and scatter per layer
+        drafted = scheduler_output.spec_token_ids
+        req_ids = sorted(scheduled, key=lambda r: scheduled[r] != 1 and r not in drafted)
         num_seqs = len(req_ids)
         rows = np.fromiter((self.row_of[r] for r in req_ids), np.int64, num_seqs)
         query_lens = np.fromiter((scheduled[r] for r in req_ids), np.int64, num_seqs)
@@ -183,6 +184,11 @@ class RequestTable:
         is_decode = query_lens == 1
         if self.deterministic:
             decode, prefill = self._rows_as_decodes(host, token_rows, positions), None
+        elif drafted:  # a verified draft attends as the decode it stands for: speculation keeps greedy's tokens
+            verified = is_decode | np.fromiter((r in drafted for r in req_ids), bool, num_seqs)
+            end = int(query_start_loc[int(verified.sum())])
+            decode = self._rows_as_decodes(host, token_rows[:end], positions[:end])
+            prefill = self._group(host, "prefill", ~verified, rows, query_start_loc, offset, query_lens, seq_lens)
         else:
             decode = self._group(host, "decode", is_decode, rows, query_start_loc, offset, query_lens, seq_lens)
             prefill = self._group(host, "prefill", ~is_decode, rows, query_start_loc, offset, query_lens, seq_lens)
@@ -235,10 +241,12 @@ class RequestTable:
         return build
 
     def _rows_as_decodes(self, host, token_rows: np.ndarray, positions: np.ndarray):
-        """Deterministic mode: every row attends as a decode of its own (its keys up to its position, through its
-        sequence's block table; this step's K/V are stored before any row reads), so a token's attention runs one
-        kernel in one tile order whether it is decoded, prefilled whole or in chunks, recomputed after a preemption
-        or prefilled after a prefix-cache hit. Returns a SeqGroup factory over device tensors."""
+        """The first len(positions) rows of the batch each attend as a decode of their own (keys up to the row's
+        position, through its sequence's block table; this step's K/V are stored before any row reads). Deterministic
+        mode: every row, so a token's attention runs one kernel in one tile order whether it is decoded, prefilled
+        whole or in chunks, recomputed after a preemption or prefilled after a prefix-cache hit. Speculation: the
+        decodes and the rows that verify drafts, so that a verified token's attention is the decode it would have
+        been without drafts. Returns a SeqGroup factory over device tensors."""
         seq_lens = positions + 1
         host.add("rows.seq_lens", seq_lens)
         host.add("rows.block_tables", self.block_table[token_rows, : -(-int(seq_lens.max()) // self.block_size)])
@@ -249,7 +257,7 @@ class RequestTable:
                 token_range=(0, num_tokens),
                 block_tables=dev["rows.block_tables"],
                 seq_lens=dev["rows.seq_lens"],
-                positions=dev["positions"],
+                positions=dev["positions"][:num_tokens],
                 max_query_len=1,
             )
 

@@ -1,5 +1,6 @@
-"""Speculative decoding end to end: greedy float32 output with n-gram speculation equals the output without it on the
-default model (the README's prompts and a batched workload that repeats its prompts), stop strings and max_tokens
+"""Speculative decoding end to end: greedy output with speculation equals the output without it on the default model
+(float32 and bfloat16, each proposer without a second model; the README's prompts and a batched workload that repeats
+its prompts), stop strings and max_tokens
 cut a step's accepted tokens as without speculation, a bad speculative_config is refused before a model loads, and on
 a tiny model the sampled tokens with speculation follow the same distribution as without (two-sample chi-square)."""
 
@@ -51,6 +52,26 @@ def test_greedy_output_with_speculation_equals_without(llm):
     assert llm.engine.scheduler.speculation.stats.num_accepted > accepted  # some drafts were kept: the path ran
     alone, _ = _generate(llm, README_PROMPTS[:1], params, speculate=True)
     assert alone == plain[:1]
+
+
+# `make run`'s prompts, as chats: the README's example
+RUN_PROMPTS = ["What is continuous batching?", "Write a haiku about GPUs.", "Name three planets."]
+
+
+@pytest.mark.parametrize("dtype, method", [("bfloat16", "ngram"), ("bfloat16", "suffix"), ("float32", "suffix")])
+def test_every_proposer_keeps_greedy_tokens_in_each_dtype(dtype, method):
+    """In bfloat16 too: a verified draft attends as the decode it stands for (not as a prefill chunk), so rounding
+    cannot tell a speculating step from a plain one. (float32 with ngram: the test above.)"""
+    llm = LLM(device="cpu", dtype=dtype, num_kv_blocks=256, max_batch_size=8,
+              speculative_config={"method": method, "num_speculative_tokens": 4})  # fmt: skip
+    chats = [[{"role": "user", "content": prompt}] for prompt in RUN_PROMPTS]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    stats = llm.engine.scheduler.speculation.stats
+    plain = [o.token_ids for o in llm.chat(chats, dataclasses.replace(params, speculate=False), use_tqdm=False)]
+    proposed = stats.num_proposed
+    spec = [o.token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+    assert stats.num_proposed > proposed and stats.num_accepted > 0
+    assert spec == plain
 
 
 def test_stop_strings_and_max_tokens_cut_accepted_tokens(llm):
