@@ -97,7 +97,9 @@ def main() -> None:
     parser.add_argument("--user", type=int, default=120, help="tokens of each new user message")
     parser.add_argument("--reply", type=int, default=8, help="tokens generated a turn")
     parser.add_argument("--unique", type=int, default=12, help="requests of the nothing-hits throughput rounds")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="nothing-hits throughput rounds (0: skip them)")
+    parser.add_argument("--throughput-only", action="store_true", help="only the nothing-hits rounds")
+    parser.add_argument("--unique-len", type=int, default=256, help="tokens of each unique prompt")
     args = parser.parse_args()
     flags = kernels.cpu_flags().split()
     bf16 = "yes" if "avx512_bf16" in flags or "amx_bf16" in flags else "no"
@@ -108,6 +110,14 @@ def main() -> None:
     print(f"[bf16 matmul units: {bf16}] {args.dtype}; {args.conversations} conversations x {args.turns} turns, "
           f"histories to {final} tokens; pool {pool} blocks (~1/4 of {all_blocks})")  # fmt: skip
 
+    if not args.throughput_only:
+        chat_phases(args, pool)
+    if args.rounds:
+        nothing_hits(args)
+    print(f"({time.perf_counter() - began:.0f} s in all)")
+
+
+def chat_phases(args, pool: int) -> None:
     with tempfile.TemporaryDirectory() as tier_dir:
         off, on = make_engine(args, None, pool), make_engine(args, tier_dir, pool)
         for engine in (off, on):
@@ -142,6 +152,9 @@ def main() -> None:
               f"full blocks in the tier ({served}/{full})")  # fmt: skip
         restarted.close()
 
+
+
+def nothing_hits(args) -> None:
     with tempfile.TemporaryDirectory() as tier_dir:
         engines = {"off": make_engine(args, None, 512), "on": make_engine(args, tier_dir, 512)}
         rng = random.Random(2)
@@ -150,14 +163,13 @@ def main() -> None:
             throughput(engine, [list(range(10, 40))], 2)  # warm-up
         for _ in range(args.rounds):
             for name, engine in engines.items():
-                prompts = [[rng.randrange(10, 20000) for _ in range(256)] for _ in range(args.unique)]
+                prompts = [[rng.randrange(10, 20000) for _ in range(args.unique_len)] for _ in range(args.unique)]
                 rates[name].append(throughput(engine, prompts, 16))
         best = {name: max(r) for name, r in rates.items()}
-        print(f"nothing hits, {args.unique} unique 256-token prompts x 16 tokens: off {best['off']:.0f} tok/s, on "
+        print(f"nothing hits, {args.unique} unique {args.unique_len}-token prompts x 16 tokens: off {best['off']:.0f} tok/s, on "
               f"{best['on']:.0f} tok/s ({best['on'] / best['off']:.3f}x; best of {args.rounds} alternating rounds)")
         for engine in engines.values():
             engine.close()
-    print(f"({time.perf_counter() - began:.0f} s in all)")
 
 
 if __name__ == "__main__":
