@@ -7,6 +7,7 @@ through the engine, and takes process-wide set-up and memory probes from host/."
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import batchserve
@@ -45,7 +46,8 @@ def layer_of(module: str) -> int:
     return best
 
 
-def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
+@functools.cache  # by source text: each test parses the package afresh, a planted line included
+def imported_modules(source: str, module: str, is_package: bool) -> frozenset[str]:
     """batchserve modules a source file imports, anywhere in it (relative imports resolved)."""
     found: set[str] = set()
     package = module if is_package else module.rpartition(".")[0]
@@ -64,9 +66,10 @@ def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
                 found.update(f"{base}.{alias.name}" for alias in node.names)
             else:
                 found.update(submodules if len(submodules) == len(node.names) else submodules | {base})
-    return {name for name in found if name == "batchserve" or name.startswith("batchserve.")}
+    return frozenset(name for name in found if name == "batchserve" or name.startswith("batchserve."))
 
 
+@functools.cache
 def _is_module(name: str) -> bool:
     relative = Path(*name.split(".")[1:]) if "." in name else Path()
     return (PACKAGE_DIR / relative).with_suffix(".py").exists() or (PACKAGE_DIR / relative / "__init__.py").exists()
