@@ -9,6 +9,7 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 # Below this a temperature is greedy (as vLLM's _SAMPLING_EPS): dividing logits by 1e-40 overflows to inf and NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -105,6 +106,8 @@ class SamplingParams:
     # the latest wall-clock time (Unix seconds) the request may still wait for its first token: later, it is dropped
     # instead of served late; one already past is refused at once
     deadline: float | None = None
+    # a pooling request (batchserve/pooling_params.py): the prompt's hidden states pooled, no token sampled
+    pooling: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

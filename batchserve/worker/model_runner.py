@@ -33,6 +33,7 @@ from batchserve.worker.structured_output import StructuredOutputs
 if TYPE_CHECKING:
     from batchserve.modes import ModeDecision
     from batchserve.worker.draft_model import DraftModelProposer
+    from batchserve.worker.pooler import Pooler
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class ModelRunner:
         self.decode_graphs = decode_graphs_for(self)  # None off CUDA and with enforce_eager
         self.draft: DraftModelProposer | None = None  # speculative method draft_model (engine/startup.py)
         self.modes: ModeDecision | None = None  # the mode table's decision, made before loading (engine/startup.py)
+        self.pooler: Pooler | None = None  # a pooling runner's (engine/startup.py, worker/pooler.py)
 
     def resize_kv_cache(self, num_blocks: int, keep_block_ids: Sequence[int]) -> None:
         """Grow the device pool to num_blocks (at most max_kv_blocks), between steps. keep_block_ids: the blocks
@@ -122,6 +124,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         output = self._execute(scheduler_output)
+        if self.pooler is not None:
+            output.pooled = self.pooler.take_outputs()
         if self.draft is not None and scheduler_output.num_draft_tokens > 0 and output.req_ids:
             start = time.perf_counter()
             output.draft_token_ids = self._propose_drafts(output.req_ids, scheduler_output.num_draft_tokens)
@@ -143,6 +147,8 @@ class ModelRunner:
         self.requests.apply(scheduler_output)
         self._track_constraints(scheduler_output)
         self.prompt_logprobs.follow(scheduler_output.new_requests, scheduler_output.finished_req_ids)
+        if self.pooler is not None:
+            self.pooler.follow(scheduler_output)
         if scheduler_output.is_empty:
             timings.prepare_s = time.perf_counter() - start
             return ModelOutput()
@@ -159,6 +165,8 @@ class ModelRunner:
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         scoring = self.prompt_logprobs.plan(self.requests, batch, self.device)  # before the table advances
+        if self.pooler is not None:  # pooling requests' rows pooled; only generation requests left to sample
+            batch = self.pooler.pool(batch, hidden, self.requests)
         self.requests.advance(batch)
         if scoring is not None:  # every scored prompt position of the step in one lm_head call
             self.prompt_logprobs.score(self.model.compute_logits(hidden.index_select(0, scoring.packed_rows)), scoring)
