@@ -1,6 +1,6 @@
 """Tiny random-weight pooling models saved as folders the way their families ship: a Qwen3 decoder with
 sentence-transformers' module files (Qwen3-Embedding's shape: last-token pooling, normalised), the same with mean or
-CLS pooling, and a Qwen2 / Llama *ForSequenceClassification cross-encoder."""
+CLS pooling, and a Qwen3 / Llama *ForSequenceClassification cross-encoder."""
 
 from __future__ import annotations
 
@@ -15,11 +15,18 @@ from tests.tiny_models import COMMON, VOCAB
 POOLING_KEYS = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
 
 
-def save_tokenizer(directory: Path) -> None:
-    """Word-level (w0 ... w95), w0 as padding: sentence-transformers pads a batch with it."""
+YES, NO = VOCAB - 2, VOCAB - 1  # the ids of "yes" and "no" in the tokenizer of a yes/no reranker
+
+
+def save_tokenizer(directory: Path, yes_no: bool = False) -> None:
+    """Word-level (w0 ... w95), w0 as padding: sentence-transformers pads a batch with it. `yes_no`: the last two
+    words are "yes" and "no" (a reranker scored on them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    if yes_no:
+        vocab = {("yes" if i == YES else "no" if i == NO else word): i for word, i in vocab.items()}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0").save_pretrained(directory)
@@ -34,13 +41,20 @@ def _randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.float().eval()
 
 
-def embedding_folder(directory: Path, pooling: str = "last", normalize: bool = True) -> Path:
-    """A Qwen3 causal LM (tied embeddings, as Qwen3-Embedding) with modules.json and 1_Pooling/config.json."""
+def causal_lm_folder(directory: Path, yes_no: bool = False) -> transformers.Qwen3ForCausalLM:
+    """A Qwen3 causal LM with tied embeddings (Qwen3-Embedding's and Qwen3-Reranker's shape)."""
     torch.manual_seed(63)
     config = transformers.Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=True)
     model = _randomised(transformers.Qwen3ForCausalLM(config), 63)
+    model.generation_config.eos_token_id = None  # never stop early: compare a fixed number of tokens
     model.save_pretrained(directory)
-    save_tokenizer(directory)
+    save_tokenizer(directory, yes_no)
+    return model
+
+
+def embedding_folder(directory: Path, pooling: str = "last", normalize: bool = True) -> Path:
+    """The causal LM with sentence-transformers' modules.json and 1_Pooling/config.json."""
+    causal_lm_folder(directory)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]  # fmt: skip
     if normalize:
@@ -55,10 +69,10 @@ def embedding_folder(directory: Path, pooling: str = "last", normalize: bool = T
     return directory
 
 
-def classifier_folder(directory: Path, family: str = "qwen2", num_labels: int = 1) -> Path:
+def classifier_folder(directory: Path, family: str = "qwen3", num_labels: int = 1) -> Path:
     """A *ForSequenceClassification of the tiny shape: the score head on the last token."""
-    config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[family]
-    config = config_class(**COMMON, num_labels=num_labels)
+    config_class = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[family]
+    config = config_class(**COMMON, num_labels=num_labels, **({"head_dim": 24} if family == "qwen3" else {}))
     torch.manual_seed(64)
     model = _randomised(transformers.AutoModelForSequenceClassification.from_config(config), 64)
     model.save_pretrained(directory)
