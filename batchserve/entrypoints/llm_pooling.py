@@ -13,7 +13,14 @@ from batchserve.config import Convert
 from batchserve.engine.inputs import Prompt
 from batchserve.pooling_params import PoolingTask
 from batchserve.sampling_params import InvalidRequestError
-from batchserve.serving.pooling import check_pooling_server, cosine, fit_input, pooling_sampling_params, relevance
+from batchserve.serving.pooling import (
+    check_pooling_server,
+    cosine,
+    fit_input,
+    pooling_sampling_params,
+    relevance,
+    score_pairs,
+)
 
 if TYPE_CHECKING:
     from batchserve.entrypoints.llm import LLM
@@ -60,18 +67,6 @@ def score(
     vectors = dict(zip(texts, _run(llm, token_lists, pooling_sampling_params(PoolingTask.EMBED), use_tqdm)))
     ids_of = dict(zip(texts, token_lists))
     return [ScoreOutput(ids_of[q], cosine(vectors[q], vectors[d])) for q, d in pairs]
-
-
-def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
-    first = [text_1] if isinstance(text_1, str) else list(text_1)
-    second = [text_2] if isinstance(text_2, str) else list(text_2)
-    if not first or not second or not all(isinstance(t, str) and t for t in first + second):
-        raise InvalidRequestError("text_1 and text_2 must be non-empty strings or lists of them", "text_1")
-    if len(first) == 1:
-        return [(first[0], d) for d in second]
-    if len(first) != len(second):
-        raise InvalidRequestError(f"{len(first)} text_1 for {len(second)} text_2: give one, or as many", "text_2")
-    return list(zip(first, second))
 
 
 def _tokens(llm: LLM, prompt: Prompt, truncate_prompt_tokens: int | None) -> list[int]:

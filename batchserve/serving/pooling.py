@@ -75,6 +75,18 @@ def encode_embedding(vector: torch.Tensor, encoding_format: str) -> list[float] 
     return vector.tolist()
 
 
+def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    first = [text_1] if isinstance(text_1, str) else list(text_1)
+    second = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not first or not second or not all(isinstance(t, str) and t for t in first + second):
+        raise InvalidRequestError("text_1 and text_2 must be non-empty strings or lists of them", "text_1")
+    if len(first) == 1:
+        return [(first[0], d) for d in second]
+    if len(first) != len(second):
+        raise InvalidRequestError(f"{len(first)} text_1 for {len(second)} text_2: give one, or as many", "text_2")
+    return list(zip(first, second))
+
+
 def relevance(pooled: torch.Tensor) -> float:
     """A classifier's score of a pair: its one label's probability, or the last label's of several."""
     return float(pooled[-1])
@@ -107,7 +119,15 @@ class PoolingService:
         if isinstance(item, str):
             if not item:
                 raise InvalidRequestError(f"{param} is an empty string", param)
-            ids = await self.service.tokenize(check_text(item, param), True)
+            check_text(item, param)
+            if truncate is None:  # a text that cannot fit is refused before tokenizing (a truncated one is not)
+                try:
+                    self.service.check_text_length(len(item))
+                except InvalidRequestError as exc:
+                    raise InvalidRequestError(f"{param}: {exc}; set truncate_prompt_tokens to keep its last tokens",
+                                              param) from None  # fmt: skip
+            tokenizer = self.service.tokenizer
+            ids = list(await asyncio.to_thread(tokenizer.encode, item, add_special_tokens=True))
         else:
             ids = self.limits.check_token_ids(item, f"{param} token ids", param)
         return fit_input(self.limits, ids, truncate, param)
