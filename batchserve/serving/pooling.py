@@ -114,23 +114,31 @@ class PoolingService:
     def limits(self) -> EngineLimits:
         return self.service.limits
 
-    async def token_ids(self, item: str | list[int], truncate: int | None, param: str) -> list[int]:
-        """A text tokenized (special tokens as the model's tokenizer adds them) or a token array checked."""
-        if isinstance(item, str):
-            if not item:
-                raise InvalidRequestError(f"{param} is an empty string", param)
-            check_text(item, param)
-            if truncate is None:  # a text that cannot fit is refused before tokenizing (a truncated one is not)
-                try:
-                    self.service.check_text_length(len(item))
-                except InvalidRequestError as exc:
-                    raise InvalidRequestError(f"{param}: {exc}; set truncate_prompt_tokens to keep its last tokens",
-                                              param) from None  # fmt: skip
-            tokenizer = self.service.tokenizer
-            ids = list(await asyncio.to_thread(tokenizer.encode, item, add_special_tokens=True))
-        else:
-            ids = self.limits.check_token_ids(item, f"{param} token ids", param)
-        return fit_input(self.limits, ids, truncate, param)
+    async def token_id_lists(self, items: Sequence[str | list[int]], truncate: int | None, param: str) -> list[list[int]]:
+        """Texts tokenized in one batched call off the event loop (special tokens as the model's tokenizer adds
+        them), token arrays checked; each within the context (fit_input)."""
+        texts = [item for item in items if isinstance(item, str)]
+        for text in texts:
+            self._check_text(text, truncate, param)
+        tokenizer = self.service.tokenizer
+        encoded = iter(await asyncio.to_thread(lambda: tokenizer(texts)["input_ids"]) if texts else [])
+        lists = []
+        for item in items:
+            ids = list(next(encoded)) if isinstance(item, str) else item
+            ids = self.limits.check_token_ids(ids, f"{param} token ids", param)
+            lists.append(fit_input(self.limits, ids, truncate, param))
+        return lists
+
+    def _check_text(self, text: str, truncate: int | None, param: str) -> None:
+        if not text:
+            raise InvalidRequestError(f"{param} holds an empty string", param)
+        check_text(text, param)
+        if truncate is None:  # a text that cannot fit is refused before tokenizing (a truncated one is not)
+            try:
+                self.service.check_text_length(len(text))
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"{param}: {exc}; set truncate_prompt_tokens to keep its last tokens",
+                                          param) from None  # fmt: skip
 
     async def pair_ids(self, query: str, document: str, truncate: int | None, param: str) -> list[int]:
         """A query/document pair as one sequence, as the tokenizer joins a text pair (a cross-encoder's input)."""

@@ -102,7 +102,7 @@ async def create_embeddings(front: OpenAIFrontEnd, pooling: PoolingService, requ
     deadline = front.service.deadline(req.timeout)
     check_pooling_server(front.service.client.config, PoolingTask.EMBED, "/v1/embeddings")
     items = _embedding_inputs(req.input)
-    inputs = [await pooling.token_ids(item, req.truncate_prompt_tokens, "input") for item in items]
+    inputs = await pooling.token_id_lists(items, req.truncate_prompt_tokens, "input")
     params = pooling_sampling_params(PoolingTask.EMBED, req.dimensions, req.normalize)
     results = await pooling.run(request_id_of(request, "embd"), inputs, params, deadline, wait_for_disconnect(request))
     if req.dimensions is not None and req.dimensions > len(results[0].result):
@@ -177,7 +177,7 @@ async def _scores(
                                     param)  # fmt: skip
         return [relevance(r.result) for r in results], sum(len(r.token_ids) for r in results)
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    inputs = [await pooling.token_ids(t, truncate, param) for t in texts]
+    inputs = await pooling.token_id_lists(texts, truncate, param)
     results = await pooling.run(request_id, inputs, pooling_sampling_params(PoolingTask.EMBED), deadline, gone, param)
     vectors = {t: r.result for t, r in zip(texts, results)}
     return [cosine(vectors[q], vectors[d]) for q, d in pairs], sum(len(r.token_ids) for r in results)
