@@ -114,9 +114,11 @@ def main() -> None:
     for name, seconds in best.items():
         print(f"{name:>22}: {seconds:7.2f} s wall  {tokens / seconds:8.0f} tokens/s;  {cpu[name]:7.2f} CPU-s  "
               f"{tokens / cpu[name]:8.0f} tokens per CPU-second")  # fmt: skip
-    print(f"ratio batchserve / sentence-transformers: {best['sentence-transformers'] / best['batchserve']:.2f}x wall, "
-          f"{cpu['sentence-transformers'] / cpu['batchserve']:.2f}x CPU; lowest cosine between the two sides' "
-          f"embeddings {agreement:.5f}")
+    print(
+        f"ratio batchserve / sentence-transformers: {best['sentence-transformers'] / best['batchserve']:.2f}x wall, "
+        f"{cpu['sentence-transformers'] / cpu['batchserve']:.2f}x CPU; lowest cosine between the two sides' "
+        f"embeddings {agreement:.5f}"
+    )
 
 
 if __name__ == "__main__":

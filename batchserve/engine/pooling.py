@@ -19,7 +19,8 @@ def check_runner_task(config: EngineConfig, params: SamplingParams, generates: b
             model = config.model or "MODEL"
             raise InvalidRequestError(
                 f"this server runs its model for generation (--runner generate): pooling requests ({pooling.task}) "
-                f"need a pooling server: batchserve serve {model} --runner pooling", "model"
+                f"need a pooling server: batchserve serve {model} --runner pooling",
+                "model",
             )
         return
     if pooling is None:
@@ -27,11 +28,13 @@ def check_runner_task(config: EngineConfig, params: SamplingParams, generates: b
             raise InvalidRequestError(
                 f"this server runs a pooling model ({config.convert}) without an LM head: it serves "
                 f"{ENDPOINTS[Convert(config.convert)]}, not generation (run a model with its LM head with --runner "
-                "generate)", "model"
+                "generate)",
+                "model",
             )
         return
     if pooling.task != config.convert:
         raise InvalidRequestError(
             f"this server's model computes {config.convert} (--convert {config.convert}), not {pooling.task}: it "
-            f"serves {ENDPOINTS[Convert(config.convert)]}", "model"
+            f"serves {ENDPOINTS[Convert(config.convert)]}",
+            "model",
         )

@@ -18,8 +18,8 @@ from batchserve.config import EngineConfig
 from batchserve.engine.inputs import Prompt
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.engine.outputs import Completion
-from batchserve.entrypoints.engine_options import engine_config
 from batchserve.entrypoints import llm_pooling
+from batchserve.entrypoints.engine_options import engine_config
 from batchserve.entrypoints.llm_pooling import EmbeddingOutput, ScoreOutput
 from batchserve.host.process import configure_torch
 from batchserve.request import EngineRequest

@@ -59,7 +59,9 @@ def score(
     pairs = score_pairs(text_1, text_2)
     if llm.engine.config.convert == Convert.CLASSIFY:
         tokenizer, limits = llm.tokenizer, llm.engine.limits
-        token_lists = [fit_input(limits, tokenizer(q, d)["input_ids"], truncate_prompt_tokens, "text_2") for q, d in pairs]
+        token_lists = [
+            fit_input(limits, tokenizer(q, d)["input_ids"], truncate_prompt_tokens, "text_2") for q, d in pairs
+        ]
         scores = _run(llm, token_lists, pooling_sampling_params(PoolingTask.CLASSIFY), use_tqdm)
         return [ScoreOutput(ids, relevance(s)) for ids, s in zip(token_lists, scores)]
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))

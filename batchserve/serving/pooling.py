@@ -35,19 +35,23 @@ def fit_input(limits: EngineLimits, token_ids: list[int], truncate_prompt_tokens
     """An input's tokens within the model's context: its last `truncate_prompt_tokens` (-1: as many as fit) when the
     caller asks, else as they are or a 400 naming the field."""
     if truncate_prompt_tokens is not None:
-        if isinstance(truncate_prompt_tokens, bool) or not isinstance(truncate_prompt_tokens, int) or not (
-            truncate_prompt_tokens == -1 or 1 <= truncate_prompt_tokens <= limits.max_input_len
+        if (
+            isinstance(truncate_prompt_tokens, bool)
+            or not isinstance(truncate_prompt_tokens, int)
+            or not (truncate_prompt_tokens == -1 or 1 <= truncate_prompt_tokens <= limits.max_input_len)
         ):
             raise InvalidRequestError(
                 f"truncate_prompt_tokens must be -1 or 1..{limits.max_input_len} (the model's input limit), got "
-                f"{truncate_prompt_tokens!r}", "truncate_prompt_tokens"
+                f"{truncate_prompt_tokens!r}",
+                "truncate_prompt_tokens",
             )
         keep = limits.max_input_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         token_ids = token_ids[-keep:]
     if len(token_ids) > limits.max_input_len:
         raise InvalidRequestError(
             f"{param} has {len(token_ids)} tokens, more than the model's {limits.max_input_len} (max_model_len "
-            f"{limits.max_model_len}); set truncate_prompt_tokens to keep its last tokens", param
+            f"{limits.max_model_len}); set truncate_prompt_tokens to keep its last tokens",
+            param,
         )
     return token_ids
 
@@ -58,13 +62,15 @@ def check_pooling_server(config: EngineConfig, task: PoolingTask | None, endpoin
     if config.runner != Runner.POOLING:
         raise InvalidRequestError(
             f"{endpoint} needs a pooling server: this one runs its model for generation (--runner generate); run "
-            f"batchserve serve {model} --runner pooling", "model"
+            f"batchserve serve {model} --runner pooling",
+            "model",
         )
     if task is not None and config.convert != task:
         other = "/v1/score or /v1/rerank" if config.convert == Convert.CLASSIFY else "/v1/embeddings"
         raise InvalidRequestError(
             f"{endpoint} needs a model run with --convert {task}; this server's computes {config.convert} (use "
-            f"{other})", "model"
+            f"{other})",
+            "model",
         )
 
 
@@ -114,7 +120,9 @@ class PoolingService:
     def limits(self) -> EngineLimits:
         return self.service.limits
 
-    async def token_id_lists(self, items: Sequence[str | list[int]], truncate: int | None, param: str) -> list[list[int]]:
+    async def token_id_lists(
+        self, items: Sequence[str | list[int]], truncate: int | None, param: str
+    ) -> list[list[int]]:
         """Texts tokenized in one batched call off the event loop (special tokens as the model's tokenizer adds
         them), token arrays checked; each within the context (fit_input)."""
         texts = [item for item in items if isinstance(item, str)]

@@ -143,7 +143,9 @@ def classifier_head(path: Path, facts: dict[str, Any], tokenizer) -> torch.Tenso
     if output is None:
         output = checkpoint_tensor(path, "model.embed_tokens.weight")
     if output is None:
-        raise ModelLoadError(f"--convert classify on {path}: no score.weight, lm_head.weight or embedding to score with")
+        raise ModelLoadError(
+            f"--convert classify on {path}: no score.weight, lm_head.weight or embedding to score with"
+        )
     ids = [tokenizer.convert_tokens_to_ids(token) for token in YES_NO]
     if any(i is None or i == tokenizer.unk_token_id for i in ids):
         raise ModelLoadError(f"--convert classify on a causal LM scores with the tokens {YES_NO}: its tokenizer lacks "

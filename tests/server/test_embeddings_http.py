@@ -133,7 +133,9 @@ def test_rerank_and_score_equal_transformers(rerank_server):
     reply = httpx.post(live.url + "/v1/rerank", json=body, timeout=30).json()
     order = sorted(range(6), key=lambda i: -expected[i])[:4]
     assert [r["index"] for r in reply["results"]] == order
-    assert [r["relevance_score"] for r in reply["results"]] == pytest.approx([expected[i] for i in order], abs=TOLERANCE)
+    assert [r["relevance_score"] for r in reply["results"]] == pytest.approx(
+        [expected[i] for i in order], abs=TOLERANCE
+    )
     assert reply["results"][0]["document"] == {"text": documents[order[0]]}
     bare = httpx.post(live.url + "/rerank", json={**body, "return_documents": False}, timeout=30).json()
     assert "document" not in bare["results"][0]
