@@ -10,13 +10,14 @@ both sides compute the same tokens. Both sides run in --dtype; sentence-transfor
 (--st-batch-size), batchserve with one engine step of up to --max-num-tokens tokens.
 
     .venv/bin/python benchmarks/embeddings.py [--layers 30] [--texts 256] [--tokens 128] [--dtype bfloat16]
-        [--rounds 2] [--threads N]
+        [--rounds 2] [--threads N] [--prefill-attention auto|native|sdpa]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -78,7 +79,10 @@ def main() -> None:
     parser.add_argument("--st-batch-size", type=int, default=32)
     parser.add_argument("--max-num-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--prefill-attention", default="auto", choices=["auto", "native", "sdpa"],
+                        help="BATCHSERVE_PREFILL_ATTENTION for batchserve's side (auto: SDPA for bfloat16 on AMX)")  # fmt: skip
     args = parser.parse_args()
+    os.environ["BATCHSERVE_PREFILL_ATTENTION"] = args.prefill_attention  # read once, when the first prefill runs
     if args.threads:
         torch.set_num_threads(args.threads)
     from sentence_transformers import SentenceTransformer
@@ -110,7 +114,8 @@ def main() -> None:
         agreement = float(torch.nn.functional.cosine_similarity(got, want, dim=1).min())
     tokens = args.texts * args.tokens
     print(f"model: SmolLM2-135M shape, {args.layers} layers, random weights, {args.dtype}; {args.texts} texts x "
-          f"{args.tokens} tokens; torch threads {torch.get_num_threads()}")  # fmt: skip
+          f"{args.tokens} tokens; torch threads {torch.get_num_threads()}; batchserve prefill attention "
+          f"{args.prefill_attention}")  # fmt: skip
     for name, seconds in best.items():
         print(f"{name:>22}: {seconds:7.2f} s wall  {tokens / seconds:8.0f} tokens/s;  {cpu[name]:7.2f} CPU-s  "
               f"{tokens / cpu[name]:8.0f} tokens per CPU-second")  # fmt: skip

@@ -143,3 +143,29 @@ def test_a_generation_server_refuses_pooling_and_says_which_to_run(tmp_path):
     request = engine.requests.build("p", [1, 2], pooling_sampling_params(PoolingTask.EMBED))
     with pytest.raises(InvalidRequestError, match="--runner pooling"):
         engine.add_request(request)  # below the front ends too
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_mean_pooling_survives_preemption(tmp_path, preemption_mode):
+    """A pool too small for everything at once: growing generations preempt pooling requests mid-prompt, which
+    resume (recomputed from their first position, or swapped back with their partial pool); nothing changes."""
+    folder = embedding_folder(tmp_path / "mean", "mean", normalize=False)
+    engine = LLM(str(folder), dtype="float32", max_num_tokens=16, max_batch_size=6, num_kv_blocks=7,
+                 preemption_mode=preemption_mode, num_swap_blocks=32).engine  # fmt: skip
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    gen_ids = [engine.add_prompt(None, [3 + i, 7, 11], greedy) for i in range(2)]
+    for _ in range(24):  # the generations hold 2 blocks each when the prompts arrive, and grow to 3
+        engine.step()
+    texts = [words(50 + i, 40 + 3 * i) for i in range(3)]
+    params = pooling_sampling_params(PoolingTask.EMBED)
+    pool_ids = [engine.add_request(engine.requests.build(engine.new_request_id(), engine.tokenizer(t)["input_ids"],
+                                                         params)) for t in texts]  # fmt: skip
+    pooled = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.finished and delta.request_id in pool_ids:
+                pooled[delta.request_id] = delta.pooled
+    assert engine.scheduler.num_preemptions_total > 0
+    got = torch.stack([pooled[r] for r in pool_ids])
+    torch.testing.assert_close(got, reference_embeddings(folder, texts), atol=TOLERANCE, rtol=0)
+    assert not engine.runner.pooler._partial and gen_ids  # nothing left behind
