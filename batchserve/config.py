@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -156,6 +157,8 @@ class CacheConfig:
     swap_space_gb: float = 1.0  # host memory for swapped-out blocks (preemption_mode="swap")
     num_swap_blocks: int | None = None  # None: sized from swap_space_gb
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES (docs/kv-cache-quantization.md)
+    kv_offload_dir: str | None = None  # the disk tier under the pool (docs/kv-offload.md); None: off
+    kv_offload_max_bytes: int | None = None  # the tier's byte cap; None: 16 GiB
 
     def validate(self) -> None:
         _require(8 <= self.block_size <= 128, "block_size must be in [8, 128]")
@@ -167,6 +170,11 @@ class CacheConfig:
         _require(self.swap_space_gb >= 0, "swap_space_gb must be >= 0")
         _require(self.num_swap_blocks is None or self.num_swap_blocks >= 0, "num_swap_blocks must be >= 0")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}")
+        _require(self.kv_offload_max_bytes is None or self.kv_offload_max_bytes >= 1, "kv_offload_max_bytes must be >= 1")
+        _require(
+            self.kv_offload_dir is None or os.path.isdir(self.kv_offload_dir),
+            f"kv_offload_dir {self.kv_offload_dir!r} is not an existing directory",
+        )
 
 
 @dataclass

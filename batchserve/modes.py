@@ -55,6 +55,8 @@ class ModeFacts:
     moe: bool = False  # a mixture-of-experts MLP
     gguf_file: bool | None = None  # the model is a .gguf file; None: unknown (an engine given its own runner)
     native_kernels: bool = True  # the native CPU kernels are built and loaded
+    kv_offload: bool = False  # the disk KV tier is on (kv_offload_dir)
+    prefix_caching: bool = True
 
     @classmethod
     def of(
@@ -79,6 +81,8 @@ class ModeFacts:
             enforce_eager=config.enforce_eager,
             gguf_file=gguf_file,
             native_kernels=native_kernels,
+            kv_offload=config.cache.kv_offload_dir is not None,
+            prefix_caching=config.cache.enable_prefix_caching,
             **traits,
         )
 
@@ -126,6 +130,10 @@ def _eager(config: EngineConfig) -> None:
     config.enforce_eager = True
 
 
+def _tier_off(config: EngineConfig) -> None:
+    config.cache.kv_offload_dir = None
+
+
 def _cuda_graphs_wanted(f: ModeFacts) -> bool:
     return f.device == "cuda" and not f.enforce_eager
 
@@ -166,7 +174,36 @@ RULES: tuple[Rule, ...] = (
         "drop speculative_config (greedy speculation gives plain greedy's tokens anyway), or drop deterministic",
         "determinism.md#what-it-guarantees",
     ),
+    Rule(
+        "kv_offload_needs_prefix_caching", Verdict.REFUSE, ("kv_offload_dir", "enable_prefix_caching"),
+        "kv_offload_dir with enable_prefix_caching off",
+        lambda f: f.kv_offload and not f.prefix_caching,
+        "the disk tier stores and finds blocks by their prefix hashes, which only the prefix cache computes",
+        "turn enable_prefix_caching on, or drop kv_offload_dir",
+        "kv-offload.md#what-runs-with-it",
+    ),
     # ---- fall back: runs, logged once, labelled in the metrics
+    Rule(
+        "kv_offload_with_windows", Verdict.FALL_BACK, ("kv_offload_dir",),
+        "kv_offload_dir with a model whose attention is windowed (Mistral's sliding_window, Gemma 2/3, a windowed "
+        "Qwen or Phi-3)",
+        lambda f: f.kv_offload and f.windowed,
+        "not built for windows yet: a model whose every layer is windowed hands blocks that left the window back to "
+        "the pool while it runs, so a prefix read back would fill blocks no step reads",
+        "the disk tier is off (the effective config says kv_offload_dir=None)",
+        "kv-offload.md#what-runs-with-it",
+        adjust=_tier_off,
+    ),
+    Rule(
+        "kv_offload_off_the_cpu", Verdict.FALL_BACK, ("kv_offload_dir", "device"),
+        "kv_offload_dir on a GPU",
+        lambda f: f.kv_offload and f.device != "cpu",
+        "the tier's copies go through host memory at each step's end, which would wait for the GPU's stream; it is "
+        "built and tested for the CPU, where recomputing a prompt costs the most",
+        "the disk tier is off (the effective config says kv_offload_dir=None)",
+        "kv-offload.md#what-runs-with-it",
+        adjust=_tier_off,
+    ),
     Rule(
         "static_policy_drops_speculation", Verdict.FALL_BACK, ("scheduler_policy", "speculative_config"),
         "scheduler_policy static with speculative_config",

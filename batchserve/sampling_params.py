@@ -9,7 +9,10 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchserve.kv_retention import KVRetention
 
 # Below this a temperature is greedy (as vLLM's _SAMPLING_EPS): dividing logits by 1e-40 overflows to inf and NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -106,6 +109,8 @@ class SamplingParams:
     # the latest wall-clock time (Unix seconds) the request may still wait for its first token: later, it is dropped
     # instead of served late; one already past is refused at once
     deadline: float | None = None
+    # how long its KV blocks should outlive it, by token range (batchserve/kv_retention.py; docs/kv-offload.md)
+    kv_retention: KVRetention | None = None
     # a pooling request (batchserve/pooling_params.py): the prompt's hidden states pooled, no token sampled
     pooling: Any = None
 
@@ -173,6 +178,10 @@ class SamplingParams:
         if self.logit_bias is not None:
             _logit_bias(self.logit_bias)
         self._validate_service_targets()
+        if self.kv_retention is not None:
+            from batchserve.kv_retention import KVRetention  # it imports this module's error
+
+            self.kv_retention = KVRetention.from_value(self.kv_retention)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidRequestError(
                 "structured_outputs must be a StructuredOutputsParams (kind and spec), got "

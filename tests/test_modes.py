@@ -32,6 +32,9 @@ FIRING = {
     "deterministic_with_windows_or_softcaps": ModeFacts(deterministic=True, softcapped=True),
     "deterministic_with_quantized_weights": ModeFacts(deterministic=True, quantization="int4"),
     "deterministic_with_eight_bit_kv": ModeFacts(deterministic=True, kv_cache_dtype="int8"),
+    "kv_offload_needs_prefix_caching": ModeFacts(kv_offload=True, prefix_caching=False),
+    "kv_offload_with_windows": ModeFacts(kv_offload=True, windowed=True),
+    "kv_offload_off_the_cpu": ModeFacts(kv_offload=True, device="cuda"),
 }
 
 

@@ -169,7 +169,7 @@ def run_offline_runs(
         for policy, engine, label in zip(policies, engines, labels, strict=True):
             clock = offline.BusyClock() if lockstep else time.monotonic
             runs.append(offline.OfflineRun(engine, requests, arrivals, seed, label, not args.no_progress, clock,
-                                           bar=bar, on_result=log.recorder(label)))  # fmt: skip
+                                           bar=bar, on_result=log.recorder(label, clock)))  # fmt: skip
             keys.append((label, policy, rate))
         done = offline.run_lockstep(runs) if lockstep else [offline.drive(runs[0])]
         if bar is not None:

@@ -25,14 +25,17 @@ class ResultLog:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._file: TextIO | None = None
-        self.started: dict[str, float] = {}  # label -> when its run started (monotonic)
+        self.started: dict[str, float] = {}  # label -> when its run started, on the run's own clock
+        self.clocks: dict[str, Callable[[], float]] = {}
         self.results: dict[str, list[RequestResult]] = {}
         self.finished: dict[str, RunTrace] = {}
         self.notes: list[str] = []
 
-    def recorder(self, label: str) -> Callable[[RequestResult], None]:
-        """The callback a run calls with each finished request; the run starts now."""
-        self.started[label] = time.monotonic()
+    def recorder(self, label: str, clock: Callable[[], float] = time.monotonic) -> Callable[[RequestResult], None]:
+        """The callback a run calls with each finished request; the run starts now. `clock` is the one the run stamps
+        its requests with (lockstep runs each have a busy clock of their own), so a cut-short trace is timed on it."""
+        self.started[label] = clock()
+        self.clocks[label] = clock
         self.results.setdefault(label, [])
         return functools.partial(self.add, label)
 
@@ -59,7 +62,7 @@ class ResultLog:
         for label, results in self.results.items():
             if label not in traces and results:
                 t0 = self.started[label]
-                meta = {"duration_s": time.monotonic() - t0, "interrupted": True, "request_rate": None}
+                meta = {"duration_s": self.clocks[label]() - t0, "interrupted": True, "request_rate": None}
                 traces[label] = RunTrace(label, t0, 1, [], list(results), meta)
         return traces
 

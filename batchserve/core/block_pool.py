@@ -7,8 +7,12 @@ runs out of never-used blocks and evicts it from the head of the free queue (lea
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+DEFAULT_PRIORITY = 35  # a block's retention priority unless its request's kv_retention says otherwise (1-100)
+PROTECT_SCAN = 64  # blocks looked past, at one level, for one that no waiting request needs
 
 
 class BlockAccountingError(RuntimeError):
@@ -32,6 +36,9 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     key: BlockKey | None = None  # set once the block is full and registered in the prefix cache
+    priority: int = DEFAULT_PRIORITY  # retention (batchserve/kv_retention.py): lower is evicted first
+    expires_at: float = 0.0  # time.time() after which the priority counts as the default; 0: never
+    free_order: int = 0  # when it joined the free queue (RetentionFreeQueue): an expired block keeps its LRU place
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
 
@@ -85,6 +92,98 @@ class FreeBlockQueue:
             block = block.next_free
 
 
+class RetentionFreeQueue:
+    """Free blocks by retention: one LRU queue per priority level, the lowest level taken first; within a level a
+    block no waiting request needs (`protected`: key hashes) goes before one that some request will hit. With every
+    block at the default priority and nothing protected it is exactly one FreeBlockQueue."""
+
+    def __init__(self, blocks: Iterable[KVBlock], clock=time.time) -> None:
+        self.levels: dict[int, FreeBlockQueue] = {DEFAULT_PRIORITY: FreeBlockQueue(blocks)}
+        self.protected: frozenset[int] = frozenset()
+        self.clock = clock
+        self._next_expiry = float("inf")  # the earliest expiry of a block above or below the default level
+        self._last, self._first = 0, 0  # free_order of the newest and the oldest free blocks
+
+    @property
+    def num_free(self) -> int:
+        return sum(q.num_free for q in self.levels.values())
+
+    def _level(self, block: KVBlock) -> FreeBlockQueue:
+        level = block.priority if block.key is not None else DEFAULT_PRIORITY
+        if level != DEFAULT_PRIORITY and block.expires_at:
+            self._next_expiry = min(self._next_expiry, block.expires_at)
+        queue = self.levels.get(level)
+        if queue is None:
+            queue = self.levels[level] = FreeBlockQueue(())
+        return queue
+
+    def append(self, block: KVBlock) -> None:
+        self._last += 1
+        block.free_order = self._last
+        self._level(block).append(block)
+
+    def prepend(self, blocks: Sequence[KVBlock]) -> None:
+        for block in reversed(blocks):
+            self._first -= 1
+            block.free_order = self._first
+            self._level(block).prepend([block])
+
+    def remove(self, block: KVBlock) -> None:
+        queue = self.levels.get(block.priority if block.key is not None else DEFAULT_PRIORITY)
+        if queue is None:
+            raise BlockAccountingError(f"block {block.block_id} is not in the free queue")
+        queue.remove(block)
+
+    def popleft(self) -> KVBlock:
+        if self.clock() >= self._next_expiry:
+            self._demote_expired()
+        for level in sorted(self.levels):
+            queue = self.levels[level]
+            if queue.num_free:
+                block = self._first_unprotected(queue)
+                queue.remove(block)
+                return block
+        raise BlockAccountingError("no free blocks")
+
+    def _first_unprotected(self, queue: FreeBlockQueue) -> KVBlock:
+        head = next(iter(queue))
+        if not self.protected:
+            return head
+        for n, block in enumerate(queue):
+            if n >= PROTECT_SCAN:
+                break
+            if block.key is None or block.key.hash not in self.protected:
+                return block
+        return head  # every block looked at will be needed: the least recently used of them goes
+
+    def _demote_expired(self) -> None:
+        """Blocks whose retention ran out join the default level where their last use puts them (rare: the level is
+        rebuilt in free order)."""
+        now, self._next_expiry = self.clock(), float("inf")
+        expired = []
+        for level, queue in list(self.levels.items()):
+            if level == DEFAULT_PRIORITY:
+                continue
+            for block in list(queue):
+                if block.expires_at and block.expires_at <= now:
+                    queue.remove(block)
+                    block.priority, block.expires_at = DEFAULT_PRIORITY, 0.0
+                    expired.append(block)
+                elif block.expires_at:
+                    self._next_expiry = min(self._next_expiry, block.expires_at)
+        if expired:
+            default = self.levels[DEFAULT_PRIORITY]
+            merged = sorted([*default, *expired], key=lambda b: b.free_order)
+            for block in list(default):
+                default.remove(block)
+            for block in merged:
+                default.append(block)
+
+    def __iter__(self):
+        for level in sorted(self.levels):
+            yield from self.levels[level]
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -92,7 +191,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = RetentionFreeQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # key hash -> block holding that content
         self.num_evictions = 0
         self._num_cached_free = 0  # kept incrementally: stats read it every step
@@ -140,6 +239,7 @@ class BlockPool:
         for block in blocks:
             self._evict(block)
             block.ref_count = 1
+            block.priority, block.expires_at = DEFAULT_PRIORITY, 0.0
         return blocks
 
     def lookup(self, key: BlockKey) -> KVBlock | None:
@@ -163,6 +263,11 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue.append(block)
                 self._num_cached_free += block.key is not None
+
+    def retain(self, block: KVBlock, priority: int, expires_at: float) -> None:
+        """A held block's retention, once it is free again: the highest asked for by the requests sharing it."""
+        if priority > block.priority or (priority == block.priority and block.expires_at and not expires_at):
+            block.priority, block.expires_at = priority, expires_at
 
     def register(self, block: KVBlock, key: BlockKey) -> None:
         """Make a full block findable by its content. A duplicate of cached content stays private."""

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from batchserve.core.block_pool import BlockKey, BlockPool, HostBlockPool, KVBlock
+from batchserve.core.retention import WaitingNeeds, retain
 from batchserve.request import Request
+
+if TYPE_CHECKING:
+    from batchserve.core.kv_offload import KVOffload
 
 
 def cdiv(a: int, b: int) -> int:
@@ -28,7 +33,8 @@ class PrefixHit:
     """The longest run of cached full blocks at the start of a request, not yet owned by it."""
 
     blocks: list[KVBlock]
-    num_tokens: int
+    num_tokens: int  # the pool's blocks and the tier's
+    tier_digests: list[bytes] = field(default_factory=list)  # the disk tier's blocks after the pool's (read back)
 
 
 @dataclass
@@ -60,6 +66,8 @@ class KVCacheManager:
         self.req_host_blocks: dict[str, list[int]] = {}  # swapped-out requests
         self.prefix_queries = 0  # prompt tokens looked up, since start
         self.prefix_hits = 0  # prompt tokens found
+        self.tier: KVOffload | None = None  # the disk tier under the pool (core/kv_offload.py), when on
+        self.waiting_needs = WaitingNeeds()  # blocks the waiting queue's head will hit: evicted last (core/retention.py)
 
     # ---- lookup -------------------------------------------------------------------------------------------
     def find_prefix_hit(self, request: Request) -> PrefixHit:
@@ -69,15 +77,21 @@ class KVCacheManager:
             return PrefixHit([], 0)
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVBlock] = []
+        keys: list[BlockKey] = []
+        tier: list[bytes] = []
         parent = request.cache_salt
         for i in range(max_blocks):
             key = BlockKey(parent, token_range(request, i * self.block_size, (i + 1) * self.block_size))
-            block = self.pool.lookup(key)
-            if block is None:
+            keys.append(key)
+            block = None if tier else self.pool.lookup(key)
+            if block is not None:
+                blocks.append(block)
+            elif self.tier is None or not self.tier.holds(self.tier.digests(request, keys)[i]):
                 break
-            blocks.append(block)
+            else:
+                tier.append(self.tier.digests(request, keys)[i])
             parent = key.hash
-        return PrefixHit(blocks, len(blocks) * self.block_size)
+        return PrefixHit(blocks, (len(blocks) + len(tier)) * self.block_size, tier)
 
     def record_prefix_query(self, request: Request, hit: PrefixHit) -> None:
         self.prefix_queries += request.num_prompt_tokens
@@ -108,18 +122,24 @@ class KVCacheManager:
         if hit and hit.blocks:
             self.pool.take_cached(hit.blocks)
             added += hit.blocks
-            request.num_computed_tokens += hit.num_tokens
+            request.num_computed_tokens += len(hit.blocks) * self.block_size
+        loaded = self.tier.read(hit.tier_digests) if hit and hit.tier_digests and self.tier else []
+        request.num_computed_tokens += len(loaded) * self.block_size  # a missing or bad block on is recomputed
         blocks += added
         self._release_out_of_window(request)
         total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
         fresh = self.pool.take_new(max(0, total - len(blocks)))
         blocks += fresh
-        self._register_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        if loaded:
+            self.tier.loads += [(b.block_id, payload) for b, payload in zip(fresh, loaded)]
+        self._register_full_blocks(request, request.num_computed_tokens + num_new_tokens, len(blocks) - len(fresh),
+                                   len(loaded))
         return [b.block_id for b in blocks[start:]]  # hit blocks already out of the window: the null block
 
-    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def _register_full_blocks(self, request: Request, num_tokens: int, loaded_from: int = 0, num_loaded: int = 0) -> None:
         """Blocks that will be full once this step runs become findable by content. Their tokens are known now:
-        a step computes only tokens that are already in the request."""
+        a step computes only tokens that are already in the request. The disk tier writes the new ones, except the
+        blocks [loaded_from, loaded_from + num_loaded) it is reading back."""
         if not self.pool.enable_caching:
             return
         num_tokens = min(num_tokens, request.num_tokens)  # speculative drafts are not known tokens: never hashed
@@ -131,6 +151,10 @@ class KVCacheManager:
             keys.append(key)
             if blocks[i] is not self.null_block:  # a block that left the window is released, not registered
                 self.pool.register(blocks[i], key)
+                retain(self.pool, blocks[i], request, i, self.block_size)
+            if self.tier is not None and blocks[i].key is key:  # registered here, not a private duplicate
+                digest = self.tier.digests(request, keys)[i]
+                self.tier.registered(request, i, blocks[i].block_id, digest, 0 <= i - loaded_from < num_loaded)
 
     # ---- sliding window -------------------------------------------------------------------------------------
     def _num_out_of_window(self, request: Request) -> int:
@@ -178,6 +202,8 @@ class KVCacheManager:
         self.req_first_live.pop(request.request_id, None)
         self.pool.release(blocks[::-1])
         self.req_keys.pop(request.request_id, None)
+        if self.tier is not None:
+            self.tier.forget(request.request_id)
         self.host_pool.release(self.req_host_blocks.pop(request.request_id, []))
 
     # ---- swap -----------------------------------------------------------------------------------------------

@@ -48,6 +48,10 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # speculative method draft_model: how many tokens the draft model proposes, after this step, for the next one
     num_draft_tokens: int = 0
+    # the disk tier (core/kv_offload.py): (block id, checked payload) copied into the pool before the forward pass;
+    # blocks the step fills that the worker copies after it and writes to the tier off the step path
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_saves: list = field(default_factory=list)  # of core.kv_offload.TierSave
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -39,12 +39,7 @@ from batchserve.config import (
 from batchserve.core.capacity import CapacityPolicy
 from batchserve.core.kv_cache_manager import KVCacheManager, PrefixHit
 from batchserve.core.long_context import draft_room, mark_if_long, outgrew_short_context, start_over
-from batchserve.core.outputs import (
-    ModelOutput,
-    RequestOutput,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from batchserve.core.outputs import ModelOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from batchserve.core.prefill_limits import PrefillLimits
 from batchserve.core.request_queue import DemotingQueue, make_request_queue
 from batchserve.core.scheduler_stats import scheduler_stats
@@ -162,6 +157,7 @@ class Scheduler:
         step = StepBuilder(self.config.max_num_tokens, PrefillLimits.of(self.config))
         step.output.finished_req_ids, self._forget = self._forget, set()
         policy = self.config.scheduler_policy
+        self.kv.waiting_needs.update(self.kv, self.waiting)  # eviction passes over what they will hit
         if len(self.waiting) and (self._num_with_deadline or self.slo.mode != SloAdmission.OFF):
             self._review_waiting()
         if policy == SchedulerPolicy.STATIC and not self.running:
@@ -184,6 +180,8 @@ class Scheduler:
         self._forget = set()
         if self.speculation is not None:
             step.output.num_draft_tokens = self.speculation.num_model_drafts(len(self.running))
+        if self.kv.tier is not None:  # the disk tier's reads and writes ride with the step (core/kv_offload.py)
+            step.output.kv_loads, step.output.kv_saves = self.kv.tier.take_step_io()
         self.last_step = step
         return step.output
 
@@ -264,10 +262,10 @@ class Scheduler:
         return min(remaining, budget)
 
     def _pick_victim(self, request: Request) -> Request | None:
-        """Whom to preempt so that `request` gets its blocks: it or a request after it (those before it are in
-        this step already). Pinned requests (preempted max_preemptions_per_request times) are passed over; under
-        slo_admission the one with the most slack goes (ties: the lowest-ranked), else the lowest-ranked. None:
-        only pinned ones are left after it, so it waits (_break_stall if nothing at all can run)."""
+        """Whom to preempt so that `request` gets its blocks: it or a request after it (those before it are in this step
+        already). Pinned requests (preempted max_preemptions_per_request times) are passed over; under slo_admission
+        the one with the most slack goes (ties: the lowest-ranked), else the lowest-ranked. None: only pinned ones are
+        left after it, so it waits (_break_stall if nothing at all can run)."""
         after = self.running[self.running.index(request) :]
         candidates = [r for r in after if not self.capacity.is_pinned(r)]
         if not candidates:

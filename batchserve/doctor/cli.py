@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--profile", default=None, help="a step-time profile for predictions (default: fitted to the observed steps)"
     )
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="the TTFT target goodput is judged by (default: the server's ttft_slo_ms)")  # fmt: skip
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="the TPOT target goodput is judged by (default: the server's tpot_slo_ms)")  # fmt: skip
     p.add_argument("--no-simulate", action="store_true", help="findings without the simulator's predictions")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     return p
@@ -47,6 +51,11 @@ def observe(args: argparse.Namespace) -> Observation:
     for item in args.set:
         key, _, value = item.partition("=")
         obs.config[key.strip()] = value.strip()
+    for key, value in (("ttft_slo_ms", args.slo_ttft_ms), ("tpot_slo_ms", args.slo_tpot_ms)):
+        if value is not None:
+            if not value > 0:
+                raise SourceError(f"--slo-{key[:4]}-ms must be > 0, got {value:g}")
+            obs.config[key] = value
     return obs
 
 

@@ -4,12 +4,13 @@ observed steps (a fixed cost per step, per token, per sequence), or taken from a
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchserve.bench.arrivals import ArrivalProcess
-from batchserve.bench.metrics import summarize
+from batchserve.bench.metrics import SLO, summarize
 from batchserve.bench.workloads import BenchRequest
 from batchserve.config import EngineConfig
 from batchserve.doctor.observe import Observation
@@ -22,7 +23,9 @@ from batchserve.simulator.step_model import LinearStepModel, StepTimeModel, fit_
 
 # the knobs a prediction carries over from the server's effective configuration
 SCHEDULING_KNOBS = ("max_batch_size", "max_num_tokens", "block_size", "num_kv_blocks", "scheduler_policy",
-                    "scheduling_order", "enable_chunked_prefill", "preemption_mode", "max_input_len")  # fmt: skip
+                    "scheduling_order", "enable_chunked_prefill", "preemption_mode", "max_input_len",
+                    "long_prefill_token_threshold", "max_num_partial_prefills", "max_long_partial_prefills",
+                    "ttft_slo_ms", "tpot_slo_ms", "slo_admission")  # fmt: skip
 MAX_REPLAYED = 300  # requests per simulated run: enough for a p99, seconds of simulation
 MIN_STEPS_TO_FIT = 8
 
@@ -39,6 +42,9 @@ class Prediction:
         parts = [f"{knobs}: throughput {_rel(self.before['output_tok_s'], self.after['output_tok_s'])}"]
         for key, label in (("ttft_p99_ms", "TTFT p99"), ("e2e_p99_ms", "e2e p99")):
             parts.append(f"{label} {self.before[key]:.0f} -> {self.after[key]:.0f} ms")
+        if "slo_attainment" in self.before and "slo_attainment" in self.after:
+            parts.append(f"requests meeting the SLO {100 * self.before['slo_attainment']:.0f}% -> "
+                         f"{100 * self.after['slo_attainment']:.0f}%")  # fmt: skip
         if self.before["preemptions"] or self.after["preemptions"]:
             parts.append(f"preemptions {self.before['preemptions']:.0f} -> {self.after['preemptions']:.0f}")
         return ", ".join(parts) + " (predicted by the simulator)"
@@ -77,11 +83,25 @@ def _parse(value: Any) -> Any:
     return value
 
 
+@dataclass
+class BacklogArrivals(ArrivalProcess):
+    """The requests the server already held when the window opened (waiting or running) arrive at once at t=0, the
+    rest at the observed rate after them: a server found backed up starts its replay backed up, so the TTFT it
+    predicts counts the queue, not only the arrivals seen while watching."""
+
+    backlog: int = field(default=0, kw_only=True)
+
+    def offsets(self, n: int, seed: int = 0) -> list[float]:
+        held = min(self.backlog, n)
+        return [0.0] * held + super().offsets(n - held, seed) if n > held else [0.0] * n
+
+
 def replay_requests(obs: Observation, seed: int = 0) -> list[BenchRequest]:
-    """As many requests as arrived in the window (not only those that finished: an overloaded window finishes
-    fewer), their lengths drawn from the finished ones'; at most MAX_REPLAYED."""
+    """The backlog the window opened with, then as many requests as arrived in the window (not only those that
+    finished: an overloaded window finishes fewer), their lengths drawn from the finished ones'; at most
+    MAX_REPLAYED."""
     rng = random.Random(seed)
-    arrived = round(obs.arrival_rate * obs.duration_s)
+    arrived = round(obs.arrival_rate * obs.duration_s) + obs.in_flight_start
     count = min(MAX_REPLAYED, max(len(obs.requests), arrived))
     picked = [obs.requests[i % len(obs.requests)] for i in range(len(obs.requests))]
     picked += [rng.choice(obs.requests) for _ in range(count - len(picked))]
@@ -107,14 +127,26 @@ def simulate(obs: Observation, model: StepTimeModel, change: dict[str, Any], see
     router = make_router("least-loaded" if replicas > 1 else "round-robin", replicas, config.cache.block_size, blocks)
     cluster = Cluster(engines, router)
     rate = obs.arrival_rate if obs.arrival_rate > 0 else float("inf")
-    result = cluster.run(replay_requests(obs, seed), ArrivalProcess(request_rate=rate), seed=seed)
-    summary = summarize(result.trace.requests, result.trace.meta["duration_s"])
-    return {
+    arrivals = BacklogArrivals(request_rate=rate, backlog=obs.in_flight_start)
+    result = cluster.run(replay_requests(obs, seed), arrivals, seed=seed)
+    slo = slo_of(config)
+    summary = summarize(result.trace.requests, result.trace.meta["duration_s"], slo)
+    outcome = {
         "output_tok_s": summary["output_throughput"],
         "ttft_p99_ms": summary["ttft_ms"]["p99"] or 0.0,
         "e2e_p99_ms": summary["e2e_ms"]["p99"] or 0.0,
         "preemptions": float(sum(r.num_preemptions or 0 for r in result.trace.requests)),
     }
+    if slo is not None:  # requests refused by SLO admission count as missed: goodput is over all that arrived
+        outcome["slo_attainment"] = summary["slo_attainment"]
+    return outcome
+
+
+def slo_of(config: EngineConfig) -> SLO | None:
+    ttft, tpot = config.scheduler.ttft_slo_ms, config.scheduler.tpot_slo_ms
+    if not ttft and not tpot:
+        return None
+    return SLO(ttft / 1000 if ttft else math.inf, tpot / 1000 if tpot else math.inf)
 
 
 def predict(obs: Observation, change: dict[str, Any], model: StepTimeModel | None = None) -> Prediction | None:

@@ -7,6 +7,7 @@ The rules and what they read:
   kv_full             KV usage at its limit while the token budget is not (fragmentation: smaller blocks)
   long_prompts        a few very slow requests: long prompts hold the window
   preemption_thrash   requests are preempted and recomputed over and over
+  goodput_falls       too few requests meet the service-level targets: the knob for the kind of miss (goodput.py)
 A window where the device idles with an empty queue yields a note, not a finding: arrivals, not the engine, bound it.
 """
 
@@ -17,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchserve.doctor import goodput
 from batchserve.doctor.observe import Observation
-from batchserve.doctor.predict import Prediction, predict
+from batchserve.doctor.predict import Prediction, predict, step_model_of
 from batchserve.simulator.step_model import StepTimeModel
 
 MIN_STEPS = 20  # fewer steps than this in the window: too little to judge the batch
@@ -66,6 +68,9 @@ def diagnose(obs: Observation, model: StepTimeModel | None = None, simulate: boo
         finding = rule(obs, predictor)
         if finding is not None:
             result.findings.append(finding)
+    finding = goodput_falls(obs, predictor, model or step_model_of(obs))
+    if finding is not None:
+        result.findings.append(finding)
     note = idle_with_empty_queue(obs)
     if note and not result.findings:
         result.notes.append(note)
@@ -232,3 +237,35 @@ def idle_with_empty_queue(obs: Observation) -> str | None:
         return (f"the device was busy {100 * obs.busy_share:.0f}% of the window and the waiting queue was empty: "
                 f"throughput is bound by the arrivals ({obs.arrival_rate:.2f} requests/s), not by the engine")  # fmt: skip
     return None
+
+
+def goodput_falls(obs: Observation, predictor: Predictor, model: StepTimeModel | None) -> Finding | None:
+    targets = goodput.targets_of(obs)
+    if targets is None or len(obs.requests) < goodput.MIN_REQUESTS:
+        return None
+    misses = goodput.count_misses(obs, targets)
+    if misses.attainment >= goodput.GOODPUT_TARGET:
+        return None
+    evidence = [
+        f"{misses.met} of {misses.total} requests ({100 * misses.attainment:.0f}%) met {targets.describe()}: "
+        f"{misses.ttft} missed the TTFT target, {misses.tpot} the TPOT target",
+    ]
+    budget = goodput.prefill_budget(model, obs, targets.tpot_s) if targets.tpot_s else None
+    mixed = goodput.long_chunk_steps(obs, budget) if budget else 0
+    if misses.tpot >= misses.ttft and budget and mixed >= goodput.LONG_CHUNK_SHARE * len(obs.steps):
+        evidence.append(f"in {mixed} of {len(obs.steps)} steps the decodes shared the step with more than {budget} "
+                        "prompt tokens, the most a step can carry and stay inside the TPOT target")  # fmt: skip
+        change = {"long_prefill_token_threshold": budget, "max_long_partial_prefills": 1}
+        text = (f"isolate long prompts: long_prefill_token_threshold {budget} and max_long_partial_prefills 1 (a "
+                "long prompt is prefilled in chunks the running decodes can absorb)")  # fmt: skip
+    elif misses.ttft and _waiting_steps(obs):
+        evidence.append(f"requests waited in {100 * len(_waiting_steps(obs)) / max(1, len(obs.steps)):.0f}% of the "
+                        "steps: the late ones were served in arrival order behind requests already late")  # fmt: skip
+        change = {"slo_admission": "deprioritize"}
+        text = ("SLO-aware admission: slo_admission deprioritize (requests that can still meet the TTFT target go "
+                "first), or refuse (a 503 with Retry-After for the ones that cannot, for clients that retry "
+                "elsewhere); past that, more capacity")  # fmt: skip
+    else:
+        return None
+    return Finding("goodput_falls", "goodput falls: too few requests meet the service-level targets", evidence, text,
+                   predictor(obs, change))  # fmt: skip

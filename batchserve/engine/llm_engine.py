@@ -138,6 +138,11 @@ class LLMEngine:
             sliding_window=model_config.sliding_window,  # set only when every layer is windowed (ModelConfig)
             long_context_from=model_config.long_context_from,
         )
+        self.kv_tier = None  # the disk tier under the pool (docs/kv-offload.md), for a runner with a real KV cache
+        if config.cache.kv_offload_dir and hasattr(runner, "kv_cache"):
+            from batchserve.worker.kv_offload import attach_tier
+
+            self.kv_tier = attach_tier(config, runner, self.scheduler.kv)
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[RequestOutput] = []  # finished outside a step (aborts), reported at the next step
@@ -262,6 +267,8 @@ class LLMEngine:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        if self.kv_tier is not None:
+            self.kv_tier.close()
 
     # ---- one step -----------------------------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:

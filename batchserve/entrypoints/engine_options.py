@@ -105,6 +105,9 @@ HELP: dict[str, str] = {
     "enable_prefix_caching": "share full KV blocks between requests with a common prefix",
     "swap_space_gb": "host memory for swapped-out KV blocks, GiB (preemption_mode swap)",
     "num_swap_blocks": "host swap pool size in blocks (default: from swap_space_gb)",
+    "kv_offload_dir": "a directory for the disk KV tier: full prefix blocks evicted from the pool are read back from "
+    "it instead of recomputed, across restarts and by replicas sharing it (docs/kv-offload.md; default: off)",
+    "kv_offload_max_bytes": "the disk KV tier's size cap in bytes, least valuable blocks deleted first (default: 16 GiB)",
 }
 
 # vLLM's and torch's short names for our dtypes

@@ -17,6 +17,7 @@ from batchserve.core.outputs import SchedulerStats
 from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.engine.outputs import CompletionDelta
+from batchserve.serving.kv_tier_metrics import register_tier_metrics
 
 PREFIX = "batchserve:"
 STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")  # the fields of StepTimings, without "_s"
@@ -142,6 +143,7 @@ class EngineMetrics:
         self.kv_cache_blocks_total.set(engine.engine.runner.num_kv_blocks)
         for rule in engine.engine.modes.fallback_names:
             self.mode_fallback.labels(self.model_name, rule).set(1)
+        register_tier_metrics(self.registry, self.model_name, engine.engine)
         engine.step_listeners.append(self._on_step)
         return self
 

@@ -40,8 +40,12 @@ class TimedRunner:
         if self.recorded is not None:
             self.recorded.append(out)
         self.last_shape = shape_of(out, self.scheduler, sampled)
+        tier = self.scheduler.kv.tier  # simulator/kv_tier.py: reads cost the step that loads them, writes are free
+        for save in out.kv_saves if tier is not None else ():
+            tier.store.put(save.digest)
         if not out.is_empty:
             seconds = self.step_model.predict(self.last_shape)
+            seconds += len(out.kv_loads) * tier.store.read_s_per_block if tier is not None else 0.0
             self.last_timings = RunnerTimings(forward_s=seconds)
             self.busy_s += seconds
             self.clock.advance(seconds)

@@ -25,6 +25,7 @@ from batchserve.worker.kv_cache import (
     num_swap_blocks_for_budget,
     pool_dtype,
 )
+from batchserve.worker.kv_offload import BlockWriter, load_blocks
 from batchserve.worker.prompt_logprobs import PromptLogprobs
 from batchserve.worker.sampler import Sampler, SamplingMetadata
 from batchserve.worker.speculative import draft_hidden_rows, stage_drafts, unstage_drafts, verify
@@ -84,6 +85,7 @@ class ModelRunner:
         self.draft: DraftModelProposer | None = None  # speculative method draft_model (engine/startup.py)
         self.modes: ModeDecision | None = None  # the mode table's decision, made before loading (engine/startup.py)
         self.pooler: Pooler | None = None  # a pooling runner's (engine/startup.py, worker/pooler.py)
+        self.offload: BlockWriter | None = None  # the disk tier's writer (worker/kv_offload.py), when it is on
 
     def resize_kv_cache(self, num_blocks: int, keep_block_ids: Sequence[int]) -> None:
         """Grow the device pool to num_blocks (at most max_kv_blocks), between steps. keep_block_ids: the blocks
@@ -120,12 +122,16 @@ class ModelRunner:
     def close(self) -> None:
         """Stop what runs beside the steps (the grammar masks' worker thread); the tensors go with the runner."""
         self.structured_outputs.close()
+        if self.offload is not None:
+            self.offload.close()
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         output = self._execute(scheduler_output)
         if self.pooler is not None:
             output.pooled = self.pooler.take_outputs()
+        if scheduler_output.kv_saves and self.offload is not None:  # blocks this step filled, copied for the tier
+            self.offload.save(self.kv_cache, scheduler_output.kv_saves)
         if self.draft is not None and scheduler_output.num_draft_tokens > 0 and output.req_ids:
             start = time.perf_counter()
             output.draft_token_ids = self._propose_drafts(output.req_ids, scheduler_output.num_draft_tokens)
@@ -144,6 +150,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.kv_cache.swap_out(scheduler_output.blocks_to_swap_out)
         self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
+        load_blocks(self.kv_cache, scheduler_output.kv_loads)  # blocks read back from the disk tier
         self.requests.apply(scheduler_output)
         self._track_constraints(scheduler_output)
         self.prompt_logprobs.follow(scheduler_output.new_requests, scheduler_output.finished_req_ids)

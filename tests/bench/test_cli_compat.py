@@ -13,6 +13,7 @@ import pytest
 
 from batchserve.bench import cli, offline
 from batchserve.bench.partial import ResultLog
+from batchserve.bench.trace import RunTrace
 from tests.server.fakes import fake_engine
 from tests.server.live import start_server
 
@@ -117,3 +118,28 @@ def test_an_interrupted_run_writes_what_finished(fake_build, tmp_path, capsys, m
     assert summary["interrupted"] and 5 <= summary["runs"]["max_utilization"]["completed"] < 40
     assert len((run_dir / "requests.jsonl").read_text().splitlines()) == summary["runs"]["max_utilization"]["completed"]
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_an_interrupted_lockstep_run_keeps_its_own_clock(fake_build, tmp_path, monkeypatch):
+    """--compare-static runs each policy on a busy clock of its own: the cut-short traces must be timed on it, or
+    every token falls outside the throughput chart's axis (an empty PNG)."""
+    add = ResultLog.add
+
+    def add_then_sigterm(self, label, result):
+        add(self, label, result)
+        if sum(map(len, self.results.values())) == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(ResultLog, "add", add_then_sigterm)
+    rc = cli.main(["--offline", "--compare-static", "--num-requests", "40", "--input-len", "4", "--output-len", "6",
+                   "--max-batch-size", "2", "--no-progress", "--output-dir", str(tmp_path),
+                   "--warmup-requests", "0"])  # fmt: skip
+    assert rc == 130
+    run_dir = _run_dir(tmp_path)
+    traces = [RunTrace.load_json(p) for p in run_dir.glob("trace-*.json") if "perfetto" not in p.name]
+    assert traces and any(t.requests for t in traces)
+    for trace in traces:
+        duration = trace.meta["duration_s"]
+        stamps = [t - trace.t0 for r in trace.requests for t in r.token_times]
+        assert stamps and all(0 <= s <= duration + 1e-6 for s in stamps), (trace.label, duration, stamps[:3])
+    assert list(run_dir.glob("throughput-*.png"))

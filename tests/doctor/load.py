@@ -4,6 +4,7 @@ server attaches it, and requests sent on a schedule from a thread while doctor w
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -58,3 +59,34 @@ async def _one(engine: AsyncLLMEngine, request_id: str, send: Send) -> None:
     params = SamplingParams(max_tokens=send.max_tokens, ignore_eos=True)
     async for _ in engine.generate(prompt, params, request_id=request_id):
         pass
+
+
+def observe_closed_loop(clients: int, warmup_s: float, window_s: float, prompt_len: int, max_tokens: int,
+                        delay_s: float = 0.004, **options: Any) -> Observation:  # fmt: skip
+    """`clients` that each send a request as soon as their last one finished, already running for `warmup_s` when
+    the watch starts: the server is found with its backlog, as a user finds it when they reach for doctor."""
+    engine = AsyncLLMEngine(fake_engine(delay_s=delay_s, **options))
+    live = LiveStats().attach(engine)
+    engine.start()
+    stop = threading.Event()
+    thread = threading.Thread(target=asyncio.run, args=(_loop_all(engine, clients, prompt_len, max_tokens, stop),),
+                              daemon=True)  # fmt: skip
+    try:
+        thread.start()
+        stop.wait(warmup_s)
+        return watch(lambda since, after: live.snapshot(since, True, after), window_s)
+    finally:
+        stop.set()
+        thread.join(60)
+        engine.shutdown(drain=False)
+
+
+async def _loop_all(engine: AsyncLLMEngine, clients: int, prompt_len: int, max_tokens: int,
+                    stop: threading.Event) -> None:  # fmt: skip
+    async def client(k: int) -> None:
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            await _one(engine, f"c{k}-{i}", Send(0.0, prompt_len, max_tokens))
+
+    await asyncio.gather(*(client(k) for k in range(clients)), return_exceptions=True)

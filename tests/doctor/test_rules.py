@@ -7,7 +7,7 @@ import pytest
 
 from batchserve.doctor.observe import Finished, Observation, Step
 from batchserve.doctor.rules import diagnose
-from tests.doctor.load import Send, observe_load, steady
+from tests.doctor.load import Send, observe_closed_loop, observe_load, steady
 
 WINDOW_S = 1.5
 
@@ -104,3 +104,18 @@ def test_a_queue_growing_with_nothing_finished_still_exceeds_capacity():
     finding = next(f for f in diagnose(obs).findings if f.rule == "arrivals_exceed")
     assert "3.00 requests/s arrived, none finished in 20 s" in finding.evidence[0]
     assert "--replicas 2" in finding.change and finding.prediction is None
+
+
+def test_a_backlog_found_at_the_start_is_in_the_prediction():
+    """16 clients in a closed loop against max_batch_size 2, queued before doctor looks: the predicted TTFT p99 (as
+    configured, and with the suggested max_batch_size) is within 2x of what the server measures in each setting."""
+    load = dict(clients=16, warmup_s=1.0, window_s=WINDOW_S, prompt_len=16, max_tokens=8, max_num_tokens=256)
+    obs = observe_closed_loop(max_batch_size=2, **load)
+    assert obs.waiting_start >= 8, "the window opens on a backlog"
+    finding = next(f for f in diagnose(obs).findings if f.rule == "queue_backed_up")
+    prediction = finding.prediction
+    suggested = prediction.change["max_batch_size"]
+    after = observe_closed_loop(max_batch_size=suggested, **load)
+    for predicted, measured in ((prediction.before, obs), (prediction.after, after)):
+        real_ms = 1000 * measured.latency("ttft_s", 0.99)
+        assert real_ms / 2 <= predicted["ttft_p99_ms"] <= 2 * real_ms, (predicted["ttft_p99_ms"], real_ms)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,28 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_process():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == kernels.load().__file__
     assert not (directory / "lock").exists()
+
+
+def test_the_precompiled_header_is_the_one_the_build_tool_compiles_with(tmp_path):
+    """precompile() compiles aten_pch.h with the flags torch's build tool then compiles the sources with, so the
+    compiler takes it: here the header's text is an #error once precompiled, and the build must still pass (with
+    -Werror=invalid-pch, a precompiled header the compiler refuses fails the build instead of being skipped)."""
+    from torch.utils import cpp_extension
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None or not cpp_extension.is_ninja_available():
+        pytest.skip("no C++ compiler or ninja here")
+    source = tmp_path / "src" / "probe.cpp"
+    source.parent.mkdir()
+    header = source.with_name(build.PCH_HEADER)
+    header.write_text("#pragma once\n#include <c10/util/Half.h>\n")  # light: the test is about the flags
+    source.write_text('#include "aten_pch.h"\nfloat probe(float x) { return static_cast<float>(c10::Half(x)); }\n')
+    cflags = (*kernels.CFLAGS, "-Werror=invalid-pch")
+    with build.interpreter_tools_first():
+        build.precompile(tmp_path, "probe", (source,), cflags, start=0.0)
+        assert header.with_name(f"{build.PCH_HEADER}.gch").exists()
+        header.write_text('#error "parsed as text: the precompiled header was not taken"\n')
+        cpp_extension.load(
+            name="probe", sources=[str(source)], extra_cflags=list(cflags), extra_ldflags=build.LDFLAGS,
+            build_directory=str(tmp_path), is_python_module=False, verbose=False,
+        )  # fmt: skip
+    assert (tmp_path / "probe.so").exists()

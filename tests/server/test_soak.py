@@ -14,7 +14,10 @@ def test_a_short_soak_leaves_nothing_behind():
     # a gross leak check only (benchmarks/soak.py runs the hour): this early RSS is still filling (allocator, oneDNN
     # and kernel caches; docs/BENCHMARKS.md has the hour's figures). A count of requests, not a duration, so that a
     # busy host stretches the soak instead of thinning it below what the counts below need.
-    options = SoakOptions(num_requests=60, rounds=2, duration_s=300, seed=7, max_rss_growth_mb=400, rss_sample_every=20)
+    # Replies of at most 24 tokens: the checks below count requests, aborts and blocks, not the length of the replies.
+    options = SoakOptions(
+        num_requests=60, rounds=2, duration_s=300, seed=7, max_rss_growth_mb=400, rss_sample_every=20, max_tokens=24
+    )
     report = run_soak(options)
     print(format_report(report))
     assert report.failures == []

@@ -51,7 +51,24 @@ def sampling_params(message: pb.SamplingParams, default_max_tokens: int) -> Samp
     if message.logit_bias:  # only when given: the engine's other callers need not know the field
         options["logit_bias"] = dict(message.logit_bias)
     options["structured_outputs"] = _constraint(message)
+    if message.HasField("kv_retention"):
+        options["kv_retention"] = _retention(message.kv_retention)
     return SamplingParams(**options)
+
+
+def _retention(message: pb.KVRetention) -> dict[str, Any]:
+    """As the HTTP server's kv_retention object: SamplingParams checks both alike."""
+    ranges = [
+        {"token_start": r.token_start, "priority": r.priority}
+        | ({"token_end": r.token_end} if r.HasField("token_end") else {})
+        | ({"duration_s": r.duration_s} if r.HasField("duration_s") else {})
+        for r in message.token_ranges
+    ]
+    value: dict[str, Any] = {"token_ranges": ranges}
+    for name in ("decode_priority", "decode_duration_s"):
+        if message.HasField(name):
+            value[name] = getattr(message, name)
+    return value
 
 
 def _constraint(message: pb.SamplingParams):

@@ -84,6 +84,9 @@ class SamplingRequest(RequestBody):
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     deadline: float | None = None  # Unix seconds
+    # KV retention by token range (batchserve/kv_retention.py: TensorRT-LLM's KvCacheRetentionConfig shape; its field
+    # names token_range_retention_configs and duration_ms are read too); checked by SamplingParams, 400 naming the field
+    kv_retention: dict[str, Any] | None = None
     # token id (a JSON key, so a string) -> bias added to its logit
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     # structured outputs: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs object
@@ -132,6 +135,7 @@ class SamplingRequest(RequestBody):
             "ttft_slo_ms",
             "tpot_slo_ms",
             "deadline",
+            "kv_retention",
         ):
             value = getattr(self, name)
             if value is not None:

@@ -33,7 +33,7 @@ _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the fused norm, RoPE, SwiGLU and K/V store kernels take
 
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-Winvalid-pch"]
 
 
 @functools.cache

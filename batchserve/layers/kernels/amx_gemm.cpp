@@ -19,6 +19,8 @@
 // The tile operations sit behind a backend (amx_tiles.h): AmxTiles issues them, EmulatedTiles runs the same ones in
 // scalar code, so the packing, blocking, row tails and output rounding are tested on any CPU
 // (BATCHSERVE_GEMM_PATH=amx_emulated).
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 

@@ -7,6 +7,8 @@
 // of 12 rows laid out [K / 2][rows] of pairs, each broadcast once per pair. An output element is the sum over k-pairs
 // in increasing k, one vdpbf16ps per pair, whatever the row block, the row chunk, the K slice (accumulators stored
 // and reloaded exactly) or the thread: threads split the panels, never K.
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include "isa.h"
 
 #include <ATen/ATen.h>

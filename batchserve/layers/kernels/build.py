@@ -9,8 +9,10 @@ a non-activated venv build once between them.
 
 Only the sources this CPU runs are compiled (sources_for: the AVX-512 attention files where the CPU has AVX-512), and
 while a build runs each finished object is logged with its count ("[5/21] decode_avx2.o, 41 s"), so a first build shows
-its progress. The torch build tool runs (CPU count + 2) compilers at once; the files are split so that the slow ones
-(the three that include pybind11) start first and overlap with the rest.
+its progress. Torch's headers are most of a file's compile time: one file includes <torch/extension.h> (pybind11,
+bindings.cpp), the files that use ATen include aten_pch.h first, which is compiled once into a precompiled header
+before the build tool starts (precompile), and the attention kernels include neither. The torch build tool runs
+(CPU count + 2) compilers at once; the slowest file (the bindings) is handed to it first.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -45,8 +48,10 @@ ISA_ONLY_SOURCES = {
     "prefill_avx512.cpp": "avx512f",
     "prefill_avx512_bf16.cpp": "avx512f",
 }
-# The translation units that include pybind11 (bindings.h): the slowest to compile, handed to the build tool first
-BINDING_SOURCES = ("bindings.cpp", "quant_projection.cpp", "decoder_loop.cpp")
+# The translation unit that includes pybind11: the slowest to compile, handed to the build tool first
+BINDING_SOURCES = ("bindings.cpp",)
+# The header of torch's headers that the ATen-using files include first, precompiled once per build (precompile)
+PCH_HEADER = "aten_pch.h"
 
 
 def sources_for(sources: list[Path], cpu_flags: str) -> list[Path]:
@@ -130,6 +135,51 @@ def _copied_sources(directory: Path, sources: tuple[Path, ...], headers: tuple[P
     return tuple(copies / path.name for path in sources)
 
 
+def compile_flags(directory: Path, name: str, sources: tuple[Path, ...], cflags: tuple[str, ...]) -> list[str] | None:
+    """The compiler and flags the build tool will compile `sources` with, as torch writes them into its build file
+    (written here to a file of our own by the same torch function that load() calls), or None where this torch has no
+    such function or it cannot be called so."""
+    from torch.utils import cpp_extension
+
+    path = directory / "flags.ninja"
+    try:
+        cpp_extension._write_ninja_file_to_build_library(
+            path=str(path), name=name, sources=[str(p) for p in sources], extra_cflags=list(cflags),
+            extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=list(LDFLAGS), extra_include_paths=[],
+            with_cuda=False, with_sycl=False, is_standalone=False,
+        )  # fmt: skip
+    except (AttributeError, TypeError) as error:
+        logger.info("no precompiled header for the native CPU kernels: %s", error)
+        return None
+    values = dict(line.split(" = ", 1) for line in path.read_text().splitlines() if " = " in line)
+    path.unlink()
+    if "cxx" not in values or "cflags" not in values:
+        return None
+    return [*shlex.split(values["cxx"]), *shlex.split(values["cflags"]), *shlex.split(values.get("post_cflags", ""))]
+
+
+def precompile(directory: Path, name: str, sources: tuple[Path, ...], cflags: tuple[str, ...], start: float) -> None:
+    """aten_pch.h (beside the copied sources) compiled into aten_pch.h.gch with the flags the build tool then compiles
+    the sources with: the compiler takes a precompiled header only when its flags match, and parses the header as text
+    otherwise (a slower build, the same objects). Skipped where the header is not among the sources' headers, the flags
+    cannot be known or the compile fails: each then only costs the time saved."""
+    header = sources[0].parent / PCH_HEADER
+    target = header.with_name(f"{PCH_HEADER}.gch")
+    flags = compile_flags(directory, name, sources, cflags) if header.exists() else None
+    if flags is None or target.exists():
+        return
+    partial = target.with_name(f"{target.name}.partial")  # renamed once whole: a killed compile leaves no bad header
+    command = [*flags, "-x", "c++-header", str(header), "-o", str(partial)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        logger.warning("precompiling %s failed, building without it: %s", PCH_HEADER, result.stderr[-2000:])
+        partial.unlink(missing_ok=True)
+        return
+    os.replace(partial, target)
+    logger.warning("[0/%d] %s.gch (torch's headers, precompiled), %.0f s", len(sources), PCH_HEADER,
+                   time.perf_counter() - start)  # fmt: skip
+
+
 @contextmanager
 def _exclusive(directory: Path) -> Iterator[None]:
     """One process at a time builds or loads in `directory`, by a lock the kernel drops when its holder dies. torch's
@@ -155,6 +205,8 @@ def _load(directory: Path, name: str, sources: tuple[Path, ...], cflags: tuple[s
             "building the native CPU kernels into %s (once for this CPU, compiler and torch; minutes)", directory
         )
     start = time.perf_counter()
+    if not built:
+        precompile(directory, name, sources, cflags, start)
     with _progress_logged(directory, sources, start, quiet=built):
         module = load_extension(
             name=name,
@@ -166,6 +218,8 @@ def _load(directory: Path, name: str, sources: tuple[Path, ...], cflags: tuple[s
         )
     if not built:
         logger.warning("built the native CPU kernels in %.0f s", time.perf_counter() - start)
+        # a key's library is loaded without the build tool from now on: the precompiled header (~100 MB) is not read
+        (sources[0].parent / f"{PCH_HEADER}.gch").unlink(missing_ok=True)
     return module
 
 

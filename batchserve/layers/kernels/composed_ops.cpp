@@ -2,15 +2,12 @@
 // layers/activation.py), written here as the same ATen calls in the same order on the same tensors, so that the native
 // decoder loop (decoder_loop.cpp) computes what those layers compute, bit for bit (tests/models/test_decoder_loop.py).
 // A change to either side is a change to both.
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include <algorithm>
 #include <limits>
 #include <tuple>
 #include <vector>
-
-namespace pybind11 {  // layer_ops.h names it for its register_* functions; this file registers nothing
-class module_;
-using module = module_;
-}  // namespace pybind11
 
 #include "layer_ops.h"
 

@@ -5,6 +5,8 @@
 // sizes 32 / 64 / 128; on portable (and other head sizes) plain C++ loops that the build's -march=native vectorises. Registered as a torch op
 // (torch.ops.batchserve_kv_quant.paged_decode)
 // so that it needs no entry in bindings.cpp.
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include "isa.h"
 
 #include <ATen/Parallel.h>

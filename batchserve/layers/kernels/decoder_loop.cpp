@@ -4,19 +4,16 @@
 // MoE routing and GeGLU as the same ATen calls: composed_ops.cpp), in the same order on the same tensors, so its output
 // is bit for bit theirs. What it saves is the interpreter: some twenty Python-level calls a layer, which add up over a
 // model's layers at every step.
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
-#include <torch/extension.h>  // pybind11: this file registers its classes
-
-#include "layer_ops.h"
+#include "decoder_loop.h"
 
 namespace {
-
-// layers/op_plan.py OpKind, one for one; the arguments each takes are listed there.
-enum class OpKind { kResidualNorm, kNorm, kQkv, kQkNorm, kRope, kAttention, kOProj, kSwigluMlp, kGegluMlp, kMoeMlp };
 
 // The op kinds this loop runs, by their OpKind values, with the (tensors, projections, ints, floats) each takes
 // (-1: any number). The Python side reads the names (DecoderLoop.op_kinds) and runs a model here only if its plan
@@ -38,18 +35,6 @@ const std::vector<KindInfo> kOpKinds = {
     {"swiglu_mlp", OpKind::kSwigluMlp, 0, 2, 0, 0},  // gate/up, down
     {"geglu_mlp", OpKind::kGegluMlp, 0, 2, 0, 0},    // gate/up, down
     {"moe_mlp", OpKind::kMoeMlp, 1, -1, 2, 0},       // router; each expert's gate/up, down; top k, normalize
-};
-
-// One op as layers/op_plan.py exports it: (kind, tensors, projections, ints, floats)
-using OpSpec = std::tuple<std::string, std::vector<at::Tensor>, std::vector<Projection>, std::vector<int64_t>,
-                          std::vector<double>>;
-
-struct Op {
-  OpKind kind;
-  std::vector<at::Tensor> tensors;
-  std::vector<Projection> projections;
-  std::vector<int64_t> ints;
-  std::vector<double> floats;
 };
 
 Op make_op(OpSpec spec) {
@@ -94,141 +79,128 @@ at::Tensor apply_partial_rope(const at::Tensor& x, const at::Tensor& cos, const 
   return at::cat({apply_rope(x.slice(-1, 0, rot).contiguous(), cos, sin), x.slice(-1, rot)}, -1);
 }
 
-class DecoderLoop {
- public:
-  void add_layer(std::vector<OpSpec> ops) {
-    std::vector<Op> layer;
-    for (auto& spec : ops) layer.push_back(make_op(std::move(spec)));
-    layers_.push_back(std::move(layer));
+// The ops, one by one (the loop's state between them: Registers)
+void run(const Op& op, Registers& r, LayerContext& context);
+
+}  // namespace
+
+void DecoderLoop::add_layer(std::vector<OpSpec> ops) {
+  std::vector<Op> layer;
+  for (auto& spec : ops) layer.push_back(make_op(std::move(spec)));
+  layers_.push_back(std::move(layer));
+}
+
+int64_t DecoderLoop::num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+std::tuple<at::Tensor, at::Tensor> DecoderLoop::forward(at::Tensor x, const std::vector<at::Tensor>& rope,
+                                                        const std::vector<at::Tensor>& key_caches,
+                                                        const std::vector<at::Tensor>& value_caches,
+                                                        const StepAttention& step,
+                                                        const std::vector<at::Tensor>& key_scales,
+                                                        const std::vector<at::Tensor>& value_scales) const {
+  TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
+              "one K and one V cache per layer");
+  const bool quantized = !key_scales.empty();
+  TORCH_CHECK(!quantized || (key_scales.size() == layers_.size() && value_scales.size() == layers_.size()),
+              "a quantized pool: one K and one V scale tensor per layer");
+  Registers r{std::move(x), {}, {}, {}};
+  DecodeWindows windows;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    LayerContext context{key_caches[i],
+                         value_caches[i],
+                         quantized ? c10::optional<at::Tensor>(key_scales[i]) : c10::nullopt,
+                         quantized ? c10::optional<at::Tensor>(value_scales[i]) : c10::nullopt,
+                         step,
+                         rope,
+                         windows};
+    for (const Op& op : layers_[i]) run(op, r, context);
   }
+  return {r.h, r.residual};
+}
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+namespace {
 
-  // x [T, H] (the step's embedded tokens) -> (x, residual) after the last layer, before the final norm. rope: cos, sin
-  // of each table the plan's rope ops name.
-  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, const std::vector<at::Tensor>& rope,
-                                             const std::vector<at::Tensor>& key_caches,
-                                             const std::vector<at::Tensor>& value_caches, const StepAttention& step,
-                                             const std::vector<at::Tensor>& key_scales,
-                                             const std::vector<at::Tensor>& value_scales) const {
-    TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
-                "one K and one V cache per layer");
-    const bool quantized = !key_scales.empty();
-    TORCH_CHECK(!quantized || (key_scales.size() == layers_.size() && value_scales.size() == layers_.size()),
-                "a quantized pool: one K and one V scale tensor per layer");
-    Registers r{std::move(x), {}, {}, {}};
-    DecodeWindows windows;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      LayerContext context{key_caches[i],
-                           value_caches[i],
-                           quantized ? c10::optional<at::Tensor>(key_scales[i]) : c10::nullopt,
-                           quantized ? c10::optional<at::Tensor>(value_scales[i]) : c10::nullopt,
-                           step,
-                           rope,
-                           windows};
-      for (const Op& op : layers_[i]) run(op, r, context);
-    }
-    return {r.h, r.residual};
+// models/llama.py Attention.forward from the split of q and k on; layers/attention.py paged_attention
+at::Tensor attention(const Op& op, const Registers& r, LayerContext& c) {
+  const int64_t tokens = r.qk.size(0), heads = op.ints[0], kv_heads = op.ints[1], head_dim = op.ints[2];
+  const int64_t window = op.ints[3], query_tile = op.ints[4];
+  const double scale = op.floats[0], softcap = op.floats[1];
+  const auto q_k = r.qk.split_with_sizes({heads, kv_heads}, 1);
+  at::Tensor out;
+  if (window > 0 || softcap > 0) {
+    TORCH_CHECK(!c.key_scale.has_value(), "an 8-bit KV cache with sliding-window or soft-capped attention");
+    write_kv_(q_k[1], r.v, c.key_cache, c.value_cache, c.step.slot_mapping);
+    out = windowed_attention(q_k[0], q_k[1], r.v, c.key_cache, c.value_cache, c.step, scale, window, softcap,
+                             query_tile, c.windows);
+  } else {
+    out = paged_attention(q_k[0], q_k[1], r.v, c.key_cache, c.value_cache, c.step, scale, c.key_scale,
+                          c.value_scale);
   }
+  return out.reshape({tokens, heads * head_dim});
+}
 
- private:
-  static void run(const Op& op, Registers& r, LayerContext& context) {
-    const auto& t = op.tensors;
-    const auto& p = op.projections;
-    const auto& n = op.ints;
-    switch (op.kind) {
-      case OpKind::kResidualNorm:  // models/llama.py DecoderLayer: the residual add fused into the norm
-        if (!r.residual.defined()) {
-          r.residual = r.h;
-          r.h = rms_norm(r.h, c10::nullopt, t[0], op.floats[0]);
-        } else {
-          r.h = rms_norm(r.h, r.residual, t[0], op.floats[0]);
-        }
-        return;
-      case OpKind::kNorm:
+void run(const Op& op, Registers& r, LayerContext& context) {
+  const auto& t = op.tensors;
+  const auto& p = op.projections;
+  const auto& n = op.ints;
+  switch (op.kind) {
+    case OpKind::kResidualNorm:  // models/llama.py DecoderLayer: the residual add fused into the norm
+      if (!r.residual.defined()) {
+        r.residual = r.h;
         r.h = rms_norm(r.h, c10::nullopt, t[0], op.floats[0]);
-        return;
-      case OpKind::kQkv: {  // models/llama.py Attention.forward
-        const int64_t tokens = r.h.size(0), heads = n[0], kv_heads = n[1], head_dim = n[2];
-        const auto parts = p[0](r.h).split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
-        r.qk = parts[0].view({tokens, heads + kv_heads, head_dim});
-        r.v = parts[1].view({tokens, kv_heads, head_dim});
-        return;
+      } else {
+        r.h = rms_norm(r.h, r.residual, t[0], op.floats[0]);
       }
-      case OpKind::kQkNorm: {
-        const int64_t tokens = r.qk.size(0), heads = n[0], kv_heads = n[1], head_dim = n[2];
-        const auto q_k = r.qk.split_with_sizes({heads, kv_heads}, 1);
-        const auto q = rms_norm(q_k[0].reshape({-1, head_dim}), c10::nullopt, t[0], op.floats[0])
-                           .view({tokens, heads, head_dim});
-        const auto k = rms_norm(q_k[1].reshape({-1, head_dim}), c10::nullopt, t[1], op.floats[0])
-                           .view({tokens, kv_heads, head_dim});
-        r.qk = at::cat({q, k}, 1);
-        return;
-      }
-      case OpKind::kRope: {
-        const auto& cos = context.rope.at(2 * n[0]);
-        TORCH_CHECK(2 * cos.size(-1) == n[1], "the RoPE table rotates ", 2 * cos.size(-1), " dims, the plan ", n[1]);
-        r.qk = apply_partial_rope(r.qk, cos, context.rope.at(2 * n[0] + 1));
-        return;
-      }
-      case OpKind::kAttention:
-        r.h = attention(op, r, context);
-        return;
-      case OpKind::kOProj:
-        r.h = p[0](r.h);
-        return;
-      case OpKind::kSwigluMlp:  // layers/mlp.py MLP.forward
-        r.h = p[1](p[0].silu_and_mul_of(r.h));
-        return;
-      case OpKind::kGegluMlp:
-        r.h = geglu_mlp(r.h, p[0], p[1]);
-        return;
-      case OpKind::kMoeMlp:
-        r.h = moe_mlp(r.h, t[0], p, n[0], n[1] != 0);
-        return;
+      return;
+    case OpKind::kNorm:
+      r.h = rms_norm(r.h, c10::nullopt, t[0], op.floats[0]);
+      return;
+    case OpKind::kQkv: {  // models/llama.py Attention.forward
+      const int64_t tokens = r.h.size(0), heads = n[0], kv_heads = n[1], head_dim = n[2];
+      const auto parts = p[0](r.h).split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
+      r.qk = parts[0].view({tokens, heads + kv_heads, head_dim});
+      r.v = parts[1].view({tokens, kv_heads, head_dim});
+      return;
     }
-  }
-
-  // models/llama.py Attention.forward from the split of q and k on; layers/attention.py paged_attention
-  static at::Tensor attention(const Op& op, const Registers& r, LayerContext& c) {
-    const int64_t tokens = r.qk.size(0), heads = op.ints[0], kv_heads = op.ints[1], head_dim = op.ints[2];
-    const int64_t window = op.ints[3], query_tile = op.ints[4];
-    const double scale = op.floats[0], softcap = op.floats[1];
-    const auto q_k = r.qk.split_with_sizes({heads, kv_heads}, 1);
-    at::Tensor out;
-    if (window > 0 || softcap > 0) {
-      TORCH_CHECK(!c.key_scale.has_value(), "an 8-bit KV cache with sliding-window or soft-capped attention");
-      write_kv_(q_k[1], r.v, c.key_cache, c.value_cache, c.step.slot_mapping);
-      out = windowed_attention(q_k[0], q_k[1], r.v, c.key_cache, c.value_cache, c.step, scale, window, softcap,
-                               query_tile, c.windows);
-    } else {
-      out = paged_attention(q_k[0], q_k[1], r.v, c.key_cache, c.value_cache, c.step, scale, c.key_scale,
-                            c.value_scale);
+    case OpKind::kQkNorm: {
+      const int64_t tokens = r.qk.size(0), heads = n[0], kv_heads = n[1], head_dim = n[2];
+      const auto q_k = r.qk.split_with_sizes({heads, kv_heads}, 1);
+      const auto q = rms_norm(q_k[0].reshape({-1, head_dim}), c10::nullopt, t[0], op.floats[0])
+                         .view({tokens, heads, head_dim});
+      const auto k = rms_norm(q_k[1].reshape({-1, head_dim}), c10::nullopt, t[1], op.floats[0])
+                         .view({tokens, kv_heads, head_dim});
+      r.qk = at::cat({q, k}, 1);
+      return;
     }
-    return out.reshape({tokens, heads * head_dim});
+    case OpKind::kRope: {
+      const auto& cos = context.rope.at(2 * n[0]);
+      TORCH_CHECK(2 * cos.size(-1) == n[1], "the RoPE table rotates ", 2 * cos.size(-1), " dims, the plan ", n[1]);
+      r.qk = apply_partial_rope(r.qk, cos, context.rope.at(2 * n[0] + 1));
+      return;
+    }
+    case OpKind::kAttention:
+      r.h = attention(op, r, context);
+      return;
+    case OpKind::kOProj:
+      r.h = p[0](r.h);
+      return;
+    case OpKind::kSwigluMlp:  // layers/mlp.py MLP.forward
+      r.h = p[1](p[0].silu_and_mul_of(r.h));
+      return;
+    case OpKind::kGegluMlp:
+      r.h = geglu_mlp(r.h, p[0], p[1]);
+      return;
+    case OpKind::kMoeMlp:
+      r.h = moe_mlp(r.h, t[0], p, n[0], n[1] != 0);
+      return;
   }
+}
 
-  std::vector<std::vector<Op>> layers_;
-};
+}  // namespace
 
-std::vector<std::string> op_kind_names() {
+std::vector<std::string> DecoderLoop::op_kind_names() {
   std::vector<std::string> names;
   for (const auto& info : kOpKinds) names.emplace_back(info.name);
   return names;
 }
 
-}  // namespace
-
-void register_decoder_loop(pybind11::module& m) {
-  namespace py = pybind11;
-  py::class_<DecoderLoop>(m, "DecoderLoop")
-      .def(py::init<>())
-      .def_static("op_kinds", &op_kind_names, "the op kinds the loop runs (layers/op_plan.py OpKind values)")
-      .def("add_layer", &DecoderLoop::add_layer, "one layer's ops: (kind, tensors, projections, ints, floats) each",
-           py::arg("ops"))
-      .def("num_layers", &DecoderLoop::num_layers)
-      .def("forward", &DecoderLoop::forward, "a step's decoder layers -> (x, residual); scales: a quantized pool's",
-           py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("rope"), py::arg("key_caches"),
-           py::arg("value_caches"), py::arg("step"), py::arg("key_scales") = std::vector<at::Tensor>(),
-           py::arg("value_scales") = std::vector<at::Tensor>());
-}

@@ -2,6 +2,8 @@
 // torch ops (and as many temporaries) it replaces. At prefill sizes those torch ops took a large share of a step, at
 // decode sizes their per-op overhead adds up over the layers. Same math as the torch references in batchserve/layers/ (norm.py, mlp.py,
 // rotary.py).
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include "isa.h"
 
 #include <ATen/ATen.h>

@@ -1,6 +1,8 @@
 // A quantized KV pool (kv_cache_dtype "int8" or "fp8_e4m3", layers/kv_quant.py) in the native step: this step's K/V
 // quantized per (token, KV head) and stored at their slots with their scales, by the float32 operations kv_quant.write
 // does in torch (the same codes and scales), and a sequence's blocks read back dequantized for the prefill rows' SDPA.
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include "isa.h"
 
 #include <algorithm>

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -60,6 +61,22 @@ struct StepAttention {
   // per prefill chunk after earlier context (SDPA only): its causal mask shifted by the context; none for a fresh one
   std::vector<c10::optional<at::Tensor>> chunk_masks;
 };
+
+// A StepAttention from the Python side's metadata, checked (quant_projection.cpp); the chunk masks of SDPA prefill
+// made here, once a step.
+StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optional<at::Tensor> decode_block_tables,
+                        c10::optional<at::Tensor> decode_seq_lens, c10::optional<at::Tensor> prefill_block_tables,
+                        c10::optional<at::Tensor> prefill_seq_lens, c10::optional<at::Tensor> prefill_query_starts,
+                        std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, bool native_prefill,
+                        AttentionPath path);
+
+// A weight kept quantized (quant_gemm.h) from its codes, scales and minimums, checked, on `path` ("avx512_vnni",
+// "avx512", "avx2", "portable"), repacked once for W8A8 or AMX where those take it (quant_projection.cpp).
+std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor scales, int64_t bits, int64_t group,
+                                                const std::string& path, int64_t small_max_m,
+                                                c10::optional<at::Tensor> mins = c10::nullopt,
+                                                bool bf16_tiles = false, int64_t act_block = 0,
+                                                int64_t amx_min_m = 0, bool amx_emulated = false);
 
 // A quantized KV pool (kv_cache_dtype "int8" or "fp8_e4m3", layers/kv_quant.py QuantizedKV): int8 or float8 e4m3
 // codes K and V [N, block_size, Hkv, D] and a float32 scale per (slot, KV head) for each [N, block_size, Hkv].

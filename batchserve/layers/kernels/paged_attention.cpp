@@ -2,6 +2,8 @@
 // tensors), then the call handed to the kernel of its instruction-set path (kernels.h AttentionPath):
 //   decode:  decode_avx512_bf16.cpp, decode_avx512.cpp, decode_avx2.cpp, decode_portable.cpp
 //   prefill: prefill_avx512_bf16.cpp, prefill_avx512.cpp (the other paths have no prefill kernel: the torch code runs)
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include "isa.h"
 
 #include <algorithm>

@@ -1,5 +1,7 @@
 // Projection (layer_ops.h): one CpuLinear's GEMM, chosen by the number of rows. The Python layer (layers/linear.py
 // CpuLinear) and the native decoder loop call this same object.
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <string>

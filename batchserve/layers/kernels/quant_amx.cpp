@@ -13,6 +13,8 @@
 // (+ the group's minimum, 8 x the scale added back where the minimum is packed at nibble 8), each in float32 with
 // one rounding (an FMA), then rounded to bf16. The dequantization runs in AVX-512 where the CPU has AVX512-BF16
 // (every AMX CPU), else in the scalar loop that the vector one is tested against.
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include "isa.h"
 
 #include <ATen/ATen.h>

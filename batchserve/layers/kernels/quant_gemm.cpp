@@ -8,6 +8,8 @@
 //
 // One code path per instruction set (AVX-512, AVX2 + FMA, portable), chosen once in Python (kernels.quant_gemm_path)
 // and stored with the weight.
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include "isa.h"
 #include "quant_gemm.h"
 

@@ -22,6 +22,8 @@
 // span) and end exact. Nothing is read per column but the codes and scales: a single row streams the weight's bytes
 // only. A row's result depends only on that row (one order per row, whatever M). Rows go in chunks whose codes stay in
 // L2 while every column block reads them.
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include "isa.h"
 #include "quant_w8a8.h"
 #include "vec_math.h"

@@ -1,5 +1,7 @@
 // W8A8's weight repacked once, at load (quant_w8a8.h's layout): codes moved to vpdpbusd's operand order, scales and
 // minimums per pair of 16-column blocks, in float16 where every value is one.
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include "quant_w8a8.h"
 
 #include <ATen/Parallel.h>

@@ -9,6 +9,8 @@
 //   avx512: 32-column panels, 12-row blocks: 24 zmm accumulators + 2 weight vectors + 1 broadcast (of 32);
 //   avx2:   16-column panels,  6-row blocks: 12 ymm accumulators + 2 weight vectors + 1 broadcast (of 16).
 // Both are built wherever the compiler targets them (-march=native), so an AVX-512 CPU runs and tests both.
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include "isa.h"
 
 #include <ATen/ATen.h>

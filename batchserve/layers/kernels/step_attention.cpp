@@ -1,5 +1,7 @@
 // paged_attention (layer_ops.h): one layer's attention over a step's packed rows. The Python layers
 // (layers/attention.py paged_attention, on the CPU) and the native decoder loop call this same function.
+#include "aten_pch.h"  // first: the precompiled torch headers (build.py)
+
 #include <string>
 
 #include "layer_ops.h"

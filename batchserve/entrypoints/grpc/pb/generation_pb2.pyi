@@ -13,7 +13,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "json_schema", "json_object", "regex", "choice", "grammar", "n", "ttft_slo_ms", "tpot_slo_ms", "deadline")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "json_schema", "json_object", "regex", "choice", "grammar", "n", "ttft_slo_ms", "tpot_slo_ms", "deadline", "kv_retention")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class SamplingParams(_message.Message):
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    KV_RETENTION_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -73,7 +74,30 @@ class SamplingParams(_message.Message):
     ttft_slo_ms: float
     tpot_slo_ms: float
     deadline: float
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., n: _Optional[int] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., deadline: _Optional[float] = ...) -> None: ...
+    kv_retention: KVRetention
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., n: _Optional[int] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., deadline: _Optional[float] = ..., kv_retention: _Optional[_Union[KVRetention, _Mapping]] = ...) -> None: ...
+
+class TokenRangeRetention(_message.Message):
+    __slots__ = ("token_start", "token_end", "priority", "duration_s")
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    token_start: int
+    token_end: int
+    priority: int
+    duration_s: float
+    def __init__(self, token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., priority: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
+class KVRetention(_message.Message):
+    __slots__ = ("token_ranges", "decode_priority", "decode_duration_s")
+    TOKEN_RANGES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    token_ranges: _containers.RepeatedCompositeFieldContainer[TokenRangeRetention]
+    decode_priority: int
+    decode_duration_s: float
+    def __init__(self, token_ranges: _Optional[_Iterable[_Union[TokenRangeRetention, _Mapping]]] = ..., decode_priority: _Optional[int] = ..., decode_duration_s: _Optional[float] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("values",)
