@@ -40,6 +40,22 @@ class PreemptionMode(enum.StrEnum):
     SWAP = "swap"  # park the blocks in host memory
 
 
+class Runner(enum.StrEnum):
+    """vLLM's --runner: what a server runs its model for (docs/embeddings.md)."""
+
+    AUTO = "auto"  # pooling when the model folder says so (sentence-transformers modules, a classification head)
+    GENERATE = "generate"  # text generation; pooling requests are refused
+    POOLING = "pooling"  # embeddings / scores; generation shares the steps where the model has its LM head
+
+
+class Convert(enum.StrEnum):
+    """vLLM's --convert: what a pooling runner computes from the model's last hidden states."""
+
+    AUTO = "auto"  # classify for a *ForSequenceClassification folder, else embed
+    EMBED = "embed"  # pooled, normalised hidden states (/v1/embeddings; cosine scores)
+    CLASSIFY = "classify"  # a classification head on the last token (/v1/score, /v1/rerank); a causal LM: yes/no logits
+
+
 class Truncation(enum.StrEnum):
     ERROR = "error"
     LEFT = "left"  # keep the prompt's end
@@ -283,9 +299,13 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     # speculative decoding (vLLM's shape: a dict or JSON string is accepted); None: off
     speculative_config: dict | None = None
+    runner: Runner = Runner.AUTO  # vLLM's: generate or pooling (auto: from the model folder); resolved at load
+    convert: Convert = Convert.AUTO  # vLLM's: a pooling runner's task, embed or classify; resolved at load
 
     def validate(self) -> None:
         SpeculativeConfig.from_value(self.speculative_config)  # refuses a bad one here, with the reason
+        self.runner = _as_enum(Runner, self.runner, "runner")
+        self.convert = _as_enum(Convert, self.convert, "convert")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         _require(self.device in DEVICES, f"device must be one of {DEVICES}")
         _require(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}")

@@ -9,7 +9,7 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from batchserve.kv_retention import KVRetention
@@ -111,6 +111,8 @@ class SamplingParams:
     deadline: float | None = None
     # how long its KV blocks should outlive it, by token range (batchserve/kv_retention.py; docs/kv-offload.md)
     kv_retention: KVRetention | None = None
+    # a pooling request (batchserve/pooling_params.py): the prompt's hidden states pooled, no token sampled
+    pooling: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -149,7 +149,7 @@ def test_suggestions_only_among_names_that_share_meaning(typed, expected):
         (["--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: tensor and pipeline parallelism are not"),
         (["--enable-lora"], "--enable-lora is vLLM's: LoRA adapters are not built yet"),
         (["--max-loras", "4"], "--max-loras is vLLM's: LoRA adapters are not built yet"),
-        (["--task", "embed"], "--task is vLLM's: pooling models"),
+        (["--task", "embed"], "--task is vLLM's: pooling is chosen with --runner pooling"),
         (["--keep", "64"], "--keep is llama.cpp's: use --truncation"),  # not --keep-alive-timeout's abbreviation
     ],
 )

@@ -250,5 +250,7 @@ class KVCacheManager:
 
 
 def _scores_prompt(request: Request) -> bool:
-    """A request that asks for its prompt's logprobs computes every prompt position (a cached one has no logits)."""
-    return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids
+    """A request that asks for its prompt's logprobs computes every prompt position (a cached one has no logits);
+    so does a pooling request (mean pooling reads every position's hidden state)."""
+    params = request.sampling_params
+    return (params.prompt_logprobs is not None or params.pooling is not None) and not request.output_token_ids

@@ -85,6 +85,8 @@ class ModelOutput:
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # speculative method draft_model: req_id -> the draft model's proposal to follow this step's tokens
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # pooling requests whose prompt is done: req_id -> its result (a float32 host tensor: embedding or label scores)
+    pooled: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass

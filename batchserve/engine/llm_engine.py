@@ -27,6 +27,7 @@ from batchserve.core.outputs import (
 from batchserve.engine.detokenizer import IncrementalDetokenizer
 from batchserve.engine.inputs import EngineLimits, Prompt, RequestBuilder
 from batchserve.engine.outputs import CompletionDelta, RequestMetrics
+from batchserve.engine.pooling import check_runner_task
 from batchserve.engine.startup import load_runner
 from batchserve.models.loader import DEFAULT_MODEL_FILE
 from batchserve.request import EngineRequest, FinishReason, Request
@@ -85,6 +86,7 @@ class _Tracked:
     new_token_ids: list[int] = field(default_factory=list)  # since the request's last delta
     new_logprobs: list[Logprobs] = field(default_factory=list)
     prompt_logprobs: list[Logprobs | None] | None = None  # until its next delta carries them
+    pooled: object | None = None  # a pooling request's result (engine/pooling.py), carried by its final delta
 
 
 def _mode_facts_of(config: EngineConfig, model_config: ModelConfig, runner: Runner) -> modes.ModeFacts:
@@ -220,6 +222,8 @@ class LLMEngine:
         """Admit a request built by RequestBuilder (`self.requests`), which checked it; refused here only for what
         the engine's state decides: an id in use, a full waiting queue."""
         request_id, params = request.request_id, request.sampling_params
+        pooler = getattr(self.runner, "pooler", None)
+        check_runner_task(self.config, params, pooler is None or pooler.config.generates)
         if request_id in self._tracked or not self.scheduler.is_id_free(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         limit = self.config.scheduler.max_waiting_requests
@@ -281,6 +285,11 @@ class LLMEngine:
             if request_id in self._tracked:
                 self._tracked[request_id].prompt_logprobs = scores
         request_outputs = self._pending + self.scheduler.update_from_output(scheduled, model_output)
+        if model_output.pooled:  # a pooling request ends with its prompt: its result instead of a token
+            for request_id, pooled in model_output.pooled.items():
+                if request_id in self._tracked:
+                    self._tracked[request_id].pooled = pooled
+            request_outputs += self.scheduler.finish_requests(model_output.pooled, FinishReason.STOP)
         self._pending = []
         results = self._process(request_outputs)
         end = time.monotonic()
@@ -347,4 +356,5 @@ class LLMEngine:
                 tpot_slo_s=request.tpot_slo_s,
             ),
             prompt_logprobs=prompt_logprobs,
+            pooled=tracked.pooled,
         )

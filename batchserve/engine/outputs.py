@@ -51,6 +51,7 @@ class CompletionDelta:
     stop_reason: int | str | None
     metrics: RequestMetrics
     prompt_logprobs: list[Logprobs | None] | None = None  # once, on the first delta, when the request asked
+    pooled: object | None = None  # a pooling request's final delta: its embedding or scores (a float32 tensor)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Completion:
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[Logprobs | None] | None = None  # a score per prompt token, None for the first
+    pooled: object | None = None  # a pooling request's embedding or scores (a float32 tensor), once finished
     _pieces: list[str] = field(default_factory=list, repr=False)  # text, joined when read
 
     @classmethod
@@ -88,6 +90,8 @@ class Completion:
         self.metrics = delta.metrics
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.pooled is not None:
+            self.pooled = delta.pooled
 
     @property
     def text(self) -> str:

@@ -45,6 +45,7 @@ def load_runner(
     config.dtype = str(dtype).removeprefix("torch.")  # the effective value, as logs and /v1/models report it
     path = resolve_model_path(config.model)
     model_config = load_model_config(path)
+    model_config, pooling = pooling_setup(config, path, model_config)
     logger.info("loading %s (%s) on %s as %s", path, model_config.architecture, device, dtype)
     native_kernels = device.type == "cpu" and kernels.load() is not None
     if device.type == "cpu":
@@ -69,6 +70,8 @@ def load_runner(
     runner = ModelRunner(config, model_config, model, device, dtype, initial_kv_blocks)
     runner.structured_outputs.tokenizer = tokenizer
     runner.modes = decision
+    if pooling is not None:
+        runner.pooler = pooling(tokenizer)
     speculative = SpeculativeConfig.from_value(config.speculative_config)
     if speculative is not None and speculative.method == "draft_model":
         runner.draft = load_draft_model(config, speculative.model, runner, tokenizer)
@@ -121,3 +124,18 @@ def check_memory_before_loading(config: EngineConfig, path, model_config, dtype,
     blocks = min_kv_blocks(cache.num_kv_blocks, config.scheduler.max_model_len, cache.block_size)
     kv = blocks * block_bytes(model_config, cache.block_size, pool_dtype(cache, dtype))
     require_memory_for(weights, kv, available_memory_bytes(device))
+
+
+def pooling_setup(config: EngineConfig, path, model_config: ModelConfig):
+    """The runner and task resolved from the folder (worker/pooling_model.py); for a pooling runner, the model config
+    to load and a factory of its Pooler (it needs the tokenizer, loaded later); None for a generation runner."""
+    from batchserve.config import Runner
+    from batchserve.worker.pooler import Pooler
+    from batchserve.worker.pooling_model import pooler_config, pooling_model_config, resolve_runner
+
+    resolve_runner(config, path)
+    if config.runner != Runner.POOLING:
+        return model_config, None
+    model_config, generates = pooling_model_config(path, model_config)
+    logger.info("pooling runner: %s%s", config.convert, "" if generates else " (no LM head: no generation)")
+    return model_config, lambda tokenizer: Pooler(pooler_config(path, config, generates, tokenizer))

@@ -58,6 +58,11 @@ HELP: dict[str, str] = {
     "a ladder of batch sizes otherwise)",
     "deterministic": "a request's output does not depend on what shares its batch (or on chunking, preemption, "
     "prefix-cache hits): GEMMs and attention in one reduction order per row, at a cost (docs/determinism.md)",
+    "runner": "generate: text generation; pooling: embeddings, scores and rerank (and generation too where the "
+    "model has its LM head); auto: pooling for a sentence-transformers folder or a classification head "
+    "(docs/embeddings.md)",
+    "convert": "a pooling runner's task: embed (pooled hidden states) or classify (a *ForSequenceClassification "
+    "head; on a causal LM, the yes/no logits of a Qwen3-Reranker-style prompt); auto: from the model folder",
     "quantization": "weights kept quantized on the CPU, quantized at load: int8 (per output channel), int4 (groups "
     "of 32 k; int4_g64, int4_g128), none (docs/quantization.md)",
     "max_batch_size": "sequences in one forward pass",

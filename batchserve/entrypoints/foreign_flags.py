@@ -22,8 +22,8 @@ NO_LORA = ("LoRA adapters are not built yet: merge the adapter into the base wei
            "serve the merged folder")  # fmt: skip
 NO_PARALLEL = ("tensor and pipeline parallelism are not built yet: one engine runs on one device; for more "
                "throughput run several engines with --replicas N (Ray Serve, docs/scale-out.md)")  # fmt: skip
-NO_POOLING = ("pooling models (embeddings, rerank, score) are not built yet: batchserve generates text; serve them "
-              "with a pooling server beside it")  # fmt: skip
+NO_POOLING = ("pooling is chosen with --runner pooling (and --convert embed|classify); the pooling method and "
+              "normalisation come from the model folder (sentence-transformers' modules.json, docs/embeddings.md)")  # fmt: skip
 NO_MULTIMODAL = "multimodal inputs are not built yet: prompts are text or token ids"
 NO_TLS = "TLS is not built in: put a TLS-terminating proxy (nginx, Caddy, envoy) in front of the server"
 NO_CORS = "CORS headers are not built in: put a proxy in front of the server that adds them"
@@ -86,8 +86,7 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
        "--data-parallel-hybrid-lb --data-parallel-external-lb --enable-eplb", VLLM, NO_PARALLEL, takes_value=False),
     _f("--split-mode -sm --tensor-split -ts --main-gpu -mg --device-draft -devd --rpc", LLAMA_CPP, NO_PARALLEL),
     # --- pooling: embeddings, rerank, score ------------------------------------------------------------------------
-    _f("--task --runner --convert --override-pooler-config --pooler-config", VLLM, NO_POOLING, neutral=("generate",
-       "auto")),
+    _f("--task --override-pooler-config --pooler-config", VLLM, NO_POOLING, neutral=("generate", "auto")),
     _f("--embedding --embeddings --reranking --rerank", LLAMA_CPP, NO_POOLING, takes_value=False),
     _f("--pooling", LLAMA_CPP, NO_POOLING),
     # --- llama.cpp's names for what batchserve has -----------------------------------------------------------------

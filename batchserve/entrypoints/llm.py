@@ -18,7 +18,9 @@ from batchserve.config import EngineConfig
 from batchserve.engine.inputs import Prompt
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.engine.outputs import Completion
+from batchserve.entrypoints import llm_pooling
 from batchserve.entrypoints.engine_options import engine_config
+from batchserve.entrypoints.llm_pooling import EmbeddingOutput, ScoreOutput
 from batchserve.host.process import configure_torch
 from batchserve.request import EngineRequest
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
@@ -80,6 +82,10 @@ class LLM:
         requests = [build(new_id(), prompt, p, prio) for prompt, p, prio in zip(prompts, params, priorities)]
         for constraint in {r.sampling_params.structured_outputs for r in requests}:
             self._constraints.check_blocking(constraint)  # a bad schema raises here, as it is a 400 over HTTP
+        return self.run_requests(requests, use_tqdm)
+
+    def run_requests(self, requests: list[EngineRequest], use_tqdm: bool = False) -> list[Completion]:
+        """Requests built by the engine's builder, all admitted or none, run to completion, in input order."""
         self.engine.reserve_kv_for([(r.num_prompt_tokens, r.sampling_params.max_tokens) for r in requests])
         ids: list[str] = []
         try:
@@ -106,6 +112,16 @@ class LLM:
             {"prompt_token_ids": chat_prompt_ids(self.tokenizer, conv, add_generation_prompt)} for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], **options: Any) -> list[EmbeddingOutput]:
+        """Embeddings of texts or token ids on a pooling engine (--runner pooling): options dimensions, normalize,
+        truncate_prompt_tokens, use_tqdm (entrypoints/llm_pooling.py)."""
+        return llm_pooling.embed(self, prompts, **options)
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], **options: Any) -> list[ScoreOutput]:
+        """Scores of text pairs (one text_1 against each text_2, or pairwise): a classifier's on the pair, or the
+        cosine of an embedding model's; options truncate_prompt_tokens, use_tqdm."""
+        return llm_pooling.score(self, text_1, text_2, **options)
 
     def _run(self, requests: list[EngineRequest], use_tqdm: bool) -> list[Completion]:
         """Step until every request finished, folding each step's deltas into its Completion."""

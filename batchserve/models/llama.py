@@ -272,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
         """HF checkpoint name -> (our parameter name, row offset into a fused parameter or None)."""
         if name.startswith("model."):
             name = name[len("model.") :]
-        if "rotary_emb" in name:
+        if "rotary_emb" in name or name.startswith("score."):  # a classifier's head: worker/pooling_model.py reads it
             return None
         if name == "lm_head.weight" and self.lm_head is None:
             return None  # tied: the embedding is the output matrix

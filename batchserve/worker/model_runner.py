@@ -34,6 +34,7 @@ from batchserve.worker.structured_output import StructuredOutputs
 if TYPE_CHECKING:
     from batchserve.modes import ModeDecision
     from batchserve.worker.draft_model import DraftModelProposer
+    from batchserve.worker.pooler import Pooler
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class ModelRunner:
         self.decode_graphs = decode_graphs_for(self)  # None off CUDA and with enforce_eager
         self.draft: DraftModelProposer | None = None  # speculative method draft_model (engine/startup.py)
         self.modes: ModeDecision | None = None  # the mode table's decision, made before loading (engine/startup.py)
+        self.pooler: Pooler | None = None  # a pooling runner's (engine/startup.py, worker/pooler.py)
         self.offload: BlockWriter | None = None  # the disk tier's writer (worker/kv_offload.py), when it is on
 
     def resize_kv_cache(self, num_blocks: int, keep_block_ids: Sequence[int]) -> None:
@@ -126,6 +128,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         output = self._execute(scheduler_output)
+        if self.pooler is not None:
+            output.pooled = self.pooler.take_outputs()
         if scheduler_output.kv_saves and self.offload is not None:  # blocks this step filled, copied for the tier
             self.offload.save(self.kv_cache, scheduler_output.kv_saves)
         if self.draft is not None and scheduler_output.num_draft_tokens > 0 and output.req_ids:
@@ -150,6 +154,8 @@ class ModelRunner:
         self.requests.apply(scheduler_output)
         self._track_constraints(scheduler_output)
         self.prompt_logprobs.follow(scheduler_output.new_requests, scheduler_output.finished_req_ids)
+        if self.pooler is not None:
+            self.pooler.follow(scheduler_output)
         if scheduler_output.is_empty:
             timings.prepare_s = time.perf_counter() - start
             return ModelOutput()
@@ -166,6 +172,8 @@ class ModelRunner:
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         scoring = self.prompt_logprobs.plan(self.requests, batch, self.device)  # before the table advances
+        if self.pooler is not None:  # pooling requests' rows pooled; only generation requests left to sample
+            batch = self.pooler.pool(batch, hidden, self.requests)
         self.requests.advance(batch)
         if scoring is not None:  # every scored prompt position of the step in one lm_head call
             self.prompt_logprobs.score(self.model.compute_logits(hidden.index_select(0, scoring.packed_rows)), scoring)

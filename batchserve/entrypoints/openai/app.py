@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI routes over the serving layer, plus /tokenize, /detokenize, /health and /metrics.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not), POST /v1/responses (and GET|DELETE
-/v1/responses/{id}), POST /v1/messages and /v1/messages/count_tokens, GET /v1/models, GET /health, GET|POST
+/v1/responses/{id}), POST /v1/messages and /v1/messages/count_tokens, POST /v1/embeddings, /v1/score and
+/v1/rerank (a pooling runner's), GET /v1/models, GET /health, GET|POST
 /ping (as /health: vLLM's name), GET /version,
 POST /tokenize, POST /detokenize, GET /metrics (Prometheus).
 """
@@ -27,6 +28,8 @@ from batchserve.entrypoints.kserve.http import add_kserve_routes
 from batchserve.entrypoints.openai.access_log import AccessLog
 from batchserve.entrypoints.openai.chat import chat_prompt, create_chat_completion
 from batchserve.entrypoints.openai.completions import create_completion
+from batchserve.entrypoints.openai.embeddings import BODIES as POOLING_BODIES
+from batchserve.entrypoints.openai.embeddings import add_pooling_routes, served_task
 from batchserve.entrypoints.openai.errors import APIError, APIKeyMiddleware, as_api_error
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES, OpenAIFrontEnd
 from batchserve.entrypoints.openai.messages import CountTokensRequest, MessagesRequest, add_messages_routes
@@ -121,6 +124,7 @@ def build_front_app(
     _add_routes(app, front, client, render_metrics)
     add_responses_routes(app, front)  # /v1/responses: OpenAI's Responses API over the same service
     add_messages_routes(app, front)  # /v1/messages: Anthropic's Messages API over the same service
+    add_pooling_routes(app, front)  # /v1/embeddings, /v1/score, /v1/rerank: a pooling runner's
     add_kserve_routes(app, front)  # /v2/...: Triton's generate extension for TensorRT-LLM callers
     _add_health(app, health_problem)
     _document_request_bodies(app)
@@ -182,6 +186,7 @@ def _add_routes(
             "root": client.config.model,
             "max_model_len": service.limits.max_model_len,
             "dtype": client.config.dtype,
+            **served_task(client.config),
         }
         cards = [ModelCard(id=name, **card) for name in front.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
@@ -238,6 +243,7 @@ _BODIES: dict[str, type[BaseModel]] = {
     "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    **POOLING_BODIES,
 }
 
 

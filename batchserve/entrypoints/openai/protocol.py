@@ -273,6 +273,8 @@ class ModelCard(BaseModel):
     root: str | None = None
     max_model_len: int | None = None
     dtype: str | None = None  # what the engine computes in (dtype "auto" resolved)
+    runner: str | None = None  # generate or pooling (--runner, auto resolved)
+    convert: str | None = None  # a pooling runner's task: embed or classify
 
 
 class ModelList(BaseModel):

@@ -21,7 +21,8 @@ STATUS = 404  # a client's "not found" class (openai.NotFoundError), and what a 
 CODE = "unsupported_endpoint"
 
 TEXT_ROUTES = "/v1/completions and /v1/chat/completions generate text"
-NO_POOLING = f"pooling models (embeddings, rerank, score) are not built yet: {TEXT_ROUTES}"
+NO_POOLING = ("not built: a pooling server (--runner pooling) answers POST /v1/embeddings, /v1/score and /v1/rerank "
+              "(docs/embeddings.md)")  # fmt: skip
 NO_LORA = "LoRA adapters are not built yet: merge the adapter into the weights and serve the merged model"
 NO_RESPONSE_PARTS = ("not built: background responses are refused, so there is nothing to cancel, and a stored response is "
                      "read whole by a GET of its id under /v1/responses")  # fmt: skip
@@ -55,7 +56,6 @@ def _e(paths: str, origin: str, what: str, instead: str) -> list[UnsupportedEndp
 
 
 UNSUPPORTED_ENDPOINTS: tuple[UnsupportedEndpoint, ...] = (
-    *_e("/v1/embeddings", OPENAI, "embeddings endpoint", NO_POOLING),
     *_e("/v1/responses/{id}/cancel /v1/responses/{id}/input_items", OPENAI, "Responses API", NO_RESPONSE_PARTS),
     *_e("/v1/audio/transcriptions /v1/audio/translations /v1/audio/speech", OPENAI, "audio endpoint", NO_AUDIO),
     *_e("/v1/images/generations /v1/images/edits /v1/images/variations", OPENAI, "image endpoint", NO_IMAGES),
@@ -63,8 +63,7 @@ UNSUPPORTED_ENDPOINTS: tuple[UnsupportedEndpoint, ...] = (
     *_e("/v1/files /v1/batches /v1/fine_tuning/jobs /v1/assistants /v1/threads /v1/vector_stores", OPENAI,
         "stored-object endpoint", NO_STORED_OBJECTS),
     *_e("/v1/load_lora_adapter /v1/unload_lora_adapter", VLLM, "LoRA adapter endpoint", NO_LORA),
-    *_e("/pooling /classify /v1/classify /score /v1/score /rerank /v1/rerank /v2/rerank", VLLM, "pooling endpoint",
-        NO_POOLING),
+    *_e("/pooling /classify /v1/classify", VLLM, "pooling endpoint", NO_POOLING),
     *_e("/invocations", VLLM, "SageMaker endpoint", f"post to the OpenAI routes directly: {TEXT_ROUTES}"),
     *_e("/sleep /wake_up /is_sleeping", VLLM, "sleep-mode endpoint",
         "not built: the engine holds its weights and KV pool for its whole life"),
@@ -78,8 +77,10 @@ UNSUPPORTED_ENDPOINTS: tuple[UnsupportedEndpoint, ...] = (
     *_e("/completion /completions", LLAMA_CPP, "native completion endpoint",
         "use POST /v1/completions with OpenAI's fields (prompt, max_tokens for n_predict, stop, temperature, ...)"),
     *_e("/chat/completions", LLAMA_CPP, "chat endpoint alias", "use POST /v1/chat/completions"),
-    *_e("/embedding /embeddings", LLAMA_CPP, "embedding endpoint", NO_POOLING),
-    *_e("/reranking /v1/reranking", LLAMA_CPP, "rerank endpoint", NO_POOLING),
+    *_e("/embedding /embeddings", LLAMA_CPP, "embedding endpoint", "use POST /v1/embeddings on a pooling server "
+        "(--runner pooling)"),
+    *_e("/reranking /v1/reranking", LLAMA_CPP, "rerank endpoint", "use POST /v1/rerank on a pooling server "
+        "(--runner pooling)"),
     *_e("/infill", LLAMA_CPP, "fill-in-the-middle endpoint", f"not built: {TEXT_ROUTES}"),
     *_e("/props", LLAMA_CPP, "server properties endpoint",
         "GET /v1/models names the model, its max_model_len and dtype; GET /version the version"),
