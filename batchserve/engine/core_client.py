@@ -331,6 +331,7 @@ class EngineCoreClient:
             self._admitted_since_step = 0
             if step.progressed:
                 self._last_progress = time.monotonic()
+            ended = [(self._streams.pop(rid), rid) for rid in step.aborted if rid in self._streams]
             for out in step.outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is None:
@@ -340,6 +341,8 @@ class EngineCoreClient:
                     del self._streams[out.request_id]
             self._update_idle()
         RequestStream.put_step(deliveries)
+        for stream, rid in ended:  # as in-process: a request the shutdown aborted ends with an error, not a finish
+            stream.put(EngineDeadError(f"request {rid} aborted"))
         for listener in self.step_listeners:
             try:
                 listener(self.engine, step.outputs)

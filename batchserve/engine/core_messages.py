@@ -82,6 +82,7 @@ class StepDone:
     num_steps: int
     progressed: bool
     preemptions: dict[str, int] = field(default_factory=dict)  # request id -> its preemptions, after a preemption
+    aborted: list[str] = field(default_factory=list)  # aborted by the core since the last step: their streams end
 
 
 @dataclass

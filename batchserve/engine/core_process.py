@@ -86,11 +86,12 @@ class CoreLoop:
         self.stopping = False
         self.draining = True
         self.num_aborted = 0
+        self.aborted: list[str] = []  # by a shutdown, since the last step: the API process ends their streams
 
     def run(self) -> None:
         try:
             while True:
-                stepped_abort = self._take_messages(block=not self._has_work())
+                stepped_abort = self._take_messages(block=not self._has_work() and not self.stopping)
                 if self.stopping and not self.draining and self.live:
                     self._abort(list(self.live), by_shutdown=True)
                     stepped_abort = True
@@ -145,6 +146,7 @@ class CoreLoop:
         self.live.difference_update(request_ids)
         if by_shutdown:
             self.num_aborted += len(request_ids)
+            self.aborted += request_ids
         return True
 
     def _step(self) -> bool:
@@ -162,6 +164,7 @@ class CoreLoop:
             preemptions = {rid: r.num_preemptions for rid, r in engine.scheduler.requests.items()}
         self.channel.send(
             StepDone(outputs, stats, engine.last_step_time_s, engine.last_timings, engine.num_steps, progressed,
-                     preemptions)
+                     preemptions, self.aborted)
         )  # fmt: skip
+        self.aborted = []
         return True
