@@ -249,6 +249,11 @@ class EngineCoreClient:
         if not done.cancelled() and done.exception() is None:
             self.abort(request_id)
 
+    def check_capacity(self) -> None:
+        """As AsyncLLMEngine.check_capacity: QueueFullError now if an add now would be refused."""
+        with self._lock:
+            self._refuse_if_queue_full()
+
     def _refuse_if_queue_full(self) -> None:
         """The waiting queue as of the core's latest step, plus what was admitted since and the adds on their way:
         answered here, never behind a step (caller holds the lock)."""

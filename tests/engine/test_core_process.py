@@ -75,6 +75,8 @@ def test_refusals_come_back_as_the_engines_errors_and_aborts_free_blocks():
             with pytest.raises(QueueFullError):  # two wait behind "a" (max_batch_size 1): refused here, at once
                 await client.add_request(build("d", [1], long))
             assert time.monotonic() - started < 0.05
+            with pytest.raises(QueueFullError):  # what the serving layer asks before it tokenizes a prompt
+                client.check_capacity()
             client.abort(["a", "b", "c"])
             with pytest.raises(EngineDeadError, match="aborted"):
                 while True:
