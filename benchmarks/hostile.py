@@ -176,23 +176,29 @@ def probe_big_detokenize(url: str, callers: int = 16) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ overload
 def _load(url: str, clients: int, duration_s: float, out: multiprocessing.Queue, max_tokens: int = 16) -> None:
-    async def run() -> dict[str, int]:
-        counts: dict[str, int] = {}
+    async def run() -> dict[str, Any]:
+        counts: dict[str, Any] = {}
+        refused_s: list[float] = []  # as the load's clients saw their 503s (their own process is busy too)
         deadline = time.monotonic() + duration_s
         limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             async def one_client(i: int) -> None:
                 while time.monotonic() < deadline:
                     body = {"prompt": f"client {i} says", "max_tokens": max_tokens, "ignore_eos": True}
+                    start = time.monotonic()
                     try:
                         status: int | str = (await client.post(url + COMPLETIONS, json=body)).status_code
                     except httpx.HTTPError as exc:  # by kind: a server that drops connections shows here
                         status = type(exc).__name__
                     counts[str(status)] = counts.get(str(status), 0) + 1
+                    if status == 503:
+                        refused_s.append(time.monotonic() - start)
                     if status != 200:
                         await asyncio.sleep(0.05)
 
             await asyncio.gather(*(one_client(i) for i in range(clients)))
+        counts["load_503_p50_ms"] = _pct(refused_s, 50)  # type: ignore[assignment]
+        counts["load_503_p99_ms"] = _pct(refused_s, 99)  # type: ignore[assignment]
         return counts
 
     out.put(asyncio.run(run()))
