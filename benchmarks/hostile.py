@@ -3,9 +3,11 @@ figures that must hold:
 
     python benchmarks/hostile.py                 # the default model (SmolLM2-135M), about 2 minutes
     python benchmarks/hostile.py --fake          # the tests' model-free engine (steps sleep: no GIL contention)
+    python benchmarks/hostile.py --in-process    # the engine core in the server's process, to compare
 
 Rounds: bad bodies (0 5xx), the stop-ids attack (another stream slowed <= 1.2x), the overload (300 clients,
---max-waiting-requests 32: 503 and /health p99 <= 100 ms, measured by a prober in its own process), slow sockets
+--max-waiting-requests 32: 503 and /health p99 <= 100 ms, measured by a prober in its own process), a normal
+stream's TPOT beside looping senders of huge logit_bias / stop_token_ids bodies (<= 1.2x; round "tpot"), slow sockets
 (closed after --header-timeout), and after each round KV blocks back to 0 and the server's RSS. Prints the figures
 and writes them as JSON.
 """
@@ -16,12 +18,14 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,22 +46,30 @@ FAKE_SERVER = textwrap.dedent(
     from batchserve.entrypoints.openai.app import build_app
     from batchserve.entrypoints.openai.connections import ConnectionLimits
     from batchserve.entrypoints.openai.launch import serve
+    from batchserve.engine.core_client import EngineCoreClient
     from tests.server.fakes import fake_engine
-    engine = AsyncLLMEngine(fake_engine(delay_s=0.01, max_batch_size=16, max_waiting_requests=32))
+    options = dict(delay_s=0.01, max_batch_size=16, max_waiting_requests=32)
+    if sys.argv[3] == "in-process":
+        engine = AsyncLLMEngine(fake_engine(**options))
+    else:
+        engine = EngineCoreClient.launch(None, fake_engine, **options)
     limits = ConnectionLimits(header_timeout_s=float(sys.argv[2]))
     sys.exit(serve(build_app(engine), engine, port=int(sys.argv[1]), log_level="warning", limits=limits))
     """
 )
 
 
-def start(fake: bool, port: int, header_timeout_s: float) -> subprocess.Popen:
+def start(fake: bool, port: int, header_timeout_s: float, in_process: bool = False) -> subprocess.Popen:
+    """The server, its engine core in a process of its own (the default) or in the server's (`in_process`)."""
     if fake:
         root = Path(__file__).resolve().parents[1]
-        return subprocess.Popen([sys.executable, "-c", FAKE_SERVER, str(port), str(header_timeout_s)], cwd=root)
+        mode = "in-process" if in_process else "core-process"
+        return subprocess.Popen([sys.executable, "-c", FAKE_SERVER, str(port), str(header_timeout_s), mode], cwd=root)
     return subprocess.Popen([
         sys.executable, "-m", "batchserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--log-level", "warning", "--max-batch-size", "16", "--max-waiting-requests", "32", "--dtype", "float32",
         "--max-model-len", "512", "--header-timeout", str(header_timeout_s),
+        *(["--disable-frontend-multiprocessing"] if in_process else []),
     ])  # fmt: skip
 
 
@@ -163,52 +175,76 @@ def probe_big_detokenize(url: str, callers: int = 16) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ overload
-def _load(url: str, clients: int, duration_s: float, out: multiprocessing.Queue) -> None:
-    async def run() -> dict[str, int]:
-        counts: dict[str, int] = {}
+def _load(url: str, clients: int, duration_s: float, out: multiprocessing.Queue, max_tokens: int = 16) -> None:
+    async def run() -> dict[str, Any]:
+        counts: dict[str, Any] = {}
+        refused_s: list[float] = []  # as the load's clients saw their 503s (their own process is busy too)
         deadline = time.monotonic() + duration_s
         limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             async def one_client(i: int) -> None:
                 while time.monotonic() < deadline:
-                    body = {"prompt": f"client {i} says", "max_tokens": 16, "ignore_eos": True}
+                    body = {"prompt": f"client {i} says", "max_tokens": max_tokens, "ignore_eos": True}
+                    start = time.monotonic()
                     try:
                         status: int | str = (await client.post(url + COMPLETIONS, json=body)).status_code
                     except httpx.HTTPError as exc:  # by kind: a server that drops connections shows here
                         status = type(exc).__name__
                     counts[str(status)] = counts.get(str(status), 0) + 1
+                    if status == 503:
+                        refused_s.append(time.monotonic() - start)
                     if status != 200:
                         await asyncio.sleep(0.05)
 
             await asyncio.gather(*(one_client(i) for i in range(clients)))
+        counts["load_503_p50_ms"] = _pct(refused_s, 50)  # type: ignore[assignment]
+        counts["load_503_p99_ms"] = _pct(refused_s, 99)  # type: ignore[assignment]
         return counts
 
     out.put(asyncio.run(run()))
 
 
-def probe_overload(url: str, clients: int, duration_s: float) -> dict[str, Any]:
+def probe_overload(url: str, clients: int, duration_s: float, max_tokens: int = 16) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: none of this process's threads or locks
     results = context.Queue()
-    load = context.Process(target=_load, args=(url, clients, duration_s, results))
+    load = context.Process(target=_load, args=(url, clients, duration_s, results, max_tokens))
     load.start()
     time.sleep(min(3.0, duration_s / 4))  # the queue fills
-    health, refusals, other = [], [], []
     deadline = time.monotonic() + duration_s - 3.0
-    with httpx.Client(timeout=120) as client:
-        while time.monotonic() < deadline:
-            start = time.monotonic()
-            client.get(url + "/health")
-            health.append(time.monotonic() - start)
-            start = time.monotonic()
-            status = client.post(url + COMPLETIONS, json={"prompt": "probe", "max_tokens": 4}).status_code
-            (refusals if status == 503 else other).append(time.monotonic() - start)
-            time.sleep(0.05)
+    health: list[float] = []
+    refusals: list[float] = []
+    other: list[float] = []
+
+    def probe_health() -> None:  # its own thread: a probe request that is admitted does not hold it up
+        with httpx.Client(timeout=120) as client:
+            while time.monotonic() < deadline:
+                start = time.monotonic()
+                client.get(url + "/health")
+                health.append(time.monotonic() - start)
+                time.sleep(0.05)
+
+    def probe_refusal() -> None:
+        with httpx.Client(timeout=2.0) as client:  # admitted (the queue had room): given up after 2 s
+            while time.monotonic() < deadline:
+                start = time.monotonic()
+                try:
+                    status = client.post(url + COMPLETIONS, json={"prompt": "probe", "max_tokens": 1}).status_code
+                except httpx.TimeoutException:
+                    status = 0
+                (refusals if status == 503 else other).append(time.monotonic() - start)
+                time.sleep(0.05)
+
+    probes = [threading.Thread(target=probe_health), threading.Thread(target=probe_refusal)]
+    for probe in probes:
+        probe.start()
+    for probe in probes:
+        probe.join()
     counts = results.get(timeout=duration_s + 300)
     load.join()
-    return {"clients": clients, "duration_s": duration_s, "load_statuses": counts,
+    return {"clients": clients, "duration_s": duration_s, "load_max_tokens": max_tokens, "load_statuses": counts,
             "health_p50_ms": _pct(health, 50), "health_p99_ms": _pct(health, 99), "health_max_ms": _pct(health, 100),
             "503_p50_ms": _pct(refusals, 50), "503_p99_ms": _pct(refusals, 99), "503_max_ms": _pct(refusals, 100),
-            "probe_503s": len(refusals), "probe_admitted": len(other)}  # fmt: skip
+            "health_samples": len(health), "probe_503s": len(refusals), "probe_admitted": len(other)}  # fmt: skip
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -216,6 +252,67 @@ def _pct(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return round(1000 * ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))], 1)
+
+
+# ------------------------------------------------------------------------------------------------ TPOT beside hostile clients
+HOSTILE_BODIES = {  # each refused (4xx), but only after the server has read and checked a large body
+    "logit_bias_100k": {"prompt": "x", "max_tokens": 4, "logit_bias": {str(i): 1 for i in range(100_000)}},
+    "stop_ids_590k": {"prompt": "x", "max_tokens": 4, "stop_token_ids": list(range(590_000))},
+}
+
+
+def victim_tpot_s(url: str, max_tokens: int = 24) -> float:
+    """A normal stream's time per output token: from its first chunk to its last."""
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    times = []
+    with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+    return (times[-1] - times[0]) / max(1, len(times) - 1)
+
+
+def _attack(url: str, body: dict[str, Any], clients: int, stop: Any, out: multiprocessing.Queue) -> None:
+    async def run() -> dict[str, int]:
+        counts: dict[str, int] = {}
+        raw = json.dumps(body)
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one() -> None:
+                while not stop.is_set():
+                    reply = await client.post(url + COMPLETIONS, content=raw,
+                                              headers={"content-type": "application/json"})
+                    counts[str(reply.status_code)] = counts.get(str(reply.status_code), 0) + 1
+
+            await asyncio.gather(*(one() for _ in range(clients)))
+        return counts
+
+    out.put(asyncio.run(run()))
+
+
+def probe_tpot_beside_hostile(url: str, clients: int = 8, repeats: int = 2) -> dict[str, Any]:
+    """A normal stream's TPOT alone, then beside `clients` looping senders of each hostile body (a process of their
+    own), alternated `repeats` times (medians): the ratio is what the hostile clients cost the stream."""
+    context = multiprocessing.get_context("spawn")
+    tpot: dict[str, list[float]] = {"alone": [], **{name: [] for name in HOSTILE_BODIES}}
+    statuses: dict[str, dict[str, int]] = {}
+    for _ in range(repeats):
+        tpot["alone"].append(victim_tpot_s(url))
+        for name, body in HOSTILE_BODIES.items():
+            stop, results = context.Event(), context.Queue()
+            attackers = context.Process(target=_attack, args=(url, body, clients, stop, results))
+            attackers.start()
+            time.sleep(3.0)  # the attackers' interpreter starts and their loop runs
+            tpot[name].append(victim_tpot_s(url))
+            stop.set()
+            statuses[name] = results.get(timeout=300)
+            attackers.join()
+    alone = statistics.median(tpot["alone"])
+    report: dict[str, Any] = {"clients": clients, "tpot_alone_ms": round(1000 * alone, 1)}
+    for name in HOSTILE_BODIES:
+        beside = statistics.median(tpot[name])
+        report[name] = {"tpot_ms": round(1000 * beside, 1), "ratio": round(beside / alone, 2),
+                        "attacker_statuses": statuses[name]}
+    return report
 
 
 # ------------------------------------------------------------------------------------------------ slow sockets
@@ -239,6 +336,17 @@ def probe_slow_sockets(port: int, header_timeout_s: float, count: int = 15) -> d
             "slow_socket_closed_after_max_s": round(max(closed_after, default=float("nan")), 2)}  # fmt: skip
 
 
+def cpu_name() -> str:
+    """The host's CPU as /proc/cpuinfo names it (figures carry it), and how many cores this process may use."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        name = " ".join(fields.get("model name\t", "?").split())
+    except OSError:
+        name = "?"
+    return f"{name}, {len(os.sched_getaffinity(0))} cores"
+
+
 # ------------------------------------------------------------------------------------------------ round checks
 def settle(url: str, pid: int, round_name: str, report: dict[str, Any]) -> None:
     deadline = time.monotonic() + 60
@@ -259,23 +367,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=300)
     parser.add_argument("--overload-s", type=float, default=20.0)
     parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S)
+    parser.add_argument("--load-max-tokens", type=int, default=16, help="max_tokens of the overload's requests")
     parser.add_argument("--rounds", default="bad_bodies,stop_ids,detokenize,overload,slow_sockets",
                         help="comma-separated")
     parser.add_argument("--output", default="bench_results/hostile.json")
+    parser.add_argument("--in-process", action="store_true",
+                        help="the engine core in the server's process (--disable-frontend-multiprocessing)")
     args = parser.parse_args(argv)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start(args.fake, port, args.header_timeout)
-    report: dict[str, Any] = {"engine": "fake" if args.fake else "default model"}
+    proc = start(args.fake, port, args.header_timeout, args.in_process)
+    report: dict[str, Any] = {"engine": "fake" if args.fake else "default model",
+                              "engine_core": "in-process" if args.in_process else "own process", "cpu": cpu_name()}
     try:
         wait_ready(proc, url)
         report["rss_mb_start"] = round(rss_mb(proc.pid))
         rounds = [("bad_bodies", lambda: probe_bad_bodies(url)), ("stop_ids", lambda: probe_stop_ids_attack(url)),
                   ("detokenize", lambda: probe_big_detokenize(url)),
-                  ("overload", lambda: probe_overload(url, args.clients, args.overload_s)),
+                  ("overload", lambda: probe_overload(url, args.clients, args.overload_s, args.load_max_tokens)),
+                  ("tpot", lambda: probe_tpot_beside_hostile(url)),
                   ("slow_sockets", lambda: probe_slow_sockets(port, args.header_timeout))]  # fmt: skip
         for name, probe in [(name, probe) for name, probe in rounds if name in args.rounds.split(",")]:
+            load_before = os.getloadavg()[0]
             report[name] = probe()
+            report[name]["host_load_1min"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]  # before, after
             settle(url, proc.pid, name, report)
             print(name, json.dumps(report[name]), flush=True)
     finally:

@@ -110,6 +110,9 @@ class RemoteEngineClient:
     def stats(self) -> SchedulerStats | None:
         return None  # one scheduler per replica: their stats are on /metrics, labelled by replica
 
+    def check_capacity(self) -> None:
+        return None  # each replica's queue is its own: the replica refuses (routing may find one with room)
+
     async def add_request(self, request: EngineRequest) -> RequestStream:
         request_id = request.request_id
         # registered before the call: the subscription may bring its first output before the admission does

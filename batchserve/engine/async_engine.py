@@ -268,6 +268,11 @@ class AsyncLLMEngine:
         if not done.cancelled() and done.exception() is None:
             self.abort(request_id)
 
+    def check_capacity(self) -> None:
+        """QueueFullError now if a request added now would be refused for a full waiting queue: the serving layer
+        asks before it tokenizes a prompt, so that under overload a 503 costs no tokenizer time."""
+        self._refuse_if_queue_full()
+
     def _refuse_if_queue_full(self) -> None:
         """The engine's own refusal, answered here without waiting for the step in progress to end (under overload
         a 503 must not queue behind the engine): the waiting queue as of the latest step plus the adds not yet

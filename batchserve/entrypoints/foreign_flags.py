@@ -210,7 +210,7 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     _f("--enable-auto-tool-choice", VLLM, "not needed: tool_choice auto works whenever --tool-call-parser is set",
        takes_value=False, neutral=ANY_VALUE),
     _f("--return-tokens-as-token-ids --enable-prompt-tokens-details --enable-server-load-tracking "
-       "--enable-force-include-usage --disable-frontend-multiprocessing --enable-tokenizer-info-endpoint "
+       "--enable-force-include-usage --enable-tokenizer-info-endpoint "
        "--exclude-tools-when-tool-choice-none --log-error-stack --h11-max-incomplete-event-size "
        "--h11-max-header-count", VLLM, "not built: the server's answers follow the OpenAI API as it is",
        takes_value=False),

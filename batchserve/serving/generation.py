@@ -140,6 +140,7 @@ class GenerationService:
             raise InvalidRequestError(
                 f"a request may hold at most {MAX_PROMPTS_PER_REQUEST} prompts, got {len(prompts)}", "prompt"
             )
+        self.client.check_capacity()  # a full queue is refused before any prompt is tokenized
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         requests = [await self.request(rid, p, params, priority) for rid, p in zip(ids, prompts)]
         return await self.admit(requests, deadline)

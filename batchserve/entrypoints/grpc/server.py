@@ -17,6 +17,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from batchserve.engine.async_engine import AsyncLLMEngine
+from batchserve.engine.core_client import EngineCoreClient
 from batchserve.entrypoints.grpc.auth import ApiKeyInterceptor
 from batchserve.entrypoints.grpc.decoding import DecodeErrorInterceptor
 from batchserve.entrypoints.grpc.generation import GenerationServicer
@@ -66,7 +67,7 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Bind and serve; returns the port (the OS picks one for port 0). OSError when the port is taken."""
-        if isinstance(self.engine, AsyncLLMEngine):
+        if isinstance(self.engine, AsyncLLMEngine | EngineCoreClient):
             self.engine.start()
         service = GenerationService(self.engine)
         server = grpc.aio.server(
@@ -131,7 +132,7 @@ class GrpcServer:
 
     async def _local_engine_problem(self) -> str | None:
         engine = self.engine
-        if not isinstance(engine, AsyncLLMEngine):
+        if not isinstance(engine, AsyncLLMEngine | EngineCoreClient):
             return None
         if engine.is_running and engine.stalled_for() <= self.stall_timeout_s:
             return None

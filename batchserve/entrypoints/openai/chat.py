@@ -115,6 +115,7 @@ async def _prompt_ids(front: OpenAIFrontEnd, req: ChatCompletionRequest, tools: 
     """The plain path (serving/chat.py) unless the conversation needs tools, tool turns, another template or
     template variables (serving/tools.py)."""
     service = front.service
+    service.client.check_capacity()  # a full queue is refused before the conversation is rendered and tokenized
     tool_turns = any(m.tool_calls or m.role == "tool" for m in req.messages)
     if tools is None and not tool_turns and front.chat_template is None and not req.chat_template_kwargs:
         return await chat_prompt(service, req.messages, req.add_generation_prompt)

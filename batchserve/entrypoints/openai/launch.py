@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from batchserve import env
 from batchserve.config import ConfigError
 from batchserve.engine.async_engine import AsyncLLMEngine
+from batchserve.engine.core_client import EngineCoreClient, EngineCoreStartError
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
 from batchserve.entrypoints.grpc.server import GrpcServer
@@ -86,6 +87,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="/health answers 503 once the engine loop has made no progress this long with requests pending "
         f"(default: {DEFAULT_STALL_TIMEOUT_S:g} s)",
     )
+    parser.add_argument(
+        "--disable-frontend-multiprocessing", action="store_true",
+        help="run the engine core (scheduler, step loop) in the server's own process, as a thread (default: in a "
+        "process of its own, so no step delays /health, a 503 or a stream's next token; docs/processes.md)",
+    )  # fmt: skip
     parser.add_argument(
         "--log-level",
         default="info",
@@ -180,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     if not is_loopback(args.host) and not api_key:
         logger.warning("binding %s without an API key: anyone who can reach it can use it", args.host)
 
-    configure_torch(config.num_threads, config.seed)
-    async_engine = AsyncLLMEngine(LLMEngine(config))
+    try:
+        async_engine = start_engine(config, args)
+    except EngineCoreStartError as exc:
+        logger.error("%s", exc)
+        return 1
     names = [n.strip() for n in args.served_model_name.split(",") if n.strip()] if args.served_model_name else None
     observability = observability_from_args(parser, args)  # --otlp-traces-endpoint, --log-format
     app = build_app(
@@ -209,9 +218,18 @@ def main(argv: list[str] | None = None) -> int:
             observability["tracer"].shutdown()  # the spans still batched go out
 
 
+def start_engine(config, args: argparse.Namespace) -> AsyncLLMEngine | EngineCoreClient:
+    """The engine core in a process of its own (the default), or in this one with --disable-frontend-multiprocessing
+    (torch's settings are then this process's)."""
+    if args.disable_frontend_multiprocessing:
+        configure_torch(config.num_threads, config.seed)
+        return AsyncLLMEngine(LLMEngine(config))
+    return EngineCoreClient.launch(config, log_level=logging.getLevelName(args.log_level.upper()))
+
+
 def serve(
     app: FastAPI,
-    async_engine: AsyncLLMEngine,
+    async_engine: AsyncLLMEngine | EngineCoreClient,
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "info",
@@ -257,7 +275,7 @@ class _DrainingServer(uvicorn.Server):
     engine aborts what is still in flight, so every open stream ends (with an error event) and the server exits."""
 
     def __init__(
-        self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout: float | None,
+        self, config: uvicorn.Config, engine: AsyncLLMEngine | EngineCoreClient, drain_timeout: float | None,
         grpc_server: GrpcServer | None = None,
     ) -> None:  # fmt: skip
         super().__init__(config)

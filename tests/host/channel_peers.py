@@ -1,0 +1,68 @@
+"""Child-process targets for test_channel (module level, so that a spawned interpreter can import them)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from batchserve.host.channel import Channel, PeerDeadError, start_child
+
+
+@dataclass
+class Note:
+    text: str
+    numbers: list[int]
+
+
+def echo(channel: Channel) -> None:
+    """Send back every message until the parent goes; a "stop" message ends it cleanly."""
+    while True:
+        try:
+            message = channel.recv()
+        except PeerDeadError:
+            return
+        if message == "stop":
+            return
+        channel.send(message)
+
+
+def send_then_exit(channel: Channel, count: int, code: int) -> None:
+    for i in range(count):
+        channel.send(i)
+    os._exit(code)  # no cleanup: the socket closes with the process
+
+
+def silent(channel: Channel) -> None:
+    """Alive and quiet until the parent goes."""
+    try:
+        channel.recv()
+    except PeerDeadError:
+        return
+
+
+def fork_holder_then_wait(channel: Channel) -> None:
+    """Fork a grandchild that inherits (and holds open) this end's socket, tell the parent its pid, then wait."""
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(20)
+        os._exit(0)
+    channel.send(pid)
+    silent(channel)
+
+
+def middle(channel: Channel, marker: str) -> None:
+    """Start a grandchild that writes ``marker`` when it sees this process die; report its pid and wait."""
+    grandchild = start_child(watch_parent, marker, name="grandchild")
+    channel.send(grandchild.pid)
+    silent(channel)
+    grandchild.stop()
+
+
+def watch_parent(channel: Channel, marker: str) -> None:
+    started = time.monotonic()
+    try:
+        channel.recv()
+    except PeerDeadError as exc:
+        with open(marker, "w") as f:
+            f.write(f"{time.monotonic() - started:.3f} {exc}")

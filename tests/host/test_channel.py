@@ -1,0 +1,112 @@
+"""The process channel's contract (batchserve/host/channel.py): whole messages in order, and a dead peer seen as
+PeerDeadError within about a second on either side, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from batchserve.host.channel import PeerDeadError, start_child
+from tests.host import channel_peers
+from tests.host.channel_peers import Note
+
+
+def _pid_alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan's reaper may be slow to collect it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_round_trip_keeps_objects_and_order():
+    child = start_child(channel_peers.echo, name="echo")
+    try:
+        sent = [Note("héllo", [1, 2, 3]), ValueError("a field"), b"\x00" * 300_000, *range(50)]
+        for message in sent:
+            child.channel.send(message)
+        got = [child.channel.recv(timeout=30) for _ in sent]
+        assert got[0] == sent[0]
+        assert isinstance(got[1], ValueError) and got[1].args == ("a field",)
+        assert got[2] == sent[2] and got[3:] == list(range(50))
+        child.channel.send("stop")
+        assert child.stop(timeout=10) == 0
+    finally:
+        child.stop(timeout=1)
+
+
+def test_killed_child_raises_peer_dead_within_a_second():
+    child = start_child(channel_peers.silent, name="victim")
+    try:
+        assert not child.channel.poll(0.2)  # alive and silent: no message, no error
+        with pytest.raises(TimeoutError):
+            child.channel.recv(timeout=0.2)
+        os.kill(child.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(PeerDeadError, match="victim"):
+            child.channel.recv()
+        assert time.monotonic() - started < 2.0
+        with pytest.raises(PeerDeadError):
+            child.channel.send("anyone?")
+    finally:
+        child.stop(timeout=1)
+
+
+def test_messages_sent_before_death_arrive_first_then_exit_code():
+    child = start_child(channel_peers.send_then_exit, 3, 7, name="brief")
+    try:
+        assert [child.channel.recv(timeout=30) for _ in range(3)] == [0, 1, 2]
+        with pytest.raises(PeerDeadError, match="exit code 7"):
+            child.channel.recv(timeout=30)
+    finally:
+        child.stop(timeout=1)
+
+
+def test_dead_child_seen_even_when_a_grandchild_holds_its_socket():
+    """The socket stays open while a forked grandchild holds it (no EOF): the process sentinel still tells."""
+    child = start_child(channel_peers.fork_holder_then_wait, name="holder")
+    holder = child.channel.recv(timeout=30)
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(PeerDeadError):
+            child.channel.recv()
+        assert time.monotonic() - started < 2.0
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        child.stop(timeout=1)
+
+
+def test_child_sees_its_parent_die(tmp_path):
+    marker = tmp_path / "parent-died"
+    middle = start_child(channel_peers.middle, str(marker), name="middle")
+    grandchild = middle.channel.recv(timeout=30)
+    try:
+        os.kill(middle.pid, signal.SIGKILL)
+        middle.process.join(5)
+        deadline = time.monotonic() + 5
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the grandchild never noticed its parent's death"
+        seconds, message = marker.read_text().split(" ", 1)
+        assert "parent process" in message
+        deadline = time.monotonic() + 5
+        while _pid_alive(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _pid_alive(grandchild)
+    finally:
+        if _pid_alive(grandchild):
+            os.kill(grandchild, signal.SIGKILL)
+        middle.stop(timeout=1)
+
+
+def test_stop_closes_the_channel_and_the_child_exits():
+    child = start_child(channel_peers.silent, name="quiet")
+    assert child.stop(timeout=10) == 0
+    assert child.channel.closed
+    with pytest.raises(PeerDeadError, match="closed"):
+        child.channel.send(1)
