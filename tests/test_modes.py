@@ -32,6 +32,10 @@ FIRING = {
     "deterministic_with_windows_or_softcaps": ModeFacts(deterministic=True, softcapped=True),
     "deterministic_with_quantized_weights": ModeFacts(deterministic=True, quantization="int4"),
     "deterministic_with_eight_bit_kv": ModeFacts(deterministic=True, kv_cache_dtype="int8"),
+    "lora_with_moe": ModeFacts(lora=True, moe=True, native_kernels=False),
+    "lora_with_static_batching": ModeFacts(lora=True, scheduler_policy="static", native_kernels=False),
+    "lora_steps_in_python": ModeFacts(lora=True),
+    "lora_steps_without_cuda_graphs": ModeFacts(lora=True, device="cuda"),
 }
 
 

@@ -16,6 +16,7 @@ from batchserve import modes
 from batchserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from batchserve.core.build import build_scheduler
 from batchserve.core.kv_cache_manager import cdiv
+from batchserve.core.lora_schedule import AdapterGate
 from batchserve.core.outputs import (
     Logprobs,
     ModelOutput,
@@ -26,10 +27,11 @@ from batchserve.core.outputs import (
 )
 from batchserve.engine.detokenizer import IncrementalDetokenizer
 from batchserve.engine.inputs import EngineLimits, Prompt, RequestBuilder
+from batchserve.engine.lora_registry import LoRARegistry, UnknownAdapterError
 from batchserve.engine.outputs import CompletionDelta, RequestMetrics
 from batchserve.engine.startup import load_runner
 from batchserve.models.loader import DEFAULT_MODEL_FILE
-from batchserve.request import EngineRequest, FinishReason, Request
+from batchserve.request import EngineRequest, FinishReason, LoRARequest, Request
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -137,6 +139,7 @@ class LLMEngine:
             long_context_from=model_config.long_context_from,
         )
         self.eos_token_ids = tuple(model_config.eos_token_ids)
+        self.loras = self._serve_adapters(config)
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[RequestOutput] = []  # finished outside a step (aborts), reported at the next step
         self._ids = itertools.count()
@@ -226,9 +229,41 @@ class LLMEngine:
         if self.kv_pool_can_grow:  # room for this request at its longest (LLM.generate reserved a whole batch's)
             self.reserve_kv_blocks(self.worst_case_blocks(request.num_prompt_tokens, params.max_tokens))
         scheduled = Request.of(request, self.eos_token_ids)
+        if request.lora_name is not None:
+            scheduled.lora_id = self._adapter(request.lora_name).lora_int_id
         self.scheduler.add_request(scheduled)
         self._tracked[request_id] = _Tracked(scheduled, detokenizer, params.logprobs is not None)
         return request_id
+
+    def _serve_adapters(self, config: EngineConfig) -> LoRARegistry | None:
+        """enable_lora: the adapters of lora_modules loaded, the scheduler held to max_loras a step."""
+        pool = getattr(self.runner, "lora", None)
+        if pool is None:
+            return None
+        registry = LoRARegistry(pool)
+        registry.add_modules(config.lora_modules)
+        self.scheduler.adapters = AdapterGate(config.max_loras)
+        return registry
+
+    def _adapter(self, name: str) -> LoRARequest:
+        if self.loras is None:
+            raise UnknownAdapterError(name)
+        return self.loras.resolve(name)
+
+    def add_lora(self, lora: LoRARequest) -> LoRARequest:
+        """Serve an adapter from now on (loaded and checked now; LoRALoadError names what does not fit)."""
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters need enable_lora", "lora")
+        return self.loras.add(lora)
+
+    def remove_lora(self, name: str) -> None:
+        """New requests for `name` are refused from now on; those running with it finish with it."""
+        if self.loras is None:
+            raise UnknownAdapterError(name)
+        self.loras.remove(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.loras is None else list(self.loras.by_name.values())
 
     def add_prompt(
         self,

@@ -69,6 +69,12 @@ def load_runner(
     runner = ModelRunner(config, model_config, model, device, dtype, initial_kv_blocks)
     runner.structured_outputs.tokenizer = tokenizer
     runner.modes = decision
+    if config.enable_lora:
+        from batchserve.worker.lora_slots import LoRAPool
+
+        runner.lora = LoRAPool(
+            model, model_config, config.max_loras, config.max_lora_rank, config.cpu_loras, dtype, device
+        )
     speculative = SpeculativeConfig.from_value(config.speculative_config)
     if speculative is not None and speculative.method == "draft_model":
         runner.draft = load_draft_model(config, speculative.model, runner, tokenizer)

@@ -7,6 +7,7 @@ what the default memory fraction allows; it only grows. A server's pool, sized t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from batchserve.engine.llm_engine import LLMEngine
 from batchserve.engine.outputs import Completion
 from batchserve.entrypoints.engine_options import engine_config
 from batchserve.host.process import configure_torch
-from batchserve.request import EngineRequest
+from batchserve.request import EngineRequest, LoRARequest
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.chat import chat_prompt_ids
 from batchserve.serving.structured import ConstraintChecker
@@ -66,6 +67,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[Completion]:
         """Run every prompt to completion with continuous batching; outputs come back in input order. All prompts
         are admitted or none: a bad one raises InvalidRequestError and leaves nothing behind in the engine. A pool
@@ -78,6 +80,7 @@ class LLM:
         # every request built (prompts tokenized, everything checked) before the pool grows and before any is admitted
         build, new_id = self.engine.requests.from_prompt, self.engine.new_request_id
         requests = [build(new_id(), prompt, p, prio) for prompt, p, prio in zip(prompts, params, priorities)]
+        requests = self._with_adapters(requests, lora_request)
         for constraint in {r.sampling_params.structured_outputs for r in requests}:
             self._constraints.check_blocking(constraint)  # a bad schema raises here, as it is a 400 over HTTP
         self.engine.reserve_kv_for([(r.num_prompt_tokens, r.sampling_params.max_tokens) for r in requests])
@@ -90,6 +93,17 @@ class LLM:
             self.engine.step()  # reports the aborts, so the engine forgets them now
             raise
         return self._run(requests, use_tqdm)
+
+    def _with_adapters(
+        self, requests: list[EngineRequest], lora: LoRARequest | Sequence[LoRARequest | None] | None
+    ) -> list[EngineRequest]:
+        """Each request with its adapter (vLLM's lora_request: one for all, or one per prompt), served from now on."""
+        loras = list(lora) if isinstance(lora, Sequence) else [lora] * len(requests)
+        if len(loras) != len(requests):
+            raise InvalidRequestError(f"{len(loras)} lora requests for {len(requests)} prompts", "lora_request")
+        for adapter in {a for a in loras if a is not None}:
+            self.engine.add_lora(adapter)
+        return [r if a is None else dataclasses.replace(r, lora_name=a.lora_name) for r, a in zip(requests, loras)]
 
     def chat(
         self,
