@@ -282,6 +282,8 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answered (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
     def validate(self) -> None:
         SpeculativeConfig.from_value(self.speculative_config)  # refuses a bad one here, with the reason

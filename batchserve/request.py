@@ -52,7 +52,6 @@ class EngineRequest:
     priority: int = 0  # lower is served first under scheduling_order="priority"
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
-    lora_name: str | None = None  # the adapter it runs with (engine/lora_registry.py); None: the base model
 
     @property
     def num_prompt_tokens(self) -> int:

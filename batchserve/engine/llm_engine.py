@@ -31,6 +31,7 @@ from batchserve.engine.lora_registry import LoRARegistry, UnknownAdapterError
 from batchserve.engine.outputs import CompletionDelta, RequestMetrics
 from batchserve.engine.startup import load_runner
 from batchserve.models.loader import DEFAULT_MODEL_FILE
+from batchserve.models.lora_adapters import LoRAAdapter
 from batchserve.request import EngineRequest, FinishReason, LoRARequest, Request
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 
@@ -229,8 +230,8 @@ class LLMEngine:
         if self.kv_pool_can_grow:  # room for this request at its longest (LLM.generate reserved a whole batch's)
             self.reserve_kv_blocks(self.worst_case_blocks(request.num_prompt_tokens, params.max_tokens))
         scheduled = Request.of(request, self.eos_token_ids)
-        if request.lora_name is not None:
-            scheduled.lora_id = self._adapter(request.lora_name).lora_int_id
+        if params.lora_name is not None:  # its adapter, by name (engine/lora_registry.py)
+            scheduled.lora_id = self._adapter(params.lora_name).lora_int_id
         self.scheduler.add_request(scheduled)
         self._tracked[request_id] = _Tracked(scheduled, detokenizer, params.logprobs is not None)
         return request_id
@@ -250,11 +251,23 @@ class LLMEngine:
             raise UnknownAdapterError(name)
         return self.loras.resolve(name)
 
-    def add_lora(self, lora: LoRARequest) -> LoRARequest:
-        """Serve an adapter from now on (loaded and checked now; LoRALoadError names what does not fit)."""
+    def read_lora(self, lora: LoRARequest) -> LoRAAdapter:
+        """An adapter's folder read and checked against the base (any thread: nothing of the engine changes)."""
         if self.loras is None:
             raise InvalidRequestError("LoRA adapters need enable_lora", "lora")
-        return self.loras.add(lora)
+        self.loras.check_name(lora)
+        return self.loras.pool.read(lora)
+
+    def add_lora(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> LoRARequest:
+        """Serve an adapter from now on (`adapter`: its folder as read_lora read it; else read now). LoRALoadError
+        names what does not fit the base."""
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters need enable_lora", "lora")
+        return self.loras.add(lora, adapter)
+
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters served now (any thread: a snapshot)."""
+        return tuple(lora.lora_name for lora in self.list_loras())
 
     def remove_lora(self, name: str) -> None:
         """New requests for `name` are refused from now on; those running with it finish with it."""
@@ -263,7 +276,8 @@ class LLMEngine:
         self.loras.remove(name)
 
     def list_loras(self) -> list[LoRARequest]:
-        return [] if self.loras is None else list(self.loras.by_name.values())
+        """The adapters served now (any thread: a snapshot)."""
+        return [] if self.loras is None else list(self.loras.served)
 
     def add_prompt(
         self,

@@ -15,6 +15,7 @@ from batchserve.request import LoRARequest
 from batchserve.sampling_params import InvalidRequestError
 
 if TYPE_CHECKING:
+    from batchserve.models.lora_adapters import LoRAAdapter
     from batchserve.worker.lora_slots import LoRAPool
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class LoRARegistry:
         self.pool = pool
         self.by_name: dict[str, LoRARequest] = {}
         self.base_names = base_names  # names of the base model: never an adapter's
+        self.served: tuple[LoRARequest, ...] = ()  # replaced whole on each change: other threads read it
 
     def add_modules(self, text: str | None) -> None:
         """--lora-modules "name=path ...": ids 1, 2, ... in the order given."""
@@ -42,29 +44,36 @@ class LoRARegistry:
     def next_id(self) -> int:
         return max([0, *self.pool.known]) + 1
 
-    def add(self, lora: LoRARequest) -> LoRARequest:
-        """Serve `lora` (loaded and checked now); the same request again is a no-op."""
-        if lora.lora_name in self.base_names:
-            raise InvalidRequestError(f"adapter name {lora.lora_name!r} is the base model's name", "lora_name")
-        known = self.by_name.get(lora.lora_name)
-        if known is not None:
-            if known == lora:
-                return known
-            raise InvalidRequestError(
-                f"adapter {lora.lora_name!r} is already served (from {known.lora_path}); unload it first", "lora_name"
-            )
-        adapter = self.pool.add(lora)
+    def add(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> LoRARequest:
+        """Serve `lora` (`adapter`: its folder already read; else read and checked now); the same request again is a
+        no-op."""
+        if self.check_name(lora):
+            return lora
+        adapter = self.pool.add(lora, adapter)
         self.by_name[lora.lora_name] = lora
+        self.served = tuple(self.by_name.values())
         logger.info(
             "LoRA adapter %r (id %d) from %s: rank %d, scale %.4g, %s",
             lora.lora_name, lora.lora_int_id, lora.lora_path, adapter.rank, adapter.scale, ", ".join(sorted(adapter.targets)),
         )  # fmt: skip
         return lora
 
+    def check_name(self, lora: LoRARequest) -> bool:
+        """True if `lora` is served already; InvalidRequestError if its name is taken by another."""
+        if lora.lora_name in self.base_names:
+            raise InvalidRequestError(f"adapter name {lora.lora_name!r} is the base model's name", "lora_name")
+        known = self.by_name.get(lora.lora_name)
+        if known is not None and known != lora:
+            raise InvalidRequestError(
+                f"adapter {lora.lora_name!r} is already served (from {known.lora_path}); unload it first", "lora_name"
+            )
+        return known is not None
+
     def remove(self, name: str) -> LoRARequest:
         lora = self.by_name.pop(name, None)
         if lora is None:
             raise UnknownAdapterError(name)
+        self.served = tuple(self.by_name.values())
         self.pool.remove(lora.lora_int_id)
         logger.info("LoRA adapter %r (id %d) unloaded", name, lora.lora_int_id)
         return lora

@@ -65,6 +65,8 @@ HELP: dict[str, str] = {
     "max_loras": "distinct adapters in one step (their weights' device slots)",
     "max_lora_rank": "the largest adapter rank accepted; a higher one is refused at load",
     "max_cpu_loras": "adapters kept loaded in host memory, least recently used dropped beyond (default: max_loras)",
+    "allow_runtime_lora_updating": "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter: adapters "
+    "loaded and unloaded while the server runs (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; default: off)",
     "max_batch_size": "sequences in one forward pass",
     "max_num_tokens": "tokens in one forward pass: prefill chunks plus one per decoding sequence",
     "scheduler_policy": "max_utilization: fill the budget, preempt when blocks run out; guaranteed_no_evict: reserve "

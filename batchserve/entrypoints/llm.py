@@ -103,7 +103,7 @@ class LLM:
             raise InvalidRequestError(f"{len(loras)} lora requests for {len(requests)} prompts", "lora_request")
         for adapter in {a for a in loras if a is not None}:
             self.engine.add_lora(adapter)
-        return [r if a is None else dataclasses.replace(r, lora_name=a.lora_name) for r, a in zip(requests, loras)]
+        return [r if a is None else _with_adapter(r, a.lora_name) for r, a in zip(requests, loras)]
 
     def chat(
         self,
@@ -158,3 +158,7 @@ def _params_per_prompt(
     if len(sampling_params) != count:
         raise InvalidRequestError(f"{len(sampling_params)} sampling params for {count} prompts", "sampling_params")
     return list(sampling_params)
+
+
+def _with_adapter(request: EngineRequest, lora_name: str) -> EngineRequest:
+    return dataclasses.replace(request, sampling_params=dataclasses.replace(request.sampling_params, lora_name=lora_name))

@@ -68,12 +68,18 @@ class LoRAPool:
         return slots
 
     # ---- adapters in and out ----------------------------------------------------------------------------------
-    def add(self, lora: LoRARequest) -> LoRAAdapter:
-        """Register and load (checked against the base; LoRALoadError names what does not fit)."""
+    def read(self, lora: LoRARequest) -> LoRAAdapter:
+        """The adapter's folder read and checked against the base (no state of the pool changes: any thread)."""
+        return load_peft_adapter(
+            lora.lora_path, lora.lora_name, lora.lora_int_id, self.config, self.max_rank, self.dtype
+        )
+
+    def add(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
+        """Register and hold in host memory (`adapter`: read already; else read now)."""
         known = self.known.get(lora.lora_int_id)
         if known is not None and known != lora:
             raise LoRALoadError(f"lora_int_id {lora.lora_int_id} is {known.lora_name!r} already ({known.lora_path})")
-        adapter = self._load(lora)
+        adapter = self._load(lora, adapter)
         self.known[lora.lora_int_id] = lora
         return adapter
 
@@ -90,14 +96,12 @@ class LoRAPool:
         if slot is not None:
             self.free_slots.append(slot)
 
-    def _load(self, lora: LoRARequest) -> LoRAAdapter:
-        adapter = self.loaded.get(lora.lora_int_id)
-        if adapter is not None:
+    def _load(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
+        held = self.loaded.get(lora.lora_int_id)
+        if held is not None:
             self.loaded.move_to_end(lora.lora_int_id)
-            return adapter
-        adapter = load_peft_adapter(
-            lora.lora_path, lora.lora_name, lora.lora_int_id, self.config, self.max_rank, self.dtype
-        )
+            return held
+        adapter = adapter if adapter is not None else self.read(lora)
         self.num_loads += 1
         self.loaded[lora.lora_int_id] = adapter
         in_use = set(self.req_lora.values())

@@ -5,6 +5,7 @@ per adapter, and adapters loaded and unloaded while the engine runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -94,10 +95,8 @@ def test_max_loras_holds_every_step_with_slots_and_host_copies_reused(family):
 
 
 def _request(engine, request_id, prompt, lora_name):
-    import dataclasses
-
-    request = engine.requests.from_prompt(request_id, {"prompt_token_ids": prompt}, GREEDY)
-    return dataclasses.replace(request, lora_name=lora_name)
+    params = dataclasses.replace(GREEDY, lora_name=lora_name)
+    return engine.requests.from_prompt(request_id, {"prompt_token_ids": prompt}, params)
 
 
 def _run_alone(engine, request_id, prompt, lora_name):

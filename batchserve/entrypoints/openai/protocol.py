@@ -269,6 +269,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     max_model_len: int | None = None
     dtype: str | None = None  # what the engine computes in (dtype "auto" resolved)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
 
 
 class ModelList(BaseModel):
