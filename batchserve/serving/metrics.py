@@ -17,6 +17,7 @@ from batchserve.core.outputs import SchedulerStats
 from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.engine.outputs import CompletionDelta
+from batchserve.serving.lora_metrics import LoRAMetrics
 
 PREFIX = "batchserve:"
 STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")  # the fields of StepTimings, without "_s"
@@ -143,6 +144,9 @@ class EngineMetrics:
         for rule in engine.engine.modes.fallback_names:
             self.mode_fallback.labels(self.model_name, rule).set(1)
         engine.step_listeners.append(self._on_step)
+        if engine.engine.config.enable_lora:
+            lora = LoRAMetrics(self.registry, self.model_name, engine.engine.config.max_loras)
+            engine.step_listeners.append(lora.on_step)
         return self
 
     # ------------------------------------------------------------------ engine loop thread

@@ -52,6 +52,9 @@ class LoRAPool:
         self.free_slots = list(range(max_loras - 1, -1, -1))  # popped from the end: slot 0 first
         self.layers: list[dict[str, LoRASlots]] = [self._attach(layer) for layer in model.layers]
         self.num_loads = 0  # adapters read from their folder, since start
+        # one group per adapter (the engine's); "request": one per request, the loop a grouping replaces
+        # (benchmarks/lora.py measures the two)
+        self.grouping = "adapter"
 
     def _attach(self, layer: nn.Module) -> dict[str, LoRASlots]:
         """Each projection of `layer` gets its slots (an attribute the model's `project` reads)."""
@@ -136,9 +139,12 @@ class LoRAPool:
         ends = np.cumsum(query_lens)
         starts = ends - query_lens
         groups = []
-        for lora_id in distinct:
+        members_of = {lora_id: [i for i, x in enumerate(ids) if x == lora_id] for lora_id in distinct}
+        if self.grouping == "request":
+            members_of = {(i, x): [i] for i, x in enumerate(ids) if x}
+        for key, members in members_of.items():
+            lora_id = key if self.grouping != "request" else key[1]
             slot, adapter = self._slot(lora_id, distinct)
-            members = [i for i, x in enumerate(ids) if x == lora_id]
             rows = np.concatenate([np.arange(starts[i], ends[i]) for i in members])
             contiguous = int(rows[-1] - rows[0]) + 1 == len(rows)
             tensor = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)

@@ -101,3 +101,40 @@ def test_run_time_updates_are_off_unless_allowed(tiny):
         assert reply.status_code == 403 and "--allow-runtime-lora-updating" in reply.json()["error"]["message"]
     finally:
         live.stop()
+
+
+def test_metrics_name_the_adapters(server):
+    complete(server.url, "sql", PROMPTS["sql"])
+    server.wait_idle()
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    info = [line for line in text.splitlines() if line.startswith("batchserve:lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0], info
+    assert 'running_lora_adapters=""' in info[0]  # idle now: the last step ran the request to its end
+    running = {line.split('lora_name="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line.startswith("batchserve:lora_requests_running{")}  # fmt: skip
+    assert set(running) >= {"sql", "poet"} and not any(running.values())
+
+
+def test_grpc_names_the_adapter_by_its_field(server, tiny):
+    import grpc
+
+    from batchserve.entrypoints.grpc.pb import generation_pb2 as pb
+    from tests.server.grpc_live import LiveGrpc
+
+    hf_model, _, adapters = tiny
+    live = LiveGrpc(server.async_engine, ["base"])
+    try:
+        sampling = pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for name in ("sql", ""):
+            request = pb.GenerateRequest(tokens=pb.TokenIds(ids=PROMPTS["sql"]), sampling=sampling, lora_name=name)
+            (reply,) = live.generation.Generate(request, timeout=60)
+            expected = (
+                peft_greedy(adapters["sql"], PROMPTS["sql"], 8) if name else hf_greedy(hf_model, PROMPTS["sql"], 8)
+            )
+            assert list(reply.token_ids) == expected, name
+        unknown = pb.GenerateRequest(tokens=pb.TokenIds(ids=[5]), sampling=sampling, lora_name="nope")
+        with pytest.raises(grpc.RpcError) as info:
+            list(live.generation.Generate(unknown, timeout=30))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in info.value.details()
+    finally:
+        live.stop()
