@@ -138,3 +138,19 @@ def test_grpc_names_the_adapter_by_its_field(server, tiny):
         assert info.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in info.value.details()
     finally:
         live.stop()
+
+
+def test_kserve_generate_names_the_adapter_by_lora_task_id(server, tiny):
+    hf_model, _, adapters = tiny
+    text = " ".join(f"w{i}" for i in PROMPTS["poet"])  # the word-level tokenizer's words: the prompt's ids
+    for task_id, expected in ((2, peft_greedy(adapters["poet"], PROMPTS["poet"], 8)),
+                              (None, hf_greedy(hf_model, PROMPTS["poet"], 8))):  # fmt: skip
+        body = {"text_input": text, "max_tokens": 8, "temperature": 0.0} | (
+            {"lora_task_id": task_id} if task_id else {}
+        )
+        reply = httpx.post(server.url + "/v2/models/base/generate", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert [int(word[1:]) for word in reply.json()["text_output"].split()] == expected, task_id
+    missing = httpx.post(server.url + "/v2/models/base/generate", json={"text_input": text, "max_tokens": 2,
+                                                                      "lora_task_id": 99}, timeout=30)  # fmt: skip
+    assert missing.status_code == 404 and "lora_task_id 99" in missing.text
