@@ -33,7 +33,7 @@ class AdapterGate:
         return self.max_loras is not None
 
     def track(self, running: Iterable[Request]) -> None:
-        """The running set, recounted at the start of each admission round."""
+        """The running set, recounted before each admission."""
         if not self.active:
             return
         self.running = Counter(r.lora_id for r in running if r.lora_id)
@@ -52,12 +52,6 @@ class AdapterGate:
         if self.due is None and now - request.arrival_time >= self.patience_s:
             self.due = lora_id
         return False
-
-    def joined(self, request: Request) -> None:
-        if request.lora_id:
-            self.running[request.lora_id] += 1
-            if self.due == request.lora_id:
-                self.due = None
 
     def adapters(self) -> list[int]:
         return sorted(self.running)

@@ -288,6 +288,7 @@ class Scheduler:
         head = self.waiting.peek()
         if not limits.active and not self.adapters.active:
             return head
+        self.adapters.track(self.running)  # recounted each time: a swapped-in request joins without a word
         now = self.clock()
         for request in itertools.chain((head,), itertools.islice(self.waiting, LOOKAHEAD)):
             if id(request) in deferred:
@@ -299,7 +300,6 @@ class Scheduler:
 
     def _admit_waiting(self, step: StepBuilder) -> None:
         deferred: set[int] = set()
-        self.adapters.track(self.running)
         while len(self.waiting) and step.token_budget > 0 and len(self.running) < self.config.max_batch_size:
             request = self._next_admissible(step.limits, deferred)
             if request is None:
@@ -322,7 +322,6 @@ class Scheduler:
                 request.num_cached_prompt_tokens = hit.num_tokens
             self._on_scheduled(request)
             self._insert_running(request)
-            self.adapters.joined(request)
             step.add(request, num_tokens, self.kv.block_ids(request), resumed=True)
 
     # ---- service-level targets (core/slo.py) ------------------------------------------------------------------

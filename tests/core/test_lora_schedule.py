@@ -3,6 +3,8 @@ is not starved by a steady stream of requests for the running ones, and prefix-c
 
 from __future__ import annotations
 
+import pytest
+
 from batchserve.core.lora_schedule import AdapterGate, first_parent
 from tests.core.helpers import assert_all_blocks_free, drive, make_request, make_scheduler
 from tests.fake_runner import FakeRunner
@@ -24,10 +26,16 @@ def runner_for(scheduler):
     return FakeRunner(scheduler.kv.pool.num_blocks, scheduler.kv.block_size)
 
 
-def test_no_step_carries_more_than_max_loras_adapters():
-    scheduler = make_scheduler(num_blocks=256, max_batch_size=16)
+@pytest.mark.parametrize(
+    "pool",
+    [dict(num_blocks=256), dict(num_blocks=16), dict(num_blocks=16, host_blocks=64, preemption_mode="swap")],
+    ids=["roomy", "preempting", "swapping"],
+)
+def test_no_step_carries_more_than_max_loras_adapters(pool):
+    """Whatever joins the running set (admitted, readmitted after a preemption, swapped in)."""
+    scheduler = make_scheduler(max_batch_size=16, **pool)
     scheduler.adapters = AdapterGate(2)
-    arrivals = {0: [lora_request(f"r{i}", i % 5, max_tokens=3 + i % 4) for i in range(30)]}
+    arrivals = {0: [lora_request(f"r{i}", i % 5, max_tokens=8 + i % 8) for i in range(30)]}
     seen = []
 
     def check(s, scheduled):
@@ -35,9 +43,11 @@ def test_no_step_carries_more_than_max_loras_adapters():
         assert len(adapters) <= 2, adapters
         seen.append(adapters)
 
-    outputs = drive(scheduler, runner_for(scheduler), arrivals, on_step=check)
+    runner = FakeRunner(scheduler.kv.pool.num_blocks, 4, num_swap_blocks=pool.get("host_blocks", 0))
+    outputs = drive(scheduler, runner, arrivals, on_step=check)
     assert len(outputs) == 30
     assert set().union(*seen) == {1, 2, 3, 4}  # every adapter ran, two at most at a time
+    assert (scheduler.num_preemptions_total > 0) == (pool["num_blocks"] < 256)
     assert_all_blocks_free(scheduler)
 
 
