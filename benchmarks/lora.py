@@ -81,29 +81,32 @@ def main() -> None:
     requests = requests[: args.limit] if args.limit else requests
     llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, enable_lora=True,
               max_loras=args.adapters, max_lora_rank=args.rank)  # fmt: skip
-    llm.engine.reserve_kv_blocks(llm.engine.max_kv_blocks)
     with tempfile.TemporaryDirectory() as tmp:
         loras = []
         for i in range(args.adapters):
             random_adapter(Path(tmp) / f"a{i}", llm.engine.model_config, args.rank, seed=i)
             loras.append(LoRARequest(f"a{i}", i + 1, str(Path(tmp) / f"a{i}")))
         spread = [loras[i % len(loras)] for i in range(len(requests))]
+        print(f"host: {describe(machine_info(args.threads, llm.engine.config.dtype))}")
+        print(
+            f"{len(requests)} requests of peer64, {args.adapters} adapters of rank {args.rank} on all seven projections"
+        )
+        prompt = requests[0]["prompt_token_ids"]
+        step_ms(llm, prompt, 8, loras[0])  # warm
+        alone = step_ms(llm, prompt, args.single_tokens, None)
+        alone_lora = step_ms(llm, prompt, args.single_tokens, loras[0])
+        print(f"single stream               {alone:8.2f} ms/token")
+        print(f"single stream + adapter     {alone_lora:8.2f} ms/token   {alone / alone_lora:.2f}x the speed without",
+              flush=True)  # fmt: skip
         base = throughput(llm, requests, [None] * len(requests))
+        print(f"peer64 base alone           {base:8.1f} tok/s", flush=True)
         with_loras = throughput(llm, requests, spread)
+        print(f"peer64 over {args.adapters} adapters       {with_loras:8.1f} tok/s   {with_loras / base:.2f}x base",
+              flush=True)  # fmt: skip
         llm.engine.runner.lora.grouping = "request"
         looped = throughput(llm, requests, spread)
         llm.engine.runner.lora.grouping = "adapter"
-        prompt = requests[0]["prompt_token_ids"]
-        step_ms(llm, prompt, 8, None)  # warm
-        alone = step_ms(llm, prompt, args.single_tokens, None)
-        alone_lora = step_ms(llm, prompt, args.single_tokens, loras[0])
-    print(f"host: {describe(machine_info(args.threads, llm.engine.config.dtype))}")
-    print(f"{len(requests)} requests of peer64, {args.adapters} adapters of rank {args.rank} on all seven projections")
-    print(f"peer64 base alone           {base:8.1f} tok/s")
-    print(f"peer64 over {args.adapters} adapters       {with_loras:8.1f} tok/s   {with_loras / base:.2f}x base")
-    print(f"  deltas one request a time {looped:8.1f} tok/s   grouped {with_loras / looped:.2f}x looped")
-    print(f"single stream               {alone:8.2f} ms/token")
-    print(f"single stream + adapter     {alone_lora:8.2f} ms/token   {alone / alone_lora:.2f}x the speed without")
+        print(f"  deltas one request a time {looped:8.1f} tok/s   grouped {with_loras / looped:.2f}x looped")
 
 
 if __name__ == "__main__":

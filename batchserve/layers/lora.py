@@ -39,55 +39,47 @@ class LoRAStep:
 @dataclass
 class LoRASlots:
     """One projection's adapter weights in `num_slots` device slots. slices: (out offset, out size) of each part of
-    the fused output (q, k, v; gate, up; or one). `a[s, :n_slices * r]`: the slot's A rows, slice by slice (r each);
-    `b[i][s, :r]`: slice i's B. present[s][i]: the slot's adapter targets slice i."""
+    the fused output (q, k, v; gate, up; or one). For a slot whose adapter has rank r, `a[s, :n * r]` holds the A
+    of each slice, slice by slice (r rows each), and `b[s, :n * r]` each slice's B (transposed) in its own rows and
+    output columns, zeros elsewhere: one shrink and one expand serve every slice at once. present[s]: the slot's
+    adapter targets some slice of this projection."""
 
     slices: tuple[tuple[int, int], ...]
     a: torch.Tensor  # [S, n_slices * R, in]
-    b: list[torch.Tensor]  # per slice [S, R, size]
-    present: list[list[bool]] = field(default_factory=list)
+    b: torch.Tensor  # [S, n_slices * R, out], block-diagonal by slice
+    present: list[bool] = field(default_factory=list)
 
     @classmethod
     def allocate(cls, slices, in_features: int, num_slots: int, max_rank: int, dtype, device) -> LoRASlots:
-        a = torch.zeros(num_slots, len(slices) * max_rank, in_features, dtype=dtype, device=device)
-        b = [torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device) for _, size in slices]
-        return cls(tuple(slices), a, b, [[False] * len(slices) for _ in range(num_slots)])
+        rows, out = len(slices) * max_rank, sum(size for _, size in slices)
+        a = torch.zeros(num_slots, rows, in_features, dtype=dtype, device=device)
+        b = torch.zeros(num_slots, rows, out, dtype=dtype, device=device)
+        return cls(tuple(slices), a, b, [False] * num_slots)
 
     def load(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None], rank: int) -> None:
         """Slot `slot` takes an adapter's (A [r, in], B [size, r]) per slice (None: the slice is not targeted)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
         for i, part in enumerate(parts):
-            rows = self.a[slot, i * rank : (i + 1) * rank]
-            if part is None:
-                rows.zero_()
-                self.present[slot][i] = False
-                continue
-            a, b = part
-            rows.copy_(a, non_blocking=True)
-            self.b[i][slot, :rank].copy_(b.t(), non_blocking=True)
-            self.present[slot][i] = True
+            if part is not None:
+                offset, size = self.slices[i]
+                self.a[slot, i * rank : (i + 1) * rank].copy_(part[0])
+                self.b[slot, i * rank : (i + 1) * rank, offset : offset + size].copy_(part[1].t())
+        self.present[slot] = any(part is not None for part in parts)
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> torch.Tensor:
         """y [T, out] += each group's scale * (x_g @ A^T) @ B, in place (y is the projection's fresh output)."""
         for group in step.groups:
-            present = self.present[group.slot]
-            if not any(present):
+            if not self.present[group.slot]:
                 continue
-            r = group.rank
-            xg = (
-                x[group.start : group.start + group.rows.shape[0]]
-                if group.start >= 0
-                else x.index_select(0, group.rows)
-            )
-            shrunk = xg.to(self.a.dtype) @ self.a[group.slot, : len(self.slices) * r].t()
-            for i, (offset, size) in enumerate(self.slices):
-                if not present[i]:
-                    continue
-                delta = (shrunk[:, i * r : (i + 1) * r] @ self.b[i][group.slot, :r]).to(y.dtype)
-                out = y[:, offset : offset + size]
-                if group.start >= 0:
-                    out[group.start : group.start + delta.shape[0]].add_(delta, alpha=group.scale)
-                else:
-                    out.index_add_(0, group.rows, delta, alpha=group.scale)
+            rows = len(self.slices) * group.rank
+            a, b = self.a[group.slot, :rows], self.b[group.slot, :rows]
+            if group.start >= 0:  # the group's tokens are one run: shrink, then expand into y's rows in one call
+                end = group.start + group.rows.shape[0]
+                y[group.start : end].addmm_(x[group.start : end].to(a.dtype) @ a.t(), b, alpha=group.scale)
+            else:
+                delta = (x.index_select(0, group.rows).to(a.dtype) @ a.t()) @ b
+                y.index_add_(0, group.rows, delta.to(y.dtype), alpha=group.scale)
         return y
 
 
