@@ -2,9 +2,10 @@
 
 __version__ = "0.1.0"
 
+from batchserve.request import LoRARequest  # noqa: E402
 from batchserve.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["SamplingParams", "LLM", "__version__"]
+__all__ = ["SamplingParams", "LoRARequest", "LLM", "__version__"]
 
 
 def __getattr__(name: str):

@@ -301,6 +301,15 @@ class EngineConfig:
     speculative_config: dict | None = None
     runner: Runner = Runner.AUTO  # vLLM's: generate or pooling (auto: from the model folder); resolved at load
     convert: Convert = Convert.AUTO  # vLLM's: a pooling runner's task, embed or classify; resolved at load
+    # LoRA adapters (vLLM's names; docs/lora.md): requests name one by `model`; lora_modules "name=path ..." loads
+    # some at start; max_loras distinct adapters run in one step, max_cpu_loras stay loaded (LRU beyond)
+    enable_lora: bool = False
+    lora_modules: str | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answered (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
     def validate(self) -> None:
         SpeculativeConfig.from_value(self.speculative_config)  # refuses a bad one here, with the reason
@@ -311,6 +320,21 @@ class EngineConfig:
         _require(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}")
         self.scheduler.validate()
         self.cache.validate()
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        _require(self.max_loras >= 1, f"max_loras must be at least 1, got {self.max_loras}")
+        _require(1 <= self.max_lora_rank <= 512, f"max_lora_rank must be 1 to 512, got {self.max_lora_rank}")
+        cpu = self.max_cpu_loras
+        _require(cpu is None or cpu >= self.max_loras,
+                 f"max_cpu_loras ({cpu}) must be at least max_loras ({self.max_loras})")  # fmt: skip
+        modules = parse_lora_modules(self.lora_modules)
+        _require(not modules or self.enable_lora, "lora_modules needs enable_lora")
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters kept loaded in host memory."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -345,6 +369,17 @@ class EngineConfig:
         flat.update(dataclasses.asdict(self.scheduler))
         flat.update(dataclasses.asdict(self.cache))
         return flat
+
+
+def parse_lora_modules(text: str | None) -> dict[str, str]:
+    """--lora-modules "name=path name2=path2" (spaces or commas between pairs) -> {name: path}."""
+    modules: dict[str, str] = {}
+    for pair in (text or "").replace(",", " ").split():
+        name, sep, path = pair.partition("=")
+        _require(bool(sep and name and path), f"lora_modules: {pair!r} is not name=path")
+        _require(name not in modules, f"lora_modules: adapter name {name!r} given twice")
+        modules[name] = path
+    return modules
 
 
 # Names TensorRT-LLM users know (its config files' keys), mapped onto ours.

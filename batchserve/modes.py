@@ -57,6 +57,7 @@ class ModeFacts:
     native_kernels: bool = True  # the native CPU kernels are built and loaded
     kv_offload: bool = False  # the disk KV tier is on (kv_offload_dir)
     prefix_caching: bool = True
+    lora: bool = False  # enable_lora: requests may run with LoRA adapters
 
     @classmethod
     def of(
@@ -83,6 +84,7 @@ class ModeFacts:
             native_kernels=native_kernels,
             kv_offload=config.cache.kv_offload_dir is not None,
             prefix_caching=config.cache.enable_prefix_caching,
+            lora=config.enable_lora,
             **traits,
         )
 
@@ -203,6 +205,40 @@ RULES: tuple[Rule, ...] = (
         "the disk tier is off (the effective config says kv_offload_dir=None)",
         "kv-offload.md#what-runs-with-it",
         adjust=_tier_off,
+    ),
+    Rule(
+        "lora_with_moe", Verdict.REFUSE, ("enable_lora",),
+        "enable_lora with a mixture-of-experts model",
+        lambda f: f.lora and f.moe,
+        "adapters are applied to the dense projections; the experts' stacked weights take none",
+        "serve the adapter on a dense model, or merge it into the MoE weights (peft's merge_and_unload)",
+        "lora.md#what-runs-where",
+    ),
+    Rule(
+        "lora_with_static_batching", Verdict.REFUSE, ("enable_lora", "scheduler_policy"),
+        "enable_lora with scheduler_policy static",
+        lambda f: f.lora and f.scheduler_policy == "static",
+        "a static batch is formed whole, while the max_loras limit is kept as requests join the running set",
+        "use scheduler_policy max_utilization or guaranteed_no_evict",
+        "lora.md#what-runs-where",
+    ),
+    # ---- fall back: runs, logged once, labelled in the metrics
+    Rule(
+        "lora_steps_in_python", Verdict.FALL_BACK, ("enable_lora",),
+        "enable_lora on the CPU with the native kernels",
+        lambda f: f.lora and f.device == "cpu" and f.native_kernels,
+        "the native decoder loop has no LoRA op",
+        "a step with adapters runs the Python sequencing (each projection the native GEMM plus the adapters' "
+        "shrink and expand); steps of the base model alone stay in the native loop",
+        "lora.md#what-runs-where",
+    ),
+    Rule(
+        "lora_steps_without_cuda_graphs", Verdict.FALL_BACK, ("enable_lora", "enforce_eager"),
+        "enable_lora on a GPU with CUDA graphs",
+        lambda f: f.lora and _cuda_graphs_wanted(f),
+        "the captured decode graphs hold no adapter",
+        "a decode step with adapters runs eagerly; steps of the base model alone replay the graphs",
+        "lora.md#what-runs-where",
     ),
     Rule(
         "static_policy_drops_speculation", Verdict.FALL_BACK, ("scheduler_policy", "speculative_config"),

@@ -25,6 +25,22 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter a request runs with (vLLM's shape): `lora_name` is what requests call it (the OpenAI `model`),
+    `lora_int_id` (> 0) its identity (prefix-cache keys, slots), `lora_path` a PEFT folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id <= 0:
+            raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+        if not self.lora_name:
+            raise ValueError("lora_name must be a non-empty name")
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One request on its way down: built once, by engine/inputs.RequestBuilder (the one place its prompt and
     sampling values are checked), then handed unchanged through EngineClient, the async engine, a Ray replica and
@@ -67,6 +83,7 @@ class Request:
     tpot_slo_s: float | None = None
     deadline: float | None = None
     slo_demoted: bool = False  # predicted to miss its TTFT target: served after those that can still meet theirs
+    lora_id: int = 0  # its adapter's lora_int_id; 0: the base model (core/lora_schedule.py)
     # timings (time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -113,6 +113,8 @@ class SamplingParams:
     kv_retention: KVRetention | None = None
     # a pooling request (batchserve/pooling_params.py): the prompt's hidden states pooled, no token sampled
     pooling: Any = None
+    # the LoRA adapter the request runs with, by name (the OpenAI `model`; docs/lora.md); None: the base model
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -153,6 +155,8 @@ class SamplingParams:
         if self.seed is not None:
             _integer("seed", self.seed, low=-(2**63), high=2**64 - 1)
         _integer("n", self.n, low=1, high=MAX_N)  # the serving layer runs n > 1 as n child requests
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise InvalidRequestError(f"lora_name must be an adapter's name, got {self.lora_name!r}", "lora_name")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:

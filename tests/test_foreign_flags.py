@@ -124,9 +124,9 @@ def test_the_flag_inventory_matches_the_parsers():
 @pytest.mark.parametrize(
     ("typed", "expected"),
     [
-        ("--enable-lora", None),  # not --enable-prefix-caching: they share only "enable"
+        ("--enable-lora-bias", None),  # not --enable-prefix-caching: they share only "enable"
         ("--ctx-size", None),  # not --block-size
-        ("--max-loras", None),  # not --max-replicas
+        ("--max-lora-count", None),  # not --max-replicas
         ("--max-batch-sise", "--max-batch-size"),
         ("--enable-prefix-cache", "--enable-prefix-caching"),
         ("--prefix-caching", "--enable-prefix-caching"),
@@ -147,8 +147,8 @@ def test_suggestions_only_among_names_that_share_meaning(typed, expected):
         (["--parallel", "4"], "--parallel is llama.cpp's: use --max-batch-size"),
         (["-np", "4"], "-np is llama.cpp's: use --max-batch-size"),
         (["--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: tensor and pipeline parallelism are not"),
-        (["--enable-lora"], "--enable-lora is vLLM's: LoRA adapters are not built yet"),
-        (["--max-loras", "4"], "--max-loras is vLLM's: LoRA adapters are not built yet"),
+        (["--lora-dtype", "auto"], "--lora-dtype is vLLM's: not built: batchserve serves PEFT LoRA adapters"),
+        
         (["--task", "embed"], "--task is vLLM's: pooling is chosen with --runner pooling"),
         (["--keep", "64"], "--keep is llama.cpp's: use --truncation"),  # not --keep-alive-timeout's abbreviation
     ],
@@ -177,8 +177,9 @@ def test_config_file_and_command_line_refuse_alike(tmp_path, capsys):
     flag_answer = capsys.readouterr().err
     answer = FOREIGN_BY_FLAG["--tensor-parallel-size"].answer
     assert answer in file_answer and answer in flag_answer
-    with pytest.raises(ConfigError, match="max_loras' is vLLM's: LoRA"):
-        engine_config({"max_loras": 2})
+    with pytest.raises(ConfigError, match="lora_dtype' is vLLM's: not built"):
+        engine_config({"lora_dtype": "auto"})
+    assert engine_config({"enable_lora": True, "max_loras": 2}).max_loras == 2
     path.write_text("tensor_parallel_size: 1\nmax_batch_size: 8\n")  # what we do anyway: accepted in both
     assert engine_config({}, file=path).scheduler.max_batch_size == 8
 

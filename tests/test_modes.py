@@ -35,6 +35,10 @@ FIRING = {
     "kv_offload_needs_prefix_caching": ModeFacts(kv_offload=True, prefix_caching=False),
     "kv_offload_with_windows": ModeFacts(kv_offload=True, windowed=True),
     "kv_offload_off_the_cpu": ModeFacts(kv_offload=True, device="cuda"),
+    "lora_with_moe": ModeFacts(lora=True, moe=True, native_kernels=False),
+    "lora_with_static_batching": ModeFacts(lora=True, scheduler_policy="static", native_kernels=False),
+    "lora_steps_in_python": ModeFacts(lora=True),
+    "lora_steps_without_cuda_graphs": ModeFacts(lora=True, device="cuda"),
 }
 
 

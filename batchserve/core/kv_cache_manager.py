@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from batchserve.core.block_pool import BlockKey, BlockPool, HostBlockPool, KVBlock
 from batchserve.core.retention import WaitingNeeds, retain
+from batchserve.core.lora_schedule import first_parent
 from batchserve.request import Request
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class KVCacheManager:
         blocks: list[KVBlock] = []
         keys: list[BlockKey] = []
         tier: list[bytes] = []
-        parent = request.cache_salt
+        parent = first_parent(request)
         for i in range(max_blocks):
             key = BlockKey(parent, token_range(request, i * self.block_size, (i + 1) * self.block_size))
             keys.append(key)
@@ -146,7 +147,7 @@ class KVCacheManager:
         keys = self.req_keys.setdefault(request.request_id, [])
         blocks = self.req_blocks[request.request_id]
         for i in range(len(keys), num_tokens // self.block_size):
-            parent = keys[-1].hash if keys else request.cache_salt
+            parent = keys[-1].hash if keys else first_parent(request)
             key = BlockKey(parent, token_range(request, i * self.block_size, (i + 1) * self.block_size))
             keys.append(key)
             if blocks[i] is not self.null_block:  # a block that left the window is released, not registered

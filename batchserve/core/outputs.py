@@ -18,6 +18,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int  # K/V already in the cache (prefix-cache hit or swapped-in)
+    lora_id: int = 0  # its adapter (worker/lora_slots.py); 0: the base model
 
 
 @dataclass

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from batchserve.core.block_pool import BlockKey, BlockPool, KVBlock
 from batchserve.core.kv_tier import Retention
+from batchserve.core.lora_schedule import first_parent
 from batchserve.request import Request
 
 PROTECT_WAITING = 4  # waiting requests, from the head, whose prefix blocks are kept back from eviction
@@ -56,7 +57,7 @@ class WaitingNeeds:
 
 
 def _keys(request: Request, block_size: int) -> list[BlockKey]:
-    keys, parent = [], request.cache_salt
+    keys, parent = [], first_parent(request)  # the manager's first parent: salt and adapter
     tokens = request.prompt_token_ids
     for i in range(len(tokens) // block_size):
         key = BlockKey(parent, tuple(tokens[i * block_size : (i + 1) * block_size]))

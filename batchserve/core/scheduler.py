@@ -39,6 +39,7 @@ from batchserve.config import (
 from batchserve.core.capacity import CapacityPolicy
 from batchserve.core.kv_cache_manager import KVCacheManager, PrefixHit
 from batchserve.core.long_context import draft_room, mark_if_long, outgrew_short_context, start_over
+from batchserve.core.lora_schedule import AdapterGate
 from batchserve.core.outputs import ModelOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from batchserve.core.prefill_limits import PrefillLimits
 from batchserve.core.request_queue import DemotingQueue, make_request_queue
@@ -90,6 +91,7 @@ class Scheduler:
         # the speculative config as the engine runs it (batchserve/modes.py turns it off where a mode rules it out)
         self.speculation = SpeculationPlanner(speculative) if speculative is not None else None
         self.long_context_from = long_context_from
+        self.adapters = AdapterGate(None)  # enable_lora: at most max_loras adapters a step (core/lora_schedule.py)
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -287,12 +289,14 @@ class Scheduler:
         """The queue's head, or, when the prefill caps hold it back, the first request within LOOKAHEAD that they
         let in: a long prompt waiting for a long-prefill slot does not hold up the short ones behind it."""
         head = self.waiting.peek()
-        if not limits.active:
+        if not limits.active and not self.adapters.active:
             return head
+        self.adapters.track(self.running)  # recounted each time: a swapped-in request joins without a word
+        now = self.clock()
         for request in itertools.chain((head,), itertools.islice(self.waiting, LOOKAHEAD)):
             if id(request) in deferred:
                 continue
-            if limits.admits(request):
+            if limits.admits(request) and self.adapters.admits(request, now):
                 return request
             deferred.add(id(request))
         return None

@@ -30,6 +30,7 @@ class StepBuilder:
                     sampling_params=request.sampling_params,
                     block_ids=new_block_ids,
                     num_computed_tokens=request.num_computed_tokens,
+                    lora_id=request.lora_id,
                 )
             )
         else:

@@ -33,7 +33,7 @@ from batchserve.engine.inputs import EngineLimits, Prompt
 from batchserve.engine.llm_engine import LLMEngine, QueueFullError
 from batchserve.engine.outputs import CompletionDelta
 from batchserve.host.process import adopt_torch_threads, release_openmp_workers
-from batchserve.request import EngineRequest
+from batchserve.request import EngineRequest, LoRARequest
 from batchserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,14 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass
+class _Call:
+    """Work on the engine between two steps (an adapter registered or removed)."""
+
+    work: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
 class AsyncLLMEngine:
     """Runs ``engine.step()`` in a background thread whenever there is work; asyncio callers submit and stream."""
 
@@ -151,7 +159,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.step_listeners: list[StepListener] = list(step_listeners or [])
         self._cond = threading.Condition()
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
         self._streams: dict[str, RequestStream] = {}  # loop thread only
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -235,11 +243,11 @@ class AsyncLLMEngine:
         if ids:
             self._submit(_Abort(ids))
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
         with self._cond:
             if isinstance(command, _Abort) and (self.error is not None or self._thread is None):
                 return  # nothing runs, nothing to abort
-            if self.error is not None or (self._stop and isinstance(command, _Add)):
+            if self.error is not None or (self._stop and not isinstance(command, _Abort)):
                 raise EngineDeadError(f"engine is not running: {self.error or 'shut down'}")
             self._commands.append(command)
             self._idle.clear()
@@ -261,6 +269,30 @@ class AsyncLLMEngine:
             command.done.add_done_callback(lambda done: self._abort_if_added(done, request.request_id))
             raise
         return stream
+
+    async def call(self, work: Callable[[LLMEngine], Any]) -> Any:
+        """`work(engine)` on the loop thread between two steps; its result, or what it raised."""
+        if self._thread is None:
+            self.start()
+        command = _Call(work)
+        self._submit(command)
+        return await asyncio.wrap_future(command.done)
+
+    async def add_lora(self, lora: LoRARequest) -> LoRARequest:
+        """Serve an adapter from now on: read and checked on a worker thread, registered between two steps (the
+        running steps do not wait for the disk)."""
+        adapter = await asyncio.to_thread(self.engine.read_lora, lora)
+        return await self.call(lambda engine: engine.add_lora(lora, adapter))
+
+    async def remove_lora(self, name: str) -> None:
+        await self.call(lambda engine: engine.remove_lora(name))
+
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters served now (any thread: a snapshot)."""
+        return self.engine.lora_names()
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
 
     def _abort_if_added(self, done: concurrent.futures.Future, request_id: str) -> None:
         """A caller gave up on its add: abort the request once the loop has added it, and only then (an add that
@@ -337,11 +369,13 @@ class AsyncLLMEngine:
     def _has_work(self) -> bool:
         return bool(self.engine.has_unfinished_requests())
 
-    def _apply(self, commands: list[_Add | _Abort]) -> bool:
+    def _apply(self, commands: list[_Add | _Abort | _Call]) -> bool:
         """Run queued commands on the engine; True if something was aborted (a step returns its blocks)."""
         aborted = False
         for command in commands:
-            if isinstance(command, _Add):
+            if isinstance(command, _Call):
+                _run_call(command, self.engine)
+            elif isinstance(command, _Add):
                 if not command.done.set_running_or_notify_cancel():
                     continue  # the caller gave up before the loop got to it
                 try:
@@ -400,9 +434,18 @@ class AsyncLLMEngine:
             self._commands.clear()
         dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine loop died: {exc!r}")
         for command in pending:
-            if isinstance(command, _Add) and not command.done.done():
+            if isinstance(command, _Add | _Call) and not command.done.done():
                 command.done.set_exception(dead)
         for stream in self._streams.values():
             stream.put(dead)
         self._streams.clear()
         self._idle.set()
+
+
+def _run_call(command: _Call, engine: LLMEngine) -> None:
+    if not command.done.set_running_or_notify_cancel():
+        return
+    try:
+        command.done.set_result(command.work(engine))
+    except Exception as exc:  # noqa: BLE001 - handed back to the caller
+        command.done.set_exception(exc)

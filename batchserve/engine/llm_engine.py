@@ -16,6 +16,7 @@ from batchserve import modes
 from batchserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from batchserve.core.build import build_scheduler
 from batchserve.core.kv_cache_manager import cdiv
+from batchserve.core.lora_schedule import AdapterGate
 from batchserve.core.outputs import (
     Logprobs,
     ModelOutput,
@@ -26,11 +27,13 @@ from batchserve.core.outputs import (
 )
 from batchserve.engine.detokenizer import IncrementalDetokenizer
 from batchserve.engine.inputs import EngineLimits, Prompt, RequestBuilder
+from batchserve.engine.lora_registry import LoRARegistry, UnknownAdapterError
 from batchserve.engine.outputs import CompletionDelta, RequestMetrics
 from batchserve.engine.pooling import check_runner_task
 from batchserve.engine.startup import load_runner
 from batchserve.models.loader import DEFAULT_MODEL_FILE
-from batchserve.request import EngineRequest, FinishReason, Request
+from batchserve.models.lora_adapters import LoRAAdapter
+from batchserve.request import EngineRequest, FinishReason, LoRARequest, Request
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -144,6 +147,7 @@ class LLMEngine:
 
             self.kv_tier = attach_tier(config, runner, self.scheduler.kv)
         self.eos_token_ids = tuple(model_config.eos_token_ids)
+        self.loras = self._serve_adapters(config)
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[RequestOutput] = []  # finished outside a step (aborts), reported at the next step
         self._ids = itertools.count()
@@ -235,9 +239,54 @@ class LLMEngine:
         if self.kv_pool_can_grow:  # room for this request at its longest (LLM.generate reserved a whole batch's)
             self.reserve_kv_blocks(self.worst_case_blocks(request.num_prompt_tokens, params.max_tokens))
         scheduled = Request.of(request, self.eos_token_ids)
+        if params.lora_name is not None:  # its adapter, by name (engine/lora_registry.py)
+            scheduled.lora_id = self._adapter(params.lora_name).lora_int_id
         self.scheduler.add_request(scheduled)
         self._tracked[request_id] = _Tracked(scheduled, detokenizer, params.logprobs is not None)
         return request_id
+
+    def _serve_adapters(self, config: EngineConfig) -> LoRARegistry | None:
+        """enable_lora: the adapters of lora_modules loaded, the scheduler held to max_loras a step."""
+        pool = getattr(self.runner, "lora", None)
+        if pool is None:
+            return None
+        registry = LoRARegistry(pool)
+        registry.add_modules(config.lora_modules)
+        self.scheduler.adapters = AdapterGate(config.max_loras)
+        return registry
+
+    def _adapter(self, name: str) -> LoRARequest:
+        if self.loras is None:
+            raise UnknownAdapterError(name)
+        return self.loras.resolve(name)
+
+    def read_lora(self, lora: LoRARequest) -> LoRAAdapter:
+        """An adapter's folder read and checked against the base (any thread: nothing of the engine changes)."""
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters need enable_lora", "lora")
+        self.loras.check_name(lora)
+        return self.loras.pool.read(lora)
+
+    def add_lora(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> LoRARequest:
+        """Serve an adapter from now on (`adapter`: its folder as read_lora read it; else read now). LoRALoadError
+        names what does not fit the base."""
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters need enable_lora", "lora")
+        return self.loras.add(lora, adapter)
+
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters served now (any thread: a snapshot)."""
+        return tuple(lora.lora_name for lora in self.list_loras())
+
+    def remove_lora(self, name: str) -> None:
+        """New requests for `name` are refused from now on; those running with it finish with it."""
+        if self.loras is None:
+            raise UnknownAdapterError(name)
+        self.loras.remove(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters served now (any thread: a snapshot)."""
+        return [] if self.loras is None else list(self.loras.served)
 
     def add_prompt(
         self,

@@ -72,6 +72,12 @@ def load_runner(
     runner.modes = decision
     if pooling is not None:
         runner.pooler = pooling(tokenizer)
+    if config.enable_lora:
+        from batchserve.worker.lora_slots import LoRAPool
+
+        runner.lora = LoRAPool(
+            model, model_config, config.max_loras, config.max_lora_rank, config.cpu_loras, dtype, device
+        )
     speculative = SpeculativeConfig.from_value(config.speculative_config)
     if speculative is not None and speculative.method == "draft_model":
         runner.draft = load_draft_model(config, speculative.model, runner, tokenizer)

@@ -65,6 +65,13 @@ HELP: dict[str, str] = {
     "head; on a causal LM, the yes/no logits of a Qwen3-Reranker-style prompt); auto: from the model folder",
     "quantization": "weights kept quantized on the CPU, quantized at load: int8 (per output channel), int4 (groups "
     "of 32 k; int4_g64, int4_g128), none (docs/quantization.md)",
+    "enable_lora": "serve LoRA adapters on top of the base model: a request names one by `model` (docs/lora.md)",
+    "lora_modules": "adapters loaded at start, \"name=path name2=path2\" (PEFT folders; needs enable_lora)",
+    "max_loras": "distinct adapters in one step (their weights' device slots)",
+    "max_lora_rank": "the largest adapter rank accepted; a higher one is refused at load",
+    "max_cpu_loras": "adapters kept loaded in host memory, least recently used dropped beyond (default: max_loras)",
+    "allow_runtime_lora_updating": "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter: adapters "
+    "loaded and unloaded while the server runs (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; default: off)",
     "max_batch_size": "sequences in one forward pass",
     "max_num_tokens": "tokens in one forward pass: prefill chunks plus one per decoding sequence",
     "scheduler_policy": "max_utilization: fill the budget, preempt when blocks run out; guaranteed_no_evict: reserve "

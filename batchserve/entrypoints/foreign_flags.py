@@ -18,8 +18,8 @@ VLLM, LLAMA_CPP = "vLLM", "llama.cpp"
 ANY_VALUE = ("*",)  # `neutral`: every value asks for what batchserve does anyway
 
 # what is not built yet, said once
-NO_LORA = ("LoRA adapters are not built yet: merge the adapter into the base weights (peft's merge_and_unload) and "
-           "serve the merged folder")  # fmt: skip
+NO_LORA = ("not built: batchserve serves PEFT LoRA adapters (--enable-lora --lora-modules name=path, --max-loras, "
+           "--max-lora-rank, --max-cpu-loras; docs/lora.md)")  # fmt: skip
 NO_PARALLEL = ("tensor and pipeline parallelism are not built yet: one engine runs on one device; for more "
                "throughput run several engines with --replicas N (Ray Serve, docs/scale-out.md)")  # fmt: skip
 NO_POOLING = ("pooling is chosen with --runner pooling (and --convert embed|classify); the pooling method and "
@@ -68,8 +68,7 @@ def _f(flags: str, origin: str, answer: str, takes_value: bool = True, neutral: 
 BOTH = f"{VLLM} and {LLAMA_CPP}"
 FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     # --- LoRA and adapters ---------------------------------------------------------------------------------------
-    _f("--enable-lora", VLLM, NO_LORA, takes_value=False),
-    _f("--lora-modules --max-loras --max-lora-rank --max-cpu-loras --lora-dtype --lora-extra-vocab-size "
+    _f("--lora-dtype --lora-extra-vocab-size "
        "--long-lora-scaling-factors --default-mm-loras --prompt-adapters --max-prompt-adapters "
        "--max-prompt-adapter-token", VLLM, NO_LORA),
     _f("--fully-sharded-loras --enable-prompt-adapter", VLLM, NO_LORA, takes_value=False),

@@ -7,6 +7,7 @@ what the default memory fraction allows; it only grows. A server's pool, sized t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from batchserve.entrypoints import llm_pooling
 from batchserve.entrypoints.engine_options import engine_config
 from batchserve.entrypoints.llm_pooling import EmbeddingOutput, ScoreOutput
 from batchserve.host.process import configure_torch
-from batchserve.request import EngineRequest
+from batchserve.request import EngineRequest, LoRARequest
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.chat import chat_prompt_ids
 from batchserve.serving.structured import ConstraintChecker
@@ -68,6 +69,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[Completion]:
         """Run every prompt to completion with continuous batching; outputs come back in input order. All prompts
         are admitted or none: a bad one raises InvalidRequestError and leaves nothing behind in the engine. A pool
@@ -80,6 +82,7 @@ class LLM:
         # every request built (prompts tokenized, everything checked) before the pool grows and before any is admitted
         build, new_id = self.engine.requests.from_prompt, self.engine.new_request_id
         requests = [build(new_id(), prompt, p, prio) for prompt, p, prio in zip(prompts, params, priorities)]
+        requests = self._with_adapters(requests, lora_request)
         for constraint in {r.sampling_params.structured_outputs for r in requests}:
             self._constraints.check_blocking(constraint)  # a bad schema raises here, as it is a 400 over HTTP
         return self.run_requests(requests, use_tqdm)
@@ -96,6 +99,17 @@ class LLM:
             self.engine.step()  # reports the aborts, so the engine forgets them now
             raise
         return self._run(requests, use_tqdm)
+
+    def _with_adapters(
+        self, requests: list[EngineRequest], lora: LoRARequest | Sequence[LoRARequest | None] | None
+    ) -> list[EngineRequest]:
+        """Each request with its adapter (vLLM's lora_request: one for all, or one per prompt), served from now on."""
+        loras = list(lora) if isinstance(lora, Sequence) else [lora] * len(requests)
+        if len(loras) != len(requests):
+            raise InvalidRequestError(f"{len(loras)} lora requests for {len(requests)} prompts", "lora_request")
+        for adapter in {a for a in loras if a is not None}:
+            self.engine.add_lora(adapter)
+        return [r if a is None else _with_adapter(r, a.lora_name) for r, a in zip(requests, loras)]
 
     def chat(
         self,
@@ -160,3 +174,7 @@ def _params_per_prompt(
     if len(sampling_params) != count:
         raise InvalidRequestError(f"{len(sampling_params)} sampling params for {count} prompts", "sampling_params")
     return list(sampling_params)
+
+
+def _with_adapter(request: EngineRequest, lora_name: str) -> EngineRequest:
+    return dataclasses.replace(request, sampling_params=dataclasses.replace(request.sampling_params, lora_name=lora_name))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchserve.layers.lora import LoRAStep, project
 from batchserve.layers.mlp import MLP
 from batchserve.layers.op_plan import Op, OpKind
 
@@ -24,5 +25,5 @@ class GeGLUMLP(MLP):
     def op(self) -> Op:
         return Op(OpKind.GEGLU_MLP, linears=(self.gate_up_proj, self.down_proj))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None = None) -> torch.Tensor:
+        return project(self.down_proj, gelu_tanh_and_mul(project(self.gate_up_proj, x, lora)), lora)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,9 @@ from batchserve import env
 from batchserve.layers import kernels, kv_quant
 from batchserve.layers.gpu import paged_attention as gpu_attention
 from batchserve.layers.windowed_attention import windowed_attention
+
+if TYPE_CHECKING:
+    from batchserve.layers.lora import LoRAStep
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +112,8 @@ class AttentionMetadata:
     prefill: SeqGroup | None = None
     # [T] int64, LongRoPE models only: 1 where the token's sequence is longer than the original context
     long_context: torch.Tensor | None = None
+    # the step's tokens grouped by LoRA adapter (layers/lora.py), handed to each projection; None: base model only
+    lora: LoRAStep | None = None
     _native_steps: dict = field(default_factory=dict, repr=False)  # native_step's, per (dtypes, head size)
 
     @property

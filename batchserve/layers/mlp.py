@@ -9,6 +9,7 @@ from torch import nn
 from batchserve.config import ModelConfig
 from batchserve.layers import kernels
 from batchserve.layers.linear import CpuLinear
+from batchserve.layers.lora import LoRAStep, project, takes_adapters
 from batchserve.layers.op_plan import Op, OpKind
 
 
@@ -25,12 +26,19 @@ class MLP(nn.Module):
         """This MLP as an op of the layer's plan (layers/op_plan.py)."""
         return Op(OpKind.SWIGLU_MLP, linears=(self.gate_up_proj, self.down_proj))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.gate_up_proj, CpuLinear):  # the native Projection's silu_and_mul (AMX-fused where it can)
-            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None = None) -> torch.Tensor:
+        if takes_adapters(self.gate_up_proj, lora):  # the deltas join gate and up before SwiGLU reads them
+            h = self._silu_and_mul(project(self.gate_up_proj, x, lora))
+        elif isinstance(self.gate_up_proj, CpuLinear):  # the native Projection's silu_and_mul (AMX-fused where it can)
+            h = self.gate_up_proj.silu_and_mul(x)
+        else:
+            h = self._silu_and_mul(self.gate_up_proj(x))
+        return project(self.down_proj, h, lora)
+
+    @staticmethod
+    def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         native = kernels.for_tensors(gate_up, dtypes=kernels.FUSED_DTYPES)
         if native is not None and gate_up.stride(1) == 1:
-            return self.down_proj(native.silu_and_mul(gate_up))
+            return native.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return F.silu(gate) * up

@@ -111,8 +111,9 @@ class SparseMoE(nn.Module):
             ints=(self.gate.top_k, int(self.gate.normalize)),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]: each token's top-k experts' outputs, weighted by the router, summed in float32."""
+    def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]: each token's top-k experts' outputs, weighted by the router, summed in float32.
+        `lora`: the step's adapters, which no expert takes (modes.py refuses LoRA with an MoE model)."""
         weights, experts = self.gate(x)
         top_k = experts.shape[1]
         # (token, expert) pairs sorted by expert: each expert's tokens are one contiguous run

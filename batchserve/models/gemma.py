@@ -165,7 +165,7 @@ class GemmaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, attn_metadata))
         h, residual = self.pre_feedforward_layernorm(h, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        return self.post_feedforward_layernorm(self.mlp(h, attn_metadata.lora)), residual
 
 
 class LayerRotary(nn.Module):

@@ -23,6 +23,7 @@ from batchserve.layers.attention import AttentionMetadata, KVCache, native_step,
 from batchserve.layers.capabilities import Capability
 from batchserve.layers.embedding import token_embedding
 from batchserve.layers.linear import CpuLinear, loading_policy
+from batchserve.layers.lora import project
 from batchserve.layers.mlp import MLP
 from batchserve.layers.norm import RMSNorm
 from batchserve.layers.op_plan import LayerPlan, Op, OpKind, norm_op
@@ -77,7 +78,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        lora = attn_metadata.lora
+        qk, v = project(self.qkv_proj, x, lora).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -91,7 +93,7 @@ class Attention(nn.Module):
         out = paged_attention(
             q, k, v, kv_cache, attn_metadata, scale=self.scale, window=self.window, softcap=self.softcap
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return project(self.o_proj, out.reshape(num_tokens, self.q_size), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -119,7 +121,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, attn_metadata)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, attn_metadata.lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -211,7 +213,9 @@ class LlamaForCausalLM(nn.Module):
         """Packed tokens [T] at positions [T] -> final hidden states [T, H] (normed)."""
         x = self.embed(input_ids)
         tables = self.rope_tables(positions, x.dtype, attn_metadata)
-        step = None if self.decoder_loop is None else native_step(x, self.config.head_dim, kv_caches[0], attn_metadata)
+        # a step with adapters runs the Python sequencing: the native loop has no LoRA op (modes.py: lora_steps_in_python)
+        native_off = self.decoder_loop is None or attn_metadata.lora
+        step = None if native_off else native_step(x, self.config.head_dim, kv_caches[0], attn_metadata)
         if step is not None:
             keys, values = [k for k, _ in kv_caches], [v for _, v in kv_caches]
             scales = [quantized_kv_scales(kv) for kv in kv_caches]  # an 8-bit pool's; none for a float one

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from batchserve.core.slo import SloUnattainableError
 from batchserve.engine.async_engine import EngineDeadError
 from batchserve.engine.llm_engine import QueueFullError
+from batchserve.engine.lora_registry import UnknownAdapterError
 from batchserve.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ def classify(exc: BaseException) -> ServingError:
     """What went wrong, in the words every front end shares."""
     if isinstance(exc, ServingError):
         return exc
+    if isinstance(exc, UnknownAdapterError):  # a request's `model` names no adapter served (any more)
+        return ServingError(ErrorKind.NOT_FOUND, str(exc), exc.param)
     if isinstance(exc, InvalidRequestError):
         return ServingError(ErrorKind.INVALID_REQUEST, str(exc), exc.param)
     if isinstance(exc, SloUnattainableError):

@@ -18,6 +18,7 @@ from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.engine.outputs import CompletionDelta
 from batchserve.serving.kv_tier_metrics import register_tier_metrics
+from batchserve.serving.lora_metrics import LoRAMetrics
 
 PREFIX = "batchserve:"
 STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")  # the fields of StepTimings, without "_s"
@@ -145,6 +146,9 @@ class EngineMetrics:
             self.mode_fallback.labels(self.model_name, rule).set(1)
         register_tier_metrics(self.registry, self.model_name, engine.engine)
         engine.step_listeners.append(self._on_step)
+        if engine.engine.config.enable_lora:
+            lora = LoRAMetrics(self.registry, self.model_name, engine.engine.config.max_loras)
+            engine.step_listeners.append(lora.on_step)
         return self
 
     # ------------------------------------------------------------------ engine loop thread

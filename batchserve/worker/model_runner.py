@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from batchserve.modes import ModeDecision
     from batchserve.worker.draft_model import DraftModelProposer
     from batchserve.worker.pooler import Pooler
+    from batchserve.worker.lora_slots import LoRAPool
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class ModelRunner:
         self.modes: ModeDecision | None = None  # the mode table's decision, made before loading (engine/startup.py)
         self.pooler: Pooler | None = None  # a pooling runner's (engine/startup.py, worker/pooler.py)
         self.offload: BlockWriter | None = None  # the disk tier's writer (worker/kv_offload.py), when it is on
+        self.lora: LoRAPool | None = None  # enable_lora: the adapters and their device slots (engine/startup.py)
 
     def resize_kv_cache(self, num_blocks: int, keep_block_ids: Sequence[int]) -> None:
         """Grow the device pool to num_blocks (at most max_kv_blocks), between steps. keep_block_ids: the blocks
@@ -152,6 +154,8 @@ class ModelRunner:
         self.kv_cache.swap_in(scheduler_output.blocks_to_swap_in)
         load_blocks(self.kv_cache, scheduler_output.kv_loads)  # blocks read back from the disk tier
         self.requests.apply(scheduler_output)
+        if self.lora is not None:
+            self.lora.follow(scheduler_output)
         self._track_constraints(scheduler_output)
         self.prompt_logprobs.follow(scheduler_output.new_requests, scheduler_output.finished_req_ids)
         if self.pooler is not None:
@@ -163,11 +167,14 @@ class ModelRunner:
         stage_drafts(self.requests, drafts)  # query tokens of this step, not known tokens: unstaged once built
         batch = self.requests.build(scheduler_output, self.device)
         unstage_drafts(self.requests, drafts)
+        if self.lora is not None:
+            batch.attn_metadata.lora = self.lora.step(batch.req_ids, batch.query_lens)
         # the grammar masks of the rows _sample takes (drafted rows are verified instead), filled during the forward
         self.structured_outputs.start_fill([r for r in batch.sample_req_ids if r not in drafts])
         prepared = time.perf_counter()
         timings.prepare_s = prepared - start
-        if self.decode_graphs is not None and self.decode_graphs.takes(batch.attn_metadata):
+        graphs = self.decode_graphs is not None and not batch.attn_metadata.lora  # graphs hold no adapter
+        if graphs and self.decode_graphs.takes(batch.attn_metadata):
             hidden = self.decode_graphs.run(batch.input_ids, batch.attn_metadata)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)

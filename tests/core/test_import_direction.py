@@ -19,7 +19,7 @@ PACKAGE_DIR = Path(batchserve.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("batchserve.config", "batchserve.sampling_params", "batchserve.pooling_params", "batchserve.request",
      "batchserve.env", "batchserve.modes", "batchserve.__version__", "batchserve.SamplingParams",
-     "batchserve.kv_retention"),  # fmt: skip
+     "batchserve.kv_retention", "batchserve.LoRARequest"),  # fmt: skip
     ("batchserve.core",),
     ("batchserve.host",),  # process-wide settings and memory probes: torch, but no model
     ("batchserve.layers",),

@@ -48,7 +48,7 @@ def tensor(name: str, value, datatype: str, batched: bool = True) -> triton.Infe
 def ensemble_inputs(text: str = PROMPT, max_tokens: int = 12, **extra) -> list[triton.InferInput]:
     types = {"stream": "BOOL", "temperature": "FP32", "top_k": "INT32", "top_p": "FP32", "end_id": "INT32",
              "return_log_probs": "BOOL", "exclude_input_in_output": "BOOL", "beam_width": "INT32",
-             "bad_words": "BYTES", "stop_words": "BYTES", "lora_task_id": "INT32", "foo": "INT32",
+             "bad_words": "BYTES", "stop_words": "BYTES", "lora_weights": "FP32", "foo": "INT32",
              "return_num_output_tokens": "BOOL", "min_length": "INT32", "num_return_sequences": "INT32"}  # fmt: skip
     inputs = [tensor("text_input", text, "BYTES"), tensor("max_tokens", max_tokens, "INT32")]
     return inputs + [tensor(name, value, types[name]) for name, value in extra.items()]
@@ -142,7 +142,7 @@ REFUSED = [
     (dict(foo=1), "unexpected input 'foo'"),
     (dict(beam_width=2), "beam_width"),
     (dict(bad_words="damn"), "bad_words"),
-    (dict(lora_task_id=3), "LoRA"),
+    (dict(lora_weights=3.0), "LoRA weights sent with a request"),
     (dict(temperature=-1.0, top_k=5), "temperature"),
     (dict(stream=True), "ModelStreamInfer"),  # ModelInfer answers once
     (dict(min_length=50), "min_tokens"),

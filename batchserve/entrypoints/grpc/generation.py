@@ -3,6 +3,7 @@ ServerInfo), over the serving layer's GenerationService as the OpenAI routes are
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
@@ -41,6 +42,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 prepared = await prepare_input(self.service, request)
                 default_max = self.service.limits.default_max_tokens(len(prepared.token_ids))
                 params = sampling_params(request.sampling, default_max)
+                if request.lora_name:  # an adapter the engine does not serve: NOT_FOUND, naming it
+                    params = dataclasses.replace(params, lora_name=request.lora_name)
                 if request_id in self._live:
                     raise invalid(f"request id {request_id!r} is already in use", "request_id")
                 self._live[request_id], owner = None, True  # claimed with no await since the check

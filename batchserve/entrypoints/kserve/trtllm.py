@@ -8,6 +8,7 @@ by a `sequence_index` output; so only the decoupled calls (ModelStreamInfer, gen
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -18,6 +19,7 @@ from batchserve.engine.async_engine import RequestStream
 from batchserve.entrypoints.grpc.status import invalid
 from batchserve.entrypoints.kserve.tensors import Output
 from batchserve.sampling_params import MAX_N, SamplingParams, check_temperature
+from batchserve.serving.errors import ErrorKind, ServingError
 from batchserve.serving.fanout import submit_choices
 from batchserve.serving.generation import GenerationService
 from batchserve.serving.results import GenerationResult
@@ -64,11 +66,16 @@ INPUTS: dict[str, Field] = {
     # batchserve's own: service-level targets in ms, as the HTTP fields (docs/slo.md)
     "ttft_slo_ms": Field("real", "FP32"),
     "tpot_slo_ms": Field("real", "FP32"),
+    # the adapter whose lora_int_id this is (loaded by folder: --lora-modules, /v1/load_lora_adapter; docs/lora.md)
+    "lora_task_id": Field("int", "INT32"),
 }
 # ensemble inputs that need a feature batchserve does not have: refused by name, whatever their value
 REFUSED: dict[str, str] = {
     **dict.fromkeys(("prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_id"), "p-tuning"),
-    **dict.fromkeys(("lora_task_id", "lora_weights", "lora_config"), "LoRA adapters"),
+    **dict.fromkeys(
+        ("lora_weights", "lora_config"),
+        "LoRA weights sent with a request (load the adapter's folder, then name it by lora_task_id)",
+    ),
     **dict.fromkeys(("top_p_decay", "top_p_min", "top_p_reset_ids"), "top-p decay"),
     "no_repeat_ngram_size": "n-gram bans",
     "early_stopping": "beam search",
@@ -98,6 +105,7 @@ class TrtllmRequest:
     exclude_input: bool  # False: text_output starts with the prompt, as older ensembles answered
     outputs: tuple[str, ...]  # the output tensors each response carries
     batched: bool  # text_input came with a batch dimension ([1, 1]): outputs keep one
+    lora_task_id: int | None = None  # the adapter's lora_int_id; None: the base model
 
     @property
     def num_sequences(self) -> int:
@@ -143,6 +151,7 @@ def parse_request(
         exclude_input=get.one("exclude_input_in_output", True),
         outputs=outputs,
         batched=ranks.get("text_input", 0) >= 2,
+        lora_task_id=get.one("lora_task_id", None),
     )
 
 
@@ -193,7 +202,9 @@ def _guide(get: _Reader):
     )  # fmt: skip
     if GUIDE_TYPES[kind] == "json_object":
         return constraint_for("json_object", "", "guided_decoding_guide_type")
-    _refuse_unless(bool(guide), "guided_decoding_guide", f"guided_decoding_guide_type {kind} needs guided_decoding_guide")
+    _refuse_unless(
+        bool(guide), "guided_decoding_guide", f"guided_decoding_guide_type {kind} needs guided_decoding_guide"
+    )
     return constraint_for(GUIDE_TYPES[kind], guide, "guided_decoding_guide")
 
 
@@ -246,7 +257,9 @@ def _typed(name: str, kind: str, value: Any) -> Any:
         "bool": isinstance(value, bool),
     }.get(kind, isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value))
     if not ok:
-        wanted = {"text": "text", "texts": "text", "int": "an integer", "bool": "a boolean"}.get(kind, "a finite number")
+        wanted = {"text": "text", "texts": "text", "int": "an integer", "bool": "a boolean"}.get(
+            kind, "a finite number"
+        )
         raise invalid(f"input '{name}' must be {wanted}, got {value!r}", name)
     return value
 
@@ -275,7 +288,19 @@ def outputs_of(request: TrtllmRequest, result: GenerationResult, delta: bool, pr
 async def submit(service: GenerationService, request: TrtllmRequest, priority: int) -> list[RequestStream]:
     """The request's engine streams: one, or one per sequence (choice order) sharing the prompt's prefill. The
     caller's id is never the engine's: Triton clients reuse ids ("1") freely."""
-    return await submit_choices(service, f"kserve-{uuid.uuid4().hex}", [request.text], request.params, priority)
+    params = request.params
+    if request.lora_task_id is not None:
+        params = dataclasses.replace(params, lora_name=_adapter_of(service, request.lora_task_id))
+    return await submit_choices(service, f"kserve-{uuid.uuid4().hex}", [request.text], params, priority)
+
+
+def _adapter_of(service: GenerationService, task_id: int) -> str:
+    listed = getattr(service.client, "list_loras", None)
+    names = {lora.lora_int_id: lora.lora_name for lora in (listed() if listed is not None else ())}
+    if task_id not in names:
+        raise ServingError(ErrorKind.NOT_FOUND, f"lora_task_id {task_id}: no LoRA adapter of that id is served",
+                           "lora_task_id")  # fmt: skip
+    return names[task_id]
 
 
 async def responses(

@@ -32,6 +32,7 @@ from batchserve.entrypoints.openai.embeddings import BODIES as POOLING_BODIES
 from batchserve.entrypoints.openai.embeddings import add_pooling_routes, served_task
 from batchserve.entrypoints.openai.errors import APIError, APIKeyMiddleware, as_api_error
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES, OpenAIFrontEnd
+from batchserve.entrypoints.openai.lora_routes import adapter_cards, add_lora_routes
 from batchserve.entrypoints.openai.messages import CountTokensRequest, MessagesRequest, add_messages_routes
 from batchserve.entrypoints.openai.observability import add_observability
 from batchserve.entrypoints.openai.protocol import (
@@ -122,6 +123,7 @@ def build_front_app(
     app.state.front = front
     _add_error_handlers(app)
     _add_routes(app, front, client, render_metrics)
+    add_lora_routes(app, front, client)  # adapters by `model`; load/unload behind --allow-runtime-lora-updating
     add_responses_routes(app, front)  # /v1/responses: OpenAI's Responses API over the same service
     add_messages_routes(app, front)  # /v1/messages: Anthropic's Messages API over the same service
     add_pooling_routes(app, front)  # /v1/embeddings, /v1/score, /v1/rerank: a pooling runner's
@@ -189,6 +191,7 @@ def _add_routes(
             **served_task(client.config),
         }
         cards = [ModelCard(id=name, **card) for name in front.served_model_names]
+        cards += adapter_cards(client, front.model_name, card)
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.post("/tokenize")

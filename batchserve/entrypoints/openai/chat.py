@@ -48,10 +48,12 @@ async def create_chat_completion(front: OpenAIFrontEnd, request: Request) -> Res
         service.limits.default_max_tokens(len(prompt_ids)),
     )  # 0 is refused by SamplingParams, never read as "no limit"
     params = with_tool_constraint(sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None), tools)
+    params = front.with_adapter(params, req.model)
     output_format = _output_format(front, tools)
     request_id = request_id_of(request, "chatcmpl")  # X-Request-Id when the client sent one
     streams = await submit_choices(service, request_id, [prompt_ids], params, req.priority, deadline)
-    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": front.model_name}
+    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": params.lora_name or front.model_name}  # fmt: skip
     if req.stream:
         chunks = _stream(front, req, {**head, "object": "chat.completion.chunk"}, streams, output_format)
         return AbortOnCloseResponse(sse_events(chunks), lambda: service.abort_unfinished(streams))

@@ -41,11 +41,12 @@ async def create_completion(front: OpenAIFrontEnd, request: Request) -> Response
     prompts = _prompts(req.prompt)
     max_tokens = req.max_tokens if req.max_tokens is not None else 16
     scoring_only = req.echo and max_tokens == 0  # the engine samples one token, which the answer leaves out
-    params = sampling_params(req, 1 if scoring_only else max_tokens, req.logprobs)
+    params = front.with_adapter(sampling_params(req, 1 if scoring_only else max_tokens, req.logprobs), req.model)
     params, scoring = scoring_params(params, req.echo, req.logprobs, max_tokens, req.prompt_logprobs)
     request_id = request_id_of(request, "cmpl")  # X-Request-Id when the client sent one
     streams = await submit_choices(front.service, request_id, prompts, params, req.priority, deadline)
-    head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": front.model_name}
+    head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": params.lora_name or front.model_name}  # fmt: skip
     if req.stream:
         chunks = _stream(front, req, head, prompts, streams, scoring)
         return AbortOnCloseResponse(sse_events(chunks), lambda: front.service.abort_unfinished(streams))

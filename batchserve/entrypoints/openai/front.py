@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -45,6 +46,8 @@ class OpenAIFrontEnd:
         # large bodies are parsed (and /detokenize decoded) on worker threads one at a time: those threads hold the
         # GIL, and several at once would each take a turn before the event loop got its next one
         self._off_loop = asyncio.Semaphore(1)
+        # the LoRA adapters served now (a snapshot the engine keeps; lora_routes.py sets it where there are any)
+        self.adapter_names: Callable[[], Sequence[str]] = tuple
 
     async def parse(self, request: Request, model: type[Body]) -> Body:
         """The body as `model`: 413 over the size limit, 400 for malformed JSON, invalid fields or another model."""
@@ -90,15 +93,27 @@ class OpenAIFrontEnd:
         return APIError(413, f"request body is over {self.max_body_bytes} bytes", code="body_too_large")
 
     def check_model(self, name: str | None) -> None:
-        """404 for a model this server does not serve, as OpenAI and vLLM answer."""
-        if name is not None and name not in self.served_model_names:
-            raise APIError(
-                404,
-                f"the model '{name}' does not exist; this server serves {self.model_name!r}",
-                type_="not_found_error",
-                param="model",
-                code="model_not_found",
-            )
+        """404 for a model this server does not serve (neither the base model nor an adapter), as OpenAI and vLLM
+        answer."""
+        if name is not None and name not in self.served_model_names and name not in self.adapter_names():
+            raise self.model_not_found(name)
+
+    def model_not_found(self, name: str) -> APIError:
+        adapters = self.adapter_names()
+        also = f" and the LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
+        return APIError(
+            404,
+            f"the model '{name}' does not exist; this server serves {self.model_name!r}{also}",
+            type_="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+
+    def with_adapter(self, params: SamplingParams, model: str | None) -> SamplingParams:
+        """The request's sampling parameters with its adapter, when its `model` names one."""
+        if model is None or model in self.served_model_names:
+            return params
+        return dataclasses.replace(params, lora_name=model)
 
 
 def _validate_without_unknown_fields(model: type[Body], data: object, exc: ValidationError) -> Body:

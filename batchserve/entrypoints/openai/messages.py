@@ -102,7 +102,7 @@ async def create_message(front: OpenAIFrontEnd, request: Request) -> Response:
     prompt, tools = await _prompt(front, req)
     params = turn_params(front, len(prompt), req.max_tokens, tools, output_constraint(req.output_config), temperature=req.temperature,
                          top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences)  # fmt: skip
-    service = front.service
+    service, params = front.service, front.with_adapter(params, req.model)
     streams = await service.submit(request_id_of(request, "msg"), [prompt], params, deadline=deadline)
     layout = MessageLayout(front.model_name, req, len(prompt))
     fmt = output_format(front, tools)

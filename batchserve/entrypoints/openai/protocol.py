@@ -275,6 +275,7 @@ class ModelCard(BaseModel):
     dtype: str | None = None  # what the engine computes in (dtype "auto" resolved)
     runner: str | None = None  # generate or pooling (--runner, auto resolved)
     convert: str | None = None  # a pooling runner's task: embed or classify
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
 
 
 class ModelList(BaseModel):

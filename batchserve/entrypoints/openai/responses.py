@@ -110,7 +110,7 @@ async def create_response(front: OpenAIFrontEnd, store: ResponseStore, request: 
                 str(exc).replace("max_tokens", "max_output_tokens"), "max_output_tokens"
             ) from None
         raise
-    service = front.service
+    service, params = front.service, front.with_adapter(params, req.model)
     streams = await service.submit(request_id_of(request, "resp"), [prompt], params, deadline=deadline)
     layout = ResponseLayout(front, req)
     fmt = output_format(front, tools)

@@ -23,7 +23,8 @@ CODE = "unsupported_endpoint"
 TEXT_ROUTES = "/v1/completions and /v1/chat/completions generate text"
 NO_POOLING = ("not built: a pooling server (--runner pooling) answers POST /v1/embeddings, /v1/score and /v1/rerank "
               "(docs/embeddings.md)")  # fmt: skip
-NO_LORA = "LoRA adapters are not built yet: merge the adapter into the weights and serve the merged model"
+NO_LORA = ("not built: LoRA adapters are vLLM's routes here: a request's `model` names its adapter, POST "
+           "/v1/load_lora_adapter and /v1/unload_lora_adapter change them (docs/lora.md)")  # fmt: skip
 NO_RESPONSE_PARTS = ("not built: background responses are refused, so there is nothing to cancel, and a stored response is "
                      "read whole by a GET of its id under /v1/responses")  # fmt: skip
 NO_AUDIO = f"audio models are not built: {TEXT_ROUTES}"
@@ -62,7 +63,6 @@ UNSUPPORTED_ENDPOINTS: tuple[UnsupportedEndpoint, ...] = (
     *_e("/v1/moderations", OPENAI, "moderation endpoint", NO_POOLING),
     *_e("/v1/files /v1/batches /v1/fine_tuning/jobs /v1/assistants /v1/threads /v1/vector_stores", OPENAI,
         "stored-object endpoint", NO_STORED_OBJECTS),
-    *_e("/v1/load_lora_adapter /v1/unload_lora_adapter", VLLM, "LoRA adapter endpoint", NO_LORA),
     *_e("/pooling /classify /v1/classify", VLLM, "pooling endpoint", NO_POOLING),
     *_e("/invocations", VLLM, "SageMaker endpoint", f"post to the OpenAI routes directly: {TEXT_ROUTES}"),
     *_e("/sleep /wake_up /is_sleeping", VLLM, "sleep-mode endpoint",

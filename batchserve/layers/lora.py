@@ -1,0 +1,99 @@
+"""LoRA inside a projection: y += scale * (x @ A) @ B for each group of a step's tokens that share an adapter.
+
+A projection that serves adapters holds a LoRASlots: per device slot, the A of each of its slices (a fused q/k/v
+projection has three, gate/up two) stacked along the rank, and each slice's B. The step's grouping (LoRAStep) is an
+argument: the model hands it to `project` with the input, nothing is read from ambient state. Per group: one shrink
+(x_g @ A_s^T over every slice at once) and one expand per slice into that slice's output columns, scaled as PEFT does
+after the expand. A fused projection's slices get their deltas before any fused activation (SwiGLU reads the sum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LoRAGroup:
+    """The tokens of one adapter in a step: its slot, its rank and scale, the rows (packed token index)."""
+
+    slot: int
+    rank: int
+    scale: float
+    rows: torch.Tensor  # [n] int64, on the model's device
+    start: int = -1  # rows == arange(start, start + n) when the tokens are contiguous (-1: they are not)
+
+
+@dataclass(frozen=True)
+class LoRAStep:
+    """One step's grouping of tokens by adapter; base-model tokens are in no group."""
+
+    groups: tuple[LoRAGroup, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+
+@dataclass
+class LoRASlots:
+    """One projection's adapter weights in `num_slots` device slots. slices: (out offset, out size) of each part of
+    the fused output (q, k, v; gate, up; or one). For a slot whose adapter has rank r, `a[s, :n * r]` holds the A
+    of each slice, slice by slice (r rows each), and `b[s, :n * r]` each slice's B (transposed) in its own rows and
+    output columns, zeros elsewhere: one shrink and one expand serve every slice at once. present[s]: the slot's
+    adapter targets some slice of this projection."""
+
+    slices: tuple[tuple[int, int], ...]
+    a: torch.Tensor  # [S, n_slices * R, in]
+    b: torch.Tensor  # [S, n_slices * R, out], block-diagonal by slice
+    present: list[bool] = field(default_factory=list)
+
+    @classmethod
+    def allocate(cls, slices, in_features: int, num_slots: int, max_rank: int, dtype, device) -> LoRASlots:
+        rows, out = len(slices) * max_rank, sum(size for _, size in slices)
+        a = torch.zeros(num_slots, rows, in_features, dtype=dtype, device=device)
+        b = torch.zeros(num_slots, rows, out, dtype=dtype, device=device)
+        return cls(tuple(slices), a, b, [False] * num_slots)
+
+    def load(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None], rank: int) -> None:
+        """Slot `slot` takes an adapter's (A [r, in], B [size, r]) per slice (None: the slice is not targeted)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for i, part in enumerate(parts):
+            if part is not None:
+                offset, size = self.slices[i]
+                self.a[slot, i * rank : (i + 1) * rank].copy_(part[0])
+                self.b[slot, i * rank : (i + 1) * rank, offset : offset + size].copy_(part[1].t())
+        self.present[slot] = any(part is not None for part in parts)
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> torch.Tensor:
+        """y [T, out] += each group's scale * (x_g @ A^T) @ B, in place (y is the projection's fresh output)."""
+        for group in step.groups:
+            if not self.present[group.slot]:
+                continue
+            rows = len(self.slices) * group.rank
+            a, b = self.a[group.slot, :rows], self.b[group.slot, :rows]
+            if group.start >= 0:  # the group's tokens are one run: shrink, then expand into y's rows in one call
+                end = group.start + group.rows.shape[0]
+                y[group.start : end].addmm_(x[group.start : end].to(a.dtype) @ a.t(), b, alpha=group.scale)
+            else:
+                delta = (x.index_select(0, group.rows).to(a.dtype) @ a.t()) @ b
+                y.index_add_(0, group.rows, delta.to(y.dtype), alpha=group.scale)
+        return y
+
+
+def slots_of(linear: nn.Module) -> LoRASlots | None:
+    return getattr(linear, "lora_slots", None)
+
+
+def project(linear: nn.Module, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
+    """linear(x), plus the step's adapters' deltas where the projection serves adapters and the step has any."""
+    y = linear(x)
+    slots = slots_of(linear) if lora else None
+    return y if slots is None else slots.add_delta(x, y, lora)
+
+
+def takes_adapters(linear: nn.Module, lora: LoRAStep | None) -> bool:
+    """This step adds adapter deltas to this projection's output (a fused activation must then read the sum)."""
+    return bool(lora) and slots_of(linear) is not None

@@ -1,0 +1,113 @@
+"""The cost of serving LoRA adapters (docs/lora.md), in one process on one host, side by side:
+
+- peer64 on the base model alone, and peer64 with its requests spread over 8 random adapters (rank 16, all seven
+  projections, max_loras 8): throughput, and the ratio;
+- one stream decoding alone, with an adapter and without: time per output token, and the ratio;
+- the same adapter workload with the deltas applied one request at a time (a loop over the step's requests, as
+  grouping by adapter replaces): throughput, and grouped over looped.
+
+    python benchmarks/lora.py                  # the default model, the first 32 requests of peer64
+    python benchmarks/lora.py --limit 0        # the whole workload
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from batchserve import LLM, LoRARequest, SamplingParams
+from batchserve.bench.machine import describe, machine_info
+
+WORKLOAD = Path(__file__).parent / "workloads" / "peer64.json"
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_adapter(folder: Path, config, rank: int, seed: int) -> None:
+    """A PEFT-layout adapter of random A and B on every projection of every layer."""
+    from batchserve.models.lora_adapters import target_shapes
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for target, (out_features, in_features) in target_shapes(config).items():
+            part = "self_attn" if target in TARGETS[:4] else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{target}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) / in_features**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.01
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config_json = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}
+    (folder / "adapter_config.json").write_text(json.dumps(config_json))
+
+
+def params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
+
+
+def throughput(llm: LLM, requests: list[dict], loras: list[LoRARequest | None]) -> float:
+    """Output tokens/s of the workload in one generate call."""
+    llm.generate([{"prompt_token_ids": requests[0]["prompt_token_ids"]}], params(4), use_tqdm=False,
+                 lora_request=loras[0])  # fmt: skip
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in requests],
+                        [params(r["max_tokens"]) for r in requests], use_tqdm=False, lora_request=loras)  # fmt: skip
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def step_ms(llm: LLM, prompt: list[int], tokens: int, lora: LoRARequest | None) -> float:
+    """Mean time per output token of one request decoding alone (first token excluded)."""
+    out = llm.generate([{"prompt_token_ids": prompt}], params(tokens), use_tqdm=False, lora_request=lora)[0]
+    return (out.metrics.finished_time - out.metrics.first_token_time) / (tokens - 1) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--limit", type=int, default=32, help="the first N requests of peer64 (0: all)")
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--single-tokens", type=int, default=64)
+    args = parser.parse_args()
+    requests = json.loads(WORKLOAD.read_text())["requests"]
+    requests = requests[: args.limit] if args.limit else requests
+    llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, enable_lora=True,
+              max_loras=args.adapters, max_lora_rank=args.rank)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        loras = []
+        for i in range(args.adapters):
+            random_adapter(Path(tmp) / f"a{i}", llm.engine.model_config, args.rank, seed=i)
+            loras.append(LoRARequest(f"a{i}", i + 1, str(Path(tmp) / f"a{i}")))
+        spread = [loras[i % len(loras)] for i in range(len(requests))]
+        print(f"host: {describe(machine_info(args.threads, llm.engine.config.dtype))}")
+        print(
+            f"{len(requests)} requests of peer64, {args.adapters} adapters of rank {args.rank} on all seven projections"
+        )
+        prompt = requests[0]["prompt_token_ids"]
+        step_ms(llm, prompt, 8, loras[0])  # warm
+        alone = step_ms(llm, prompt, args.single_tokens, None)
+        alone_lora = step_ms(llm, prompt, args.single_tokens, loras[0])
+        print(f"single stream               {alone:8.2f} ms/token")
+        print(f"single stream + adapter     {alone_lora:8.2f} ms/token   {alone / alone_lora:.2f}x the speed without",
+              flush=True)  # fmt: skip
+        base = throughput(llm, requests, [None] * len(requests))
+        print(f"peer64 base alone           {base:8.1f} tok/s", flush=True)
+        with_loras = throughput(llm, requests, spread)
+        print(f"peer64 over {args.adapters} adapters       {with_loras:8.1f} tok/s   {with_loras / base:.2f}x base",
+              flush=True)  # fmt: skip
+        llm.engine.runner.lora.grouping = "request"
+        looped = throughput(llm, requests, spread)
+        llm.engine.runner.lora.grouping = "adapter"
+        print(f"  deltas one request a time {looped:8.1f} tok/s   grouped {with_loras / looped:.2f}x looped")
+
+
+if __name__ == "__main__":
+    main()
