@@ -55,6 +55,8 @@ class ModeFacts:
     moe: bool = False  # a mixture-of-experts MLP
     gguf_file: bool | None = None  # the model is a .gguf file; None: unknown (an engine given its own runner)
     native_kernels: bool = True  # the native CPU kernels are built and loaded
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     @classmethod
     def of(
@@ -79,6 +81,8 @@ class ModeFacts:
             enforce_eager=config.enforce_eager,
             gguf_file=gguf_file,
             native_kernels=native_kernels,
+            tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
             **traits,
         )
 
@@ -166,7 +170,48 @@ RULES: tuple[Rule, ...] = (
         "drop speculative_config (greedy speculation gives plain greedy's tokens anyway), or drop deterministic",
         "determinism.md#what-it-guarantees",
     ),
+    Rule(
+        "pipeline_parallel_not_built", Verdict.REFUSE, ("pipeline_parallel_size",),
+        "pipeline_parallel_size > 1",
+        lambda f: f.pipeline_parallel_size > 1,
+        "pipeline stages (layers split over ranks, micro-batches in flight) are not built yet",
+        "use tensor_parallel_size N to split every layer over N ranks instead",
+        "parallelism.md#what-is-not-built",
+    ),
+    Rule(
+        "tensor_parallel_off_cpu", Verdict.REFUSE, ("tensor_parallel_size", "device"),
+        "tensor_parallel_size > 1 on a GPU",
+        lambda f: f.tensor_parallel_size > 1 and f.device != "cpu",
+        "the ranks' collectives are gloo's over CPU tensors (no NCCL path is built)",
+        "use device cpu, or tensor_parallel_size 1 on the GPU",
+        "parallelism.md#what-is-not-built",
+    ),
+    Rule(
+        "tensor_parallel_with_quantized_weights", Verdict.REFUSE, ("tensor_parallel_size", "quantization"),
+        "tensor_parallel_size > 1 with quantization int8 / int4 / gguf",
+        lambda f: f.tensor_parallel_size > 1 and f.quantization != "none",
+        "the quantized layouts (per-channel scales, groups of k, a GGUF file's blocks) are not cut into shards yet: "
+        "a row-parallel cut must fall on a group's edge",
+        "use quantization none (bfloat16 or float32 shards), or tensor_parallel_size 1",
+        "parallelism.md#what-is-not-built",
+    ),
+    Rule(
+        "tensor_parallel_with_a_draft_model", Verdict.REFUSE, ("tensor_parallel_size", "speculative_config"),
+        "tensor_parallel_size > 1 with speculative method draft_model",
+        lambda f: f.tensor_parallel_size > 1 and f.speculative_method == "draft_model",
+        "the draft model runs in rank 0's process, whole, and is not sharded",
+        "use method ngram or suffix (their drafts come from the scheduler), or tensor_parallel_size 1",
+        "parallelism.md#what-is-not-built",
+    ),
     # ---- fall back: runs, logged once, labelled in the metrics
+    Rule(
+        "tensor_parallel_runs_python_layers", Verdict.FALL_BACK, ("tensor_parallel_size",),
+        "tensor_parallel_size > 1 on the CPU with the native kernels",
+        lambda f: f.tensor_parallel_size > 1 and f.device == "cpu" and f.native_kernels,
+        "the native decoder loop runs a whole layer in one call, with no all-reduce after o_proj and the MLP",
+        "every step runs the Python layers (the same operators, one call each) with the all-reduces between them",
+        "parallelism.md#how-a-layer-is-split",
+    ),
     Rule(
         "static_policy_drops_speculation", Verdict.FALL_BACK, ("scheduler_policy", "speculative_config"),
         "scheduler_policy static with speculative_config",

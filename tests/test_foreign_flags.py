@@ -146,7 +146,8 @@ def test_suggestions_only_among_names_that_share_meaning(typed, expected):
         (["--ctx-size=4096"], "--ctx-size is llama.cpp's: use --max-model-len"),
         (["--parallel", "4"], "--parallel is llama.cpp's: use --max-batch-size"),
         (["-np", "4"], "-np is llama.cpp's: use --max-batch-size"),
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: tensor and pipeline parallelism are not"),
+        (["--data-parallel-size", "2"], "--data-parallel-size is vLLM's: data and context parallelism are not"),
+        (["-tp", "2"], "-tp is vLLM's: use the long flags: --tensor-parallel-size N"),
         (["--enable-lora"], "--enable-lora is vLLM's: LoRA adapters are not built yet"),
         (["--max-loras", "4"], "--max-loras is vLLM's: LoRA adapters are not built yet"),
         (["--task", "embed"], "--task is vLLM's: pooling models"),
@@ -169,17 +170,17 @@ def test_a_flag_that_asks_for_what_we_do_anyway_is_accepted():
 
 def test_config_file_and_command_line_refuse_alike(tmp_path, capsys):
     path = tmp_path / "engine.yaml"
-    path.write_text("tensor_parallel_size: 2\nmax_batch_size: 8\n")
+    path.write_text("data_parallel_size: 2\nmax_batch_size: 8\n")
     with pytest.raises(ConfigError) as err:
         engine_config({}, file=path)
     file_answer = str(err.value)
-    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
+    assert main(["serve", "--data-parallel-size", "2"]) == 2
     flag_answer = capsys.readouterr().err
-    answer = FOREIGN_BY_FLAG["--tensor-parallel-size"].answer
+    answer = FOREIGN_BY_FLAG["--data-parallel-size"].answer
     assert answer in file_answer and answer in flag_answer
     with pytest.raises(ConfigError, match="max_loras' is vLLM's: LoRA"):
         engine_config({"max_loras": 2})
-    path.write_text("tensor_parallel_size: 1\nmax_batch_size: 8\n")  # what we do anyway: accepted in both
+    path.write_text("data_parallel_size: 1\nmax_batch_size: 8\n")  # what we do anyway: accepted in both
     assert engine_config({}, file=path).scheduler.max_batch_size == 8
 
 

@@ -26,6 +26,7 @@ from batchserve.config import (
     ALIASES,
     DEVICES,
     DTYPES,
+    EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     VLLM_ALIASES,
@@ -60,6 +61,10 @@ HELP: dict[str, str] = {
     "prefix-cache hits): GEMMs and attention in one reduction order per row, at a cost (docs/determinism.md)",
     "quantization": "weights kept quantized on the CPU, quantized at load: int8 (per output channel), int4 (groups "
     "of 32 k; int4_g64, int4_g128), none (docs/quantization.md)",
+    "tensor_parallel_size": "ranks each holding a shard of every layer (heads, MLP columns, vocabulary), one process "
+    "each on this host, the CPU only; the model's heads and intermediate size must split evenly (docs/parallelism.md)",
+    "pipeline_parallel_size": "pipeline stages (layers split in M stages): not built yet, 1 only (docs/parallelism.md)",
+    "distributed_executor_backend": "how ranks are placed: mp, one process per rank on this host (ray: not built yet)",
     "max_batch_size": "sequences in one forward pass",
     "max_num_tokens": "tokens in one forward pass: prefill chunks plus one per decoding sequence",
     "scheduler_policy": "max_utilization: fill the budget, preempt when blocks run out; guaranteed_no_evict: reserve "
@@ -131,7 +136,13 @@ def _without_none(annotation: Any) -> Any:
 def _choices(name: str, kind: Any) -> tuple[str, ...] | None:
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return tuple(m.value for m in kind)
-    choices = {"dtype": DTYPES, "device": DEVICES, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
+    choices = {
+        "dtype": DTYPES,
+        "device": DEVICES,
+        "quantization": QUANTIZATIONS,
+        "kv_cache_dtype": KV_CACHE_DTYPES,
+        "distributed_executor_backend": EXECUTOR_BACKENDS,
+    }
     return choices.get(name)
 
 

@@ -1,0 +1,169 @@
+"""A tensor-parallel rank other than 0, in a process of its own: it holds its shard of the model and its KV pool
+(its heads only), and runs every step the engine's scheduler hands to rank 0, which sends it over the channel
+(host/channel.py). Nothing comes back per step: every rank gathers the same logits and samples the same tokens
+(the step's seed travels with it), so each rank's request table follows rank 0's without a token crossing.
+
+The messages of the link are the dataclasses below; a rank that fails sends RankFailed, then exits, which ends the
+collective rank 0 waits in (gloo raises at once when a peer's connection closes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from batchserve.config import EngineConfig, ModelConfig
+from batchserve.core.outputs import SchedulerOutput
+from batchserve.host.channel import Channel, PeerDeadError
+from batchserve.layers.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 120  # a peer alive but silent this long in a collective (a dead one fails it at once)
+HOST = "127.0.0.1"  # the ranks of the "mp" backend share this host
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank worker is started with."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    rank: int
+    size: int
+    store_port: int  # rank 0's rendezvous store, on this host
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """Rank 0's KV pool: every rank allocates as many blocks (the scheduler's block ids index all of them)."""
+
+    num_blocks: int
+    max_blocks: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    rank: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine step: the scheduler's output and the seed the ranks' unseeded sampling draws from."""
+
+    scheduler_output: SchedulerOutput
+    seed: int
+
+
+@dataclass(frozen=True)
+class ResizePool:
+    num_blocks: int
+    keep_block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    rank: int
+    error: str
+
+
+def rendezvous(rank: int, size: int, port: int = 0):
+    """The store the ranks meet at: rank 0 serves it (port 0: one the OS picks), the others connect to it."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    if rank == 0:
+        return dist.TCPStore(HOST, port, size, True, timeout=timeout, wait_for_workers=False)
+    return dist.TCPStore(HOST, port, size, False, timeout=timeout)
+
+
+def init_group(rank: int, size: int, store) -> TensorParallel:
+    """Join the ranks' gloo group (every rank calls it at once): a process group of its own, not torch's default
+    one, so that an engine stays an object (several may share a process)."""
+    import torch.distributed as dist
+
+    group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return TensorParallel(rank, size, group)
+
+
+def load_shard(config: EngineConfig, model_config: ModelConfig, tp: TensorParallel):
+    """This rank's shard of config.model -> (model, device, dtype)."""
+    from batchserve.layers.linear import deterministic_gemms
+    from batchserve.models.loader import resolve_model_path
+    from batchserve.models.sharding import load_sharded_model
+    from batchserve.worker.device import resolve_device, resolve_dtype
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    with deterministic_gemms(config.deterministic):
+        model = load_sharded_model(resolve_model_path(config.model), model_config, dtype, device, tp)
+    return model, device, dtype
+
+
+def pool_size(
+    config: EngineConfig, model_config: ModelConfig, dtype, device, initial_kv_blocks: int | None
+) -> PoolSize:
+    """Rank 0's decision of the pool every rank allocates: the budget (num_kv_blocks, else the memory fraction) for
+    a block of this rank's heads; `initial_kv_blocks` of it now when given (a pool that grows)."""
+    from batchserve.models.sharding import local_config
+    from batchserve.worker.kv_cache import num_blocks_for_budget, pool_dtype
+
+    local = local_config(model_config, config.tensor_parallel_size)
+    budget = num_blocks_for_budget(config.cache, local, pool_dtype(config.cache, dtype), device)
+    now = budget if initial_kv_blocks is None else max(1, min(initial_kv_blocks, budget))
+    return PoolSize(now, budget)
+
+
+def rank_runner(config: EngineConfig, model_config: ModelConfig, model, device, dtype, pool: PoolSize):
+    """A ModelRunner over a shard: its KV pool of `pool`'s blocks (the same on every rank) for the rank's heads
+    (models/sharding.py local_config), the vocabulary whole."""
+    from batchserve.models.sharding import local_config
+    from batchserve.worker.model_runner import ModelRunner
+
+    local = local_config(model_config, config.tensor_parallel_size)
+    own = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_kv_blocks=pool.max_blocks))
+    return ModelRunner(own, local, model, device, dtype, initial_kv_blocks=pool.num_blocks)
+
+
+def rank_main(channel: Channel, spec: RankSpec) -> None:
+    """A rank worker's life: join the group, load the shard, size the pool as rank 0 says, then run each step it is
+    sent until the channel closes (rank 0 gone or stopping)."""
+    from batchserve.host.process import configure_torch
+    from batchserve.models.loader import load_tokenizer, resolve_model_path
+
+    config = spec.config
+    try:
+        configure_torch(config.num_threads, config.seed)
+        tp = init_group(spec.rank, spec.size, rendezvous(spec.rank, spec.size, spec.store_port))
+        model, device, dtype = load_shard(config, spec.model_config, tp)
+        pool = channel.recv()
+        runner = rank_runner(config, spec.model_config, model, device, dtype, pool)
+        runner.structured_outputs.tokenizer = load_tokenizer(resolve_model_path(config.model), config.tokenizer)
+        channel.send(Ready(spec.rank))
+        _serve(channel, runner)
+    except PeerDeadError:
+        return  # rank 0 is gone or closed the link: nothing to report to
+    except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then the process ends
+        try:
+            channel.send(RankFailed(spec.rank, f"{exc!r}\n{traceback.format_exc()}"))
+        except PeerDeadError:
+            pass
+        raise
+
+
+def _serve(channel: Channel, runner) -> None:
+    while True:
+        message = channel.recv()
+        if isinstance(message, Step):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(message.seed)
+                runner.execute(message.scheduler_output)
+        elif isinstance(message, ResizePool):
+            runner.resize_kv_cache(message.num_blocks, message.keep_block_ids)
+        else:
+            raise TypeError(f"rank worker: unexpected message {type(message).__name__}")
