@@ -1,0 +1,128 @@
+"""Tensor parallelism on one host: 2 ranks x 1 thread against 1 process x 2 threads, decode throughput at batch 32.
+
+    .venv/bin/python benchmarks/tensor_parallel.py                       # Llama-3.1-8B layer shapes, 2 of 32 layers
+    .venv/bin/python benchmarks/tensor_parallel.py --layers 32           # the whole 8B (16 GB of bf16 written first)
+    .venv/bin/python benchmarks/tensor_parallel.py --preset tiny-llama   # seconds: checks the script works
+
+Writes a random-weight checkpoint of the preset's shapes (benchmarks/model_scale.py; --layers keeps the first N
+layers: each layer's shapes, and so its GEMMs and its two all-reduces, are the real model's; the embedding and output
+matrix are whole), then runs each configuration in a fresh process: B requests of --prompt-len random tokens, all
+prefilled in one step, then --output-len decode steps, timed. Reports decode tok/s (B tokens a decode step), the step
+time, the time rank 0 spent in collectives during the decode steps (all-reduces and the logits' all-gather, waits for
+the other rank included) as a share of the step, and the peak RSS of each rank's process. Prints a table and a JSON
+line. Run it on a quiet host: the two configurations share its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from model_scale import PRESETS, write_checkpoint
+
+CONFIGS = {"1 process x 2 threads": (1, 2), "2 ranks x 1 thread": (2, 1)}
+
+
+def _peak_rss_gib(pid: int | str = "self") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024**2
+    return 0.0
+
+
+def measure(folder: Path, tp: int, threads: int, batch: int, prompt_len: int, output_len: int, dtype: str) -> dict:
+    """In this fresh process: the engine at tensor_parallel_size `tp`, `threads` threads a rank; one prefill step of
+    every request, then the decode steps timed."""
+    from batchserve import LLM, SamplingParams
+
+    blocks = batch * (-(-(prompt_len + output_len) // 16) + 1)
+    start = time.perf_counter()
+    llm = LLM(model=str(folder), dtype=dtype, num_threads=threads, tensor_parallel_size=tp, max_batch_size=batch,
+              num_kv_blocks=blocks, enable_prefix_caching=False, max_num_tokens=batch * prompt_len)  # fmt: skip
+    load_s = time.perf_counter() - start
+    engine = llm.engine
+    generator = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_tokens=output_len + 1, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        prompt = torch.randint(3, engine.model_config.vocab_size, (prompt_len,), generator=generator).tolist()
+        engine.add_prompt(None, {"prompt_token_ids": prompt}, params)
+    engine.step()  # every prompt, and each request's first token
+    runner = engine.runner
+    stats = runner.tp.stats if tp > 1 else None
+    if stats is not None:
+        stats.take()
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    decode_s = time.perf_counter() - start
+    collective_s = stats.take().seconds if stats is not None else 0.0
+    ranks = [_peak_rss_gib()] + [_peak_rss_gib(w.pid) for w in getattr(runner, "workers", [])]
+    return {"load_s": load_s, "decode_tok_s": batch * steps / decode_s, "step_ms": 1e3 * decode_s / steps,
+            "collective_share": collective_s / decode_s, "peak_rss_gib_per_rank": ranks}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama-3.1-8b", choices=[p for p in PRESETS if "moe" not in p])
+    parser.add_argument("--layers", type=int, default=2, help="keep the first N layers (default 2)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=8)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dir", type=Path, default=None, help="checkpoint folder (default: a temporary one)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        tp, threads = json.loads(args.child)
+        result = measure(args.dir, tp, threads, args.batch, args.prompt_len, args.output_len, args.dtype)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    shapes = dataclasses.replace(PRESETS[args.preset], num_layers=args.layers or PRESETS[args.preset].num_layers)
+    folder = args.dir or Path(tempfile.mkdtemp(prefix="tp-bench-"))
+    try:
+        if not (folder / "config.json").is_file():
+            gib = write_checkpoint(shapes, folder, getattr(torch, args.dtype)) / 1024**3
+            print(f"wrote {gib:.2f} GiB of {args.dtype} weights: {shapes.name}, {shapes.num_layers} layers")
+        results = {name: _run_child(args, folder, config) for name, config in CONFIGS.items()}
+    finally:
+        if args.dir is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    _report(args, shapes, results)
+
+
+def _run_child(args, folder: Path, config: tuple[int, int]) -> dict:
+    command = [sys.executable, __file__, "--child", json.dumps(config), "--dir", str(folder), "--batch",
+               str(args.batch), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
+               "--dtype", args.dtype]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise SystemExit(f"{config}: exit {out.returncode}\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def _report(args, shapes, results: dict) -> None:
+    base = results["1 process x 2 threads"]["decode_tok_s"]
+    print(f"\n{shapes.name}, {shapes.num_layers} layers, {args.dtype}, batch {args.batch}, "
+          f"{args.output_len} decode steps")  # fmt: skip
+    print(f"{'configuration':24} {'decode tok/s':>12} {'step ms':>8} {'vs 1x2':>7} {'collectives':>11}  peak RSS/rank")
+    for name, r in results.items():
+        rss = ", ".join(f"{g:.2f}" for g in r["peak_rss_gib_per_rank"])
+        print(f"{name:24} {r['decode_tok_s']:12.1f} {r['step_ms']:8.1f} {r['decode_tok_s'] / base:6.2f}x "
+              f"{100 * r['collective_share']:10.1f}%  {rss} GiB")  # fmt: skip
+    print(json.dumps({"shapes": shapes.name, "layers": shapes.num_layers, "batch": args.batch, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
