@@ -130,6 +130,11 @@ def _eager(config: EngineConfig) -> None:
     config.enforce_eager = True
 
 
+def _split(f: ModeFacts) -> bool:
+    """The model is split over ranks."""
+    return f.tensor_parallel_size > 1 or f.pipeline_parallel_size > 1
+
+
 def _cuda_graphs_wanted(f: ModeFacts) -> bool:
     return f.device == "cuda" and not f.enforce_eager
 
@@ -171,27 +176,27 @@ RULES: tuple[Rule, ...] = (
         "determinism.md#what-it-guarantees",
     ),
     Rule(
-        "pipeline_parallel_not_built", Verdict.REFUSE, ("pipeline_parallel_size",),
-        "pipeline_parallel_size > 1",
-        lambda f: f.pipeline_parallel_size > 1,
-        "pipeline stages (layers split over ranks, micro-batches in flight) are not built yet",
-        "use tensor_parallel_size N to split every layer over N ranks instead",
+        "pipeline_parallel_with_speculation", Verdict.REFUSE, ("pipeline_parallel_size", "speculative_config"),
+        "pipeline_parallel_size > 1 with speculative_config",
+        lambda f: f.pipeline_parallel_size > 1 and f.speculative_method is not None,
+        "the last stage verifies the drafts, and the earlier stages' request tables do not roll rejected drafts back",
+        "drop speculative_config, or use tensor_parallel_size instead of pipeline stages",
         "parallelism.md#what-is-not-built",
     ),
     Rule(
-        "tensor_parallel_off_cpu", Verdict.REFUSE, ("tensor_parallel_size", "device"),
-        "tensor_parallel_size > 1 on a GPU",
-        lambda f: f.tensor_parallel_size > 1 and f.device != "cpu",
+        "parallel_ranks_off_cpu", Verdict.REFUSE, ("tensor_parallel_size", "pipeline_parallel_size", "device"),
+        "tensor_parallel_size or pipeline_parallel_size > 1 on a GPU",
+        lambda f: _split(f) and f.device != "cpu",
         "the ranks' collectives are gloo's over CPU tensors (no NCCL path is built)",
         "use device cpu, or tensor_parallel_size 1 on the GPU",
         "parallelism.md#what-is-not-built",
     ),
     Rule(
-        "tensor_parallel_with_quantized_weights", Verdict.REFUSE, ("tensor_parallel_size", "quantization"),
-        "tensor_parallel_size > 1 with quantization int8 / int4 / gguf",
-        lambda f: f.tensor_parallel_size > 1 and f.quantization != "none",
-        "the quantized layouts (per-channel scales, groups of k, a GGUF file's blocks) are not cut into shards yet: "
-        "a row-parallel cut must fall on a group's edge",
+        "parallel_ranks_with_quantized_weights", Verdict.REFUSE, ("tensor_parallel_size", "pipeline_parallel_size", "quantization"),
+        "tensor_parallel_size or pipeline_parallel_size > 1 with quantization int8 / int4 / gguf",
+        lambda f: _split(f) and f.quantization != "none",
+        "the ranks load their shards as float weights: the quantized layouts (per-channel scales, groups of k, a GGUF "
+        "file's blocks) are not cut into shards yet (a row-parallel cut must fall on a group's edge)",
         "use quantization none (bfloat16 or float32 shards), or tensor_parallel_size 1",
         "parallelism.md#what-is-not-built",
     ),
@@ -205,11 +210,12 @@ RULES: tuple[Rule, ...] = (
     ),
     # ---- fall back: runs, logged once, labelled in the metrics
     Rule(
-        "tensor_parallel_runs_python_layers", Verdict.FALL_BACK, ("tensor_parallel_size",),
-        "tensor_parallel_size > 1 on the CPU with the native kernels",
-        lambda f: f.tensor_parallel_size > 1 and f.device == "cpu" and f.native_kernels,
-        "the native decoder loop runs a whole layer in one call, with no all-reduce after o_proj and the MLP",
-        "every step runs the Python layers (the same operators, one call each) with the all-reduces between them",
+        "parallel_ranks_run_python_layers", Verdict.FALL_BACK, ("tensor_parallel_size", "pipeline_parallel_size"),
+        "tensor_parallel_size or pipeline_parallel_size > 1 on the CPU with the native kernels",
+        lambda f: _split(f) and f.device == "cpu" and f.native_kernels,
+        "the native decoder loop runs all layers in one call, with no all-reduce after o_proj and the MLP and no "
+        "hand-over between stages",
+        "every step runs the Python layers (the same operators, one call each) with the collectives between them",
         "parallelism.md#how-a-layer-is-split",
     ),
     Rule(

@@ -32,11 +32,11 @@ FIRING = {
     "deterministic_with_windows_or_softcaps": ModeFacts(deterministic=True, softcapped=True),
     "deterministic_with_quantized_weights": ModeFacts(deterministic=True, quantization="int4"),
     "deterministic_with_eight_bit_kv": ModeFacts(deterministic=True, kv_cache_dtype="int8"),
-    "pipeline_parallel_not_built": ModeFacts(pipeline_parallel_size=2),
-    "tensor_parallel_off_cpu": ModeFacts(device="cuda", tensor_parallel_size=2),
-    "tensor_parallel_with_quantized_weights": ModeFacts(tensor_parallel_size=2, quantization="int4"),
+    "pipeline_parallel_with_speculation": ModeFacts(pipeline_parallel_size=2, speculative_method="ngram"),
+    "parallel_ranks_off_cpu": ModeFacts(device="cuda", tensor_parallel_size=2),
+    "parallel_ranks_with_quantized_weights": ModeFacts(pipeline_parallel_size=2, quantization="int4"),
     "tensor_parallel_with_a_draft_model": ModeFacts(tensor_parallel_size=2, speculative_method="draft_model"),
-    "tensor_parallel_runs_python_layers": ModeFacts(tensor_parallel_size=2),
+    "parallel_ranks_run_python_layers": ModeFacts(tensor_parallel_size=2, pipeline_parallel_size=2),
 }
 
 

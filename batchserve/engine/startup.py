@@ -65,8 +65,8 @@ def load_runner(
     tokenizer = load_tokenizer(path, config.tokenizer)
     config.tokenizer = str(tokenizer_folder(path, config.tokenizer))  # the effective value, as the logs report it
     logger.info("tokenizer from %s (a Hugging Face folder other tools can load too)", config.tokenizer)
-    if config.tensor_parallel_size > 1:
-        runner = _tensor_parallel_runner(config, model_config, initial_kv_blocks)
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        runner = _parallel_runner(config, model_config, initial_kv_blocks)
     else:
         with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, dtype):
             model = load_model(path, model_config, dtype, device)
@@ -79,13 +79,14 @@ def load_runner(
     return runner, model_config, tokenizer
 
 
-def _tensor_parallel_runner(config: EngineConfig, model_config: ModelConfig, initial_kv_blocks: int | None):
+def _parallel_runner(config: EngineConfig, model_config: ModelConfig, initial_kv_blocks: int | None):
     """Rank 0 here, the other ranks in processes of their own (worker/parallel_executor.py); a size the model's
     shapes cannot split is refused first, naming both numbers."""
-    from batchserve.models.sharding import check_tensor_parallel
+    from batchserve.models.sharding import check_pipeline_parallel, check_tensor_parallel
     from batchserve.worker.parallel_executor import start_tensor_parallel
 
     check_tensor_parallel(model_config, config.tensor_parallel_size)
+    check_pipeline_parallel(model_config, config.pipeline_parallel_size)
     return start_tensor_parallel(config, model_config, initial_kv_blocks)
 
 

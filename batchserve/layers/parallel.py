@@ -102,10 +102,14 @@ class VocabParallelEmbedding(nn.Module):
     last rank's padding rows are zeros): each rank looks up the tokens it holds, zeros for the others, and the
     all-reduce sums the one non-zero row per token."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype | None = None):
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype | None = None, rows=None
+    ):
+        """`rows` 0: an empty table (a pipeline stage that neither embeds nor projects onto the vocabulary)."""
         super().__init__()
         self.tp = tp
         self.start, self.rows = vocab_shard(vocab_size, tp)
+        self.rows = self.rows if rows is None else rows
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -128,3 +132,80 @@ class GatheredLogits(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather_last(self.inner(hidden))[..., : self.vocab_size]
+
+
+@dataclass
+class PipelineStage:
+    """One rank's pipeline stage: layers [first_layer, stop_layer) of the model, in stage `index` of `count`. The
+    world group holds every rank (stage s, tensor-parallel rank t is world rank s * tp_size + t); activations go from
+    each rank to the same tensor-parallel rank of the next stage, and the last stage's step output (its sampled
+    tokens) is broadcast to every rank from its first rank."""
+
+    index: int = 0
+    count: int = 1
+    first_layer: int = 0
+    stop_layer: int = 0
+    world: object | None = None
+    world_rank: int = 0
+    tp_size: int = 1
+    stats: CollectiveStats = field(default_factory=CollectiveStats)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.stop_layer)
+
+    def send_activations(self, *tensors: torch.Tensor) -> None:
+        start = time.perf_counter()
+        for tensor in tensors:
+            self.world.send([tensor.contiguous()], self.world_rank + self.tp_size, 0).wait()
+        self._count(start)
+
+    def receive_activations(self, shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        tensors = [torch.empty(shape, dtype=dtype) for _ in range(count)]
+        for tensor in tensors:
+            self.world.recv([tensor], self.world_rank - self.tp_size, 0).wait()
+        self._count(start)
+        return tensors
+
+    def broadcast_from_last(self, message: object | None) -> object:
+        """`message` (given on the last stage's first rank) on every rank: pickled, its length then its bytes."""
+        import pickle
+
+        import torch.distributed as dist
+
+        root = (self.count - 1) * self.tp_size
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        payload = pickle.dumps(message) if self.world_rank == root else b""
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        self.world.broadcast([length], options).wait()
+        data = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if payload
+            else torch.empty(int(length), dtype=torch.uint8)
+        )
+        self.world.broadcast([data], options).wait()
+        return message if self.world_rank == root else pickle.loads(data.numpy().tobytes())
+
+    def _count(self, start: float) -> None:
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.calls += 1
+
+
+def split_layers(num_layers: int, stages: int) -> list[range]:
+    """Each stage's layers: as even as the count allows, the earlier stages one more (the last stage also runs the
+    output projection)."""
+    per, extra = divmod(num_layers, stages)
+    bounds = [0]
+    for stage in range(stages):
+        bounds.append(bounds[-1] + per + (1 if stage < extra else 0))
+    return [range(bounds[i], bounds[i + 1]) for i in range(stages)]

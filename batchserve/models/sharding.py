@@ -14,6 +14,7 @@ ever holds a whole projection, let alone the whole model), and the model built o
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from torch import nn
 from batchserve.config import ConfigError, ModelConfig
 from batchserve.layers.parallel import (
     GatheredLogits,
+    PipelineStage,
     ReducedOutput,
     TensorParallel,
     VocabParallelEmbedding,
@@ -33,6 +35,7 @@ from batchserve.models import registry
 # (dimension counted from the end, [(start, stop), ...]) of a tensor's slice this rank holds; None: all of it
 Cut = tuple[int, list[tuple[int, int]]]
 
+_LAYER = re.compile(r"layers\.(\d+)\.")
 _COLUMN_PARALLEL = (".gate_proj.", ".up_proj.", ".w1.", ".w3.")
 _ROW_PARALLEL = (".o_proj.weight", ".down_proj.", ".w2.")
 
@@ -52,6 +55,14 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         raise ConfigError(
             f"tensor_parallel_size {size} and the model's num_key_value_heads {kv}: one must divide the other "
             "(KV heads are split, or replicated when fewer than the ranks)"
+        )
+
+
+def check_pipeline_parallel(config: ModelConfig, stages: int) -> None:
+    """Refuse more pipeline stages than the model has layers, naming both numbers."""
+    if stages > config.num_layers:
+        raise ConfigError(
+            f"pipeline_parallel_size {stages} is more than the model's num_hidden_layers {config.num_layers}"
         )
 
 
@@ -75,11 +86,33 @@ class ShardCutter:
 
     config: ModelConfig
     tp: TensorParallel
+    stage: PipelineStage = dataclasses.field(default_factory=PipelineStage)
+
+    def rename(self, name: str) -> str | None:
+        """A checkpoint name as this rank's model names it: a layer of another pipeline stage is None, one of this
+        stage renumbered from 0."""
+        match = _LAYER.search(name)
+        if match is None or self.stage.count == 1:
+            return name
+        index = int(match.group(1))
+        if index not in self.stage.layers:
+            return None
+        return name[: match.start(1)] + str(index - self.stage.first_layer) + name[match.end(1) :]
+
+    def holds_vocab(self, name: str) -> bool:
+        """The embedding on the first stage (and the last, whose output matrix it is when tied); the output matrix on
+        the last stage. Another stage holds an empty one."""
+        stage = self.stage
+        if name.endswith("lm_head.weight"):
+            return stage.is_last
+        return stage.is_first or (stage.is_last and self.config.tie_word_embeddings)
 
     def cut(self, name: str, shape: tuple[int, ...]) -> Cut | None:
         name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
         c = self.config
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            if not self.holds_vocab(name):
+                return len(shape), [(0, 0)]
             start, rows = vocab_shard(c.vocab_size, self.tp)
             return len(shape), [(start, min(start + rows, c.vocab_size))]
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -126,7 +159,7 @@ class ShardCutter:
 
     def _padded_vocab(self, name: str, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """The last rank's vocabulary rows padded with zeros to the rows every rank holds."""
-        if not name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        if not name.endswith(("embed_tokens.weight", "lm_head.weight")) or not self.holds_vocab(name):
             return tensor
         _, rows = vocab_shard(self.config.vocab_size, self.tp)
         missing = rows - tensor.shape[dim]
@@ -146,49 +179,65 @@ def iter_sharded_weights(path: Path, cutter: ShardCutter) -> Iterator[tuple[str,
         from batchserve.models.loader import iter_hf_weights
 
         for name, tensor in iter_hf_weights(path):
-            yield name, cutter.take(name, tuple(tensor.shape), lambda index, t=tensor: t[index].clone())
+            if (local := cutter.rename(name)) is not None:
+                yield local, cutter.take(name, tuple(tensor.shape), lambda index, t=tensor: t[index].clone())
         return
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
+                if (local := cutter.rename(name)) is None:
+                    continue  # another pipeline stage's layer
                 part = f.get_slice(name)
-                yield name, cutter.take(name, tuple(part.get_shape()), lambda index, p=part: p[index])
+                yield local, cutter.take(name, tuple(part.get_shape()), lambda index, p=part: p[index])
 
 
 def load_sharded_model(
-    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel
+    path: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel,
+    stage: PipelineStage | None = None,
 ) -> nn.Module:
-    """The model as rank tp.rank computes it: built on the meta device at the rank's shapes, filled from its slices
-    of the checkpoint, its row-parallel outputs all-reduced and its logits gathered. A GGUF file is read through its
-    float conversion (models/loader.py)."""
+    """The model as this rank computes it: built on the meta device at the rank's shapes (its pipeline stage's layers
+    only), filled from its slices of the checkpoint, its row-parallel outputs all-reduced and its logits gathered. A
+    GGUF file is read through its float conversion (models/loader.py)."""
     from batchserve.models.loader import ensure_gguf_cache, is_gguf
+    from batchserve.models.pipeline import NotOnThisStage, StageModel
 
     if device.type != "cpu":
-        raise ConfigError("tensor_parallel_size > 1 runs on the CPU only (its collectives are gloo's)")
+        raise ConfigError("tensor and pipeline parallelism run on the CPU only (their collectives are gloo's)")
+    stage = stage or PipelineStage(stop_layer=config.num_layers)
+    cutter = ShardCutter(config, tp, stage)
     local = local_config(config, tp.size)
     _, vocab_rows = vocab_shard(config.vocab_size, tp)
     model_class = registry.model_class(registry.lookup(model_type=config.architecture))
     with torch.device("meta"):
         model = model_class(dataclasses.replace(local, vocab_size=vocab_rows), dtype=dtype)
-        model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        embed_rows = None if cutter.holds_vocab("embed_tokens.weight") else 0
+        model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype, embed_rows)
+        model.layers = nn.ModuleList(list(model.layers)[stage.first_layer : stage.stop_layer])
+        if not stage.is_last:
+            model.lm_head = None
+            model.output_proj = NotOnThisStage()
     model.to_empty(device=device)
     model.rotary.reset(device)
     folder = ensure_gguf_cache(path) if is_gguf(path) else path
-    cutter = ShardCutter(config, tp)
     model.load_weights((name, tensor.to(dtype)) for name, tensor in iter_sharded_weights(folder, cutter))
     model.eval()
     model.requires_grad_(False)
     model.use_cpu_linear_layouts()
-    parallelize(model, config.vocab_size, tp)
-    return model
+    parallelize(model, config.vocab_size, tp, stage)
+    return model if stage.count == 1 else StageModel(model, stage)
 
 
-def parallelize(model: nn.Module, vocab_size: int, tp: TensorParallel) -> None:
+def parallelize(model: nn.Module, vocab_size: int, tp: TensorParallel, stage: PipelineStage) -> None:
     """The collectives put in a loaded shard: after each o_proj and each MLP (dense or MoE) the ranks' partial sums
     are all-reduced; the logits are gathered. The native decoder loop has no all-reduce inside its layer: the Python
     layers run every step (modes.py tensor_parallel_runs_python_layers)."""
     for layer in model.layers:
         layer.self_attn.o_proj = ReducedOutput(layer.self_attn.o_proj, tp)
         layer.mlp = ReducedOutput(layer.mlp, tp)
-    model.output_proj = GatheredLogits(model.output_proj, vocab_size, tp)
+    if stage.is_last:
+        model.output_proj = GatheredLogits(model.output_proj, vocab_size, tp)
     model.decoder_loop = None

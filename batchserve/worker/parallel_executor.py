@@ -24,7 +24,7 @@ import torch
 from batchserve.config import EngineConfig, ModelConfig
 from batchserve.core.outputs import ModelOutput, SchedulerOutput
 from batchserve.host.channel import ChildProcess, PeerDeadError, start_child
-from batchserve.layers.parallel import TensorParallel
+from batchserve.layers.parallel import PipelineStage, TensorParallel
 from batchserve.worker import rank_worker
 from batchserve.worker.rank_worker import RankFailed, RankSpec, Ready, ResizePool, Step
 
@@ -41,9 +41,10 @@ class ParallelRunner:
     """Rank 0's ModelRunner, driving the other ranks: what the engine sees as its runner. Attributes not defined
     here (the pool's sizes, the device, the model) are rank 0's runner's."""
 
-    def __init__(self, runner, tp: TensorParallel, workers: list[ChildProcess]):
+    def __init__(self, runner, tp: TensorParallel, workers: list[ChildProcess], stage: PipelineStage | None = None):
         self.runner = runner
         self.tp = tp
+        self.stage = stage
         self.workers = workers
         self._finalizer = weakref.finalize(self, _stop_workers, list(workers))
         self._seeds = torch.Generator().manual_seed(runner.engine_config.seed)
@@ -88,7 +89,7 @@ class ParallelRunner:
             failed = [f for f in failed if f is not None]
             if failed:
                 self._finalizer()
-                return RankDiedError(f"tensor-parallel {'; '.join(failed)}: the engine cannot run another step")
+                return RankDiedError(f"{'; '.join(failed)}: the engine cannot run another step")
             time.sleep(0.05)
         return cause
 
@@ -114,7 +115,7 @@ def _stop_workers(workers: list[ChildProcess]) -> None:
 def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, initial_kv_blocks: int | None = None):
     """Start ranks 1..N-1 (one process each, on this host), load rank 0's shard here and its runner, tell the ranks
     the pool's size and wait until each is ready -> ParallelRunner."""
-    size = config.tensor_parallel_size
+    size = config.tensor_parallel_size * config.pipeline_parallel_size
     store = rank_worker.rendezvous(0, size)
     workers = [
         start_child(rank_worker.rank_main, RankSpec(config, model_config, rank, size, store.port),
@@ -122,10 +123,11 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, initi
         for rank in range(1, size)
     ]  # fmt: skip
     try:
-        tp = rank_worker.init_group(0, size, store)
-        model, device, dtype = rank_worker.load_shard(config, model_config, tp)
-        pool = rank_worker.pool_size(config, model_config, dtype, device, initial_kv_blocks)
-        runner = rank_worker.rank_runner(config, model_config, model, device, dtype, pool)
+        tp, stage = rank_worker.init_groups(0, config, model_config, store)
+        model, device, dtype = rank_worker.load_shard(config, model_config, tp, stage)
+        local = rank_worker.rank_config(config, model_config, stage)
+        pool = rank_worker.pool_size(config, local, dtype, device, initial_kv_blocks)
+        runner = rank_worker.rank_runner(config, local, model, device, dtype, pool, stage)
         for worker in workers:
             worker.channel.send(pool)
         for rank, worker in enumerate(workers, start=1):
@@ -133,8 +135,11 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, initi
     except BaseException:
         _stop_workers(workers)
         raise
-    logger.info("tensor parallel: %d ranks on this host (gloo), rank 0 in the engine's process", size)
-    return ParallelRunner(runner, tp, workers)
+    logger.info(
+        "%d ranks on this host (tensor parallel %d x pipeline stages %d, gloo), rank 0 in the engine's process",
+        size, config.tensor_parallel_size, config.pipeline_parallel_size,
+    )  # fmt: skip
+    return ParallelRunner(runner, tp, workers, stage)
 
 
 def _wait_ready(rank: int, worker: ChildProcess) -> None:
@@ -142,8 +147,8 @@ def _wait_ready(rank: int, worker: ChildProcess) -> None:
         message = worker.channel.recv(timeout=READY_TIMEOUT_S)
     except PeerDeadError:
         code = worker.process.exitcode
-        raise RankDiedError(f"tensor-parallel rank {rank} died while starting (exit code {code})") from None
+        raise RankDiedError(f"rank {rank} died while starting (exit code {code})") from None
     if isinstance(message, RankFailed):
-        raise RankDiedError(f"tensor-parallel rank {rank} failed to start: {message.error}")
+        raise RankDiedError(f"rank {rank} failed to start: {message.error}")
     if not isinstance(message, Ready):
-        raise RankDiedError(f"tensor-parallel rank {rank}: unexpected message {type(message).__name__}")
+        raise RankDiedError(f"rank {rank}: unexpected message {type(message).__name__}")

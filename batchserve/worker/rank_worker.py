@@ -20,7 +20,7 @@ import torch
 from batchserve.config import EngineConfig, ModelConfig
 from batchserve.core.outputs import SchedulerOutput
 from batchserve.host.channel import Channel, PeerDeadError
-from batchserve.layers.parallel import TensorParallel
+from batchserve.layers.parallel import PipelineStage, TensorParallel, split_layers
 
 logger = logging.getLogger(__name__)
 
@@ -82,16 +82,35 @@ def rendezvous(rank: int, size: int, port: int = 0):
     return dist.TCPStore(HOST, port, size, False, timeout=timeout)
 
 
-def init_group(rank: int, size: int, store) -> TensorParallel:
-    """Join the ranks' gloo group (every rank calls it at once): a process group of its own, not torch's default
+def init_groups(world_rank: int, config: EngineConfig, model_config: ModelConfig, store):
+    """Join the ranks' gloo groups (every rank calls it at once) -> (TensorParallel, PipelineStage): world rank
+    s * tp_size + t is tensor-parallel rank t of pipeline stage s. Process groups of their own, never torch's default
     one, so that an engine stays an object (several may share a process)."""
     import torch.distributed as dist
 
-    group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return TensorParallel(rank, size, group)
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    index, tp_rank = divmod(world_rank, tp_size)
+    world = None
+    if pp_size > 1:
+        world = dist.ProcessGroupGloo(dist.PrefixStore("world", store), world_rank, tp_size * pp_size, timeout)
+    group = None
+    if tp_size > 1:
+        group = dist.ProcessGroupGloo(dist.PrefixStore(f"tp{index}", store), tp_rank, tp_size, timeout)
+    layers = split_layers(model_config.num_layers, pp_size)[index]
+    stage = PipelineStage(index, pp_size, layers.start, layers.stop, world, world_rank, tp_size)
+    return TensorParallel(tp_rank, tp_size, group), stage
 
 
-def load_shard(config: EngineConfig, model_config: ModelConfig, tp: TensorParallel):
+def rank_config(config: EngineConfig, model_config: ModelConfig, stage: PipelineStage) -> ModelConfig:
+    """The shapes this rank's runner holds: its heads (models/sharding.py local_config) of its stage's layers."""
+    from batchserve.models.sharding import local_config
+
+    local = local_config(model_config, config.tensor_parallel_size)
+    return dataclasses.replace(local, num_layers=len(stage.layers))
+
+
+def load_shard(config: EngineConfig, model_config: ModelConfig, tp: TensorParallel, stage: PipelineStage):
     """This rank's shard of config.model -> (model, device, dtype)."""
     from batchserve.layers.linear import deterministic_gemms
     from batchserve.models.loader import resolve_model_path
@@ -101,33 +120,30 @@ def load_shard(config: EngineConfig, model_config: ModelConfig, tp: TensorParall
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     with deterministic_gemms(config.deterministic):
-        model = load_sharded_model(resolve_model_path(config.model), model_config, dtype, device, tp)
+        model = load_sharded_model(resolve_model_path(config.model), model_config, dtype, device, tp, stage)
     return model, device, dtype
 
 
-def pool_size(
-    config: EngineConfig, model_config: ModelConfig, dtype, device, initial_kv_blocks: int | None
-) -> PoolSize:
+def pool_size(config: EngineConfig, local: ModelConfig, dtype, device, initial_kv_blocks: int | None) -> PoolSize:
     """Rank 0's decision of the pool every rank allocates: the budget (num_kv_blocks, else the memory fraction) for
-    a block of this rank's heads; `initial_kv_blocks` of it now when given (a pool that grows)."""
-    from batchserve.models.sharding import local_config
+    a block of this rank's heads and layers (`local`, rank_config); `initial_kv_blocks` of it now when given (a pool
+    that grows)."""
     from batchserve.worker.kv_cache import num_blocks_for_budget, pool_dtype
 
-    local = local_config(model_config, config.tensor_parallel_size)
     budget = num_blocks_for_budget(config.cache, local, pool_dtype(config.cache, dtype), device)
     now = budget if initial_kv_blocks is None else max(1, min(initial_kv_blocks, budget))
     return PoolSize(now, budget)
 
 
-def rank_runner(config: EngineConfig, model_config: ModelConfig, model, device, dtype, pool: PoolSize):
-    """A ModelRunner over a shard: its KV pool of `pool`'s blocks (the same on every rank) for the rank's heads
-    (models/sharding.py local_config), the vocabulary whole."""
-    from batchserve.models.sharding import local_config
+def rank_runner(config: EngineConfig, local: ModelConfig, model, device, dtype, pool: PoolSize, stage: PipelineStage):
+    """A ModelRunner over a shard: its KV pool of `pool`'s blocks (the same on every rank) for the rank's heads and
+    layers (`local`, rank_config), the vocabulary whole."""
     from batchserve.worker.model_runner import ModelRunner
 
-    local = local_config(model_config, config.tensor_parallel_size)
     own = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_kv_blocks=pool.max_blocks))
-    return ModelRunner(own, local, model, device, dtype, initial_kv_blocks=pool.num_blocks)
+    runner = ModelRunner(own, local, model, device, dtype, initial_kv_blocks=pool.num_blocks)
+    runner.pipeline = stage if stage.count > 1 else None
+    return runner
 
 
 def rank_main(channel: Channel, spec: RankSpec) -> None:
@@ -139,10 +155,11 @@ def rank_main(channel: Channel, spec: RankSpec) -> None:
     config = spec.config
     try:
         configure_torch(config.num_threads, config.seed)
-        tp = init_group(spec.rank, spec.size, rendezvous(spec.rank, spec.size, spec.store_port))
-        model, device, dtype = load_shard(config, spec.model_config, tp)
+        tp, stage = init_groups(spec.rank, config, spec.model_config, rendezvous(spec.rank, spec.size, spec.store_port))
+        model, device, dtype = load_shard(config, spec.model_config, tp, stage)
         pool = channel.recv()
-        runner = rank_runner(config, spec.model_config, model, device, dtype, pool)
+        local = rank_config(config, spec.model_config, stage)
+        runner = rank_runner(config, local, model, device, dtype, pool, stage)
         runner.structured_outputs.tokenizer = load_tokenizer(resolve_model_path(config.model), config.tokenizer)
         channel.send(Ready(spec.rank))
         _serve(channel, runner)

@@ -1,8 +1,9 @@
-"""Tensor parallelism end to end (worker/parallel_executor.py, worker/rank_worker.py, models/sharding.py): two ranks,
-one process each, one thread each. Greedy float32 tokens equal one rank's and transformers' on tiny random models
-of three families (one KV head on two ranks: replicated; Qwen3's q/k norms; a Qwen3-MoE whose experts are split by
-column), with chunked prefills beside decodes and a pool that grows, through the offline API and HTTP; a rank
-killed mid-run ends the engine with an error naming it within seconds."""
+"""Tensor and pipeline parallelism end to end (worker/parallel_executor.py, worker/rank_worker.py,
+models/sharding.py, models/pipeline.py): one process a rank, one thread each. Greedy float32 tokens at TP=2, PP=2 and
+TP=2 x PP=2 equal one rank's and transformers' on tiny random models of three families (one KV head on two ranks:
+replicated; Qwen3's q/k norms; a Qwen3-MoE whose experts are split by column), with chunked prefills beside decodes
+and a pool that grows, through the offline API and HTTP; a rank killed mid-run ends the engine with an error naming
+it within seconds."""
 
 from __future__ import annotations
 
@@ -68,21 +69,41 @@ def _generate(llm: LLM) -> list[list[int]]:
     return [out.token_ids for out in outputs]
 
 
+@pytest.fixture(scope="module")
+def single_rank(models):
+    """kind -> one rank's greedy tokens, checked against transformers' once."""
+    cache = {}
+
+    def get(kind: str) -> list[list[int]]:
+        if kind not in cache:
+            hf, directory = models(kind)
+            cache[kind] = _generate(LLM(str(directory), **OPTIONS))
+            assert cache[kind] == [hf_greedy(hf, prompt, MAX_TOKENS) for prompt in PROMPTS]
+        return cache[kind]
+
+    return get
+
+
 # llama_head64: 2 query heads, 1 KV head (replicated on both ranks); qwen3: q/k norms, head_dim 24, 2 KV heads split;
-# qwen3_moe: experts split by column, a dense layer between sparse ones
-@pytest.mark.parametrize("kind", ["llama_head64", "qwen3", "qwen3_moe"])
-def test_two_ranks_give_one_rank_and_transformers_tokens(models, kind):
-    hf, directory = models(kind)
-    want = [hf_greedy(hf, prompt, MAX_TOKENS) for prompt in PROMPTS]
-    assert _generate(LLM(str(directory), **OPTIONS)) == want
-    llm = LLM(str(directory), tensor_parallel_size=2, **OPTIONS)
+# qwen3_moe: experts split by column, a dense layer between sparse ones (3 layers: stages of 2 and 1)
+@pytest.mark.parametrize(
+    ("kind", "tp", "pp"),
+    [("llama_head64", 2, 1), ("qwen3", 2, 1), ("qwen3_moe", 2, 1), ("llama_head64", 1, 2), ("qwen3_moe", 1, 2),
+     ("qwen3", 2, 2)],
+)  # fmt: skip
+def test_split_ranks_give_one_rank_and_transformers_tokens(models, single_rank, kind, tp, pp):
+    _, directory = models(kind)
+    want = single_rank(kind)
+    llm = LLM(str(directory), tensor_parallel_size=tp, pipeline_parallel_size=pp, **OPTIONS)
     runner = llm.engine.runner
-    assert runner.tp.size == 2 and len(runner.workers) == 1
-    assert runner.kv_caches[0][0].shape[2] == 1  # this rank's KV heads only
+    assert runner.tp.size == tp and len(runner.workers) == tp * pp - 1
+    hf_config = models(kind)[0].config
+    assert runner.kv_caches[0][0].shape[2] == max(1, hf_config.num_key_value_heads // tp)  # this rank's KV heads
+    assert len(runner.kv_caches) == len(runner.stage.layers)  # and its stage's layers
     assert _generate(llm) == want
-    assert runner.num_kv_blocks > 1  # grown from one block to the batch's need, on both ranks (ResizePool)
+    assert runner.num_kv_blocks > 1  # grown from one block to the batch's need, on every rank (ResizePool)
     llm.engine.close()
-    assert not runner.workers[0].is_alive()
+    assert not any(worker.is_alive() for worker in runner.workers)
 
 
 def test_over_http(models):
