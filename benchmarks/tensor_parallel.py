@@ -6,7 +6,8 @@
 
 Writes a random-weight checkpoint of the preset's shapes (benchmarks/model_scale.py; --layers keeps the first N
 layers: each layer's shapes, and so its GEMMs and its two all-reduces, are the real model's; the embedding and output
-matrix are whole), then runs each configuration in a fresh process: B requests of --prompt-len random tokens, all
+matrix are whole), then runs each configuration in a fresh process (2 ranks: all-reducing through shared memory, and
+through gloo's loopback TCP): B requests of --prompt-len random tokens, all
 prefilled in one step, then --output-len decode steps, timed. Reports decode tok/s (B tokens a decode step), the step
 time, the time rank 0 spent in collectives during the decode steps (all-reduces and the logits' all-gather, waits for
 the other rank included) as a share of the step, and the peak RSS of each rank's process. Prints a table and a JSON
@@ -29,7 +30,12 @@ from pathlib import Path
 import torch
 from model_scale import PRESETS, write_checkpoint
 
-CONFIGS = {"1 process x 2 threads": (1, 2), "2 ranks x 1 thread": (2, 1)}
+# name -> (tensor_parallel_size, threads a rank, all-reduce through shared memory)
+CONFIGS = {
+    "1 process x 2 threads": (1, 2, True),
+    "2 ranks x 1 thread": (2, 1, True),
+    "2 ranks x 1 thread, gloo": (2, 1, False),
+}
 
 
 def _peak_rss_gib(pid: int | str = "self") -> float:
@@ -72,6 +78,49 @@ def measure(folder: Path, tp: int, threads: int, batch: int, prompt_len: int, ou
             "collective_share": collective_s / decode_s, "peak_rss_gib_per_rank": ranks}  # fmt: skip
 
 
+def _allreduce_rank(rank: int, port: int, shape: tuple[int, int], calls: int, buffers, results) -> None:
+    """One of two ranks: `calls` all-reduces of a bf16 `shape` through gloo, then through shared memory."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from batchserve.host.shared_allreduce import SharedAllReduce
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout, wait_for_workers=False)
+    group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    shared = SharedAllReduce(buffers, rank, lambda: True)
+    x = torch.ones(shape, dtype=torch.bfloat16)
+    for name, reduce in (("gloo", lambda t: group.allreduce([t]).wait()), ("shared memory", shared)):
+        for _ in range(5):
+            reduce(x)
+        group.barrier().wait()
+        start = time.perf_counter()
+        for _ in range(calls):
+            reduce(x)
+        if rank == 0:
+            results[name] = 1e6 * (time.perf_counter() - start) / calls
+
+
+def allreduce_alone(hidden: int, batch: int, calls: int = 200) -> dict:
+    """Microseconds per all-reduce of a decode step's [batch, hidden] bf16 activation between two processes of one
+    thread each: gloo's loopback TCP against shared memory."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from batchserve.host.shared_allreduce import SharedBuffers
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.get_context("spawn").Manager().dict()
+    buffers = SharedBuffers.allocate(2, batch * hidden)
+    mp.spawn(_allreduce_rank, args=(port, (batch, hidden), calls, buffers, results), nprocs=2)
+    return dict(results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-3.1-8b", choices=[p for p in PRESETS if "moe" not in p])
@@ -84,7 +133,7 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        tp, threads = json.loads(args.child)
+        tp, threads, _ = json.loads(args.child)
         result = measure(args.dir, tp, threads, args.batch, args.prompt_len, args.output_len, args.dtype)
         print("RESULT " + json.dumps(result), flush=True)
         return
@@ -95,17 +144,19 @@ def main() -> None:
             gib = write_checkpoint(shapes, folder, getattr(torch, args.dtype)) / 1024**3
             print(f"wrote {gib:.2f} GiB of {args.dtype} weights: {shapes.name}, {shapes.num_layers} layers")
         results = {name: _run_child(args, folder, config) for name, config in CONFIGS.items()}
+        results["all-reduce alone, us"] = allreduce_alone(shapes.hidden_size, args.batch)
     finally:
         if args.dir is None:
             shutil.rmtree(folder, ignore_errors=True)
     _report(args, shapes, results)
 
 
-def _run_child(args, folder: Path, config: tuple[int, int]) -> dict:
+def _run_child(args, folder: Path, config: tuple[int, int, bool]) -> dict:
     command = [sys.executable, __file__, "--child", json.dumps(config), "--dir", str(folder), "--batch",
                str(args.batch), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
                "--dtype", args.dtype]  # fmt: skip
-    out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    env = {**os.environ, "TQDM_DISABLE": "1", "BATCHSERVE_SHARED_ALLREDUCE": "1" if config[2] else "0"}
+    out = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise SystemExit(f"{config}: exit {out.returncode}\n{out.stderr[-3000:]}")
@@ -118,9 +169,14 @@ def _report(args, shapes, results: dict) -> None:
           f"{args.output_len} decode steps")  # fmt: skip
     print(f"{'configuration':24} {'decode tok/s':>12} {'step ms':>8} {'vs 1x2':>7} {'collectives':>11}  peak RSS/rank")
     for name, r in results.items():
+        if name not in CONFIGS:
+            continue
         rss = ", ".join(f"{g:.2f}" for g in r["peak_rss_gib_per_rank"])
         print(f"{name:24} {r['decode_tok_s']:12.1f} {r['step_ms']:8.1f} {r['decode_tok_s'] / base:6.2f}x "
               f"{100 * r['collective_share']:10.1f}%  {rss} GiB")  # fmt: skip
+    alone = results["all-reduce alone, us"]
+    print(f"one all-reduce of [{args.batch}, {shapes.hidden_size}] bf16 between 2 processes: "
+          + ", ".join(f"{name} {us:.0f} us" for name, us in alone.items()))  # fmt: skip
     print(json.dumps({"shapes": shapes.name, "layers": shapes.num_layers, "batch": args.batch, "results": results}))
 
 

@@ -62,8 +62,10 @@ HELP: dict[str, str] = {
     "quantization": "weights kept quantized on the CPU, quantized at load: int8 (per output channel), int4 (groups "
     "of 32 k; int4_g64, int4_g128), none (docs/quantization.md)",
     "tensor_parallel_size": "ranks each holding a shard of every layer (heads, MLP columns, vocabulary), one process "
-    "each on this host, the CPU only; the model's heads and intermediate size must split evenly (docs/parallelism.md)",
-    "pipeline_parallel_size": "pipeline stages (layers split in M stages): not built yet, 1 only (docs/parallelism.md)",
+    "each on this host, the CPU only; the model's heads and intermediate size must split evenly; --num-threads is per "
+    "rank (docs/parallelism.md)",
+    "pipeline_parallel_size": "pipeline stages: the layers split in M runs, one process a rank (no micro-batches yet: "
+    "it fits a model into memory, not a faster step; docs/parallelism.md)",
     "distributed_executor_backend": "how ranks are placed: mp, one process per rank on this host (ray: not built yet)",
     "max_batch_size": "sequences in one forward pass",
     "max_num_tokens": "tokens in one forward pass: prefill chunks plus one per decoding sequence",

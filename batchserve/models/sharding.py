@@ -234,7 +234,7 @@ def load_sharded_model(
 def parallelize(model: nn.Module, vocab_size: int, tp: TensorParallel, stage: PipelineStage) -> None:
     """The collectives put in a loaded shard: after each o_proj and each MLP (dense or MoE) the ranks' partial sums
     are all-reduced; the logits are gathered. The native decoder loop has no all-reduce inside its layer: the Python
-    layers run every step (modes.py tensor_parallel_runs_python_layers)."""
+    layers run every step (modes.py parallel_ranks_run_python_layers)."""
     for layer in model.layers:
         layer.self_attn.o_proj = ReducedOutput(layer.self_attn.o_proj, tp)
         layer.mlp = ReducedOutput(layer.mlp, tp)

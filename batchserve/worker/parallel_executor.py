@@ -117,8 +117,10 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, initi
     the pool's size and wait until each is ready -> ParallelRunner."""
     size = config.tensor_parallel_size * config.pipeline_parallel_size
     store = rank_worker.rendezvous(0, size)
+    shared = rank_worker.shared_buffers(config, model_config)
+    tp_size = config.tensor_parallel_size
     workers = [
-        start_child(rank_worker.rank_main, RankSpec(config, model_config, rank, size, store.port),
+        start_child(rank_worker.rank_main, RankSpec(config, model_config, rank, size, store.port, shared[rank // tp_size]),
                     name=f"batchserve-tp-rank{rank}")
         for rank in range(1, size)
     ]  # fmt: skip
@@ -128,6 +130,7 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, initi
         local = rank_worker.rank_config(config, model_config, stage)
         pool = rank_worker.pool_size(config, local, dtype, device, initial_kv_blocks)
         runner = rank_worker.rank_runner(config, local, model, device, dtype, pool, stage)
+        rank_worker.share(tp, shared[0], lambda: all(w.is_alive() for w in workers))
         for worker in workers:
             worker.channel.send(pool)
         for rank, worker in enumerate(workers, start=1):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 import traceback
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import torch
 from batchserve.config import EngineConfig, ModelConfig
 from batchserve.core.outputs import SchedulerOutput
 from batchserve.host.channel import Channel, PeerDeadError
+from batchserve.host.shared_allreduce import SharedAllReduce, SharedBuffers
 from batchserve.layers.parallel import PipelineStage, TensorParallel, split_layers
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ class RankSpec:
     rank: int
     size: int
     store_port: int  # rank 0's rendezvous store, on this host
+    shared: SharedBuffers | None = None  # the shared all-reduce memory of the rank's stage (None: gloo's)
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,24 @@ def rank_runner(config: EngineConfig, local: ModelConfig, model, device, dtype, 
     return runner
 
 
+def shared_buffers(config: EngineConfig, model_config: ModelConfig) -> list[SharedBuffers | None]:
+    """Rank 0's allocation of each pipeline stage's shared all-reduce memory, before the ranks start (their
+    semaphores go with a child's arguments only): a step's activations in float32 (max_num_tokens x hidden_size) per
+    rank, twice; None where gloo all-reduces (one rank a stage, or BATCHSERVE_SHARED_ALLREDUCE off)."""
+    from batchserve import env
+
+    tp = config.tensor_parallel_size
+    if tp == 1 or not env.shared_allreduce():
+        return [None] * config.pipeline_parallel_size
+    capacity = config.scheduler.max_num_tokens * model_config.hidden_size
+    return [SharedBuffers.allocate(tp, capacity) for _ in range(config.pipeline_parallel_size)]
+
+
+def share(tp: TensorParallel, shared: SharedBuffers | None, peers_alive) -> None:
+    if shared is not None:
+        tp.shared = SharedAllReduce(shared, tp.rank, peers_alive)
+
+
 def rank_main(channel: Channel, spec: RankSpec) -> None:
     """A rank worker's life: join the group, load the shard, size the pool as rank 0 says, then run each step it is
     sent until the channel closes (rank 0 gone or stopping)."""
@@ -158,6 +179,8 @@ def rank_main(channel: Channel, spec: RankSpec) -> None:
         tp, stage = init_groups(spec.rank, config, spec.model_config, rendezvous(spec.rank, spec.size, spec.store_port))
         model, device, dtype = load_shard(config, spec.model_config, tp, stage)
         pool = channel.recv()
+        parent = os.getppid()
+        share(tp, spec.shared, lambda: os.getppid() == parent)
         local = rank_config(config, spec.model_config, stage)
         runner = rank_runner(config, local, model, device, dtype, pool, stage)
         runner.structured_outputs.tokenizer = load_tokenizer(resolve_model_path(config.model), config.tokenizer)

@@ -101,6 +101,8 @@ def test_split_ranks_give_one_rank_and_transformers_tokens(models, single_rank, 
     assert runner.kv_caches[0][0].shape[2] == max(1, hf_config.num_key_value_heads // tp)  # this rank's KV heads
     assert len(runner.kv_caches) == len(runner.stage.layers)  # and its stage's layers
     assert _generate(llm) == want
+    if tp > 1:  # the ranks share this host: their all-reduces went through shared memory
+        assert runner.tp.shared is not None and runner.tp.shared.calls > 0
     assert runner.num_kv_blocks > 1  # grown from one block to the batch's need, on every rank (ResizePool)
     llm.engine.close()
     assert not any(worker.is_alive() for worker in runner.workers)
@@ -157,7 +159,9 @@ def test_a_killed_rank_ends_every_request_with_an_error_naming_it(models):
         engine.close()
 
 
-def test_a_killed_rank_fails_the_offline_step(models):
+def test_a_killed_rank_fails_the_offline_step(models, monkeypatch):
+    """Here the ranks all-reduce through gloo (the HTTP test above: shared memory): either notices a dead peer."""
+    monkeypatch.setenv("BATCHSERVE_SHARED_ALLREDUCE", "0")
     _, directory = models("qwen3")
     llm = LLM(str(directory), tensor_parallel_size=2, num_kv_blocks=64, **OPTIONS)
     engine = llm.engine
@@ -165,6 +169,7 @@ def test_a_killed_rank_fails_the_offline_step(models):
         engine.add_prompt(None, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=500, ignore_eos=True))
     for _ in range(3):
         engine.step()
+    assert engine.runner.tp.shared is None
     worker = engine.runner.workers[0]
     worker.kill()
     start = time.monotonic()
