@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -117,7 +118,9 @@ def allreduce_alone(hidden: int, batch: int, calls: int = 200) -> dict:
         port = sock.getsockname()[1]
     results = mp.get_context("spawn").Manager().dict()
     buffers = SharedBuffers.allocate(2, batch * hidden)
-    mp.spawn(_allreduce_rank, args=(port, (batch, hidden), calls, buffers, results), nprocs=2)
+    # by its module's name: a spawned child cannot find a function of the __main__ script
+    target = importlib.import_module(Path(__file__).stem)._allreduce_rank
+    mp.spawn(target, args=(port, (batch, hidden), calls, buffers, results), nprocs=2)
     return dict(results)
 
 
@@ -142,9 +145,12 @@ def main() -> None:
     try:
         if not (folder / "config.json").is_file():
             gib = write_checkpoint(shapes, folder, getattr(torch, args.dtype)) / 1024**3
-            print(f"wrote {gib:.2f} GiB of {args.dtype} weights: {shapes.name}, {shapes.num_layers} layers")
-        results = {name: _run_child(args, folder, config) for name, config in CONFIGS.items()}
-        results["all-reduce alone, us"] = allreduce_alone(shapes.hidden_size, args.batch)
+            print(f"wrote {gib:.2f} GiB of {args.dtype} weights: {shapes.name}, {shapes.num_layers} layers", flush=True)
+        results = {"all-reduce alone, us": allreduce_alone(shapes.hidden_size, args.batch)}
+        print(json.dumps(results), flush=True)
+        for name, config in CONFIGS.items():
+            results[name] = _run_child(args, folder, config)
+            print(name, json.dumps(results[name]), flush=True)
     finally:
         if args.dir is None:
             shutil.rmtree(folder, ignore_errors=True)
