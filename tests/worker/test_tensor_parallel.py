@@ -7,7 +7,9 @@ it within seconds."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import re
 import signal
 import threading
 import time
@@ -17,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from batchserve.config import EngineConfig
+from batchserve.config import ConfigError, EngineConfig
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.entrypoints.llm import LLM
 from batchserve.sampling_params import SamplingParams
@@ -177,3 +179,22 @@ def test_a_killed_rank_fails_the_offline_step(models, monkeypatch):
         for _ in range(100):
             engine.step()
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tp_size": 3}, "tensor_parallel_size 3 does not divide the model's num_attention_heads 2"),
+        ({"pipeline_parallel_size": 3}, "pipeline_parallel_size 3 is more than the model's num_hidden_layers 2"),
+        ({"tensor_parallel_size": 2, "quantization": "int8"}, "the ranks load their shards as float weights"),
+        (
+            {"pp_size": 2, "speculative_config": {"method": "ngram"}},
+            "pipeline_parallel_size > 1 with speculative_config",
+        ),
+    ],
+)
+def test_a_split_the_model_cannot_take_is_refused_before_any_rank_starts(models, options, message):
+    _, directory = models("llama_head64")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        LLM(str(directory), **{**OPTIONS, **options})
+    assert not multiprocessing.active_children()
