@@ -28,7 +28,7 @@ from batchserve.simulator.analytic import DEVICES, MODEL_SHAPES, analytic_profil
 from batchserve.simulator.build import make_cluster
 from batchserve.simulator.layouts import Target, find_layout, host_memory
 from batchserve.simulator.layouts import format_rows as format_layout_rows
-from batchserve.simulator.parallel import Collective, parallel_profile
+from batchserve.simulator.parallel import Collective, ParallelStepModel, parallel_profile
 from batchserve.simulator.profile_file import Profile
 from batchserve.simulator.router import ROUTERS
 from batchserve.simulator.step_model import ScaledStepModel
@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
 
         for label in traces:
             _run_plots(args, per_replica[label][0], out / f"{label.replace('@', '-at-')}-r0")
+    if isinstance(profile.step_model, ParallelStepModel):
+        share = profile.step_model.spent_share
+        print(f"collectives and stage hand-overs: {100 * share:.1f}% of the simulated step time (all runs)")
     routed = {label: t.meta["routed"] for label, t in traces.items() if "routed" in t.meta}
     if args.replicas > 1:
         print(f"requests per replica: {routed}")

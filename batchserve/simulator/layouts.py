@@ -45,6 +45,7 @@ class LayoutRow:
     hosts: int
     verdict: str  # "meets", "misses: ...", "does not fit: ..."
     summary: dict[str, Any] = field(default_factory=dict)
+    collective_share: float = 0.0  # of the run's step time: all-reduces, the logits' gather, stage hand-overs
 
     @property
     def meets(self) -> bool:
@@ -91,22 +92,24 @@ def find_layout(config: EngineConfig, profile: Profile, shapes: Shapes, requests
         t = result.trace
         summary = summarize(t.requests, t.meta["duration_s"], target.slo, t.steps)
         misses = target.misses(summary)
-        rows.append(LayoutRow(layout, hosts, "meets" if not misses else "misses: " + "; ".join(misses), summary))
+        verdict = "meets" if not misses else "misses: " + "; ".join(misses)
+        rows.append(LayoutRow(layout, hosts, verdict, summary, prof.step_model.spent_share))
         if not misses:
             break
     return rows
 
 
 def format_rows(rows: list[LayoutRow]) -> str:
-    head = f"{'hosts':>5} {'TP':>3} {'PP':>3} {'rep':>3} {'out tok/s':>9} {'SLO %':>6} {'TPOT p50':>9}  verdict"
+    head = f"{'hosts':>5} {'TP':>3} {'PP':>3} {'rep':>3} {'out tok/s':>9} {'SLO %':>6} {'TPOT p50':>9} {'coll %':>6}  verdict"
     lines = [head, "-" * len(head)]
     for r in rows:
         s, lay = r.summary, r.layout
         out = f"{s['output_throughput']:>9.1f}" if s else f"{'-':>9}"
         slo = f"{100 * s['slo_attainment']:>6.1f}" if "slo_attainment" in s else f"{'-':>6}"
         tpot = f"{s['tpot_ms']['p50']:>9.1f}" if s else f"{'-':>9}"
+        coll = f"{100 * r.collective_share:>6.1f}" if s else f"{'-':>6}"
         lines.append(f"{r.hosts:>5} {lay.tensor_parallel:>3} {lay.pipeline_parallel:>3} {lay.replicas:>3} {out} "
-                     f"{slo} {tpot}  {r.verdict}")  # fmt: skip
+                     f"{slo} {tpot} {coll}  {r.verdict}")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -111,6 +111,8 @@ class ParallelStepModel:
     pipeline_parallel: int = 1
     collective: Collective = Collective()
     kind: str = "parallel"
+    spent_s: float = 0.0  # predicted so far: a run's totals (the simulator asks once a step)
+    comm_spent_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_split(self.shapes, self.tensor_parallel, self.pipeline_parallel)
@@ -138,17 +140,31 @@ class ParallelStepModel:
             8 * shape.seqs
         )
 
-    def predict(self, shape: StepShape) -> float:
+    def seconds(self, shape: StepShape) -> tuple[float, float]:
+        """(the step, its collectives and hand-overs), without counting them in the run's totals."""
         whole = self.inner.predict(shape)
         serial = min(serial_seconds(self.inner, shape), whole)
         stage = (whole - serial) / (self.tensor_parallel * self.pipeline_parallel)
+        comm = self.collective_seconds(shape) + self.handover_seconds(shape)
         # no micro-batches: the stages run one after the other, so the step takes all M of them
-        return serial + stage * self.pipeline_parallel + self.collective_seconds(shape) + self.handover_seconds(shape)
+        return serial + stage * self.pipeline_parallel + comm, comm
+
+    def predict(self, shape: StepShape) -> float:
+        step, comm = self.seconds(shape)
+        self.spent_s += step
+        self.comm_spent_s += comm
+        return step
 
     def collective_share(self, shape: StepShape) -> float:
         """The share of a step spent in collectives and hand-overs."""
-        total = self.predict(shape)
-        return (self.collective_seconds(shape) + self.handover_seconds(shape)) / total if total > 0 else 0.0
+        step, comm = self.seconds(shape)
+        return comm / step if step > 0 else 0.0
+
+    @property
+    def spent_share(self) -> float:
+        """collective_share over every step predicted so far (the engine's benchmark reports rank 0's time in
+        collectives so)."""
+        return self.comm_spent_s / self.spent_s if self.spent_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.inner.to_dict(), "parallel": {"tensor_parallel": self.tensor_parallel,

@@ -65,8 +65,14 @@ def test_the_collectives_share_grows_with_the_ranks_as_the_model_says():
             else 9 * 2 * (n - 1) * (8 * 32 * 4 / n / 1e8 + 20e-6) + (n - 1) * (8 * 100 * 4 / n / 1e8 + 20e-6)
         )
         assert comm == pytest.approx(expected)
-        assert model.collective_share(DECODE) == pytest.approx(comm / model.predict(DECODE))
+        assert model.collective_share(DECODE) == pytest.approx(comm / model.seconds(DECODE)[0])
         comms.append(comm)
+        model.predict(DECODE)
+        model.predict(PREFILL)
+        run = (model.collective_seconds(DECODE) + model.collective_seconds(PREFILL)) / (
+            model.seconds(DECODE)[0] + model.seconds(PREFILL)[0]
+        )
+        assert model.spent_share == pytest.approx(run)  # a run's share: its steps' collectives over its steps
         shares.append(model.collective_share(DECODE))
     assert shares[0] == 0.0 and shares[0] < shares[1] < shares[2]
     assert comms[1] < comms[2]
@@ -144,6 +150,7 @@ def test_sweep_takes_the_first_layout_whose_weights_fit(tmp_path):
     assert [r.layout for r in rows] == [Layout(1, 1, 1), Layout(1, 1, 2), Layout(2, 1, 1)]
     assert all(r.verdict.startswith("does not fit") for r in rows[:2])
     assert rows[-1].meets and rows[-1].hosts == 2
+    assert 0 < rows[-1].collective_share < 1  # two ranks all-reduce; the layouts that did not fit never ran
 
 
 def test_sweep_takes_the_smallest_layout_that_reaches_the_throughput(tmp_path):
@@ -160,6 +167,7 @@ def test_sweep_takes_the_smallest_layout_that_reaches_the_throughput(tmp_path):
     best = rows[-1]
     assert best.meets and best.hosts == 2 and best.layout == Layout(1, 1, 2)  # two replicas before TP=2 at 2 hosts
     assert best.summary["output_throughput"] == pytest.approx(200 * 16 / 19)
+    assert best.collective_share == 0.0  # replicas, no split
 
 
 def test_sweep_needs_a_target():
@@ -177,7 +185,8 @@ def test_simulate_runs_a_split_and_refuses_one_the_model_cannot_take(tmp_path, c
     assert main([*base, "--tensor-parallel-size", "2"]) == 2
     assert "tensor_parallel_size 2 does not divide the model's num_attention_heads 9" in capsys.readouterr().err
     assert main([*base, "--tensor-parallel-size", "3"]) == 0
-    assert "TP=3 x PP=1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "TP=3 x PP=1" in out and "collectives and stage hand-overs:" in out
     argv = [*base, "--find-layout", "--target-throughput", "1", "--max-hosts", "3", "--host-memory-gib", "0.2"]
     assert main(argv) == 0  # SmolLM2-135M in float32 (0.5 GiB) needs 3 ranks of 0.2 GiB
     assert "smallest layout: TP=3 x PP=1 x 1 replica(s) on 3 host(s)" in capsys.readouterr().out
