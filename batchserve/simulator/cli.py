@@ -119,14 +119,17 @@ def load_profile(args: argparse.Namespace, config: EngineConfig) -> Profile:
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     split = tp * pp > 1 or getattr(args, "host_memory_gib", None) is not None
     if split and not getattr(args, "find_layout", False):  # --find-layout splits the single-rank profile itself
-        rank_bytes = host_memory(args.host_memory_gib)
-        rank_bytes = None if rank_bytes is None else rank_bytes / ranks_per_host(args)
+        per_host, rank_bytes = ranks_per_host(args), host_memory(args.host_memory_gib)
+        rank_bytes = None if rank_bytes is None else rank_bytes / per_host
         profile = parallel_profile(profile, resolve_shapes(args.model_shapes), tp, pp, collective_from_args(args),
                                    rank_bytes, config.cache.kv_cache_memory_fraction)  # fmt: skip
     return profile
 
 
 def collective_from_args(args: argparse.Namespace) -> Collective:
+    if not args.allreduce_bandwidth_gbs > 0 or not args.allreduce_latency_us >= 0:
+        raise ValueError(f"--allreduce-bandwidth-gbs must be > 0 and --allreduce-latency-us >= 0 (got "
+                         f"{args.allreduce_bandwidth_gbs}, {args.allreduce_latency_us})")  # fmt: skip
     return Collective(args.allreduce_bandwidth_gbs * 1e9, args.allreduce_latency_us * 1e-6)
 
 

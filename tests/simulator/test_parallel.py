@@ -190,3 +190,33 @@ def test_simulate_runs_a_split_and_refuses_one_the_model_cannot_take(tmp_path, c
     argv = [*base, "--find-layout", "--target-throughput", "1", "--max-hosts", "3", "--host-memory-gib", "0.2"]
     assert main(argv) == 0  # SmolLM2-135M in float32 (0.5 GiB) needs 3 ranks of 0.2 GiB
     assert "smallest layout: TP=3 x PP=1 x 1 replica(s) on 3 host(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tensor-parallel-size", "3", "--allreduce-bandwidth-gbs", "0"], "--allreduce-bandwidth-gbs must be > 0"),
+        (["--tensor-parallel-size", "3", "--ranks-per-host", "0"], "--ranks-per-host must be >= 1"),
+        (["--host-memory-gib", "0"], "--host-memory-gib must be > 0"),
+        (["--find-layout"], "needs a target: --target-throughput"),
+        (["--find-layout", "--target-slo-attainment", "0.9"], "--target-slo-attainment takes a share"),
+        (["--find-layout", "--target-throughput", "1", "--max-hosts", "0"], "--max-hosts and --ranks-per-host"),
+    ],
+)
+def test_bad_parallel_flags_are_refused_naming_the_flag(tmp_path, capsys, flags, message):
+    from batchserve.simulator.cli import main
+
+    measured_profile().save(tmp_path / "p.json")
+    burst(tmp_path)
+    base = ["--profile", str(tmp_path / "p.json"), "--trace", str(tmp_path / "burst.jsonl"), "--no-save-result",
+            "--no-plots", "--model-shapes", "smollm2-135m"]  # fmt: skip
+    assert main([*base, *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_slo_target_counts_requests_within_it():
+    from batchserve.bench.metrics import SLO
+
+    target = Target(slo_attainment=0.9, slo=SLO(0.5, 0.1))
+    assert target.misses({"output_throughput": 1.0, "slo_attainment": 0.95}) == []
+    assert target.misses({"output_throughput": 1.0, "slo_attainment": 0.5}) == ["SLO attainment 50.0% < 90%"]
