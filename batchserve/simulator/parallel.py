@@ -18,7 +18,6 @@ from batchserve.simulator.shape import StepShape
 from batchserve.simulator.step_model import LinearStepModel, RooflineStepModel, ScaledStepModel, StepTimeModel
 
 GiB = 1024**3
-LOGIT_BYTES = 4  # the gathered logits are float32
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ class ParallelStepModel:
         if n == 1 or shape.seqs == 0:
             return 0.0
         reduces = (2 * self.shapes.num_layers + 1) * self.collective.all_reduce_s(self.activation_bytes(shape), n)
-        logits = shape.samples * self.shapes.vocab_size * LOGIT_BYTES
+        logits = shape.samples * self.shapes.vocab_size * self.elem  # the output projection's dtype
         return reduces + self.collective.all_gather_s(logits, n)
 
     def handover_seconds(self, shape: StepShape) -> float:
