@@ -68,6 +68,8 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "int4", "int4_g32", "int4_g64", "int4_g128", "gguf")
 # the KV pool's element type (vLLM's option); auto: the model's dtype; int8 and fp8_e4m3 with per-token-per-head scales
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
+# how ranks are placed (vLLM's option): mp, one process per rank on this host (ray: not built)
+EXECUTOR_BACKENDS = ("mp",)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -310,6 +312,11 @@ class EngineConfig:
     max_cpu_loras: int | None = None  # None: max_loras
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answered (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = False
+    # ranks the model is split over (docs/parallelism.md): tensor-parallel ranks each hold a shard of every layer;
+    # "mp": one process per rank on this host
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def validate(self) -> None:
         SpeculativeConfig.from_value(self.speculative_config)  # refuses a bad one here, with the reason
@@ -318,6 +325,14 @@ class EngineConfig:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         _require(self.device in DEVICES, f"device must be one of {DEVICES}")
         _require(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}")
+        _require(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _require(
+            self.pipeline_parallel_size >= 1, f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
+        )
+        _require(
+            self.distributed_executor_backend in EXECUTOR_BACKENDS,
+            f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}",
+        )
         self.scheduler.validate()
         self.cache.validate()
         self._validate_lora()
@@ -388,6 +403,8 @@ TRTLLM_ALIASES = {
     "enable_kv_cache_reuse": "enable_prefix_caching",
     "kv_cache_reuse": "enable_prefix_caching",
     "tokens_per_block": "block_size",
+    "tp_size": "tensor_parallel_size",
+    "pp_size": "pipeline_parallel_size",
 }
 # vLLM's engine arguments (flags and keys). Its gpu_memory_utilization bounds weights and KV together, ours the KV
 # pool's share of the memory left after the weights: the same knob, measured from a different base.

@@ -85,6 +85,12 @@ def native_decoder_loop() -> bool:
     return os.environ.get("BATCHSERVE_NATIVE_DECODER_LOOP", "1") != "0"
 
 
+def shared_allreduce() -> bool:
+    """BATCHSERVE_SHARED_ALLREDUCE (default "1"): "0" all-reduces the tensor-parallel ranks' activations through
+    gloo's loopback TCP instead of shared memory (read when the ranks start; docs/parallelism.md)."""
+    return os.environ.get("BATCHSERVE_SHARED_ALLREDUCE", "1") != "0"
+
+
 def grammar_mask_overlap() -> bool:
     """BATCHSERVE_GRAMMAR_OVERLAP (default "1"): "0" fills a step's grammar masks after its forward pass, on the
     step's thread, instead of in a worker thread while the forward pass runs (read when the worker starts)."""

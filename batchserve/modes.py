@@ -58,6 +58,8 @@ class ModeFacts:
     kv_offload: bool = False  # the disk KV tier is on (kv_offload_dir)
     prefix_caching: bool = True
     lora: bool = False  # enable_lora: requests may run with LoRA adapters
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     @classmethod
     def of(
@@ -85,6 +87,8 @@ class ModeFacts:
             kv_offload=config.cache.kv_offload_dir is not None,
             prefix_caching=config.cache.enable_prefix_caching,
             lora=config.enable_lora,
+            tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
             **traits,
         )
 
@@ -134,6 +138,11 @@ def _eager(config: EngineConfig) -> None:
 
 def _tier_off(config: EngineConfig) -> None:
     config.cache.kv_offload_dir = None
+
+
+def _split(f: ModeFacts) -> bool:
+    """The model is split over ranks."""
+    return f.tensor_parallel_size > 1 or f.pipeline_parallel_size > 1
 
 
 def _cuda_graphs_wanted(f: ModeFacts) -> bool:
@@ -239,6 +248,66 @@ RULES: tuple[Rule, ...] = (
         "the captured decode graphs hold no adapter",
         "a decode step with adapters runs eagerly; steps of the base model alone replay the graphs",
         "lora.md#what-runs-where",
+    ),
+    Rule(
+        "pipeline_parallel_with_speculation", Verdict.REFUSE, ("pipeline_parallel_size", "speculative_config"),
+        "pipeline_parallel_size > 1 with speculative_config",
+        lambda f: f.pipeline_parallel_size > 1 and f.speculative_method is not None,
+        "the last stage verifies the drafts, and the earlier stages' request tables do not roll rejected drafts back",
+        "drop speculative_config, or use tensor_parallel_size instead of pipeline stages",
+        "parallelism.md#what-is-not-built",
+    ),
+    Rule(
+        "lora_with_parallel_ranks", Verdict.REFUSE, ("enable_lora", "tensor_parallel_size", "pipeline_parallel_size"),
+        "enable_lora with tensor_parallel_size or pipeline_parallel_size > 1",
+        lambda f: f.lora and _split(f),
+        "the adapters' slots live in rank 0's process and the other ranks' shards would take no adapter",
+        "serve adapters on one rank (several replicas for throughput), or merge the adapter and split the merged model",
+        "lora.md#what-runs-where",
+    ),
+    Rule(
+        "kv_offload_with_parallel_ranks", Verdict.REFUSE, ("kv_offload_dir", "tensor_parallel_size",
+                                                            "pipeline_parallel_size"),
+        "kv_offload_dir with tensor_parallel_size or pipeline_parallel_size > 1",
+        lambda f: f.kv_offload and _split(f),
+        "the tier reads and writes rank 0's pool only, and each rank holds other heads or layers",
+        "drop kv_offload_dir, or run one rank",
+        "kv-offload.md#what-runs-with-it",
+    ),
+    Rule(
+        "parallel_ranks_off_cpu", Verdict.REFUSE, ("tensor_parallel_size", "pipeline_parallel_size", "device"),
+        "tensor_parallel_size or pipeline_parallel_size > 1 on a GPU",
+        lambda f: _split(f) and f.device != "cpu",
+        "the ranks' collectives are gloo's over CPU tensors (no NCCL path is built)",
+        "use device cpu, or tensor_parallel_size 1 on the GPU",
+        "parallelism.md#what-is-not-built",
+    ),
+    Rule(
+        "parallel_ranks_with_quantized_weights", Verdict.REFUSE, ("tensor_parallel_size", "pipeline_parallel_size", "quantization"),
+        "tensor_parallel_size or pipeline_parallel_size > 1 with quantization int8 / int4 / gguf",
+        lambda f: _split(f) and f.quantization != "none",
+        "the ranks load their shards as float weights: the quantized layouts (per-channel scales, groups of k, a GGUF "
+        "file's blocks) are not cut into shards yet (a row-parallel cut must fall on a group's edge)",
+        "use quantization none (bfloat16 or float32 shards), or tensor_parallel_size 1",
+        "parallelism.md#what-is-not-built",
+    ),
+    Rule(
+        "tensor_parallel_with_a_draft_model", Verdict.REFUSE, ("tensor_parallel_size", "speculative_config"),
+        "tensor_parallel_size > 1 with speculative method draft_model",
+        lambda f: f.tensor_parallel_size > 1 and f.speculative_method == "draft_model",
+        "the draft model runs in rank 0's process, whole, and is not sharded",
+        "use method ngram or suffix (their drafts come from the scheduler), or tensor_parallel_size 1",
+        "parallelism.md#what-is-not-built",
+    ),
+    # ---- fall back: runs, logged once, labelled in the metrics
+    Rule(
+        "parallel_ranks_run_python_layers", Verdict.FALL_BACK, ("tensor_parallel_size", "pipeline_parallel_size"),
+        "tensor_parallel_size or pipeline_parallel_size > 1 on the CPU with the native kernels",
+        lambda f: _split(f) and f.device == "cpu" and f.native_kernels,
+        "the native decoder loop runs all layers in one call, with no all-reduce after o_proj and the MLP and no "
+        "hand-over between stages",
+        "every step runs the Python layers (the same operators, one call each) with the collectives between them",
+        "parallelism.md#how-a-layer-is-split",
     ),
     Rule(
         "static_policy_drops_speculation", Verdict.FALL_BACK, ("scheduler_policy", "speculative_config"),

@@ -146,10 +146,10 @@ def test_suggestions_only_among_names_that_share_meaning(typed, expected):
         (["--ctx-size=4096"], "--ctx-size is llama.cpp's: use --max-model-len"),
         (["--parallel", "4"], "--parallel is llama.cpp's: use --max-batch-size"),
         (["-np", "4"], "-np is llama.cpp's: use --max-batch-size"),
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's: tensor and pipeline parallelism are not"),
         (["--lora-dtype", "auto"], "--lora-dtype is vLLM's: not built: batchserve serves PEFT LoRA adapters"),
-        
         (["--task", "embed"], "--task is vLLM's: pooling is chosen with --runner pooling"),
+        (["--data-parallel-size", "2"], "--data-parallel-size is vLLM's: data and context parallelism are not"),
+        (["-tp", "2"], "-tp is vLLM's: use the long flags: --tensor-parallel-size N"),
         (["--keep", "64"], "--keep is llama.cpp's: use --truncation"),  # not --keep-alive-timeout's abbreviation
     ],
 )
@@ -169,18 +169,18 @@ def test_a_flag_that_asks_for_what_we_do_anyway_is_accepted():
 
 def test_config_file_and_command_line_refuse_alike(tmp_path, capsys):
     path = tmp_path / "engine.yaml"
-    path.write_text("tensor_parallel_size: 2\nmax_batch_size: 8\n")
+    path.write_text("data_parallel_size: 2\nmax_batch_size: 8\n")
     with pytest.raises(ConfigError) as err:
         engine_config({}, file=path)
     file_answer = str(err.value)
-    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
+    assert main(["serve", "--data-parallel-size", "2"]) == 2
     flag_answer = capsys.readouterr().err
-    answer = FOREIGN_BY_FLAG["--tensor-parallel-size"].answer
+    answer = FOREIGN_BY_FLAG["--data-parallel-size"].answer
     assert answer in file_answer and answer in flag_answer
     with pytest.raises(ConfigError, match="lora_dtype' is vLLM's: not built"):
         engine_config({"lora_dtype": "auto"})
     assert engine_config({"enable_lora": True, "max_loras": 2}).max_loras == 2
-    path.write_text("tensor_parallel_size: 1\nmax_batch_size: 8\n")  # what we do anyway: accepted in both
+    path.write_text("data_parallel_size: 1\nmax_batch_size: 8\n")  # what we do anyway: accepted in both
     assert engine_config({}, file=path).scheduler.max_batch_size == 8
 
 

@@ -39,6 +39,13 @@ FIRING = {
     "lora_with_static_batching": ModeFacts(lora=True, scheduler_policy="static", native_kernels=False),
     "lora_steps_in_python": ModeFacts(lora=True),
     "lora_steps_without_cuda_graphs": ModeFacts(lora=True, device="cuda"),
+    "pipeline_parallel_with_speculation": ModeFacts(pipeline_parallel_size=2, speculative_method="ngram"),
+    "parallel_ranks_off_cpu": ModeFacts(device="cuda", tensor_parallel_size=2),
+    "lora_with_parallel_ranks": ModeFacts(lora=True, tensor_parallel_size=2),
+    "kv_offload_with_parallel_ranks": ModeFacts(kv_offload=True, pipeline_parallel_size=2),
+    "parallel_ranks_with_quantized_weights": ModeFacts(pipeline_parallel_size=2, quantization="int4"),
+    "tensor_parallel_with_a_draft_model": ModeFacts(tensor_parallel_size=2, speculative_method="draft_model"),
+    "parallel_ranks_run_python_layers": ModeFacts(tensor_parallel_size=2, pipeline_parallel_size=2),
 }
 
 

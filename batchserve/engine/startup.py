@@ -56,18 +56,22 @@ def load_runner(
     if config.deterministic and device.type == "cpu":
         logger.info(
             "deterministic mode: GEMMs: %s; attention: every row by the decode kernel in 16-token tiles of the pool's "
-            "blocks (prefill chunks too); logits in float32", deterministic_gemm_path(dtype),
+            "blocks (prefill chunks too); logits in float32",
+            deterministic_gemm_path(dtype),
         )
     if config.quantization != "none":
         logger.info("weights kept quantized: %s (docs/quantization.md)", config.quantization)
     if config.quantization == "none":  # quantized weights are smaller than this count
         check_memory_before_loading(config, path, model_config, dtype, device)
-    with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, dtype):
-        model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
     config.tokenizer = str(tokenizer_folder(path, config.tokenizer))  # the effective value, as the logs report it
     logger.info("tokenizer from %s (a Hugging Face folder other tools can load too)", config.tokenizer)
-    runner = ModelRunner(config, model_config, model, device, dtype, initial_kv_blocks)
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        runner = _parallel_runner(config, model_config, initial_kv_blocks)
+    else:
+        with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, dtype):
+            model = load_model(path, model_config, dtype, device)
+        runner = ModelRunner(config, model_config, model, device, dtype, initial_kv_blocks)
     runner.structured_outputs.tokenizer = tokenizer
     runner.modes = decision
     if pooling is not None:
@@ -82,6 +86,17 @@ def load_runner(
     if speculative is not None and speculative.method == "draft_model":
         runner.draft = load_draft_model(config, speculative.model, runner, tokenizer)
     return runner, model_config, tokenizer
+
+
+def _parallel_runner(config: EngineConfig, model_config: ModelConfig, initial_kv_blocks: int | None):
+    """Rank 0 here, the other ranks in processes of their own (worker/parallel_executor.py); a size the model's
+    shapes cannot split is refused first, naming both numbers."""
+    from batchserve.models.sharding import check_pipeline_parallel, check_tensor_parallel
+    from batchserve.worker.parallel_executor import start_tensor_parallel
+
+    check_tensor_parallel(model_config, config.tensor_parallel_size)
+    check_pipeline_parallel(model_config, config.pipeline_parallel_size)
+    return start_tensor_parallel(config, model_config, initial_kv_blocks)
 
 
 def load_draft_model(config: EngineConfig, name: str, target: ModelRunner, tokenizer: PreTrainedTokenizerBase):

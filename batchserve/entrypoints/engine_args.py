@@ -45,7 +45,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         """Foreign flags first: refused with the table's answer, or dropped where they ask for what we do anyway
-        (--tensor-parallel-size 1)."""
+        (--data-parallel-size 1)."""
         argv = list(sys.argv[1:] if args is None else args)
         screen = screen_flags(argv, self._option_string_actions, report_unknown=False)
         if screen.problems:

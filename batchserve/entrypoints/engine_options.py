@@ -26,6 +26,7 @@ from batchserve.config import (
     ALIASES,
     DEVICES,
     DTYPES,
+    EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     VLLM_ALIASES,
@@ -72,6 +73,12 @@ HELP: dict[str, str] = {
     "max_cpu_loras": "adapters kept loaded in host memory, least recently used dropped beyond (default: max_loras)",
     "allow_runtime_lora_updating": "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter: adapters "
     "loaded and unloaded while the server runs (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; default: off)",
+    "tensor_parallel_size": "ranks each holding a shard of every layer (heads, MLP columns, vocabulary), one process "
+    "each on this host, the CPU only; the model's heads and intermediate size must split evenly; --num-threads is per "
+    "rank (docs/parallelism.md)",
+    "pipeline_parallel_size": "pipeline stages: the layers split in M runs, one process a rank (no micro-batches yet: "
+    "it fits a model into memory, not a faster step; docs/parallelism.md)",
+    "distributed_executor_backend": "how ranks are placed: mp, one process per rank on this host (ray: not built yet)",
     "max_batch_size": "sequences in one forward pass",
     "max_num_tokens": "tokens in one forward pass: prefill chunks plus one per decoding sequence",
     "scheduler_policy": "max_utilization: fill the budget, preempt when blocks run out; guaranteed_no_evict: reserve "
@@ -146,7 +153,13 @@ def _without_none(annotation: Any) -> Any:
 def _choices(name: str, kind: Any) -> tuple[str, ...] | None:
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return tuple(m.value for m in kind)
-    choices = {"dtype": DTYPES, "device": DEVICES, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
+    choices = {
+        "dtype": DTYPES,
+        "device": DEVICES,
+        "quantization": QUANTIZATIONS,
+        "kv_cache_dtype": KV_CACHE_DTYPES,
+        "distributed_executor_backend": EXECUTOR_BACKENDS,
+    }
     return choices.get(name)
 
 

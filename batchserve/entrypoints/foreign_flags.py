@@ -2,8 +2,8 @@
 built yet), and the test of which of our names a mistyped one may be suggested.
 
 One table serves every edge: the command line (`batchserve serve --enable-lora`, answered by cli.py before the
-command's heavy imports), config files and `LLM(...)` keywords (`tensor_parallel_size` in a YAML file is refused the
-same way as the flag). A flag asking for what batchserve does anyway (`--tensor-parallel-size 1`) is accepted and
+command's heavy imports), config files and `LLM(...)` keywords (`data_parallel_size` in a YAML file is refused the
+same way as the flag). A flag asking for what batchserve does anyway (`--data-parallel-size 1`) is accepted and
 dropped. Standard library only: this module is on the path of a mistyped flag, which must answer at once.
 """
 
@@ -20,8 +20,9 @@ ANY_VALUE = ("*",)  # `neutral`: every value asks for what batchserve does anywa
 # what is not built yet, said once
 NO_LORA = ("not built: batchserve serves PEFT LoRA adapters (--enable-lora --lora-modules name=path, --max-loras, "
            "--max-lora-rank, --max-cpu-loras; docs/lora.md)")  # fmt: skip
-NO_PARALLEL = ("tensor and pipeline parallelism are not built yet: one engine runs on one device; for more "
-               "throughput run several engines with --replicas N (Ray Serve, docs/scale-out.md)")  # fmt: skip
+NO_PARALLEL = ("data and context parallelism are not built: a model is split with --tensor-parallel-size "
+               "(docs/parallelism.md); for more throughput run several engines with --replicas N (Ray Serve, "
+               "docs/scale-out.md)")  # fmt: skip
 NO_POOLING = ("pooling is chosen with --runner pooling (and --convert embed|classify); the pooling method and "
               "normalisation come from the model folder (sentence-transformers' modules.json, docs/embeddings.md)")  # fmt: skip
 NO_MULTIMODAL = "multimodal inputs are not built yet: prompts are text or token ids"
@@ -76,10 +77,12 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
        NO_LORA),
     _f("--lora-init-without-apply", LLAMA_CPP, NO_LORA, takes_value=False),
     # --- parallelism -----------------------------------------------------------------------------------------------
-    _f("--tensor-parallel-size -tp --pipeline-parallel-size -pp --data-parallel-size -dp --data-parallel-size-local "
+    _f("-tp -pp", VLLM, "use the long flags: --tensor-parallel-size N, --pipeline-parallel-size M",
+       neutral=("1",)),
+    _f("--data-parallel-size -dp --data-parallel-size-local "
        "--data-parallel-address --data-parallel-rpc-port --data-parallel-backend --data-parallel-start-rank "
        "--decode-context-parallel-size -dcp", VLLM, NO_PARALLEL, neutral=("1",)),
-    _f("--distributed-executor-backend --max-parallel-loading-workers --worker-cls --worker-extension-cls "
+    _f("--max-parallel-loading-workers --worker-cls --worker-extension-cls "
        "--api-server-count", VLLM, NO_PARALLEL),
     _f("--enable-expert-parallel --disable-custom-all-reduce --ray-workers-use-nsight --headless "
        "--data-parallel-hybrid-lb --data-parallel-external-lb --enable-eplb", VLLM, NO_PARALLEL, takes_value=False),
@@ -258,7 +261,7 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
 )  # fmt: skip
 
 FOREIGN_BY_FLAG: dict[str, ForeignFlag] = {flag: entry for entry in FOREIGN_FLAGS for flag in entry.flags}
-# config-file / LLM(...) keys: the long flags with underscores (tensor_parallel_size)
+# config-file / LLM(...) keys: the long flags with underscores (data_parallel_size)
 FOREIGN_BY_KEY: dict[str, ForeignFlag] = {
     flag.removeprefix("--").replace("-", "_"): entry
     for entry in FOREIGN_FLAGS
@@ -268,7 +271,7 @@ FOREIGN_BY_KEY: dict[str, ForeignFlag] = {
 
 
 def foreign_option(key: str) -> ForeignFlag | None:
-    """The table's entry for a config-file key or keyword (tensor_parallel_size, or spelled with dashes)."""
+    """The table's entry for a config-file key or keyword (data_parallel_size, or spelled with dashes)."""
     return FOREIGN_BY_KEY.get(key.replace("-", "_"))
 
 

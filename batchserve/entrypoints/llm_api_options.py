@@ -32,7 +32,7 @@ TOP_LEVEL_KEYS = {"max_seq_len": "max_model_len"}
 # TensorRT-LLM's enum names (CapacitySchedulerPolicy) -> our values; the others match ours in any case
 ENUM_VALUES = {"scheduler_policy": {"static_batch": "static"}}
 # GPU-only execution settings: dropped with a warning (this engine has no CUDA graphs, no overlap scheduler)
-# (tensor_parallel_size and the like are vLLM's names too: foreign_flags.py accepts 1 and refuses the rest, as it
+# (data_parallel_size and the like are vLLM's names too: foreign_flags.py accepts 1 and refuses the rest, as it
 # does for the flags)
 IGNORED_KEYS = frozenset(
     {"backend", "cuda_graph_config", "disable_overlap_scheduler", "print_iter_log", "enable_iter_perf_stats"}

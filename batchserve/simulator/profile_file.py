@@ -34,6 +34,8 @@ class Profile:
         label = f"{Path(self.model).name} {self.dtype} on {where}, {tag}"
         if isinstance(self.step_model, ScaledStepModel):  # simulate --time-scale
             label += f", {self.step_model.describe()}"
+        if "parallel" in self.notes:  # simulate --tensor-parallel-size / --pipeline-parallel-size
+            label += f", {self.notes['parallel']}"
         return label
 
     def num_kv_blocks(self, block_size: int, fraction: float | None = None) -> int:

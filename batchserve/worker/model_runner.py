@@ -32,6 +32,7 @@ from batchserve.worker.speculative import draft_hidden_rows, stage_drafts, unsta
 from batchserve.worker.structured_output import StructuredOutputs
 
 if TYPE_CHECKING:
+    from batchserve.layers.parallel import PipelineStage
     from batchserve.modes import ModeDecision
     from batchserve.worker.draft_model import DraftModelProposer
     from batchserve.worker.pooler import Pooler
@@ -88,6 +89,7 @@ class ModelRunner:
         self.pooler: Pooler | None = None  # a pooling runner's (engine/startup.py, worker/pooler.py)
         self.offload: BlockWriter | None = None  # the disk tier's writer (worker/kv_offload.py), when it is on
         self.lora: LoRAPool | None = None  # enable_lora: the adapters and their device slots (engine/startup.py)
+        self.pipeline: PipelineStage | None = None  # this rank's pipeline stage (worker/rank_worker.py); None: whole
 
     def resize_kv_cache(self, num_blocks: int, keep_block_ids: Sequence[int]) -> None:
         """Grow the device pool to num_blocks (at most max_kv_blocks), between steps. keep_block_ids: the blocks
@@ -178,6 +180,26 @@ class ModelRunner:
             hidden = self.decode_graphs.run(batch.input_ids, batch.attn_metadata)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        if self.pipeline is not None and not self.pipeline.is_last:  # the activations went on to the next stage
+            return self._last_stage_output(batch, prepared)
+        output = self._logits_and_sample(batch, hidden, drafts, prepared)
+        if self.pipeline is not None:  # the other stages' request tables take the same tokens
+            self.pipeline.broadcast_from_last(output)
+        return output
+
+    def _last_stage_output(self, batch: InputBatch, prepared: float) -> ModelOutput:
+        """A pipeline stage before the last: the step's output as the last stage sampled it, its tokens appended
+        here as they were there."""
+        self.requests.advance(batch)
+        output = self.pipeline.broadcast_from_last(None)
+        if output.req_ids:
+            self.requests.append_sampled(batch.sample_rows, output.sampled_token_ids)
+            self.structured_outputs.accept(output.req_ids, output.sampled_token_ids)
+        self.last_timings.forward_s = time.perf_counter() - prepared
+        return output
+
+    def _logits_and_sample(self, batch: InputBatch, hidden: torch.Tensor, drafts, prepared: float) -> ModelOutput:
+        timings = self.last_timings
         scoring = self.prompt_logprobs.plan(self.requests, batch, self.device)  # before the table advances
         if self.pooler is not None:  # pooling requests' rows pooled; only generation requests left to sample
             batch = self.pooler.pool(batch, hidden, self.requests)
@@ -241,7 +263,9 @@ class ModelRunner:
                 sample_rows=batch.sample_rows[keep],
                 logits_indices=batch.logits_indices.index_select(0, index),
             )
-            output = self._sample(plain, self.model.compute_logits(hidden.index_select(0, plain.logits_indices)).float())
+            output = self._sample(
+                plain, self.model.compute_logits(hidden.index_select(0, plain.logits_indices)).float()
+            )
         spec_ids, spec_rows = draft_hidden_rows(batch, drafts)
         rows = torch.tensor(spec_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
