@@ -4,7 +4,7 @@
 #pragma once
 
 // ATen, not <torch/extension.h>: pybind11 and torch's C++ API on top of it cost each translation unit 4x the compile
-// time, so only the files that register Python classes (bindings.cpp and the layer operators') include that.
+// time, so only bindings.cpp, which registers every Python function and class, includes that.
 #include <ATen/ATen.h>
 
 #include <cstdint>
