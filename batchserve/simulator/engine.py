@@ -110,11 +110,13 @@ class SimEngine:
         self._live: dict[str, Request] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> str:  # fmt: skip
-        """As LLMEngine.add_request for token ids; a prompt over the engine's limit raises InvalidRequestError."""
+                    priority: int = 0, arrival_time: float | None = None, lora_id: int = 0) -> str:  # fmt: skip
+        """As LLMEngine.add_request for token ids (`lora_id`: its adapter, 0 for the base model); a prompt over the
+        engine's limit raises InvalidRequestError."""
         request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=sampling_params,
             eos_token_ids=(), priority=priority, arrival_time=self.clock() if arrival_time is None else arrival_time,
+            lora_id=lora_id,
         )  # fmt: skip
         self.scheduler.add_request(request)
         self._live[request_id] = request
