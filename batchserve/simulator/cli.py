@@ -24,8 +24,9 @@ from batchserve.bench.partial import ResultLog
 from batchserve.bench.trace import RunTrace
 from batchserve.config import EngineConfig
 from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
-from batchserve.simulator.analytic import DEVICES, MODEL_SHAPES, analytic_profile
+from batchserve.simulator.analytic import DEVICES, MODEL_SHAPES, analytic_profile, resolve_shapes
 from batchserve.simulator.build import make_cluster
+from batchserve.simulator.lora_cost import ALL_TARGETS, LoRAShape, lora_step_model
 from batchserve.simulator.profile_file import Profile
 from batchserve.simulator.router import ROUTERS
 from batchserve.simulator.step_model import ScaledStepModel
@@ -40,7 +41,7 @@ def add_simulator_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--gpu", "--device-preset", dest="device_preset", choices=sorted(DEVICES),
                      help="an analytic (roofline) ESTIMATE for this device instead of a measured profile")  # fmt: skip
     g.add_argument("--model-shapes", default="smollm2-135m",
-                   help=f"with --device-preset: a Llama-family config.json (file or directory), a .gguf file, or one of "
+                   help=f"with --device-preset or --lora-rank: a Llama-family config.json (file or directory), a .gguf file, or one of "
                         f"{', '.join(sorted(MODEL_SHAPES))} (default: smollm2-135m)")  # fmt: skip
     g.add_argument("--time-scale", type=float, default=1.0, metavar="X",
                    help="multiply every step time by X: 1.1 for a host running 10%% slower than when it was "
@@ -54,6 +55,12 @@ def add_simulator_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --speculative-config: the share of drafts the target keeps, as measured on the workload "
                    "(`batchserve bench` prints it); each decode then drafts k tokens")  # fmt: skip
     g.add_argument("--trace", help="arrivals and lengths from a JSONL file (arrival_s, input_len, output_len)")
+    g.add_argument("--lora-rank", type=int, default=0, help="with --enable-lora: requests run with LoRA adapters of "
+                   "this rank on the base of --model-shapes, each step paying their cost (simulator/lora_cost.py)")  # fmt: skip
+    g.add_argument("--lora-adapters", type=int, default=8, help="with --lora-rank: distinct adapters, requests "
+                   "spread over them in turn (default: 8)")  # fmt: skip
+    g.add_argument("--lora-targets", default=",".join(ALL_TARGETS), help="with --lora-rank: the projections the "
+                   "adapters target (default: all seven)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +92,28 @@ def load_profile(args: argparse.Namespace, config: EngineConfig) -> Profile:
         raise ValueError(f"--time-scale and --decode-time-scale must be > 0 (got {scale}, {decode})")
     if scale != 1.0 or decode not in (None, scale):
         profile.step_model = ScaledStepModel(profile.step_model, scale, decode)
+    if getattr(args, "lora_rank", 0):
+        profile.step_model = lora_step_model(profile.step_model, resolve_shapes(args.model_shapes),
+                                             lora_shape(args, config), profile.dtype)  # fmt: skip
     return profile
+
+
+def lora_shape(args: argparse.Namespace, config: EngineConfig) -> LoRAShape:
+    """--lora-rank/--lora-targets checked against the engine's LoRA options. Raises ValueError naming the flag."""
+    if not config.enable_lora:
+        raise ValueError("--lora-rank needs --enable-lora (and --max-loras: adapters a step may run)")
+    if not 0 < args.lora_rank <= config.max_lora_rank:
+        raise ValueError(f"--lora-rank {args.lora_rank} must be 1 to --max-lora-rank ({config.max_lora_rank})")
+    if args.lora_adapters < 1:
+        raise ValueError(f"--lora-adapters must be >= 1, got {args.lora_adapters}")
+    try:
+        return LoRAShape(args.lora_rank, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
+    except ValueError as exc:
+        raise ValueError(f"--lora-targets: {exc}") from None
+
+
+def lora_adapters(args: argparse.Namespace) -> int:
+    return args.lora_adapters if getattr(args, "lora_rank", 0) else 0
 
 
 def simulate_runs(args: argparse.Namespace, config: EngineConfig, profile: Profile, tokenizer: Any = None,
@@ -105,7 +133,8 @@ def simulate_runs(args: argparse.Namespace, config: EngineConfig, profile: Profi
             cfg = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, scheduler_policy=policy))
             cfg.validate()
             label = run_label(policy, rate)
-            cluster = make_cluster(cfg, profile, args.replicas, args.router, args.spec_acceptance_rate)
+            cluster = make_cluster(cfg, profile, args.replicas, args.router, args.spec_acceptance_rate,
+                                   lora_adapters(args))  # fmt: skip
             result = cluster.run(requests, arrivals, seed, label)
             result.trace.meta.update(policy=policy, request_rate=getattr(arrivals, "request_rate", None), seed=seed,
                                      profile=profile.label, routed=result.routed, router=args.router)  # fmt: skip

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from batchserve import modes
 from batchserve.config import EngineConfig
 from batchserve.core.build import build_scheduler
+from batchserve.core.lora_schedule import AdapterGate
 from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput, SchedulerStats
 from batchserve.core.scheduler import Scheduler
 from batchserve.request import Request
@@ -104,6 +105,8 @@ class SimEngine:
             speculative = as_modelled(speculative)
         self.scheduler = build_scheduler(config.scheduler, cache, num_kv_blocks, num_swap_blocks, limit, self.clock,
                                          speculative)  # fmt: skip
+        if config.enable_lora:  # as LLMEngine: at most max_loras adapters a step
+            self.scheduler.adapters = AdapterGate(config.max_loras)
         self.runner = TimedRunner(step_model, self.clock, self.scheduler, num_kv_blocks, num_swap_blocks, acceptance)
         self.last_stats: SchedulerStats | None = None
         self.num_steps = 0

@@ -35,7 +35,7 @@ from batchserve.bench.tune import explicit_options
 from batchserve.config import ConfigError, EngineConfig
 from batchserve.entrypoints.engine_args import engine_config_from_args
 from batchserve.simulator.build import make_cluster
-from batchserve.simulator.cli import add_simulator_arguments, load_profile
+from batchserve.simulator.cli import add_simulator_arguments, load_profile, lora_adapters
 from batchserve.simulator.kv_tier import attach_sim_tier
 from batchserve.simulator.tokens import workload_tokenizer
 
@@ -157,7 +157,7 @@ def search(args: argparse.Namespace, base: EngineConfig, profile: Any, requests:
         except ConfigError as exc:
             print(f"skip {knobs}: {exc}", file=sys.stderr)
             continue
-        cluster = make_cluster(config, profile, knobs["replicas"], args.router)
+        cluster = make_cluster(config, profile, knobs["replicas"], args.router, lora_adapters=lora_adapters(args))
         tiers = attach_tiers(cluster, knobs["kv_offload_blocks"], block_bytes(profile, config), args)
         t = cluster.run(requests, arrivals, args.seed or 0).trace
         summary = summarize(t.requests, t.meta["duration_s"], slo, t.steps)

@@ -65,3 +65,48 @@ def test_bad_adapter_shapes_are_refused_naming_the_field():
         LoRAShape(rank=0)
     with pytest.raises(ValueError, match="targets"):
         LoRAShape(rank=8, targets=("lm_head",))
+
+
+def test_the_simulated_scheduler_holds_max_loras_a_step_and_adapters_cost_time():
+    """Requests spread over 4 adapters with max_loras 2: no step runs more than 2; the run takes longer with the
+    adapters' cost than without."""
+    from batchserve.simulator.build import make_cluster
+    from batchserve.simulator.profile_file import Profile
+    from tests.simulator.test_tune_kv_tier import system_prompt_requests
+
+    config = EngineConfig.from_options(block_size=16, enable_lora=True, max_loras=2, num_kv_blocks=256)
+    requests = system_prompt_requests(prompts=4, rounds=3)
+    engine = SimEngine(config, lora_step_model(STEP_MODEL, SMOL, LoRAShape(16)), 256, 1024)
+    for i, r in enumerate(requests):
+        engine.add_request(r.request_id, r.prompt_token_ids, SamplingParams(max_tokens=4, ignore_eos=True),
+                           lora_id=i % 4 + 1)  # fmt: skip
+    groups = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        groups.append(engine.runner.last_shape.lora_groups)
+    assert max(groups) == 2
+    durations = {}
+    for rank in (0, 64):
+        step_model = lora_step_model(STEP_MODEL, SMOL, LoRAShape(rank)) if rank else STEP_MODEL
+        profile = Profile("measured", step_model, "tiny", "float32", 1024, 1024 * 16 * 512, 4096)
+        result = make_cluster(config, profile, lora_adapters=4 if rank else 0).run(requests)
+        durations[rank] = result.trace.meta["duration_s"]
+    assert durations[64] > durations[0]
+
+
+def test_simulate_flags_price_adapters_and_refuse_bad_ones():
+    from batchserve.entrypoints.engine_args import engine_config_from_args
+    from batchserve.simulator.cli import build_parser, load_profile
+    from batchserve.simulator.lora_cost import LoRAStepModel
+
+    def profile_of(*flags):
+        args = build_parser().parse_args(["--device-preset", "l4", *flags])
+        return load_profile(args, engine_config_from_args(args))
+
+    assert isinstance(profile_of("--enable-lora", "--lora-rank", "16").step_model, LoRAStepModel)
+    assert not isinstance(profile_of().step_model, LoRAStepModel)
+    for flags, named in ((["--lora-rank", "16"], "--enable-lora"),
+                         (["--enable-lora", "--lora-rank", "64"], "--max-lora-rank"),
+                         (["--enable-lora", "--lora-rank", "8", "--lora-targets", "lm_head"], "--lora-targets")):  # fmt: skip
+        with pytest.raises(ValueError, match=named):
+            profile_of(*flags)
