@@ -37,7 +37,7 @@ from batchserve.distributed.metrics import REQUESTS_MOVED
 from batchserve.distributed.migration import MAX_MIGRATIONS, Handover
 from batchserve.engine.async_engine import RequestStream
 from batchserve.engine.inputs import EngineLimits
-from batchserve.request import EngineRequest
+from batchserve.request import EngineRequest, LoRARequest
 from batchserve.serving.errors import ErrorKind, ServingError
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,13 @@ class RemoteEngineClient:
         config = description.config
         tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model_path(config.model), config.tokenizer)
         return cls(handle, description, tokenizer)
+
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters the replicas serve (their lora_modules: fixed for the application's life)."""
+        return tuple(lora.lora_name for lora in self.description.loras)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.description.loras)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:

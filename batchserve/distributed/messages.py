@@ -8,7 +8,7 @@ from typing import Any
 from batchserve.config import EngineConfig
 from batchserve.engine.inputs import EngineLimits
 from batchserve.engine.outputs import CompletionDelta
-from batchserve.request import EngineRequest
+from batchserve.request import EngineRequest, LoRARequest
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,11 @@ class ReplicaRequest:
     def prompt_token_ids(self) -> list[int]:
         return self.request.prompt_token_ids
 
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter the request names (None: the base model)."""
+        return self.request.sampling_params.lora_name
+
 
 @dataclass(frozen=True)
 class EngineDescription:
@@ -36,28 +41,33 @@ class EngineDescription:
     limits: EngineLimits
     num_kv_blocks: int
     effective_config: dict[str, Any] = field(default_factory=dict)  # every option as the replica runs it
+    loras: tuple[LoRARequest, ...] = ()  # the adapters it serves (lora_modules: the same on every replica)
 
 
 @dataclass(frozen=True)
 class ReplicaLoadReport:
-    """A replica's load, as its record_routing_stats reports it to the routers."""
+    """A replica's load, as its record_routing_stats reports it to the routers, and the LoRA adapters it holds
+    loaded (read from their folders; the routers prefer a replica holding a request's adapter)."""
 
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    loras: tuple[str, ...] = ()
 
     @property
     def queue_len(self) -> int:
         return self.num_running + self.num_waiting
 
-    def as_dict(self) -> dict[str, float]:
-        return {"num_running": self.num_running, "num_waiting": self.num_waiting, "kv_usage": self.kv_usage}
+    def as_dict(self) -> dict[str, Any]:
+        load = {"num_running": self.num_running, "num_waiting": self.num_waiting, "kv_usage": self.kv_usage}
+        return {**load, "loras": list(self.loras)}
 
     @classmethod
-    def from_dict(cls, stats: dict[str, float] | None) -> ReplicaLoadReport | None:
+    def from_dict(cls, stats: dict[str, Any] | None) -> ReplicaLoadReport | None:
         if not stats or "num_running" not in stats:
             return None
-        return cls(int(stats["num_running"]), int(stats["num_waiting"]), float(stats["kv_usage"]))
+        loras = tuple(str(name) for name in stats.get("loras", ()))
+        return cls(int(stats["num_running"]), int(stats["num_waiting"]), float(stats["kv_usage"]), loras)
 
 
 @dataclass(frozen=True)

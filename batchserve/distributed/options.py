@@ -45,6 +45,12 @@ class RayAppOptions(BaseModel):
     def _bounds(self) -> RayAppOptions:
         if self.max_replicas is not None and self.max_replicas < self.replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) is below replicas ({self.replicas})")
+        if self.engine.get("allow_runtime_lora_updating"):
+            # each replica would load it on its own while the ingress lists what they had at start
+            raise ValueError(
+                "allow_runtime_lora_updating is not served with replicas: name the adapters in lora_modules "
+                "(every replica loads them at start)"
+            )
         return self
 
     @property

@@ -56,7 +56,10 @@ class EngineReplica:
 
     def describe(self) -> EngineDescription:
         engine = self.engine.engine
-        return EngineDescription(self.engine.config, self.engine.limits, engine.runner.num_kv_blocks, engine.effective_config())
+        return EngineDescription(
+            self.engine.config, self.engine.limits, engine.runner.num_kv_blocks, engine.effective_config(),
+            tuple(engine.list_loras()),
+        )  # fmt: skip
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Admitted]:
         """Admits the request (or raises its error: InvalidRequestError, QueueFullError, EngineDeadError), answers
@@ -96,10 +99,12 @@ class EngineReplica:
             del self._outboxes[caller]
 
     def load(self) -> ReplicaLoadReport:
+        registry = self.engine.engine.loras
+        loras = registry.loaded_names() if registry is not None else ()
         stats = self.engine.stats()
         if stats is None:
-            return ReplicaLoadReport(num_waiting=self.engine.num_active_requests)
-        return ReplicaLoadReport(stats.num_running, stats.num_waiting, stats.kv_usage)
+            return ReplicaLoadReport(num_waiting=self.engine.num_active_requests, loras=loras)
+        return ReplicaLoadReport(stats.num_running, stats.num_waiting, stats.kv_usage, loras)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Called by Ray Serve every request_routing_stats_period_s; the routers read it as replica.routing_stats:

@@ -6,7 +6,8 @@ longest run of its prompt's leading blocks, unless that replica is busier than t
 random replicas, Ray Serve probes both and takes the shorter queue). A prompt no replica holds goes to the replica
 remembering the fewest blocks among those not overloaded (serving/routing.py). A replica's load is the larger of what this
 router has in flight there and what the replica last reported (record_routing_stats: running + waiting, KV usage).
-Decisions are counted in metrics.ROUTER_METRICS, which the ingress's /metrics serves.
+A request naming a LoRA adapter, where no prefix decides, goes to a replica that reported the adapter loaded
+(serving/routing.py). Decisions are counted in metrics.ROUTER_METRICS, which the ingress's /metrics serves.
 
 A `subscribe` call (distributed/outbox.py) names the replica whose outputs it asks for: both routers here send it
 there and nowhere else (PowerOfTwoRouter is Ray Serve's default router plus that rule), and it is not counted as
@@ -69,9 +70,11 @@ class PrefixAwareRouter(PinsSubscriptions, RequestRouter):
             return []
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # after these ranks, back off before retrying
-        hashes = self._hashes(pending_request)
+        request = _replica_request(pending_request)
+        adapter = request.lora_name if request is not None else None
+        hashes = self._hashes(request, adapter)
         by_id = {r.replica_id: r for r in candidate_replicas}
-        choice = self.policy.choose(hashes, {rid: self._load(r) for rid, r in by_id.items()})
+        choice = self.policy.choose(hashes, {rid: self._load(r) for rid, r in by_id.items()}, adapter)
         if pending_request is not None:
             self._routed[pending_request.metadata.internal_request_id] = (hashes, choice)
             while len(self._routed) > MAX_PENDING_DECISIONS:  # requests cancelled before they were routed
@@ -90,7 +93,8 @@ class PrefixAwareRouter(PinsSubscriptions, RequestRouter):
         if choice is None:
             return
         went_as_chosen = choice.replica is None or choice.replica == replica_id
-        decision = Decision.OVERLOADED if choice.decision == Decision.PREFIX and not went_as_chosen else choice.decision
+        chosen = choice.decision in (Decision.PREFIX, Decision.ADAPTER)
+        decision = Decision.OVERLOADED if chosen and not went_as_chosen else choice.decision
         metrics.ROUTER_DECISIONS.labels(decision).inc()
         if decision == Decision.PREFIX:
             metrics.ROUTER_MATCHED_BLOCKS.inc(choice.matched_blocks)
@@ -112,16 +116,12 @@ class PrefixAwareRouter(PinsSubscriptions, RequestRouter):
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
         report = ReplicaLoadReport.from_dict(replica.routing_stats) or ReplicaLoadReport()
         queue_len = max(self._in_flight.get(replica.replica_id, 0), report.queue_len)
-        return ReplicaLoad(queue_len=queue_len, kv_usage=report.kv_usage)
+        return ReplicaLoad(queue_len=queue_len, kv_usage=report.kv_usage, adapters=frozenset(report.loras))
 
-    def _hashes(self, pending_request: PendingRequest | None) -> list[int]:
-        if pending_request is None:
+    def _hashes(self, request: ReplicaRequest | None, adapter: str | None) -> list[int]:
+        if request is None or not request.prompt_token_ids:
             return []
-        for arg in (*pending_request.args, *pending_request.kwargs.values()):
-            if isinstance(arg, ReplicaRequest):
-                ids = arg.prompt_token_ids
-                return block_hashes(ids, self.policy.config.block_size) if ids else []
-        return []
+        return block_hashes(request.prompt_token_ids, self.policy.config.block_size, adapter)
 
 
 class PowerOfTwoRouter(PinsSubscriptions, PowerOfTwoChoicesRequestRouter):
@@ -131,6 +131,13 @@ class PowerOfTwoRouter(PinsSubscriptions, PowerOfTwoChoicesRequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
         return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+
+
+def _replica_request(pending_request: PendingRequest | None) -> ReplicaRequest | None:
+    if pending_request is None:
+        return None
+    args = (*pending_request.args, *pending_request.kwargs.values())
+    return next((a for a in args if isinstance(a, ReplicaRequest)), None)
 
 
 def _subscription(pending_request: PendingRequest | None) -> Subscribe | None:

@@ -69,6 +69,16 @@ class LoRARegistry:
             )
         return known is not None
 
+    def loaded_names(self) -> tuple[str, ...]:
+        """The adapters held in host memory now, least recently used first (any thread: best effort, the engine
+        thread may change the pool while this reads it)."""
+        for _ in range(3):
+            try:
+                return tuple(self.pool.known[i].lora_name for i in list(self.pool.loaded) if i in self.pool.known)
+            except RuntimeError:  # changed size while read: read again
+                continue
+        return ()
+
     def remove(self, name: str) -> LoRARequest:
         lora = self.by_name.pop(name, None)
         if lora is None:

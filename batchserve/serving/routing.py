@@ -9,10 +9,15 @@ unless that run is short or that replica is overloaded. A prompt no replica hold
 the fewest blocks among those not overloaded: new prefixes spread over the caches instead of piling up where a
 coin toss sends them (SGLang's cache-aware router picks its smallest tree the same way). An overloaded best match
 leaves the choice to the caller's fallback (power of two choices in Ray, least loaded in the simulator).
+
+A request with a LoRA adapter hashes its blocks under its adapter (the engine never shares K/V across adapters), and
+where no prefix decides, it goes to a replica that reports the adapter loaded (ReplicaLoad.adapters) among those not
+overloaded: another replica would first read the adapter's folder and may push out one its requests use.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,9 +26,10 @@ from enum import StrEnum
 from batchserve.core.block_pool import BlockKey
 
 
-def block_hashes(prompt: Sequence[int], block_size: int) -> list[int]:
-    """The chain of full-block hashes the KV cache manager computes for this prompt (parent hash, own tokens)."""
-    out, parent = [], None
+def block_hashes(prompt: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:
+    """The chain of full-block hashes the KV cache manager computes for this prompt (parent hash, own tokens); under
+    an adapter the chain starts from the adapter's name, so that no adapter's blocks match another's."""
+    out, parent = [], (None if adapter is None else zlib.crc32(adapter.encode()))
     for i in range(len(prompt) // block_size):
         parent = BlockKey(parent, tuple(prompt[i * block_size : (i + 1) * block_size])).hash
         out.append(parent)
@@ -33,15 +39,18 @@ def block_hashes(prompt: Sequence[int], block_size: int) -> list[int]:
 class Decision(StrEnum):
     PREFIX = "prefix"  # the replica holding the longest match
     NO_MATCH = "no_match"  # no replica holds enough of the prompt: the one remembering the fewest blocks
+    ADAPTER = "adapter"  # no prefix decides: a replica with the request's LoRA adapter loaded
     OVERLOADED = "overloaded"  # the best match is too busy: fallback
 
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    """What the router knows of a replica's load: requests queued or running there, and its KV pool's usage."""
+    """What the router knows of a replica's load: requests queued or running there, its KV pool's usage, and the
+    LoRA adapters it holds loaded."""
 
     queue_len: int = 0
     kv_usage: float = 0.0
+    adapters: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -109,15 +118,23 @@ class PrefixRoutingPolicy:
         self.config = config
         self.index = PrefixIndex(config.capacity_blocks)
 
-    def choose(self, hashes: Sequence[int], loads: Mapping[Hashable, ReplicaLoad]) -> Choice:
-        """The replica with the longest match among `loads`' keys (ties: the less loaded); for a prompt no replica
-        holds, the replica with the most room; None where the caller's fallback should pick."""
-        if not loads or not hashes:  # nothing to place by: a prompt shorter than a block
+    def choose(
+        self, hashes: Sequence[int], loads: Mapping[Hashable, ReplicaLoad], adapter: str | None = None
+    ) -> Choice:
+        """The replica with the longest match among `loads`' keys (ties: the less loaded, then one holding
+        `adapter`); where no prefix decides, a replica holding `adapter` (the least loaded), else the replica with the
+        most room; None where the caller's fallback should pick."""
+        if not loads:
             return Choice(None, Decision.NO_MATCH, 0)
         least_queue = min(load.queue_len for load in loads.values())
         matched = {r: self.index.matched_blocks(r, hashes) for r in loads}
-        best = max(loads, key=lambda r: (matched[r], -loads[r].queue_len))
-        if matched[best] == 0 or matched[best] < self.config.min_match * len(hashes):
+        best = max(loads, key=lambda r: (matched[r], -loads[r].queue_len, adapter in loads[r].adapters))
+        if not hashes or matched[best] == 0 or matched[best] < self.config.min_match * len(hashes):
+            holder = self._holding(adapter, loads, least_queue)
+            if holder is not None:
+                return Choice(holder, Decision.ADAPTER, matched[best])
+            if not hashes:  # nothing to place by: a prompt shorter than a block
+                return Choice(None, Decision.NO_MATCH, 0)
             return Choice(self._roomiest(loads, least_queue), Decision.NO_MATCH, matched[best])
         if self._overloaded(loads[best], least_queue):
             return Choice(None, Decision.OVERLOADED, matched[best])
@@ -125,6 +142,13 @@ class PrefixRoutingPolicy:
 
     def _overloaded(self, load: ReplicaLoad, least_queue: int) -> bool:
         return load.queue_len - least_queue > self.config.max_imbalance or load.kv_usage > self.config.max_kv_usage
+
+    def _holding(self, adapter: str | None, loads: Mapping[Hashable, ReplicaLoad], least_queue: int) -> Hashable | None:
+        """Among replicas not overloaded that hold `adapter` loaded, the least loaded (ties: fewest blocks)."""
+        if adapter is None:
+            return None
+        ready = [r for r, load in loads.items() if adapter in load.adapters and not self._overloaded(load, least_queue)]
+        return min(ready, key=lambda r: (loads[r].queue_len, self.index.size(r)), default=None)
 
     def _roomiest(self, loads: Mapping[Hashable, ReplicaLoad], least_queue: int) -> Hashable | None:
         """Among replicas not overloaded, the one remembering the fewest blocks (ties: the shorter queue)."""

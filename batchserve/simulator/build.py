@@ -31,9 +31,12 @@ def make_engine(config: EngineConfig, profile: Profile, acceptance_rate: float |
 
 
 def make_cluster(config: EngineConfig, profile: Profile, replicas: int = 1, router: str = "round-robin",
-                 acceptance_rate: float | None = None) -> Cluster:  # fmt: skip
+                 acceptance_rate: float | None = None, lora_adapters: int = 0) -> Cluster:  # fmt: skip
+    """`lora_adapters`: the requests spread round-robin over this many LoRA adapters (0: the base model only)."""
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
     engines = [make_engine(config, profile, acceptance_rate) for _ in range(replicas)]
     blocks = engines[0].runner.num_kv_blocks
-    return Cluster(engines, make_router(router, replicas, config.cache.block_size, blocks))
+    cluster = Cluster(engines, make_router(router, replicas, config.cache.block_size, blocks))
+    cluster.lora_adapters = lora_adapters
+    return cluster

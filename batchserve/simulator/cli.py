@@ -28,6 +28,7 @@ from batchserve.simulator.analytic import DEVICES, MODEL_SHAPES, analytic_profil
 from batchserve.simulator.build import make_cluster
 from batchserve.simulator.layouts import Target, find_layout, host_memory
 from batchserve.simulator.layouts import format_rows as format_layout_rows
+from batchserve.simulator.lora_cost import ALL_TARGETS, LoRAShape, lora_step_model
 from batchserve.simulator.parallel import Collective, ParallelStepModel, parallel_profile
 from batchserve.simulator.profile_file import Profile
 from batchserve.simulator.router import ROUTERS
@@ -43,7 +44,7 @@ def add_simulator_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--gpu", "--device-preset", dest="device_preset", choices=sorted(DEVICES),
                      help="an analytic (roofline) ESTIMATE for this device instead of a measured profile")  # fmt: skip
     g.add_argument("--model-shapes", default="smollm2-135m",
-                   help=f"with --device-preset, --tensor-parallel-size, --pipeline-parallel-size or --find-layout "
+                   help=f"with --device-preset, --lora-rank, --tensor-parallel-size, --pipeline-parallel-size or --find-layout "
                         f"(whose collectives and memory need the shapes): a Llama-family config.json (file or "
                         f"directory), a .gguf file, or one of "
                         f"{', '.join(sorted(MODEL_SHAPES))} (default: smollm2-135m)")  # fmt: skip
@@ -73,6 +74,12 @@ def add_simulator_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory a host gives the model (weights and KV pool), shared by its ranks; a layout whose "
                         "weights do not fit is refused (default: the profile's machine's memory for each rank)")  # fmt: skip
     g.add_argument("--ranks-per-host", type=int, default=1, metavar="K", help="ranks one host runs (default: 1)")
+    g.add_argument("--lora-rank", type=int, default=0, help="with --enable-lora: requests run with LoRA adapters of "
+                   "this rank on the base of --model-shapes, each step paying their cost (simulator/lora_cost.py)")  # fmt: skip
+    g.add_argument("--lora-adapters", type=int, default=8, help="with --lora-rank: distinct adapters, requests "
+                   "spread over them in turn (default: 8)")  # fmt: skip
+    g.add_argument("--lora-targets", default=",".join(ALL_TARGETS), help="with --lora-rank: the projections the "
+                   "adapters target (default: all seven)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +123,9 @@ def load_profile(args: argparse.Namespace, config: EngineConfig) -> Profile:
         raise ValueError(f"--time-scale and --decode-time-scale must be > 0 (got {scale}, {decode})")
     if scale != 1.0 or decode not in (None, scale):
         profile.step_model = ScaledStepModel(profile.step_model, scale, decode)
+    if getattr(args, "lora_rank", 0):
+        profile.step_model = lora_step_model(profile.step_model, resolve_shapes(args.model_shapes),
+                                             lora_shape(args, config), profile.dtype)  # fmt: skip
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     split = tp * pp > 1 or getattr(args, "host_memory_gib", None) is not None
     if split and not getattr(args, "find_layout", False):  # --find-layout splits the single-rank profile itself
@@ -139,6 +149,24 @@ def ranks_per_host(args: argparse.Namespace) -> int:
     return args.ranks_per_host
 
 
+def lora_shape(args: argparse.Namespace, config: EngineConfig) -> LoRAShape:
+    """--lora-rank/--lora-targets checked against the engine's LoRA options. Raises ValueError naming the flag."""
+    if not config.enable_lora:
+        raise ValueError("--lora-rank needs --enable-lora (and --max-loras: adapters a step may run)")
+    if not 0 < args.lora_rank <= config.max_lora_rank:
+        raise ValueError(f"--lora-rank {args.lora_rank} must be 1 to --max-lora-rank ({config.max_lora_rank})")
+    if args.lora_adapters < 1:
+        raise ValueError(f"--lora-adapters must be >= 1, got {args.lora_adapters}")
+    try:
+        return LoRAShape(args.lora_rank, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
+    except ValueError as exc:
+        raise ValueError(f"--lora-targets: {exc}") from None
+
+
+def lora_adapters(args: argparse.Namespace) -> int:
+    return args.lora_adapters if getattr(args, "lora_rank", 0) else 0
+
+
 def simulate_runs(args: argparse.Namespace, config: EngineConfig, profile: Profile, tokenizer: Any = None,
                   log: ResultLog | None = None) -> tuple[list, dict[str, RunTrace], list[tuple], dict[str, list]]:  # fmt: skip
     """Every (policy, rate) run as bench's run_offline_runs would do them (seed + k for the k-th rate)."""
@@ -156,7 +184,8 @@ def simulate_runs(args: argparse.Namespace, config: EngineConfig, profile: Profi
             cfg = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, scheduler_policy=policy))
             cfg.validate()
             label = run_label(policy, rate)
-            cluster = make_cluster(cfg, profile, args.replicas, args.router, args.spec_acceptance_rate)
+            cluster = make_cluster(cfg, profile, args.replicas, args.router, args.spec_acceptance_rate,
+                                   lora_adapters(args))  # fmt: skip
             result = cluster.run(requests, arrivals, seed, label)
             result.trace.meta.update(policy=policy, request_rate=getattr(arrivals, "request_rate", None), seed=seed,
                                      profile=profile.label, routed=result.routed, router=args.router)  # fmt: skip

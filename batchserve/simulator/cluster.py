@@ -45,11 +45,15 @@ class Cluster:
         self.router = router
         self._prefix = [(0, 0)] * len(engines)  # each replica's cumulative (queries, hits)
         self.assignment: dict[str, int] = {}
+        self.lora_adapters = 0  # requests spread round-robin over this many adapters (ids 1..n); 0: none
+        self._lora_of: dict[str, int] = {}
         self._freed_at = 0.0  # end of the latest step that finished a request (a closed loop sends the next then)
 
     def run(self, requests: list[BenchRequest], arrivals: ArrivalProcess | None = None, seed: int = 0,
             label: str = "simulated") -> ClusterResult:  # fmt: skip
         arrivals = arrivals or ArrivalProcess()
+        n = self.lora_adapters
+        self._lora_of = {r.request_id: i % n + 1 for i, r in enumerate(requests)} if n else {}
         pending = deque(sorted(zip(arrivals.offsets(len(requests), seed), requests, strict=True), key=lambda p: p[0]))
         cap = arrivals.max_concurrency or math.inf
         done: list[RequestResult] = []
@@ -89,7 +93,8 @@ class Cluster:
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0,
                                 ttft_slo_ms=req.ttft_slo_ms, tpot_slo_ms=req.tpot_slo_ms)  # fmt: skip
         try:
-            rep.engine.add_request(req.request_id, req.prompt_token_ids, params, arrival_time=now)
+            lora_id = self._lora_of.get(req.request_id, 0)
+            rep.engine.add_request(req.request_id, req.prompt_token_ids, params, arrival_time=now, lora_id=lora_id)
             rep.live[req.request_id] = result
         except (InvalidRequestError, SloUnattainableError) as exc:
             result.success, result.error = False, f"{type(exc).__name__}: {exc}"

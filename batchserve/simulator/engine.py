@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from batchserve import modes
 from batchserve.config import EngineConfig
 from batchserve.core.build import build_scheduler
+from batchserve.core.lora_schedule import AdapterGate
 from batchserve.core.outputs import ModelOutput, RunnerTimings, SchedulerOutput, SchedulerStats
 from batchserve.core.scheduler import Scheduler
 from batchserve.request import Request
@@ -104,17 +105,21 @@ class SimEngine:
             speculative = as_modelled(speculative)
         self.scheduler = build_scheduler(config.scheduler, cache, num_kv_blocks, num_swap_blocks, limit, self.clock,
                                          speculative)  # fmt: skip
+        if config.enable_lora:  # as LLMEngine: at most max_loras adapters a step
+            self.scheduler.adapters = AdapterGate(config.max_loras)
         self.runner = TimedRunner(step_model, self.clock, self.scheduler, num_kv_blocks, num_swap_blocks, acceptance)
         self.last_stats: SchedulerStats | None = None
         self.num_steps = 0
         self._live: dict[str, Request] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> str:  # fmt: skip
-        """As LLMEngine.add_request for token ids; a prompt over the engine's limit raises InvalidRequestError."""
+                    priority: int = 0, arrival_time: float | None = None, lora_id: int = 0) -> str:  # fmt: skip
+        """As LLMEngine.add_request for token ids (`lora_id`: its adapter, 0 for the base model); a prompt over the
+        engine's limit raises InvalidRequestError."""
         request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=sampling_params,
             eos_token_ids=(), priority=priority, arrival_time=self.clock() if arrival_time is None else arrival_time,
+            lora_id=lora_id,
         )  # fmt: skip
         self.scheduler.add_request(request)
         self._live[request_id] = request

@@ -29,6 +29,10 @@ class StepShape:
     # K/V positions read by decode rows in blocks no other decode row of the step read before: a prefix block shared
     # by many decodes comes from memory once and from cache after, so the first read costs more than the others
     decode_ctx_distinct: int = 0
+    # rows of requests with a LoRA adapter, and the distinct adapters among them: each group adds its shrink and
+    # expand to every target projection (lora_cost.py prices them; the fitted profile's features leave them out)
+    lora_tokens: int = 0
+    lora_groups: int = 0
 
     def features(self) -> list[float]:
         """The regressors of the linear model, in FEATURES order (`steps` is the constant term)."""
@@ -72,6 +76,7 @@ def shape_of(out: SchedulerOutput, scheduler: Scheduler, sampled: list[str] | No
     shared = kv.pool.enable_caching  # without the prefix cache no two sequences hold the same block
     decode_blocks: set[KVBlock] = set()  # by identity: one physical block each
     decode_block_reads = 0
+    adapters: set[int] = set()
     for rid, n in out.num_scheduled_tokens.items():
         c = start[rid]
         s.tokens += n
@@ -79,6 +84,9 @@ def shape_of(out: SchedulerOutput, scheduler: Scheduler, sampled: list[str] | No
         if rid in out.padding_req_ids:
             s.decode_ctx += c + 1  # padding runs as a decode over its context and samples nothing
             continue
+        if requests[rid].lora_id:
+            s.lora_tokens += n
+            adapters.add(requests[rid].lora_id)
         if n == 1:
             s.decode_ctx += c + 1
             if shared:
@@ -95,4 +103,5 @@ def shape_of(out: SchedulerOutput, scheduler: Scheduler, sampled: list[str] | No
                 sampled.append(rid)
     # a block read by several decodes is a full prefix block (only full blocks are shared)
     s.decode_ctx_distinct = s.decode_ctx - (decode_block_reads - len(decode_blocks)) * kv.block_size
+    s.lora_groups = len(adapters)
     return s

@@ -6,6 +6,12 @@ optionally confirm the best few on the real engine (`--confirm N`).
       --prefill-thresholds 0,128,512 --slo-admissions off,refuse
   batchserve tune --simulate --device-preset h100-sxm --model-shapes llama-3-8b --request-rate 100 \\
       --replicas-list 1,2,4,8 --num-requests 2000
+  batchserve tune --simulate --profile prof.json --workload shared-prefix --num-prefixes 64 \\
+      --kv-offload-blocks 0,2000,20000
+
+`--kv-offload-blocks` sizes the disk KV tier (simulator/kv_tier.py: LRU, reads charged to the step that loads them
+at --kv-offload-read-gbps): each row reports the tier's hit rate, and the best size is printed as the
+--kv-offload-max-bytes it takes (the tier is not written into the options file: it needs a directory).
 
 Among configurations whose SLO attainment reaches --min-attainment the fewest replicas win, then the highest
 goodput, then the highest output throughput; when none meets it, the highest goodput is reported and flagged.
@@ -29,11 +35,13 @@ from batchserve.bench.tune import explicit_options
 from batchserve.config import ConfigError, EngineConfig
 from batchserve.entrypoints.engine_args import engine_config_from_args
 from batchserve.simulator.build import make_cluster
-from batchserve.simulator.cli import add_simulator_arguments, load_profile
+from batchserve.simulator.cli import add_simulator_arguments, load_profile, lora_adapters
+from batchserve.simulator.kv_tier import attach_sim_tier
 from batchserve.simulator.tokens import workload_tokenizer
 
 KNOBS = ("replicas", "scheduler_policy", "scheduling_order", "max_batch_size", "max_num_tokens", "block_size",
-         "enable_chunked_prefill", "long_prefill_token_threshold", "slo_admission")  # fmt: skip
+         "enable_chunked_prefill", "long_prefill_token_threshold", "slo_admission", "kv_offload_blocks")  # fmt: skip
+NOT_ENGINE_OPTIONS = ("replicas", "kv_offload_blocks")  # the cluster's size; the tier needs a directory as well
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-thresholds", default="0", help="long_prefill_token_threshold values to try (0: off; "
                    "above 0 with max_long_partial_prefills 1)")  # fmt: skip
     g.add_argument("--slo-admissions", default="off", help="slo_admission values to try (off,refuse,deprioritize)")
+    g.add_argument("--kv-offload-blocks", default="0", help="disk KV tier sizes to try, in blocks (0: no tier); "
+                   "each row reports the tier's hit rate")  # fmt: skip
+    g.add_argument(
+        "--kv-offload-read-gbps",
+        type=float,
+        default=2.0,
+        help="the tier's read rate in GB/s (a local NVMe SSD: 2), for the time a block takes to load",
+    )
     add_simulator_arguments(p)
     p.set_defaults(num_requests=500)
     return p
@@ -64,7 +80,11 @@ def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     chunked = [x == "on" for x in _list(args.chunked)]
     axes = (_list(args.replicas_list, int), _list(args.policies), _list(args.orders), _list(args.batch_sizes, int),
             _list(args.num_tokens, int), _list(args.block_sizes, int), chunked, _list(args.prefill_thresholds, int),
-            _list(args.slo_admissions))  # fmt: skip
+            _list(args.slo_admissions), _list(args.kv_offload_blocks, int))  # fmt: skip
+    if any(n < 0 for n in axes[-1]):
+        raise ValueError(f"--kv-offload-blocks: sizes must be >= 0 blocks, got {args.kv_offload_blocks!r}")
+    if not args.kv_offload_read_gbps > 0:
+        raise ValueError(f"--kv-offload-read-gbps must be > 0, got {args.kv_offload_read_gbps}")
     return [dict(zip(KNOBS, values, strict=True)) for values in itertools.product(*axes)]
 
 
@@ -89,7 +109,7 @@ def parse_slo(args: argparse.Namespace) -> None:
 def engine_options(knobs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """A grid point as engine options: a prefill threshold comes with one long prefill at a time, and SLO admission
     with the targets as the engine's defaults (the workload's requests carry none of their own)."""
-    options = {k: v for k, v in knobs.items() if k != "replicas"}
+    options = {k: v for k, v in knobs.items() if k not in NOT_ENGINE_OPTIONS}
     if options["long_prefill_token_threshold"]:
         options["max_long_partial_prefills"] = 1
     if options["slo_admission"] != "off":
@@ -109,15 +129,18 @@ def pick(rows: list[dict[str, Any]], min_attainment: float) -> tuple[list[dict[s
 
 def format_rows(rows: list[dict[str, Any]], limit: int = 15) -> str:
     head = (f"{'rep':>3} {'policy':<20} {'order':<14} {'batch':>5} {'tokens':>6} {'block':>5} {'chunk':>5} "
-            f"{'long>':>5} {'admission':<12} {'goodput':>8} {'SLO %':>6} {'out tok/s':>9} {'TTFT p99':>9} {'TPOT p99':>9}")  # fmt: skip
+            f"{'long>':>5} {'admission':<12} {'tier':>6} {'goodput':>8} {'SLO %':>6} {'out tok/s':>9} {'TTFT p50':>9} "
+            f"{'TTFT p99':>9} {'TPOT p99':>9} {'tier hit %':>10}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows[:limit]:
         c, s = r["config"], r["summary"]
         lines.append(
             f"{c['replicas']:>3} {c['scheduler_policy']:<20} {c['scheduling_order']:<14} {c['max_batch_size']:>5} "
             f"{c['max_num_tokens']:>6} {c['block_size']:>5} {'on' if c['enable_chunked_prefill'] else 'off':>5} "
-            f"{c['long_prefill_token_threshold'] or '-':>5} {c['slo_admission']:<12} {s['goodput']:>8.3f} {100 * s['slo_attainment']:>6.1f} {s['output_throughput']:>9.1f} "
-            f"{s['ttft_ms']['p99']:>9.1f} {s['tpot_ms']['p99']:>9.1f}"
+            f"{c['long_prefill_token_threshold'] or '-':>5} {c['slo_admission']:<12} {c['kv_offload_blocks'] or '-':>6} "
+            f"{s['goodput']:>8.3f} {100 * s['slo_attainment']:>6.1f} {s['output_throughput']:>9.1f} "
+            f"{s['ttft_ms']['p50']:>9.1f} {s['ttft_ms']['p99']:>9.1f} {s['tpot_ms']['p99']:>9.1f} "
+            f"{100 * s['kv_tier']['hit_rate']:>10.1f}"
         )
     if len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more in --results-json")
@@ -134,10 +157,33 @@ def search(args: argparse.Namespace, base: EngineConfig, profile: Any, requests:
         except ConfigError as exc:
             print(f"skip {knobs}: {exc}", file=sys.stderr)
             continue
-        result = make_cluster(config, profile, knobs["replicas"], args.router).run(requests, arrivals, args.seed or 0)
-        t = result.trace
-        rows.append({"config": knobs, "summary": summarize(t.requests, t.meta["duration_s"], slo, t.steps)})
+        cluster = make_cluster(config, profile, knobs["replicas"], args.router, lora_adapters=lora_adapters(args))
+        tiers = attach_tiers(cluster, knobs["kv_offload_blocks"], block_bytes(profile, config), args)
+        t = cluster.run(requests, arrivals, args.seed or 0).trace
+        summary = summarize(t.requests, t.meta["duration_s"], slo, t.steps)
+        rows.append({"config": knobs, "summary": {**summary, "kv_tier": tier_summary(tiers, requests, config)}})
     return rows
+
+
+def block_bytes(profile: Any, config: EngineConfig) -> int:
+    return profile.kv_bytes_per_token * config.cache.block_size
+
+
+def attach_tiers(cluster: Any, blocks: int, bytes_per_block: int, args: argparse.Namespace) -> list[Any]:
+    """A simulated tier of `blocks` under each replica's pool (none for 0). Replicas on one host share the real
+    tier's directory; here each has its own: a lower bound on the hits."""
+    if blocks == 0:
+        return []
+    read_s = bytes_per_block / (args.kv_offload_read_gbps * 1e9)
+    return [attach_sim_tier(r.engine.scheduler, blocks, read_s) for r in cluster.replicas]
+
+
+def tier_summary(tiers: list[Any], requests: list, config: EngineConfig) -> dict[str, float]:
+    """Blocks read back from the tier, and their share of the prompts' full blocks (the hit rate)."""
+    hits = sum(t.stats.hits for t in tiers)
+    full_blocks = sum(len(r.prompt_token_ids) // config.cache.block_size for r in requests)
+    read_s = sum(t.stats.read_s for t in tiers)
+    return {"hit_blocks": hits, "hit_rate": hits / full_blocks if full_blocks else 0.0, "read_s": read_s}
 
 
 def confirm(args: argparse.Namespace, base: EngineConfig, rows: list[dict], arrivals: Any) -> None:
@@ -170,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         base = engine_config_from_args(args)
         profile = load_profile(args, base)
         arrivals = arrivals_from_args(args)
+        grid(args)  # its lists checked before any run
         from batchserve.bench.args import make_requests
 
         requests = make_requests(
@@ -199,4 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.output).write_text(json.dumps(chosen, indent=2) + "\n")
     verdict = "meets the SLO" if meets else "NO configuration met the SLO; this one has the highest goodput"
     print(f"\nbest: {best} ({verdict}); wrote {args.output} (replicas: {best['replicas']}, not an engine option)")
+    if best["kv_offload_blocks"]:
+        cap = best["kv_offload_blocks"] * block_bytes(profile, EngineConfig.from_options(**chosen))
+        print(f"disk KV tier: {best['kv_offload_blocks']} blocks: --kv-offload-max-bytes {cap} with --kv-offload-dir")
     return 0 if meets else 3

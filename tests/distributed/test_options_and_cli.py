@@ -79,3 +79,9 @@ def test_a_local_ray_instance_starts_with_the_periodic_work_turned_down(monkeypa
     monkeypatch.setattr(ray, "init", lambda address=None, **kwargs: None)  # an instance is running: joined
     assert launch._connect(options, None) is True
     assert not any(name in os.environ for name in launch.LOCAL_RAY_ENVIRONMENT)
+
+
+def test_adapters_loaded_at_run_time_are_refused_with_replicas():
+    with pytest.raises(ValidationError, match="allow_runtime_lora_updating"):
+        RayAppOptions(engine={"enable_lora": True, "allow_runtime_lora_updating": True})
+    RayAppOptions(engine={"enable_lora": True, "lora_modules": "sql=/adapters/sql"})

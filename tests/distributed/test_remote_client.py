@@ -56,3 +56,31 @@ def test_every_call_to_a_replica_is_its_own_serve_request():
     seen = asyncio.run(serve_one_http_request())
     assert [name for name, _ in seen] == ["generate", "generate", "generate", "subscribe"]
     assert all(internal_id == "" for _, internal_id in seen), seen  # "": Serve gives each call a fresh id
+
+
+def test_the_ingress_serves_the_replicas_adapters_by_model_name():
+    """The ingress answers /v1/models and the `model` check from what the replicas described: their adapters are
+    listed with the base as parent, and an unknown name is a 404 naming them."""
+    from fastapi.testclient import TestClient
+
+    from batchserve.config import EngineConfig, Truncation
+    from batchserve.distributed.messages import EngineDescription
+    from batchserve.engine.inputs import EngineLimits
+    from batchserve.entrypoints.openai.app import build_front_app
+    from batchserve.request import LoRARequest
+
+    config = EngineConfig(model="tiny-base", enable_lora=True, lora_modules="sql=/adapters/sql")
+    limits = EngineLimits(64, 64, 100, Truncation.ERROR, 1024)
+    loras = (LoRARequest("sql", 1, "/adapters/sql"),)
+    client = RemoteEngineClient(_Handle(), EngineDescription(config, limits, 64, {}, loras), tokenizer=None)
+    assert client.lora_names() == ("sql",) and client.list_loras() == list(loras)
+    app = build_front_app(
+        client, ["tiny-base"], api_key=None, max_body_bytes=1 << 20, lenient=False,
+        render_metrics=lambda: b"", health_problem=lambda: None,
+    )  # fmt: skip
+    with TestClient(app) as http:
+        cards = {card["id"]: card for card in http.get("/v1/models").json()["data"]}
+        assert cards["sql"]["parent"] == "tiny-base" and cards["sql"]["root"] == "/adapters/sql"
+        missing = http.post("/v1/completions", json={"model": "chat", "prompt": "hi", "max_tokens": 2})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        assert "'sql'" in missing.json()["error"]["message"]

@@ -124,3 +124,66 @@ def test_both_ray_routers_send_a_subscription_to_the_replica_it_names(router_nam
         ranks = asyncio.run(choose(name))
         assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [[name]]
     assert asyncio.run(choose("gone")) == []  # being replaced: no choice, the caller's timeout and errors end it
+
+
+def test_an_adapters_blocks_never_match_another_adapters_or_the_base_models():
+    prompt = list(range(16))
+    base, sql, chat = (block_hashes(prompt, 4, adapter) for adapter in (None, "sql", "chat"))
+    assert len(set(base) | set(sql) | set(chat)) == 12
+    assert sql == block_hashes(prompt, 4, "sql")
+    policy = _policy()
+    policy.routed("a", sql)
+    assert policy.choose(chat, {"a": IDLE, "b": IDLE}).matched_blocks == 0
+
+
+def test_a_request_with_an_adapter_prefers_a_replica_holding_it_unless_a_prefix_or_load_decides():
+    policy = _policy(max_imbalance=2)
+    holds_sql = ReplicaLoad(queue_len=1, adapters=frozenset({"sql"}))
+    loads = {"a": IDLE, "b": holds_sql, "c": IDLE}
+    hashes = block_hashes(list(range(16)), 4, "sql")
+    choice = policy.choose(hashes, loads, "sql")
+    assert (choice.replica, choice.decision) == ("b", Decision.ADAPTER)
+    short = policy.choose([], loads, "sql")  # a prompt shorter than a block: the adapter still places it
+    assert (short.replica, short.decision) == ("b", Decision.ADAPTER)
+    assert policy.choose(hashes, loads, "chat").decision == Decision.NO_MATCH  # nobody holds it: the roomiest
+    assert policy.choose(hashes, loads, "chat").replica in ("a", "c")
+    policy.routed("c", hashes)
+    assert policy.choose(hashes, loads, "sql").replica == "c"  # its blocks are cached there: the prefix wins
+    busy = {**loads, "b": ReplicaLoad(queue_len=3, adapters=frozenset({"sql"}))}
+    other = block_hashes(list(range(100, 116)), 4, "sql")
+    assert policy.choose(other, busy, "sql").decision == Decision.NO_MATCH  # 3 more than the idle ones: overloaded
+
+
+def test_the_ray_router_sends_an_adapter_request_to_the_replica_reporting_it_loaded():
+    """The replicas' routing stats carry the adapters they hold (ReplicaLoadReport.loras); the router reads them."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from batchserve.distributed.messages import ReplicaLoadReport, ReplicaRequest
+    from batchserve.distributed.router import PrefixAwareRouter
+    from batchserve.request import EngineRequest
+    from batchserve.sampling_params import SamplingParams
+
+    reports = {"a": ReplicaLoadReport(), "b": ReplicaLoadReport(1, 0, 0.1, ("chat", "sql")), "c": ReplicaLoadReport()}
+    replicas = [SimpleNamespace(replica_id=name, routing_stats=r.as_dict()) for name, r in reports.items()]
+    assert ReplicaLoadReport.from_dict(replicas[1].routing_stats) == reports["b"]
+
+    def request(n: int, adapter: str | None) -> PendingRequest:
+        engine_request = EngineRequest(f"r{n}", list(range(n, n + 12)), SamplingParams(lora_name=adapter))
+        metadata = RequestMetadata(request_id=f"r{n}", internal_request_id=f"r{n}")
+        return PendingRequest(args=[ReplicaRequest(engine_request, "ingress-1")], kwargs={}, metadata=metadata)
+
+    async def first_ranks() -> list[list[str]]:  # Serve's router and requests take the running loop
+        router = PrefixAwareRouter(
+            deployment_id=DeploymentID("EngineReplica", "batchserve"), handle_source=DeploymentHandleSource.REPLICA
+        )
+        router.initialize_state(block_size=4)
+        pending = [request(n, "sql") for n in range(4)] + [request(9, None)]
+        return [[r.replica_id for r in (await router.choose_replicas(replicas, p))[0]] for p in pending]
+
+    *adapter_requests, base = asyncio.run(first_ranks())
+    assert adapter_requests == [["b"]] * 4
+    assert "b" not in base  # the base model: the roomiest, not the busier b

@@ -74,6 +74,7 @@ def test_max_loras_holds_every_step_with_slots_and_host_copies_reused(family):
     )  # fmt: skip
     for lora in loras.values():
         engine.add_lora(lora)
+    assert engine.loras.loaded_names() == (list(loras)[-1],)  # one host copy: the latest (what a replica reports)
     names = ["sql", "poet", None, "chat", "poet", "sql", None, "chat"]
     batch = prompts(len(names), seed=1)
     for i, (name, prompt) in enumerate(zip(names, batch)):
