@@ -63,14 +63,16 @@ def load_runner(
         logger.info("weights kept quantized: %s (docs/quantization.md)", config.quantization)
     if config.quantization == "none":  # quantized weights are smaller than this count
         check_memory_before_loading(config, path, model_config, dtype, device)
+    split = config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
+    if not split:  # the weights first: a GGUF file's own refusals come before its tokenizer's conversion
+        with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, dtype):
+            model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
     config.tokenizer = str(tokenizer_folder(path, config.tokenizer))  # the effective value, as the logs report it
     logger.info("tokenizer from %s (a Hugging Face folder other tools can load too)", config.tokenizer)
-    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+    if split:  # the ranks load their shards themselves, given the effective tokenizer folder
         runner = _parallel_runner(config, model_config, initial_kv_blocks)
     else:
-        with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, dtype):
-            model = load_model(path, model_config, dtype, device)
         runner = ModelRunner(config, model_config, model, device, dtype, initial_kv_blocks)
     runner.structured_outputs.tokenizer = tokenizer
     runner.modes = decision

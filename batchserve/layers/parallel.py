@@ -88,8 +88,10 @@ class ReducedOutput(nn.Module):
         self.inner = inner
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.inner(x))
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The inner module's own arguments after x (an MLP's step adapters, which are refused with ranks but passed
+        along as its caller gives them)."""
+        return self.tp.all_reduce(self.inner(x, *args, **kwargs))
 
     def op(self):
         """The wrapped module's op (layers/op_plan.py), for the capabilities read off the plan; the native decoder

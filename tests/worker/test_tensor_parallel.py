@@ -197,4 +197,5 @@ def test_a_split_the_model_cannot_take_is_refused_before_any_rank_starts(models,
     _, directory = models("llama_head64")
     with pytest.raises(ConfigError, match=re.escape(message)):
         LLM(str(directory), **{**OPTIONS, **options})
-    assert not multiprocessing.active_children()
+    # no rank started (other children of this worker process, a grammar pool of an earlier test, may live on)
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("batchserve-tp-rank")]
