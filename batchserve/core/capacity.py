@@ -35,6 +35,12 @@ class CapacityPolicy:
         shared = sum(1 for b in hit.blocks if b.ref_count > 0)  # already owned: costs no free block
         return self.worst_case_blocks(request, max_model_len) - shared + reserved <= self.kv.pool.num_free_blocks
 
+    def admits(self, request: Request, hit: PrefixHit, running: Sequence[Request], max_model_len: int) -> bool:
+        """Both worst-case rules let the newcomer in: the policy's reservation and the pinned requests' room."""
+        return self.reservation_fits(request, hit, running, max_model_len) and self.pinned_fit(
+            request, running, max_model_len
+        )
+
     def pinned_fit(self, request: Request, running: Sequence[Request], max_model_len: int) -> bool:
         """A pinned request is let in only when every pinned request's worst case fits in the blocks that are free
         or held by requests that may still be preempted: a pinned request never has to wait for blocks for ever."""

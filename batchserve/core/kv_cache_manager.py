@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from batchserve.core.block_pool import BlockKey, BlockPool, HostBlockPool, KVBlock
-from batchserve.core.retention import WaitingNeeds, retain
 from batchserve.core.lora_schedule import first_parent
+from batchserve.core.retention import WaitingNeeds, retain
 from batchserve.request import Request
 
 if TYPE_CHECKING:

@@ -9,16 +9,14 @@ Policies (scheduler_policy):
   free, preempt the lowest-ranked running request (recompute or swap).
 - guaranteed_no_evict: admit only when the worst case (prompt + max_tokens) of the newcomer fits on top of the
   worst case of everything running; nothing is ever preempted.
-- static: form a batch from the waiting queue when the previous one has fully finished; no one joins mid-batch.
-  With static_padding (the default) a member that finishes stays in the batch as padding until the last one is
-  done: its slot keeps being computed, its blocks stay held, as with the padded batch tensor of classic static
-  batching; its result is returned when it finishes.
+- static: a batch is formed from the waiting queue when the last one has finished; no one joins mid-batch. With
+  static_padding (the default) a finished member stays as padding, computed and holding its blocks, until the last
+  one is done (classic static batching's padded tensor); its result is returned when it finishes.
 
 Beside them, for latency targets (docs/slo.md): long-prompt isolation (core/prefill_limits.py: a long prompt is
-chunked, few prefill at once, a held-back one does not block short ones), SLO admission (core/slo.py: a request
-predicted to miss its TTFT target or deadline is refused or demoted before it takes blocks; preemption by slack) and
-a thrash guard (max_preemptions_per_request: a request preempted that often is pinned, ranked first, and let in only
-when every pinned request's worst case fits).
+chunked, few prefill at once, a held-back one blocks no short one), SLO admission (core/slo.py: a request predicted
+to miss its TTFT target or deadline is refused or demoted before it takes blocks; preemption by slack), a thrash
+guard (max_preemptions_per_request: a request preempted that often is pinned, ranked first, let in when it fits).
 """
 
 from __future__ import annotations
@@ -313,7 +311,7 @@ class Scheduler:
                 continue
             hit = self.kv.find_prefix_hit(request)
             num_tokens = self._tokens_to_schedule(request, hit, step.limits.cap(request, step.token_budget))
-            if num_tokens == 0 or not self.capacity.reservation_fits(request, hit, self.running, self.max_model_len) or not self.capacity.pinned_fit(request, self.running, self.max_model_len):
+            if num_tokens == 0 or not self.capacity.admits(request, hit, self.running, self.max_model_len):
                 return
             new_blocks = self.kv.allocate(request, num_tokens, hit)
             if new_blocks is None:

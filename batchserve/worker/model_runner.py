@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from batchserve.layers.parallel import PipelineStage
     from batchserve.modes import ModeDecision
     from batchserve.worker.draft_model import DraftModelProposer
-    from batchserve.worker.pooler import Pooler
     from batchserve.worker.lora_slots import LoRAPool
+    from batchserve.worker.pooler import Pooler
 
 logger = logging.getLogger(__name__)
 
