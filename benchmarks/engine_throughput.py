@@ -3,7 +3,7 @@
     python benchmarks/engine_throughput.py                      # 64 requests, prompts 20-300 tokens, 128 out
     python benchmarks/engine_throughput.py --num-requests 16 --skip-single
 
-The workload (issue 2): prompts of 20-300 tokens cut from real English text, 128 output tokens each, greedy,
+The workload: prompts of 20-300 tokens cut from real English text, 128 output tokens each, greedy,
 ignore_eos. Both runs use the same engine options except max_batch_size.
 """
 

@@ -1,4 +1,4 @@
-"""The GPU check of issue 50 as one prepared script (under 8 minutes on an H200): everything its "must hold" list asks
+"""The GPU check as one prepared script (under 8 minutes on an H200): everything its "must hold" list asks
 for, written as one JSON and printed as a table. It runs on the CPU too, as a smoke test of the script itself.
 
     python3 benchmarks/gpu_check.py --out "$OUT"                                   # on a lent GPU (cuda, defaults)

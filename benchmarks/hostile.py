@@ -1,4 +1,4 @@
-"""Issue 48's hostile-client probes, re-run against `batchserve serve` on loopback (bounded in time), with the
+"""The hostile-client probes, re-run against `batchserve serve` on loopback (bounded in time), with the
 figures that must hold:
 
     python benchmarks/hostile.py                 # the default model (SmolLM2-135M), about 2 minutes

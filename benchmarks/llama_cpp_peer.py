@@ -1,4 +1,4 @@
-"""llama.cpp as a benchmark peer (issue 43), through llama-cpp-python: never a dependency of batchserve itself.
+"""llama.cpp as a benchmark peer, through llama-cpp-python: never a dependency of batchserve itself.
 
 Install with `.venv/bin/pip install -e '.[peers]'` (builds llama.cpp from the sdist with CMake, CPU only); see
 docs/quantization.md. Everything here feeds llama.cpp token ids, never text, so batchserve and llama.cpp see the same

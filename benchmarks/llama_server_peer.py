@@ -1,4 +1,4 @@
-"""llama.cpp's `llama-server -np N` as a peer64 engine of benchmarks/peer_compare.py (issue 43): a benchmark peer only.
+"""llama.cpp's `llama-server -np N` as a peer64 engine of benchmarks/peer_compare.py: a benchmark peer only.
 
 The binary is built from the llama.cpp sources that llama-cpp-python vendors (the same commit as the `peers` extra),
 see docs/quantization.md. The server runs the GGUF file itself (its quantized tensors, llama.cpp's default f16 KV

@@ -1,4 +1,4 @@
-"""Accuracy of the weight formats (issue 43): over a fixed text shipped beside this script (benchmarks/quant_text.txt),
+"""Accuracy of the weight formats: over a fixed text shipped beside this script (benchmarks/quant_text.txt),
 each format's next-token distribution against float32's: mean KL(float32 || format), top-1 agreement, and the text's
 perplexity under each. The model is the default one (SmolLM2-135M-Instruct's GGUF, dequantized at load to float32:
 the reference) or --model; windows of --window tokens, each its own prefill (the same windows for every format).

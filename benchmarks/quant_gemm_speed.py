@@ -1,4 +1,4 @@
-"""GEMM-level time of the quantized kernels' paths (issue 43) on SmolLM2-135M's four decoder projections (qkv
+"""GEMM-level time of the quantized kernels' paths on SmolLM2-135M's four decoder projections (qkv
 960x576, o 576x576, gate/up 3072x576, down 576x1536), random weights: microseconds per call summed over the four, best
 of --repeats timings of --calls calls, at each row count. Columns:
 

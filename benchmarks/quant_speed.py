@@ -1,4 +1,4 @@
-"""Single-stream decode speed of the weight formats (issue 43), indicative: batch 1 greedy on the default model (or
+"""Single-stream decode speed of the weight formats, indicative: batch 1 greedy on the default model (or
 --model), decode tokens per second as (tokens - 1) / (time of a --tokens generation - time of a 1-token one), best of
 --repeats, each format in its own engine, all engines loaded first and then measured in alternating rounds (one
 measurement of each per round) in one process, so a busy spell of the shared host hits them alike; best and median.

@@ -148,7 +148,7 @@ def test_llm_checks_its_options_before_loading_a_model():
         LLM(enable_prefix_cache=True)
 
 
-# --- issue 47: TensorRT-LLM's LLM-API files, every problem at once, short errors, dtype spellings, --model -------------
+# --- TensorRT-LLM's LLM-API files, every problem at once, short errors, dtype spellings, --model -------------
 
 
 def test_a_trtllm_serve_extra_llm_api_options_yaml_maps_onto_our_options(tmp_path, caplog):

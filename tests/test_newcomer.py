@@ -1,4 +1,4 @@
-"""benchmarks/newcomer.py's command extraction and failure rules (issue 47), cheaply: the full run needs a fresh venv."""
+"""benchmarks/newcomer.py's command extraction and failure rules, cheaply: the full run needs a fresh venv."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ WINDOWED_KINDS = {
     ),
 }
 
-# Architectures of issue 42 beyond the Llama family's first kinds (tests/models/test_architectures.py). RoPE scalings
+# Architectures beyond the Llama family's first kinds (tests/models/test_architectures.py). RoPE scalings
 # that depend on the sequence length get a short original context (24 or 32), so generations cross it.
 SCALED = {**COMMON, "max_position_embeddings": 24}
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.15 * i for i in range(8)],

@@ -1,5 +1,5 @@
 """--compare-static's estimate before it starts, and its warning when same-shape steps varied more than the ratio it
-reports (issue 47)."""
+reports."""
 
 from __future__ import annotations
 

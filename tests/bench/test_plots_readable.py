@@ -1,4 +1,4 @@
-"""The pictures as a reader sees them (issue 47): no request's colour reads as the prefill legend's, enter / finish
+"""The pictures as a reader sees them: no request's colour reads as the prefill legend's, enter / finish
 markers big enough to see, latency CDF axes that end near the high percentile, every step of a long run drawn."""
 
 from __future__ import annotations

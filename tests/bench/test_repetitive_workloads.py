@@ -1,4 +1,4 @@
-"""The speculation workloads as `bench` names (issue 45): code-edit, extract-json, summarize-quote and multi-turn are
+"""The speculation workloads as `bench` names: code-edit, extract-json, summarize-quote and multi-turn are
 chat requests built from text that ships with the package, through the tokenizer's chat template, stopping at their
 end of sequence unless the flags say otherwise."""
 

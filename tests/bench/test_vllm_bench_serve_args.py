@@ -1,4 +1,4 @@
-"""`batchserve bench` takes `vllm bench serve`'s arguments for the serve benchmark (issue 47): backend names openai,
+"""`batchserve bench` takes `vllm bench serve`'s arguments for the serve benchmark: backend names openai,
 vllm and openai-chat, --endpoint, --host/--port, random and ShareGPT-format datasets from a local file, --goodput,
 --num-warmups, --disable-tqdm, and vLLM's defaults against a server (no warm-up, ignore-eos off, text prompts).
 Both clients' argument sets go through the parser, and short runs against the model-free engine's server."""

@@ -362,7 +362,7 @@ def test_stop_token_and_max_model_len():
 
 
 def test_shared_system_prompt_saves_blocks_and_prefill():
-    """Issue 3: 32 requests share a 1,000-token system prompt. With prefix caching, KV blocks in use drop by at
+    """32 requests share a 1,000-token system prompt. With prefix caching, KV blocks in use drop by at
     least 30% and the prompt tokens computed drop accordingly."""
     rng = random.Random(0)
     system = [rng.randrange(1, 900) for _ in range(1000)]

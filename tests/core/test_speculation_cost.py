@@ -1,4 +1,4 @@
-"""k_policy "cost" (issue 45, k by load): the step-cost fit, the expected tokens of a verification, and the k that
+"""k_policy "cost" (k by load): the step-cost fit, the expected tokens of a verification, and the k that
 emits the most tokens per second, from cheap memory-bound steps (draft) to compute-bound ones (no drafts)."""
 
 from __future__ import annotations

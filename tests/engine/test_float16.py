@@ -1,4 +1,4 @@
-"""`--dtype half` / float16 (issue 47): accepted in every spelling and run, on fp16 matmul units where the CPU has them,
+"""`--dtype half` / float16: accepted in every spelling and run, on fp16 matmul units where the CPU has them,
 else by float32 GEMMs on widened weights; greedy tokens of a tiny Llama equal float32's."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The offline LLM's KV pool sized to its requests (issue 16): one block at load, grown at generate() to the batch's
+"""The offline LLM's KV pool sized to its requests: one block at load, grown at generate() to the batch's
 worst case within the memory budget; an explicit num_kv_blocks or kv_cache_memory_fraction wins; outputs unchanged.
 
 On the FakeRunner (which loses every slot when the pool is reallocated, so a stale prefix-cache hit would change

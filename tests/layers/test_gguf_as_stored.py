@@ -1,4 +1,4 @@
-"""quantization gguf (issue 43): a GGUF file's quantized tensors run as stored. Each type's repack equals gguf's own
+"""quantization gguf: a GGUF file's quantized tensors run as stored. Each type's repack equals gguf's own
 dequantization; the quantized GEMM's per-group minimum and group-16 scales on every path equal a float64 reference
 within float32 accumulation's bound; a tiny random Llama written by the gguf package serves through the native
 decoder loop and gives exactly the greedy tokens of the float32 model whose weights are gguf's dequantized ones; what

@@ -1,4 +1,4 @@
-"""Quantized weights on AMX's bf16 tiles (kernels/quant_amx.cpp, issue 43): each 32-column pair of a weight kept
+"""Quantized weights on AMX's bf16 tiles (kernels/quant_amx.cpp): each 32-column pair of a weight kept
 quantized, dequantized into the tiles' layout, is the weight's value at every code rounded to bf16 (the AVX-512 and
 the scalar dequantization bit for bit); the GEMM over those tiles, on emulated tiles anywhere and on AMX where the CPU
 has it, is that bf16 weight's product within float32 accumulation; a bf16 model's quantized layer takes it from

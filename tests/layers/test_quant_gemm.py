@@ -1,4 +1,4 @@
-"""Weights kept quantized (issue 43, layers/quantization.py, kernels/quant_gemm.cpp): quantize/dequantize round trips
+"""Weights kept quantized (layers/quantization.py, kernels/quant_gemm.cpp): quantize/dequantize round trips
 within the format's bound; each quantized GEMM path, forced, equals the float32 product of the dequantized weight
 within float32 rounding, at decode-sized and prefill-sized M; the quantized Projection is a drop-in (bias, bf16 rows,
 the native decoder loop's object)."""

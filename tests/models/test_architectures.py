@@ -1,4 +1,4 @@
-"""Architectures of issue 42 against transformers: Qwen3 (q/k RMSNorm, explicit head_dim), Llama with YaRN and dynamic
+"""Architectures against transformers: Qwen3 (q/k RMSNorm, explicit head_dim), Llama with YaRN and dynamic
 NTK RoPE, Phi-3 (fused qkv / gate_up, LongRoPE) and Phi-4-mini's partial rotary. Tiny random models saved by
 transformers go through our loader; greedy float32 tokens are transformers' own, with chunked prefills batched beside
 other requests' decodes, and each test asserts that the native decoder loop ran the steps (where the kernels are

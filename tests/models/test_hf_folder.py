@@ -1,4 +1,4 @@
-"""The GGUF conversion folder is a complete Hugging Face folder (issue 47): config.json, generation_config.json and
+"""The GGUF conversion folder is a complete Hugging Face folder: config.json, generation_config.json and
 tokenizer files that transformers' AutoConfig / AutoTokenizer load, and the start-up log names it."""
 
 from __future__ import annotations

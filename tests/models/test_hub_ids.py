@@ -1,4 +1,4 @@
-"""Model names as vLLM users pass them (issue 47): a Hub id resolves through the local Hugging Face cache, offline;
+"""Model names as vLLM users pass them: a Hub id resolves through the local Hugging Face cache, offline;
 one that is not cached fails in one line saying what to do, from the command line without a traceback."""
 
 from __future__ import annotations

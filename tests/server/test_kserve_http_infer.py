@@ -1,4 +1,4 @@
-"""KServe v2 inference over HTTP with `tritonclient.http` (issue 47): POST /v2/models/<model>/infer with binary and
+"""KServe v2 inference over HTTP with `tritonclient.http`: POST /v2/models/<model>/infer with binary and
 JSON tensors, model ready and metadata, results equal to the OpenAI endpoint's, on the model-free engine's server."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The protocol edges a hostile client found (issue 48), each answered as it should be: a refused duplicate gRPC
+"""The protocol edges a hostile client found, each answered as it should be: a refused duplicate gRPC
 request_id leaves the running request abortable, deep nesting and NaN are 400s, a client gone mid-body logs no
 error, the Bearer scheme is read in any case, and a second SIGTERM during a drain exits at once."""
 

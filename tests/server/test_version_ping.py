@@ -1,4 +1,4 @@
-"""vLLM's /version and /ping (issue 47), on the model-free engine."""
+"""vLLM's /version and /ping, on the model-free engine."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`quantization` served end to end (issue 43): a tiny Llama quantized at load runs its projections on the quantized
+"""`quantization` served end to end: a tiny Llama quantized at load runs its projections on the quantized
 kernels (in the native decoder loop and in the Python layers) and gives the greedy tokens of the float32 model whose
 weights are the dequantized ones (the kernels add nothing to the format's error); against the float32 original the
 divergence is stated."""

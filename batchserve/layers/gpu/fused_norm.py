@@ -1,5 +1,5 @@
-"""RMSNorm with the residual add fused in, one Triton program a row: a candidate for the GPU's elementwise work
-(issue 50), not wired into the layers until a GPU measures it against torch's (benchmarks/gpu_check.py, "fused_norm").
+"""RMSNorm with the residual add fused in, one Triton program a row: a candidate for the GPU's elementwise work,
+not wired into the layers until a GPU measures it against torch's (benchmarks/gpu_check.py, "fused_norm").
 """
 
 from __future__ import annotations
