@@ -12,6 +12,7 @@ from typing import Any
 
 from batchserve.sampling_params import InvalidRequestError, StructuredOutputsParams
 from batchserve.serving.structured import json_schema_constraint
+from batchserve.serving.tools import named_tools
 
 SKIPPED_BLOCK_TYPES = {"thinking", "redacted_thinking"}
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -97,15 +98,7 @@ def chat_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]] | None:
     if tools is None:
         return None
     out = []
-    for index, tool in enumerate(tools):
-        path = f"tools[{index}]"
-        if not isinstance(tool, Mapping) or tool.get("type", "custom") != "custom":
-            kind = tool.get("type") if isinstance(tool, Mapping) else None
-            raise InvalidRequestError(
-                f"{path}.type: only client (custom) tools are supported, got {kind!r}", f"{path}.type"
-            )
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise InvalidRequestError(f"{path}.name: a tool needs a name", f"{path}.name")
+    for path, tool in named_tools(tools, "custom", "custom", "client (custom)", "a tool"):
         if not isinstance(tool.get("input_schema"), Mapping):
             raise InvalidRequestError(
                 f"{path}.input_schema: a tool needs an input_schema object", f"{path}.input_schema"

@@ -11,6 +11,7 @@ from typing import Any
 
 from batchserve.sampling_params import InvalidRequestError, StructuredOutputsParams
 from batchserve.serving.structured import from_response_format
+from batchserve.serving.tools import named_tools
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PART_TYPES = {"input_text", "output_text", "text"}  # what a message's content list may hold
@@ -113,13 +114,7 @@ def chat_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]] | None:
     if tools is None:
         return None
     out = []
-    for index, tool in enumerate(tools):
-        path = f"tools[{index}]"
-        if not isinstance(tool, Mapping) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, Mapping) else None
-            raise InvalidRequestError(f"{path}.type: only function tools are supported, got {kind!r}", f"{path}.type")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise InvalidRequestError(f"{path}.name: a function tool needs a name", f"{path}.name")
+    for _, tool in named_tools(tools, "function", None, "function", "a function tool"):
         function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         out.append({"type": "function", "function": function})
     return out

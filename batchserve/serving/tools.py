@@ -6,7 +6,7 @@ tool calls, at once or as a stream whose assembled calls equal the ones given at
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -208,3 +208,19 @@ def render_chat(
     except Exception as exc:  # noqa: BLE001 - a template that cannot render this conversation is the caller's input
         raise InvalidRequestError(f"messages: cannot apply the chat template: {exc}", "messages") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def named_tools(
+    tools: Sequence[Any], kind: str, default: str | None, label: str, noun: str
+) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """Each (path, tool) of a foreign API's tools list, a 400 naming the field for one that is not of type `kind`
+    (`default` where it gives none) or has no name; the Responses and Messages front ends check their own fields."""
+    for index, tool in enumerate(tools):
+        path = f"tools[{index}]"
+        given = tool.get("type", default) if isinstance(tool, Mapping) else None
+        if given != kind:
+            shown = tool.get("type") if isinstance(tool, Mapping) else None
+            raise InvalidRequestError(f"{path}.type: only {label} tools are supported, got {shown!r}", f"{path}.type")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise InvalidRequestError(f"{path}.name: {noun} needs a name", f"{path}.name")
+        yield path, tool
