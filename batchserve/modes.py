@@ -193,28 +193,6 @@ RULES: tuple[Rule, ...] = (
         "turn enable_prefix_caching on, or drop kv_offload_dir",
         "kv-offload.md#what-runs-with-it",
     ),
-    # ---- fall back: runs, logged once, labelled in the metrics
-    Rule(
-        "kv_offload_with_windows", Verdict.FALL_BACK, ("kv_offload_dir",),
-        "kv_offload_dir with a model whose attention is windowed (Mistral's sliding_window, Gemma 2/3, a windowed "
-        "Qwen or Phi-3)",
-        lambda f: f.kv_offload and f.windowed,
-        "not built for windows yet: a model whose every layer is windowed hands blocks that left the window back to "
-        "the pool while it runs, so a prefix read back would fill blocks no step reads",
-        "the disk tier is off (the effective config says kv_offload_dir=None)",
-        "kv-offload.md#what-runs-with-it",
-        adjust=_tier_off,
-    ),
-    Rule(
-        "kv_offload_off_the_cpu", Verdict.FALL_BACK, ("kv_offload_dir", "device"),
-        "kv_offload_dir on a GPU",
-        lambda f: f.kv_offload and f.device != "cpu",
-        "the tier's copies go through host memory at each step's end, which would wait for the GPU's stream; it is "
-        "built and tested for the CPU, where recomputing a prompt costs the most",
-        "the disk tier is off (the effective config says kv_offload_dir=None)",
-        "kv-offload.md#what-runs-with-it",
-        adjust=_tier_off,
-    ),
     Rule(
         "lora_with_moe", Verdict.REFUSE, ("enable_lora",),
         "enable_lora with a mixture-of-experts model",
@@ -229,24 +207,6 @@ RULES: tuple[Rule, ...] = (
         lambda f: f.lora and f.scheduler_policy == "static",
         "a static batch is formed whole, while the max_loras limit is kept as requests join the running set",
         "use scheduler_policy max_utilization or guaranteed_no_evict",
-        "lora.md#what-runs-where",
-    ),
-    # ---- fall back: runs, logged once, labelled in the metrics
-    Rule(
-        "lora_steps_in_python", Verdict.FALL_BACK, ("enable_lora",),
-        "enable_lora on the CPU with the native kernels",
-        lambda f: f.lora and f.device == "cpu" and f.native_kernels,
-        "the native decoder loop has no LoRA op",
-        "a step with adapters runs the Python sequencing (each projection the native GEMM plus the adapters' "
-        "shrink and expand); steps of the base model alone stay in the native loop",
-        "lora.md#what-runs-where",
-    ),
-    Rule(
-        "lora_steps_without_cuda_graphs", Verdict.FALL_BACK, ("enable_lora", "enforce_eager"),
-        "enable_lora on a GPU with CUDA graphs",
-        lambda f: f.lora and _cuda_graphs_wanted(f),
-        "the captured decode graphs hold no adapter",
-        "a decode step with adapters runs eagerly; steps of the base model alone replay the graphs",
         "lora.md#what-runs-where",
     ),
     Rule(
@@ -300,6 +260,44 @@ RULES: tuple[Rule, ...] = (
         "parallelism.md#what-is-not-built",
     ),
     # ---- fall back: runs, logged once, labelled in the metrics
+    Rule(
+        "kv_offload_with_windows", Verdict.FALL_BACK, ("kv_offload_dir",),
+        "kv_offload_dir with a model whose attention is windowed (Mistral's sliding_window, Gemma 2/3, a windowed "
+        "Qwen or Phi-3)",
+        lambda f: f.kv_offload and f.windowed,
+        "not built for windows yet: a model whose every layer is windowed hands blocks that left the window back to "
+        "the pool while it runs, so a prefix read back would fill blocks no step reads",
+        "the disk tier is off (the effective config says kv_offload_dir=None)",
+        "kv-offload.md#what-runs-with-it",
+        adjust=_tier_off,
+    ),
+    Rule(
+        "kv_offload_off_the_cpu", Verdict.FALL_BACK, ("kv_offload_dir", "device"),
+        "kv_offload_dir on a GPU",
+        lambda f: f.kv_offload and f.device != "cpu",
+        "the tier's copies go through host memory at each step's end, which would wait for the GPU's stream; it is "
+        "built and tested for the CPU, where recomputing a prompt costs the most",
+        "the disk tier is off (the effective config says kv_offload_dir=None)",
+        "kv-offload.md#what-runs-with-it",
+        adjust=_tier_off,
+    ),
+    Rule(
+        "lora_steps_in_python", Verdict.FALL_BACK, ("enable_lora",),
+        "enable_lora on the CPU with the native kernels",
+        lambda f: f.lora and f.device == "cpu" and f.native_kernels,
+        "the native decoder loop has no LoRA op",
+        "a step with adapters runs the Python sequencing (each projection the native GEMM plus the adapters' "
+        "shrink and expand); steps of the base model alone stay in the native loop",
+        "lora.md#what-runs-where",
+    ),
+    Rule(
+        "lora_steps_without_cuda_graphs", Verdict.FALL_BACK, ("enable_lora", "enforce_eager"),
+        "enable_lora on a GPU with CUDA graphs",
+        lambda f: f.lora and _cuda_graphs_wanted(f),
+        "the captured decode graphs hold no adapter",
+        "a decode step with adapters runs eagerly; steps of the base model alone replay the graphs",
+        "lora.md#what-runs-where",
+    ),
     Rule(
         "parallel_ranks_run_python_layers", Verdict.FALL_BACK, ("tensor_parallel_size", "pipeline_parallel_size"),
         "tensor_parallel_size or pipeline_parallel_size > 1 on the CPU with the native kernels",
