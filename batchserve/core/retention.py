@@ -46,14 +46,24 @@ class WaitingNeeds:
 
     def __init__(self) -> None:
         self._hashes: dict[str, list[int]] = {}
+        self._protected: frozenset[int] = frozenset()
+        self._tier_signature: tuple[int, ...] | None = None
 
     def update(self, kv, waiting: Iterable[Request]) -> None:
+        """Called every step: the sets are rebuilt only when the head of the queue (or a head request's tier chain)
+        changed, not at each step of a long queue that stays put."""
         head = list(itertools.islice(waiting, PROTECT_WAITING))
-        self._hashes = {r.request_id: self._hashes.get(r.request_id) or _key_hashes(r, kv.block_size) for r in head}
-        kv.pool.free_queue.protected = frozenset(h for hashes in self._hashes.values() for h in hashes)
+        if [r.request_id for r in head] != list(self._hashes) or kv.pool.free_queue.protected is not self._protected:
+            self._hashes = {r.request_id: self._hashes.get(r.request_id) or _key_hashes(r, kv.block_size) for r in head}
+            self._protected = frozenset(h for hashes in self._hashes.values() for h in hashes)
+            kv.pool.free_queue.protected = self._protected
+            self._tier_signature = None  # the tier's set follows the new head too
         if kv.tier is not None:  # the chains its lookups computed (keys are the manager's to build)
-            chains = (kv.tier.req_digests.get(r.request_id, ()) for r in head)
-            kv.tier.store.protected = frozenset(d for chain in chains for d in chain)
+            chains = [kv.tier.req_digests.get(r.request_id, ()) for r in head]
+            signature = tuple(len(chain) for chain in chains)
+            if signature != self._tier_signature:
+                self._tier_signature = signature
+                kv.tier.store.protected = frozenset(d for chain in chains for d in chain)
 
 
 def _keys(request: Request, block_size: int) -> list[BlockKey]:

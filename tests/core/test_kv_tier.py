@@ -141,6 +141,25 @@ def test_waiting_requests_keep_their_prefix_cached():
     assert pool.lookup(BlockKey(BlockKey(None, (20, 21, 22, 23)).hash, (24, 25, 26, 27))) is None
 
 
+def test_the_protected_set_follows_the_head_of_the_queue_not_every_step():
+    """The waiting head's block hashes are hashed once while the head stays put (the same set object step after
+    step) and dropped when it leaves: an emptied queue protects nothing."""
+    sched = make_scheduler(num_blocks=16, block_size=4, max_batch_size=1, max_num_tokens=64)
+    sched.add_request(make_request("long", prompt=list(range(1, 13)), max_tokens=6))
+    sched.add_request(make_request("next", prompt=list(range(30, 38)), max_tokens=1))
+    sched.schedule()
+    sched.schedule()  # "long" runs: "next" heads the queue
+    pool = sched.kv.pool
+    held = pool.free_queue.protected
+    assert BlockKey(None, (30, 31, 32, 33)).hash in held
+    sched.schedule()
+    assert pool.free_queue.protected is held  # the same head: not rebuilt
+    assert sched.num_waiting == 1  # "next" still waits behind the batch of one
+    sched.abort_requests(["next"])
+    sched.schedule()
+    assert pool.free_queue.protected == frozenset()
+
+
 def run_alone(sched, request):
     from batchserve.core.outputs import ModelOutput
 
