@@ -107,7 +107,9 @@ def _check_small_gemm(native, path: str, m: int, n: int, k: int, tol: float) -> 
     torch.manual_seed(m * 7919 + k)
     w, x = torch.randn(n, k), torch.randn(m, k)
     packed = native.small_gemm_pack(w, path)
-    assert packed.shape[2] == {"avx512": 32, "avx2": 16}[path]  # two vectors' width of output columns
+    width = {"avx512": 32, "avx2": 16}[path]  # two vectors' width of output columns
+    padded = torch.cat([w, torch.zeros(-n % width, k)])
+    assert torch.equal(packed, padded.view(-1, width, k).transpose(1, 2))  # panels [K][width], zero-padded
     out = native.small_gemm(x, packed, n)
     assert out.shape == (m, n)
     torch.testing.assert_close(out, x @ w.t(), rtol=tol, atol=tol)
