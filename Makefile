@@ -7,6 +7,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
+# prerequisites side by side: the apt packages of test-deps download while pip installs and the kernels compile
+MAKEFLAGS += --jobs=2
 
 .PHONY: run serve test test-fast bench lint setup kernels test-deps
 setup: $(VENV)/.installed kernels
@@ -43,7 +45,7 @@ test-deps:
 
 # every core (pytest-xdist), the 25 slowest tests listed at the end
 test: setup test-deps
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25
 
 FAST_TESTS := tests/core tests/engine/test_engine.py tests/bench tests/server tests/test_config.py tests/test_cli.py
 test-fast: setup

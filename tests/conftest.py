@@ -22,6 +22,7 @@ from tests.doubles import (  # noqa: E402
     run_to_completion,
     tiny_model_config,
 )
+from tests.file_order import sort_longest_first  # noqa: E402
 
 __all__ = ["LETTERS", "FakeRunner", "byte_tokenizer", "reference_generation", "run_to_completion", "tiny_model_config"]
 
@@ -44,13 +45,8 @@ def make_engine_fixture(tokenizer):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files with the most `slow` tests first, each file's tests together and in their order: `make test` hands
-    whole files to its workers (--dist loadfile, so a module's server or model is set up once), and the longest
-    ones started first keep one worker from finishing alone at the end."""
-    slow_in_file: dict = {}
-    for item in items:
-        slow_in_file[item.path] = slow_in_file.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow_in_file[item.path])
+    """The longest files first, each file's tests together and in their order (tests/file_order.py)."""
+    sort_longest_first(items, config.rootpath)
 
 
 def pytest_collection_finish(session):
