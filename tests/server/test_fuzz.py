@@ -27,7 +27,7 @@ def test_no_input_gets_a_server_error(fuzzed_server):
     for operation in operations:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def check(case):
             response = case.call(base_url=fuzzed_server.url, timeout=30)
             assert response.status_code < 500, (case.path, case.body, response.text)

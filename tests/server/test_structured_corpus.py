@@ -38,12 +38,6 @@ def test_the_corpus_is_large_and_varied():
         jsonschema.validators.validator_for(entry["schema"]).check_schema(entry["schema"])
 
 
-def test_a_sample_of_the_corpus_validates_greedy(llm):
-    """The always-run part: a few varied schemas ($ref, anyOf, pattern, bounded arrays, enums, ranges), greedy."""
-    titles = ("ref_defs", "anyof_objects", "pattern_date", "tags_bounded", "weather", "optional_fields")
-    _check(llm, [e for e in CORPUS if e["title"] in titles], temperatures=(0.0,), max_tokens=96)
-
-
 @pytest.mark.slow
 def test_every_output_parses_and_validates_greedy_and_at_temperature_1(llm):
     _check(llm, CORPUS, temperatures=(0.0, 1.0), max_tokens=MAX_TOKENS)
