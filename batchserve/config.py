@@ -317,8 +317,9 @@ class EngineConfig:
     # "mp": one process per rank on this host; "ray": ranks 1.. as actors of a Ray placement group
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # a step's decode rows split in this many micro-batches in flight through the stages; None: one a stage; 1: off
-    pipeline_micro_batches: int | None = None
+    # a step's decode rows split in this many micro-batches in flight through the stages; 1: off (the default: on
+    # the CPU a decode micro-batch streams its stage's weights as the whole batch does, docs/parallelism.md)
+    pipeline_micro_batches: int = 1
     distributed_executor_backend: str = "mp"
 
     def validate(self) -> None:
@@ -333,7 +334,7 @@ class EngineConfig:
             self.pipeline_parallel_size >= 1, f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
         )
         micro = self.pipeline_micro_batches
-        _require(micro is None or micro >= 1, f"pipeline_micro_batches must be >= 1, got {micro}")
+        _require(micro >= 1, f"pipeline_micro_batches must be >= 1, got {micro}")
         _require(
             self.distributed_executor_backend in EXECUTOR_BACKENDS,
             f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}",

@@ -76,10 +76,11 @@ HELP: dict[str, str] = {
     "tensor_parallel_size": "ranks each holding a shard of every layer (heads, MLP columns, vocabulary), one process "
     "each (on this host, or placed by Ray: distributed_executor_backend), the CPU only; the model's heads and "
     "intermediate size must split evenly; --num-threads is per rank (docs/parallelism.md)",
-    "pipeline_parallel_size": "pipeline stages: the layers split in M runs, one process a rank; a step's decode rows "
-    "go through the stages as micro-batches, so the stages compute at once (docs/parallelism.md)",
-    "pipeline_micro_batches": "micro-batches a step's decode rows are split into with pipeline stages (default: as "
-    "many as the stages; 1: a step goes through the stages whole, one stage at a time)",
+    "pipeline_parallel_size": "pipeline stages: the layers split in M runs, one process a rank; it fits a model into "
+    "memory, not a faster step (docs/parallelism.md)",
+    "pipeline_micro_batches": "with pipeline stages, split a step's decode rows into this many micro-batches in "
+    "flight, so the stages compute at once (default 1: off; measured slower on the CPU, where a decode micro-batch "
+    "streams its stage's weights as the whole batch does: docs/parallelism.md)",
     "distributed_executor_backend": "how ranks are placed: mp, one process per rank on this host; ray, ranks 1.. as "
     "actors of a Ray placement group (a bundle of --num-threads CPUs a rank, rank 0's on this node; the cluster of "
     "RAY_ADDRESS, else a local one; docs/parallelism.md)",

@@ -214,6 +214,7 @@ class PipelineStage:
 
         import torch.distributed as dist
 
+        start = time.perf_counter()
         root = (self.count - 1) * self.tp_size
         options = dist.BroadcastOptions()
         options.rootRank = root
@@ -226,6 +227,7 @@ class PipelineStage:
             else torch.empty(int(length), dtype=torch.uint8)
         )
         self.world.broadcast([data], options).wait()
+        self._count(start)
         if self.world_rank == root:
             self.last_stage_timeline = list(self.timeline)
             return message

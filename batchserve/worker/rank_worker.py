@@ -108,7 +108,7 @@ def init_groups(world_rank: int, config: EngineConfig, model_config: ModelConfig
         group = dist.ProcessGroupGloo(dist.PrefixStore(f"tp{index}", store), tp_rank, tp_size, timeout)
     layers = split_layers(model_config.num_layers, pp_size)[index]
     stage = PipelineStage(index, pp_size, layers.start, layers.stop, world, world_rank, tp_size,
-                          micro_batches=config.pipeline_micro_batches or pp_size)  # fmt: skip
+                          micro_batches=config.pipeline_micro_batches)  # fmt: skip
     return TensorParallel(tp_rank, tp_size, group), stage
 
 
