@@ -158,7 +158,7 @@ class ParallelRunner:
     def _rank_died(self, cause: BaseException) -> BaseException:
         """RankDiedError naming the rank that failed (its report, else its exit code), the others stopped; `cause`
         itself when every rank lives (an error of rank 0's own)."""
-        deadline = time.monotonic() + 5.0  # a rank that reported or died has its report or exit code in by then
+        deadline = time.monotonic() + 2.0  # a rank that reported or died has its report or exit code in by then
         while time.monotonic() < deadline:
             failed = [worker.failure(rank) for rank, worker in enumerate(self.workers, start=1)]
             failed = [f for f in failed if f is not None]
