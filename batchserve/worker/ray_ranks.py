@@ -109,9 +109,10 @@ def place(config: EngineConfig, size: int) -> Placement:
     if not group.wait(PLACE_TIMEOUT_S):
         remove_placement_group(group)
         cpus = _cpus_by_node(ray)
-        _refuse(ray, started, f"needs {size} bundles of {threads} CPUs, rank 0's on this node ({cpus.get(node[:8], 0):g} "
-                              f"CPUs in all here), and the Ray cluster could not place them within "
-                              f"{PLACE_TIMEOUT_S:g} s (CPUs by node, in use or not: {cpus})")  # fmt: skip
+        here = cpus.get(node[:8], 0.0)
+        _refuse(ray, started, f"needs {size} bundles of {threads} CPUs, rank 0's on this node ({here:g} CPUs in all "
+                              f"here), and the Ray cluster could not place them within {PLACE_TIMEOUT_S:g} s (CPUs by "
+                              f"node, in use or not: {cpus})")  # fmt: skip
     return Placement(group, ray.util.get_node_ip_address(), threads, started)
 
 

@@ -1,8 +1,10 @@
 """Tensor-parallel ranks placed by Ray (distributed_executor_backend ray, worker/ray_ranks.py) on a local two-node
-cluster made with Ray's own test utility (two nodes on this host, one CPU each): greedy float32 tokens at TP=2 equal
-one rank's and transformers', with rank 1 on the other node; a cluster without the CPUs is refused at start naming
-the CPUs needed and available, nothing left pending; a rank killed mid-run ends the engine with an error naming it
-within seconds. One cluster for the module (Ray's start-up is slow on a small host)."""
+cluster made with Ray's own test utility (two nodes on this host: the head, where this process is the driver, with one
+CPU; the other with two): greedy float32 tokens at TP=2 equal one rank's and transformers', with rank 1 on the other
+node; a cluster without the CPUs is refused at start naming the CPUs needed and available, and a group the cluster
+cannot place (rank 0's node full) is refused after the wait, nothing left pending; a rank killed mid-run ends the
+engine with an error naming it within seconds. One cluster for the module (Ray's start-up is slow on a small
+host)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 from batchserve.config import ConfigError  # noqa: E402
 from batchserve.entrypoints.llm import LLM  # noqa: E402
 from batchserve.sampling_params import SamplingParams  # noqa: E402
+from batchserve.worker import ray_ranks  # noqa: E402
 from batchserve.worker.parallel_executor import RankDiedError  # noqa: E402
 from tests.tiny_models import build_hf_model, hf_greedy, save_word_tokenizer  # noqa: E402
 
@@ -30,12 +33,13 @@ PROMPTS = [[5, 9, 17, 33, 40, 41, 7, 12, 60, 3, 44], [8, 70], [23, 24, 25, 26, 2
 MAX_TOKENS = 8
 OPTIONS = dict(dtype="float32", num_threads=1, max_num_tokens=8, block_size=8, num_kv_blocks=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+CPUS = 3.0  # the cluster's: 1 on the head, 2 on the other node
 
 
 @pytest.fixture(scope="module")
 def cluster():
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes.add_node(num_cpus=1)
+    nodes.add_node(num_cpus=2)
     ray.init(address=nodes.address)
     try:
         yield nodes
@@ -83,10 +87,30 @@ def test_ranks_on_two_nodes_give_one_rank_and_transformers_tokens(cluster, model
 def test_a_cluster_without_the_cpus_is_refused_at_start(cluster, model):
     _, directory = model
     options = {**OPTIONS, "num_threads": 2}
-    needs = "needs 4 CPUs (2 ranks x 2 threads), the Ray cluster has 2 available"
+    needs = "needs 4 CPUs (2 ranks x 2 threads), the Ray cluster has 3 available (3 in all)"
     with pytest.raises(ConfigError, match=re.escape(needs)):
         LLM(str(directory), tensor_parallel_size=2, distributed_executor_backend="ray", **options)
     assert not _pending_groups()  # refused, never left pending
+    _wait_all_cpus_free()
+
+
+def test_a_group_the_cluster_cannot_place_is_removed_and_refused(cluster, model, monkeypatch):
+    """The head's one CPU taken: the two CPUs rank 0 and rank 1 need are free, on the other node only, and rank 0's
+    bundle must sit on this node."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    _, directory = model
+    here = ray.get_runtime_context().get_node_id()
+    blocker = placement_group([{"CPU": 1}], bundle_label_selector=[{"ray.io/node-id": here}])
+    assert blocker.wait(30)
+    monkeypatch.setattr(ray_ranks, "PLACE_TIMEOUT_S", 2.0)
+    try:
+        with pytest.raises(ConfigError, match=r"rank 0's on this node \(1 CPUs in all here\), and the Ray cluster "
+                                              r"could not place them within 2 s"):  # fmt: skip
+            LLM(str(directory), tensor_parallel_size=2, distributed_executor_backend="ray", **OPTIONS)
+        assert not _pending_groups()  # removed, not left waiting for the CPU
+    finally:
+        remove_placement_group(blocker)
     _wait_all_cpus_free()
 
 
@@ -112,6 +136,6 @@ def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(cluster, model):
 def _wait_all_cpus_free() -> None:
     """The engine's placement group removed: every bundle's CPUs free again (Ray frees them within a moment)."""
     deadline = time.monotonic() + 10
-    while ray.available_resources().get("CPU") != 2.0:
+    while ray.available_resources().get("CPU") != CPUS:
         assert time.monotonic() < deadline, ray.available_resources()
         time.sleep(0.1)
