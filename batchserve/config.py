@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -68,8 +69,8 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "int4", "int4_g32", "int4_g64", "int4_g128", "gguf")
 # the KV pool's element type (vLLM's option); auto: the model's dtype; int8 and fp8_e4m3 with per-token-per-head scales
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
-# how ranks are placed (vLLM's option): mp, one process per rank on this host (ray: not built)
-EXECUTOR_BACKENDS = ("mp",)
+# how ranks are placed (vLLM's option): mp, one process per rank on this host; ray, actors in a Ray placement group
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -313,9 +314,12 @@ class EngineConfig:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answered (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = False
     # ranks the model is split over (docs/parallelism.md): tensor-parallel ranks each hold a shard of every layer;
-    # "mp": one process per rank on this host
+    # "mp": one process per rank on this host; "ray": ranks 1.. as actors of a Ray placement group
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # a step's decode rows split in this many micro-batches in flight through the stages; 1: off (the default: on
+    # the CPU a decode micro-batch streams its stage's weights as the whole batch does, docs/parallelism.md)
+    pipeline_micro_batches: int = 1
     distributed_executor_backend: str = "mp"
 
     def validate(self) -> None:
@@ -329,9 +333,15 @@ class EngineConfig:
         _require(
             self.pipeline_parallel_size >= 1, f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
         )
+        micro = self.pipeline_micro_batches
+        _require(micro >= 1, f"pipeline_micro_batches must be >= 1, got {micro}")
         _require(
             self.distributed_executor_backend in EXECUTOR_BACKENDS,
             f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}",
+        )
+        _require(
+            self.distributed_executor_backend != "ray" or importlib.util.find_spec("ray") is not None,
+            "distributed_executor_backend ray needs the ray package: pip install 'batchserve[distributed]'",
         )
         self.scheduler.validate()
         self.cache.validate()

@@ -60,6 +60,7 @@ class ModeFacts:
     lora: bool = False  # enable_lora: requests may run with LoRA adapters
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    executor_backend: str = "mp"  # distributed_executor_backend
 
     @classmethod
     def of(
@@ -89,6 +90,7 @@ class ModeFacts:
             lora=config.enable_lora,
             tensor_parallel_size=config.tensor_parallel_size,
             pipeline_parallel_size=config.pipeline_parallel_size,
+            executor_backend=config.distributed_executor_backend,
             **traits,
         )
 
@@ -306,6 +308,14 @@ RULES: tuple[Rule, ...] = (
         "hand-over between stages",
         "every step runs the Python layers (the same operators, one call each) with the collectives between them",
         "parallelism.md#how-a-layer-is-split",
+    ),
+    Rule(
+        "ray_ranks_all_reduce_by_gloo", Verdict.FALL_BACK, ("distributed_executor_backend", "tensor_parallel_size"),
+        "distributed_executor_backend ray with tensor_parallel_size > 1",
+        lambda f: f.executor_backend == "ray" and f.tensor_parallel_size > 1,
+        "a Ray placement may put a stage's ranks on different hosts, and shared memory joins one host's processes only",
+        "the ranks all-reduce through gloo over TCP, not the mp backend's shared-memory all-reduce",
+        "parallelism.md#ranks-on-a-ray-cluster",
     ),
     Rule(
         "static_policy_drops_speculation", Verdict.FALL_BACK, ("scheduler_policy", "speculative_config"),

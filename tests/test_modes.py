@@ -46,6 +46,7 @@ FIRING = {
     "parallel_ranks_with_quantized_weights": ModeFacts(pipeline_parallel_size=2, quantization="int4"),
     "tensor_parallel_with_a_draft_model": ModeFacts(tensor_parallel_size=2, speculative_method="draft_model"),
     "parallel_ranks_run_python_layers": ModeFacts(tensor_parallel_size=2, pipeline_parallel_size=2),
+    "ray_ranks_all_reduce_by_gloo": ModeFacts(executor_backend="ray", tensor_parallel_size=2),
 }
 
 
@@ -136,6 +137,7 @@ def test_facts_read_the_options():
     facts = _facts(config, tiny_model_config(32))
     assert (facts.deterministic, facts.quantization, facts.kv_cache_dtype) == (True, "int4", "int8")
     assert (facts.scheduler_policy, facts.speculative_method) == ("static", "suffix")
+    assert _facts(EngineConfig.from_options(distributed_executor_backend="ray")).executor_backend == "ray"
 
 
 # ---- the engine, the simulator, the metrics and the docs follow the table ------------------------------------------

@@ -74,11 +74,16 @@ HELP: dict[str, str] = {
     "allow_runtime_lora_updating": "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter: adapters "
     "loaded and unloaded while the server runs (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; default: off)",
     "tensor_parallel_size": "ranks each holding a shard of every layer (heads, MLP columns, vocabulary), one process "
-    "each on this host, the CPU only; the model's heads and intermediate size must split evenly; --num-threads is per "
-    "rank (docs/parallelism.md)",
-    "pipeline_parallel_size": "pipeline stages: the layers split in M runs, one process a rank (no micro-batches yet: "
-    "it fits a model into memory, not a faster step; docs/parallelism.md)",
-    "distributed_executor_backend": "how ranks are placed: mp, one process per rank on this host (ray: not built yet)",
+    "each (on this host, or placed by Ray: distributed_executor_backend), the CPU only; the model's heads and "
+    "intermediate size must split evenly; --num-threads is per rank (docs/parallelism.md)",
+    "pipeline_parallel_size": "pipeline stages: the layers split in M runs, one process a rank; it fits a model into "
+    "memory, not a faster step (docs/parallelism.md)",
+    "pipeline_micro_batches": "with pipeline stages, split a step's decode rows into this many micro-batches in "
+    "flight, so the stages compute at once (default 1: off; measured slower on the CPU, where a decode micro-batch "
+    "streams its stage's weights as the whole batch does: docs/parallelism.md)",
+    "distributed_executor_backend": "how ranks are placed: mp, one process per rank on this host; ray, ranks 1.. as "
+    "actors of a Ray placement group (a bundle of --num-threads CPUs a rank, rank 0's on this node; the cluster of "
+    "RAY_ADDRESS, else a local one; docs/parallelism.md)",
     "max_batch_size": "sequences in one forward pass",
     "max_num_tokens": "tokens in one forward pass: prefill chunks plus one per decoding sequence",
     "scheduler_policy": "max_utilization: fill the budget, preempt when blocks run out; guaranteed_no_evict: reserve "

@@ -147,7 +147,13 @@ class PipelineStage:
     """One rank's pipeline stage: layers [first_layer, stop_layer) of the model, in stage `index` of `count`. The
     world group holds every rank (stage s, tensor-parallel rank t is world rank s * tp_size + t); activations go from
     each rank to the same tensor-parallel rank of the next stage, and the last stage's step output (its sampled
-    tokens) is broadcast to every rank from its first rank."""
+    tokens) is broadcast to every rank from its first rank.
+
+    A step runs as up to `micro_batches` micro-batches (models/pipeline.py): a stage sends one micro-batch's
+    activations without waiting for them to land and goes on to the next, so the stages compute at once. `timeline`
+    holds this rank's (start, end) of each micro-batch of the last step, on time.monotonic's clock (CLOCK_MONOTONIC:
+    one clock for every process of a host); `last_stage_timeline` the last stage's, which travels with the step's
+    output."""
 
     index: int = 0
     count: int = 1
@@ -157,6 +163,10 @@ class PipelineStage:
     world_rank: int = 0
     tp_size: int = 1
     stats: CollectiveStats = field(default_factory=CollectiveStats)
+    micro_batches: int = 1
+    timeline: list[tuple[float, float]] = field(default_factory=list)
+    last_stage_timeline: list[tuple[float, float]] = field(default_factory=list)
+    _sends: list = field(default_factory=list, repr=False)  # (work, tensor) of sends not yet waited for
 
     @property
     def is_first(self) -> bool:
@@ -170,30 +180,45 @@ class PipelineStage:
     def layers(self) -> range:
         return range(self.first_layer, self.stop_layer)
 
-    def send_activations(self, *tensors: torch.Tensor) -> None:
+    def send_activations(self, *tensors: torch.Tensor, micro_batch: int = 0) -> None:
+        """Start sending a micro-batch's activations to the next stage; `finish_sends` waits for them (the tensors
+        are held until then). Tag 2m + i: tensor i of micro-batch m."""
         start = time.perf_counter()
-        for tensor in tensors:
-            self.world.send([tensor.contiguous()], self.world_rank + self.tp_size, 0).wait()
+        for i, tensor in enumerate(tensors):
+            tensor = tensor.contiguous()
+            work = self.world.send([tensor], self.world_rank + self.tp_size, 2 * micro_batch + i)
+            self._sends.append((work, tensor))
         self._count(start)
 
-    def receive_activations(self, shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+    def finish_sends(self) -> None:
+        start = time.perf_counter()
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        self._count(start)
+
+    def receive_activations(
+        self, shape: tuple[int, ...], dtype: torch.dtype, count: int, micro_batch: int = 0
+    ) -> list[torch.Tensor]:
         start = time.perf_counter()
         tensors = [torch.empty(shape, dtype=dtype) for _ in range(count)]
-        for tensor in tensors:
-            self.world.recv([tensor], self.world_rank - self.tp_size, 0).wait()
+        for i, tensor in enumerate(tensors):
+            self.world.recv([tensor], self.world_rank - self.tp_size, 2 * micro_batch + i).wait()
         self._count(start)
         return tensors
 
     def broadcast_from_last(self, message: object | None) -> object:
-        """`message` (given on the last stage's first rank) on every rank: pickled, its length then its bytes."""
+        """`message` (given on the last stage's first rank) on every rank, with the last stage's timeline: pickled,
+        its length then its bytes."""
         import pickle
 
         import torch.distributed as dist
 
+        start = time.perf_counter()
         root = (self.count - 1) * self.tp_size
         options = dist.BroadcastOptions()
         options.rootRank = root
-        payload = pickle.dumps(message) if self.world_rank == root else b""
+        payload = pickle.dumps((message, self.timeline)) if self.world_rank == root else b""
         length = torch.tensor([len(payload)], dtype=torch.int64)
         self.world.broadcast([length], options).wait()
         data = (
@@ -202,7 +227,12 @@ class PipelineStage:
             else torch.empty(int(length), dtype=torch.uint8)
         )
         self.world.broadcast([data], options).wait()
-        return message if self.world_rank == root else pickle.loads(data.numpy().tobytes())
+        self._count(start)
+        if self.world_rank == root:
+            self.last_stage_timeline = list(self.timeline)
+            return message
+        message, self.last_stage_timeline = pickle.loads(data.numpy().tobytes())
+        return message
 
     def _count(self, start: float) -> None:
         self.stats.seconds += time.perf_counter() - start

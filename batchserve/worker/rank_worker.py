@@ -30,6 +30,10 @@ COLLECTIVE_TIMEOUT_S = 120  # a peer alive but silent this long in a collective 
 HOST = "127.0.0.1"  # the ranks of the "mp" backend share this host
 
 
+class RankDiedError(RuntimeError):
+    """A tensor-parallel rank is gone: the engine cannot run another step."""
+
+
 @dataclass(frozen=True)
 class RankSpec:
     """What a rank worker is started with."""
@@ -38,8 +42,9 @@ class RankSpec:
     model_config: ModelConfig
     rank: int
     size: int
-    store_port: int  # rank 0's rendezvous store, on this host
+    store_port: int  # rank 0's rendezvous store
     shared: SharedBuffers | None = None  # the shared all-reduce memory of the rank's stage (None: gloo's)
+    store_host: str = HOST  # where rank 0's store listens: this host for "mp", rank 0's node for "ray"
 
 
 @dataclass(frozen=True)
@@ -75,14 +80,15 @@ class RankFailed:
     error: str
 
 
-def rendezvous(rank: int, size: int, port: int = 0):
-    """The store the ranks meet at: rank 0 serves it (port 0: one the OS picks), the others connect to it."""
+def rendezvous(rank: int, size: int, port: int = 0, host: str = HOST):
+    """The store the ranks meet at: rank 0 serves it (port 0: one the OS picks), the others connect to it at
+    `host`."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     if rank == 0:
-        return dist.TCPStore(HOST, port, size, True, timeout=timeout, wait_for_workers=False)
-    return dist.TCPStore(HOST, port, size, False, timeout=timeout)
+        return dist.TCPStore(host, port, size, True, timeout=timeout, wait_for_workers=False)
+    return dist.TCPStore(host, port, size, False, timeout=timeout)
 
 
 def init_groups(world_rank: int, config: EngineConfig, model_config: ModelConfig, store):
@@ -101,7 +107,8 @@ def init_groups(world_rank: int, config: EngineConfig, model_config: ModelConfig
     if tp_size > 1:
         group = dist.ProcessGroupGloo(dist.PrefixStore(f"tp{index}", store), tp_rank, tp_size, timeout)
     layers = split_layers(model_config.num_layers, pp_size)[index]
-    stage = PipelineStage(index, pp_size, layers.start, layers.stop, world, world_rank, tp_size)
+    stage = PipelineStage(index, pp_size, layers.start, layers.stop, world, world_rank, tp_size,
+                          micro_batches=config.pipeline_micro_batches)  # fmt: skip
     return TensorParallel(tp_rank, tp_size, group), stage
 
 
@@ -167,23 +174,38 @@ def share(tp: TensorParallel, shared: SharedBuffers | None, peers_alive) -> None
         tp.shared = SharedAllReduce(shared, tp.rank, peers_alive)
 
 
+def join_and_load(spec: RankSpec):
+    """A rank's start before rank 0 sizes the pool: its threads, its groups (every rank joins at once), its shard
+    -> (TensorParallel, PipelineStage, model, device, dtype)."""
+    from batchserve.host.process import configure_torch
+
+    config = spec.config
+    configure_torch(config.num_threads, config.seed)
+    store = rendezvous(spec.rank, spec.size, spec.store_port, spec.store_host)
+    tp, stage = init_groups(spec.rank, config, spec.model_config, store)
+    return (tp, stage, *load_shard(config, spec.model_config, tp, stage))
+
+
+def shard_runner(spec: RankSpec, shard, pool: PoolSize):
+    """The rank's runner over its loaded shard (join_and_load's), its pool as rank 0 sized it."""
+    from batchserve.models.loader import load_tokenizer, resolve_model_path
+
+    _, stage, model, device, dtype = shard
+    local = rank_config(spec.config, spec.model_config, stage)
+    runner = rank_runner(spec.config, local, model, device, dtype, pool, stage)
+    runner.structured_outputs.tokenizer = load_tokenizer(resolve_model_path(spec.config.model), spec.config.tokenizer)
+    return runner
+
+
 def rank_main(channel: Channel, spec: RankSpec) -> None:
     """A rank worker's life: join the group, load the shard, size the pool as rank 0 says, then run each step it is
     sent until the channel closes (rank 0 gone or stopping)."""
-    from batchserve.host.process import configure_torch
-    from batchserve.models.loader import load_tokenizer, resolve_model_path
-
-    config = spec.config
     try:
-        configure_torch(config.num_threads, config.seed)
-        tp, stage = init_groups(spec.rank, config, spec.model_config, rendezvous(spec.rank, spec.size, spec.store_port))
-        model, device, dtype = load_shard(config, spec.model_config, tp, stage)
+        shard = join_and_load(spec)
         pool = channel.recv()
         parent = os.getppid()
-        share(tp, spec.shared, lambda: os.getppid() == parent)
-        local = rank_config(config, spec.model_config, stage)
-        runner = rank_runner(config, local, model, device, dtype, pool, stage)
-        runner.structured_outputs.tokenizer = load_tokenizer(resolve_model_path(config.model), config.tokenizer)
+        share(shard[0], spec.shared, lambda: os.getppid() == parent)
+        runner = shard_runner(spec, shard, pool)
         channel.send(Ready(spec.rank))
         _serve(channel, runner)
     except PeerDeadError:
@@ -198,12 +220,16 @@ def rank_main(channel: Channel, spec: RankSpec) -> None:
 
 def _serve(channel: Channel, runner) -> None:
     while True:
-        message = channel.recv()
-        if isinstance(message, Step):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(message.seed)
-                runner.execute(message.scheduler_output)
-        elif isinstance(message, ResizePool):
-            runner.resize_kv_cache(message.num_blocks, message.keep_block_ids)
-        else:
-            raise TypeError(f"rank worker: unexpected message {type(message).__name__}")
+        handle(runner, channel.recv())
+
+
+def handle(runner, message: Step | ResizePool) -> None:
+    """One message of rank 0's, whatever carried it (a channel, a Ray actor call)."""
+    if isinstance(message, Step):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(message.seed)
+            runner.execute(message.scheduler_output)
+    elif isinstance(message, ResizePool):
+        runner.resize_kv_cache(message.num_blocks, message.keep_block_ids)
+    else:
+        raise TypeError(f"rank worker: unexpected message {type(message).__name__}")

@@ -2,8 +2,8 @@
 models/sharding.py, models/pipeline.py): one process a rank, one thread each. Greedy float32 tokens at TP=2, PP=2 and
 TP=2 x PP=2 equal one rank's and transformers' on tiny random models of three families (one KV head on two ranks:
 replicated; Qwen3's q/k norms; a Qwen3-MoE whose experts are split by column), with chunked prefills beside decodes
-and a pool that grows, through the offline API and HTTP; a rank killed mid-run ends the engine with an error naming
-it within seconds."""
+and a pool that grows (TP=2 x PP=2 with the decode rows in micro-batches), through the offline API and HTTP; a rank
+killed mid-run ends the engine with an error naming it within seconds."""
 
 from __future__ import annotations
 
@@ -96,7 +96,9 @@ def single_rank(models):
 def test_split_ranks_give_one_rank_and_transformers_tokens(models, single_rank, kind, tp, pp):
     _, directory = models(kind)
     want = single_rank(kind)
-    llm = LLM(str(directory), tensor_parallel_size=tp, pipeline_parallel_size=pp, **OPTIONS)
+    micro = 2 if tp * pp == 4 else 1  # the stages' hand-over in micro-batches, all-reduces inside each
+    llm = LLM(str(directory), tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_micro_batches=micro,
+              **OPTIONS)  # fmt: skip
     runner = llm.engine.runner
     assert runner.tp.size == tp and len(runner.workers) == tp * pp - 1
     hf_config = models(kind)[0].config
