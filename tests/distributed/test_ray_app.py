@@ -4,7 +4,15 @@ HTTP server on another. Ray runs with the environment `batchserve serve --replic
 starts (conftest.py). First, before this module's Ray instance exists, `batchserve serve --replicas N` as a user
 runs it (it would join an instance already running here): a local Ray instance of its own, the ingress serving HTTP
 on --port itself (Ray Serve's proxy off), and a clean exit on SIGINT. One file, so that the test runner's workers
-never run the two side by side."""
+never run the two side by side.
+
+Between the two, tensor-parallel ranks placed by Ray (distributed_executor_backend ray, worker/ray_ranks.py) on a
+local two-node cluster made with Ray's own test utility (the head, where this process is the driver, with one CPU; the
+other node with two): greedy float32 tokens at TP=2 equal one rank's and transformers', with rank 1 on the other node;
+a cluster without the CPUs is refused at start naming the CPUs needed and available, and a group the cluster cannot
+place is refused after the wait, nothing left pending; a rank killed mid-run ends the engine with an error naming it
+within seconds. Every Ray instance of the suite starts in this one file: a second one on this host at the same time
+would be found by the others' `ray.init()` and joined."""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -22,8 +31,19 @@ import time
 import httpx
 import pytest
 
-from batchserve.bench.soak import wait_ready
-from batchserve.serving.metrics import parse_metrics
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.placement_group import placement_group_table  # noqa: E402
+
+from batchserve.bench.soak import wait_ready  # noqa: E402
+from batchserve.config import ConfigError  # noqa: E402
+from batchserve.entrypoints.llm import LLM  # noqa: E402
+from batchserve.sampling_params import SamplingParams  # noqa: E402
+from batchserve.serving.metrics import parse_metrics  # noqa: E402
+from batchserve.worker import ray_ranks  # noqa: E402
+from batchserve.worker.parallel_executor import RankDiedError  # noqa: E402
+from tests.tiny_models import build_hf_model, hf_greedy, save_word_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +81,120 @@ def test_serve_replicas_serves_http_from_the_ingress_and_exits_cleanly_on_sigint
     assert "failed" not in text and "Traceback" not in text, text[-2000:]
 
 
+RANK_PROMPTS = [[5, 9, 17, 33, 40, 41, 7, 12, 60, 3, 44], [8, 70], [23, 24, 25, 26, 27, 28]]
+RANK_MAX_TOKENS = 8
+RANK_OPTIONS = dict(dtype="float32", num_threads=1, max_num_tokens=8, block_size=8, num_kv_blocks=64)
+RANK_GREEDY = SamplingParams(temperature=0.0, max_tokens=RANK_MAX_TOKENS, ignore_eos=True)
+CPUS = 3.0  # the cluster's: 1 on the head, 2 on the other node
+
+
+@pytest.fixture(scope="class")
+def cluster():
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    nodes.add_node(num_cpus=2)
+    ray.init(address=nodes.address)
+    try:
+        yield nodes
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+@pytest.fixture(scope="class")
+def model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama_head64")
+    hf = build_hf_model("llama_head64", directory)  # 2 query heads, 1 KV head: replicated on both ranks
+    save_word_tokenizer(directory)
+    return hf, directory
+
+
+def _rank_tokens(llm: LLM) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in RANK_PROMPTS], RANK_GREEDY, use_tqdm=False)
+    return [out.token_ids for out in outputs]
+
+
+def _pending_groups() -> list:
+    return [g for g in placement_group_table().values() if g["state"] not in ("CREATED", "REMOVED")]
+
+
+class TestRanksPlacedByRay:
+    """Before the Ray app below starts its own instance: this class's cluster is gone by then (class scope)."""
+
+    def test_ranks_on_two_nodes_give_one_rank_and_transformers_tokens(self, cluster, model):
+        hf, directory = model
+        want = [hf_greedy(hf, prompt, RANK_MAX_TOKENS) for prompt in RANK_PROMPTS]
+        assert _rank_tokens(LLM(str(directory), **RANK_OPTIONS)) == want  # one rank, in this process
+        llm = LLM(str(directory), tensor_parallel_size=2, distributed_executor_backend="ray", **RANK_OPTIONS)
+        runner = llm.engine.runner
+        (rank1,) = runner.workers
+        assert rank1.pid != os.getpid() and runner.tp.size == 2
+        assert runner.tp.shared is None  # gloo all-reduces for ranks Ray placed (modes.py ray_ranks_all_reduce_by_gloo)
+        (group,) = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+        here = ray.get_runtime_context().get_node_id()
+        assert (
+            group["bundles_to_node_id"][0] == here and group["bundles_to_node_id"][1] != here
+        )  # rank 1: the other node
+        assert _rank_tokens(llm) == want
+        assert "ray_ranks_all_reduce_by_gloo" in llm.engine.runner.modes.fallback_names
+        llm.engine.close()
+        assert placement_group_table()[group["placement_group_id"]]["state"] == "REMOVED"
+        _wait_all_cpus_free()
+
+    def test_a_cluster_without_the_cpus_is_refused_at_start(self, cluster, model):
+        _, directory = model
+        options = {**RANK_OPTIONS, "num_threads": 2}
+        needs = "needs 4 CPUs (2 ranks x 2 threads), the Ray cluster has 3 available (3 in all)"
+        with pytest.raises(ConfigError, match=re.escape(needs)):
+            LLM(str(directory), tensor_parallel_size=2, distributed_executor_backend="ray", **options)
+        assert not _pending_groups()  # refused, never left pending
+        _wait_all_cpus_free()
+
+    def test_a_group_the_cluster_cannot_place_is_removed_and_refused(self, cluster, model, monkeypatch):
+        """The head's one CPU taken: the two CPUs rank 0 and rank 1 need are free, on the other node only, and rank 0's
+        bundle must sit on this node."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        _, directory = model
+        here = ray.get_runtime_context().get_node_id()
+        blocker = placement_group([{"CPU": 1}], bundle_label_selector=[{"ray.io/node-id": here}])
+        assert blocker.wait(30)
+        monkeypatch.setattr(ray_ranks, "PLACE_TIMEOUT_S", 2.0)
+        try:
+            with pytest.raises(ConfigError, match=r"rank 0's on this node \(1 CPUs in all here\), and the Ray cluster "
+                                                  r"could not place them within 2 s"):  # fmt: skip
+                LLM(str(directory), tensor_parallel_size=2, distributed_executor_backend="ray", **RANK_OPTIONS)
+            assert not _pending_groups()  # removed, not left waiting for the CPU
+        finally:
+            remove_placement_group(blocker)
+        _wait_all_cpus_free()
+
+    def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(self, cluster, model):
+        _, directory = model
+        llm = LLM(str(directory), tensor_parallel_size=2, distributed_executor_backend="ray", **RANK_OPTIONS)
+        engine = llm.engine
+        for prompt in RANK_PROMPTS:
+            engine.add_prompt(None, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=500, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        pid = engine.runner.workers[0].pid
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RankDiedError, match=rf"rank 1 \(pid {pid}\) died"):
+            for _ in range(100):
+                engine.step()
+        assert time.monotonic() - start < 10
+        engine.close()
+        _wait_all_cpus_free()
+
+
+def _wait_all_cpus_free() -> None:
+    """The engine's placement group removed: every bundle's CPUs free again (Ray frees them within a moment)."""
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU") != CPUS:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.1)
+
+
 def _quiet_ports(count: int) -> list[int]:
     """Free ports below the kernel's ephemeral range (32768-60999) and above Ray's worker ports (10002-19999): a port
     picked by binding to 0 comes from the ephemeral range, where Ray's own processes, started between the pick and
@@ -80,7 +214,6 @@ def _quiet_ports(count: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def ray_app():
-    import ray
     from ray import serve
 
     from batchserve.distributed.app import build_application
@@ -89,7 +222,9 @@ def ray_app():
 
     kernels.load()  # built (and cached on disk) here once, before the replicas start and look for them
     port, grpc_port, http_port = _quiet_ports(3)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2)
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         options = RayAppOptions(
@@ -111,9 +246,6 @@ def ray_app():
 @pytest.fixture(scope="module")
 def single_engine_text():
     """What one engine in this process answers greedily, the reference for the Ray app."""
-    from batchserve.entrypoints.llm import LLM
-    from batchserve.sampling_params import SamplingParams
-
     llm = LLM(**ENGINE)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     return out[0].text
@@ -276,7 +408,6 @@ def test_clients_leaving_mid_stream_free_their_engine_requests(ray_app):
 def test_a_killed_replica_loses_no_request_and_the_app_recovers(base_url):
     """16 greedy streams, a replica killed under them: its requests move to the other replica (retried, or continued
     from the tokens already streamed), so all 16 complete with the text of a run without the kill."""
-    import ray
 
     async def one(client: httpx.AsyncClient, i: int, streaming: set[int]) -> str:
         # long enough that every stream is still running when the replica dies (the kill waits for all 16 to have
@@ -328,8 +459,6 @@ def test_a_killed_replica_loses_no_request_and_the_app_recovers(base_url):
 
 
 def _engine_replica_names() -> list[str]:
-    import ray
-
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#EngineReplica#" in a["name"])
 
 
