@@ -65,8 +65,9 @@ class Truncation(enum.StrEnum):
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-# weights kept quantized (layers/quantization.py): int4 is int4_g32; gguf: a GGUF file's own quantized tensors
-QUANTIZATIONS = ("none", "int8", "int4", "int4_g32", "int4_g64", "int4_g128", "gguf")
+# weights kept quantized (layers/quantization.py): int4 is int4_g32; gguf: a GGUF file's own quantized tensors; auto:
+# gguf where the kernel table's rule finds it faster on this CPU, else none (engine/auto_quantization.py)
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4_g32", "int4_g64", "int4_g128", "gguf")
 # the KV pool's element type (vLLM's option); auto: the model's dtype; int8 and fp8_e4m3 with per-token-per-head scales
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
 # how ranks are placed (vLLM's option): mp, one process per rank on this host; ray, actors in a Ray placement group
@@ -297,7 +298,7 @@ class EngineConfig:
     enforce_eager: bool = False  # vLLM's name: no CUDA graphs, every step runs eagerly (worker/cuda_graphs.py)
     # a request's tokens do not depend on what shares its batch: one reduction order per row (docs/determinism.md)
     deterministic: bool = False
-    quantization: str = "none"  # vLLM's name: weights kept quantized on the CPU (docs/quantization.md)
+    quantization: str = "auto"  # vLLM's name: weights kept quantized on the CPU (docs/quantization.md)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     # speculative decoding (vLLM's shape: a dict or JSON string is accepted); None: off

@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from batchserve.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from batchserve.config import ConfigError, EngineConfig, SpeculativeConfig
+from batchserve.mode_facts import QUANTIZED_WEIGHTS, ModeFacts, model_traits  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -34,80 +35,6 @@ class Verdict(enum.StrEnum):
 
 EIGHT_BIT_KV = ("int8", "fp8_e4m3")
 FLOAT_KV = ("bfloat16", "float32")
-QUANTIZED_WEIGHTS = ("int8", "int4", "int4_g32", "int4_g64", "int4_g128", "gguf")
-
-
-@dataclass(frozen=True)
-class ModeFacts:
-    """What the rules read: the options as the engine resolved them, the model's traits and the host's. A test builds
-    one by hand; the engine builds it with `of`."""
-
-    device: str = "cpu"  # "cpu" or "cuda"
-    dtype: str = "float32"  # resolved: float32, bfloat16, float16
-    quantization: str = "none"
-    kv_cache_dtype: str = "auto"
-    deterministic: bool = False
-    speculative_method: str | None = None  # None: speculation off
-    scheduler_policy: str = "max_utilization"
-    enforce_eager: bool = False
-    windowed: bool = False  # some attention layer sees only its last W positions (Mistral, Qwen, Phi-3, Gemma)
-    softcapped: bool = False  # attention scores or logits soft-capped by tanh (Gemma 2)
-    moe: bool = False  # a mixture-of-experts MLP
-    gguf_file: bool | None = None  # the model is a .gguf file; None: unknown (an engine given its own runner)
-    native_kernels: bool = True  # the native CPU kernels are built and loaded
-    kv_offload: bool = False  # the disk KV tier is on (kv_offload_dir)
-    prefix_caching: bool = True
-    lora: bool = False  # enable_lora: requests may run with LoRA adapters
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    executor_backend: str = "mp"  # distributed_executor_backend
-
-    @classmethod
-    def of(
-        cls,
-        config: EngineConfig,
-        model: ModelConfig | None,
-        device: str,
-        dtype: str,
-        native_kernels: bool,
-        gguf_file: bool | None = None,
-    ) -> ModeFacts:
-        speculative = SpeculativeConfig.from_value(config.speculative_config)
-        traits = model_traits(model) if model is not None else {}
-        return cls(
-            device=device,
-            dtype=dtype,
-            quantization=config.quantization,
-            kv_cache_dtype=config.cache.kv_cache_dtype,
-            deterministic=config.deterministic,
-            speculative_method=None if speculative is None else speculative.method,
-            scheduler_policy=str(config.scheduler.scheduler_policy),
-            enforce_eager=config.enforce_eager,
-            gguf_file=gguf_file,
-            native_kernels=native_kernels,
-            kv_offload=config.cache.kv_offload_dir is not None,
-            prefix_caching=config.cache.enable_prefix_caching,
-            lora=config.enable_lora,
-            tensor_parallel_size=config.tensor_parallel_size,
-            pipeline_parallel_size=config.pipeline_parallel_size,
-            executor_backend=config.distributed_executor_backend,
-            **traits,
-        )
-
-    @property
-    def kv_pool_dtype(self) -> str:
-        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-
-
-def model_traits(model: ModelConfig) -> dict[str, bool]:
-    """The model's traits the rules read, from its config alone (before any weight is loaded): the same fields the
-    families' layers read to window, soft-cap or route (models/llama.py, gemma.py, moe.py)."""
-    extra = model.extra
-    windowed = (
-        model.sliding_window is not None or bool(extra.get("windowed_layers")) or bool(extra.get("sliding_window"))
-    )
-    softcapped = extra.get("attn_softcap") is not None or extra.get("final_softcap") is not None
-    return {"windowed": windowed, "softcapped": softcapped, "moe": model.num_experts > 0}
 
 
 @dataclass(frozen=True)
@@ -156,7 +83,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "quantized_weights_off_cpu", Verdict.REFUSE, ("quantization", "device"),
         "quantization int8 / int4 / gguf on a GPU",
-        lambda f: f.quantization != "none" and f.device != "cpu",
+        lambda f: f.quantization in QUANTIZED_WEIGHTS and f.device != "cpu",
         "the quantized GEMM kernels run on the CPU only",
         "use quantization none on the GPU, or device cpu",
         "quantization.md",
@@ -247,7 +174,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "parallel_ranks_with_quantized_weights", Verdict.REFUSE, ("tensor_parallel_size", "pipeline_parallel_size", "quantization"),
         "tensor_parallel_size or pipeline_parallel_size > 1 with quantization int8 / int4 / gguf",
-        lambda f: _split(f) and f.quantization != "none",
+        lambda f: _split(f) and f.quantization in QUANTIZED_WEIGHTS,
         "the ranks load their shards as float weights: the quantized layouts (per-channel scales, groups of k, a GGUF "
         "file's blocks) are not cut into shards yet (a row-parallel cut must fall on a group's edge)",
         "use quantization none (bfloat16 or float32 shards), or tensor_parallel_size 1",
@@ -388,9 +315,20 @@ RULES: tuple[Rule, ...] = (
     ),
     # ---- covered: said here because a reader could doubt it
     Rule(
+        "quantization_auto", Verdict.RUN, ("quantization", "dtype", "model"),
+        "quantization auto (the default)",
+        lambda f: f.quantization_auto,
+        "a GGUF file whose matrices the as-stored kernels take runs as stored (as quantization gguf) in bfloat16 where "
+        "the kernel table's rule finds that faster on this CPU (W8A8 with bf16 matmul units); float32 (the exactness "
+        "reference), a GPU, split ranks, a mixture-of-experts model or a Hugging Face folder load dequantized (as "
+        "quantization none); one start-up line says which and why",
+        "quantization none keeps the dequantized model; quantization gguf asks for the codes as stored",
+        "quantization.md#quantization-auto",
+    ),
+    Rule(
         "deterministic_with_quantized_weights", Verdict.RUN, ("deterministic", "quantization"),
         "deterministic with quantization int8 / int4 / gguf",
-        lambda f: f.deterministic and f.quantization != "none",
+        lambda f: f.deterministic and f.quantization in QUANTIZED_WEIGHTS,
         "the quantized GEMM takes its small-M kernel at every row count: one order per row",
         "covered by the guarantee",
         "determinism.md#what-it-guarantees",

@@ -67,3 +67,28 @@ def force_quant_gemm(monkeypatch):
 
     yield force
     quantization.quant_gemm_path.cache_clear()
+
+
+# /proc/cpuinfo flags of each host class the docs' per-class tables name
+HOST_CLASS_FLAGS = {
+    "avx2": "fpu sse4_2 avx avx2 fma",
+    "avx512": "fpu sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512_vnni",
+    "avx512_bf16": "fpu sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512_vnni avx512_bf16",
+    "amx": "fpu sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8",
+}
+
+
+@pytest.fixture
+def force_auto_flags(monkeypatch):
+    """force_auto_flags(host_class): quantization auto's rule reads that class's CPU flags (HOST_CLASS_FLAGS) and a
+    build with every kernel; the kernels themselves still run on this CPU's paths, so the choice is tested on any
+    host."""
+    from batchserve.engine import auto_quantization
+    from batchserve.layers.kernels.paths import OPERATIONS
+
+    every = frozenset((op, p.isa) for op, o in OPERATIONS.items() for p in o.paths if p.isa is not None)
+
+    def force(host_class: str) -> None:
+        monkeypatch.setattr(auto_quantization, "host", lambda: (HOST_CLASS_FLAGS[host_class], every))
+
+    return force

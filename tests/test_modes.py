@@ -30,6 +30,7 @@ FIRING = {
     "deterministic_off_the_cpu": ModeFacts(device="cuda", deterministic=True),
     "deterministic_without_native_kernels": ModeFacts(deterministic=True, native_kernels=False),
     "deterministic_with_windows_or_softcaps": ModeFacts(deterministic=True, softcapped=True),
+    "quantization_auto": ModeFacts(quantization="gguf", quantization_auto=True),
     "deterministic_with_quantized_weights": ModeFacts(deterministic=True, quantization="int4"),
     "deterministic_with_eight_bit_kv": ModeFacts(deterministic=True, kv_cache_dtype="int8"),
     "kv_offload_needs_prefix_caching": ModeFacts(kv_offload=True, prefix_caching=False),

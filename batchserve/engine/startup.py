@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from batchserve import modes
 from batchserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from batchserve.engine.auto_quantization import resolve_quantization
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -50,8 +51,10 @@ def load_runner(
     native_kernels = device.type == "cpu" and kernels.load() is not None
     if device.type == "cpu":
         logger.info("CPU path: %s; native kernels %s", gemm_path(dtype), "on" if native_kernels else "off")
+    auto = resolve_quantization(config, path, model_config, device.type, config.dtype)
     # the one place that decides which combination of modes runs, before anything is allocated (batchserve/modes.py)
     facts = modes.ModeFacts.of(config, model_config, device.type, config.dtype, native_kernels, is_gguf(path))
+    facts = dataclasses.replace(facts, quantization_auto=auto is not None)
     decision = modes.enforce(config, facts)
     if config.deterministic and device.type == "cpu":
         logger.info(

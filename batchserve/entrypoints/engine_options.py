@@ -65,7 +65,9 @@ HELP: dict[str, str] = {
     "convert": "a pooling runner's task: embed (pooled hidden states) or classify (a *ForSequenceClassification "
     "head; on a causal LM, the yes/no logits of a Qwen3-Reranker-style prompt); auto: from the model folder",
     "quantization": "weights kept quantized on the CPU, quantized at load: int8 (per output channel), int4 (groups "
-    "of 32 k; int4_g64, int4_g128), none (docs/quantization.md)",
+    "of 32 k; int4_g64, int4_g128); gguf: a GGUF file's own codes as stored; none: dequantized; auto (default): "
+    "gguf for a GGUF file in bfloat16 where this CPU runs it faster, else none, said in one start-up line "
+    "(docs/quantization.md)",
     "enable_lora": "serve LoRA adapters on top of the base model: a request names one by `model` (docs/lora.md)",
     "lora_modules": "adapters loaded at start, \"name=path name2=path2\" (PEFT folders; needs enable_lora)",
     "max_loras": "distinct adapters in one step (their weights' device slots)",

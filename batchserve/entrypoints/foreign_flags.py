@@ -222,7 +222,7 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
        takes_value=False, neutral=ANY_VALUE),
     _f("--quantization-param-path --kv-quant-params-path", VLLM, "not needed: --kv-cache-dtype int8 / fp8_e4m3 "
        "computes its scales at run time"),
-    _f("-q", VLLM, "use --quantization (int8, int4, int4_g64, int4_g128, none; docs/quantization.md)"),
+    _f("-q", VLLM, "use --quantization (auto, none, gguf, int8, int4, int4_g64, int4_g128; docs/quantization.md)"),
     _f("--log-config-file", VLLM, "use --log-level and --log-format json"),
     _f("--logprobs-mode --override-attention-dtype --io-processor-plugin --mamba-cache-dtype --mamba-ssm-cache-dtype "
        "--ignore-patterns --pt-load-map-location --eplb-config --num-redundant-experts --num-lookahead-slots", VLLM,

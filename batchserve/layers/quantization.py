@@ -50,6 +50,8 @@ def parse_quantization(name: str) -> QuantScheme | None:
     file's own codes, models/gguf_quantized.py). "int4" is int4 in groups of 32 (GGUF Q4_0's group)."""
     if name not in QUANTIZATIONS:
         raise ConfigError(f"quantization {name!r}: not one of {', '.join(QUANTIZATIONS)}")
+    if name == "auto":  # an engine resolves it before loading (engine/auto_quantization.py); a caller here must too
+        raise ConfigError("quantization auto: resolve it to none or gguf before loading (resolve_quantization)")
     if name in ("none", GGUF_AS_STORED):
         return None
     if name == "int8":

@@ -168,3 +168,43 @@ class RowSchedule:
             f"small-M kernel {self.small_min_m}..{self.small_max_m}, oneDNN packed < {self.packed_max_m} "
             f"(padded to {self.packed_min_m}), AMX < {self.amx_max_m}"
         )
+
+
+# ---- quantization auto: a GGUF file's codes as stored, or dequantized --------------------------------------------------
+
+# The one rule of quantization auto (docs/quantization.md#quantization-auto). The quantized GEMM paths on which a GGUF
+# file's codes run as stored were measured faster than the same file dequantized, in a dtype with matmul units, single
+# stream and peer64 on the default model; with the host classes those measurements came from. Another path, or a CPU
+# without bf16 matmul units (where bf16 is not the dtype auto resolves to), is not measured: dequantized there.
+AS_STORED_WINS: dict[str, str] = {
+    "avx512_vnni": "W8A8 measured faster than the dequantized bf16 GEMMs on the AMX and AVX512-BF16 classes",
+}
+AS_STORED_DTYPES = ("bfloat16",)  # float32 is the exactness reference (transformers' tokens); float16 not measured
+BF16_UNIT_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@dataclass(frozen=True)
+class StoredChoice:
+    """quantization auto's answer for a GGUF file the as-stored kernels take: run its codes as stored, and why."""
+
+    as_stored: bool
+    reason: str
+
+
+def gguf_as_stored_rule(
+    dtype: str, cpu_flags: str, env: Mapping[str, str], built: Collection[tuple[str, str]] | None
+) -> StoredChoice:
+    """Whether quantization auto runs a GGUF file's codes as stored in `dtype` ("bfloat16", "float32", ...) on this
+    CPU, build and environment (the quantized GEMM's path as select_path chooses it; a forced path counts)."""
+    if dtype not in AS_STORED_DTYPES:
+        why = "the exactness reference" if dtype == "float32" else "as stored not measured against it"
+        return StoredChoice(False, f"dtype {dtype}: {why}")
+    flags = flag_set(cpu_flags)
+    if not any(flag in flags for flag in BF16_UNIT_FLAGS):
+        return StoredChoice(False, "no bf16 matmul units on this CPU: as stored not measured against bf16 here")
+    path = select_path("quant_gemm", cpu_flags, env, built)
+    if path is None:
+        return StoredChoice(False, "no native quantized GEMM here")
+    if path not in AS_STORED_WINS:
+        return StoredChoice(False, f"quantized GEMM path {path}: not measured faster than the dequantized model")
+    return StoredChoice(True, f"quantized GEMM path {path}: {AS_STORED_WINS[path]}")

@@ -1,0 +1,155 @@
+"""quantization auto, the default: the kernel table's one rule (layers/kernels/paths.py gguf_as_stored_rule) on each
+host class's CPU flags, and an engine on a tiny Q4_1 GGUF that runs it as stored (the same tokens as quantization
+gguf) where the rule says so, dequantized (the same tokens as quantization none) where not and always in float32,
+saying which in one start-up line; explicit values run as asked, without the line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from batchserve import LLM, SamplingParams, env
+from batchserve.config import ConfigError, EngineConfig
+from batchserve.layers import quantization
+from batchserve.layers.kernels.paths import OPERATIONS, gguf_as_stored_rule
+from tests.forcing import HOST_CLASS_FLAGS
+from tests.layers.test_gguf_as_stored import tiny_llama, write_quantized_gguf
+
+EVERY_KERNEL = frozenset((op, p.isa) for op, o in OPERATIONS.items() for p in o.paths if p.isa is not None)
+PROMPTS = [[5, 9, 2, 7], [3, 3, 8]]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+LINE = "quantization auto: "
+
+
+@pytest.mark.parametrize(
+    "host_class, dtype, as_stored",
+    [
+        ("amx", "bfloat16", True),  # measured here: W8A8 beats the AMX bf16 GEMMs
+        ("avx512_bf16", "bfloat16", True),  # measured by the issue's filer (AMD family 25)
+        ("avx512", "bfloat16", False),  # no bf16 matmul units: bf16 is not auto's dtype there, not measured
+        ("avx2", "bfloat16", False),
+        ("amx", "float32", False),  # the exactness reference, on every class
+        ("avx2", "float32", False),
+        ("amx", "float16", False),  # not measured
+    ],
+)
+def test_the_rule_per_host_class(host_class, dtype, as_stored):
+    choice = gguf_as_stored_rule(dtype, HOST_CLASS_FLAGS[host_class], {}, EVERY_KERNEL)
+    assert choice.as_stored is as_stored, choice.reason
+    if as_stored:
+        assert choice.reason.startswith("quantized GEMM path avx512_vnni: W8A8 measured faster")
+    if dtype == "float32":
+        assert choice.reason == "dtype float32: the exactness reference"
+
+
+def test_the_rule_reads_the_chosen_path_and_the_build():
+    amx = HOST_CLASS_FLAGS["amx"]
+    forced = gguf_as_stored_rule("bfloat16", amx, {"BATCHSERVE_QUANT_GEMM_PATH": "avx512"}, EVERY_KERNEL)
+    assert not forced.as_stored and "path avx512: not measured faster" in forced.reason
+    no_vnni = EVERY_KERNEL - {("quant_gemm", "avx512_vnni")}
+    assert not gguf_as_stored_rule("bfloat16", amx, {}, no_vnni).as_stored
+    assert gguf_as_stored_rule("bfloat16", amx, {}, None).reason == "no native quantized GEMM here"
+
+
+@pytest.fixture
+def tiny_q4_1(tmp_path, monkeypatch):
+    monkeypatch.setattr(env, "cache_dir", lambda: tmp_path / "cache")
+    path = tmp_path / "tiny-Q4_1.gguf"
+    write_quantized_gguf(tiny_llama(tmp_path / "hf", 64), path, "Q4_1", monkeypatch)
+    return path
+
+
+def _run(path, dtype: str, **options) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(model=str(path), dtype=dtype, device="cpu", num_kv_blocks=16, max_batch_size=4, **options)
+    return llm, [list(out.token_ids) for out in llm.generate(PROMPTS, PARAMS)]
+
+
+def _auto_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(LINE)]
+
+
+def test_auto_is_the_default_and_runs_as_stored_where_the_rule_wins(tiny_q4_1, force_auto_flags, caplog):
+    assert EngineConfig().quantization == "auto"
+    force_auto_flags("amx")
+    with caplog.at_level(logging.INFO):
+        auto, tokens = _run(tiny_q4_1, "bfloat16")
+    assert auto.engine.config.quantization == "gguf"  # the effective value
+    assert any(isinstance(m, quantization.QuantizedLinear) for m in auto.engine.runner.model.modules())
+    assert _auto_lines(caplog) == [
+        "quantization auto: gguf as stored (quantized GEMM path avx512_vnni: W8A8 measured faster than the "
+        "dequantized bf16 GEMMs on the AMX and AVX512-BF16 classes; docs/quantization.md#quantization-auto)"
+    ]
+    assert "quantization_auto" in [rule.name for rule in auto.engine.runner.modes.covered]
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        stored, stored_tokens = _run(tiny_q4_1, "bfloat16", quantization="gguf")
+    assert tokens == stored_tokens and not _auto_lines(caplog)  # explicit: as asked, no line
+    assert all(len(ids) == PARAMS.max_tokens for ids in tokens)
+
+
+def test_auto_dequantizes_where_the_rule_does_not_win_and_in_float32(tiny_q4_1, force_auto_flags, caplog):
+    force_auto_flags("avx2")
+    with caplog.at_level(logging.INFO):
+        auto, tokens = _run(tiny_q4_1, "bfloat16")
+    assert auto.engine.config.quantization == "none"
+    assert not any(isinstance(m, quantization.QuantizedLinear) for m in auto.engine.runner.model.modules())
+    assert _auto_lines(caplog) == [
+        "quantization auto: dequantized to bf16 (no bf16 matmul units on this CPU: as stored not measured against "
+        "bf16 here; docs/quantization.md#quantization-auto)"
+    ]
+    assert tokens == _run(tiny_q4_1, "bfloat16", quantization="none")[1]
+    force_auto_flags("amx")  # where bf16 would run as stored, float32 stays the dequantized reference
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        auto32, tokens32 = _run(tiny_q4_1, "float32")
+    assert auto32.engine.config.quantization == "none"
+    assert _auto_lines(caplog) == [
+        "quantization auto: dequantized to float32 (dtype float32: the exactness reference; "
+        "docs/quantization.md#quantization-auto)"
+    ]
+    assert tokens32 == _run(tiny_q4_1, "float32", quantization="none")[1]
+
+
+def test_a_hugging_face_folder_and_explicit_values(tmp_path, caplog):
+    from batchserve.engine.auto_quantization import resolve_quantization
+    from batchserve.models.loader import load_model_config
+    from tests.tiny_models import build_hf_model
+
+    folder = tmp_path / "hf"
+    build_hf_model("llama", folder)
+    config = EngineConfig()
+    with caplog.at_level(logging.INFO):
+        resolve_quantization(config, folder, load_model_config(folder), "cpu", "bfloat16")
+    assert config.quantization == "none"
+    assert _auto_lines(caplog) == [
+        "quantization auto: dequantized to bf16 (not a GGUF file: no stored codes; "
+        "docs/quantization.md#quantization-auto)"
+    ]
+    for asked in ("none", "gguf", "int8"):  # an explicit value is left as asked
+        explicit = EngineConfig(quantization=asked)
+        assert resolve_quantization(explicit, folder, load_model_config(folder), "cpu", "bfloat16") is None
+        assert explicit.quantization == asked
+    with pytest.raises(ConfigError, match="quantization must be one of"):
+        EngineConfig.from_options(quantization="automatic")
+    with pytest.raises(ConfigError, match="quantization auto: resolve it"):
+        quantization.parse_quantization("auto")
+
+
+def test_what_keeps_a_gguf_dequantized_whatever_the_cpu(tmp_path, monkeypatch, tiny_q4_1, force_auto_flags):
+    """A type the as-stored kernels do not take, a GPU, split ranks: dequantized, naming why (the class would win)."""
+    from batchserve.engine.auto_quantization import choose
+    from batchserve.models.loader import load_model_config
+
+    force_auto_flags("amx")
+    q5_0 = tmp_path / "tiny-Q5_0.gguf"
+    write_quantized_gguf(tiny_llama(tmp_path / "hf5", 64), q5_0, "Q5_0", monkeypatch)
+    cases = [
+        (q5_0, EngineConfig(), "cpu", "tensor blk.0.attn_q.weight (Q5_0): a type the as-stored kernels do not take"),
+        (tiny_q4_1, EngineConfig(), "cuda", "device cuda: the quantized kernels run on the CPU only"),
+        (tiny_q4_1, EngineConfig(tensor_parallel_size=2), "cpu", "the model is split over ranks, which hold float "
+         "shards"),
+    ]  # fmt: skip
+    for path, config, device, reason in cases:
+        assert choose(config, path, load_model_config(path), device, "bfloat16").reason == reason
+    assert choose(EngineConfig(), tiny_q4_1, load_model_config(tiny_q4_1), "cpu", "bfloat16").quantization == "gguf"
