@@ -3,7 +3,7 @@ vs the GGUF file run as stored, each with and without --deterministic; peer64's 
 --limit requests) and a single stream's time per token, every engine loaded first and then measured in alternating
 rounds in one process, so a neighbour's load hits them alike; medians and the load average printed.
 
-    python benchmarks/default_choices.py --limit 16 --rounds 3
+    python benchmarks/default_choices.py --limit 16 --rounds 3 [--threads 1] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -43,10 +43,13 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=16, help="the first N requests of peer64 (0: all)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--single-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=0, help="cap each request's output (0: the workload's)")
     parser.add_argument("--choices", nargs="+", default=list(CHOICES), choices=list(CHOICES))
     args = parser.parse_args()
     requests = json.loads(WORKLOAD.read_text())["requests"]
     requests = requests[: args.limit] if args.limit else requests
+    if args.max_tokens:
+        requests = [{**r, "max_tokens": min(r["max_tokens"], args.max_tokens)} for r in requests]
     blocks = sum(-(-(len(r["prompt_token_ids"]) + r["max_tokens"]) // 16) for r in requests) + 16
     llms = {name: _llm(args, *CHOICES[name], blocks) for name in args.choices}
     results = {name: {"tok_s": [], "step_ms": [], "load": []} for name in llms}

@@ -143,7 +143,9 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(path, referenc
     about transformers', the next token is the same, and so is the greedy chat reply over its first 8 tokens (a
     longer one can drift apart at a near-tie, as transformers' own bf16 output does between batch compositions)."""
     model, tokenizer = reference
-    engine_config = EngineConfig(device="cpu", dtype="bfloat16", cache=CacheConfig(block_size=16, num_kv_blocks=16))
+    engine_config = EngineConfig(  # the file dequantized to bf16 (quantization auto could run it as stored)
+        device="cpu", dtype="bfloat16", quantization="none", cache=CacheConfig(block_size=16, num_kv_blocks=16)
+    )
     runner, _, _ = load_runner(engine_config)
     ids = chat_ids(tokenizer)
     with torch.inference_mode():
