@@ -18,8 +18,8 @@ PACKAGE_DIR = Path(batchserve.__file__).parent
 # (`from batchserve import __version__`) counts as batchserve.<name>, in the layer its definition needs.
 LAYERS: list[tuple[str, ...]] = [
     ("batchserve.config", "batchserve.sampling_params", "batchserve.pooling_params", "batchserve.request",
-     "batchserve.env", "batchserve.modes", "batchserve.mode_facts", "batchserve.__version__", "batchserve.SamplingParams",
-     "batchserve.kv_retention", "batchserve.LoRARequest"),  # fmt: skip
+     "batchserve.env", "batchserve.modes", "batchserve.mode_facts", "batchserve.__version__",
+     "batchserve.SamplingParams", "batchserve.kv_retention", "batchserve.LoRARequest"),  # fmt: skip
     ("batchserve.core",),
     ("batchserve.host",),  # process-wide settings and memory probes: torch, but no model
     ("batchserve.layers",),
