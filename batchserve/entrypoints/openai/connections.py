@@ -70,7 +70,13 @@ class _ReadDeadlines:
 
     def on_response_complete(self) -> None:
         self._disarm()
+        body_unread = self.cycle is not None and self.cycle.more_body
         super().on_response_complete()  # type: ignore[misc]
+        if body_unread and not self.transport.is_closing():
+            # answered before its body was read (a 413 by Content-Length, a 401): reading and discarding the rest
+            # would cost as much as the refusal saved, and nothing else can follow it on this connection
+            self.transport.close()
+            return
         self._after_read()  # a pipelined request may have started from buffered bytes
 
     def connection_lost(self, exc: Exception | None) -> None:
