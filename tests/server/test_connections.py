@@ -13,6 +13,7 @@ import uvicorn
 
 from batchserve.entrypoints.openai.app import build_app
 from batchserve.entrypoints.openai.connections import ConnectionLimits
+from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
 from tests.server.fakes import fake_engine
 
 LIMITS = ConnectionLimits(header_timeout_s=0.6, body_timeout_s=0.6, keep_alive_timeout_s=0.6, max_connections=64,
@@ -124,3 +125,30 @@ def test_the_connection_flags_reach_the_ray_ingress(monkeypatch):
     options = captured["options"]
     assert (options.header_timeout_s, options.body_timeout_s, options.keep_alive_timeout_s) == (7, 8, 9)
     assert options.max_connections == 100
+
+
+def test_an_oversized_content_length_is_refused_before_the_body_is_sent(port):
+    # only the headers go out: the 413 must come back (and the connection close) without a byte of the body
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (DEFAULT_MAX_BODY_BYTES + 1))  # fmt: skip
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.settimeout(10)
+        conn.sendall(head)
+        answer = b""
+        while chunk := conn.recv(4096):  # until the server closes: a timeout here fails the test
+            answer += chunk
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 413 Request Entity Too Large", answer
+    assert b"connection: close" in rest.lower() and b'"code":"body_too_large"' in rest
+
+
+def test_a_client_sending_an_oversized_body_anyway_gets_the_413(port):
+    # a client that writes the whole body before reading (as most do) still reads the refusal, and the next
+    # request on a fresh connection is served
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    with httpx.Client(timeout=30) as client:
+        for _ in range(3):
+            refused = client.post(url, content=b"[" + b"1," * (DEFAULT_MAX_BODY_BYTES // 2) + b"1]",
+                                  headers={"content-type": "application/json"})  # fmt: skip
+            assert refused.status_code == 413 and refused.headers["connection"] == "close"
+        assert client.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 200

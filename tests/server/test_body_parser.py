@@ -1,0 +1,64 @@
+"""Large bodies are parsed in the parser process (at a lower CPU priority), with the same answers as on the event
+loop: the validated request, or the 400 naming the field; an unusable process falls back to a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+from pydantic import BaseModel
+
+from batchserve.entrypoints.openai.bodies import PARSER_NICE, BodyParser
+from batchserve.entrypoints.openai.errors import APIError
+from batchserve.entrypoints.openai.protocol import CompletionRequest
+
+
+@pytest.fixture(scope="module")
+def parser():
+    parser = BodyParser()
+    parser.start().result(timeout=120)
+    yield parser
+    parser.close()
+
+
+def parse(parser: BodyParser, body: object, model: type[BaseModel] = CompletionRequest, lenient: bool = False):
+    return asyncio.run(parser.parse(json.dumps(body).encode(), model, lenient))
+
+
+def test_the_parser_process_runs_at_a_lower_priority(parser):
+    assert parser.in_process
+    child = parser.start().result()  # its pid
+    assert child != os.getpid()
+    assert os.getpriority(os.PRIO_PROCESS, child) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + PARSER_NICE)
+
+
+def test_a_large_valid_body_comes_back_validated(parser):
+    request = parse(parser, {"prompt": list(range(100_000)), "max_tokens": 3, "stop_token_ids": [5, 6]})
+    assert isinstance(request, CompletionRequest)
+    assert request.prompt == list(range(100_000)) and request.max_tokens == 3 and request.stop_token_ids == [5, 6]
+
+
+def test_a_hostile_body_is_the_400_naming_its_field(parser):
+    with pytest.raises(APIError) as refused:
+        parse(parser, {"prompt": "x", "logit_bias": {str(i): 1 for i in range(100_000)}})
+    assert (refused.value.status, refused.value.param) == (400, "logit_bias")
+    with pytest.raises(APIError) as malformed:
+        asyncio.run(parser.parse(b'{"prompt": NaN}', CompletionRequest, False))
+    assert (malformed.value.status, malformed.value.code) == (400, "invalid_json")
+
+
+def test_lenient_drops_unknown_fields_in_the_process_too(parser):
+    request = parse(parser, {"prompt": list(range(50_000)), "no_such_field": 1}, lenient=True)
+    assert len(request.prompt) == 50_000
+
+
+def test_a_model_the_process_cannot_import_falls_back_to_a_thread(parser, caplog):
+    class Local(BaseModel):  # defined in a function: pickle cannot name it for the child
+        values: list[int]
+
+    assert parse(parser, {"values": [1, 2, 3]}, Local).values == [1, 2, 3]
+    assert "parsing this body on a thread" in caplog.text
+    parser.start().result(timeout=120)  # the process is started again for the next body
+    assert parse(parser, {"prompt": "x" * 100_000}).prompt == "x" * 100_000
