@@ -80,9 +80,7 @@ class OpenAIFrontEnd:
             return await asyncio.to_thread(work, *args)
 
     def _too_big(self) -> APIError:
-        # the body is left unread: the connection is closed after the answer (nothing can follow it on the socket)
-        return APIError(413, f"request body is over {self.max_body_bytes} bytes", code="body_too_large",
-                        headers={"Connection": "close"})  # fmt: skip
+        return APIError(413, f"request body is over {self.max_body_bytes} bytes", code="body_too_large")
 
     def check_model(self, name: str | None) -> None:
         """404 for a model this server does not serve (neither the base model nor an adapter), as OpenAI and vLLM

@@ -134,8 +134,9 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
 
 def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
     return ConnectionLimits(
-        args.header_timeout, args.body_timeout, args.keep_alive_timeout, args.max_connections, args.body_read_timeout
-    )
+        args.header_timeout, args.body_timeout, args.keep_alive_timeout, args.max_connections, args.body_read_timeout,
+        args.max_body_bytes,
+    )  # fmt: skip
 
 
 SCALE_OUT_FLAGS = ("--replicas", "--max-replicas", "--ray-address")
