@@ -321,7 +321,34 @@ def _attack(url: str, path: str, body: dict[str, Any], clients: int, started: An
     out.put(asyncio.run(run()))
 
 
-def probe_tpot_beside_hostile(url: str, clients: int = 8, repeats: int = 2,
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields from the state on (field 3 is index 0)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(server_pid: int, attackers_pid: int) -> dict[str, float]:
+    """CPU seconds used so far by the API server, its children at its own priority (the engine core), its children
+    at a lower one (the body parser) and the attackers' process: where a hostile client's cost lands, whatever
+    the load around."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def used(fields: list[str]) -> float:
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    server = _stat(server_pid)
+    totals = {"api_server": used(server), "engine_core": 0.0, "below_priority": 0.0,
+              "attackers": used(_stat(attackers_pid))}  # fmt: skip
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = _stat(int(entry.name)) if entry.name.isdigit() else None
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if fields and int(fields[1]) == server_pid:
+            totals["below_priority" if int(fields[16]) > int(server[16]) else "engine_core"] += used(fields)
+    return totals
+
+
+def probe_tpot_beside_hostile(url: str, server_pid: int, clients: int = 8, repeats: int = 2,
                               bodies: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     """A normal stream's TPOT alone, then beside `clients` looping senders of each hostile body (a process of their
     own), alternated `repeats` times (medians): the ratio is what the hostile clients cost the stream."""
@@ -329,6 +356,7 @@ def probe_tpot_beside_hostile(url: str, clients: int = 8, repeats: int = 2,
     chosen = {name: HOSTILE_BODIES[name] for name in bodies or HOSTILE_BODIES}
     tpot: dict[str, list[float]] = {"alone": [], **{name: [] for name in chosen}}
     statuses: dict[str, dict[str, int]] = {}
+    cpu: dict[str, dict[str, float]] = {}
     for _ in range(repeats):
         tpot["alone"].append(victim_tpot_s(url))
         for name, (path, body) in chosen.items():
@@ -337,7 +365,10 @@ def probe_tpot_beside_hostile(url: str, clients: int = 8, repeats: int = 2,
             attackers.start()
             started.wait(120)  # the attackers' interpreter has started and a first answer came back
             time.sleep(1.0)  # all of them loop
+            before, start = cpu_seconds(server_pid, attackers.pid), time.monotonic()
             tpot[name].append(victim_tpot_s(url))
+            after, wall = cpu_seconds(server_pid, attackers.pid), time.monotonic() - start
+            cpu[name] = {who: round((after[who] - before[who]) / wall, 2) for who in after}  # the latest repeat's
             stop.set()
             statuses[name] = results.get(timeout=300)
             attackers.join()
@@ -346,7 +377,7 @@ def probe_tpot_beside_hostile(url: str, clients: int = 8, repeats: int = 2,
     for name in chosen:
         beside = statistics.median(tpot[name])
         report[name] = {"tpot_ms": round(1000 * beside, 1), "ratio": round(beside / alone, 2),
-                        "attacker_statuses": statuses[name]}
+                        "attacker_statuses": statuses[name], "cores_used": cpu[name]}
     return report
 
 
@@ -407,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated")
     parser.add_argument("--hostile-bodies", default=",".join(HOSTILE_BODIES),
                         help="round tpot: the hostile bodies sent beside the stream, comma-separated")
+    parser.add_argument("--tpot-repeats", type=int, default=2, help="round tpot: alternations (medians)")
     parser.add_argument("--output", default="bench_results/hostile.json")
     parser.add_argument("--in-process", action="store_true",
                         help="the engine core in the server's process (--disable-frontend-multiprocessing)")
@@ -422,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds = [("bad_bodies", lambda: probe_bad_bodies(url)), ("stop_ids", lambda: probe_stop_ids_attack(url)),
                   ("detokenize", lambda: probe_big_detokenize(url)),
                   ("overload", lambda: probe_overload(url, args.clients, args.overload_s, args.load_max_tokens)),
-                  ("tpot", lambda: probe_tpot_beside_hostile(url, bodies=args.hostile_bodies.split(","))),
+                  ("tpot", lambda: probe_tpot_beside_hostile(url, proc.pid, repeats=args.tpot_repeats,
+                                                          bodies=args.hostile_bodies.split(","))),
                   ("slow_sockets", lambda: probe_slow_sockets(port, args.header_timeout))]  # fmt: skip
         for name, probe in [(name, probe) for name, probe in rounds if name in args.rounds.split(",")]:
             load_before = os.getloadavg()[0]

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from batchserve.entrypoints.openai.bodies import PARSER_NICE, BodyParser
 from batchserve.entrypoints.openai.errors import APIError
 from batchserve.entrypoints.openai.protocol import CompletionRequest
+from batchserve.serving.grammar_pool import MAX_CONSTRAINT_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +63,18 @@ def test_a_model_the_process_cannot_import_falls_back_to_a_thread(parser, caplog
     assert "parsing this body on a thread" in caplog.text
     parser.start().result(timeout=120)  # the process is started again for the next body
     assert parse(parser, {"prompt": "x" * 100_000}).prompt == "x" * 100_000
+
+
+def test_a_large_constraint_is_checked_in_the_process(parser):
+    # the 1 MB schema is refused by its size there; a valid one comes back with its constraint already computed
+    wide = {"type": "object", "properties": {f"f{i:05d}": {"type": "string", "description": "d" * 100}
+                                             for i in range(8000)}}  # fmt: skip
+    with pytest.raises(APIError) as refused:
+        parse(parser, {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": wide}}})
+    assert (refused.value.status, refused.value.param) == (400, "response_format")
+    assert f"more than the {MAX_CONSTRAINT_BYTES}" in refused.value.message
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}}
+    request = parse(parser, {"prompt": "y" * 100_000, "response_format": {"type": "json_schema",
+                                                                       "json_schema": {"schema": schema}}})  # fmt: skip
+    assert request._constraint is not None and request._constraint[0].source == "response_format"
+    assert request.constraint() is request._constraint[0]

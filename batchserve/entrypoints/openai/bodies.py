@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from batchserve.entrypoints.openai.errors import APIError, validation_error
+from batchserve.entrypoints.openai.errors import APIError, as_api_error, validation_error
+from batchserve.sampling_params import InvalidRequestError
 
 OFF_LOOP_BODY_BYTES = 64 * 1024  # bodies larger than this are parsed in the parser process
 PARSER_NICE = 10  # added to the parser process's niceness: it gets a tenth of a core the engine wants
@@ -104,12 +105,18 @@ def _lower_priority() -> None:
 
 
 def _parse_in_parser(body: bytes, model: type[Body], lenient: bool) -> tuple[str, Any]:
-    """Runs in the parser process. An APIError travels as its fields (exceptions with keyword-only state do not
-    round-trip through pickle)."""
+    """Runs in the parser process: the body validated, and the checks its model asks to run off the event loop.
+    A refusal travels as its APIError's fields (exceptions with keyword-only state do not round-trip through
+    pickle)."""
     try:
-        return "ok", validated_body(body, model, lenient)
-    except APIError as exc:
-        return "error", (exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+        parsed = validated_body(body, model, lenient)
+        check = getattr(parsed, "check_off_loop", None)  # a large constraint's checks, say
+        if check is not None:
+            check()
+        return "ok", parsed
+    except (APIError, InvalidRequestError) as exc:
+        error = as_api_error(exc)
+        return "error", (error.status, error.message, error.type, error.param, error.code, error.headers)
 
 
 def _warm() -> int:
