@@ -327,24 +327,22 @@ def _stat(pid: int) -> list[str]:
 
 
 def cpu_seconds(server_pid: int, attackers_pid: int) -> dict[str, float]:
-    """CPU seconds used so far by the API server, its children at its own priority (the engine core), its children
-    at a lower one (the body parser) and the attackers' process: where a hostile client's cost lands, whatever
-    the load around."""
+    """CPU seconds used so far by the API server, each of its child processes (the engine core; the body parser,
+    whose niceness is higher) and the attackers' process: where a hostile client's cost lands, whatever the load
+    around."""
     tick = os.sysconf("SC_CLK_TCK")
 
     def used(fields: list[str]) -> float:
         return (int(fields[11]) + int(fields[12])) / tick
 
-    server = _stat(server_pid)
-    totals = {"api_server": used(server), "engine_core": 0.0, "below_priority": 0.0,
-              "attackers": used(_stat(attackers_pid))}  # fmt: skip
+    totals = {"api_server": used(_stat(server_pid)), "attackers": used(_stat(attackers_pid))}
     for entry in Path("/proc").iterdir():
         try:
             fields = _stat(int(entry.name)) if entry.name.isdigit() else None
         except (OSError, ValueError):
             continue  # gone meanwhile
         if fields and int(fields[1]) == server_pid:
-            totals["below_priority" if int(fields[16]) > int(server[16]) else "engine_core"] += used(fields)
+            totals[f"child {entry.name} (nice {fields[16]})"] = used(fields)
     return totals
 
 
@@ -364,11 +362,11 @@ def probe_tpot_beside_hostile(url: str, server_pid: int, clients: int = 8, repea
             attackers = context.Process(target=_attack, args=(url, path, body, clients, started, stop, results))
             attackers.start()
             started.wait(120)  # the attackers' interpreter has started and a first answer came back
-            time.sleep(1.0)  # all of them loop
             before, start = cpu_seconds(server_pid, attackers.pid), time.monotonic()
+            time.sleep(1.0)  # all of them loop
             tpot[name].append(victim_tpot_s(url))
             after, wall = cpu_seconds(server_pid, attackers.pid), time.monotonic() - start
-            cpu[name] = {who: round((after[who] - before[who]) / wall, 2) for who in after}  # the latest repeat's
+            cpu[name] = {who: round((after[who] - before.get(who, 0.0)) / wall, 2) for who in after}  # latest
             stop.set()
             statuses[name] = results.get(timeout=300)
             attackers.join()
