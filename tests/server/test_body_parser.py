@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
@@ -78,3 +82,38 @@ def test_a_large_constraint_is_checked_in_the_process(parser):
                                                                        "json_schema": {"schema": schema}}})  # fmt: skip
     assert request._constraint is not None and request._constraint[0].source == "response_format"
     assert request.constraint() is request._constraint[0]
+
+
+SERVER_STAND_IN = """
+import sys, time
+from batchserve.entrypoints.openai.bodies import BodyParser
+if __name__ == "__main__":
+    print(BodyParser().start().result(timeout=120), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_the_parser_process_exits_when_the_server_is_killed(tmp_path):
+    # a killed server cannot shut its pool down: the parser must notice by itself, not wait for bodies forever
+    script = tmp_path / "server.py"
+    script.write_text(SERVER_STAND_IN)
+    server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    try:
+        child = int(server.stdout.readline())
+        server.kill()
+        server.wait(30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.1)
+        assert not _alive(child)
+    finally:
+        server.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie (exited, not yet reaped by init) is not running
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

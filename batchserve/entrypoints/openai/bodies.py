@@ -18,6 +18,8 @@ import multiprocessing
 import os
 import pickle
 import re
+import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
@@ -28,6 +30,7 @@ from batchserve.sampling_params import InvalidRequestError
 
 OFF_LOOP_BODY_BYTES = 64 * 1024  # bodies larger than this are parsed in the parser process
 PARSER_NICE = 10  # added to the parser process's niceness: it gets a tenth of a core the engine wants
+PARENT_CHECK_S = 1.0  # how often the parser process checks that the server is still there
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -100,8 +103,18 @@ def _drop(data: object, loc: tuple[int | str, ...]) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ parser process
-def _lower_priority() -> None:
+def _start_parser() -> None:
+    """The parser process's set-up: a lower priority, and an exit of its own when the server is gone (killed, it
+    cannot shut the pool down, and an orphan would wait for bodies forever)."""
     os.nice(PARSER_NICE)
+    parent = os.getppid()
+    threading.Thread(target=_exit_with, args=(parent,), name="batchserve-parser-watch", daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(0)
 
 
 def _parse_in_parser(body: bytes, model: type[Body], lenient: bool) -> tuple[str, Any]:
@@ -137,7 +150,7 @@ class BodyParser:
         """Spawn the parser process; the future is done once it can take bodies."""
         if self._pool is None:
             context = multiprocessing.get_context("spawn")  # no threads or locks of this process inherited
-            self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_lower_priority)
+            self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_start_parser)
             self._ready = self._pool.submit(_warm)
         assert self._ready is not None
         return self._ready
