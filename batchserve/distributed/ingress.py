@@ -75,10 +75,8 @@ class OpenAIIngress:
             options.header_timeout_s, options.body_timeout_s, options.keep_alive_timeout_s, options.max_connections,
             max_body_bytes=options.max_body_bytes,
         )  # fmt: skip
-        app = self._front_app()
-        app.state.front.body_parser.start()  # large bodies parsed in a process of their own, as `serve` does
         config = uvicorn.Config(
-            app, log_config=None, access_log=False, timeout_graceful_shutdown=options.drain_timeout_s,
+            self._front_app(), log_config=None, access_log=False, timeout_graceful_shutdown=options.drain_timeout_s,
             **limits.uvicorn_options(),
         )
         self.http_server = uvicorn.Server(config)
