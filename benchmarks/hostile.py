@@ -7,9 +7,10 @@ figures that must hold:
 
 Rounds: bad bodies (0 5xx), the stop-ids attack (another stream slowed <= 1.2x), the overload (300 clients,
 --max-waiting-requests 32: 503 and /health p99 <= 100 ms, measured by a prober in its own process), a normal
-stream's TPOT beside looping senders of huge logit_bias / stop_token_ids bodies (<= 1.2x; round "tpot"), slow sockets
-(closed after --header-timeout), and after each round KV blocks back to 0 and the server's RSS. Prints the figures
-and writes them as JSON.
+stream's TPOT beside looping senders of each hostile body (<= 1.2x; round "tpot": huge logit_bias, stop_token_ids,
+a 1 MB JSON Schema, a 7k-token echo scoring request, a 200-deep nesting; with the cores each process used), slow
+sockets (closed after --header-timeout), and after each round KV blocks back to 0 and the server's RSS. Prints the
+figures and writes them as JSON.
 """
 
 from __future__ import annotations
