@@ -176,3 +176,24 @@ def test_an_async_client_sending_an_oversized_body_anyway_reads_the_413(protocol
             assert ok.status_code == 200
 
     asyncio.run(run())
+
+
+def test_a_refused_body_drains_past_the_header_timeout(protocol_port):
+    # a body sent slower than the header timeout allows for headers is still drained to its end (a reset would
+    # lose the 413 for a client still writing), and the connection closes once it is all in
+    size = DEFAULT_MAX_BODY_BYTES + 1
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size
+    piece = size // 8 + 1
+    with socket.create_connection(("127.0.0.1", protocol_port)) as conn:
+        conn.settimeout(10)
+        conn.sendall(head)
+        sent = 0
+        while sent < size:  # over 1.2 s: twice the 0.6 s header timeout
+            time.sleep(0.15)
+            chunk = b"x" * min(piece, size - sent)
+            conn.sendall(chunk)  # a reset would raise here
+            sent += len(chunk)
+        answer = b""
+        while chunk := conn.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413 "), answer

@@ -84,6 +84,8 @@ class _ReadDeadlines:
         super().connection_lost(exc)  # type: ignore[misc]
 
     def _phase(self) -> str:
+        if getattr(self, "_drain_left", None) is not None:  # a refused body drains under its own deadline
+            return "read"
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
             return "headers"
