@@ -5,8 +5,9 @@ The body the client sends anyway is then drained, unread, at a bounded rate (`DR
 connection closed once it has all arrived (or after `LINGER_S`). Closing at once would be cheaper still, but a
 close with unread bytes is a TCP reset, and an asyncio client (httpx's AsyncClient, the OpenAI SDK's) that is still
 writing the body then loses the 413 it has not read yet and reports a dropped connection instead. The bounded rate
-is what keeps a client that loops oversized bodies from taking the CPU that streams need: each refusal costs it
-time, not the server cycles.
+holds back what goes past the kernel's socket buffers: on loopback those take a few megabytes at once, so a 4 MB
+body is written in full and the client loops at its own speed; each refusal then costs the server an accept, a
+header parse and a write, and the kernel a copy, where it cost a parse before.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from batchserve.entrypoints.openai.errors import APIError
 from batchserve.entrypoints.openai.messages import anthropic_error
 
-DRAIN_BYTES_PER_S = 4 * 1024 * 1024  # a 4 MB body drains in a second (at 16 MB/s 8 looping senders still took a core)
+DRAIN_BYTES_PER_S = 4 * 1024 * 1024  # past the socket buffers, a refused body arrives no faster than this
 LINGER_S = 10.0  # a refused connection is closed this long after its 413 at the latest
 
 
