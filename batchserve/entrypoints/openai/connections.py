@@ -42,8 +42,9 @@ class ConnectionLimits:
     def uvicorn_options(self) -> dict[str, Any]:
         """uvicorn.Config keywords: the guarded protocol class, the keep-alive timeout and the connection cap."""
         return {
-            "http": guarded_protocol(self.header_timeout_s, self.body_timeout_s, self.body_read_timeout_s,
-                                     self.max_body_bytes),  # fmt: skip
+            "http": guarded_protocol(
+                self.header_timeout_s, self.body_timeout_s, self.body_read_timeout_s, self.max_body_bytes
+            ),  # fmt: skip
             "timeout_keep_alive": self.keep_alive_timeout_s,
             "limit_concurrency": self.max_connections,
         }
