@@ -44,7 +44,7 @@ class ConnectionLimits:
         return {
             "http": guarded_protocol(
                 self.header_timeout_s, self.body_timeout_s, self.body_read_timeout_s, self.max_body_bytes
-            ),  # fmt: skip
+            ),
             "timeout_keep_alive": self.keep_alive_timeout_s,
             "limit_concurrency": self.max_connections,
         }
