@@ -117,3 +117,18 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_server_spawns_the_parser_with_its_first_large_body():
+    """As `batchserve serve` sets it up: no process until a large body comes; that one is parsed on a thread (the
+    same answer) while the process starts, and later ones go to the process."""
+    lazy = BodyParser()
+    lazy.start_on_first_body()
+    try:
+        assert not lazy.in_process and lazy._pool is None
+        first = parse(lazy, {"prompt": "a", "max_tokens": 2})
+        assert first.max_tokens == 2 and lazy._pool is not None  # spawned by that body
+        lazy.start().result(timeout=120)
+        assert lazy.in_process
+    finally:
+        lazy.close()

@@ -145,6 +145,12 @@ class BodyParser:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._ready: concurrent.futures.Future | None = None
         self._fallback = asyncio.Semaphore(1)  # threads parsing at once would each hold the lock in turn
+        self._on_first_body = False
+
+    def start_on_first_body(self) -> None:
+        """Spawn the parser process when the first large body comes (that body is parsed on a thread meanwhile):
+        a server that never sees one never pays for the process (its imports: seconds of CPU at every start)."""
+        self._on_first_body = True
 
     def start(self) -> concurrent.futures.Future:
         """Spawn the parser process; the future is done once it can take bodies."""
@@ -162,6 +168,8 @@ class BodyParser:
         return ready is not None and ready.done() and ready.exception() is None
 
     async def parse(self, body: bytes, model: type[Body], lenient: bool) -> Body:
+        if self._pool is None and self._on_first_body:
+            self.start()
         if self._pool is None or not self.in_process:
             return await self._on_thread(body, model, lenient)
         try:

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         **observability,
     )
     apply_chat_options(app.state.front, args, parser)
-    app.state.front.body_parser.start()  # its imports take seconds: not on the first large body's time
+    app.state.front.body_parser.start_on_first_body()
     grpc_server = None
     if args.grpc_port is not None:
         grpc_server = GrpcServer(
