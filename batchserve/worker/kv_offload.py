@@ -2,14 +2,23 @@
 
 A block's payload is every layer's parts (K and V; a quantized pool's codes and scales too) for that block, in layer
 order, as raw bytes: a block read back is bit for bit the block written. Saves are copied out of the pool at the end of
-the step that filled them (a copy: the pool block may be reused next step) and written by a background thread, so the
-step never waits on the disk; when the writer falls behind by more than WRITE_QUEUE_BYTES, later saves are skipped
-(counted) rather than let the queue grow or the step wait.
+the step that filled them (a copy: the pool block may be reused next step), in one gather per part straight into a
+staging buffer laid out as the payloads, so the writer thread has nothing left to join: it checksums and writes each
+row as it lies. Steps that complete no block copy nothing. When the writer falls behind by more than
+WRITE_QUEUE_BYTES, later saves are skipped (counted) rather than let the queue grow or the step wait.
+
+Write-through, not write-on-evict: a block is written when it becomes full and hashed, not when the pool lets it go.
+Under a steady load every block is evicted sooner or later, so write-on-evict writes as much, only later, and it
+copies on the step that reuses the block, before that step's forward pass (the copy must precede the overwrite),
+where write-through copies after it; a restarted engine or a replica sharing the directory would also miss every
+block still in the pool. The writer thread runs at the lowest CPU priority, so on a host whose cores the steps keep
+busy its checksums and system calls take the time the steps leave idle.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -24,6 +33,8 @@ from batchserve.worker.kv_cache import KVCache, _parts
 logger = logging.getLogger(__name__)
 
 WRITE_QUEUE_BYTES = 256 << 20
+STAGING_CHUNK_BYTES = 8 << 20  # a gather fills chunks of this many bytes' rows, reused: fresh pages cost 5x the copy
+STAGING_KEPT_BYTES = 64 << 20  # chunks kept for reuse after a burst; the rest go back to the allocator
 DEFAULT_MAX_BYTES = 16 << 30  # kv_offload_max_bytes when only the directory is given
 
 
@@ -62,6 +73,7 @@ class BlockWriter:
         self.num_skipped = 0  # saves dropped because the writer was behind
         self._queued_bytes = 0
         self._per_block = 0
+        self._free_chunks: list[torch.Tensor] = []  # staging chunks the writer is done with, reused last-in first-out
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kv-tier-write", daemon=True)
@@ -76,23 +88,38 @@ class BlockWriter:
                 self.store.release(s.digest for s in saves[room:])
                 saves = saves[:room]
             self._queued_bytes += len(saves) * per_block
-        if not saves:
-            return
-        device = kv_cache.device_caches[0][0].device
-        ids = torch.tensor([s.block_id for s in saves], dtype=torch.long, device=device)
-        copies = [t.index_select(0, ids).to("cpu") for layer in kv_cache.device_caches for t in _parts(layer)]
-        self._queue.put((list(saves), copies, per_block))
+        rows = max(1, STAGING_CHUNK_BYTES // per_block)
+        for start in range(0, len(saves), rows):  # nothing at all when the step completed no block
+            chunk = saves[start : start + rows]
+            staging = self._chunk(rows, per_block)[: len(chunk)]
+            gather_payloads(kv_cache, [s.block_id for s in chunk], staging)
+            self._queue.put((list(chunk), staging, per_block))
+
+    def _chunk(self, rows: int, per_block: int) -> torch.Tensor:
+        with self._lock:
+            if self._free_chunks:
+                return self._free_chunks.pop()
+        return torch.empty((rows, per_block), dtype=torch.uint8)
+
+    def _recycle(self, staging: torch.Tensor) -> None:
+        base = staging._base if staging._base is not None else staging
+        with self._lock:
+            if (len(self._free_chunks) + 1) * base.numel() <= STAGING_KEPT_BYTES:
+                self._free_chunks.append(base)
 
     def _run(self) -> None:
+        _lowest_priority()
         while True:
             item = self._queue.get()
             try:
                 if item is None:
                     return
-                saves, copies, per_block = item
+                saves, staging, per_block = item
+                rows = staging.numpy()
                 for n, save in enumerate(saves):
-                    payload = torch.cat([c[n].reshape(-1).view(torch.uint8) for c in copies]).numpy().tobytes()
-                    self.store.put(save.digest, payload, save.retention)
+                    self.store.put(save.digest, rows[n], save.retention)
+                del rows
+                self._recycle(staging)
                 with self._lock:
                     self._queued_bytes -= len(saves) * per_block
             except Exception:  # a writer that dies would silently stop the tier: log and go on
@@ -108,6 +135,29 @@ class BlockWriter:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+
+
+def gather_payloads(kv_cache: KVCache, block_ids: Sequence[int], staging: torch.Tensor) -> torch.Tensor:
+    """The blocks' payloads into the rows of `staging` (uint8, on the CPU, a row a block), each part gathered
+    into its columns: one copy, no joining afterwards."""
+    layout = _layout(kv_cache)
+    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for *_, dtype, shape in layout]
+    ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device_caches[0][0].device)
+    offset = 0
+    for (i, j, _, _), size in zip(layout, sizes):
+        part = _parts(kv_cache.device_caches[i])[j]
+        raw = part.view(part.shape[0], -1).view(torch.uint8)
+        torch.index_select(raw, 0, ids, out=staging[:, offset : offset + size])
+        offset += size
+    return staging
+
+
+def _lowest_priority() -> None:
+    """This thread (Linux keeps a nice value per thread) yields the CPU to the steps; elsewhere it stays as it is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def load_blocks(kv_cache: KVCache, loads: Sequence[tuple[int, bytes]]) -> None:
