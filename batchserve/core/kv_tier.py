@@ -135,8 +135,9 @@ class TierStore:
             self._adopt(digest, size, Retention(), time.time())
         return True
 
-    def get(self, digest: bytes) -> bytes | None:
-        """The block's payload, checked; None when it is absent or fails a check (then it is deleted and counted)."""
+    def get(self, digest: bytes) -> memoryview | None:
+        """The block's payload (a view of the file's bytes, no copy), checked; None when it is absent or fails a
+        check (then it is deleted and counted)."""
         start = time.perf_counter()
         path = self.path_of(digest)
         try:
@@ -158,7 +159,11 @@ class TierStore:
             self.stats.read_s += time.perf_counter() - start
         return payload
 
-    def _check(self, digest: bytes, data: bytes) -> tuple[bytes | None, str]:
+    def count_hits(self, blocks: int) -> None:
+        with self._lock:
+            self.stats.hits += blocks
+
+    def _check(self, digest: bytes, data: bytes) -> tuple[memoryview | None, str]:
         if len(data) < HEADER_BYTES:
             return None, f"truncated header ({len(data)} bytes)"
         magic, version, _priority, _expires, fingerprint, stored, length = _HEADER.unpack_from(data)
@@ -173,7 +178,7 @@ class TierStore:
         view = memoryview(data)
         if _checksum(view[: _HEADER.size], view[HEADER_BYTES:]) != view[_HEADER.size : HEADER_BYTES]:
             return None, "checksum mismatch"
-        return data[HEADER_BYTES:], ""
+        return view[HEADER_BYTES:], ""
 
     def drop_corrupt(self, digest: bytes, why: str) -> None:
         logger.warning("KV tier: dropped %s (%s): its tokens are recomputed", self.path_of(digest).name, why)

@@ -23,6 +23,7 @@ import queue
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from batchserve.config import EngineConfig
@@ -91,8 +92,8 @@ class BlockWriter:
         rows = max(1, STAGING_CHUNK_BYTES // per_block)
         for start in range(0, len(saves), rows):  # nothing at all when the step completed no block
             chunk = saves[start : start + rows]
-            staging = self._chunk(rows, per_block)[: len(chunk)]
-            gather_payloads(kv_cache, [s.block_id for s in chunk], staging)
+            staging = self._chunk(rows, per_block)
+            gather_payloads(kv_cache, [s.block_id for s in chunk], staging[: len(chunk)])
             self._queue.put((list(chunk), staging, per_block))
 
     def _chunk(self, rows: int, per_block: int) -> torch.Tensor:
@@ -102,10 +103,9 @@ class BlockWriter:
         return torch.empty((rows, per_block), dtype=torch.uint8)
 
     def _recycle(self, staging: torch.Tensor) -> None:
-        base = staging._base if staging._base is not None else staging
         with self._lock:
-            if (len(self._free_chunks) + 1) * base.numel() <= STAGING_KEPT_BYTES:
-                self._free_chunks.append(base)
+            if (len(self._free_chunks) + 1) * staging.numel() <= STAGING_KEPT_BYTES:
+                self._free_chunks.append(staging)
 
     def _run(self) -> None:
         _lowest_priority()
@@ -175,6 +175,25 @@ def load_blocks(kv_cache: KVCache, loads: Sequence[tuple[int, bytes]]) -> None:
         offset += size
 
 
+def copy_blocks_in(kv_cache: KVCache, pairs: Sequence[tuple[int, object]]) -> None:
+    """On the tier's reader thread, while steps run: checked payloads into their pool blocks, which no step reads
+    before their request is admitted. numpy does the copies: a torch op on this thread could start an OpenMP team
+    of its own beside the steps' threads."""
+    views = [(_parts(kv_cache.device_caches[i])[j], size) for i, j, size in _part_sizes(kv_cache)]
+    pool = [part.view(part.shape[0], -1).view(torch.uint8).numpy() for part, _ in views]
+    for block_id, payload in pairs:
+        src = np.frombuffer(payload, dtype=np.uint8)
+        offset = 0
+        for dst, (_, size) in zip(pool, views):
+            dst[block_id] = src[offset : offset + size]
+            offset += size
+
+
+def _part_sizes(kv_cache: KVCache) -> list[tuple[int, int, int]]:
+    return [(i, j, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+            for i, j, dtype, shape in _layout(kv_cache)]
+
+
 def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     """Open the tier for this runner's KV layout and connect both sides: the scheduler's KV cache manager looks up
     and reads, the runner loads and saves. None when kv_offload_dir is unset."""
@@ -188,6 +207,7 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     store = TierStore(cache.kv_offload_dir, description, max_bytes, block_payload_bytes(runner.kv_cache))
     offload = KVOffload(store, block_payload_bytes(runner.kv_cache), retention_of(cache.block_size))
     kv_manager.tier = offload
+    offload.copy_in = lambda pairs: copy_blocks_in(runner.kv_cache, pairs)
     runner.offload = BlockWriter(store)
     logger.info(
         "KV tier: %s, %d blocks (%.2f of %.2f GiB) found from earlier runs",
