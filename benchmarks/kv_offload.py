@@ -42,7 +42,7 @@ def make_engine(args, tier_dir: str | None, num_blocks: int) -> LLMEngine:
 
 
 def serve_one(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
-    """(TTFT seconds, output ids) of one request served alone."""
+    """(TTFT seconds, output ids) of one request served alone; counts its prompt tokens computed in COMPUTED."""
     start = time.perf_counter()
     engine.add_prompt(None, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     ttft, out = None, []
@@ -50,8 +50,12 @@ def serve_one(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[fl
         for delta in engine.step():
             if delta.delta_token_ids and ttft is None:
                 ttft = time.perf_counter() - start
+                COMPUTED[id(engine)] = COMPUTED.get(id(engine), []) + [len(prompt) - delta.metrics.num_cached_tokens]
             out += delta.delta_token_ids
     return ttft, out
+
+
+COMPUTED: dict[int, list[int]] = {}  # prompt tokens each engine computed (not found in the pool or the tier), per turn
 
 
 def chat(engines: dict[str, LLMEngine], args, rng_seed: int = 0) -> tuple[list[list[int]], dict[str, list[float]]]:
@@ -135,6 +139,10 @@ def chat_phases(args, pool: int) -> None:
         same = "same tokens" if not DIFFERING else f"{len(DIFFERING)} replies differed (bf16 near-ties)"
         print(f"TTFT p50, turns 2..{args.turns}: off {p50_off * 1e3:.1f} ms, on {p50_on * 1e3:.1f} ms "
               f"({p50_off / p50_on:.2f}x); {same}")  # fmt: skip
+        turns = args.conversations * (args.turns - 1)  # the later turns: each engine's last `turns` requests
+        computed = {name: statistics.median(COMPUTED[id(e)][-turns:]) for name, e in (("off", off), ("on", on))}
+        print(f"prompt tokens computed per later turn (p50): off {computed['off']:.0f}, on {computed['on']:.0f} "
+              f"(the rest found in the pool or the tier)")  # fmt: skip
 
         stats = on.kv_tier.stats
         read_block = stats.read_s / max(stats.blocks_read, 1)
