@@ -1,5 +1,6 @@
 """The dashboard's disk-tier panel on a live server over a real (tiny, random) Llama with the tier on: its counts
-agree with /metrics after a prefix is written, evicted and read back; a server without a tier has no panel."""
+agree with /metrics after a prefix is written, evicted and read back, and headless Chromium draws them (skipped
+without chromium); a server without a tier has no panel."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from batchserve.engine.llm_engine import LLMEngine
 from tests.server.fakes import fake_engine
+from tests.server.test_dashboard_browser import BROWSER, _Texts, browse
 from tests.server.live import start_server
 from tests.tiny_models import VOCAB, hf_greedy, tiny_checkpoint
 
@@ -50,6 +52,14 @@ def test_the_tier_panel_agrees_with_metrics(tiny, tmp_path):
         assert tier["corrupt_dropped"] == tier["write_errors"] == tier["saves_skipped"] == 0
         page = httpx.get(server.url + "/dashboard", timeout=10).text
         assert 'id="kv-tier"' in page and "renderTier(d.kv_tier)" in page
+        if BROWSER is not None:  # the page as a browser draws it
+            texts = _Texts()
+            texts.feed(browse(server.url + "/dashboard", tmp_path / "profile", "--dump-dom"))
+            panel = texts.by_id
+            assert "hidden" not in panel["kv-tier"][1]
+            assert panel["tier-hits"][0] == f"5 ({5 * BLOCK})" and panel["tier-loading"][0] == "0"
+            assert panel["tier-written"][0].startswith(f"{tier['written_blocks']}, ")
+            assert panel["tier-trouble"][0] == "0 / 0 / 0"
     finally:
         server.stop()
         engine.close()
