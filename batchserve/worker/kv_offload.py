@@ -140,11 +140,9 @@ class BlockWriter:
 def gather_payloads(kv_cache: KVCache, block_ids: Sequence[int], staging: torch.Tensor) -> torch.Tensor:
     """The blocks' payloads into the rows of `staging` (uint8, on the CPU, a row a block), each part gathered
     into its columns: one copy, no joining afterwards."""
-    layout = _layout(kv_cache)
-    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for *_, dtype, shape in layout]
     ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device_caches[0][0].device)
     offset = 0
-    for (i, j, _, _), size in zip(layout, sizes):
+    for i, j, size in _part_sizes(kv_cache):
         part = _parts(kv_cache.device_caches[i])[j]
         raw = part.view(part.shape[0], -1).view(torch.uint8)
         torch.index_select(raw, 0, ids, out=staging[:, offset : offset + size])
