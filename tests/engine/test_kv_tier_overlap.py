@@ -74,3 +74,21 @@ def _key(tokens: list[int], index: int):
         key = BlockKey(parent, tuple(tokens[i * BLOCK : (i + 1) * BLOCK]))
         parent = key.hash
     return key
+
+
+def test_only_steps_that_complete_a_block_copy(tiny, tmp_path, monkeypatch):  # noqa: F811
+    from batchserve.worker import kv_offload
+
+    _, directory = tiny
+    eng = engine(directory, tmp_path)
+    gathered: list[int] = []
+    real = kv_offload.gather_payloads
+
+    def counting(kv_cache, block_ids, staging):
+        gathered.append(len(block_ids))
+        return real(kv_cache, block_ids, staging)
+
+    monkeypatch.setattr(kv_offload, "gather_payloads", counting)
+    generate(eng, prompt(8, 2 * BLOCK + 3), max_tokens=20)  # 23 steps; blocks complete in two of them
+    assert gathered == [2, 1] and eng.kv_tier.stats.blocks_written == 3
+    eng.close()
