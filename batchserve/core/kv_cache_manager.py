@@ -170,14 +170,15 @@ class KVCacheManager:
                 self.tier.registered(request, i, blocks[i].block_id, digest, 0 <= i - loaded_from < num_loaded)
 
     # ---- reading a prefix back from the disk tier without stopping the steps --------------------------------
-    def reads_back(self, request: Request, hit: PrefixHit, wait: bool) -> bool:
+    def reads_back(self, request: Request, hit: PrefixHit, wait: bool, start: bool = True) -> bool:
         """True when the request is not to be scheduled now: its tier blocks are being read back into blocks it holds
-        (started here when the hit has some and the worker copies them in), or have just arrived (look it up again).
-        `wait`: nothing else would run this step, so wait for the read rather than step empty."""
+        (started here when the hit has some, the worker copies them in and `start`: the scheduler would admit it),
+        or have just arrived (look it up again). `wait`: nothing else would run this step, so wait for the read
+        rather than step empty."""
         self._release_loaded()
         load = self.tier_loads.get(request.request_id)
         if load is None:
-            if not (hit.tier_digests and self.tier is not None and self.tier.copy_in is not None):
+            if not (start and hit.tier_digests and self.tier is not None and self.tier.copy_in is not None):
                 return False
             if len(hit.tier_digests) + sum(1 for b in hit.blocks if b.ref_count == 0) > self.pool.num_free_blocks:
                 return False  # no room: allocate() finds none either

@@ -307,12 +307,13 @@ class Scheduler:
                     return
                 continue
             hit = self.kv.find_prefix_hit(request)  # none for a request holding the blocks the tier reads back
-            if self.kv.reads_back(request, hit, wait=not (self.running or step.num_seqs)):
+            admits = self.capacity.admits(request, hit, self.running, self.max_model_len)
+            if self.kv.reads_back(request, hit, wait=not (self.running or step.num_seqs), start=admits):
                 if self.kv.is_loading(request):  # its blocks count as being computed meanwhile: the others go on
                     deferred.add(id(request))
                 continue
             num_tokens = self._tokens_to_schedule(request, hit, step.limits.cap(request, step.token_budget))
-            if num_tokens == 0 or not self.capacity.admits(request, hit, self.running, self.max_model_len):
+            if num_tokens == 0 or not admits:
                 return
             new_blocks = self.kv.allocate(request, num_tokens, hit)
             if new_blocks is None:
