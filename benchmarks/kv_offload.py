@@ -11,7 +11,8 @@
     .venv/bin/python benchmarks/kv_offload.py [--conversations 8] [--turns 4] [--model PATH]
 
 Token ids stand in for chat text (a template changes nothing the tier sees). Scaled down by default to stay under
-about three minutes on two cores; the issue's shape is --conversations 48 --turns 6 --system 400 --user 250.
+about three minutes on two cores; the full-sized shape is --conversations 48 --turns 6 --system 400 --user 250
+(--conversations 4 with --rounds 0 keeps its turn sizes and runs in minutes); --clock cpu --threads 1 on a loaded host.
 """
 
 from __future__ import annotations
