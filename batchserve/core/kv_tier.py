@@ -203,8 +203,8 @@ class TierStore:
             self._pending.difference_update(digests)
 
     def put(self, digest: bytes, payload, retention: Retention = Retention()) -> bool:
-        """Write one block (atomic: temporary file, then rename); `payload` is any bytes-like object, written
-        without a copy. False when it was not written: a block larger than the cap, or an OS error such as a full
+        """Write one block (atomic: temporary file, then rename); `payload` is a bytes-like object, or a list of
+        them written one after the other (no joined copy). False when it was not written: a block larger than the cap, or an OS error such as a full
         disk (logged and counted; the engine keeps serving)."""
         try:
             return self._put(digest, payload, retention)
@@ -215,16 +215,16 @@ class TierStore:
         if self._refresh_if_present(digest, retention) or self.contains(digest):  # another engine may have written it
             return True
         start = time.perf_counter()
-        payload = memoryview(payload).cast("B")
-        header = _HEADER.pack(MAGIC, VERSION, retention.priority, retention.expires_at, self.fingerprint, digest,
-                              len(payload))
-        size = HEADER_BYTES + len(payload)
+        parts = [memoryview(p).cast("B") for p in (payload if isinstance(payload, list) else [payload])]
+        length = sum(len(p) for p in parts)
+        header = _HEADER.pack(MAGIC, VERSION, retention.priority, retention.expires_at, self.fingerprint, digest, length)
+        size = HEADER_BYTES + length
         if size > self.max_bytes:
             return False
         self._make_room(size)
         temp = self.dir / f".{digest.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            _write_file(temp, (header, _checksum(header, payload), payload), size)
+            _write_file(temp, [header, _checksum(header, *parts), *parts], size)
             os.replace(temp, self.path_of(digest))
         except OSError as exc:
             self._write_failed(temp, exc)
@@ -345,8 +345,11 @@ def _eviction_rank(digest: bytes, entry: _Entry, now: float, protected: frozense
     return (priority, digest in protected, entry.last_used)
 
 
-def _checksum(header, payload) -> bytes:
-    return _CHECKSUM.pack(zlib.crc32(payload, zlib.crc32(header)))
+def _checksum(*parts) -> bytes:
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return _CHECKSUM.pack(crc)
 
 
 def _write_file(path: Path, parts, size: int) -> None:

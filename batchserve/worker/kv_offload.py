@@ -2,9 +2,9 @@
 
 A block's payload is every layer's parts (K and V; a quantized pool's codes and scales too) for that block, in layer
 order, as raw bytes: a block read back is bit for bit the block written. Saves are copied out of the pool at the end of
-the step that filled them (a copy: the pool block may be reused next step), in one gather per part straight into a
-staging buffer laid out as the payloads, so the writer thread has nothing left to join: it checksums and writes each
-row as it lies. Steps that complete no block copy nothing. When the writer falls behind by more than
+the step that filled them (a copy: the pool block may be reused next step), one gather per layer part for all of the
+step's blocks; the writer thread checksums each block's rows of those copies and writes them with one writev, never
+joining them into one buffer. Steps that complete no block copy nothing. When the writer falls behind by more than
 WRITE_QUEUE_BYTES, later saves are skipped (counted) rather than let the queue grow or the step wait.
 
 Write-through, not write-on-evict: a block is written when it becomes full and hashed, not when the pool lets it go.
@@ -34,8 +34,6 @@ from batchserve.worker.kv_cache import KVCache, _parts
 logger = logging.getLogger(__name__)
 
 WRITE_QUEUE_BYTES = 256 << 20
-STAGING_CHUNK_BYTES = 8 << 20  # a gather fills chunks of this many bytes' rows, reused: fresh pages cost 5x the copy
-STAGING_KEPT_BYTES = 64 << 20  # chunks kept for reuse after a burst; the rest go back to the allocator
 DEFAULT_MAX_BYTES = 16 << 30  # kv_offload_max_bytes when only the directory is given
 
 
@@ -74,7 +72,6 @@ class BlockWriter:
         self.num_skipped = 0  # saves dropped because the writer was behind
         self._queued_bytes = 0
         self._per_block = 0
-        self._free_chunks: list[torch.Tensor] = []  # staging chunks the writer is done with, reused last-in first-out
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kv-tier-write", daemon=True)
@@ -89,23 +86,8 @@ class BlockWriter:
                 self.store.release(s.digest for s in saves[room:])
                 saves = saves[:room]
             self._queued_bytes += len(saves) * per_block
-        rows = max(1, STAGING_CHUNK_BYTES // per_block)
-        for start in range(0, len(saves), rows):  # nothing at all when the step completed no block
-            chunk = saves[start : start + rows]
-            staging = self._chunk(rows, per_block)
-            gather_payloads(kv_cache, [s.block_id for s in chunk], staging[: len(chunk)])
-            self._queue.put((list(chunk), staging, per_block))
-
-    def _chunk(self, rows: int, per_block: int) -> torch.Tensor:
-        with self._lock:
-            if self._free_chunks:
-                return self._free_chunks.pop()
-        return torch.empty((rows, per_block), dtype=torch.uint8)
-
-    def _recycle(self, staging: torch.Tensor) -> None:
-        with self._lock:
-            if (len(self._free_chunks) + 1) * staging.numel() <= STAGING_KEPT_BYTES:
-                self._free_chunks.append(staging)
+        if saves:  # nothing at all when the step completed no block
+            self._queue.put((list(saves), gather_parts(kv_cache, [s.block_id for s in saves]), per_block))
 
     def _run(self) -> None:
         _lowest_priority()
@@ -114,12 +96,9 @@ class BlockWriter:
             try:
                 if item is None:
                     return
-                saves, staging, per_block = item
-                rows = staging.numpy()
+                saves, parts, per_block = item
                 for n, save in enumerate(saves):
-                    self.store.put(save.digest, rows[n], save.retention)
-                del rows
-                self._recycle(staging)
+                    self.store.put(save.digest, [part[n] for part in parts], save.retention)
                 with self._lock:
                     self._queued_bytes -= len(saves) * per_block
             except Exception:  # a writer that dies would silently stop the tier: log and go on
@@ -137,17 +116,16 @@ class BlockWriter:
             self._thread.join()
 
 
-def gather_payloads(kv_cache: KVCache, block_ids: Sequence[int], staging: torch.Tensor) -> torch.Tensor:
-    """The blocks' payloads into the rows of `staging` (uint8, on the CPU, a row a block), each part gathered
-    into its columns: one copy, no joining afterwards."""
+def gather_parts(kv_cache: KVCache, block_ids: Sequence[int]) -> list:
+    """Every layer part's rows of these blocks, as raw bytes (numpy arrays on the CPU, a row a block): one
+    index_select a part into a fresh contiguous tensor, which the allocator serves from memory it reuses (a gather
+    into one long-lived strided buffer paid the first touch of its pages whenever the writer had not handed it back)."""
     ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device_caches[0][0].device)
-    offset = 0
-    for i, j, size in _part_sizes(kv_cache):
+    parts = []
+    for i, j, _ in _part_sizes(kv_cache):
         part = _parts(kv_cache.device_caches[i])[j]
-        raw = part.view(part.shape[0], -1).view(torch.uint8)
-        torch.index_select(raw, 0, ids, out=staging[:, offset : offset + size])
-        offset += size
-    return staging
+        parts.append(part.view(part.shape[0], -1).view(torch.uint8).index_select(0, ids).numpy())
+    return parts
 
 
 def _lowest_priority() -> None:

@@ -1,6 +1,6 @@
 """The disk tier's cheaper paths on a real (tiny, random) Llama: a prefix read back while another request's steps go
-on (its blocks loading, the steps not waiting) gives transformers' tokens for both; the writer's staging rows, reused
-across saves of every size, hold each block's K/V exactly."""
+on (its blocks loading, the steps not waiting) gives transformers' tokens for both; the files written after saves of
+every size hold each block's K/V exactly; only steps that complete a block copy anything, once for all of them."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_a_read_back_overlaps_another_requests_steps(tiny, tmp_path):  # noqa: F
     eng.close()
 
 
-def test_staging_rows_hold_each_block_exactly(tiny, tmp_path):  # noqa: F811
+def test_written_files_hold_each_block_exactly(tiny, tmp_path):  # noqa: F811
     _, directory = tiny
     eng = engine(directory, tmp_path, dtype="bfloat16", num_kv_blocks=24)
     for seed, blocks in ((3, 2), (4, 7), (5, 1), (6, 9)):  # saves of growing and shrinking sizes reuse the rows
@@ -82,13 +82,13 @@ def test_only_steps_that_complete_a_block_copy(tiny, tmp_path, monkeypatch):  # 
     _, directory = tiny
     eng = engine(directory, tmp_path)
     gathered: list[int] = []
-    real = kv_offload.gather_payloads
+    real = kv_offload.gather_parts
 
-    def counting(kv_cache, block_ids, staging):
+    def counting(kv_cache, block_ids):
         gathered.append(len(block_ids))
-        return real(kv_cache, block_ids, staging)
+        return real(kv_cache, block_ids)
 
-    monkeypatch.setattr(kv_offload, "gather_payloads", counting)
+    monkeypatch.setattr(kv_offload, "gather_parts", counting)
     generate(eng, prompt(8, 2 * BLOCK + 3), max_tokens=20)  # 23 steps; blocks complete in two of them
     assert gathered == [2, 1] and eng.kv_tier.stats.blocks_written == 3
     eng.close()
