@@ -9,8 +9,8 @@ import pytest
 
 from batchserve.engine.llm_engine import LLMEngine
 from tests.server.fakes import fake_engine
-from tests.server.test_dashboard_browser import BROWSER, _Texts, browse
 from tests.server.live import start_server
+from tests.server.test_dashboard_browser import BROWSER, _Texts, browse
 from tests.tiny_models import VOCAB, hf_greedy, tiny_checkpoint
 
 BLOCK = 16
