@@ -18,6 +18,7 @@ from batchserve.core.outputs import SchedulerStats
 from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.engine.outputs import CompletionDelta
+from batchserve.serving.kv_tier_metrics import tier_summary
 
 STEP_RING = 600  # steps kept: the dashboard draws the last few hundred, doctor polls with ?since=
 LATENCY_WINDOW_S = 60.0  # the percentiles cover the requests finished this long ago at most
@@ -76,9 +77,11 @@ class LiveStats:
         self._config: dict[str, Any] = {}
         self._totals = {"requests_finished": 0, "generation_tokens": 0, "prompt_tokens": 0, "steps": 0}
         self._wall_offset = time.time() - time.monotonic()  # the engine's times are monotonic
+        self._engine: LLMEngine | None = None  # read at snapshot time for the disk tier's panel
 
     def attach(self, engine: AsyncLLMEngine) -> LiveStats:
         self._config = {k: v for k, v in engine.engine.effective_config().items() if v is not None}
+        self._engine = engine.engine
         engine.step_listeners.append(self.on_step)
         return self
 
@@ -146,6 +149,9 @@ class LiveStats:
             "steps": steps,
             "latency": latency_summary(requests, self.latency_window_s),
         }
+        tier = tier_summary(self._engine) if self._engine is not None else None
+        if tier is not None:  # the disk KV tier's panel (docs/kv-offload.md#metrics)
+            snapshot["kv_tier"] = tier
         if with_requests:
             snapshot["requests"] = [asdict(r) for r in requests if r.finished_time > finished_after]
         return snapshot
