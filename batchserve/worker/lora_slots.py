@@ -51,6 +51,9 @@ class LoRAPool:
         self.req_lora: dict[str, int] = {}  # requests the worker holds -> their adapter
         self.free_slots = list(range(max_loras - 1, -1, -1))  # popped from the end: slot 0 first
         self.layers: list[dict[str, LoRASlots]] = [self._attach(layer) for layer in model.layers]
+        refresh = getattr(model, "refresh_decoder_loop", None)
+        if refresh is not None:  # the native loop takes the slots as its ops' arguments: rebuilt with them
+            refresh()
         self.num_loads = 0  # adapters read from their folder, since start
         # one group per adapter (the engine's); "request": one per request, the loop a grouping replaces
         # (benchmarks/lora.py measures the two)
