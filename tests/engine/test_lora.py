@@ -19,6 +19,7 @@ from batchserve.sampling_params import SamplingParams
 from tests.tiny_loras import make_adapters, peft_greedy
 from tests.tiny_models import VOCAB, hf_greedy, tiny_checkpoint
 
+
 def python_layer_ran(*args, **kwargs):
     raise AssertionError("a step took the Python layers")
 

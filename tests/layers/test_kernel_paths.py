@@ -140,7 +140,12 @@ def test_the_cpp_table_and_cpu_check_agree_with_the_flags(native):
     built = paths.built_pairs(native.kernel_table())
     assert built <= _everything_built() | {("prefill_attention", "avx512"), ("prefill_attention", "avx512_bf16"),
                                           ("gemm_pairs", "avx512_bf16")}  # fmt: skip
-    assert {("attention", "portable"), ("quant_gemm", "portable"), ("kv_codec", "portable"), ("lora", "portable")} <= built
+    assert {
+        ("attention", "portable"),
+        ("quant_gemm", "portable"),
+        ("kv_codec", "portable"),
+        ("lora", "portable"),
+    } <= built
     assert kernels.kernel_paths().paths == select_paths(kernels.cpu_flags(), {}, kernels.built_here()).paths
 
 

@@ -11,7 +11,6 @@ import torch
 
 from batchserve.layers import kernels
 from batchserve.layers.lora import LoRAGroup, LoRASlots, LoRAStep
-from tests.forcing import force_lora_path  # noqa: F401  (a fixture of the tests here)
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="native kernels not built here")
 

@@ -14,7 +14,6 @@ from batchserve.layers.linear import layout_policy
 from batchserve.layers.lora import LoRAGroup, LoRAStep
 from batchserve.models.lora_adapters import target_shapes
 from batchserve.worker.lora_slots import PROJECTIONS, LoRAPool
-from tests.forcing import force_lora_path  # noqa: F401  (a fixture of the tests here)
 from tests.models.conftest import load_ours
 from tests.models.test_decoder_loop import _force_units, assert_same, forward, native_forward, step_batch
 
