@@ -16,6 +16,7 @@ from batchserve.engine.lora_registry import UnknownAdapterError
 from batchserve.models.gemma import GemmaDecoderLayer
 from batchserve.models.llama import DecoderLayer
 from batchserve.sampling_params import SamplingParams
+from batchserve.serving.live_stats import LiveStats
 from tests.tiny_loras import make_adapters, peft_greedy
 from tests.tiny_models import VOCAB, hf_greedy, tiny_checkpoint
 
@@ -161,3 +162,29 @@ def test_adapters_load_and_unload_while_requests_run(family):
     assert outputs["running"] == peft_greedy(adapters["sql"], prompt, 10)
     assert outputs["new"] == peft_greedy(adapters["poet"], prompt, 10)
     assert 1 not in engine.runner.lora.loaded  # the unloaded adapter's copy went with its last request
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_finished_requests_name_their_adapter_on_the_dashboard(family):
+    """Each finished request's delta names its adapter; the dashboard's data counts each adapter's requests (the
+    base model's under "") with their TTFT and TPOT percentiles."""
+    _, base_dir, adapters = family
+    llm = LLM(model=str(base_dir), device="cpu", dtype="float32", enable_lora=True, max_loras=2, num_kv_blocks=64)
+    engine = llm.engine
+    for lora in lora_requests(adapters).values():
+        engine.add_lora(lora)
+    stats = LiveStats()
+    for name in ("sql", "sql", None, "poet"):
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, lora_name=name)
+        engine.add_prompt(None, {"prompt_token_ids": [5, 6, 7]}, params)
+    finished = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        finished += [(o.lora_name, o.request_id) for o in outputs if o.finished]
+        stats.on_step(engine, outputs)
+    assert sorted(name or "" for name, _ in finished) == ["", "poet", "sql", "sql"]
+    snapshot = stats.snapshot(with_requests=True)
+    assert sorted(r["adapter"] or "" for r in snapshot["requests"]) == ["", "poet", "sql", "sql"]
+    by_adapter = snapshot["latency"]["by_adapter"]
+    assert {name: a["count"] for name, a in by_adapter.items()} == {"": 1, "poet": 1, "sql": 2}
+    assert all(a["ttft_s"]["p50"] is not None and a["tpot_s"]["p50"] is not None for a in by_adapter.values())
