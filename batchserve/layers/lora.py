@@ -81,15 +81,33 @@ class LoRASlots:
 
     def load(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None], rank: int) -> None:
         """Slot `slot` takes an adapter's (A [r, in], B [size, r]) per slice (None: the slice is not targeted)."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.load_rows(slot, self.rows_of(parts, rank))
+
+    def rows_of(self, parts: list[tuple[torch.Tensor, torch.Tensor] | None], rank: int):
+        """An adapter's parts (as `load` takes them) in a slot's layout: (a [n * r, in], b [n * r, out]) in host
+        memory, or None where it targets no slice. Made when the adapter is read (worker/lora_slots.py: off the
+        engine loop), so that taking a slot is two copies."""
+        if all(part is None for part in parts):
+            return None
+        n = len(self.slices)
+        a = torch.zeros(n * rank, self.a.shape[2], dtype=self.a.dtype)
+        b = torch.zeros(n * rank, self.b.shape[2], dtype=self.b.dtype)
         for i, part in enumerate(parts):
             if part is not None:
                 offset, size = self.slices[i]
-                self.a[slot, i * rank : (i + 1) * rank].copy_(part[0])
-                self.b[slot, i * rank : (i + 1) * rank, offset : offset + size].copy_(part[1].t())
-        self.present[slot] = any(part is not None for part in parts)
-        self.present_flags[slot] = int(self.present[slot])
+                a[i * rank : (i + 1) * rank].copy_(part[0])
+                b[i * rank : (i + 1) * rank, offset : offset + size].copy_(part[1].t())
+        return a, b
+
+    def load_rows(self, slot: int, rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Slot `slot` takes `rows_of`'s result. Rows past the adapter's n * r keep an earlier adapter's values:
+        a group of rank r reads only its first n * r."""
+        if rows is not None:
+            count = rows[0].shape[0]
+            self.a[slot, :count].copy_(rows[0], non_blocking=True)
+            self.b[slot, :count].copy_(rows[1], non_blocking=True)
+        self.present[slot] = rows is not None
+        self.present_flags[slot] = int(rows is not None)
 
     def native_weights(self):
         """These slots as the native kernels take them (a LoraWeights sharing the tensors, made once); None where the

@@ -37,6 +37,8 @@ class LoRAAdapter:
     rank: int
     scale: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # (layer, projection) -> the weights in its slot layout (layers/lora.py LoRASlots.rows_of), made once, when read
+    slot_rows: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=dict)
 
     @property
     def targets(self) -> set[str]:

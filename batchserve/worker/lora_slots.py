@@ -75,10 +75,17 @@ class LoRAPool:
 
     # ---- adapters in and out ----------------------------------------------------------------------------------
     def read(self, lora: LoRARequest) -> LoRAAdapter:
-        """The adapter's folder read and checked against the base (no state of the pool changes: any thread)."""
-        return load_peft_adapter(
+        """The adapter's folder read and checked against the base, its weights laid out as the slots take them (no
+        state of the pool changes: any thread; the server reads on a worker thread, so that taking a slot within a
+        step is two copies a projection)."""
+        adapter = load_peft_adapter(
             lora.lora_path, lora.lora_name, lora.lora_int_id, self.config, self.max_rank, self.dtype
         )
+        for index, layer in enumerate(self.layers):
+            for path, targets in PROJECTIONS:
+                parts = [adapter.weights.get((index, target)) for target in targets]
+                adapter.slot_rows[(index, path[1])] = layer[path[1]].rows_of(parts, adapter.rank)
+        return adapter
 
     def add(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
         """Register and hold in host memory (`adapter`: read already; else read now)."""
@@ -180,6 +187,5 @@ class LoRAPool:
 
     def _fill(self, slot: int, adapter: LoRAAdapter) -> None:
         for index, layer in enumerate(self.layers):
-            for path, targets in PROJECTIONS:
-                parts = [adapter.weights.get((index, target)) for target in targets]
-                layer[path[1]].load(slot, parts, adapter.rank)
+            for path, _ in PROJECTIONS:
+                layer[path[1]].load_rows(slot, adapter.slot_rows[(index, path[1])])
