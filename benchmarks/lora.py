@@ -8,6 +8,7 @@
 
     python benchmarks/lora.py                  # the default model, the first 32 requests of peer64
     python benchmarks/lora.py --limit 0        # the whole workload
+    python benchmarks/lora.py --rounds 3       # each variant 3 times, alternating: median figures and ratios
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--single-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1, help="measure every variant this many times, alternating")
     args = parser.parse_args()
     requests = json.loads(WORKLOAD.read_text())["requests"]
     requests = requests[: args.limit] if args.limit else requests
@@ -93,20 +96,28 @@ def main() -> None:
         )
         prompt = requests[0]["prompt_token_ids"]
         step_ms(llm, prompt, 8, loras[0])  # warm
-        alone = step_ms(llm, prompt, args.single_tokens, None)
-        alone_lora = step_ms(llm, prompt, args.single_tokens, loras[0])
-        print(f"single stream               {alone:8.2f} ms/token")
-        print(f"single stream + adapter     {alone_lora:8.2f} ms/token   {alone / alone_lora:.2f}x the speed without",
-              flush=True)  # fmt: skip
-        base = throughput(llm, requests, [None] * len(requests))
-        print(f"peer64 base alone           {base:8.1f} tok/s", flush=True)
-        with_loras = throughput(llm, requests, spread)
-        print(f"peer64 over {args.adapters} adapters       {with_loras:8.1f} tok/s   {with_loras / base:.2f}x base",
-              flush=True)  # fmt: skip
-        llm.engine.runner.lora.grouping = "request"
-        looped = throughput(llm, requests, spread)
-        llm.engine.runner.lora.grouping = "adapter"
-        print(f"  deltas one request a time {looped:8.1f} tok/s   grouped {with_loras / looped:.2f}x looped")
+        pool = llm.engine.runner.lora
+        rows = []
+        # each round measures every variant once: a shared host's swings of load touch all of them alike
+        for _ in range(args.rounds):
+            alone = step_ms(llm, prompt, args.single_tokens, None)
+            alone_lora = step_ms(llm, prompt, args.single_tokens, loras[0])
+            base = throughput(llm, requests, [None] * len(requests))
+            with_loras = throughput(llm, requests, spread)
+            pool.grouping = "request"
+            looped = throughput(llm, requests, spread)
+            pool.grouping = "adapter"
+            rows.append((alone, alone_lora, base, with_loras, looped))
+            print(f"round: {alone:.2f} / {alone_lora:.2f} ms/token, {base:.1f} / {with_loras:.1f} / {looped:.1f} tok/s; "
+                  f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+        median = [statistics.median(column) for column in zip(*rows)]
+        ratios = [statistics.median(r[i] / r[j] for r in rows) for i, j in ((0, 1), (3, 2), (3, 4))]
+        print(f"median of {args.rounds} round(s):")
+        print(f"single stream               {median[0]:8.2f} ms/token")
+        print(f"single stream + adapter     {median[1]:8.2f} ms/token   {ratios[0]:.2f}x the speed without")
+        print(f"peer64 base alone           {median[2]:8.1f} tok/s")
+        print(f"peer64 over {args.adapters} adapters       {median[3]:8.1f} tok/s   {ratios[1]:.2f}x base")
+        print(f"  deltas one request a time {median[4]:8.1f} tok/s   grouped {ratios[2]:.2f}x looped")
 
 
 if __name__ == "__main__":
