@@ -9,6 +9,7 @@
     python benchmarks/lora.py                  # the default model, the first 32 requests of peer64
     python benchmarks/lora.py --limit 0        # the whole workload
     python benchmarks/lora.py --rounds 3       # each variant 3 times, alternating: median figures and ratios
+    python benchmarks/lora.py --decode-steps 20 --rounds 3   # decode steps alone, their fastest (a busy host)
 """
 
 from __future__ import annotations
@@ -69,6 +70,57 @@ def step_ms(llm: LLM, prompt: list[int], tokens: int, lora: LoRARequest | None) 
     return (out.metrics.finished_time - out.metrics.first_token_time) / (tokens - 1) * 1e3
 
 
+def decode_step_ms(engine, prompts: list[list[int]], loras: list[LoRARequest | None], steps: int) -> float:
+    """The fastest of `steps` decode steps of these requests decoding together (their prompts computed first): the
+    step's own cost, least touched by other processes on a shared host."""
+    ids = []
+    for prompt, lora in zip(prompts, loras, strict=True):
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 8,
+                                lora_name=lora.lora_name if lora else None)  # fmt: skip
+        ids.append(engine.add_prompt(None, {"prompt_token_ids": prompt}, params))
+    while engine.scheduler.num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    engine.abort_request(ids)
+    engine.step()
+    print(f"  {len(ids)} stream(s){' with adapters' if any(loras) else ''}: {min(times) * 1e3:.2f} ms", flush=True)
+    return min(times) * 1e3
+
+
+def decode_steps(llm: LLM, requests: list[dict], loras: list[LoRARequest], rounds: int, steps: int) -> None:
+    """Decode step times, variants alternating round by round: one stream with and without an adapter; the
+    requests spread over the adapters, on the base model alone, and with the deltas one request at a time."""
+    engine, pool = llm.engine, llm.engine.runner.lora
+    for lora in loras:
+        engine.add_lora(lora)
+    prompts = [r["prompt_token_ids"][:64] for r in requests]
+    spread = [loras[i % len(loras)] for i in range(len(prompts))]
+    rows = []
+    for _ in range(rounds):
+        alone = decode_step_ms(engine, prompts[:1], [None], steps)
+        alone_lora = decode_step_ms(engine, prompts[:1], loras[:1], steps)
+        base = decode_step_ms(engine, prompts, [None] * len(prompts), steps)
+        with_loras = decode_step_ms(engine, prompts, spread, steps)
+        pool.grouping = "request"
+        looped = decode_step_ms(engine, prompts, spread, steps)
+        pool.grouping = "adapter"
+        rows.append((alone, alone_lora, base, with_loras, looped))
+        print(f"round: {alone:.2f} / {alone_lora:.2f}; {base:.2f} / {with_loras:.2f} / {looped:.2f} ms a step; "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    best = [min(column) for column in zip(*rows)]
+    print(f"fastest decode step of {rounds} round(s) x {steps} steps:")
+    print(f"one stream: {best[0]:.2f} ms, with an adapter {best[1]:.2f} ms ({best[0] / best[1]:.2f}x the speed)")
+    print(f"{len(prompts)} streams: base {best[2]:.2f} ms, over {len(loras)} adapters {best[3]:.2f} ms "
+          f"({best[2] / best[3]:.2f}x base), deltas one request at a time {best[4]:.2f} ms "
+          f"(grouped {best[4] / best[3]:.2f}x looped)")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
@@ -79,6 +131,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--single-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1, help="measure every variant this many times, alternating")
+    parser.add_argument("--decode-steps", type=int, default=0,
+                        help="time this many decode steps of each variant instead (their fastest: a shared host)")  # fmt: skip
     args = parser.parse_args()
     requests = json.loads(WORKLOAD.read_text())["requests"]
     requests = requests[: args.limit] if args.limit else requests
@@ -94,6 +148,9 @@ def main() -> None:
         print(
             f"{len(requests)} requests of peer64, {args.adapters} adapters of rank {args.rank} on all seven projections"
         )
+        if args.decode_steps:
+            decode_steps(llm, requests, loras, args.rounds, args.decode_steps)
+            return
         prompt = requests[0]["prompt_token_ids"]
         step_ms(llm, prompt, 8, loras[0])  # warm
         pool = llm.engine.runner.lora
