@@ -9,7 +9,7 @@
     python benchmarks/lora.py                  # the default model, the first 32 requests of peer64
     python benchmarks/lora.py --limit 0        # the whole workload
     python benchmarks/lora.py --rounds 3       # each variant 3 times, alternating: median figures and ratios
-    python benchmarks/lora.py --decode-steps 20 --rounds 3   # decode steps alone, their fastest (a busy host)
+    python benchmarks/lora.py --decode-steps 20 --rounds 3 --threads 1   # decode steps' CPU time (a busy host)
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def step_ms(llm: LLM, prompt: list[int], tokens: int, lora: LoRARequest | None) 
 
 
 def decode_step_ms(engine, prompts: list[list[int]], loras: list[LoRARequest | None], steps: int) -> float:
-    """The fastest of `steps` decode steps of these requests decoding together (their prompts computed first): the
-    step's own cost, least touched by other processes on a shared host."""
+    """The cheapest of `steps` decode steps of these requests decoding together (their prompts computed first), in
+    this process's CPU time: with one thread, the step's own cost, whatever other processes take of the cores
+    (with more, it counts the threads' waits at each barrier too, which a busy host lengthens)."""
     ids = []
     for prompt, lora in zip(prompts, loras, strict=True):
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 8,
@@ -84,9 +85,9 @@ def decode_step_ms(engine, prompts: list[list[int]], loras: list[LoRARequest | N
         engine.step()
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = time.process_time()
         engine.step()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     engine.abort_request(ids)
     engine.step()
     print(f"  {len(ids)} stream(s){' with adapters' if any(loras) else ''}: {min(times) * 1e3:.2f} ms", flush=True)
@@ -114,7 +115,7 @@ def decode_steps(llm: LLM, requests: list[dict], loras: list[LoRARequest], round
         print(f"round: {alone:.2f} / {alone_lora:.2f}; {base:.2f} / {with_loras:.2f} / {looped:.2f} ms a step; "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     best = [min(column) for column in zip(*rows)]
-    print(f"fastest decode step of {rounds} round(s) x {steps} steps:")
+    print(f"cheapest decode step (process CPU time) of {rounds} round(s) x {steps} steps:")
     print(f"one stream: {best[0]:.2f} ms, with an adapter {best[1]:.2f} ms ({best[0] / best[1]:.2f}x the speed)")
     print(f"{len(prompts)} streams: base {best[2]:.2f} ms, over {len(loras)} adapters {best[3]:.2f} ms "
           f"({best[2] / best[3]:.2f}x base), deltas one request at a time {best[4]:.2f} ms "
@@ -132,7 +133,7 @@ def main() -> None:
     parser.add_argument("--single-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1, help="measure every variant this many times, alternating")
     parser.add_argument("--decode-steps", type=int, default=0,
-                        help="time this many decode steps of each variant instead (their fastest: a shared host)")  # fmt: skip
+                        help="time this many decode steps of each variant instead (the cheapest in CPU time: a busy host)")  # fmt: skip
     args = parser.parse_args()
     requests = json.loads(WORKLOAD.read_text())["requests"]
     requests = requests[: args.limit] if args.limit else requests

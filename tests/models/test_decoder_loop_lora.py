@@ -2,7 +2,8 @@
 the native LoRA kernel, before SwiGLU or GeGLU reads gate/up and before RoPE reads q/k) against the Python sequencing
 (layers/lora.py project in each layer): a mixed step's rows and K/V bit for bit, float32 and bfloat16, on every LoRA
 kernel path this host runs, over float32, bf16 (oneDNN, AMX, widened) and quantized base weights; the adapters
-change their rows and leave the base model's alone."""
+change their rows and leave the base model's alone (on AMX: gate/up's plain product then SwiGLU, bit for bit the
+fused kernel's)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from batchserve.layers.lora import LoRAGroup, LoRAStep
 from batchserve.models.lora_adapters import target_shapes
 from batchserve.worker.lora_slots import PROJECTIONS, LoRAPool
 from tests.models.conftest import load_ours
-from tests.models.test_decoder_loop import _force_units, assert_same, forward, native_forward, step_batch
+from tests.models.test_decoder_loop import (
+    _check_gemm_layouts,
+    _force_units,
+    assert_same,
+    forward,
+    native_forward,
+    step_batch,
+)
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="native kernels not built here")
 
@@ -90,6 +98,8 @@ def test_steps_with_adapters_run_the_loop_bit_for_bit(
     force_lora_path(path)
     _, directory = tiny_models(kind)
     config, model = load_ours(directory, dtype)
+    if kind == "llama":  # on AMX, gate/up in swiglu panels: its plain product's columns put back in order
+        _check_gemm_layouts(model, units)
     attach_adapters(model, config, dtype, seed=len(kind))
     check_loop_equals_python(model, config, dtype, monkeypatch)
 

@@ -176,7 +176,8 @@ void run(const Op& op, Registers& r, LayerContext& context) {
       return;
     case OpKind::kQkv: {  // models/llama.py Attention.forward
       const int64_t tokens = r.h.size(0), heads = n[0], kv_heads = n[1], head_dim = n[2];
-      const auto parts = project(op, 0, r.h, context).split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
+      const auto qkv = project(op, 0, r.h, context);
+      const auto parts = qkv.split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
       r.qk = parts[0].view({tokens, heads + kv_heads, head_dim});
       r.v = parts[1].view({tokens, kv_heads, head_dim});
       return;

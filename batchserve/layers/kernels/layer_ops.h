@@ -32,7 +32,7 @@ struct Projection {
   int64_t out_features;
   RowSchedule rows;
   bool packed_only, amx_emulated;
-  bool swiglu = false;  // a gate/up projection whose AMX panels are in swiglu order: AMX only through silu_and_mul_of
+  bool swiglu = false;  // a gate/up projection whose AMX panels are in swiglu order (columns put back by gemm)
   // bf16 pairs for bf16_gemm (bf16_gemm.cpp): when set, every M takes it (one reduction order per row, float32 out)
   c10::optional<at::Tensor> bf16_packed;
   bool float_output = false;  // the result stays in the GEMM's float32 (the output projection: logits), else x's dtype
