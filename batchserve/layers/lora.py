@@ -38,6 +38,9 @@ class LoRAStep:
     """One step's grouping of tokens by adapter; base-model tokens are in no group."""
 
     groups: tuple[LoRAGroup, ...] = ()
+    # a group of this many rows or more (a prompt's) takes two library GEMMs in the native kernels; 0: never (a
+    # deterministic engine: the vector kernel's order per row ignores the batch)
+    gemm_min_rows: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.groups)
@@ -54,7 +57,8 @@ class LoRAStep:
             offsets.append(offsets[-1] + group.rows.shape[0])
         rows = torch.cat([group.rows for group in self.groups])
         slots, ranks = [g.slot for g in self.groups], [g.rank for g in self.groups]
-        return native.LoraBatch(slots, ranks, [g.scale for g in self.groups], rows, offsets, kernels.lora_path())
+        scales, path = [g.scale for g in self.groups], kernels.lora_path()
+        return native.LoraBatch(slots, ranks, scales, rows, offsets, path, self.gemm_min_rows)
 
 
 @dataclass

@@ -30,6 +30,9 @@ PROJECTIONS = (
 )
 
 
+GEMM_MIN_ROWS = 32  # an adapter's rows in a step from which two GEMMs beat the vector kernel (a prompt's rows)
+
+
 class LoRAPool:
     def __init__(
         self,
@@ -40,6 +43,7 @@ class LoRAPool:
         max_cpu_loras: int,
         dtype: torch.dtype,
         device: torch.device,
+        deterministic: bool = False,
     ) -> None:
         if config.num_experts > 0:
             raise LoRALoadError("LoRA adapters on a mixture-of-experts model are not served")
@@ -58,6 +62,8 @@ class LoRAPool:
         # one group per adapter (the engine's); "request": one per request, the loop a grouping replaces
         # (benchmarks/lora.py measures the two)
         self.grouping = "adapter"
+        # groups of this many rows multiply by GEMMs in the native kernels; a deterministic engine never (0)
+        self.gemm_min_rows = 0 if deterministic else GEMM_MIN_ROWS
 
     def _attach(self, layer: nn.Module) -> dict[str, LoRASlots]:
         """Each projection of `layer` gets its slots (an attribute the model's `project` reads)."""
@@ -159,7 +165,7 @@ class LoRAPool:
             contiguous = int(rows[-1] - rows[0]) + 1 == len(rows)
             tensor = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
             groups.append(LoRAGroup(slot, adapter.rank, adapter.scale, tensor, int(rows[0]) if contiguous else -1))
-        return LoRAStep(tuple(groups))
+        return LoRAStep(tuple(groups), self.gemm_min_rows)
 
     def _slot(self, lora_id: int, this_step: list[int]) -> tuple[int, LoRAAdapter]:
         """The adapter's device slot, loading it there when it has none (into a free slot, else the least recently

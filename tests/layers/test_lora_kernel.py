@@ -35,32 +35,34 @@ def group(slot: int, rank: int, scale: float, rows: list[int]) -> LoRAGroup:
     return LoRAGroup(slot, rank, scale, torch.tensor(rows, dtype=torch.int64), rows[0] if contiguous else -1)
 
 
-def a_step() -> LoRAStep:
+def a_step(gemm_min_rows: int = 0) -> LoRAStep:
     """23 rows: two scattered groups (one of them longer than a tile), a contiguous one, one whose adapter targets
-    nothing here; rows 3, 4 and 22 run the base model."""
+    nothing here; rows 3, 4 and 22 run the base model. gemm_min_rows 8: the groups of 8 rows take two GEMMs."""
     return LoRAStep((
         group(0, 8, 0.5, [0, 2, 5, 6, 7, 8, 9, 20]),
         group(1, 4, 2.0, [1, 10, 11]),
         group(2, 2, 1.0, list(range(12, 20))),
         group(3, 8, 1.0, [21]),
-    ))  # fmt: skip
+    ), gemm_min_rows)  # fmt: skip
 
 
+@pytest.mark.parametrize("gemm_min_rows", [0, 8])
 @pytest.mark.parametrize("path", ["avx512", "avx2", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_adds_the_torch_codes_deltas(force_lora_path, path, dtype):
+def test_the_kernel_adds_the_torch_codes_deltas(force_lora_path, path, dtype, gemm_min_rows):
     force_lora_path(path)
     slots = filled_slots(dtype, seed=1)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(23, IN, generator=g).to(dtype)
     y = torch.randn(23, 88, generator=g).to(dtype)
-    step = a_step()
+    step = a_step(gemm_min_rows)
     assert step.native is not None and step.native is step.native  # made once a step
     native = slots.add_delta(x, y.clone(), step)
     in_double = LoRASlots(slots.slices, slots.a.double(), slots.b.double(), list(slots.present))
     reference = in_double.torch_delta(x.double(), y.double(), step)
-    # float32 sums of at most 52 products; bfloat16: one rounding of y's sum (relative 2^-8) on either side
-    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=8e-3, atol=3e-2)
+    # float32 sums of at most 52 products; bfloat16: one rounding of y's sum (relative 2^-8) on either side, and in
+    # the GEMMs one of the shrink too
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=6e-2)
     torch.testing.assert_close(native.double(), reference, **tolerance)
     changed = (native != y).any(dim=1)
     assert changed[[0, 1, 2, 5, 10, 12, 19, 20]].all()  # every adapter that targets a slice moved its rows
@@ -70,14 +72,15 @@ def test_the_kernel_adds_the_torch_codes_deltas(force_lora_path, path, dtype):
 def test_every_path_agrees_within_rounding(force_lora_path):
     """The paths sum in other orders: float32 results within a few ulps of each other."""
     slots = filled_slots(torch.float32, seed=3)
-    x, y = torch.randn(23, IN), torch.randn(23, 88)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(23, IN, generator=g), torch.randn(23, 88, generator=g)
     results = []
     for path in ("avx512", "avx2", "portable"):
         if kernels.lora_path_runs(path):
             force_lora_path(path)
             results.append(slots.add_delta(x, y.clone(), a_step()))
     for other in results[1:]:
-        torch.testing.assert_close(other, results[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(other, results[0], rtol=1e-5, atol=1e-4)  # sums near 0 of terms near 40
 
 
 def test_bad_arguments_are_errors_that_say_what_is_wrong():
@@ -96,4 +99,4 @@ def test_bad_arguments_are_errors_that_say_what_is_wrong():
     with pytest.raises(RuntimeError, match="one dtype"):
         native.lora_add_(x.bfloat16(), y.bfloat16(), weights, LoRAStep((group(0, 8, 1.0, [1]),)).native)
     with pytest.raises(ValueError, match="offsets"):
-        native.LoraBatch([0], [8], [1.0], torch.tensor([1]), [0, 2], kernels.lora_path())
+        native.LoraBatch([0], [8], [1.0], torch.tensor([1]), [0, 2], kernels.lora_path(), 0)

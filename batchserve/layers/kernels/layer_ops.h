@@ -119,19 +119,21 @@ struct LoraWeights {
   bool defined() const { return a.defined(); }
 };
 // One step's tokens grouped by adapter (layers/lora.py LoRAStep): group g's slot, rank, scale and rows
-// rows[offsets[g]..offsets[g + 1]); the kernel's path. Empty: the step runs the base model alone.
+// rows[offsets[g]..offsets[g + 1]); the kernel's path; groups of gemm_min_rows rows or more (0: none, a deterministic
+// engine's choice) multiply by the library's GEMMs instead. Empty: the step runs the base model alone.
 struct LoraBatch {
   std::vector<int64_t> slot, rank, offsets;
   std::vector<float> scale;
   at::Tensor rows;
   int64_t max_row = -1;
   Isa path = Isa::kPortable;
+  int64_t gemm_min_rows = 0;
   bool empty() const { return slot.empty(); }
 };
 LoraWeights make_lora_weights(at::Tensor a, at::Tensor b, at::Tensor present,
                               const std::vector<std::tuple<int64_t, int64_t>>& slices);
 LoraBatch make_lora_batch(std::vector<int64_t> slot, std::vector<int64_t> rank, const std::vector<double>& scale,
-                          at::Tensor rows, std::vector<int64_t> offsets, Isa path);
+                          at::Tensor rows, std::vector<int64_t> offsets, Isa path, int64_t gemm_min_rows);
 // y [T, out] (the projection's fresh output of x [T, in]) += each group's scale * (x_g @ A^T) @ B, in place
 void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& weights, const LoraBatch& batch);
 

@@ -34,6 +34,7 @@ struct LoraArgs {
   const int64_t* offsets;
   const int64_t* rows;
   int64_t num_groups;
+  int64_t gemm_min_rows;  // groups of this many rows or more are lora_op.cpp's (0: none): this kernel skips them
 };
 
 // y[rows of g] += scale_g * (x[rows of g] @ A_slot^T) @ B_slot for every group whose slot is present, on `path`

@@ -157,7 +157,9 @@ template <class V, class T>
 void run(const LoraArgs& args) {
   std::vector<Item> items;
   for (int64_t g = 0; g < args.num_groups; ++g) {
+    const int64_t count = args.offsets[g + 1] - args.offsets[g];
     if (!args.present[args.slot[g]]) continue;  // the adapter leaves this projection as it is
+    if (args.gemm_min_rows > 0 && count >= args.gemm_min_rows) continue;  // two GEMMs (lora_op.cpp)
     for (int64_t i = args.offsets[g]; i < args.offsets[g + 1]; i += kTile)
       items.push_back({g, i, std::min(kTile, args.offsets[g + 1] - i)});
   }

@@ -19,6 +19,17 @@ bool lora_path_built(Isa path) {
   return false;
 }
 
+// A group of many rows (a prompt's): shrink and expand as two GEMMs of the library (oneDNN's; AMX tiles for bf16
+// where the CPU has them), which the vector kernel's loads cannot match at that size. The shrink is rounded to x's
+// dtype, as layers/lora.py's torch code rounds it.
+void gemm_group(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch, size_t g) {
+  const int64_t used = batch.rank[g] * static_cast<int64_t>(w.slices.size());
+  const auto a = w.a[batch.slot[g]].narrow(0, 0, used), b = w.b[batch.slot[g]].narrow(0, 0, used);
+  const auto rows = batch.rows.narrow(0, batch.offsets[g], batch.offsets[g + 1] - batch.offsets[g]);
+  const auto delta = at::matmul(at::matmul(x.index_select(0, rows), a.t()), b);
+  y.index_add_(0, rows, delta, batch.scale[g]);
+}
+
 }  // namespace
 
 LoraWeights make_lora_weights(at::Tensor a, at::Tensor b, at::Tensor present,
@@ -43,7 +54,7 @@ LoraWeights make_lora_weights(at::Tensor a, at::Tensor b, at::Tensor present,
 }
 
 LoraBatch make_lora_batch(std::vector<int64_t> slot, std::vector<int64_t> rank, const std::vector<double>& scale,
-                          at::Tensor rows, std::vector<int64_t> offsets, Isa path) {
+                          at::Tensor rows, std::vector<int64_t> offsets, Isa path, int64_t gemm_min_rows) {
   const size_t groups = slot.size();
   TORCH_CHECK_VALUE(rank.size() == groups && scale.size() == groups && offsets.size() == groups + 1,
                     "LoRA groups: one slot, rank and scale a group, and its offsets");
@@ -60,7 +71,7 @@ LoraBatch make_lora_batch(std::vector<int64_t> slot, std::vector<int64_t> rank, 
     max_row = std::max(max_row, r[i]);
   }
   return {std::move(slot), std::move(rank), std::move(offsets), std::vector<float>(scale.begin(), scale.end()),
-          std::move(rows), max_row, path};
+          std::move(rows), max_row, path, std::max<int64_t>(gemm_min_rows, 0)};
 }
 
 void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch) {
@@ -93,6 +104,12 @@ void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, c
                       batch.scale.data(),
                       batch.offsets.data(),
                       batch.rows.data_ptr<int64_t>(),
-                      static_cast<int64_t>(batch.slot.size())};
+                      static_cast<int64_t>(batch.slot.size()),
+                      batch.gemm_min_rows};
   lora_add(args, batch.path);
+  for (size_t g = 0; g < batch.slot.size(); ++g) {
+    const int64_t count = batch.offsets[g + 1] - batch.offsets[g];
+    if (batch.gemm_min_rows > 0 && count >= batch.gemm_min_rows && w.present.data_ptr<uint8_t>()[batch.slot[g]])
+      gemm_group(x, y, w, batch, g);
+  }
 }
