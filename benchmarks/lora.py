@@ -147,8 +147,9 @@ def main() -> None:
     args = parser.parse_args()
     requests = json.loads(WORKLOAD.read_text())["requests"]
     requests = requests[: args.limit] if args.limit else requests
+    # no prefix caching: each variant runs the same prompts, whose K/V a later variant would otherwise find cached
     llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, enable_lora=True,
-              max_loras=args.adapters, max_lora_rank=args.rank)  # fmt: skip
+              max_loras=args.adapters, max_lora_rank=args.rank, enable_prefix_caching=False)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         loras = []
         for i in range(args.adapters):
