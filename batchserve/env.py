@@ -53,6 +53,14 @@ def small_gemm_path() -> str | None:
     return None if value in (None, "", "auto") else value
 
 
+def lora_path() -> str | None:
+    """BATCHSERVE_LORA_PATH (default unset or "auto": the CPU's flags decide): forces the path of the LoRA kernel
+    (layers/kernels/lora_kernels.cpp), "avx512", "avx2" or "portable"; to measure or test one path. A path this build
+    or CPU cannot run is an error. Read once, when the first step with adapters runs."""
+    value = os.environ.get("BATCHSERVE_LORA_PATH")
+    return None if value in (None, "", "auto") else value
+
+
 def quant_gemm_path() -> str | None:
     """BATCHSERVE_QUANT_GEMM_PATH (default unset or "auto": the CPU's flags decide): forces the quantized GEMM's path
     (layers/kernels/quant_gemm.cpp), "avx512", "avx2" or "portable"; to measure or test one path. A path this build

@@ -284,15 +284,6 @@ RULES: tuple[Rule, ...] = (
         adjust=_tier_off,
     ),
     Rule(
-        "lora_steps_in_python", Verdict.FALL_BACK, ("enable_lora",),
-        "enable_lora on the CPU with the native kernels",
-        lambda f: f.lora and f.device == "cpu" and f.native_kernels,
-        "the native decoder loop has no LoRA op",
-        "a step with adapters runs the Python sequencing (each projection the native GEMM plus the adapters' "
-        "shrink and expand); steps of the base model alone stay in the native loop",
-        "lora.md#what-runs-where",
-    ),
-    Rule(
         "lora_steps_without_cuda_graphs", Verdict.FALL_BACK, ("enable_lora", "enforce_eager"),
         "enable_lora on a GPU with CUDA graphs",
         lambda f: f.lora and _cuda_graphs_wanted(f),

@@ -63,6 +63,7 @@ class RequestPoint:
     tpot_s: float | None
     e2e_s: float
     slo_met: bool | None = None  # within its TTFT / TPOT targets; None: it had none
+    adapter: str | None = None  # the LoRA adapter it ran with; None: the base model
 
 
 class LiveStats:
@@ -118,6 +119,7 @@ class LiveStats:
             queue_s=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
             ttft_s=None if first_token is None else first_token - m.arrival_time,
             tpot_s=tpot, e2e_s=finished - m.arrival_time, slo_met=m.slo_met(out.num_output_tokens),
+            adapter=out.lora_name,
         )  # fmt: skip
 
     def _forget_old(self, now: float) -> None:
@@ -133,7 +135,9 @@ class LiveStats:
         `finished_after` (wall time) too. `replica` is for the Ray app's reports: one engine here, so any id is
         unknown (LookupError)."""
         if replica:
-            raise LookupError(f"no replica {replica!r}: this server runs one engine (replicas are `serve --replicas N`)")
+            raise LookupError(
+                f"no replica {replica!r}: this server runs one engine (replicas are `serve --replicas N`)"
+            )
         now = time.time()
         with self._lock:
             self._forget_old(now)
@@ -189,7 +193,23 @@ def latency_summary(requests: Iterable[RequestPoint], window_s: float) -> dict[s
         summary[name] = {f"p{p}": percentile(values, p) for p in PERCENTILES}
     judged = [r.slo_met for r in requests if r.slo_met is not None]
     summary["slo"] = {"with_targets": len(judged), "met": sum(judged), "goodput_rps": sum(judged) / window_s}
+    if any(r.adapter for r in requests):  # the dashboard's per-adapter columns (the base model as "")
+        summary["by_adapter"] = by_adapter(requests)
     return summary
+
+
+def by_adapter(requests: Sequence[RequestPoint]) -> dict[str, dict[str, Any]]:
+    """Each adapter's finished requests (the base model's under ""): their count and TTFT / TPOT percentiles."""
+    groups: dict[str, list[RequestPoint]] = {}
+    for r in requests:
+        groups.setdefault(r.adapter or "", []).append(r)
+    out = {}
+    for name, group in sorted(groups.items()):
+        out[name] = {"count": len(group)}
+        for field in ("ttft_s", "tpot_s"):
+            values = [v for v in (getattr(r, field) for r in group) if v is not None]
+            out[name][field] = {f"p{p}": percentile(values, p) for p in PERCENTILES}
+    return out
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "lora_args.h"
 #include "quant_gemm.h"
 
 // The row counts at which a Projection changes GEMM, one object (layers/linear.py RowSchedule builds it): x @ W below
@@ -31,7 +32,7 @@ struct Projection {
   int64_t out_features;
   RowSchedule rows;
   bool packed_only, amx_emulated;
-  bool swiglu = false;  // a gate/up projection whose AMX panels are in swiglu order: AMX only through silu_and_mul_of
+  bool swiglu = false;  // a gate/up projection whose AMX panels are in swiglu order (columns put back by gemm)
   // bf16 pairs for bf16_gemm (bf16_gemm.cpp): when set, every M takes it (one reduction order per row, float32 out)
   c10::optional<at::Tensor> bf16_packed;
   bool float_output = false;  // the result stays in the GEMM's float32 (the output projection: logits), else x's dtype
@@ -106,8 +107,35 @@ at::Tensor windowed_attention(const at::Tensor& q, const at::Tensor& k, const at
 // layers/moe.py SparseMoE.forward: x [T, H] -> [T, H]; experts: each expert's gate/up then down projection.
 at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const std::vector<Projection>& experts, int64_t top_k,
                    bool normalize);
-// layers/activation.py GeGLUMLP.forward: down(gelu_tanh(gate) * up)
-at::Tensor geglu_mlp(const at::Tensor& x, const Projection& gate_up, const Projection& down);
+// layers/activation.py gelu_tanh_and_mul: gelu_tanh(gate) * up of a gate/up projection's output [T, 2I]
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up);
+
+// lora_op.cpp: LoRA deltas on a projection's output (layers/lora.py), the kernel of lora_kernels.cpp.
+// One projection's adapter slots (layers/lora.py LoRASlots): a [S, R, in], b [S, R, out], present [S] uint8, the
+// slices of its fused output. Default-constructed (a undefined): the projection serves no adapters.
+struct LoraWeights {
+  at::Tensor a, b, present;
+  std::vector<LoraSlice> slices;
+  bool defined() const { return a.defined(); }
+};
+// One step's tokens grouped by adapter (layers/lora.py LoRAStep): group g's slot, rank, scale and rows
+// rows[offsets[g]..offsets[g + 1]); the kernel's path; groups of gemm_min_rows rows or more (0: none, a deterministic
+// engine's choice) multiply by the library's GEMMs instead. Empty: the step runs the base model alone.
+struct LoraBatch {
+  std::vector<int64_t> slot, rank, offsets;
+  std::vector<float> scale;
+  at::Tensor rows;
+  int64_t max_row = -1;
+  Isa path = Isa::kPortable;
+  int64_t gemm_min_rows = 0;
+  bool empty() const { return slot.empty(); }
+};
+LoraWeights make_lora_weights(at::Tensor a, at::Tensor b, at::Tensor present,
+                              const std::vector<std::tuple<int64_t, int64_t>>& slices);
+LoraBatch make_lora_batch(std::vector<int64_t> slot, std::vector<int64_t> rank, const std::vector<double>& scale,
+                          at::Tensor rows, std::vector<int64_t> offsets, Isa path, int64_t gemm_min_rows);
+// y [T, out] (the projection's fresh output of x [T, in]) += each group's scale * (x_g @ A^T) @ B, in place
+void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& weights, const LoraBatch& batch);
 
 // kv_quantized.cpp: whether a pool element type is a quantized one (int8, float8 e4m3); k/v [T, Hkv, D] quantized into
 // the pool's slots -> (k, v) as stored, dequantized, in k's dtype; a pool's blocks dequantized to dtype
