@@ -2,14 +2,16 @@
 against torch's SDPA (one call per prompt, AMX tiles for a bf16 pool), ms per prompt at each prompt length.
 
     .venv/bin/python benchmarks/prefill_split.py                       # bf16 pool, SmolLM2-135M heads
+    .venv/bin/python benchmarks/prefill_split.py --threads 2            # as the engine runs it
     .venv/bin/python benchmarks/prefill_split.py --lengths 16,64,256 --tokens 8192
 
 One call = one layer's attention of `--tokens` tokens of fresh prompts of one length (so `tokens / length` prompts),
 9 query heads over 3 kv heads of dim 64, blocks of 16 tokens, this step's K/V already in the pool. Both paths run in
 turns on the same inputs, so a change of the host's load hits both alike; prints the median ms per prompt (CPU time
 of this process, 1 thread by default: a shared host's other jobs count less; wall time beside it) and the ratio of the
-CPU times. The shortest length where SDPA is
-not slower is where `paths.SHORT_PREFILL_MAX_ROWS` belongs.
+CPU times. Run it with the engine's threads too (`--threads 2`): there each SDPA call is a parallel region of its own,
+which is what short prompts pay for. `paths.SHORT_PREFILL_MAX_ROWS` is the longest length at which the native kernel
+stays clearly ahead with the engine's threads (docs/cpu-kernels.md, prefill attention by chunk length).
 """
 
 from __future__ import annotations
