@@ -49,6 +49,13 @@ struct Projection {
   at::Tensor quantized(const at::Tensor& x, at::ScalarType wanted) const;
 };
 
+// The prefill chunks that take the native prefill kernel when longer ones of the same step take SDPA
+// (layers/attention.py SeqGroup.native_subset): their rows within the prefill group, their sequences' block tables and
+// lengths, and their query starts among those rows.
+struct NativeSubset {
+  at::Tensor rows, block_tables, seq_lens, query_starts;
+};
+
 // One step's attention metadata (layers/attention.py AttentionMetadata): decodes are the batch's first rows, prefill
 // chunks the rest; either group may be absent. Built once a step, read by every layer (step_attention.cpp).
 struct StepAttention {
@@ -57,10 +64,14 @@ struct StepAttention {
   c10::optional<at::Tensor> decode_block_tables, decode_seq_lens;
   c10::optional<at::Tensor> prefill_block_tables, prefill_seq_lens, prefill_query_starts;
   std::vector<std::tuple<int64_t, int64_t, int64_t>> spans;  // per prefill chunk: first row, end row, context
-  bool native_prefill = false;  // prefill chunks take the native prefill kernel, else one SDPA per sequence
+  // prefill chunks of at most this many rows take the native prefill kernel (all of them in one call), longer ones
+  // one SDPA per sequence; 0: every chunk SDPA (layers/attention.py native_prefill_rows)
+  int64_t native_prefill_rows = 0;
   AttentionPath path = AttentionPath::kPortable;  // the native kernels' attention path
   // per prefill chunk after earlier context (SDPA only): its causal mask shifted by the context; none for a fresh one
   std::vector<c10::optional<at::Tensor>> chunk_masks;
+  // where some chunks take the native kernel and others SDPA: the native ones (none when all take one path)
+  c10::optional<NativeSubset> native_subset;
 };
 
 // A StepAttention from the Python side's metadata, checked (quant_projection.cpp); the chunk masks of SDPA prefill
@@ -68,7 +79,7 @@ struct StepAttention {
 StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optional<at::Tensor> decode_block_tables,
                         c10::optional<at::Tensor> decode_seq_lens, c10::optional<at::Tensor> prefill_block_tables,
                         c10::optional<at::Tensor> prefill_seq_lens, c10::optional<at::Tensor> prefill_query_starts,
-                        std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, bool native_prefill,
+                        std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, int64_t native_prefill_rows,
                         AttentionPath path);
 
 // A weight kept quantized (quant_gemm.h) from its codes, scales and minimums, checked, on `path` ("avx512_vnni",
