@@ -53,6 +53,14 @@ def small_gemm_path() -> str | None:
     return None if value in (None, "", "auto") else value
 
 
+def lora_path() -> str | None:
+    """BATCHSERVE_LORA_PATH (default unset or "auto": the CPU's flags decide): forces the path of the LoRA kernel
+    (layers/kernels/lora_kernels.cpp), "avx512", "avx2" or "portable"; to measure or test one path. A path this build
+    or CPU cannot run is an error. Read once, when the first step with adapters runs."""
+    value = os.environ.get("BATCHSERVE_LORA_PATH")
+    return None if value in (None, "", "auto") else value
+
+
 def quant_gemm_path() -> str | None:
     """BATCHSERVE_QUANT_GEMM_PATH (default unset or "auto": the CPU's flags decide): forces the quantized GEMM's path
     (layers/kernels/quant_gemm.cpp), "avx512", "avx2" or "portable"; to measure or test one path. A path this build
@@ -63,8 +71,9 @@ def quant_gemm_path() -> str | None:
 
 def prefill_attention() -> str | None:
     """BATCHSERVE_PREFILL_ATTENTION (default unset or "auto": the pool's dtype and the CPU's flags decide): "native"
-    (the native kernel, or the torch code where it does not run) or "sdpa" (torch's fused attention, one call per
-    prompt) for prefill chunks on the CPU; to measure or test one path on any CPU."""
+    (the native kernel, or SDPA where it does not run), "sdpa" (torch's fused attention, one call per prompt) or
+    "split" (chunks of at most kernels/paths.py SHORT_PREFILL_MAX_ROWS rows native, longer ones SDPA: the default for
+    a bfloat16 pool on an AMX CPU) for prefill chunks on the CPU; to measure or test one way on any CPU."""
     value = os.environ.get("BATCHSERVE_PREFILL_ATTENTION")
     return None if value in (None, "", "auto") else value
 

@@ -211,15 +211,6 @@ RULES: tuple[Rule, ...] = (
         adjust=_tier_off,
     ),
     Rule(
-        "lora_steps_in_python", Verdict.FALL_BACK, ("enable_lora",),
-        "enable_lora on the CPU with the native kernels",
-        lambda f: f.lora and f.device == "cpu" and f.native_kernels,
-        "the native decoder loop has no LoRA op",
-        "a step with adapters runs the Python sequencing (each projection the native GEMM plus the adapters' "
-        "shrink and expand); steps of the base model alone stay in the native loop",
-        "lora.md#what-runs-where",
-    ),
-    Rule(
         "lora_steps_without_cuda_graphs", Verdict.FALL_BACK, ("enable_lora", "enforce_eager"),
         "enable_lora on a GPU with CUDA graphs",
         lambda f: f.lora and _cuda_graphs_wanted(f),
@@ -320,7 +311,7 @@ RULES: tuple[Rule, ...] = (
         lambda f: f.quantization_auto,
         "a GGUF file whose matrices the as-stored kernels take runs as stored (as quantization gguf) in bfloat16 where "
         "the kernel table's rule finds that faster on this CPU (W8A8 with bf16 matmul units); float32 (the exactness "
-        "reference), a GPU, split ranks, a mixture-of-experts model or a Hugging Face folder load dequantized (as "
+        "reference), a GPU, split ranks, LoRA, a mixture-of-experts model or a Hugging Face folder load dequantized (as "
         "quantization none); one start-up line says which and why",
         "quantization none keeps the dequantized model; quantization gguf asks for the codes as stored",
         "quantization.md#quantization-auto",

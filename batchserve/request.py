@@ -15,6 +15,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue, KV dropped (recompute)
     SWAPPED = "swapped"  # back in the waiting queue, KV parked in host memory
+    LOADING = "loading"  # waiting, holding blocks the disk tier is reading its prefix back into
     FINISHED = "finished"
 
 

@@ -10,7 +10,7 @@ both sides compute the same tokens. Both sides run in --dtype; sentence-transfor
 (--st-batch-size), batchserve with one engine step of up to --max-num-tokens tokens.
 
     .venv/bin/python benchmarks/embeddings.py [--layers 30] [--texts 256] [--tokens 128] [--dtype bfloat16]
-        [--rounds 2] [--threads N] [--prefill-attention auto|native|sdpa]
+        [--rounds 2] [--threads N] [--prefill-attention auto|native|sdpa|split]
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def main() -> None:
     parser.add_argument("--st-batch-size", type=int, default=32)
     parser.add_argument("--max-num-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--prefill-attention", default="auto", choices=["auto", "native", "sdpa"],
-                        help="BATCHSERVE_PREFILL_ATTENTION for batchserve's side (auto: SDPA for bfloat16 on AMX)")  # fmt: skip
+    parser.add_argument("--prefill-attention", default="auto", choices=["auto", "native", "sdpa", "split"],
+                        help="BATCHSERVE_PREFILL_ATTENTION for batchserve's side (auto: split for bfloat16 on AMX)")  # fmt: skip
     args = parser.parse_args()
     os.environ["BATCHSERVE_PREFILL_ATTENTION"] = args.prefill_attention  # read once, when the first prefill runs
     if args.threads:

@@ -7,9 +7,10 @@ figures that must hold:
 
 Rounds: bad bodies (0 5xx), the stop-ids attack (another stream slowed <= 1.2x), the overload (300 clients,
 --max-waiting-requests 32: 503 and /health p99 <= 100 ms, measured by a prober in its own process), a normal
-stream's TPOT beside looping senders of huge logit_bias / stop_token_ids bodies (<= 1.2x; round "tpot"), slow sockets
-(closed after --header-timeout), and after each round KV blocks back to 0 and the server's RSS. Prints the figures
-and writes them as JSON.
+stream's TPOT beside looping senders of each hostile body (<= 1.2x; round "tpot": huge logit_bias, stop_token_ids,
+a 1 MB JSON Schema, a 7k-token echo scoring request, a 200-deep nesting; with the cores each process used), slow
+sockets (closed after --header-timeout), and after each round KV blocks back to 0 and the server's RSS. Prints the
+figures and writes them as JSON.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ FAKE_SERVER = textwrap.dedent(
     from batchserve.engine.async_engine import AsyncLLMEngine
     from batchserve.entrypoints.openai.app import build_app
     from batchserve.entrypoints.openai.connections import ConnectionLimits
+    from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
     from batchserve.entrypoints.openai.launch import serve
     from batchserve.engine.core_client import EngineCoreClient
     from tests.server.fakes import fake_engine
@@ -53,8 +55,14 @@ FAKE_SERVER = textwrap.dedent(
         engine = AsyncLLMEngine(fake_engine(**options))
     else:
         engine = EngineCoreClient.launch(None, fake_engine, **options)
-    limits = ConnectionLimits(header_timeout_s=float(sys.argv[2]))
-    sys.exit(serve(build_app(engine), engine, port=int(sys.argv[1]), log_level="warning", limits=limits))
+    # as serve sets it up: oversized bodies refused by the protocol (older checkouts: by the app)
+    refusal = {"max_body_bytes": DEFAULT_MAX_BODY_BYTES} if hasattr(ConnectionLimits, "max_body_bytes") else {}
+    limits = ConnectionLimits(header_timeout_s=float(sys.argv[2]), **refusal)
+    app = build_app(engine)
+    parser = getattr(app.state.front, "body_parser", None)  # as serve starts it (absent in older checkouts)
+    if parser is not None:
+        parser.start()
+    sys.exit(serve(app, engine, port=int(sys.argv[1]), log_level="warning", limits=limits))
     """
 )
 
@@ -255,10 +263,30 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------ TPOT beside hostile clients
-HOSTILE_BODIES = {  # each refused (4xx), but only after the server has read and checked a large body
-    "logit_bias_100k": {"prompt": "x", "max_tokens": 4, "logit_bias": {str(i): 1 for i in range(100_000)}},
-    "stop_ids_590k": {"prompt": "x", "max_tokens": 4, "stop_token_ids": list(range(590_000))},
-}
+def wide_schema(properties: int = 8000) -> dict[str, Any]:
+    """A JSON schema of `properties` required string properties with descriptions: about 1 MB."""
+    names = [f"field_{i:05d}" for i in range(properties)]
+    return {"type": "object", "properties": {name: {"type": "string", "description": "d" * 100} for name in names},
+            "required": names}  # fmt: skip
+
+
+def nested(depth: int) -> Any:
+    value: Any = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+HOSTILE_BODIES = {  # (path, body): each refused (4xx), but only after the server has read and checked a large body
+    "logit_bias_100k": (COMPLETIONS, {"prompt": "x", "max_tokens": 4,
+                                      "logit_bias": {str(i): 1 for i in range(100_000)}}),
+    "stop_ids_590k": (COMPLETIONS, {"prompt": "x", "max_tokens": 4, "stop_token_ids": list(range(590_000))}),
+    "json_schema_8000": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": wide_schema()}}}),
+    "echo_scoring_7k": (COMPLETIONS, {"prompt": "hello " * 7000, "max_tokens": 0, "echo": True, "logprobs": 5}),
+    "nesting_200": (COMPLETIONS, {"prompt": nested(200), "max_tokens": 4}),
+}  # fmt: skip
 
 
 def victim_tpot_s(url: str, max_tokens: int = 24) -> float:
@@ -272,16 +300,21 @@ def victim_tpot_s(url: str, max_tokens: int = 24) -> float:
     return (times[-1] - times[0]) / max(1, len(times) - 1)
 
 
-def _attack(url: str, body: dict[str, Any], clients: int, stop: Any, out: multiprocessing.Queue) -> None:
+def _attack(url: str, path: str, body: dict[str, Any], clients: int, started: Any, stop: Any,
+            out: multiprocessing.Queue) -> None:  # fmt: skip
     async def run() -> dict[str, int]:
         counts: dict[str, int] = {}
         raw = json.dumps(body)
         async with httpx.AsyncClient(timeout=120) as client:
             async def one() -> None:
                 while not stop.is_set():
-                    reply = await client.post(url + COMPLETIONS, content=raw,
-                                              headers={"content-type": "application/json"})
-                    counts[str(reply.status_code)] = counts.get(str(reply.status_code), 0) + 1
+                    try:  # a server may close the connection on a refused body: counted, and sent again
+                        status = str((await client.post(url + path, content=raw,
+                                                        headers={"content-type": "application/json"})).status_code)
+                    except httpx.HTTPError as exc:
+                        status = type(exc).__name__
+                    counts[status] = counts.get(status, 0) + 1
+                    started.set()
 
             await asyncio.gather(*(one() for _ in range(clients)))
         return counts
@@ -289,29 +322,61 @@ def _attack(url: str, body: dict[str, Any], clients: int, stop: Any, out: multip
     out.put(asyncio.run(run()))
 
 
-def probe_tpot_beside_hostile(url: str, clients: int = 8, repeats: int = 2) -> dict[str, Any]:
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields from the state on (field 3 is index 0)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(server_pid: int, attackers_pid: int) -> dict[str, float]:
+    """CPU seconds used so far by the API server, each of its child processes (the engine core; the body parser,
+    whose niceness is higher) and the attackers' process: where a hostile client's cost lands, whatever the load
+    around."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def used(fields: list[str]) -> float:
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    totals = {"api_server": used(_stat(server_pid)), "attackers": used(_stat(attackers_pid))}
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = _stat(int(entry.name)) if entry.name.isdigit() else None
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if fields and int(fields[1]) == server_pid:
+            totals[f"child {entry.name} (nice {fields[16]})"] = used(fields)
+    return totals
+
+
+def probe_tpot_beside_hostile(url: str, server_pid: int, clients: int = 8, repeats: int = 2,
+                              bodies: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
     """A normal stream's TPOT alone, then beside `clients` looping senders of each hostile body (a process of their
     own), alternated `repeats` times (medians): the ratio is what the hostile clients cost the stream."""
     context = multiprocessing.get_context("spawn")
-    tpot: dict[str, list[float]] = {"alone": [], **{name: [] for name in HOSTILE_BODIES}}
+    chosen = {name: HOSTILE_BODIES[name] for name in bodies or HOSTILE_BODIES}
+    tpot: dict[str, list[float]] = {"alone": [], **{name: [] for name in chosen}}
     statuses: dict[str, dict[str, int]] = {}
+    cpu: dict[str, dict[str, float]] = {}
     for _ in range(repeats):
         tpot["alone"].append(victim_tpot_s(url))
-        for name, body in HOSTILE_BODIES.items():
-            stop, results = context.Event(), context.Queue()
-            attackers = context.Process(target=_attack, args=(url, body, clients, stop, results))
+        for name, (path, body) in chosen.items():
+            started, stop, results = context.Event(), context.Event(), context.Queue()
+            attackers = context.Process(target=_attack, args=(url, path, body, clients, started, stop, results))
             attackers.start()
-            time.sleep(3.0)  # the attackers' interpreter starts and their loop runs
+            started.wait(120)  # the attackers' interpreter has started and a first answer came back
+            before, start = cpu_seconds(server_pid, attackers.pid), time.monotonic()
+            time.sleep(1.0)  # all of them loop
             tpot[name].append(victim_tpot_s(url))
+            after, wall = cpu_seconds(server_pid, attackers.pid), time.monotonic() - start
+            cpu[name] = {who: round((after[who] - before.get(who, 0.0)) / wall, 2) for who in after}  # latest
             stop.set()
             statuses[name] = results.get(timeout=300)
             attackers.join()
     alone = statistics.median(tpot["alone"])
     report: dict[str, Any] = {"clients": clients, "tpot_alone_ms": round(1000 * alone, 1)}
-    for name in HOSTILE_BODIES:
+    for name in chosen:
         beside = statistics.median(tpot[name])
         report[name] = {"tpot_ms": round(1000 * beside, 1), "ratio": round(beside / alone, 2),
-                        "attacker_statuses": statuses[name]}
+                        "attacker_statuses": statuses[name], "cores_used": cpu[name]}
     return report
 
 
@@ -370,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-max-tokens", type=int, default=16, help="max_tokens of the overload's requests")
     parser.add_argument("--rounds", default="bad_bodies,stop_ids,detokenize,overload,slow_sockets",
                         help="comma-separated")
+    parser.add_argument("--hostile-bodies", default=",".join(HOSTILE_BODIES),
+                        help="round tpot: the hostile bodies sent beside the stream, comma-separated")
+    parser.add_argument("--tpot-repeats", type=int, default=2, help="round tpot: alternations (medians)")
     parser.add_argument("--output", default="bench_results/hostile.json")
     parser.add_argument("--in-process", action="store_true",
                         help="the engine core in the server's process (--disable-frontend-multiprocessing)")
@@ -385,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds = [("bad_bodies", lambda: probe_bad_bodies(url)), ("stop_ids", lambda: probe_stop_ids_attack(url)),
                   ("detokenize", lambda: probe_big_detokenize(url)),
                   ("overload", lambda: probe_overload(url, args.clients, args.overload_s, args.load_max_tokens)),
-                  ("tpot", lambda: probe_tpot_beside_hostile(url)),
+                  ("tpot", lambda: probe_tpot_beside_hostile(url, proc.pid, repeats=args.tpot_repeats,
+                                                          bodies=args.hostile_bodies.split(","))),
                   ("slow_sockets", lambda: probe_slow_sockets(port, args.header_timeout))]  # fmt: skip
         for name, probe in [(name, probe) for name, probe in rounds if name in args.rounds.split(",")]:
             load_before = os.getloadavg()[0]

@@ -8,6 +8,9 @@
 
     python benchmarks/lora.py                  # the default model, the first 32 requests of peer64
     python benchmarks/lora.py --limit 0        # the whole workload
+    python benchmarks/lora.py --rounds 3       # each variant 3 times, alternating: median figures and ratios
+    python benchmarks/lora.py --decode-steps 20 --rounds 3 --threads 1   # decode steps' CPU time (a busy host)
+    python benchmarks/lora.py --clock cpu --threads 1          # every figure in this process's CPU time
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -51,20 +55,79 @@ def params(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
 
 
-def throughput(llm: LLM, requests: list[dict], loras: list[LoRARequest | None]) -> float:
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}  # --clock cpu: this process's CPU time (a busy host)
+
+
+def throughput(llm: LLM, requests: list[dict], loras: list[LoRARequest | None], clock=time.perf_counter) -> float:
     """Output tokens/s of the workload in one generate call."""
     llm.generate([{"prompt_token_ids": requests[0]["prompt_token_ids"]}], params(4), use_tqdm=False,
                  lora_request=loras[0])  # fmt: skip
-    start = time.perf_counter()
+    start = clock()
     outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in requests],
                         [params(r["max_tokens"]) for r in requests], use_tqdm=False, lora_request=loras)  # fmt: skip
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    return sum(len(o.token_ids) for o in outs) / (clock() - start)
 
 
-def step_ms(llm: LLM, prompt: list[int], tokens: int, lora: LoRARequest | None) -> float:
-    """Mean time per output token of one request decoding alone (first token excluded)."""
+def step_ms(llm: LLM, prompt: list[int], tokens: int, lora: LoRARequest | None, clock=time.perf_counter) -> float:
+    """Mean time per output token of one request decoding alone (wall clock: first token excluded; CPU time: the
+    whole request over its tokens)."""
+    start = clock()
     out = llm.generate([{"prompt_token_ids": prompt}], params(tokens), use_tqdm=False, lora_request=lora)[0]
-    return (out.metrics.finished_time - out.metrics.first_token_time) / (tokens - 1) * 1e3
+    if clock is time.perf_counter:
+        return (out.metrics.finished_time - out.metrics.first_token_time) / (tokens - 1) * 1e3
+    return (clock() - start) / tokens * 1e3
+
+
+def decode_step_ms(engine, prompts: list[list[int]], loras: list[LoRARequest | None], steps: int) -> float:
+    """The cheapest of `steps` decode steps of these requests decoding together (their prompts computed first), in
+    this process's CPU time: with one thread, the step's own cost, whatever other processes take of the cores
+    (with more, it counts the threads' waits at each barrier too, which a busy host lengthens)."""
+    ids = []
+    for prompt, lora in zip(prompts, loras, strict=True):
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 8,
+                                lora_name=lora.lora_name if lora else None)  # fmt: skip
+        ids.append(engine.add_prompt(None, {"prompt_token_ids": prompt}, params))
+    while engine.scheduler.num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.process_time()
+        engine.step()
+        times.append(time.process_time() - start)
+    engine.abort_request(ids)
+    engine.step()
+    print(f"  {len(ids)} stream(s){' with adapters' if any(loras) else ''}: {min(times) * 1e3:.2f} ms", flush=True)
+    return min(times) * 1e3
+
+
+def decode_steps(llm: LLM, requests: list[dict], loras: list[LoRARequest], rounds: int, steps: int) -> None:
+    """Decode step times, variants alternating round by round: one stream with and without an adapter; the
+    requests spread over the adapters, on the base model alone, and with the deltas one request at a time."""
+    engine, pool = llm.engine, llm.engine.runner.lora
+    for lora in loras:
+        engine.add_lora(lora)
+    prompts = [r["prompt_token_ids"][:64] for r in requests]
+    spread = [loras[i % len(loras)] for i in range(len(prompts))]
+    rows = []
+    for _ in range(rounds):
+        alone = decode_step_ms(engine, prompts[:1], [None], steps)
+        alone_lora = decode_step_ms(engine, prompts[:1], loras[:1], steps)
+        base = decode_step_ms(engine, prompts, [None] * len(prompts), steps)
+        with_loras = decode_step_ms(engine, prompts, spread, steps)
+        pool.grouping = "request"
+        looped = decode_step_ms(engine, prompts, spread, steps)
+        pool.grouping = "adapter"
+        rows.append((alone, alone_lora, base, with_loras, looped))
+        print(f"round: {alone:.2f} / {alone_lora:.2f}; {base:.2f} / {with_loras:.2f} / {looped:.2f} ms a step; "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    best = [min(column) for column in zip(*rows)]
+    print(f"cheapest decode step (process CPU time) of {rounds} round(s) x {steps} steps:")
+    print(f"one stream: {best[0]:.2f} ms, with an adapter {best[1]:.2f} ms ({best[0] / best[1]:.2f}x the speed)")
+    print(f"{len(prompts)} streams: base {best[2]:.2f} ms, over {len(loras)} adapters {best[3]:.2f} ms "
+          f"({best[2] / best[3]:.2f}x base), deltas one request at a time {best[4]:.2f} ms "
+          f"(grouped {best[4] / best[3]:.2f}x looped)")  # fmt: skip
 
 
 def main() -> None:
@@ -76,11 +139,17 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--single-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1, help="measure every variant this many times, alternating")
+    parser.add_argument("--clock", choices=tuple(CLOCK), default="wall",
+                        help="cpu: per this process's CPU time (with --threads 1, what a busy host does not stretch)")  # fmt: skip
+    parser.add_argument("--decode-steps", type=int, default=0,
+                        help="time this many decode steps of each variant instead (the cheapest in CPU time: a busy host)")  # fmt: skip
     args = parser.parse_args()
     requests = json.loads(WORKLOAD.read_text())["requests"]
     requests = requests[: args.limit] if args.limit else requests
+    # no prefix caching: each variant runs the same prompts, whose K/V a later variant would otherwise find cached
     llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, enable_lora=True,
-              max_loras=args.adapters, max_lora_rank=args.rank)  # fmt: skip
+              max_loras=args.adapters, max_lora_rank=args.rank, enable_prefix_caching=False)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         loras = []
         for i in range(args.adapters):
@@ -91,22 +160,34 @@ def main() -> None:
         print(
             f"{len(requests)} requests of peer64, {args.adapters} adapters of rank {args.rank} on all seven projections"
         )
+        if args.decode_steps:
+            decode_steps(llm, requests, loras, args.rounds, args.decode_steps)
+            return
         prompt = requests[0]["prompt_token_ids"]
         step_ms(llm, prompt, 8, loras[0])  # warm
-        alone = step_ms(llm, prompt, args.single_tokens, None)
-        alone_lora = step_ms(llm, prompt, args.single_tokens, loras[0])
-        print(f"single stream               {alone:8.2f} ms/token")
-        print(f"single stream + adapter     {alone_lora:8.2f} ms/token   {alone / alone_lora:.2f}x the speed without",
-              flush=True)  # fmt: skip
-        base = throughput(llm, requests, [None] * len(requests))
-        print(f"peer64 base alone           {base:8.1f} tok/s", flush=True)
-        with_loras = throughput(llm, requests, spread)
-        print(f"peer64 over {args.adapters} adapters       {with_loras:8.1f} tok/s   {with_loras / base:.2f}x base",
-              flush=True)  # fmt: skip
-        llm.engine.runner.lora.grouping = "request"
-        looped = throughput(llm, requests, spread)
-        llm.engine.runner.lora.grouping = "adapter"
-        print(f"  deltas one request a time {looped:8.1f} tok/s   grouped {with_loras / looped:.2f}x looped")
+        pool = llm.engine.runner.lora
+        rows = []
+        # each round measures every variant once: a shared host's swings of load touch all of them alike
+        for _ in range(args.rounds):
+            clock = CLOCK[args.clock]
+            alone = step_ms(llm, prompt, args.single_tokens, None, clock)
+            alone_lora = step_ms(llm, prompt, args.single_tokens, loras[0], clock)
+            base = throughput(llm, requests, [None] * len(requests), clock)
+            with_loras = throughput(llm, requests, spread, clock)
+            pool.grouping = "request"
+            looped = throughput(llm, requests, spread, clock)
+            pool.grouping = "adapter"
+            rows.append((alone, alone_lora, base, with_loras, looped))
+            print(f"round: {alone:.2f} / {alone_lora:.2f} ms/token, {base:.1f} / {with_loras:.1f} / {looped:.1f} tok/s; "
+                  f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+        median = [statistics.median(column) for column in zip(*rows)]
+        ratios = [statistics.median(r[i] / r[j] for r in rows) for i, j in ((0, 1), (3, 2), (3, 4))]
+        print(f"median of {args.rounds} round(s), {args.clock} clock:")
+        print(f"single stream               {median[0]:8.2f} ms/token")
+        print(f"single stream + adapter     {median[1]:8.2f} ms/token   {ratios[0]:.2f}x the speed without")
+        print(f"peer64 base alone           {median[2]:8.1f} tok/s")
+        print(f"peer64 over {args.adapters} adapters       {median[3]:8.1f} tok/s   {ratios[1]:.2f}x base")
+        print(f"  deltas one request a time {median[4]:8.1f} tok/s   grouped {ratios[2]:.2f}x looped")
 
 
 if __name__ == "__main__":

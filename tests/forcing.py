@@ -69,6 +69,22 @@ def force_quant_gemm(monkeypatch):
     quantization.quant_gemm_path.cache_clear()
 
 
+@pytest.fixture
+def force_lora_path(monkeypatch):
+    """force_lora_path(path): the LoRA kernel takes `path` ("avx512", "avx2" or "portable") in the steps made after
+    this; skips where this build or CPU cannot run it. The cached choice is cleared around the test."""
+    from batchserve.layers import kernels
+
+    def force(path: str) -> None:
+        if not kernels.lora_path_runs(path):
+            pytest.skip(f"the {path} LoRA kernel is not built here or not runnable on this CPU")
+        monkeypatch.setenv("BATCHSERVE_LORA_PATH", path)
+        kernels.lora_path.cache_clear()
+
+    yield force
+    kernels.lora_path.cache_clear()
+
+
 # /proc/cpuinfo flags of each host class the docs' per-class tables name
 HOST_CLASS_FLAGS = {
     "avx2": "fpu sse4_2 avx avx2 fma",

@@ -38,7 +38,6 @@ FIRING = {
     "kv_offload_off_the_cpu": ModeFacts(kv_offload=True, device="cuda"),
     "lora_with_moe": ModeFacts(lora=True, moe=True, native_kernels=False),
     "lora_with_static_batching": ModeFacts(lora=True, scheduler_policy="static", native_kernels=False),
-    "lora_steps_in_python": ModeFacts(lora=True),
     "lora_steps_without_cuda_graphs": ModeFacts(lora=True, device="cuda"),
     "pipeline_parallel_with_speculation": ModeFacts(pipeline_parallel_size=2, speculative_method="ngram"),
     "parallel_ranks_off_cpu": ModeFacts(device="cuda", tensor_parallel_size=2),

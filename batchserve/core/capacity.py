@@ -33,7 +33,8 @@ class CapacityPolicy:
             return True
         reserved = sum(self.worst_case_blocks(r, max_model_len) - self.kv.num_blocks_of(r) for r in running)
         shared = sum(1 for b in hit.blocks if b.ref_count > 0)  # already owned: costs no free block
-        return self.worst_case_blocks(request, max_model_len) - shared + reserved <= self.kv.pool.num_free_blocks
+        held = self.kv.num_blocks_of(request)  # a prefix read back from the disk tier: taken before admission
+        return self.worst_case_blocks(request, max_model_len) - held - shared + reserved <= self.kv.pool.num_free_blocks
 
     def admits(self, request: Request, hit: PrefixHit, running: Sequence[Request], max_model_len: int) -> bool:
         """Both worst-case rules let the newcomer in: the policy's reservation and the pinned requests' room."""

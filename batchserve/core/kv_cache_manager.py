@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from batchserve.core.block_pool import BlockKey, BlockPool, HostBlockPool, KVBlock
 from batchserve.core.lora_schedule import first_parent
 from batchserve.core.retention import WaitingNeeds, retain
-from batchserve.request import Request
+from batchserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from batchserve.core.kv_offload import KVOffload
@@ -36,6 +37,15 @@ class PrefixHit:
     blocks: list[KVBlock]
     num_tokens: int  # the pool's blocks and the tier's
     tier_digests: list[bytes] = field(default_factory=list)  # the disk tier's blocks after the pool's (read back)
+
+
+@dataclass
+class TierLoad:
+    """A waiting request's prefix being read back from the disk tier into blocks it holds (core/kv_offload.py)."""
+
+    request: Request
+    future: Future  # -> how many of its tier blocks arrived, in order up to the first missing or bad one
+    first: int  # the index of its first tier block in its table (the pool's hit blocks come before)
 
 
 @dataclass
@@ -69,13 +79,15 @@ class KVCacheManager:
         self.prefix_hits = 0  # prompt tokens found
         self.tier: KVOffload | None = None  # the disk tier under the pool (core/kv_offload.py), when on
         self.waiting_needs = WaitingNeeds()  # blocks the waiting queue's head will hit: evicted last (core/retention.py)
+        self.tier_loads: dict[str, TierLoad] = {}
+        self._release_after_load: list[tuple[Future, list[KVBlock]]] = []  # a loading request's blocks, once done
 
     # ---- lookup -------------------------------------------------------------------------------------------
     def find_prefix_hit(self, request: Request) -> PrefixHit:
         """Cached blocks covering the request's known tokens, leaving at least one token to compute
         (the forward pass must produce logits at the last position)."""
-        if not self.pool.enable_caching or _scores_prompt(request):
-            return PrefixHit([], 0)
+        if not self.pool.enable_caching or _scores_prompt(request) or request.request_id in self.req_blocks:
+            return PrefixHit([], 0)  # (a waiting request holds blocks only while, or after, the tier reads them back)
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVBlock] = []
         keys: list[BlockKey] = []
@@ -157,6 +169,61 @@ class KVCacheManager:
                 digest = self.tier.digests(request, keys)[i]
                 self.tier.registered(request, i, blocks[i].block_id, digest, 0 <= i - loaded_from < num_loaded)
 
+    # ---- reading a prefix back from the disk tier without stopping the steps --------------------------------
+    def reads_back(self, request: Request, hit: PrefixHit, wait: bool, start: bool = True) -> bool:
+        """True when the request is not to be scheduled now: its tier blocks are being read back into blocks it holds
+        (started here when the hit has some, the worker copies them in and `start`: the scheduler would admit it),
+        or have just arrived (look it up again). `wait`: nothing else would run this step, so wait for the read
+        rather than step empty."""
+        self._release_loaded()
+        load = self.tier_loads.get(request.request_id)
+        if load is None:
+            if not (start and hit.tier_digests and self.tier is not None and self.tier.copy_in is not None):
+                return False
+            if len(hit.tier_digests) + sum(1 for b in hit.blocks if b.ref_count == 0) > self.pool.num_free_blocks:
+                return False  # no room: allocate() finds none either
+            load = self._start_load(request, hit)
+        if wait or load.future.done():
+            self._finish_load(load)
+        return True
+
+    def is_loading(self, request: Request) -> bool:
+        return request.request_id in self.tier_loads
+
+    def _start_load(self, request: Request, hit: PrefixHit) -> TierLoad:
+        if request.status == RequestStatus.WAITING:  # counted once, with the hit it was admitted for
+            self.record_prefix_query(request, hit)
+            request.num_cached_prompt_tokens = hit.num_tokens
+            request.status = RequestStatus.LOADING
+        self.pool.take_cached(hit.blocks)
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks += hit.blocks
+        request.num_computed_tokens += len(hit.blocks) * self.block_size
+        fresh = self.pool.take_new(len(hit.tier_digests))  # unregistered until they arrive: nobody else finds them
+        blocks += fresh
+        future = self.tier.start_load(hit.tier_digests, [b.block_id for b in fresh])
+        load = self.tier_loads[request.request_id] = TierLoad(request, future, len(hit.blocks))
+        return load
+
+    def _finish_load(self, load: TierLoad) -> None:
+        """The blocks that arrived count as computed and become findable (not written again); the ones after the
+        first bad block stay the request's, to be computed."""
+        request = load.request
+        del self.tier_loads[request.request_id]
+        try:
+            arrived = load.future.result()
+        except Exception:  # the reader was shut down under it: a miss, recomputed
+            arrived = 0
+        request.num_computed_tokens += arrived * self.block_size
+        self._register_full_blocks(request, request.num_computed_tokens, load.first, arrived)
+
+    def _release_loaded(self) -> None:
+        """Blocks of requests that ended while their prefix was loading go back once the copy into them is over."""
+        done = [(f, blocks) for f, blocks in self._release_after_load if f.done()]
+        for entry in done:
+            self._release_after_load.remove(entry)
+            self.pool.release(entry[1][::-1])
+
     # ---- sliding window -------------------------------------------------------------------------------------
     def _num_out_of_window(self, request: Request) -> int:
         """Held blocks whose every token is older than the window: position p < computed - W is never read again
@@ -201,7 +268,12 @@ class KVCacheManager:
         """Return its blocks; the tail of the sequence is freed first so it is evicted first."""
         blocks = self._live(request.request_id, self.req_blocks.pop(request.request_id, []))
         self.req_first_live.pop(request.request_id, None)
-        self.pool.release(blocks[::-1])
+        load = self.tier_loads.pop(request.request_id, None)
+        if load is not None and not load.future.done():  # the reader may still be copying into them
+            self._release_after_load.append((load.future, blocks))
+        else:
+            self.pool.release(blocks[::-1])
+        self._release_loaded()
         self.req_keys.pop(request.request_id, None)
         if self.tier is not None:
             self.tier.forget(request.request_id)

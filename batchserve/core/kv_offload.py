@@ -2,17 +2,20 @@
 
 The KV cache manager asks it three things. At a prefix lookup, past the blocks the pool holds: which of the next
 blocks the tier holds (their reads start now, in a background thread, so they overlap the steps that run before the
-request is admitted). At allocation: the checked payloads of those blocks, in order up to the first one that is
-missing or bad (the rest are recomputed); they travel to the worker in the step's SchedulerOutput (`kv_loads`) and are
-copied into their blocks before the forward pass. When a full block is registered in the pool: its digest, so that the
-worker copies it at the end of the step and writes it off the step path (`kv_saves`).
+request is admitted). At admission: the blocks are read back. With the worker's `copy_in` connected (the engine), the
+request takes its blocks and a load job on the reader thread checks each payload and copies it into its block while
+other requests' steps go on (`start_load`); the request waits, its blocks counted as being computed, until the job says
+how many blocks arrived, in order up to the first missing or bad one (the rest are recomputed). Without it (the
+simulator, model-free tests) the checked payloads travel in the step's SchedulerOutput (`kv_loads`) and are copied
+before the forward pass. When a full block is registered in the pool: its digest, so that the worker copies it at
+the end of the step and writes it off the step path (`kv_saves`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -44,6 +47,8 @@ class KVOffload:
         self.saves: list[TierSave] = []
         self._prefetch: OrderedDict[bytes, Future] = OrderedDict()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-read")
+        # copy_in(pairs of block id and payload), on the reader thread; set by the worker (worker/kv_offload.py)
+        self.copy_in: Callable[[list[tuple[int, object]]], None] | None = None
 
     @property
     def stats(self):
@@ -78,6 +83,29 @@ class KVOffload:
             payloads.append(payload)
         self.store.stats.hits += len(payloads)
         return payloads
+
+    def start_load(self, digests: Sequence[bytes], block_ids: Sequence[int]) -> Future:
+        """Read these consecutive blocks back into their (fresh) pool blocks on the reader thread; the future's result
+        is how many arrived, in order up to the first missing or bad one. The reader is one thread that runs its
+        tasks in order, so the prefetches started at lookup are done (or never started) when the job runs."""
+        futures = [self._prefetch.pop(digest, None) for digest in digests]
+        return self._reader.submit(self._load, list(digests), futures, list(block_ids))
+
+    def _load(self, digests: list[bytes], futures: list[Future | None], block_ids: list[int]) -> int:
+        pairs = []
+        for digest, future, block_id in zip(digests, futures, block_ids):
+            payload = future.result() if future is not None and not future.cancelled() else self.store.get(digest)
+            if payload is None:
+                break
+            pairs.append((block_id, payload))
+        try:
+            if pairs:
+                self.copy_in(pairs)
+        except Exception:  # a load that fails is a miss: its tokens are recomputed, the engine goes on
+            logger.exception("KV tier: copying %d blocks into the pool failed: they are recomputed", len(pairs))
+            return 0
+        self.store.count_hits(len(pairs))
+        return len(pairs)
 
     # ---- writes ----------------------------------------------------------------------------------------------
     def digests(self, request: Request, keys: Sequence) -> list[bytes]:

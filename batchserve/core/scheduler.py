@@ -137,10 +137,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            if request in self.running:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            (self.running if request in self.running else self.waiting).remove(request)
             self._finish(request, reason)
             outputs.append(RequestOutput(request_id, [], True, reason, request.stop_reason))
         return outputs
@@ -287,8 +284,8 @@ class Scheduler:
         """The queue's head, or, when the prefill caps hold it back, the first request within LOOKAHEAD that they
         let in: a long prompt waiting for a long-prefill slot does not hold up the short ones behind it."""
         head = self.waiting.peek()
-        if not limits.active and not self.adapters.active:
-            return head
+        if not limits.active and not self.adapters.active:  # deferred: requests whose prefix is being read back
+            return next((r for r in self.waiting if id(r) not in deferred), None) if id(head) in deferred else head
         self.adapters.track(self.running)  # recounted each time: a swapped-in request joins without a word
         now = self.clock()
         for request in itertools.chain((head,), itertools.islice(self.waiting, LOOKAHEAD)):
@@ -309,9 +306,14 @@ class Scheduler:
                 if request is not self.waiting.peek() or not self._swap_in(request, step):
                     return
                 continue
-            hit = self.kv.find_prefix_hit(request)
+            hit = self.kv.find_prefix_hit(request)  # none for a request holding the blocks the tier reads back
+            admits = self.capacity.admits(request, hit, self.running, self.max_model_len)
+            if self.kv.reads_back(request, hit, wait=not (self.running or step.num_seqs), start=admits):
+                if self.kv.is_loading(request):  # its blocks count as being computed meanwhile: the others go on
+                    deferred.add(id(request))
+                continue
             num_tokens = self._tokens_to_schedule(request, hit, step.limits.cap(request, step.token_budget))
-            if num_tokens == 0 or not self.capacity.admits(request, hit, self.running, self.max_model_len):
+            if num_tokens == 0 or not admits:
                 return
             new_blocks = self.kv.allocate(request, num_tokens, hit)
             if new_blocks is None:
@@ -343,9 +345,7 @@ class Scheduler:
         """The head of the queue was not admitted into an empty batch, on an empty pool: it never will be (its
         prompt or worst case is larger than the pool, or than one step's tokens without chunked prefill). It ends
         now, as aborted, instead of blocking the queue behind it for ever."""
-        self.waiting.remove(request)
-        self._finish(request, FinishReason.ABORT)
-        self._rejected.append(RequestOutput(request.request_id, [], True, FinishReason.ABORT, None))
+        self._drop_waiting(request, None)
 
     def _on_scheduled(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING

@@ -72,8 +72,9 @@ class OpenAIIngress:
         listener = socket.create_server((host, port), reuse_port=False)
         options = self.options
         limits = ConnectionLimits(
-            options.header_timeout_s, options.body_timeout_s, options.keep_alive_timeout_s, options.max_connections
-        )
+            options.header_timeout_s, options.body_timeout_s, options.keep_alive_timeout_s, options.max_connections,
+            max_body_bytes=options.max_body_bytes,
+        )  # fmt: skip
         config = uvicorn.Config(
             self._front_app(), log_config=None, access_log=False, timeout_graceful_shutdown=options.drain_timeout_s,
             **limits.uvicorn_options(),

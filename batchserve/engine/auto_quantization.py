@@ -50,6 +50,8 @@ def choose(config: EngineConfig, path: Path, model_config: ModelConfig, device: 
         return AutoChoice("none", f"device {device}: the quantized kernels run on the CPU only")
     if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
         return AutoChoice("none", "the model is split over ranks, which hold float shards")
+    if config.enable_lora:  # adapters over the file's codes are not tested or measured: the tested float layers
+        return AutoChoice("none", "enable_lora: adapters run over the dequantized projections")
     if model_config.num_experts > 0:
         return AutoChoice("none", "a mixture-of-experts model: its experts do not run as stored")
     unstored = first_matrix_not_as_stored(path)

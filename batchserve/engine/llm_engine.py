@@ -406,4 +406,5 @@ class LLMEngine:
             ),
             prompt_logprobs=prompt_logprobs,
             pooled=tracked.pooled,
+            lora_name=request.sampling_params.lora_name,
         )

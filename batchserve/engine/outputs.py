@@ -52,6 +52,7 @@ class CompletionDelta:
     metrics: RequestMetrics
     prompt_logprobs: list[Logprobs | None] | None = None  # once, on the first delta, when the request asked
     pooled: object | None = None  # a pooling request's final delta: its embedding or scores (a float32 tensor)
+    lora_name: str | None = None  # the adapter the request runs with (None: the base model)
 
 
 @dataclass

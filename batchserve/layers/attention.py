@@ -7,8 +7,10 @@ so a prefix block computed in this very step is visible to the requests that sha
 - prefill chunks (query length > 1, context = cached tokens + this chunk): the native CPU kernel reads their keys in
   place too, causal by absolute position, in tiles of 16 query rows; the torch path pads only their own queries and
   runs SDPA with a causal mask (or, for prompts with no earlier context, one causal SDPA per prompt on its own K/V).
-On a CPU with AMX a bfloat16 pool's prefill chunks take torch's fused SDPA instead, one call per sequence, which runs
-on the tiles (preferred_prefill_method(), or BATCHSERVE_PREFILL_ATTENTION).
+On a CPU with AMX a bfloat16 pool's long prefill chunks take torch's fused SDPA instead, one call per sequence, which
+runs on the tiles; chunks of at most paths.SHORT_PREFILL_MAX_ROWS rows stay on the native kernel, batched, where one
+call per sequence and layer would cost more than the tiles save (preferred_prefill_method() "split", decided per chunk
+from its own length; BATCHSERVE_PREFILL_ATTENTION forces one way).
 On the CPU all of this is one native call a layer (kernels/step_attention.cpp paged_attention, the same function the
 native decoder loop calls) on the step's StepAttention (native_step: built once a step); the Python code below is the
 torch path, for other devices and for what the native kernels do not take.
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from batchserve import env
 from batchserve.layers import kernels, kv_quant
 from batchserve.layers.gpu import paged_attention as gpu_attention
+from batchserve.layers.kernels import paths
 from batchserve.layers.windowed_attention import windowed_attention
 
 if TYPE_CHECKING:
@@ -39,7 +42,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
-PREFILL_METHODS = ("native", "sdpa")  # how prefill chunks attend on the CPU (preferred_prefill_method)
+PREFILL_METHODS = ("native", "sdpa", "split")  # how prefill chunks attend on the CPU (preferred_prefill_method)
+EVERY_CHUNK = 2**62  # native_prefill_rows: no chunk is too long for the native kernel
 PREFILL_KERNEL_PATHS = ("avx512_bf16", "avx512")  # the native kernel paths with a prefill kernel
 
 
@@ -66,6 +70,20 @@ class SeqGroup:
     def fresh(self) -> bool:
         """Prompts with no earlier context (whole, or first chunks): they attend only to this step's own K/V."""
         return self.spans is not None and all(context == 0 for *_, context in self.spans)
+
+    def native_subset(self, max_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chunks of at most `max_rows` rows (those the native prefill kernel takes when longer ones take SDPA):
+        their sequences' indices in the group, their rows within it, and their query starts among those rows."""
+        key = ("native", max_rows)
+        if key not in self._masks:
+            seqs = [i for i, (start, stop, _) in enumerate(self.spans) if stop - start <= max_rows]
+            rows = [r for i in seqs for r in range(self.spans[i][0], self.spans[i][1])]
+            lengths = [self.spans[i][1] - self.spans[i][0] for i in seqs]
+            starts = torch.tensor([0, *lengths]).cumsum(0)
+            device = self.seq_lens.device
+            index = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+            self._masks[key] = (index(seqs), index(rows), starts)
+        return self._masks[key]
 
     def chunk_mask(self, num_queries: int, context: int) -> torch.Tensor:
         """[num_queries, context + num_queries] bool: query row r (position context + r) sees keys 0..context + r."""
@@ -236,7 +254,7 @@ def _make_native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, meta
         prefill_seq_lens=None if prefill is None else prefill.seq_lens,
         prefill_query_starts=None if prefill is None else prefill.query_starts,
         spans=[] if prefill is None else prefill.spans,
-        native_prefill=method == "native",
+        native_prefill_rows=0 if method is None else native_prefill_rows(method),
         path=kernels.attention_path(),
     )
 
@@ -274,17 +292,22 @@ def decode_attention(
 
 def prefill_method(like: torch.Tensor, head_dim: int, kv_cache: KVCache) -> str:
     """How prefill chunks of queries like `like` (its dtype and device) attend: "sdpa" (one fused attention per
-    chunk), "native" (the native prefill kernel) or "torch" (the torch code: gather, pad, SDPA). On the CPU a chunk
-    the native kernel cannot take (no AVX-512, another head size) goes to SDPA, which the native step runs too: the
-    torch code would send the whole step to the torch path, a slower one."""
+    chunk), "native" (the native prefill kernel), "split" (chunks of at most paths.SHORT_PREFILL_MAX_ROWS rows the
+    native kernel, longer ones SDPA) or "torch" (the torch code: gather, pad, SDPA). On the CPU a chunk the native
+    kernel cannot take (no AVX-512, another head size) goes to SDPA, which the native step runs too: the torch code
+    would send the whole step to the torch path, a slower one."""
     if like.device.type != "cpu":
         return "torch"
-    if (
-        preferred_prefill_method(kv_cache[0].dtype) == "native"
-        and _native_prefill(like, head_dim, kv_cache) is not None
-    ):
-        return "native"
+    preferred = preferred_prefill_method(kv_cache[0].dtype)
+    if preferred != "sdpa" and _native_prefill(like, head_dim, kv_cache) is not None:
+        return preferred
     return "sdpa"
+
+
+def native_prefill_rows(method: str) -> int:
+    """The longest chunk (query rows) that a prefill `method` (prefill_method's) sends to the native prefill kernel;
+    longer ones take SDPA, one call per sequence. Read at each step, so a test can move the threshold."""
+    return {"native": EVERY_CHUNK, "split": paths.SHORT_PREFILL_MAX_ROWS}.get(method, 0)
 
 
 def prefill_attention(
@@ -293,21 +316,34 @@ def prefill_attention(
     if gpu_attention.supports(query, kv_cache):  # CUDA: the Triton kernel reads the pool in place
         return gpu_attention.prefill_attention(query, key, value, kv_cache, group, scale)
     mode = prefill_method(query, query.shape[-1], kv_cache)
-    if mode == "sdpa":
+    if mode == "torch":
+        return _padded_prefill_attention(query, key, value, kv_cache, group, scale)
+    max_rows = native_prefill_rows(mode)
+    if max_rows == 0:
         return _per_sequence_prefill_attention(query, key, value, kv_cache, group, scale)
-    if mode == "native":
-        out = kernels.load().paged_prefill_attention(
-            query.float(),
-            kv_cache[0],
-            kv_cache[1],
-            group.block_tables,
-            group.seq_lens,
-            group.query_starts,
-            scale,
-            kernels.attention_path(),
-        )
-        return out.to(query.dtype)
-    return _padded_prefill_attention(query, key, value, kv_cache, group, scale)
+    if all(stop - start <= max_rows for start, stop, _ in group.spans):
+        return _native_prefill_attention(query, kv_cache, group.block_tables, group.seq_lens, group.query_starts, scale)
+    out = _per_sequence_prefill_attention(query, key, value, kv_cache, group, scale, max_rows)
+    seqs, rows, starts = group.native_subset(max_rows)
+    if len(seqs):  # the short chunks, batched into one call of the native kernel
+        tables, lens = group.block_tables[seqs], group.seq_lens[seqs]
+        out[rows] = _native_prefill_attention(query[rows], kv_cache, tables, lens, starts, scale)
+    return out
+
+
+def _native_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_starts: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The native prefill kernel over prefill chunks: query [T, H, D], their rows in order, query_starts [S + 1]."""
+    out = kernels.load().paged_prefill_attention(
+        query.float(), kv_cache[0], kv_cache[1], block_tables, seq_lens, query_starts, scale, kernels.attention_path()
+    )
+    return out.to(query.dtype)
 
 
 def _padded_prefill_attention(
@@ -347,30 +383,44 @@ def _native_prefill(like: torch.Tensor, head_dim: int, kv_cache: KVCache):
 
 @functools.cache
 def preferred_prefill_method(pool_dtype: torch.dtype) -> str:
-    """How prefill chunks attend on the CPU, chosen once per pool dtype and logged: "sdpa" (torch's fused attention,
-    one call per sequence) for a bfloat16 pool on a CPU with AMX, whose tiles it runs on, well ahead there of the
-    native kernel's AVX512-BF16 dot products; "native" (the native kernel where it runs, else SDPA: prefill_method)
-    otherwise, a float32 pool included (there the two are as fast). BATCHSERVE_PREFILL_ATTENTION forces one."""
+    """How prefill chunks attend on the CPU, chosen once per pool dtype and logged: "split" for a bfloat16 pool on a
+    CPU with AMX: torch's fused attention (one call per sequence), whose tiles put it well ahead there of the native
+    kernel's AVX512-BF16 dot products, for chunks longer than paths.SHORT_PREFILL_MAX_ROWS, the native kernel (all
+    short chunks in one call) for the others; "native" (the native kernel where it runs, else SDPA: prefill_method)
+    otherwise, a float32 pool included (there the two are as fast). BATCHSERVE_PREFILL_ATTENTION forces one ("sdpa"
+    for every chunk)."""
     forced = env.prefill_attention()
     if forced is not None and forced not in PREFILL_METHODS:
         raise ValueError(f"BATCHSERVE_PREFILL_ATTENTION={forced!r}: not one of auto, {', '.join(PREFILL_METHODS)}")
     amx = pool_dtype == torch.bfloat16 and "amx_bf16" in kernels.cpu_flags().split()
-    path = forced or ("sdpa" if amx else "native")
-    where = " where it takes the chunk, else sdpa" if path == "native" else ""
+    path = forced or ("split" if amx else "native")
+    where = {
+        "native": " where it takes the chunk, else sdpa",
+        "split": f" (chunks of <= {paths.SHORT_PREFILL_MAX_ROWS} rows native, batched, where it takes them; longer sdpa)",
+    }.get(path, "")
     logger.info("prefill attention on a %s pool: %s%s%s", pool_dtype, path, where, " (forced)" if forced else "")
     return path
 
 
 def _per_sequence_prefill_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: KVCache,
+    group: SeqGroup,
+    scale: float,
+    skip_rows: int = 0,
 ) -> torch.Tensor:
-    """One SDPA per sequence on its own rows, no padding to the longest chunk. A prompt with no earlier context
-    attends to this step's K/V as they are (no gather from the pool; causal, so the flash kernel skips the blocks
-    above the diagonal); a chunk after earlier context (an earlier chunk, a prefix-cache hit) reads its sequence's
-    blocks from the pool, this chunk's included, under the causal mask shifted by the context."""
+    """One SDPA per sequence on its own rows, no padding to the longest chunk; chunks of at most `skip_rows` rows
+    are left out (their rows unwritten: the native kernel's). A prompt with no earlier context attends to this
+    step's K/V as they are (no gather from the pool; causal, so the flash kernel skips the blocks above the
+    diagonal); a chunk after earlier context (an earlier chunk, a prefix-cache hit) reads its sequence's blocks from
+    the pool, this chunk's included, under the causal mask shifted by the context."""
     out = torch.empty_like(query)
     gqa = query.shape[1] != key.shape[1]
     for i, (start, stop, context) in enumerate(group.spans):
+        if stop - start <= skip_rows:
+            continue
         q = query[start:stop].transpose(0, 1).unsqueeze(0)
         if context == 0:
             k, v = (t[start:stop].transpose(0, 1).unsqueeze(0) for t in (key, value))

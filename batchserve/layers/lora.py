@@ -5,14 +5,21 @@ projection has three, gate/up two) stacked along the rank, and each slice's B. T
 argument: the model hands it to `project` with the input, nothing is read from ambient state. Per group: one shrink
 (x_g @ A_s^T over every slice at once) and one expand per slice into that slice's output columns, scaled as PEFT does
 after the expand. A fused projection's slices get their deltas before any fused activation (SwiGLU reads the sum).
+
+On the CPU with the native kernels the deltas are the native LoRA kernel's (kernels/lora_kernels.cpp), which the
+native decoder loop calls after each projection too, so both ways of running a step add the same deltas; the torch
+code here (`torch_delta`) is the reference it is tested against and what runs elsewhere (a GPU).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from batchserve.layers import kernels
 
 
 @dataclass(frozen=True)
@@ -31,9 +38,27 @@ class LoRAStep:
     """One step's grouping of tokens by adapter; base-model tokens are in no group."""
 
     groups: tuple[LoRAGroup, ...] = ()
+    # a group of this many rows or more (a prompt's) takes two library GEMMs in the native kernels; 0: never (a
+    # deterministic engine: the vector kernel's order per row ignores the batch)
+    gemm_min_rows: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.groups)
+
+    @functools.cached_property
+    def native(self):
+        """The grouping as the native kernels take it (a LoraBatch: every group's rows in one vector), made once a
+        step on the kernel's path; None where the native kernels are not built or the rows are not on the CPU."""
+        native = kernels.load()
+        if native is None or not self.groups or any(g.rows.device.type != "cpu" for g in self.groups):
+            return None
+        offsets = [0]
+        for group in self.groups:
+            offsets.append(offsets[-1] + group.rows.shape[0])
+        rows = torch.cat([group.rows for group in self.groups])
+        slots, ranks = [g.slot for g in self.groups], [g.rank for g in self.groups]
+        scales, path = [g.scale for g in self.groups], kernels.lora_path()
+        return native.LoraBatch(slots, ranks, scales, rows, offsets, path, self.gemm_min_rows)
 
 
 @dataclass
@@ -48,27 +73,68 @@ class LoRASlots:
     a: torch.Tensor  # [S, n_slices * R, in]
     b: torch.Tensor  # [S, n_slices * R, out], block-diagonal by slice
     present: list[bool] = field(default_factory=list)
+    present_flags: torch.Tensor | None = None  # present as uint8 [S] on the CPU, for the native kernel
+    _native: object = field(default=None, repr=False)
 
     @classmethod
     def allocate(cls, slices, in_features: int, num_slots: int, max_rank: int, dtype, device) -> LoRASlots:
         rows, out = len(slices) * max_rank, sum(size for _, size in slices)
         a = torch.zeros(num_slots, rows, in_features, dtype=dtype, device=device)
         b = torch.zeros(num_slots, rows, out, dtype=dtype, device=device)
-        return cls(tuple(slices), a, b, [False] * num_slots)
+        return cls(tuple(slices), a, b, [False] * num_slots, torch.zeros(num_slots, dtype=torch.uint8))
 
     def load(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None], rank: int) -> None:
         """Slot `slot` takes an adapter's (A [r, in], B [size, r]) per slice (None: the slice is not targeted)."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.load_rows(slot, self.rows_of(parts, rank))
+
+    def rows_of(self, parts: list[tuple[torch.Tensor, torch.Tensor] | None], rank: int):
+        """An adapter's parts (as `load` takes them) in a slot's layout: (a [n * r, in], b [n * r, out]) in host
+        memory, or None where it targets no slice. Made when the adapter is read (worker/lora_slots.py: off the
+        engine loop), so that taking a slot is two copies."""
+        if all(part is None for part in parts):
+            return None
+        n = len(self.slices)
+        a = torch.zeros(n * rank, self.a.shape[2], dtype=self.a.dtype)
+        b = torch.zeros(n * rank, self.b.shape[2], dtype=self.b.dtype)
         for i, part in enumerate(parts):
             if part is not None:
                 offset, size = self.slices[i]
-                self.a[slot, i * rank : (i + 1) * rank].copy_(part[0])
-                self.b[slot, i * rank : (i + 1) * rank, offset : offset + size].copy_(part[1].t())
-        self.present[slot] = any(part is not None for part in parts)
+                a[i * rank : (i + 1) * rank].copy_(part[0])
+                b[i * rank : (i + 1) * rank, offset : offset + size].copy_(part[1].t())
+        return a, b
+
+    def load_rows(self, slot: int, rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Slot `slot` takes `rows_of`'s result. Rows past the adapter's n * r keep an earlier adapter's values:
+        a group of rank r reads only its first n * r."""
+        if rows is not None:
+            count = rows[0].shape[0]
+            self.a[slot, :count].copy_(rows[0], non_blocking=True)
+            self.b[slot, :count].copy_(rows[1], non_blocking=True)
+        self.present[slot] = rows is not None
+        self.present_flags[slot] = int(rows is not None)
+
+    def native_weights(self):
+        """These slots as the native kernels take them (a LoraWeights sharing the tensors, made once); None where the
+        native kernels do not take them (not built, not on the CPU, a dtype other than float32 or bfloat16)."""
+        if self._native is None:
+            native = kernels.for_tensors(self.a, self.b, dtypes=kernels.FUSED_DTYPES)
+            if native is None:
+                return None
+            self._native = native.LoraWeights(self.a, self.b, self.present_flags, list(self.slices))
+        return self._native
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> torch.Tensor:
-        """y [T, out] += each group's scale * (x_g @ A^T) @ B, in place (y is the projection's fresh output)."""
+        """y [T, out] += each group's scale * (x_g @ A^T) @ B, in place (y is the projection's fresh output): the
+        native kernel where it takes them, else the torch code."""
+        weights, batch = self.native_weights(), step.native
+        same_dtype = x.dtype == y.dtype == self.a.dtype
+        if weights is not None and batch is not None and same_dtype and x.stride(-1) == y.stride(-1) == 1:
+            kernels.load().lora_add_(x, y, weights, batch)
+            return y
+        return self.torch_delta(x, y, step)
+
+    def torch_delta(self, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> torch.Tensor:
+        """add_delta in torch: the reference of the native kernel, and the code that runs on a GPU."""
         for group in step.groups:
             if not self.present[group.slot]:
                 continue

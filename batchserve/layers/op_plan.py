@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from batchserve.layers.capabilities import Capability
+from batchserve.layers.lora import slots_of
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +50,30 @@ class Op:
     ints: tuple[int, ...] = ()
     floats: tuple[float, ...] = ()
 
-    def export(self) -> tuple:
-        """(kind, tensors, projections, ints, floats) as DecoderLoop.add_layer takes it; raises ValueError where a
-        projection has no native layout."""
+    def export(self, module) -> tuple:
+        """(kind, tensors, projections, ints, floats, loras) as DecoderLoop.add_layer of the native module `module`
+        takes it (loras: each projection's adapter slots, layers/lora.py, or none); raises ValueError where a
+        projection has no native layout or its adapter slots are not ones the native kernels take."""
         natives = [getattr(linear, "native", None) for linear in self.linears]
         if self.kind == OpKind.MOE_MLP and not natives:
             raise ValueError("an MoE MLP without its experts' CPU layouts")
         if any(native is None for native in natives):
             raise ValueError(f"op {self.kind.value}: a projection without a native layout")
-        return self.kind.value, [t.detach() for t in self.tensors], natives, list(self.ints), list(self.floats)
+        tensors = [t.detach() for t in self.tensors]
+        return self.kind.value, tensors, natives, list(self.ints), list(self.floats), self._loras(module)
+
+    def _loras(self, module) -> list:
+        slots = [slots_of(linear) for linear in self.linears]
+        if all(s is None for s in slots):
+            return []
+        weights = [module.LoraWeights() if s is None else s.native_weights() for s in slots]
+        if any(w is None for w in weights):
+            raise ValueError(f"op {self.kind.value}: adapter slots the native LoRA kernel does not take")
+        return weights
+
+    def takes_adapters(self) -> bool:
+        """Some projection of this op has adapter slots (layers/lora.py)."""
+        return any(slots_of(linear) is not None for linear in self.linears)
 
 
 LayerPlan = list[Op]
@@ -116,7 +132,7 @@ def native_loop(native, plan: Sequence[LayerPlan]):
     loop = native.DecoderLoop()
     try:
         for layer in plan:
-            loop.add_layer([op.export() for op in layer])
+            loop.add_layer([op.export(native) for op in layer])
     except ValueError as refusal:
         logger.info("native decoder loop: off, %s; the Python layers run", refusal)
         return None

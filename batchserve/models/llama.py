@@ -192,7 +192,15 @@ class LlamaForCausalLM(nn.Module):
             return None
         # windowed or soft-capped attention has no 8-bit pool path: such steps go to the Python layers, which say so
         self._loop_takes_8bit_kv = not {Capability.SLIDING_WINDOW, Capability.SOFTCAP} & op_plan.capabilities(plan)
+        # a loop built before the adapter slots were attached has none: a step with adapters then runs the Python layers
+        self._loop_takes_lora = any(op.takes_adapters() for layer in plan for op in layer)
         return op_plan.native_loop(native, plan)
+
+    def refresh_decoder_loop(self) -> None:
+        """The native loop rebuilt from the plan as it is now (worker/lora_slots.py attached adapter slots to the
+        projections, which the loop then runs too)."""
+        if self.decoder_loop is not None:
+            self.decoder_loop = self._native_decoder_loop()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -213,8 +221,8 @@ class LlamaForCausalLM(nn.Module):
         """Packed tokens [T] at positions [T] -> final hidden states [T, H] (normed)."""
         x = self.embed(input_ids)
         tables = self.rope_tables(positions, x.dtype, attn_metadata)
-        # a step with adapters runs the Python sequencing: the native loop has no LoRA op (modes.py: lora_steps_in_python)
-        native_off = self.decoder_loop is None or attn_metadata.lora
+        lora = attn_metadata.lora
+        native_off = self.decoder_loop is None or (lora and (not self._loop_takes_lora or lora.native is None))
         step = None if native_off else native_step(x, self.config.head_dim, kv_caches[0], attn_metadata)
         if step is not None:
             keys, values = [k for k, _ in kv_caches], [v for _, v in kv_caches]
@@ -222,7 +230,8 @@ class LlamaForCausalLM(nn.Module):
             key_scales, value_scales = [k for k, _ in scales if k is not None], [v for _, v in scales if v is not None]
             if not key_scales or self._loop_takes_8bit_kv:
                 rope = [t for table in tables for t in table]
-                x, residual = self.decoder_loop.forward(x, rope, keys, values, step, key_scales, value_scales)
+                groups = lora.native if lora else None  # each projection's adapter deltas, added in the loop
+                x, residual = self.decoder_loop.forward(x, rope, keys, values, step, key_scales, value_scales, groups)
                 return self.norm(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -1,5 +1,6 @@
-"""A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) read and checked against the base
-model: each targeted projection's A [r, in] and B [out, r], and its scale (alpha / r, or alpha / sqrt(r) with rsLoRA).
+"""A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors), or llama.cpp's GGUF LoRA file
+(models/gguf_lora.py), read and checked against the base model: each targeted projection's A [r, in] and B [out, r],
+and its scale (alpha / r, or alpha / sqrt(r) with rsLoRA).
 
 Everything wrong with a folder is a LoRALoadError naming the file, the module and the shapes; nothing of it is kept.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from batchserve.config import ConfigError, ModelConfig
+from batchserve.models.gguf_lora import is_gguf_lora, read_gguf_lora
 
 # the seven projections an adapter may target, as PEFT names them
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -35,6 +37,8 @@ class LoRAAdapter:
     rank: int
     scale: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # (layer, projection) -> the weights in its slot layout (layers/lora.py LoRASlots.rows_of), made once, when read
+    slot_rows: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=dict)
 
     @property
     def targets(self) -> set[str]:
@@ -88,16 +92,17 @@ def read_adapter_config(folder: Path) -> dict:
 def load_peft_adapter(
     folder: str | Path, name: str, lora_id: int, config: ModelConfig, max_rank: int, dtype: torch.dtype
 ) -> LoRAAdapter:
-    """The adapter in `folder`, checked against the base model's shapes and `max_rank`."""
+    """The adapter in `folder` (a PEFT folder, or llama.cpp's GGUF LoRA file: models/gguf_lora.py), checked against
+    the base model's shapes and `max_rank`."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise LoRALoadError(f"LoRA adapter {name!r}: {folder} is not a folder")
-    cfg = read_adapter_config(folder)
-    rank = int(cfg["r"])
+    if is_gguf_lora(folder):
+        rank, scale, tensors = read_gguf_lora(folder, config, LoRALoadError)
+    elif folder.is_dir():
+        rank, scale, tensors = _read_peft_folder(folder)
+    else:
+        raise LoRALoadError(f"LoRA adapter {name!r}: {folder} is not a folder or a .gguf LoRA file")
     if rank > max_rank:
         raise LoRALoadError(f"LoRA adapter {name!r}: rank {rank} is over max_lora_rank {max_rank}")
-    scale = cfg["lora_alpha"] / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
-    tensors = _read_tensors(folder)
     adapter = LoRAAdapter(name, lora_id, str(folder), rank, float(scale))
     shapes = target_shapes(config)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -127,6 +132,12 @@ def load_peft_adapter(
     if not adapter.weights:
         raise LoRALoadError(f"LoRA adapter {name!r}: {folder} holds no LoRA weights")
     return adapter
+
+
+def _read_peft_folder(folder: Path) -> tuple[int, float, dict[str, torch.Tensor]]:
+    cfg = read_adapter_config(folder)
+    rank = int(cfg["r"])
+    return rank, cfg["lora_alpha"] / (math.sqrt(rank) if cfg.get("use_rslora") else rank), _read_tensors(folder)
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -1,5 +1,5 @@
-"""The disk KV tier's counters in Prometheus (docs/kv-offload.md#metrics): read at scrape time from the tier's own
-counts, so the step loop does nothing for them."""
+"""The disk KV tier's counters in Prometheus (docs/kv-offload.md#metrics) and in the dashboard's tier panel: read
+when asked from the tier's own counts, so the step loop does nothing for them."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ COUNTERS = (
 
 
 class TierCollector:
-    def __init__(self, offload: Any, writer: Any, model_name: str, block_size: int) -> None:
+    def __init__(self, offload: Any, writer: Any, model_name: str, block_size: int, kv: Any = None) -> None:
         self.offload, self.writer, self.model_name, self.block_size = offload, writer, model_name, block_size
+        self.kv = kv  # the scheduler's KV cache manager: the requests whose prefix is being read back
 
     def collect(self) -> Iterable[Any]:
         stats = self.offload.stats
@@ -46,6 +47,10 @@ class TierCollector:
         used = GaugeMetricFamily(PREFIX + "kv_tier_bytes_used", "Bytes of the disk tier's files.", labels=["model_name"])
         used.add_metric([self.model_name], stats.bytes_used)
         yield used
+        loading = GaugeMetricFamily(PREFIX + "kv_tier_loading_requests", "Waiting requests whose prefix the disk "
+                                    "tier is reading back now.", labels=["model_name"])  # fmt: skip
+        loading.add_metric([self.model_name], len(getattr(self.kv, "tier_loads", ())))
+        yield loading
 
 
 def register_tier_metrics(registry: CollectorRegistry, model_name: str, engine: Any) -> None:
@@ -53,4 +58,21 @@ def register_tier_metrics(registry: CollectorRegistry, model_name: str, engine: 
     offload = getattr(engine, "kv_tier", None)
     if offload is not None:
         writer = getattr(engine.runner, "offload", None)
-        registry.register(TierCollector(offload, writer, model_name, engine.config.cache.block_size))
+        kv = engine.scheduler.kv
+        registry.register(TierCollector(offload, writer, model_name, engine.config.cache.block_size, kv))
+
+
+def tier_summary(engine: Any) -> dict[str, Any] | None:
+    """The dashboard's tier panel (serving/live_stats.py): the same counts as the metrics; None without a tier."""
+    offload = getattr(engine, "kv_tier", None)
+    if offload is None:
+        return None
+    stats, block = offload.stats, engine.config.cache.block_size
+    return {
+        "hit_blocks": stats.hits, "hit_tokens": stats.hits * block, "blocks_read": stats.blocks_read,
+        "read_bytes": stats.bytes_read, "read_s": stats.read_s, "written_blocks": stats.blocks_written,
+        "written_bytes": stats.bytes_written, "write_s": stats.write_s, "corrupt_dropped": stats.corrupt_dropped,
+        "write_errors": stats.write_errors, "evicted_blocks": stats.evicted, "bytes_used": stats.bytes_used,
+        "max_bytes": offload.store.max_bytes, "saves_skipped": getattr(engine.runner.offload, "num_skipped", 0),
+        "loading_requests": len(engine.scheduler.kv.tier_loads),
+    }  # fmt: skip

@@ -18,6 +18,7 @@ from batchserve.core.outputs import SchedulerStats
 from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.engine.outputs import CompletionDelta
+from batchserve.serving.kv_tier_metrics import tier_summary
 
 STEP_RING = 600  # steps kept: the dashboard draws the last few hundred, doctor polls with ?since=
 LATENCY_WINDOW_S = 60.0  # the percentiles cover the requests finished this long ago at most
@@ -62,6 +63,7 @@ class RequestPoint:
     tpot_s: float | None
     e2e_s: float
     slo_met: bool | None = None  # within its TTFT / TPOT targets; None: it had none
+    adapter: str | None = None  # the LoRA adapter it ran with; None: the base model
 
 
 class LiveStats:
@@ -76,9 +78,11 @@ class LiveStats:
         self._config: dict[str, Any] = {}
         self._totals = {"requests_finished": 0, "generation_tokens": 0, "prompt_tokens": 0, "steps": 0}
         self._wall_offset = time.time() - time.monotonic()  # the engine's times are monotonic
+        self._engine: LLMEngine | None = None  # read at snapshot time for the disk tier's panel
 
     def attach(self, engine: AsyncLLMEngine) -> LiveStats:
         self._config = {k: v for k, v in engine.engine.effective_config().items() if v is not None}
+        self._engine = engine.engine
         engine.step_listeners.append(self.on_step)
         return self
 
@@ -115,6 +119,7 @@ class LiveStats:
             queue_s=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
             ttft_s=None if first_token is None else first_token - m.arrival_time,
             tpot_s=tpot, e2e_s=finished - m.arrival_time, slo_met=m.slo_met(out.num_output_tokens),
+            adapter=out.lora_name,
         )  # fmt: skip
 
     def _forget_old(self, now: float) -> None:
@@ -130,7 +135,9 @@ class LiveStats:
         `finished_after` (wall time) too. `replica` is for the Ray app's reports: one engine here, so any id is
         unknown (LookupError)."""
         if replica:
-            raise LookupError(f"no replica {replica!r}: this server runs one engine (replicas are `serve --replicas N`)")
+            raise LookupError(
+                f"no replica {replica!r}: this server runs one engine (replicas are `serve --replicas N`)"
+            )
         now = time.time()
         with self._lock:
             self._forget_old(now)
@@ -146,6 +153,9 @@ class LiveStats:
             "steps": steps,
             "latency": latency_summary(requests, self.latency_window_s),
         }
+        tier = tier_summary(self._engine) if self._engine is not None else None
+        if tier is not None:  # the disk KV tier's panel (docs/kv-offload.md#metrics)
+            snapshot["kv_tier"] = tier
         if with_requests:
             snapshot["requests"] = [asdict(r) for r in requests if r.finished_time > finished_after]
         return snapshot
@@ -183,7 +193,23 @@ def latency_summary(requests: Iterable[RequestPoint], window_s: float) -> dict[s
         summary[name] = {f"p{p}": percentile(values, p) for p in PERCENTILES}
     judged = [r.slo_met for r in requests if r.slo_met is not None]
     summary["slo"] = {"with_targets": len(judged), "met": sum(judged), "goodput_rps": sum(judged) / window_s}
+    if any(r.adapter for r in requests):  # the dashboard's per-adapter columns (the base model as "")
+        summary["by_adapter"] = by_adapter(requests)
     return summary
+
+
+def by_adapter(requests: Sequence[RequestPoint]) -> dict[str, dict[str, Any]]:
+    """Each adapter's finished requests (the base model's under ""): their count and TTFT / TPOT percentiles."""
+    groups: dict[str, list[RequestPoint]] = {}
+    for r in requests:
+        groups.setdefault(r.adapter or "", []).append(r)
+    out = {}
+    for name, group in sorted(groups.items()):
+        out[name] = {"count": len(group)}
+        for field in ("ttft_s", "tpot_s"):
+            values = [v for v in (getattr(r, field) for r in group) if v is not None]
+            out[name][field] = {f"p{p}": percentile(values, p) for p in PERCENTILES}
+    return out
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:

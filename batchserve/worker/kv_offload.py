@@ -2,18 +2,28 @@
 
 A block's payload is every layer's parts (K and V; a quantized pool's codes and scales too) for that block, in layer
 order, as raw bytes: a block read back is bit for bit the block written. Saves are copied out of the pool at the end of
-the step that filled them (a copy: the pool block may be reused next step) and written by a background thread, so the
-step never waits on the disk; when the writer falls behind by more than WRITE_QUEUE_BYTES, later saves are skipped
-(counted) rather than let the queue grow or the step wait.
+the step that filled them (a copy: the pool block may be reused next step), one gather per layer part for all of the
+step's blocks; the writer thread checksums each block's rows of those copies and writes them with one writev, never
+joining them into one buffer. Steps that complete no block copy nothing. When the writer falls behind by more than
+WRITE_QUEUE_BYTES, later saves are skipped (counted) rather than let the queue grow or the step wait.
+
+Write-through, not write-on-evict: a block is written when it becomes full and hashed, not when the pool lets it go.
+Under a steady load every block is evicted sooner or later, so write-on-evict writes as much, only later, and it
+copies on the step that reuses the block, before that step's forward pass (the copy must precede the overwrite),
+where write-through copies after it; a restarted engine or a replica sharing the directory would also miss every
+block still in the pool. The writer thread runs at the lowest CPU priority, so on a host whose cores the steps keep
+busy its checksums and system calls take the time the steps leave idle.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from batchserve.config import EngineConfig
@@ -76,23 +86,19 @@ class BlockWriter:
                 self.store.release(s.digest for s in saves[room:])
                 saves = saves[:room]
             self._queued_bytes += len(saves) * per_block
-        if not saves:
-            return
-        device = kv_cache.device_caches[0][0].device
-        ids = torch.tensor([s.block_id for s in saves], dtype=torch.long, device=device)
-        copies = [t.index_select(0, ids).to("cpu") for layer in kv_cache.device_caches for t in _parts(layer)]
-        self._queue.put((list(saves), copies, per_block))
+        if saves:  # nothing at all when the step completed no block
+            self._queue.put((list(saves), gather_parts(kv_cache, [s.block_id for s in saves]), per_block))
 
     def _run(self) -> None:
+        _lowest_priority()
         while True:
             item = self._queue.get()
             try:
                 if item is None:
                     return
-                saves, copies, per_block = item
+                saves, parts, per_block = item
                 for n, save in enumerate(saves):
-                    payload = torch.cat([c[n].reshape(-1).view(torch.uint8) for c in copies]).numpy().tobytes()
-                    self.store.put(save.digest, payload, save.retention)
+                    self.store.put(save.digest, [part[n] for part in parts], save.retention)
                 with self._lock:
                     self._queued_bytes -= len(saves) * per_block
             except Exception:  # a writer that dies would silently stop the tier: log and go on
@@ -110,6 +116,26 @@ class BlockWriter:
             self._thread.join()
 
 
+def gather_parts(kv_cache: KVCache, block_ids: Sequence[int]) -> list:
+    """Every layer part's rows of these blocks, as raw bytes (numpy arrays on the CPU, a row a block): one
+    index_select a part into a fresh contiguous tensor, which the allocator serves from memory it reuses (a gather
+    into one long-lived strided buffer paid the first touch of its pages whenever the writer had not handed it back)."""
+    ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device_caches[0][0].device)
+    parts = []
+    for i, j, _ in _part_sizes(kv_cache):
+        part = _parts(kv_cache.device_caches[i])[j]
+        parts.append(part.view(part.shape[0], -1).view(torch.uint8).index_select(0, ids).numpy())
+    return parts
+
+
+def _lowest_priority() -> None:
+    """This thread (Linux keeps a nice value per thread) yields the CPU to the steps; elsewhere it stays as it is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
 def load_blocks(kv_cache: KVCache, loads: Sequence[tuple[int, bytes]]) -> None:
     """Copy checked payloads into their pool blocks (before the step's forward pass)."""
     if not loads:
@@ -125,6 +151,25 @@ def load_blocks(kv_cache: KVCache, loads: Sequence[tuple[int, bytes]]) -> None:
         offset += size
 
 
+def copy_blocks_in(kv_cache: KVCache, pairs: Sequence[tuple[int, object]]) -> None:
+    """On the tier's reader thread, while steps run: checked payloads into their pool blocks, which no step reads
+    before their request is admitted. numpy does the copies: a torch op on this thread could start an OpenMP team
+    of its own beside the steps' threads."""
+    views = [(_parts(kv_cache.device_caches[i])[j], size) for i, j, size in _part_sizes(kv_cache)]
+    pool = [part.view(part.shape[0], -1).view(torch.uint8).numpy() for part, _ in views]
+    for block_id, payload in pairs:
+        src = np.frombuffer(payload, dtype=np.uint8)
+        offset = 0
+        for dst, (_, size) in zip(pool, views):
+            dst[block_id] = src[offset : offset + size]
+            offset += size
+
+
+def _part_sizes(kv_cache: KVCache) -> list[tuple[int, int, int]]:
+    return [(i, j, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+            for i, j, dtype, shape in _layout(kv_cache)]
+
+
 def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     """Open the tier for this runner's KV layout and connect both sides: the scheduler's KV cache manager looks up
     and reads, the runner loads and saves. None when kv_offload_dir is unset."""
@@ -138,6 +183,7 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     store = TierStore(cache.kv_offload_dir, description, max_bytes, block_payload_bytes(runner.kv_cache))
     offload = KVOffload(store, block_payload_bytes(runner.kv_cache), retention_of(cache.block_size))
     kv_manager.tier = offload
+    offload.copy_in = lambda pairs: copy_blocks_in(runner.kv_cache, pairs)
     runner.offload = BlockWriter(store)
     logger.info(
         "KV tier: %s, %d blocks (%.2f of %.2f GiB) found from earlier runs",

@@ -30,6 +30,9 @@ PROJECTIONS = (
 )
 
 
+GEMM_MIN_ROWS = 32  # an adapter's rows in a step from which two GEMMs beat the vector kernel (a prompt's rows)
+
+
 class LoRAPool:
     def __init__(
         self,
@@ -40,6 +43,7 @@ class LoRAPool:
         max_cpu_loras: int,
         dtype: torch.dtype,
         device: torch.device,
+        deterministic: bool = False,
     ) -> None:
         if config.num_experts > 0:
             raise LoRALoadError("LoRA adapters on a mixture-of-experts model are not served")
@@ -51,10 +55,15 @@ class LoRAPool:
         self.req_lora: dict[str, int] = {}  # requests the worker holds -> their adapter
         self.free_slots = list(range(max_loras - 1, -1, -1))  # popped from the end: slot 0 first
         self.layers: list[dict[str, LoRASlots]] = [self._attach(layer) for layer in model.layers]
+        refresh = getattr(model, "refresh_decoder_loop", None)
+        if refresh is not None:  # the native loop takes the slots as its ops' arguments: rebuilt with them
+            refresh()
         self.num_loads = 0  # adapters read from their folder, since start
         # one group per adapter (the engine's); "request": one per request, the loop a grouping replaces
         # (benchmarks/lora.py measures the two)
         self.grouping = "adapter"
+        # groups of this many rows multiply by GEMMs in the native kernels; a deterministic engine never (0)
+        self.gemm_min_rows = 0 if deterministic else GEMM_MIN_ROWS
 
     def _attach(self, layer: nn.Module) -> dict[str, LoRASlots]:
         """Each projection of `layer` gets its slots (an attribute the model's `project` reads)."""
@@ -72,10 +81,17 @@ class LoRAPool:
 
     # ---- adapters in and out ----------------------------------------------------------------------------------
     def read(self, lora: LoRARequest) -> LoRAAdapter:
-        """The adapter's folder read and checked against the base (no state of the pool changes: any thread)."""
-        return load_peft_adapter(
+        """The adapter's folder read and checked against the base, its weights laid out as the slots take them (no
+        state of the pool changes: any thread; the server reads on a worker thread, so that taking a slot within a
+        step is two copies a projection)."""
+        adapter = load_peft_adapter(
             lora.lora_path, lora.lora_name, lora.lora_int_id, self.config, self.max_rank, self.dtype
         )
+        for index, layer in enumerate(self.layers):
+            for path, targets in PROJECTIONS:
+                parts = [adapter.weights.get((index, target)) for target in targets]
+                adapter.slot_rows[(index, path[1])] = layer[path[1]].rows_of(parts, adapter.rank)
+        return adapter
 
     def add(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
         """Register and hold in host memory (`adapter`: read already; else read now)."""
@@ -149,7 +165,7 @@ class LoRAPool:
             contiguous = int(rows[-1] - rows[0]) + 1 == len(rows)
             tensor = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
             groups.append(LoRAGroup(slot, adapter.rank, adapter.scale, tensor, int(rows[0]) if contiguous else -1))
-        return LoRAStep(tuple(groups))
+        return LoRAStep(tuple(groups), self.gemm_min_rows)
 
     def _slot(self, lora_id: int, this_step: list[int]) -> tuple[int, LoRAAdapter]:
         """The adapter's device slot, loading it there when it has none (into a free slot, else the least recently
@@ -177,6 +193,5 @@ class LoRAPool:
 
     def _fill(self, slot: int, adapter: LoRAAdapter) -> None:
         for index, layer in enumerate(self.layers):
-            for path, targets in PROJECTIONS:
-                parts = [adapter.weights.get((index, target)) for target in targets]
-                layer[path[1]].load(slot, parts, adapter.rank)
+            for path, _ in PROJECTIONS:
+                layer[path[1]].load_rows(slot, adapter.slot_rows[(index, path[1])])

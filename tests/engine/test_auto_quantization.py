@@ -149,6 +149,8 @@ def test_what_keeps_a_gguf_dequantized_whatever_the_cpu(tmp_path, monkeypatch, t
         (tiny_q4_1, EngineConfig(), "cuda", "device cuda: the quantized kernels run on the CPU only"),
         (tiny_q4_1, EngineConfig(tensor_parallel_size=2), "cpu", "the model is split over ranks, which hold float "
          "shards"),
+        (tiny_q4_1, EngineConfig(enable_lora=True), "cpu", "enable_lora: adapters run over the dequantized "
+         "projections"),
     ]  # fmt: skip
     for path, config, device, reason in cases:
         assert choose(config, path, load_model_config(path), device, "bfloat16").reason == reason

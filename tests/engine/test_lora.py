@@ -1,6 +1,6 @@
 """LoRA adapters through the whole engine on tiny random bases of three families: greedy float32 tokens of each
 adapter, in one batch mixed with the base model and the other adapters, equal transformers + PEFT's one prompt at a
-time (unmerged and merged); the max_loras limit in every step, slots and host copies reused (LRU), prefix caching
+time (unmerged and merged), every step in the native decoder loop where it is built; the max_loras limit in every step, slots and host copies reused (LRU), prefix caching
 per adapter, and adapters loaded and unloaded while the engine runs."""
 
 from __future__ import annotations
@@ -13,9 +13,17 @@ import pytest
 from batchserve import LLM, LoRARequest
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.engine.lora_registry import UnknownAdapterError
+from batchserve.models.gemma import GemmaDecoderLayer
+from batchserve.models.llama import DecoderLayer
 from batchserve.sampling_params import SamplingParams
+from batchserve.serving.live_stats import LiveStats
 from tests.tiny_loras import make_adapters, peft_greedy
 from tests.tiny_models import VOCAB, hf_greedy, tiny_checkpoint
+
+
+def python_layer_ran(*args, **kwargs):
+    raise AssertionError("a step took the Python layers")
+
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 FAMILIES = ["llama", "qwen3", "gemma3"]
@@ -38,12 +46,15 @@ def lora_requests(adapters):
     return {name: LoRARequest(name, i, str(a.folder)) for i, (name, a) in enumerate(adapters.items(), start=1)}
 
 
-def test_a_mixed_batch_equals_peft_one_prompt_at_a_time(family):
+def test_a_mixed_batch_equals_peft_one_prompt_at_a_time(family, monkeypatch):
     hf_model, base_dir, adapters = family
     loras = lora_requests(adapters)
     names = [None, "sql", "poet", "chat", "sql", None, "poet", "chat"]
     batch = prompts(len(names))
     llm = LLM(model=str(base_dir), device="cpu", dtype="float32", enable_lora=True, max_loras=3, num_kv_blocks=256)
+    if llm.engine.runner.model.decoder_loop is not None:  # every step, adapters or not, in the native loop
+        for layer_class in (DecoderLayer, GemmaDecoderLayer):
+            monkeypatch.setattr(layer_class, "forward", python_layer_ran)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False,
         lora_request=[None if n is None else loras[n] for n in names],
@@ -151,3 +162,29 @@ def test_adapters_load_and_unload_while_requests_run(family):
     assert outputs["running"] == peft_greedy(adapters["sql"], prompt, 10)
     assert outputs["new"] == peft_greedy(adapters["poet"], prompt, 10)
     assert 1 not in engine.runner.lora.loaded  # the unloaded adapter's copy went with its last request
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_finished_requests_name_their_adapter_on_the_dashboard(family):
+    """Each finished request's delta names its adapter; the dashboard's data counts each adapter's requests (the
+    base model's under "") with their TTFT and TPOT percentiles."""
+    _, base_dir, adapters = family
+    llm = LLM(model=str(base_dir), device="cpu", dtype="float32", enable_lora=True, max_loras=2, num_kv_blocks=64)
+    engine = llm.engine
+    for lora in lora_requests(adapters).values():
+        engine.add_lora(lora)
+    stats = LiveStats()
+    for name in ("sql", "sql", None, "poet"):
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, lora_name=name)
+        engine.add_prompt(None, {"prompt_token_ids": [5, 6, 7]}, params)
+    finished = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        finished += [(o.lora_name, o.request_id) for o in outputs if o.finished]
+        stats.on_step(engine, outputs)
+    assert sorted(name or "" for name, _ in finished) == ["", "poet", "sql", "sql"]
+    snapshot = stats.snapshot(with_requests=True)
+    assert sorted(r["adapter"] or "" for r in snapshot["requests"]) == ["", "poet", "sql", "sql"]
+    by_adapter = snapshot["latency"]["by_adapter"]
+    assert {name: a["count"] for name, a in by_adapter.items()} == {"": 1, "poet": 1, "sql": 2}
+    assert all(a["ttft_s"]["p50"] is not None and a["tpot_s"]["p50"] is not None for a in by_adapter.values())

@@ -1,7 +1,13 @@
 import pytest
 
 from batchserve.layers import kernels
-from tests.forcing import force_gemm, force_prefill, force_quant_gemm, force_small_gemm  # noqa: F401  (fixtures of the tests here)
+from tests.forcing import (  # noqa: F401  (fixtures of the tests here)
+    force_gemm,
+    force_lora_path,
+    force_prefill,
+    force_quant_gemm,
+    force_small_gemm,
+)
 
 
 @pytest.fixture(scope="session")

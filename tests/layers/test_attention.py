@@ -34,9 +34,11 @@ def run_batch(
     stale: bool = False,
     heads: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
     dtype: torch.dtype = torch.float32,
+    tensors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
 ):
     """seqs: (already cached tokens, tokens this step). Cached K/V are written by an earlier 'step' first.
-    heads: (query heads, kv heads, head dim); dtype: of q/k/v and the pool (the reference computes in float32)."""
+    heads: (query heads, kv heads, head dim); dtype: of q/k/v and the pool (the reference computes in float32);
+    tensors: each sequence's q, k, v over its whole length (default: random)."""
     num_heads, num_kv_heads, head_dim = heads
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -51,9 +53,13 @@ def run_batch(
         length = cached + n
         blocks = [free.pop() for _ in range(-(-length // block_size))]
         q, k, v = (
-            torch.randn(length, num_heads, head_dim).to(dtype),
-            torch.randn(length, num_kv_heads, head_dim).to(dtype),
-            torch.randn(length, num_kv_heads, head_dim).to(dtype),
+            tensors[i]
+            if tensors is not None
+            else (
+                torch.randn(length, num_heads, head_dim).to(dtype),
+                torch.randn(length, num_kv_heads, head_dim).to(dtype),
+                torch.randn(length, num_kv_heads, head_dim).to(dtype),
+            )
         )
         full.append((q, k, v))
         new_reqs.append(NewRequestData(f"r{i}", list(range(length)), length, SamplingParams(), blocks, cached))
@@ -338,10 +344,11 @@ def test_sdpa_prefill_path(dtype, block_size, force_prefill, monkeypatch):
 
 
 def test_prefill_path_choice(monkeypatch, force_prefill):
-    # SDPA for bfloat16 pools where the CPU has AMX, the native kernel elsewhere and for float32 pools; the variable
-    # forces either, and an unknown name is an error.
+    # For bfloat16 pools where the CPU has AMX, SDPA for long chunks and the native kernel for short ones ("split",
+    # tests/layers/test_prefill_split.py); the native kernel elsewhere and for float32 pools; the variable forces
+    # any of them, and an unknown name is an error.
     monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
-    for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "sdpa"), ("avx512f avx512_bf16", "native")):
+    for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "split"), ("avx512f avx512_bf16", "native")):
         monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: f"flags : fpu {flags}")
         preferred_prefill_method.cache_clear()
         assert (

@@ -15,7 +15,7 @@ from batchserve.core.outputs import CachedRequestData, ModelOutput, NewRequestDa
 from batchserve.models.loader import load_model, load_model_config
 from batchserve.sampling_params import SamplingParams
 from batchserve.worker.model_runner import ModelRunner
-from tests.forcing import force_gemm, force_prefill  # noqa: F401  (fixtures of the tests here)
+from tests.forcing import force_gemm, force_lora_path, force_prefill  # noqa: F401  (fixtures of the tests here)
 from tests.tiny_models import KINDS, VOCAB, build_hf_model, hf_greedy  # noqa: F401  (re-exported to tests)
 
 

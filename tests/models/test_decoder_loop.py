@@ -12,6 +12,7 @@ import torch
 from batchserve.core.outputs import NewRequestData, SchedulerOutput
 from batchserve.layers import kernels, windowed_attention
 from batchserve.layers.attention import PREFILL_KERNEL_PATHS, native_step, preferred_prefill_method, prefill_method
+from batchserve.layers.kernels import paths
 from batchserve.layers.linear import CpuLinear
 from batchserve.layers.moe import SparseMoE
 from batchserve.models import llama
@@ -149,7 +150,7 @@ def test_rows_above_the_amx_limit_take_onednn_then_silu_and_mul(tiny_models, mon
 
 
 @pytest.mark.parametrize("num_seqs", [0, 1, 5])
-@pytest.mark.parametrize("prefill", ["sdpa", "native"])
+@pytest.mark.parametrize("prefill", ["sdpa", "native", "split"])
 @pytest.mark.parametrize(
     "kind,dtype,units",
     [
@@ -164,8 +165,10 @@ def test_rows_above_the_amx_limit_take_onednn_then_silu_and_mul(tiny_models, mon
 def test_steps_with_prompts_equal_the_python_layers(
     tiny_models, monkeypatch, force_prefill, force_gemm, kind, dtype, units, prefill, num_seqs
 ):
-    """Mixed steps: decodes, a fresh prompt, chunks after earlier context (mid-block and on a block edge)."""
-    if prefill == "native" and kernels.attention_path().name not in PREFILL_KERNEL_PATHS:
+    """Mixed steps: decodes, a fresh prompt, chunks after earlier context (mid-block and on a block edge); "split"
+    with its threshold at 8 rows: the 6-row chunk by the native kernel, the 13- and 9-row ones by SDPA."""
+    monkeypatch.setattr(paths, "SHORT_PREFILL_MAX_ROWS", 8)
+    if prefill != "sdpa" and kernels.attention_path().name not in PREFILL_KERNEL_PATHS:
         pytest.skip("the native prefill kernel needs an AVX-512 attention path")
     _force_units(monkeypatch, force_gemm, units)
     force_prefill(prefill)

@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
+from batchserve.entrypoints.openai.bodies import json_value as _json
 from batchserve.entrypoints.openai.errors import validation_error
-from batchserve.entrypoints.openai.front import _json
 from batchserve.entrypoints.openai.protocol import CompletionRequest
 from batchserve.sampling_params import ConstraintKind, InvalidRequestError, StructuredOutputsParams
 from batchserve.serving.grammar_pool import MAX_CONSTRAINT_BYTES, ConstraintCache

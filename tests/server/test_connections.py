@@ -3,6 +3,8 @@ time is served whatever the app then takes."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -13,17 +15,17 @@ import uvicorn
 
 from batchserve.entrypoints.openai.app import build_app
 from batchserve.entrypoints.openai.connections import ConnectionLimits
+from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
 from tests.server.fakes import fake_engine
 
 LIMITS = ConnectionLimits(header_timeout_s=0.6, body_timeout_s=0.6, keep_alive_timeout_s=0.6, max_connections=64,
                           body_read_timeout_s=1.5)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def port():
+def serving(limits: ConnectionLimits):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(build_app(fake_engine(delay_s=0.005)), log_level="warning", **LIMITS.uvicorn_options())
+    config = uvicorn.Config(build_app(fake_engine(delay_s=0.005)), log_level="warning", **limits.uvicorn_options())
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -32,6 +34,23 @@ def port():
     yield sock.getsockname()[1]
     server.should_exit = True
     thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def port():
+    yield from serving(LIMITS)
+
+
+@pytest.fixture(scope="module")
+def protocol_port():
+    """Oversized bodies refused by the HTTP protocol from their Content-Length (as `serve` sets it up)."""
+    yield from serving(dataclasses.replace(LIMITS, max_body_bytes=DEFAULT_MAX_BODY_BYTES))
+
+
+@pytest.fixture(params=["protocol", "app"])
+def refusing_port(request, port, protocol_port):
+    """The protocol's refusal, or the app's (a server whose protocol is not told the limit)."""
+    return protocol_port if request.param == "protocol" else port
 
 
 def seconds_until_closed(port: int, first: bytes, limit_s: float = 10.0) -> float:
@@ -124,3 +143,57 @@ def test_the_connection_flags_reach_the_ray_ingress(monkeypatch):
     options = captured["options"]
     assert (options.header_timeout_s, options.body_timeout_s, options.keep_alive_timeout_s) == (7, 8, 9)
     assert options.max_connections == 100
+
+
+def test_an_oversized_content_length_is_refused_before_the_body_is_sent(refusing_port):
+    # only the headers go out: the 413 must come back (and the connection close) without a byte of the body
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (DEFAULT_MAX_BODY_BYTES + 1))  # fmt: skip
+    with socket.create_connection(("127.0.0.1", refusing_port)) as conn:
+        conn.settimeout(10)
+        conn.sendall(head)
+        answer = b""
+        while chunk := conn.recv(4096):  # until the server closes: a timeout here fails the test
+            answer += chunk
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 413 Request Entity Too Large", answer
+    assert b'"code":"body_too_large"' in rest
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages"])
+def test_an_async_client_sending_an_oversized_body_anyway_reads_the_413(protocol_port, path):
+    # an asyncio client writing the whole body before it reads (httpx's, the OpenAI and Anthropic SDKs') loses an
+    # answer that a reset overtakes: it must read the 413, in its API's error shape, and be served next
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{protocol_port}", timeout=30) as client:
+            for _ in range(2):
+                refused = await client.post(path, content=b"[" + b"1," * (DEFAULT_MAX_BODY_BYTES // 2) + b"1]",
+                                            headers={"content-type": "application/json"})  # fmt: skip
+                assert refused.status_code == 413 and refused.headers["connection"] == "close"
+                error = refused.json()["error"]
+                assert error["type"] == ("request_too_large" if path == "/v1/messages" else "invalid_request_error")
+            ok = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert ok.status_code == 200
+
+    asyncio.run(run())
+
+
+def test_a_refused_body_drains_past_the_header_timeout(protocol_port):
+    # a body sent slower than the header timeout allows for headers is still drained to its end (a reset would
+    # lose the 413 for a client still writing), and the connection closes once it is all in
+    size = DEFAULT_MAX_BODY_BYTES + 1
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size
+    piece = size // 8 + 1
+    with socket.create_connection(("127.0.0.1", protocol_port)) as conn:
+        conn.settimeout(10)
+        conn.sendall(head)
+        sent = 0
+        while sent < size:  # over 1.2 s: twice the 0.6 s header timeout
+            time.sleep(0.15)
+            chunk = b"x" * min(piece, size - sent)
+            conn.sendall(chunk)  # a reset would raise here
+            sent += len(chunk)
+        answer = b""
+        while chunk := conn.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413 "), answer

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from batchserve.entrypoints.openai.dashboard import dashboard_html
-from batchserve.serving.live_stats import LiveStats
+from batchserve.serving.live_stats import LiveStats, RequestPoint, latency_summary
 from tests.server.fakes import fake_engine
 from tests.server.live import start_server
 
@@ -70,3 +70,17 @@ def test_decode_only_steps_are_drawn_at_least_a_pixel_high():
     result = json.loads(out.stdout)
     assert result["axis"] == 6 and result["busyAxis"] == 2048  # the budget stays the axis while a step nears it
     assert result["bar"] >= 30 and result["raw"] >= 1 and result["none"] == 0
+
+
+def test_the_adapter_table_is_filled_from_the_per_adapter_latencies():
+    page = dashboard_html()
+    assert '<table id="adapters" hidden>' in page and "renderAdapters(d.latency.by_adapter || {})" in page
+    base_only = latency_summary([_request_point(None, 0.1)], 60.0)
+    assert "by_adapter" not in base_only  # no adapter ran: the table stays hidden
+    summary = latency_summary([_request_point(None, 0.1), _request_point("sql", 0.2), _request_point("sql", 0.4)], 60.0)
+    assert summary["by_adapter"]["sql"]["count"] == 2 and summary["by_adapter"][""]["count"] == 1
+    assert summary["by_adapter"]["sql"]["tpot_s"]["p50"] == pytest.approx(0.3)
+
+
+def _request_point(adapter, tpot_s: float) -> RequestPoint:
+    return RequestPoint("r", 0.0, 1.0, 3, 4, 0, 0, "length", 0.0, 0.05, tpot_s, 1.0, adapter=adapter)

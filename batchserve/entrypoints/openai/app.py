@@ -86,6 +86,7 @@ def build_app(
         async_engine.start()
         yield
         app.state.front.service.constraints.close()  # a grammar compile in progress is killed, not waited for
+        app.state.front.body_parser.close()
         if owned:  # uvicorn has already waited for the in-flight requests (graceful shutdown)
             await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 

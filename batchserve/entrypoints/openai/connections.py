@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from batchserve.entrypoints.openai.body_limit import RefuseOversizedBodies
 
 logger = logging.getLogger("batchserve.server")
 
@@ -34,11 +37,14 @@ class ConnectionLimits:
     keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
     max_connections: int | None = None  # over it, uvicorn answers 503 (its limit_concurrency)
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    max_body_bytes: int | None = None  # a larger Content-Length is answered 413 by the protocol (body_limit.py)
 
     def uvicorn_options(self) -> dict[str, Any]:
         """uvicorn.Config keywords: the guarded protocol class, the keep-alive timeout and the connection cap."""
         return {
-            "http": guarded_protocol(self.header_timeout_s, self.body_timeout_s, self.body_read_timeout_s),
+            "http": guarded_protocol(
+                self.header_timeout_s, self.body_timeout_s, self.body_read_timeout_s, self.max_body_bytes
+            ),
             "timeout_keep_alive": self.keep_alive_timeout_s,
             "limit_concurrency": self.max_connections,
         }
@@ -79,6 +85,8 @@ class _ReadDeadlines:
         super().connection_lost(exc)  # type: ignore[misc]
 
     def _phase(self) -> str:
+        if getattr(self, "_drain_left", None) is not None:  # a refused body drains under its own deadline
+            return "read"
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
             return "headers"
@@ -144,15 +152,21 @@ _REQUEST_TIMEOUT = _request_timeout_response()
 
 
 def guarded_protocol(
-    header_timeout_s: float, body_timeout_s: float, body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    header_timeout_s: float,
+    body_timeout_s: float,
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S,
+    max_body_bytes: int | None = None,
 ) -> type[asyncio.Protocol]:
-    """uvicorn's own HTTP protocol class (httptools when installed, else h11) with read deadlines."""
+    """uvicorn's own HTTP protocol class (httptools when installed, else h11) with read deadlines and, with
+    `max_body_bytes` and httptools, oversized bodies refused from their Content-Length (else the app refuses them)."""
+    refuses = max_body_bytes is not None and issubclass(AutoHTTPProtocol, HttpToolsProtocol)
     return type(
         "GuardedHTTPProtocol",
-        (_ReadDeadlines, AutoHTTPProtocol),
+        (_ReadDeadlines, *([RefuseOversizedBodies] if refuses else []), AutoHTTPProtocol),
         {
             "header_timeout_s": header_timeout_s,
             "body_timeout_s": body_timeout_s,
             "body_read_timeout_s": body_read_timeout_s,
+            "max_body_bytes": max_body_bytes,
         },
     )

@@ -134,8 +134,9 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
 
 def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
     return ConnectionLimits(
-        args.header_timeout, args.body_timeout, args.keep_alive_timeout, args.max_connections, args.body_read_timeout
-    )
+        args.header_timeout, args.body_timeout, args.keep_alive_timeout, args.max_connections, args.body_read_timeout,
+        args.max_body_bytes,
+    )  # fmt: skip
 
 
 SCALE_OUT_FLAGS = ("--replicas", "--max-replicas", "--ray-address")
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         **observability,
     )
     apply_chat_options(app.state.front, args, parser)
+    app.state.front.body_parser.start_on_first_body()
     grpc_server = None
     if args.grpc_port is not None:
         grpc_server = GrpcServer(

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from batchserve.sampling_params import (
@@ -104,9 +104,19 @@ class SamplingRequest(RequestBody):
             raise PydanticCustomError("missing_type", "response_format needs a string `type`")
         return value
 
+    # the constraint once computed: a large body's is computed in the body parser process (its JSON Schema check
+    # takes seconds a megabyte) and travels back with the request
+    _constraint: tuple[StructuredOutputsParams | None] | None = PrivateAttr(None)
+
     def constraint(self) -> StructuredOutputsParams | None:
-        guided = {name: getattr(self, name) for name in GUIDED_FIELDS}
-        return constraint_of(self.response_format, guided, self.structured_outputs)
+        if self._constraint is None:
+            guided = {name: getattr(self, name) for name in GUIDED_FIELDS}
+            self._constraint = (constraint_of(self.response_format, guided, self.structured_outputs),)
+        return self._constraint[0]
+
+    def check_off_loop(self) -> None:
+        """The checks worth running where the body was parsed off the event loop (bodies.py)."""
+        self.constraint()
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError for values the engine cannot serve."""

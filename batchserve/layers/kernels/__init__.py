@@ -139,6 +139,22 @@ def small_gemm_path() -> str:
     return chosen_path("small_gemm")
 
 
+def lora_path_runs(path: str) -> bool:
+    """Whether the LoRA kernel `path` is built here and this CPU runs it."""
+    return load() is not None and path_runs("lora", path)
+
+
+@functools.cache
+def lora_path():
+    """The path of the LoRA kernel (the module's Isa, handed to each step's groups), chosen once:
+    BATCHSERVE_LORA_PATH when set (ValueError when it names no path or one that cannot run here), else the best this
+    build and CPU run. None where the native kernels are not built."""
+    native = load()
+    if native is None:
+        return None
+    return native.Isa.__members__[chosen_path("lora")]
+
+
 @functools.cache
 def _log_paths_once() -> None:
     """The one start-up line of every operation's path (a forced path that cannot run is refused later, by the

@@ -85,7 +85,7 @@ void register_step_attention(pybind11::module& m) {
   py::class_<StepAttention>(m, "StepAttention")
       .def(py::init(&make_step), py::arg("slot_mapping"), py::arg("decode_rows"), py::arg("decode_block_tables"),
            py::arg("decode_seq_lens"), py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"),
-           py::arg("prefill_query_starts"), py::arg("spans"), py::arg("native_prefill"), py::arg("path"));
+           py::arg("prefill_query_starts"), py::arg("spans"), py::arg("native_prefill_rows"), py::arg("path"));
   m.def("paged_attention", &paged_attention,
         "one layer's attention over a step: store its K/V, then the decode and the prefill rows on their paths",
         py::call_guard<py::gil_scoped_release>(), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_cache"),
@@ -133,18 +133,32 @@ void register_projection(pybind11::module& m) {
         no_gil, py::arg("x"), py::arg("packed"), py::arg("n"));
 }
 
+void register_lora(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<LoraWeights>(m, "LoraWeights", "one projection's adapter slots (layers/lora.py LoRASlots)")
+      .def(py::init<>(), "none: the projection serves no adapters")
+      .def(py::init(&make_lora_weights), py::arg("a"), py::arg("b"), py::arg("present"), py::arg("slices"));
+  py::class_<LoraBatch>(m, "LoraBatch", "one step's tokens grouped by adapter (layers/lora.py LoRAStep)")
+      .def(py::init(&make_lora_batch), py::arg("slot"), py::arg("rank"), py::arg("scale"), py::arg("rows"),
+           py::arg("offsets"), py::arg("path"), py::arg("gemm_min_rows") = 0);
+  m.def("lora_add_", &lora_add_, "y += each adapter group's scale * (x_g @ A^T) @ B, in place", kNoGil,
+        py::arg("x"), py::arg("y"), py::arg("weights"), py::arg("batch"));
+}
+
 void register_decoder_loop(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<DecoderLoop>(m, "DecoderLoop")
       .def(py::init<>())
       .def_static("op_kinds", &DecoderLoop::op_kind_names, "the op kinds the loop runs (layers/op_plan.py OpKind values)")
-      .def("add_layer", &DecoderLoop::add_layer, "one layer's ops: (kind, tensors, projections, ints, floats) each",
+      .def("add_layer", &DecoderLoop::add_layer,
+           "one layer's ops: (kind, tensors, projections, ints, floats, loras) each",
            py::arg("ops"))
       .def("num_layers", &DecoderLoop::num_layers)
       .def("forward", &DecoderLoop::forward, "a step's decoder layers -> (x, residual); scales: a quantized pool's",
            py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("rope"), py::arg("key_caches"),
            py::arg("value_caches"), py::arg("step"), py::arg("key_scales") = std::vector<at::Tensor>(),
-           py::arg("value_scales") = std::vector<at::Tensor>());
+           py::arg("value_scales") = std::vector<at::Tensor>(),
+           py::arg("lora") = static_cast<const LoraBatch*>(nullptr));
 }
 
 }  // namespace
@@ -193,6 +207,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("swiglu") = false);
   register_projection(m);
   register_step_attention(m);
+  register_lora(m);
   register_decoder_loop(m);
   register_quant_gemm(m);
 }

@@ -181,7 +181,7 @@ at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const std::vec
   return at::zeros(x.sizes(), x.options().dtype(at::kFloat)).index_add_(0, tokens, weighted).to(x.scalar_type());
 }
 
-at::Tensor geglu_mlp(const at::Tensor& x, const Projection& gate_up, const Projection& down) {
-  const auto halves = gate_up(x).chunk(2, -1);
-  return down(at::gelu(halves[0], "tanh") * halves[1]);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) {
+  const auto halves = gate_up.chunk(2, -1);
+  return at::gelu(halves[0], "tanh") * halves[1];
 }

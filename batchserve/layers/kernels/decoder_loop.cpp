@@ -38,14 +38,17 @@ const std::vector<KindInfo> kOpKinds = {
 };
 
 Op make_op(OpSpec spec) {
-  auto& [name, tensors, projections, ints, floats] = spec;
+  auto& [name, tensors, projections, ints, floats, loras] = spec;
   for (const auto& info : kOpKinds) {
     if (name != info.name) continue;
     const auto count_ok = [](int want, size_t have) { return want < 0 || static_cast<size_t>(want) == have; };
     TORCH_CHECK_VALUE(count_ok(info.tensors, tensors.size()) && count_ok(info.projections, projections.size()) &&
                           count_ok(info.ints, ints.size()) && count_ok(info.floats, floats.size()),
                       "op ", name, ": wrong number of arguments");
-    return {info.kind, std::move(tensors), std::move(projections), std::move(ints), std::move(floats)};
+    TORCH_CHECK_VALUE(loras.empty() || loras.size() == projections.size(), "op ", name,
+                      ": one LoRA slot set a projection, or none");
+    return {info.kind, std::move(tensors), std::move(projections), std::move(ints), std::move(floats),
+            std::move(loras)};
   }
   TORCH_CHECK_VALUE(false, "the native decoder loop has no op ", name);
 }
@@ -63,7 +66,21 @@ struct LayerContext {
   const StepAttention& step;
   const std::vector<at::Tensor>& rope;  // cos, sin of each RoPE table
   DecodeWindows& windows;
+  const LoraBatch* lora;  // the step's adapter groups (null: none)
 };
+
+// layers/lora.py takes_adapters: the step has adapter groups and projection i of the op has slots (a fused
+// activation must then read the adapted output)
+bool takes_adapters(const Op& op, size_t i, const LayerContext& c) {
+  return c.lora != nullptr && !c.lora->empty() && i < op.loras.size() && op.loras[i].defined();
+}
+
+// layers/lora.py project: projection i of the op on x, plus the step's adapter deltas where it serves adapters
+at::Tensor project(const Op& op, size_t i, const at::Tensor& x, const LayerContext& c) {
+  auto y = op.projections[i](x);
+  if (takes_adapters(op, i, c)) lora_add_(x, y, op.loras[i], *c.lora);
+  return y;
+}
 
 // layers/rotary.py apply_rope: the native kernel rotates x in place
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -97,7 +114,8 @@ std::tuple<at::Tensor, at::Tensor> DecoderLoop::forward(at::Tensor x, const std:
                                                         const std::vector<at::Tensor>& value_caches,
                                                         const StepAttention& step,
                                                         const std::vector<at::Tensor>& key_scales,
-                                                        const std::vector<at::Tensor>& value_scales) const {
+                                                        const std::vector<at::Tensor>& value_scales,
+                                                        const LoraBatch* lora) const {
   TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
               "one K and one V cache per layer");
   const bool quantized = !key_scales.empty();
@@ -112,7 +130,8 @@ std::tuple<at::Tensor, at::Tensor> DecoderLoop::forward(at::Tensor x, const std:
                          quantized ? c10::optional<at::Tensor>(value_scales[i]) : c10::nullopt,
                          step,
                          rope,
-                         windows};
+                         windows,
+                         lora};
     for (const Op& op : layers_[i]) run(op, r, context);
   }
   return {r.h, r.residual};
@@ -157,7 +176,8 @@ void run(const Op& op, Registers& r, LayerContext& context) {
       return;
     case OpKind::kQkv: {  // models/llama.py Attention.forward
       const int64_t tokens = r.h.size(0), heads = n[0], kv_heads = n[1], head_dim = n[2];
-      const auto parts = p[0](r.h).split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
+      const auto qkv = project(op, 0, r.h, context);
+      const auto parts = qkv.split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
       r.qk = parts[0].view({tokens, heads + kv_heads, head_dim});
       r.v = parts[1].view({tokens, kv_heads, head_dim});
       return;
@@ -182,13 +202,16 @@ void run(const Op& op, Registers& r, LayerContext& context) {
       r.h = attention(op, r, context);
       return;
     case OpKind::kOProj:
-      r.h = p[0](r.h);
+      r.h = project(op, 0, r.h, context);
       return;
-    case OpKind::kSwigluMlp:  // layers/mlp.py MLP.forward
-      r.h = p[1](p[0].silu_and_mul_of(r.h));
+    case OpKind::kSwigluMlp:  // layers/mlp.py MLP.forward: the deltas join gate and up before SwiGLU reads them
+      r.h = project(op, 1,
+                    takes_adapters(op, 0, context) ? silu_and_mul(project(op, 0, r.h, context))
+                                                   : p[0].silu_and_mul_of(r.h),
+                    context);
       return;
-    case OpKind::kGegluMlp:
-      r.h = geglu_mlp(r.h, p[0], p[1]);
+    case OpKind::kGegluMlp:  // layers/activation.py GeGLUMLP.forward
+      r.h = project(op, 1, gelu_tanh_and_mul(project(op, 0, r.h, context)), context);
       return;
     case OpKind::kMoeMlp:
       r.h = moe_mlp(r.h, t[0], p, n[0], n[1] != 0);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "lora_args.h"
 #include "quant_gemm.h"
 
 // The row counts at which a Projection changes GEMM, one object (layers/linear.py RowSchedule builds it): x @ W below
@@ -31,7 +32,7 @@ struct Projection {
   int64_t out_features;
   RowSchedule rows;
   bool packed_only, amx_emulated;
-  bool swiglu = false;  // a gate/up projection whose AMX panels are in swiglu order: AMX only through silu_and_mul_of
+  bool swiglu = false;  // a gate/up projection whose AMX panels are in swiglu order (columns put back by gemm)
   // bf16 pairs for bf16_gemm (bf16_gemm.cpp): when set, every M takes it (one reduction order per row, float32 out)
   c10::optional<at::Tensor> bf16_packed;
   bool float_output = false;  // the result stays in the GEMM's float32 (the output projection: logits), else x's dtype
@@ -48,6 +49,13 @@ struct Projection {
   at::Tensor quantized(const at::Tensor& x, at::ScalarType wanted) const;
 };
 
+// The prefill chunks that take the native prefill kernel when longer ones of the same step take SDPA
+// (layers/attention.py SeqGroup.native_subset): their rows within the prefill group, their sequences' block tables and
+// lengths, and their query starts among those rows.
+struct NativeSubset {
+  at::Tensor rows, block_tables, seq_lens, query_starts;
+};
+
 // One step's attention metadata (layers/attention.py AttentionMetadata): decodes are the batch's first rows, prefill
 // chunks the rest; either group may be absent. Built once a step, read by every layer (step_attention.cpp).
 struct StepAttention {
@@ -56,10 +64,14 @@ struct StepAttention {
   c10::optional<at::Tensor> decode_block_tables, decode_seq_lens;
   c10::optional<at::Tensor> prefill_block_tables, prefill_seq_lens, prefill_query_starts;
   std::vector<std::tuple<int64_t, int64_t, int64_t>> spans;  // per prefill chunk: first row, end row, context
-  bool native_prefill = false;  // prefill chunks take the native prefill kernel, else one SDPA per sequence
+  // prefill chunks of at most this many rows take the native prefill kernel (all of them in one call), longer ones
+  // one SDPA per sequence; 0: every chunk SDPA (layers/attention.py native_prefill_rows)
+  int64_t native_prefill_rows = 0;
   AttentionPath path = AttentionPath::kPortable;  // the native kernels' attention path
   // per prefill chunk after earlier context (SDPA only): its causal mask shifted by the context; none for a fresh one
   std::vector<c10::optional<at::Tensor>> chunk_masks;
+  // where some chunks take the native kernel and others SDPA: the native ones (none when all take one path)
+  c10::optional<NativeSubset> native_subset;
 };
 
 // A StepAttention from the Python side's metadata, checked (quant_projection.cpp); the chunk masks of SDPA prefill
@@ -67,7 +79,7 @@ struct StepAttention {
 StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optional<at::Tensor> decode_block_tables,
                         c10::optional<at::Tensor> decode_seq_lens, c10::optional<at::Tensor> prefill_block_tables,
                         c10::optional<at::Tensor> prefill_seq_lens, c10::optional<at::Tensor> prefill_query_starts,
-                        std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, bool native_prefill,
+                        std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, int64_t native_prefill_rows,
                         AttentionPath path);
 
 // A weight kept quantized (quant_gemm.h) from its codes, scales and minimums, checked, on `path` ("avx512_vnni",
@@ -106,8 +118,35 @@ at::Tensor windowed_attention(const at::Tensor& q, const at::Tensor& k, const at
 // layers/moe.py SparseMoE.forward: x [T, H] -> [T, H]; experts: each expert's gate/up then down projection.
 at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const std::vector<Projection>& experts, int64_t top_k,
                    bool normalize);
-// layers/activation.py GeGLUMLP.forward: down(gelu_tanh(gate) * up)
-at::Tensor geglu_mlp(const at::Tensor& x, const Projection& gate_up, const Projection& down);
+// layers/activation.py gelu_tanh_and_mul: gelu_tanh(gate) * up of a gate/up projection's output [T, 2I]
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up);
+
+// lora_op.cpp: LoRA deltas on a projection's output (layers/lora.py), the kernel of lora_kernels.cpp.
+// One projection's adapter slots (layers/lora.py LoRASlots): a [S, R, in], b [S, R, out], present [S] uint8, the
+// slices of its fused output. Default-constructed (a undefined): the projection serves no adapters.
+struct LoraWeights {
+  at::Tensor a, b, present;
+  std::vector<LoraSlice> slices;
+  bool defined() const { return a.defined(); }
+};
+// One step's tokens grouped by adapter (layers/lora.py LoRAStep): group g's slot, rank, scale and rows
+// rows[offsets[g]..offsets[g + 1]); the kernel's path; groups of gemm_min_rows rows or more (0: none, a deterministic
+// engine's choice) multiply by the library's GEMMs instead. Empty: the step runs the base model alone.
+struct LoraBatch {
+  std::vector<int64_t> slot, rank, offsets;
+  std::vector<float> scale;
+  at::Tensor rows;
+  int64_t max_row = -1;
+  Isa path = Isa::kPortable;
+  int64_t gemm_min_rows = 0;
+  bool empty() const { return slot.empty(); }
+};
+LoraWeights make_lora_weights(at::Tensor a, at::Tensor b, at::Tensor present,
+                              const std::vector<std::tuple<int64_t, int64_t>>& slices);
+LoraBatch make_lora_batch(std::vector<int64_t> slot, std::vector<int64_t> rank, const std::vector<double>& scale,
+                          at::Tensor rows, std::vector<int64_t> offsets, Isa path, int64_t gemm_min_rows);
+// y [T, out] (the projection's fresh output of x [T, in]) += each group's scale * (x_g @ A^T) @ B, in place
+void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& weights, const LoraBatch& batch);
 
 // kv_quantized.cpp: whether a pool element type is a quantized one (int8, float8 e4m3); k/v [T, Hkv, D] quantized into
 // the pool's slots -> (k, v) as stored, dequantized, in k's dtype; a pool's blocks dequantized to dtype

@@ -73,8 +73,17 @@ OPERATIONS: dict[str, Operation] = {
         Operation("quant_gemm", "BATCHSERVE_QUANT_GEMM_PATH", _isa_paths("avx512_vnni", "avx512", "avx2", "portable")),
         # a quantized KV pool's quantize-on-store and dequantize (kv_quantized.cpp)
         Operation("kv_codec", None, _isa_paths("avx512", "portable")),
+        # LoRA's shrink and expand of a step's adapter groups (lora_kernels.cpp)
+        Operation("lora", "BATCHSERVE_LORA_PATH", _isa_paths("avx512", "avx2", "portable")),
     )
 }
+
+# Prefill attention by chunk length (layers/attention.py native_prefill_rows, kernels/step_attention.cpp): where a
+# bfloat16 pool's prefill takes torch's SDPA on AMX tiles, a chunk of at most this many query rows takes the native
+# prefill kernel instead, batched with the step's other short chunks: one SDPA call per sequence and layer costs more
+# than its tiles save for short prompts (benchmarks/prefill_split.py; docs/cpu-kernels.md). Decided per chunk from its
+# own length, so a row's path never depends on the other sequences of its step.
+SHORT_PREFILL_MAX_ROWS = 128
 
 FORCE_OFF = ("", "auto")  # a forcing variable with one of these values forces nothing
 

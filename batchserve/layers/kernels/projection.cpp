@@ -11,6 +11,8 @@
 
 namespace {
 
+constexpr int64_t kSwigluHalfPanel = 16;  // layers/linear.py swiglu_interleaved: half of an AMX panel (amx_gemm.cpp)
+
 // torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""): oneDNN's GEMM on a weight reordered once.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                             const c10::optional<at::Tensor>& bias) {
@@ -56,8 +58,14 @@ at::Tensor Projection::gemm(const at::Tensor& x) const {
     return bias.has_value() ? out + *bias : out;
   }
   if (packed_only) {
-    if (amx_packed.has_value() && m < rows.amx_max_m && !swiglu)  // swiglu panels: only through silu_and_mul_of
-      return amx_gemm(x, *amx_packed, bias, amx_emulated, false);
+    const bool amx = amx_packed.has_value() && m < rows.amx_max_m;
+    if (amx && !swiglu) return amx_gemm(x, *amx_packed, bias, amx_emulated, false);
+    if (amx) {
+      // swiglu panels (16 gate then 16 up columns each, no bias): the plain product, its columns put back in
+      // [gate | up] order, for a step whose adapters add their deltas to gate and up before silu_and_mul reads them
+      const auto y = amx_gemm(x, *amx_packed, c10::nullopt, amx_emulated, false);
+      return y.view({m, -1, 2, kSwigluHalfPanel}).transpose(1, 2).reshape({m, out_features});
+    }
     if (m < rows.packed_min_m)
       return packed_linear(at::cat({x, x.new_zeros({rows.packed_min_m - m, x.size(1)})}), *packed, bias)
           .narrow(0, 0, m);

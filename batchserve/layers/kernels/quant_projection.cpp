@@ -66,20 +66,36 @@ std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor sca
 StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optional<at::Tensor> decode_block_tables,
                         c10::optional<at::Tensor> decode_seq_lens, c10::optional<at::Tensor> prefill_block_tables,
                         c10::optional<at::Tensor> prefill_seq_lens, c10::optional<at::Tensor> prefill_query_starts,
-                        std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, bool native_prefill,
+                        std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, int64_t native_prefill_rows,
                         AttentionPath path) {
   TORCH_CHECK(decode_rows == 0 || (decode_block_tables.has_value() && decode_seq_lens.has_value()),
               "decode rows need their block tables and lengths");
-  TORCH_CHECK(!native_prefill || prefill_query_starts.has_value(), "the native prefill kernel needs query starts");
+  TORCH_CHECK(native_prefill_rows >= 0, "native_prefill_rows: a row count, 0 for none");
+  TORCH_CHECK(native_prefill_rows == 0 || (prefill_query_starts.has_value() && prefill_block_tables.has_value() &&
+                                           prefill_seq_lens.has_value()),
+              "the native prefill kernel needs block tables, lengths and query starts");
   StepAttention step{std::move(slot_mapping),         decode_rows,          std::move(decode_block_tables),
                      std::move(decode_seq_lens),      std::move(prefill_block_tables), std::move(prefill_seq_lens),
-                     std::move(prefill_query_starts), std::move(spans),     native_prefill, path, {}};
-  if (!native_prefill)
-    for (const auto& [start, stop, context] : step.spans)
-      step.chunk_masks.push_back(context == 0 ? c10::optional<at::Tensor>()
-                                              : at::ones({stop - start, context + stop - start},
-                                                            at::TensorOptions().dtype(at::kBool))
-                                                    .tril(context));
+                     std::move(prefill_query_starts), std::move(spans),     native_prefill_rows, path, {}, {}};
+  std::vector<int64_t> native_seqs, native_rows, native_starts{0};
+  for (size_t i = 0; i < step.spans.size(); ++i) {
+    const auto [start, stop, context] = step.spans[i];
+    const bool native = stop - start <= native_prefill_rows;
+    step.chunk_masks.push_back(native || context == 0 ? c10::optional<at::Tensor>()
+                                                      : at::ones({stop - start, context + stop - start},
+                                                                 at::TensorOptions().dtype(at::kBool))
+                                                            .tril(context));
+    if (!native) continue;
+    native_seqs.push_back(static_cast<int64_t>(i));
+    for (int64_t r = start; r < stop; ++r) native_rows.push_back(r);
+    native_starts.push_back(native_starts.back() + stop - start);
+  }
+  if (!native_seqs.empty() && native_seqs.size() < step.spans.size()) {
+    const auto index = [](const std::vector<int64_t>& v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); };
+    const auto seqs = index(native_seqs);
+    step.native_subset = NativeSubset{index(native_rows), step.prefill_block_tables->index_select(0, seqs),
+                                      step.prefill_seq_lens->index_select(0, seqs), index(native_starts)};
+  }
   return step;
 }
 

@@ -38,8 +38,9 @@ at::Tensor sequence_kv(const at::Tensor& cache, const at::Tensor* scales, const 
 
 // One SDPA per sequence on its own rows: a fresh prompt attends to this step's K/V as they are (causal); a chunk after
 // earlier context reads its sequence's blocks from the pool, this chunk's included, under its shifted causal mask.
+// Chunks of at most `skip_rows` rows are left out (their rows unwritten: the native kernel's).
 at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Pool& pool,
-                              const StepAttention& step, double scale) {
+                              const StepAttention& step, double scale, int64_t skip_rows) {
   auto out = at::empty_like(q);
   const bool gqa = q.size(1) != k.size(1);
   const int64_t block_size = pool.key.size(1);
@@ -47,6 +48,7 @@ at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::T
   const at::Tensor* value_scale = pool.quantized != nullptr ? &pool.quantized->value_scale : nullptr;
   for (size_t i = 0; i < step.spans.size(); ++i) {
     const auto [start, stop, context] = step.spans[i];
+    if (stop - start <= skip_rows) continue;
     const auto rows = [&](const at::Tensor& t) { return t.slice(0, start, stop).transpose(0, 1).unsqueeze(0); };
     at::Tensor o;
     if (context == 0) {
@@ -64,12 +66,33 @@ at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
+// The native prefill kernel over chunks (q: their rows in order) -> q's dtype.
+at::Tensor prefill_natively(const at::Tensor& q, const Pool& pool, const at::Tensor& tables, const at::Tensor& lens,
+                            const at::Tensor& starts, const StepAttention& step, double scale) {
+  return paged_prefill_attention(q.to(at::kFloat), pool.key, pool.value, tables, lens, starts, scale, step.path)
+      .to(q.scalar_type());
+}
+
+// Each chunk by its own length (layers/attention.py prefill_attention, the same rule): the short ones in one native
+// call, the longer ones one SDPA each.
 at::Tensor prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Pool& pool,
                       const StepAttention& step, double scale) {
-  if (!step.native_prefill || pool.quantized != nullptr) return prefill_by_sdpa(q, k, v, pool, step, scale);
-  return paged_prefill_attention(q.to(at::kFloat), pool.key, pool.value, *step.prefill_block_tables,
-                                 *step.prefill_seq_lens, *step.prefill_query_starts, scale, step.path)
-      .to(q.scalar_type());
+  TORCH_CHECK(pool.quantized == nullptr || step.native_prefill_rows == 0,
+              "an 8-bit pool's prefill chunks attend by SDPA only");
+  if (step.native_prefill_rows == 0) return prefill_by_sdpa(q, k, v, pool, step, scale, 0);
+  TORCH_CHECK(!step.spans.empty(), "prefill rows without their chunks' spans");
+  const auto [first, end, context] = step.spans.front();
+  if (!step.native_subset.has_value() && end - first <= step.native_prefill_rows)  // every chunk short
+    return prefill_natively(q, pool, *step.prefill_block_tables, *step.prefill_seq_lens, *step.prefill_query_starts,
+                            step, scale);
+  auto out = prefill_by_sdpa(q, k, v, pool, step, scale, step.native_prefill_rows);
+  if (step.native_subset.has_value()) {
+    const NativeSubset& sub = *step.native_subset;
+    out.index_copy_(0, sub.rows,
+                    prefill_natively(q.index_select(0, sub.rows), pool, sub.block_tables, sub.seq_lens,
+                                     sub.query_starts, step, scale));
+  }
+  return out;
 }
 
 

@@ -1,0 +1,42 @@
+// The LoRA kernel's arguments as raw pointers (lora_kernels.cpp includes no ATen; lora_op.cpp fills these from
+// tensors, checked). One projection's adapter slots and one step's grouping of tokens by adapter.
+#pragma once
+
+#include <cstdint>
+
+#include "isa.h"
+
+// One part of a fused projection's output (q, k, v; gate, up; or the whole): its first column and width.
+struct LoraSlice {
+  int64_t offset, size;
+};
+
+struct LoraArgs {
+  // the projection's input rows x [T, in] and its fresh output y [T, out], updated in place; all four tensors are
+  // float32, or all bfloat16 (bf16)
+  const void* x;
+  void* y;
+  int64_t x_stride, y_stride;
+  bool bf16;
+  // the slots (layers/lora.py LoRASlots): a [S, rows_per_slot, in] (slice i's A in rows i*r..(i+1)*r of a slot of
+  // rank r), b [S, rows_per_slot, out] (those rows' B in the slice's own columns); present[s]: the slot's adapter
+  // targets this projection
+  const void* a;
+  const void* b;
+  int64_t rows_per_slot, in, out;
+  const LoraSlice* slices;
+  int64_t num_slices;
+  const uint8_t* present;
+  // the step's groups: group g's slot, rank and scale, and its rows rows[offsets[g]..offsets[g + 1])
+  const int64_t* slot;
+  const int64_t* rank;
+  const float* scale;
+  const int64_t* offsets;
+  const int64_t* rows;
+  int64_t num_groups;
+  int64_t gemm_min_rows;  // groups of this many rows or more are lora_op.cpp's (0: none): this kernel skips them
+};
+
+// y[rows of g] += scale_g * (x[rows of g] @ A_slot^T) @ B_slot for every group whose slot is present, on `path`
+// (portable, avx2, avx512): float32 accumulation, one rounding to y's type at the end.
+void lora_add(const LoraArgs& args, Isa path);
