@@ -344,11 +344,11 @@ def test_sdpa_prefill_path(dtype, block_size, force_prefill, monkeypatch):
 
 
 def test_prefill_path_choice(monkeypatch, force_prefill):
-    # For bfloat16 pools where the CPU has AMX, SDPA for long chunks and the native kernel for short ones ("split",
-    # tests/layers/test_prefill_split.py); the native kernel elsewhere and for float32 pools; the variable forces
+    # For bfloat16 pools where the CPU has AMX, SDPA (on its tiles; "split", tests/layers/test_prefill_split.py, is
+    # asked for); the native kernel elsewhere and for float32 pools; the variable forces
     # any of them, and an unknown name is an error.
     monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
-    for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "split"), ("avx512f avx512_bf16", "native")):
+    for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "sdpa"), ("avx512f avx512_bf16", "native")):
         monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: f"flags : fpu {flags}")
         preferred_prefill_method.cache_clear()
         assert (

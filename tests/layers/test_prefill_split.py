@@ -1,4 +1,4 @@
-"""Prefill attention by chunk length ("split", a bfloat16 pool's default on AMX CPUs): chunks of at most
+"""Prefill attention by chunk length ("split", BATCHSERVE_PREFILL_ATTENTION=split): chunks of at most
 paths.SHORT_PREFILL_MAX_ROWS rows take the native prefill kernel, batched, longer ones one SDPA each. The choice is the
 chunk's own, so each row of a mixed step is the same, bit for bit, as its prompt attended alone, on every attention
 path, in the native step (kernels/step_attention.cpp) and in the Python code (layers/attention.py) alike."""
@@ -117,8 +117,8 @@ def test_each_chunk_takes_the_path_of_its_own_length(path, dtype, force, monkeyp
 
 
 def test_split_threshold_is_logged_once(monkeypatch, caplog, force):
-    # The default on a CPU with AMX for a bfloat16 pool, its threshold named in the one start-up line.
-    monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
+    # Asked for (on a CPU with AMX, for a bfloat16 pool), its threshold named in the one start-up line.
+    monkeypatch.setenv("BATCHSERVE_PREFILL_ATTENTION", "split")
     monkeypatch.setattr(kernels, "cpu_flags", lambda: "flags : fpu avx512f avx512_bf16 amx_tile amx_bf16")
     monkeypatch.setattr(paths, "SHORT_PREFILL_MAX_ROWS", 96)
     preferred_prefill_method.cache_clear()

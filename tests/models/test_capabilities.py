@@ -91,6 +91,6 @@ def test_the_loop_refuses_a_plan_with_an_op_it_lacks(tiny_models, monkeypatch, c
 def test_an_op_with_the_wrong_arguments_is_refused():
     native = kernels.load()
     with pytest.raises(ValueError, match="wrong number of arguments"):
-        native.DecoderLoop().add_layer([Op(OpKind.ROPE, ints=(0, 16)).export()])
+        native.DecoderLoop().add_layer([Op(OpKind.ROPE, ints=(0, 16)).export(native)])
     with pytest.raises(ValueError, match="has no op"):
-        native.DecoderLoop().add_layer([("fused_everything", [], [], [], [])])
+        native.DecoderLoop().add_layer([("fused_everything", [], [], [], [], [])])
