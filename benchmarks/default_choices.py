@@ -1,5 +1,5 @@
 """The default model's start-up choices side by side (docs/quantization.md, docs/determinism.md): bf16 dequantized
-vs the GGUF file run as stored, each with and without --deterministic; peer64's output throughput (the first
+vs quantization auto vs the GGUF file run as stored, each with and without --deterministic; peer64's output throughput (the first
 --limit requests) and a single stream's time per token, every engine loaded first and then measured in alternating
 rounds in one process, so a neighbour's load hits them alike; medians and the load average printed.
 
@@ -23,7 +23,8 @@ from batchserve import LLM  # noqa: E402
 
 CHOICES = {  # name -> (quantization, deterministic)
     "dequantized": ("none", False),
-    "as_stored": ("gguf", False),
+    "auto": ("auto", False),  # where the rule says as stored: the weight-only path (no W8A8)
+    "as_stored": ("gguf", False),  # the kernel table's path: W8A8 where it runs
     "dequantized+det": ("none", True),
     "as_stored+det": ("gguf", True),
 }

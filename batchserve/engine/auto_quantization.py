@@ -20,10 +20,11 @@ _SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """What quantization auto runs ("gguf" or "none") and why."""
+    """What quantization auto runs ("gguf" or "none"), why, and on which quantized GEMM path (gguf: weight-only)."""
 
     quantization: str
     reason: str
+    quant_gemm_path: str | None = None
 
     def line(self, dtype: str) -> str:
         what = "gguf as stored" if self.quantization == "gguf" else f"dequantized to {_SHORT_DTYPE.get(dtype, dtype)}"
@@ -59,7 +60,7 @@ def choose(config: EngineConfig, path: Path, model_config: ModelConfig, device: 
         return AutoChoice("none", f"tensor {unstored}: a type the as-stored kernels do not take")
     flags, built = host()
     rule = gguf_as_stored_rule(dtype, flags, os.environ, built)
-    return AutoChoice("gguf" if rule.as_stored else "none", rule.reason)
+    return AutoChoice("gguf" if rule.as_stored else "none", rule.reason, rule.quant_gemm_path)
 
 
 def resolve_quantization(

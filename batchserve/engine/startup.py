@@ -67,8 +67,9 @@ def load_runner(
     if config.quantization == "none":  # quantized weights are smaller than this count
         check_memory_before_loading(config, path, model_config, dtype, device)
     split = config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
+    gemm_path = None if auto is None else auto.quant_gemm_path  # auto's weight-only path; else the table's
     if not split:  # the weights first: a GGUF file's own refusals come before its tokenizer's conversion
-        with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, dtype):
+        with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, dtype, gemm_path):
             model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
     config.tokenizer = str(tokenizer_folder(path, config.tokenizer))  # the effective value, as the logs report it

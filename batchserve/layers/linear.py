@@ -32,12 +32,15 @@ class LinearPolicy:
     deterministic: one GEMM for every M whose order per row is fixed (docs/determinism.md); scheme: the decoder
     layers' projections kept quantized in it (None: not; quantization.parse_quantization); gguf_as_stored: a GGUF
     file's quantized tensors run as stored; bf16_tiles: a bfloat16 model on a CPU with bf16 units, whose quantized
-    GEMM of many rows multiplies dequantized bf16 tiles."""
+    GEMM of many rows multiplies dequantized bf16 tiles; quant_gemm_path: the quantized GEMM's path ("avx512",
+    "avx512_vnni", ...: kernels/paths.py OPERATIONS), None for the kernel table's choice (a forced
+    BATCHSERVE_QUANT_GEMM_PATH wins over either)."""
 
     deterministic: bool = False
     scheme: QuantScheme | None = None
     gguf_as_stored: bool = False
     bf16_tiles: bool = False
+    quant_gemm_path: str | None = None
 
 
 DEFAULT_POLICY = LinearPolicy()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchserve import env
 from batchserve.config import QUANTIZATIONS, ConfigError
 from batchserve.layers import kernels
 from batchserve.layers.linear import ALL_ROWS, DEFAULT_POLICY, CpuLinear, LinearPolicy, layout_policy, loading_policy
@@ -169,6 +170,16 @@ def quant_gemm_path() -> str:
     return kernels.chosen_path("quant_gemm")
 
 
+def policy_gemm_path(policy: LinearPolicy) -> str:
+    """The path a projection laid out under `policy` takes: a forced BATCHSERVE_QUANT_GEMM_PATH (checked as
+    quant_gemm_path does), else the policy's (quantization auto's weight-only path), else the kernel table's."""
+    if env.quant_gemm_path() is None and policy.quant_gemm_path is not None:
+        if not quant_gemm_path_runs(policy.quant_gemm_path):
+            raise ValueError(f"quantized GEMM path {policy.quant_gemm_path!r}: not built here or not runnable here")
+        return policy.quant_gemm_path
+    return quant_gemm_path()
+
+
 # ---- the layer -------------------------------------------------------------------------------------------------------
 
 
@@ -182,11 +193,14 @@ def gguf_as_stored() -> bool:
     return loading_policy().gguf_as_stored
 
 
-def linear_policy(name: str, dtype: torch.dtype | None = None, base: LinearPolicy = DEFAULT_POLICY) -> LinearPolicy:
+def linear_policy(
+    name: str, dtype: torch.dtype | None = None, base: LinearPolicy = DEFAULT_POLICY, gemm_path: str | None = None
+) -> LinearPolicy:
     """`base` with quantization `name`: decoder layers' projections (not the output projection, whose float32 logits
     stay unquantized) kept quantized in its scheme (on the CPU: the mode table, batchserve/modes.py, refuses another
     device before loading). `dtype` bfloat16 on a CPU with bf16 units: many rows multiply dequantized tiles in bf16,
-    as the bf16 model's own GEMMs would."""
+    as the bf16 model's own GEMMs would. `gemm_path`: the quantized GEMM's path (None: the kernel table's;
+    LinearPolicy.quant_gemm_path)."""
     scheme = parse_quantization(name)
     if name != "none" and kernels.load() is not None:
         quant_gemm_path()  # a forced path this CPU cannot run is refused here, at load
@@ -195,14 +209,15 @@ def linear_policy(name: str, dtype: torch.dtype | None = None, base: LinearPolic
         scheme=scheme,
         gguf_as_stored=name == GGUF_AS_STORED,
         bf16_tiles=dtype == torch.bfloat16 and kernels.has_matmul_units(torch.bfloat16),
+        quant_gemm_path=gemm_path,
     )
 
 
 @contextlib.contextmanager
-def quantized_linears(name: str, dtype: torch.dtype | None = None):
+def quantized_linears(name: str, dtype: torch.dtype | None = None, gemm_path: str | None = None):
     """The loading policy with quantization `name` (linear_policy) inside: the model's layout code hands it to the
     projections it builds."""
-    with layout_policy(linear_policy(name, dtype, loading_policy())) as policy:
+    with layout_policy(linear_policy(name, dtype, loading_policy(), gemm_path)) as policy:
         yield policy
 
 
@@ -264,6 +279,7 @@ class QuantizedLinear(CpuLinear):
     ) -> None:
         self.scheme, self.float_output, self.swiglu = scheme, float_output, False
         self.deterministic = policy.deterministic
+        self.gemm_path = policy_gemm_path(policy) if kernels.load() is not None else None
         self.bf16_tiles = policy.bf16_tiles and not float_output  # bf16 tiles round the output to bf16
         self.group = scheme.group_for(self.in_features)
         self.register_buffer("codes", codes)
@@ -285,7 +301,7 @@ class QuantizedLinear(CpuLinear):
             bits=self.scheme.bits,
             group=self.group,
             bias=self.bias,
-            path=quant_gemm_path(),
+            path=self.gemm_path,
             small_max_m=ALL_ROWS if self.deterministic else self._small_max_m(),
             float_output=self.float_output,
             mins=self.mins,

@@ -1,3 +1,3 @@
 """Fixtures shared by the engine tests."""
 
-from tests.forcing import force_auto_flags  # noqa: F401  (a fixture of the tests here)
+from tests.forcing import force_auto_flags, force_quant_gemm  # noqa: F401  (fixtures of the tests here)

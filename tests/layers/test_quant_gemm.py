@@ -10,6 +10,7 @@ import torch
 
 from batchserve.config import ConfigError
 from batchserve.layers import kernels, quantization
+from batchserve.layers.linear import LinearPolicy
 from batchserve.layers.quantization import (
     QuantizedLinear,
     QuantScheme,
@@ -237,3 +238,24 @@ def test_a_bf16_model_multiplies_many_rows_on_bf16_tiles(monkeypatch, force_quan
         assert not torch.equal(tiled(many), plain(many))  # rounded: not the float32 tiles' result
     else:
         assert torch.equal(tiled(many), plain(many))
+
+
+def test_the_policy_path_is_taken_and_a_forced_path_still_wins(force_quant_gemm):
+    """LinearPolicy.quant_gemm_path (quantization auto's weight-only path) is the path a layer runs, not the kernel
+    table's; a forced BATCHSERVE_QUANT_GEMM_PATH still wins over it."""
+    _native()
+    torch.manual_seed(0)
+    scheme, weight, x = QuantScheme(4, 32), torch.randn(80, 384), torch.randn(3, 384)
+    policy = LinearPolicy(quant_gemm_path="portable")
+    layer = QuantizedLinear(weight, None, scheme, policy)
+    assert layer.gemm_path == "portable" and layer.codes is not None  # weight-only: the codes as stored
+    reference = dequantize(layer.codes, layer.scales, scheme.bits)  # no activation rounding, unlike W8A8
+    assert ((layer(x).double() - x.double() @ reference.double().T).abs() <= _bound(x, reference) + 1e-6).all()
+    assert QuantizedLinear(weight, None, scheme).gemm_path == quantization.quant_gemm_path()
+    other = next(
+        (p for p in quantization.QUANT_GEMM_PATHS if p != "portable" and quantization.quant_gemm_path_runs(p)), None
+    )
+    if other is None:
+        pytest.skip("no native quantized GEMM path but portable runs here")
+    force_quant_gemm(other)
+    assert QuantizedLinear(weight, None, scheme, policy).gemm_path == other

@@ -181,39 +181,68 @@ class RowSchedule:
 
 # ---- quantization auto: a GGUF file's codes as stored, or dequantized --------------------------------------------------
 
-# The one rule of quantization auto (docs/quantization.md#quantization-auto). The quantized GEMM paths on which a GGUF
-# file's codes run as stored were measured faster than the same file dequantized, in a dtype with matmul units, single
-# stream and peer64 on the default model; with the host classes those measurements came from. Another path, or a CPU
-# without bf16 matmul units (where bf16 is not the dtype auto resolves to), is not measured: dequantized there.
-AS_STORED_WINS: dict[str, str] = {
-    "avx512_vnni": "W8A8 measured faster than the dequantized bf16 GEMMs on the AMX and AVX512-BF16 classes",
+# The one rule of quantization auto (docs/quantization.md#quantization-auto). A GGUF file's codes run as stored only on
+# a weight-only path of the quantized GEMM (the activations stay bf16), never W8A8 (avx512_vnni): W8A8 was faster but
+# its int8 activations changed the default model's greedy answer to the README's chat example. Per weight-only path
+# and the CPU flag of a host class: whether as stored was measured faster than the same file dequantized in bf16
+# (single stream and peer64 on the default model, alternating in one process), and what was measured. A path or
+# class not in the table is not measured: dequantized there.
+WEIGHT_ONLY_PATHS = ("avx512", "avx2")  # best first
+AS_STORED_MEASURED: dict[tuple[str, str], tuple[bool, str]] = {
+    ("avx512", "amx_bf16"): (
+        False,
+        "weight-only, measured slower than the dequantized bf16 GEMMs on peer64 on the AMX class "
+        "(its decode rows widen the codes in registers where the bf16 model's take AMX)",
+    ),
 }
 AS_STORED_DTYPES = ("bfloat16",)  # float32 is the exactness reference (transformers' tokens); float16 not measured
 BF16_UNIT_FLAGS = ("amx_bf16", "avx512_bf16")
+W8A8_PATHS = ("avx512_vnni",)
 
 
 @dataclass(frozen=True)
 class StoredChoice:
-    """quantization auto's answer for a GGUF file the as-stored kernels take: run its codes as stored, and why."""
+    """quantization auto's answer for a GGUF file the as-stored kernels take: run its codes as stored (on
+    quant_gemm_path), and why."""
 
     as_stored: bool
     reason: str
+    quant_gemm_path: str | None = None
 
 
 def gguf_as_stored_rule(
     dtype: str, cpu_flags: str, env: Mapping[str, str], built: Collection[tuple[str, str]] | None
 ) -> StoredChoice:
     """Whether quantization auto runs a GGUF file's codes as stored in `dtype` ("bfloat16", "float32", ...) on this
-    CPU, build and environment (the quantized GEMM's path as select_path chooses it; a forced path counts)."""
+    CPU, build and environment, and on which weight-only path (a forced path counts; ValueError where it cannot
+    run)."""
     if dtype not in AS_STORED_DTYPES:
         why = "the exactness reference" if dtype == "float32" else "as stored not measured against it"
         return StoredChoice(False, f"dtype {dtype}: {why}")
     flags = flag_set(cpu_flags)
     if not any(flag in flags for flag in BF16_UNIT_FLAGS):
         return StoredChoice(False, "no bf16 matmul units on this CPU: as stored not measured against bf16 here")
-    path = select_path("quant_gemm", cpu_flags, env, built)
+    path, why_none = weight_only_path(cpu_flags, env, built)
     if path is None:
-        return StoredChoice(False, "no native quantized GEMM here")
-    if path not in AS_STORED_WINS:
-        return StoredChoice(False, f"quantized GEMM path {path}: not measured faster than the dequantized model")
-    return StoredChoice(True, f"quantized GEMM path {path}: {AS_STORED_WINS[path]}")
+        return StoredChoice(False, why_none)
+    measured = [found for (on, flag), found in AS_STORED_MEASURED.items() if on == path and flag in flags]
+    if not measured:
+        return StoredChoice(False, f"quantized GEMM path {path}: not measured against the dequantized model here")
+    faster, what = measured[0]
+    return StoredChoice(faster, f"quantized GEMM path {path}: {what}", path if faster else None)
+
+
+def weight_only_path(
+    cpu_flags: str, env: Mapping[str, str], built: Collection[tuple[str, str]] | None
+) -> tuple[str | None, str]:
+    """The quantized GEMM path quantization auto would run a file as stored on: a forced one unless it is W8A8, else
+    the best weight-only path that runs here -> (path, why none)."""
+    operation = OPERATIONS["quant_gemm"]
+    if env.get(operation.variable, "") not in FORCE_OFF:
+        forced = select_path("quant_gemm", cpu_flags, env, built)
+        if forced in W8A8_PATHS:
+            return None, f"quantized GEMM path {forced} (W8A8): int8 activations, which quantization auto never picks"
+        return forced, ""
+    flags = flag_set(cpu_flags)
+    path = next((p for p in WEIGHT_ONLY_PATHS if why_not("quant_gemm", p, flags, built) is None), None)
+    return path, "no native weight-only quantized GEMM here"
