@@ -66,7 +66,8 @@ class Truncation(enum.StrEnum):
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 # weights kept quantized (layers/quantization.py): int4 is int4_g32; gguf: a GGUF file's own quantized tensors; auto:
-# gguf where the kernel table's rule finds it faster on this CPU, else none (engine/auto_quantization.py)
+# gguf on a weight-only path where the kernel table's rule records it faster on this CPU, else none
+# (engine/auto_quantization.py)
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4_g32", "int4_g64", "int4_g128", "gguf")
 # the KV pool's element type (vLLM's option); auto: the model's dtype; int8 and fp8_e4m3 with per-token-per-head scales
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")

@@ -310,7 +310,7 @@ RULES: tuple[Rule, ...] = (
         "quantization auto (the default)",
         lambda f: f.quantization_auto,
         "a GGUF file whose matrices the as-stored kernels take runs as stored (as quantization gguf) in bfloat16 where "
-        "the kernel table's rule finds that faster on this CPU (W8A8 with bf16 matmul units); float32 (the exactness "
+        "the kernel table's rule records that faster on this CPU, on a weight-only path (never W8A8); float32 (the exactness "
         "reference), a GPU, split ranks, LoRA, a mixture-of-experts model or a Hugging Face folder load dequantized (as "
         "quantization none); one start-up line says which and why",
         "quantization none keeps the dequantized model; quantization gguf asks for the codes as stored",
