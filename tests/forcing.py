@@ -37,51 +37,54 @@ def force_gemm(monkeypatch):
     kernels.bf16_gemm_path.cache_clear()
 
 
-@pytest.fixture
-def force_small_gemm(monkeypatch):
-    """force_small_gemm(path): float32 projections take small-M GEMM `path` ("avx512", "avx2" or "library"); skips
-    the test where this build or CPU has no such path. The cached choice is cleared around the test; layouts are made
-    when a model or CpuLinear is built, so force before building one."""
-    from batchserve.layers import kernels
+def _path_forcer(monkeypatch, what: str, variable: str, runs, chosen):
+    """force(path) for one kernel-table operation: `variable` set to `path` and the cached choice `chosen` cleared;
+    the test skips where this build or CPU cannot run `path`."""
 
     def force(path: str) -> None:
-        if not kernels.small_gemm_path_runs(path):
-            pytest.skip(f"the {path} small-M GEMM is not built here (this CPU lacks its ISA)")
-        monkeypatch.setenv("BATCHSERVE_SMALL_GEMM_PATH", path)
-        kernels.small_gemm_path.cache_clear()
+        if not runs(path):
+            pytest.skip(f"the {path} {what} is not built here or not runnable on this CPU")
+        monkeypatch.setenv(variable, path)
+        chosen.cache_clear()
 
-    yield force
+    return force
+
+
+@pytest.fixture
+def force_small_gemm(monkeypatch):
+    """force_small_gemm(path): float32 projections take small-M GEMM `path` ("avx512", "avx2" or "library"). The
+    cached choice is cleared around the test; layouts are made when a model or CpuLinear is built, so force before
+    building one."""
+    from batchserve.layers import kernels
+
+    yield _path_forcer(
+        monkeypatch, "small-M GEMM", "BATCHSERVE_SMALL_GEMM_PATH", kernels.small_gemm_path_runs, kernels.small_gemm_path
+    )
     kernels.small_gemm_path.cache_clear()
 
 
 @pytest.fixture
 def force_quant_gemm(monkeypatch):
-    """force_quant_gemm(path): quantized projections built after this take `path`; skips where it cannot run."""
+    """force_quant_gemm(path): quantized projections built after this take `path`."""
     from batchserve.layers import quantization
 
-    def force(path: str) -> None:
-        if not quantization.quant_gemm_path_runs(path):
-            pytest.skip(f"the {path} quantized GEMM is not built here or not runnable on this CPU")
-        monkeypatch.setenv("BATCHSERVE_QUANT_GEMM_PATH", path)
-        quantization.quant_gemm_path.cache_clear()
-
-    yield force
+    yield _path_forcer(
+        monkeypatch,
+        "quantized GEMM",
+        "BATCHSERVE_QUANT_GEMM_PATH",
+        quantization.quant_gemm_path_runs,
+        quantization.quant_gemm_path,
+    )
     quantization.quant_gemm_path.cache_clear()
 
 
 @pytest.fixture
 def force_lora_path(monkeypatch):
     """force_lora_path(path): the LoRA kernel takes `path` ("avx512", "avx2" or "portable") in the steps made after
-    this; skips where this build or CPU cannot run it. The cached choice is cleared around the test."""
+    this. The cached choice is cleared around the test."""
     from batchserve.layers import kernels
 
-    def force(path: str) -> None:
-        if not kernels.lora_path_runs(path):
-            pytest.skip(f"the {path} LoRA kernel is not built here or not runnable on this CPU")
-        monkeypatch.setenv("BATCHSERVE_LORA_PATH", path)
-        kernels.lora_path.cache_clear()
-
-    yield force
+    yield _path_forcer(monkeypatch, "LoRA kernel", "BATCHSERVE_LORA_PATH", kernels.lora_path_runs, kernels.lora_path)
     kernels.lora_path.cache_clear()
 
 
