@@ -155,9 +155,10 @@ class LoRAPool:
         ends = np.cumsum(query_lens)
         starts = ends - query_lens
         groups = []
-        members_of = {lora_id: [i for i, x in enumerate(ids) if x == lora_id] for lora_id in distinct}
-        if self.grouping == "request":
-            members_of = {(i, x): [i] for i, x in enumerate(ids) if x}
+        members_of: dict = {}  # one pass over the batch: an adapter's requests (or each request alone)
+        for i, lora_id in enumerate(ids):
+            if lora_id:
+                members_of.setdefault((i, lora_id) if self.grouping == "request" else lora_id, []).append(i)
         for key, members in members_of.items():
             lora_id = key if self.grouping != "request" else key[1]
             slot, adapter = self._slot(lora_id, distinct)
