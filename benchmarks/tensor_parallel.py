@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/tensor_parallel.py --preset tiny-llama   # seconds: checks the script works
     .venv/bin/python benchmarks/tensor_parallel.py --pipeline --layers 4 --vocab 8192 --rounds 2
                                                           # 2 pipeline stages: micro-batches on / off, alternating
+    .venv/bin/python benchmarks/tensor_parallel.py --layers 32 --rank-memory-cap-gib 10 --configs "1 process x 2 threads" "2 ranks x 1 thread"
+                                                          # the whole 8B, each process capped at 10 GiB
 
 Writes a random-weight checkpoint of the preset's shapes (benchmarks/model_scale.py; --layers keeps the first N
 layers: each layer's shapes, and so its GEMMs and its two all-reduces, are the real model's; the embedding and output
@@ -20,6 +22,12 @@ and with the decode rows in 2 micro-batches; "collectives" is then rank 0's time
 and in the step output's broadcast (the wait for the last stage included). --vocab shrinks the vocabulary, so that
 the layers, not the output matrix (all on the last stage), weigh in a step. --rounds N runs the configurations N
 times, alternating, and reports each one's best round (a loaded host slows some rounds).
+
+--rank-memory-cap-gib G caps each process (rank 0 and the ranks it starts, which inherit the limit) at G GiB of
+private memory (RLIMIT_DATA: the weights, the KV pool, every allocation; not the checkpoint's read-only file mapping,
+which the page cache holds). A configuration that cannot load under the cap is reported with its error. The engine
+runs with max_num_tokens = batch x prompt length, under bf16 AMX's row limit, so each projection is laid out once
+(LinearPolicy.max_rows).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import dataclasses
 import importlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -58,12 +67,17 @@ def _peak_rss_gib(pid: int | str = "self") -> float:
     return 0.0
 
 
-def measure(folder: Path, config: tuple, batch: int, prompt_len: int, output_len: int, dtype: str) -> dict:
+def measure(
+    folder: Path, config: tuple, batch: int, prompt_len: int, output_len: int, dtype: str, cap_gib: float | None
+) -> dict:
     """In this fresh process: the engine at tensor_parallel_size `tp`, `threads` threads a rank, `pp` pipeline stages
     of `micro` micro-batches; one prefill step of every request, then the decode steps timed."""
     from batchserve import LLM, SamplingParams
 
     tp, threads, _, pp, micro = config
+    if cap_gib:
+        limit = int(cap_gib * 1024**3)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))  # inherited by the ranks this process starts
     blocks = batch * (-(-(prompt_len + output_len) // 16) + 1)
     start = time.perf_counter()
     llm = LLM(model=str(folder), dtype=dtype, num_threads=threads, tensor_parallel_size=tp, max_batch_size=batch,
@@ -150,11 +164,13 @@ def main() -> None:
     parser.add_argument("--pipeline", action="store_true", help="2 pipeline stages, micro-batches on and off")
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the preset's)")
     parser.add_argument("--rounds", type=int, default=1, help="run the configurations this many times, alternating")
+    parser.add_argument("--rank-memory-cap-gib", type=float, default=None, help="cap each process's private memory")
+    parser.add_argument("--configs", nargs="+", default=None, help="run only these configurations (by name)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         result = measure(args.dir, tuple(json.loads(args.child)), args.batch, args.prompt_len, args.output_len,
-                         args.dtype)  # fmt: skip
+                         args.dtype, args.rank_memory_cap_gib)  # fmt: skip
         print("RESULT " + json.dumps(result), flush=True)
         return
     shapes = dataclasses.replace(PRESETS[args.preset], num_layers=args.layers or PRESETS[args.preset].num_layers)
@@ -172,7 +188,7 @@ def main() -> None:
                 result = _run_child(args, folder, config)
                 print(name, json.dumps(result), flush=True)
                 best = results.get(name)
-                if best is None or result["decode_tok_s"] > best["decode_tok_s"]:
+                if best is None or result.get("decode_tok_s", 0) > best.get("decode_tok_s", 0):
                     results[name] = result
     finally:
         if args.dir is None:
@@ -181,38 +197,50 @@ def main() -> None:
 
 
 def _configs(args) -> dict[str, tuple]:
-    return PIPELINE_CONFIGS if args.pipeline else CONFIGS
+    every = PIPELINE_CONFIGS if args.pipeline else CONFIGS
+    unknown = set(args.configs or ()) - set(every)
+    if unknown:
+        raise SystemExit(f"unknown configurations {sorted(unknown)}; there are {sorted(every)}")
+    return {name: config for name, config in every.items() if not args.configs or name in args.configs}
 
 
 def _run_child(args, folder: Path, config: tuple) -> dict:
     command = [sys.executable, __file__, "--child", json.dumps(config), "--dir", str(folder), "--batch",
                str(args.batch), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
                "--dtype", args.dtype]  # fmt: skip
+    if args.rank_memory_cap_gib:
+        command += ["--rank-memory-cap-gib", str(args.rank_memory_cap_gib)]
     env = {**os.environ, "TQDM_DISABLE": "1", "BATCHSERVE_SHARED_ALLREDUCE": "1" if config[2] else "0"}
     out = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
+        if args.rank_memory_cap_gib:  # not loading under the cap is a result here
+            return {"error": f"exit {out.returncode}: " + (out.stderr.strip().splitlines() or [""])[-1][-300:]}
         raise SystemExit(f"{config}: exit {out.returncode}\n{out.stderr[-3000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def _report(args, shapes, results: dict) -> None:
-    first = next(iter(_configs(args)))
-    base = results[first]["decode_tok_s"]
+    ran = [r for name, r in results.items() if name in _configs(args) and "error" not in r]
+    base = ran[0]["decode_tok_s"] if ran else 1.0
     print(f"\n{shapes.name}, {shapes.num_layers} layers, vocabulary {shapes.vocab_size}, {args.dtype}, batch "
           f"{args.batch}, {args.output_len} decode steps, best of {args.rounds}")  # fmt: skip
-    print(f"{'configuration':29} {'decode tok/s':>12} {'step ms':>8} {'vs first':>8} {'collectives':>11}  peak RSS/rank")
+    print(f"{'configuration':29} {'decode tok/s':>12} {'step ms':>8} {'vs first run':>12} {'collectives':>11}  peak RSS/rank")
     for name, r in results.items():
         if name not in _configs(args):
             continue
+        if "error" in r:
+            print(f"{name:29} did not run under the cap: {r['error']}")
+            continue
         rss = ", ".join(f"{g:.2f}" for g in r["peak_rss_gib_per_rank"])
-        print(f"{name:29} {r['decode_tok_s']:12.1f} {r['step_ms']:8.1f} {r['decode_tok_s'] / base:7.2f}x "
+        print(f"{name:29} {r['decode_tok_s']:12.1f} {r['step_ms']:8.1f} {r['decode_tok_s'] / base:11.2f}x "
               f"{100 * r['collective_share']:10.1f}%  {rss} GiB")  # fmt: skip
     alone = results.get("all-reduce alone, us", {})
     if alone:
         print(f"one all-reduce of [{args.batch}, {shapes.hidden_size}] bf16 between 2 processes: "
               + ", ".join(f"{name} {us:.0f} us" for name, us in alone.items()))  # fmt: skip
-    print(json.dumps({"shapes": shapes.name, "layers": shapes.num_layers, "batch": args.batch, "results": results}))
+    print(json.dumps({"shapes": shapes.name, "layers": shapes.num_layers, "batch": args.batch,
+                      "rank_memory_cap_gib": args.rank_memory_cap_gib, "results": results}))  # fmt: skip
 
 
 if __name__ == "__main__":

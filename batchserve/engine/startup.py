@@ -28,7 +28,7 @@ def load_runner(
     """Load `config.model` (default: SmolLM2-135M-Instruct) on the configured device and dtype
     -> (runner, model_config, tokenizer). The KV pool: see ModelRunner (`initial_kv_blocks` for one that grows)."""
     from batchserve.layers import kernels
-    from batchserve.layers.linear import deterministic_gemm_path, deterministic_gemms, gemm_path
+    from batchserve.layers.linear import deterministic_gemm_path, engine_layouts, gemm_path
     from batchserve.layers.quantization import quantized_linears
     from batchserve.models.loader import (
         is_gguf,
@@ -69,7 +69,8 @@ def load_runner(
     split = config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
     gemm_path = None if auto is None else auto.quant_gemm_path  # auto's weight-only path; else the table's
     if not split:  # the weights first: a GGUF file's own refusals come before its tokenizer's conversion
-        with deterministic_gemms(config.deterministic), quantized_linears(config.quantization, dtype, gemm_path):
+        rows = config.scheduler.max_num_tokens
+        with engine_layouts(config.deterministic, rows), quantized_linears(config.quantization, dtype, gemm_path):
             model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
     config.tokenizer = str(tokenizer_folder(path, config.tokenizer))  # the effective value, as the logs report it
@@ -108,7 +109,7 @@ def load_draft_model(config: EngineConfig, name: str, target: ModelRunner, token
     """The draft model of speculative method draft_model, in a runner of its own whose KV pool has as many blocks as
     the target's (it holds the same sequences). A draft model of another tokenizer is refused: its token ids would
     mean other text."""
-    from batchserve.layers.linear import deterministic_gemms
+    from batchserve.layers.linear import engine_layouts
     from batchserve.models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path
     from batchserve.models.registry import ModelLoadError
     from batchserve.worker.draft_model import DraftModelProposer
@@ -123,7 +124,7 @@ def load_draft_model(config: EngineConfig, name: str, target: ModelRunner, token
         )
     draft_config = load_model_config(path)
     logger.info("draft model %s (%s) for speculative decoding", path, draft_config.architecture)
-    with deterministic_gemms(config.deterministic):
+    with engine_layouts(config.deterministic, config.scheduler.max_num_tokens):
         model = load_model(path, draft_config, target.dtype, target.device)
     cache = dataclasses.replace(config.cache, num_kv_blocks=target.num_kv_blocks, enable_prefix_caching=True)
     scheduler = dataclasses.replace(config.scheduler, preemption_mode="recompute")  # its pool is never swapped

@@ -34,13 +34,16 @@ class LinearPolicy:
     file's quantized tensors run as stored; bf16_tiles: a bfloat16 model on a CPU with bf16 units, whose quantized
     GEMM of many rows multiplies dequantized bf16 tiles; quant_gemm_path: the quantized GEMM's path ("avx512",
     "avx512_vnni", ...: kernels/paths.py OPERATIONS), None for the kernel table's choice (a forced
-    BATCHSERVE_QUANT_GEMM_PATH wins over either)."""
+    BATCHSERVE_QUANT_GEMM_PATH wins over either). max_rows: the most rows one call carries (the engine's
+    max_num_tokens; None: no bound): a layout that only longer calls would read is not kept, each layout being a whole
+    copy of the weight."""
 
     deterministic: bool = False
     scheme: QuantScheme | None = None
     gguf_as_stored: bool = False
     bf16_tiles: bool = False
     quant_gemm_path: str | None = None
+    max_rows: int | None = None
 
 
 DEFAULT_POLICY = LinearPolicy()
@@ -64,6 +67,14 @@ def layout_policy(policy: LinearPolicy):
         yield policy
     finally:
         _loading.reset(token)
+
+
+@contextlib.contextmanager
+def engine_layouts(deterministic: bool, max_rows: int | None):
+    """The loading policy of an engine's model: deterministic GEMMs or not (deterministic_gemms), and `max_rows`, the
+    most rows one forward pass carries (max_num_tokens), past which no layout is kept (LinearPolicy.max_rows)."""
+    with deterministic_gemms(deterministic), layout_policy(dataclasses.replace(loading_policy(), max_rows=max_rows)):
+        yield loading_policy()
 
 
 @contextlib.contextmanager
@@ -149,8 +160,14 @@ class CpuLinear(nn.Module):
         self.gemm_dtype = weight.dtype
         self.register_buffer("bias", None if bias is None else bias.detach())
         narrow = self.out_features <= self.NARROW_OUT
-        self.register_buffer("packed", None if narrow and not self.packed_only else _mkldnn_pack(weight))
-        self.packed_only = self.packed_only and self.packed is not None
+        path = self._amx_path(weight)
+        # bf16 on AMX hands rows from AMX_MAX_M on to oneDNN's packed copy; where no call carries that many rows
+        # the AMX kernel takes every M and that copy (the size of the weight) is not made
+        amx_takes_all = path is not None and policy.max_rows is not None and policy.max_rows < self.AMX_MAX_M
+        keep_packed = not (narrow and not self.packed_only) and not amx_takes_all
+        self.register_buffer("packed", _mkldnn_pack(weight) if keep_packed else None)
+        self.packed_only = self.packed_only and (self.packed is not None or amx_takes_all)
+        path = path if self.packed_only else None
         # [in, out] for x @ W, which the packed-only path never runs: not kept there (a whole weight's copy less)
         self.register_buffer("weight_t", None if self.packed_only else weight.t().contiguous())
         small_path = kernels.small_gemm_path() if kernels.for_tensors(weight) is not None else "library"
@@ -162,8 +179,9 @@ class CpuLinear(nn.Module):
             small_min_m, small_max_m = (1, ALL_ROWS) if small else (ALL_ROWS, 0)
             self.rows = dataclasses.replace(self.rows, small_min_m=small_min_m, small_max_m=small_max_m)
             self.register_buffer("packed", None)
+        if amx_takes_all:
+            self.rows = dataclasses.replace(self.rows, amx_max_m=ALL_ROWS)
         self.register_buffer("small_packed", kernels.load().small_gemm_pack(weight, small_path) if small else None)
-        path = self._amx_path(weight)
         self.amx_emulated = path == "amx_emulated"
         self.swiglu = swiglu and path is not None and bias is None
         self.register_buffer("amx_packed", self._amx_layout(weight) if path is not None else None)

@@ -122,14 +122,14 @@ def rank_config(config: EngineConfig, model_config: ModelConfig, stage: Pipeline
 
 def load_shard(config: EngineConfig, model_config: ModelConfig, tp: TensorParallel, stage: PipelineStage):
     """This rank's shard of config.model -> (model, device, dtype)."""
-    from batchserve.layers.linear import deterministic_gemms
+    from batchserve.layers.linear import engine_layouts
     from batchserve.models.loader import resolve_model_path
     from batchserve.models.sharding import load_sharded_model
     from batchserve.worker.device import resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    with deterministic_gemms(config.deterministic):
+    with engine_layouts(config.deterministic, config.scheduler.max_num_tokens):
         model = load_sharded_model(resolve_model_path(config.model), model_config, dtype, device, tp, stage)
     return model, device, dtype
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from batchserve.layers import kernels
-from batchserve.layers.linear import CpuLinear, swiglu_interleaved
+from batchserve.layers.linear import CpuLinear, LinearPolicy, swiglu_interleaved
 
 PATHS = ["amx_emulated", "amx"]
 
@@ -166,6 +166,31 @@ def test_a_gate_up_cpu_linear_fuses_silu_and_mul_below_the_row_limit(native_kern
     assert not CpuLinear(weight, torch.zeros(128).bfloat16(), swiglu=True).swiglu  # a bias: not fused
     force_gemm("onednn")
     assert not CpuLinear(weight, swiglu=True).swiglu
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_without_calls_of_onednn_rows_the_amx_kernel_takes_every_m_and_no_onednn_copy_is_made(
+    native_kernels, force_gemm, path, monkeypatch
+):
+    """max_rows under the AMX row limit: one layout of the weight, not two; a call longer than max_rows (none should
+    come) still computes, by the AMX kernel."""
+    _emulated(native_kernels, path)
+    force_gemm(path)
+    monkeypatch.setattr(CpuLinear, "AMX_MAX_M", 40)
+    torch.manual_seed(5)
+    weight, bias = (torch.randn(96, 64) * 0.1).bfloat16(), torch.randn(96).bfloat16()
+    if not CpuLinear(weight, bias, policy=LinearPolicy(max_rows=40)).packed_only:
+        pytest.skip("this torch build has no oneDNN bf16 linear")
+    assert CpuLinear(weight, bias, policy=LinearPolicy(max_rows=40)).packed is not None  # rows 40 reach oneDNN
+    linear = CpuLinear(weight, bias, policy=LinearPolicy(max_rows=39))
+    assert linear.packed is None and linear.weight_t is None and linear.amx_packed is not None
+    for m in (1, 39, 70):
+        x = torch.randn(m, 64).bfloat16()
+        assert torch.equal(linear(x), native_kernels.amx_gemm(x, linear.amx_packed, bias, linear.amx_emulated))
+    gate_up = CpuLinear((torch.randn(128, 64) * 0.2).bfloat16(), swiglu=True, policy=LinearPolicy(max_rows=39))
+    assert gate_up.swiglu and gate_up.packed is None
+    x = torch.randn(70, 64).bfloat16()
+    assert torch.equal(gate_up.silu_and_mul(x), native_kernels.silu_and_mul(gate_up(x)))
 
 
 def test_cpu_linear_keeps_onednn_where_told_or_where_the_shape_does_not_fit(native_kernels, force_gemm):

@@ -113,7 +113,8 @@ void register_projection(pybind11::module& m) {
                        c10::optional<at::Tensor> small_packed, int64_t out_features, RowSchedule rows,
                        bool packed_only, c10::optional<at::Tensor> amx_packed, bool amx_emulated, bool swiglu,
                        c10::optional<at::Tensor> bf16_packed, bool float_output) {
-             TORCH_CHECK(!packed_only || packed.has_value(), "packed_only needs a packed weight");
+             TORCH_CHECK(!packed_only || packed.has_value() || amx_packed.has_value(),
+                         "packed_only needs a packed weight or AMX panels");
              TORCH_CHECK(!swiglu || (packed_only && amx_packed.has_value() && !bias.has_value()),
                          "swiglu: a packed-only gate/up projection with AMX panels and no bias");
              return Projection{std::move(weight_t), std::move(bias),      std::move(packed),

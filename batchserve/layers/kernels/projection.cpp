@@ -58,7 +58,8 @@ at::Tensor Projection::gemm(const at::Tensor& x) const {
     return bias.has_value() ? out + *bias : out;
   }
   if (packed_only) {
-    const bool amx = amx_packed.has_value() && m < rows.amx_max_m;
+    // no oneDNN copy where no call was to carry its rows (LinearPolicy.max_rows): the AMX kernel takes any M
+    const bool amx = amx_packed.has_value() && (m < rows.amx_max_m || !packed.has_value());
     if (amx && !swiglu) return amx_gemm(x, *amx_packed, bias, amx_emulated, false);
     if (amx) {
       // swiglu panels (16 gate then 16 up columns each, no bias): the plain product, its columns put back in
