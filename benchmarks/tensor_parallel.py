@@ -225,7 +225,8 @@ def _report(args, shapes, results: dict) -> None:
     base = ran[0]["decode_tok_s"] if ran else 1.0
     print(f"\n{shapes.name}, {shapes.num_layers} layers, vocabulary {shapes.vocab_size}, {args.dtype}, batch "
           f"{args.batch}, {args.output_len} decode steps, best of {args.rounds}")  # fmt: skip
-    print(f"{'configuration':29} {'decode tok/s':>12} {'step ms':>8} {'vs first run':>12} {'collectives':>11}  peak RSS/rank")
+    columns = f"{'decode tok/s':>12} {'step ms':>8} {'vs first run':>12} {'collectives':>11}"
+    print(f"{'configuration':29} {columns}  peak RSS/rank")
     for name, r in results.items():
         if name not in _configs(args):
             continue
