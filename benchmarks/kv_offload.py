@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from batchserve.engine.llm_engine import LLMEngine  # noqa: E402
+from batchserve.host.process import configure_torch  # noqa: E402
 from batchserve.layers import kernels  # noqa: E402
 from batchserve.sampling_params import SamplingParams  # noqa: E402
 
@@ -120,6 +121,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: TTFT and throughput in the "
                         "process's CPU seconds (for a host others load; use with --threads 1)")
     args = parser.parse_args()
+    # an entry point's settings (an engine never makes them): without this --threads never reached torch, and freed
+    # activations went back to the kernel after each step, as they do in no server
+    configure_torch(args.threads, 0)
     CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
     flags = kernels.cpu_flags().split()
     bf16 = "yes" if "avx512_bf16" in flags or "amx_bf16" in flags else "no"

@@ -85,12 +85,15 @@ class SeqGroup:
             self._masks[key] = (index(seqs), index(rows), starts)
         return self._masks[key]
 
-    def chunk_mask(self, num_queries: int, context: int) -> torch.Tensor:
-        """[num_queries, context + num_queries] bool: query row r (position context + r) sees keys 0..context + r."""
-        key = ("chunk", num_queries, context)
+    def chunk_mask(self, num_queries: int, context: int, dtype: torch.dtype) -> torch.Tensor:
+        """[num_queries, context + num_queries] in `dtype`, added to the scores: 0 where query row r (position
+        context + r) sees key j (j <= context + r), -inf elsewhere. SDPA would turn a bool mask into this on every
+        call, a pass over the mask per layer; made once a step here (the output is bit-equal)."""
+        key = ("chunk", num_queries, context, dtype)
         if key not in self._masks:
-            ones = torch.ones(num_queries, context + num_queries, dtype=torch.bool, device=self.seq_lens.device)
-            self._masks[key] = ones.tril(context)
+            shape, device = (num_queries, context + num_queries), self.seq_lens.device
+            hidden = torch.ones(shape, dtype=torch.bool, device=device).triu(context + 1)
+            self._masks[key] = torch.zeros(shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
         return self._masks[key]
 
     def decode_mask(self, num_keys: int) -> torch.Tensor:
@@ -256,6 +259,7 @@ def _make_native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, meta
         spans=[] if prefill is None else prefill.spans,
         native_prefill_rows=0 if method is None else native_prefill_rows(method),
         path=kernels.attention_path(),
+        mask_dtype=like.dtype,
     )
 
 
@@ -428,7 +432,7 @@ def _per_sequence_prefill_attention(
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             k, v = _sequence_kv(kv_cache, group.block_tables[i], context + stop - start, query.dtype)
-            mask = group.chunk_mask(stop - start, context)
+            mask = group.chunk_mask(stop - start, context, query.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start:stop] = o[0].transpose(0, 1)
     return out

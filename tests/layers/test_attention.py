@@ -343,6 +343,28 @@ def test_sdpa_prefill_path(dtype, block_size, force_prefill, monkeypatch):
     torch.testing.assert_close(out.float(), expected, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("caller", ["native_step", "torch_code"])
+def test_sdpa_chunk_after_context_equals_the_bool_mask(dtype, caller, force_prefill, monkeypatch):
+    # A chunk after cached context attends under an additive mask made once a step, not a bool mask SDPA converts on
+    # every layer's call: its rows equal, bit for bit, SDPA over its K/V under the shifted bool causal mask (native
+    # step and torch code alike).
+    force_prefill("sdpa")
+    if caller == "torch_code":
+        monkeypatch.setattr(attention, "native_step", lambda *_: None)
+    seqs = [(40, 7), (16, 16), (100, 33), (0, 9), (13, 1)]
+    torch.manual_seed(1)
+    tensors = [tuple(torch.randn(c + n, h, 64).to(dtype) for h in (9, 3, 3)) for c, n in seqs]
+    out, _, batch = run_batch(seqs, 16, stale=True, heads=(9, 3, 64), dtype=dtype, tensors=tensors)
+    order = [int(r[1:]) for r in batch.req_ids]
+    ends = dict(zip(order, torch.tensor([seqs[i][1] for i in order]).cumsum(0).tolist(), strict=True))
+    for i, (context, n) in enumerate(seqs[:3]):  # the chunks after context (then a fresh prompt, a decode)
+        q, k, v = (t.transpose(0, 1)[None] for t in tensors[i])
+        mask = torch.ones(n, context + n, dtype=torch.bool).tril(context)
+        expected = F.scaled_dot_product_attention(q[:, :, context:], k, v, attn_mask=mask, enable_gqa=True)
+        assert torch.equal(out[ends[i] - n : ends[i]], expected[0].transpose(0, 1)), (i, context, n)
+
+
 def test_prefill_path_choice(monkeypatch, force_prefill):
     # For bfloat16 pools where the CPU has AMX, SDPA (on its tiles; "split", tests/layers/test_prefill_split.py, is
     # asked for); the native kernel elsewhere and for float32 pools; the variable forces
