@@ -82,6 +82,9 @@ def decode_step_ms(engine, prompts: list[list[int]], loras: list[LoRARequest | N
     """The cheapest of `steps` decode steps of these requests decoding together (their prompts computed first), in
     this process's CPU time: with one thread, the step's own cost, whatever other processes take of the cores
     (with more, it counts the threads' waits at each barrier too, which a busy host lengthens)."""
+    # a pool sized to the requests grows in generate(); driven step by step it must be grown here, or the requests
+    # would take turns in a one-block pool (preempting each other) instead of decoding together
+    engine.reserve_kv_for([(len(prompt), steps + 8) for prompt in prompts])
     ids = []
     for prompt, lora in zip(prompts, loras, strict=True):
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 8,
@@ -91,6 +94,9 @@ def decode_step_ms(engine, prompts: list[list[int]], loras: list[LoRARequest | N
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
         engine.step()
+    running = len(engine.scheduler.running)
+    if running != len(ids):
+        raise RuntimeError(f"{running} of {len(ids)} requests decode together: the step would not be theirs")
     times = []
     for _ in range(steps):
         start = time.process_time()

@@ -100,3 +100,37 @@ def test_bad_arguments_are_errors_that_say_what_is_wrong():
         native.lora_add_(x.bfloat16(), y.bfloat16(), weights, LoRAStep((group(0, 8, 1.0, [1]),)).native)
     with pytest.raises(ValueError, match="offsets"):
         native.LoraBatch([0], [8], [1.0], torch.tensor([1]), [0, 2], kernels.lora_path(), 0)
+
+
+@pytest.mark.parametrize("path", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_tile_height_gives_each_row_what_it_gets_alone(force_lora_path, path, dtype):
+    """Groups of 1 to 8 rows (one tile of each height) and of 11 (a full tile and a short one), scattered: each row's
+    delta is the one it gets in a group of its own, bit for bit on the vector paths (a row's sums never depend on its
+    tile), and the torch code's within rounding."""
+    force_lora_path(path)
+    slots = filled_slots(dtype, seed=5)
+    sizes = list(range(1, 9)) + [11]
+    order = torch.randperm(sum(sizes), generator=torch.Generator().manual_seed(6)).tolist()
+    groups, start = [], 0
+    for i, size in enumerate(sizes):
+        slot, rank = [(0, 8), (1, 4), (2, 2)][i % 3]
+        groups.append(group(slot, rank, 0.5 + i, order[start : start + size]))
+        start += size
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(start, IN, generator=g).to(dtype)
+    y = torch.randn(start, 88, generator=g).to(dtype)
+    together = slots.add_delta(x, y.clone(), LoRAStep(tuple(groups)))
+    alone = y.clone()
+    for each in groups:
+        for row in each.rows.tolist():
+            slots.add_delta(x, alone, LoRAStep((group(each.slot, each.rank, each.scale, [row]),)))
+    if path == "portable":  # plain C++ under -ffast-math: the compiler orders a sum as it likes, height by height
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-4)
+    else:
+        assert torch.equal(together, alone)
+    in_double = LoRASlots(slots.slices, slots.a.double(), slots.b.double(), list(slots.present))
+    reference = in_double.torch_delta(x.double(), y.double(), LoRAStep(tuple(groups)))
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=6e-2)
+    torch.testing.assert_close(together.double(), reference, **tolerance)
+    assert (together != y).any(dim=1).all()  # every row's adapter targets some slice here

@@ -1,12 +1,15 @@
 // LoRA's shrink and expand (lora_args.h) for the step's groups of tokens that share an adapter: vector maths per
 // instruction set, the work split by work_split.h.
 //
-// A group's rows go in tiles of kTile: each row of A and of B is read once for the tile's rows, so a group of many
-// tokens (an adapter's prefill, or its many decodes) reads its adapter's weights once per tile instead of once per
-// token: what grouping tokens by adapter buys. Per row, the shrink (x . A_j, j over the slot's n_slices * rank rows)
-// and the expand (u @ B into each slice's own columns: B's zeros outside them are skipped) accumulate in float32,
-// and y gets scale * delta added and is rounded to its type once. Every row's result depends on its own values only,
-// never on the batch around it.
+// A group's rows go in tiles of up to kTile: each row of A and of B is read once for the tile's rows, so a group of
+// many tokens (an adapter's prefill, or its many decodes) reads its adapter's weights once per tile instead of once
+// per token: what grouping tokens by adapter buys. Per row, the shrink (x . A_j, j over the slice's rank rows) and
+// the expand (u @ B into the slice's own columns: B's zeros outside them are skipped) accumulate in float32, and y
+// gets scale * delta added and is rounded to its type once. The sums of a pass are kept in registers, several rows
+// of A (or vectors of B's columns) by the tile's rows, so that no sum waits on its own previous FMA and every weight
+// loaded serves the whole tile; the weights ahead are prefetched, as they come from memory once a step. On the vector
+// paths every row's result depends on its own values only, never on the batch or the tile around it; the plain C++
+// path's sums are the compiler's to reorder (-ffast-math), tile height by tile height, within float32 rounding.
 #include "lora_args.h"
 
 #include <algorithm>
@@ -22,20 +25,39 @@
 
 namespace {
 
-constexpr int64_t kTile = 4;  // a group's rows shrunk and expanded together
+constexpr int kTile = 8;  // a group's rows shrunk and expanded together
 
-// one lane: any CPU
+// eight lanes in plain C++: any CPU (the compiler maps them onto what vectors it has)
 struct Portable {
-  using Vec = float;
-  static constexpr int64_t kWidth = 1;
-  static Vec zero() { return 0.f; }
-  static Vec set1(float v) { return v; }
-  static Vec fmadd(Vec a, Vec b, Vec c) { return a * b + c; }
-  static Vec load(const float* p) { return *p; }
-  static Vec load(const c10::BFloat16* p) { return static_cast<float>(*p); }
-  static void store(float* p, Vec v) { *p = v; }
-  static void store(c10::BFloat16* p, Vec v) { *p = c10::BFloat16(v); }
-  static float sum(Vec v) { return v; }
+  static constexpr int64_t kWidth = 8;
+  struct Vec {
+    float lane[kWidth];
+  };
+  static Vec zero() { return set1(0.f); }
+  static Vec set1(float v) {
+    Vec out;
+    for (int64_t i = 0; i < kWidth; ++i) out.lane[i] = v;
+    return out;
+  }
+  static Vec fmadd(Vec a, Vec b, Vec c) {
+    for (int64_t i = 0; i < kWidth; ++i) c.lane[i] = a.lane[i] * b.lane[i] + c.lane[i];
+    return c;
+  }
+  template <class T>
+  static Vec load(const T* p) {
+    Vec out;
+    for (int64_t i = 0; i < kWidth; ++i) out.lane[i] = static_cast<float>(p[i]);
+    return out;
+  }
+  template <class T>
+  static void store(T* p, Vec v) {
+    for (int64_t i = 0; i < kWidth; ++i) p[i] = T(v.lane[i]);
+  }
+  static float sum(Vec v) {
+    float total = 0.f;
+    for (int64_t i = 0; i < kWidth; ++i) total += v.lane[i];
+    return total;
+  }
 };
 
 #ifdef BATCHSERVE_ISA_AVX2
@@ -96,50 +118,149 @@ void store_n(T* p, typename V::Vec v, int64_t n) {
   std::copy(lanes, lanes + n, p);
 }
 
-// u[t][j] = x_t . a_j for the tile's n rows and the slot's first `used` rows of A
-template <class V, class T>
-void shrink(const T* const* x, int64_t n, const T* a, int64_t used, int64_t in, float* u, int64_t u_stride) {
-  for (int64_t j = 0; j < used; ++j) {
-    const T* aj = a + j * in;
-    typename V::Vec acc[kTile];
-    for (int64_t t = 0; t < n; ++t) acc[t] = V::zero();
-    for (int64_t k = 0; k < in; k += V::kWidth) {
-      const int64_t width = std::min(V::kWidth, in - k);
-      const auto w = load_n<V>(aj + k, width);
-      for (int64_t t = 0; t < n; ++t) acc[t] = V::fmadd(load_n<V>(x[t] + k, width), w, acc[t]);
-    }
-    for (int64_t t = 0; t < n; ++t) u[t * u_stride + j] = V::sum(acc[t]);
+// The tile's n rows of x in float32 (exact for bfloat16), zero-padded to whole vectors: every row of A reads them, so
+// they are widened once a tile instead of once a row of A
+template <class T>
+void widen_rows(const T* const* x, int64_t n, int64_t in, float* xf, int64_t xf_stride) {
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t k = 0; k < in; ++k) xf[t * xf_stride + k] = static_cast<float>(x[t][k]);
+    std::fill(xf + t * xf_stride + in, xf + (t + 1) * xf_stride, 0.f);
   }
 }
 
-// y_t[slice columns] += scale * u_t[slice rows] @ B[slice rows, slice columns], slice by slice
-template <class V, class T>
-void expand(const float* u, int64_t u_stride, int64_t n, const T* b, const LoraArgs& args, int64_t rank, float scale,
+// The weights stream from memory (an adapter's rows are read once a step, and eight adapters are 78 MB for the
+// default model): the next rows are asked for while these are summed, so the loads rarely wait on memory.
+template <class T>
+inline void prefetch_lines(const T* p, int64_t count) {
+  for (int64_t i = 0; i < count * static_cast<int64_t>(sizeof(T)); i += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + i, 0, 3);
+}
+
+// u[t][j] = x_t . a_j for J rows of A and the tile's N rows at once: J * N independent sums (a single sum waits on
+// its previous FMA at every step), each in the order of one row alone. `next`: rows to prefetch alongside.
+template <class V, class T, int N, int J>
+void shrink_block(const float* xf, int64_t xf_stride, const T* a, const T* next, int64_t in, float* u,
+                  int64_t u_stride) {
+  typename V::Vec acc[J][N];
+  for (int jj = 0; jj < J; ++jj)
+    for (int t = 0; t < N; ++t) acc[jj][t] = V::zero();
+  const int64_t whole = in / V::kWidth * V::kWidth;
+  for (int64_t k = 0; k < whole; k += V::kWidth) {
+    for (int jj = 0; jj < J; ++jj) __builtin_prefetch(next + jj * in + k, 0, 3);
+    typename V::Vec xv[N];
+    for (int t = 0; t < N; ++t) xv[t] = V::load(xf + t * xf_stride + k);
+    for (int jj = 0; jj < J; ++jj) {
+      const auto w = V::load(a + jj * in + k);
+      for (int t = 0; t < N; ++t) acc[jj][t] = V::fmadd(xv[t], w, acc[jj][t]);
+    }
+  }
+  if (whole < in) {  // the rows' last, shorter vector (x is padded with zeros)
+    for (int jj = 0; jj < J; ++jj) {
+      const auto w = load_n<V>(a + jj * in + whole, in - whole);
+      for (int t = 0; t < N; ++t) acc[jj][t] = V::fmadd(V::load(xf + t * xf_stride + whole), w, acc[jj][t]);
+    }
+  }
+  for (int jj = 0; jj < J; ++jj)
+    for (int t = 0; t < N; ++t) u[t * u_stride + jj] = V::sum(acc[jj][t]);
+}
+
+// Register blocking by tile height: J rows of A in a shrink pass, C vectors of B's columns in an expand pass, so
+// that the J * N (or N * C) sums stay in registers
+template <int N>
+constexpr int kRowBlock = N <= 4 ? 4 : 2;
+template <int N>
+constexpr int kColBlock = N <= 4 ? 4 : 2;
+
+// u[t][j] = x_t . a_j for the slot's first `used` rows of A
+template <class V, class T, int N>
+void shrink(const float* xf, int64_t xf_stride, const T* a, int64_t used, int64_t in, float* u, int64_t u_stride) {
+  constexpr int J = kRowBlock<N>;
+  int64_t j = 0;
+  for (; j + J <= used; j += J) {
+    const T* next = a + (j + 2 * J <= used ? j + J : j) * in;  // the next block's rows, or these again at the end
+    shrink_block<V, T, N, J>(xf, xf_stride, a + j * in, next, in, u + j, u_stride);
+  }
+  for (; j < used; ++j) shrink_block<V, T, N, 1>(xf, xf_stride, a + j * in, a + j * in, in, u + j, u_stride);
+}
+
+// C vectors of columns from c (the last `last` wide) of the tile's N rows: y_t += scale * sum_j u_t[j] * B[j], j over
+// the slice's rows, each column summed in j's order; `ahead`: how far on to prefetch in each row (0: not)
+template <class V, class T, int N, int C>
+void expand_block(const float* u, int64_t u_stride, const T* b, int64_t out, int64_t first, int64_t rank, int64_t c,
+                  int64_t last, int64_t ahead, typename V::Vec scale, T* const* y) {
+  typename V::Vec acc[N][C];
+  for (int t = 0; t < N; ++t)
+    for (int cc = 0; cc < C; ++cc) acc[t][cc] = V::zero();
+  for (int64_t j = first; j < first + rank; ++j) {
+    const T* row = b + j * out + c;
+    if (ahead > 0) prefetch_lines(row + ahead, C * V::kWidth);
+    typename V::Vec w[C];
+    for (int cc = 0; cc + 1 < C; ++cc) w[cc] = V::load(row + cc * V::kWidth);
+    w[C - 1] = last == V::kWidth ? V::load(row + (C - 1) * V::kWidth) : load_n<V>(row + (C - 1) * V::kWidth, last);
+    for (int t = 0; t < N; ++t) {
+      const auto ut = V::set1(u[t * u_stride + j]);
+      for (int cc = 0; cc < C; ++cc) acc[t][cc] = V::fmadd(ut, w[cc], acc[t][cc]);
+    }
+  }
+  for (int t = 0; t < N; ++t)
+    for (int cc = 0; cc < C; ++cc) {
+      T* p = y[t] + c + cc * V::kWidth;
+      const int64_t width = cc + 1 < C ? V::kWidth : last;
+      store_n<V>(p, V::fmadd(scale, acc[t][cc], load_n<V>(p, width)), width);
+    }
+}
+
+// y_t[slice i's columns] += scale * u_t[slice i's rows] @ B[those rows, those columns]
+template <class V, class T, int N>
+void expand(const float* u, int64_t u_stride, const T* b, const LoraArgs& args, int64_t i, int64_t rank, float scale,
             T* const* y) {
   const auto s = V::set1(scale);
-  for (int64_t i = 0; i < args.num_slices; ++i) {
-    const int64_t first = i * rank, end = args.slices[i].offset + args.slices[i].size;
-    for (int64_t c = args.slices[i].offset; c < end; c += V::kWidth) {
-      const int64_t width = std::min(V::kWidth, end - c);
-      typename V::Vec acc[kTile];
-      for (int64_t t = 0; t < n; ++t) acc[t] = V::zero();
-      for (int64_t j = first; j < first + rank; ++j) {
-        const auto w = load_n<V>(b + j * args.out + c, width);
-        for (int64_t t = 0; t < n; ++t) acc[t] = V::fmadd(V::set1(u[t * u_stride + j]), w, acc[t]);
-      }
-      for (int64_t t = 0; t < n; ++t) store_n<V>(y[t] + c, V::fmadd(s, acc[t], load_n<V>(y[t] + c, width)), width);
-    }
+  constexpr int C = kColBlock<N>;
+  constexpr int64_t kBlockWidth = C * V::kWidth;
+  const int64_t first = i * rank, end = args.slices[i].offset + args.slices[i].size;
+  int64_t c = args.slices[i].offset;
+  for (; c + kBlockWidth <= end; c += kBlockWidth) {
+    const int64_t ahead = c + 2 * kBlockWidth <= end ? kBlockWidth : 0;
+    expand_block<V, T, N, C>(u, u_stride, b, args.out, first, rank, c, V::kWidth, ahead, s, y);
   }
+  for (; c < end; c += V::kWidth)
+    expand_block<V, T, N, 1>(u, u_stride, b, args.out, first, rank, c, std::min(V::kWidth, end - c), 0, s, y);
 }
 
-// One work item: up to kTile rows of group g, from its row list's index `first`
+// One work item: up to kTile rows of group g, from its row list's index `first`, in one slice of the projection's
+// output (a slice's shrink rows and expand columns are its own: q, k and v, or gate and up, are independent items,
+// which spreads even one token's deltas over the threads)
 struct Item {
-  int64_t group, first, count;
+  int64_t group, first, count, slice;
 };
 
+// A thread's scratch, kept between calls (a step makes some hundred of them): the tile's widened x and its u
+struct Scratch {
+  std::vector<float> x, u;
+};
+
+template <class V, class T, int N>
+void run_rows(const LoraArgs& args, const Item& item, const T* const* xs, T* const* ys, Scratch& scratch) {
+  const int64_t g = item.group, slot = args.slot[g], rank = args.rank[g], first = item.slice * rank;
+  const int64_t xf_stride = (args.in + V::kWidth - 1) / V::kWidth * V::kWidth;
+  widen_rows(xs, N, args.in, scratch.x.data(), xf_stride);
+  const T* a = static_cast<const T*>(args.a) + (slot * args.rows_per_slot + first) * args.in;
+  const T* b = static_cast<const T*>(args.b) + slot * args.rows_per_slot * args.out;
+  float* u = scratch.u.data();
+  shrink<V, T, N>(scratch.x.data(), xf_stride, a, rank, args.in, u + first, args.rows_per_slot);
+  expand<V, T, N>(u, args.rows_per_slot, b, args, item.slice, rank, args.scale[g], ys);
+}
+
+template <class V, class T, int N = 1>
+void run_height(const LoraArgs& args, const Item& item, const T* const* xs, T* const* ys, Scratch& scratch) {
+  if constexpr (N < kTile) {
+    if (item.count > N) return run_height<V, T, N + 1>(args, item, xs, ys, scratch);
+  }
+  run_rows<V, T, N>(args, item, xs, ys, scratch);
+}
+
 template <class V, class T>
-void run_tile(const LoraArgs& args, const Item& item, float* u) {
-  const int64_t g = item.group, slot = args.slot[g], rank = args.rank[g];
+void run_tile(const LoraArgs& args, const Item& item, Scratch& scratch) {
   const T* xs[kTile];
   T* ys[kTile];
   for (int64_t t = 0; t < item.count; ++t) {
@@ -147,26 +268,30 @@ void run_tile(const LoraArgs& args, const Item& item, float* u) {
     xs[t] = static_cast<const T*>(args.x) + row * args.x_stride;
     ys[t] = static_cast<T*>(args.y) + row * args.y_stride;
   }
-  const T* a = static_cast<const T*>(args.a) + slot * args.rows_per_slot * args.in;
-  const T* b = static_cast<const T*>(args.b) + slot * args.rows_per_slot * args.out;
-  shrink<V>(xs, item.count, a, args.num_slices * rank, args.in, u, args.rows_per_slot);
-  expand<V>(u, args.rows_per_slot, item.count, b, args, rank, args.scale[g], ys);
+  scratch.x.resize(kTile * ((args.in + V::kWidth - 1) / V::kWidth * V::kWidth));
+  scratch.u.resize(kTile * args.rows_per_slot);
+  run_height<V, T>(args, item, xs, ys, scratch);
 }
 
 template <class V, class T>
 void run(const LoraArgs& args) {
-  std::vector<Item> items;
+  thread_local std::vector<Item> items;  // the caller's: kept between calls
+  items.clear();
   for (int64_t g = 0; g < args.num_groups; ++g) {
     const int64_t count = args.offsets[g + 1] - args.offsets[g];
     if (!args.present[args.slot[g]]) continue;  // the adapter leaves this projection as it is
     if (args.gemm_min_rows > 0 && count >= args.gemm_min_rows) continue;  // two GEMMs (lora_op.cpp)
     for (int64_t i = args.offsets[g]; i < args.offsets[g + 1]; i += kTile)
-      items.push_back({g, i, std::min(kTile, args.offsets[g + 1] - i)});
+      for (int64_t slice = 0; slice < args.num_slices; ++slice)
+        items.push_back({g, i, std::min<int64_t>(kTile, args.offsets[g + 1] - i), slice});
   }
-  const auto cost = [&](int64_t i) { return items[i].count * args.rank[items[i].group]; };
-  run_costliest_first(static_cast<int64_t>(items.size()), cost, [&](WorkQueue& queue) {
-    std::vector<float> u(kTile * args.rows_per_slot);
-    for (int64_t i; queue.next(i);) run_tile<V, T>(args, items[i], u.data());
+  const auto& work = items;
+  const auto cost = [&](int64_t i) {  // a slice's weights: rank rows of A (in wide) and of B (its size wide)
+    return work[i].count * args.rank[work[i].group] * (args.in + args.slices[work[i].slice].size);
+  };
+  run_costliest_first(static_cast<int64_t>(work.size()), cost, [&](WorkQueue& queue) {
+    thread_local Scratch scratch;
+    for (int64_t i; queue.next(i);) run_tile<V, T>(args, work[i], scratch);
   });
 }
 
