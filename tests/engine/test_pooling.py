@@ -10,6 +10,8 @@ import torch
 import transformers
 
 from batchserve.engine.llm_engine import LLMEngine
+from batchserve.layers import attention, kernels
+from batchserve.layers.kernels import paths
 from batchserve.entrypoints.llm import LLM
 from batchserve.pooling_params import PoolingTask
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
@@ -94,6 +96,36 @@ def test_embeddings_batched_with_generation_traffic(tmp_path):
         assert tokens[request_id] == hf_greedy(hf_model, prompt, 12)
     got = torch.stack([pooled[r] for r in pool_ids])
     torch.testing.assert_close(got, reference_embeddings(folder, TEXTS), atol=TOLERANCE, rtol=0)
+
+
+def test_a_pooling_engine_chooses_split_prefill_attention_and_still_equals_sentence_transformers(
+    tmp_path, monkeypatch
+):
+    """The mode table's choice (modes.py pooling_prefill_attention_split) reaches every step: a pooling engine's
+    steps attend by split (short chunks the native kernel, batched; longer ones SDPA: the threshold is moved to 8
+    rows so that 16-token chunks take SDPA and the short tails the native kernel), and its float32 embeddings equal
+    sentence-transformers'; a generation engine of the same folder keeps its default (native in float32)."""
+    if kernels.load() is None or not kernels.load().prefill_attention_available(32):
+        pytest.skip("no native prefill kernel here: split has nothing to choose")
+    monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
+    monkeypatch.setattr(paths, "SHORT_PREFILL_MAX_ROWS", 8)
+    seen = []
+    take_rows = attention.native_prefill_rows
+    monkeypatch.setattr(attention, "native_prefill_rows", lambda method: seen.append(method) or take_rows(method))
+    attention.preferred_prefill_method.cache_clear()
+    folder = embedding_folder(tmp_path / "native", head_dim=32)
+    llm = LLM(str(folder), dtype="float32", max_num_tokens=16, max_batch_size=4)
+    assert llm.engine.config.prefill_attention == "split"
+    assert [r.name for r in llm.engine.modes.chosen] == ["pooling_prefill_attention_split"]
+    got = torch.tensor([out.embedding for out in llm.embed(TEXTS)])
+    torch.testing.assert_close(got, reference_embeddings(folder, TEXTS), atol=TOLERANCE, rtol=0)
+    assert set(seen) == {"split"}
+    seen.clear()
+    generation = LLM(str(folder), dtype="float32", runner="generate", max_num_tokens=16)
+    assert generation.engine.config.prefill_attention == "auto" and generation.engine.modes.chosen == ()
+    generation.generate("w1 w2 w3", SamplingParams(max_tokens=2, temperature=0.0))
+    assert set(seen) == {"native"}
+    attention.preferred_prefill_method.cache_clear()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
