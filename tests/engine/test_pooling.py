@@ -10,9 +10,9 @@ import torch
 import transformers
 
 from batchserve.engine.llm_engine import LLMEngine
+from batchserve.entrypoints.llm import LLM
 from batchserve.layers import attention, kernels
 from batchserve.layers.kernels import paths
-from batchserve.entrypoints.llm import LLM
 from batchserve.pooling_params import PoolingTask
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.pooling import pooling_sampling_params
