@@ -60,7 +60,7 @@ class Convert(enum.StrEnum):
 class PrefillAttention(enum.StrEnum):
     """How prefill chunks attend on the CPU (layers/attention.py preferred_prefill_method; docs/cpu-kernels.md)."""
 
-    AUTO = "auto"  # split on a pooling runner (the mode table's row), else from the pool's dtype and the CPU
+    AUTO = "auto"  # split for a bfloat16 pool on a CPU with AMX, else native
     NATIVE = "native"  # the native prefill kernel wherever it takes the chunk
     SDPA = "sdpa"  # torch's fused attention, one call per sequence (on AMX tiles for a bfloat16 pool)
     SPLIT = "split"  # chunks of <= SHORT_PREFILL_MAX_ROWS rows native, batched; longer ones SDPA
@@ -315,7 +315,7 @@ class EngineConfig:
     speculative_config: dict | None = None
     runner: Runner = Runner.AUTO  # vLLM's: generate or pooling (auto: from the model folder); resolved at load
     convert: Convert = Convert.AUTO  # vLLM's: a pooling runner's task, embed or classify; resolved at load
-    # the mode table resolves auto to split for a pooling runner (modes.py); BATCHSERVE_PREFILL_ATTENTION overrides
+    # how prompts attend on the CPU (layers/attention.py); BATCHSERVE_PREFILL_ATTENTION overrides it
     prefill_attention: PrefillAttention = PrefillAttention.AUTO
     # LoRA adapters (vLLM's names; docs/lora.md): requests name one by `model`; lora_modules "name=path ..." loads
     # some at start; max_loras distinct adapters run in one step, max_cpu_loras stay loaded (LRU beyond)

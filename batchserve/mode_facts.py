@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchserve import env
-from batchserve.config import EngineConfig, ModelConfig, Runner, SpeculativeConfig
+from batchserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 
 QUANTIZED_WEIGHTS = ("int8", "int4", "int4_g32", "int4_g64", "int4_g128", "gguf")
 
@@ -36,8 +35,6 @@ class ModeFacts:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     executor_backend: str = "mp"  # distributed_executor_backend
-    pooling: bool = False  # the runner, resolved: pooling (embeddings, scores) rather than generation
-    prefill_attention: str = "auto"  # as asked: BATCHSERVE_PREFILL_ATTENTION where set, else the option
 
     @classmethod
     def of(
@@ -68,8 +65,6 @@ class ModeFacts:
             tensor_parallel_size=config.tensor_parallel_size,
             pipeline_parallel_size=config.pipeline_parallel_size,
             executor_backend=config.distributed_executor_backend,
-            pooling=config.runner == Runner.POOLING,
-            prefill_attention=env.prefill_attention() or str(config.prefill_attention),
             **traits,
         )
 

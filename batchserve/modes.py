@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from batchserve.config import ConfigError, EngineConfig, PrefillAttention, SpeculativeConfig
+from batchserve.config import ConfigError, EngineConfig, SpeculativeConfig
 from batchserve.mode_facts import QUANTIZED_WEIGHTS, ModeFacts, model_traits  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,6 @@ class Verdict(enum.StrEnum):
     RUN = "run"  # runs as asked, and the guarantee holds
     REFUSE = "refuse"  # refused at start, naming what would work
     FALL_BACK = "fall back"  # runs, on another path or with an option off: one log line and a metric label
-    CHOOSE = "choose"  # runs as asked, on the path the table picks for this combination: one start-up log line
 
 
 EIGHT_BIT_KV = ("int8", "fp8_e4m3")
@@ -68,10 +67,6 @@ def _eager(config: EngineConfig) -> None:
 
 def _tier_off(config: EngineConfig) -> None:
     config.cache.kv_offload_dir = None
-
-
-def _prefill_split(config: EngineConfig) -> None:
-    config.prefill_attention = PrefillAttention.SPLIT
 
 
 def _split(f: ModeFacts) -> bool:
@@ -309,19 +304,6 @@ RULES: tuple[Rule, ...] = (
         "the engine runs, its GEMMs in one order per row, but tokens may follow the batch",
         "determinism.md#what-it-guarantees",
     ),
-    # ---- chosen: runs as asked, on the path this combination is faster on; one start-up line
-    Rule(
-        "pooling_prefill_attention_split", Verdict.CHOOSE, ("runner", "prefill_attention"),
-        "runner pooling on the CPU with the native kernels, prefill_attention auto",
-        lambda f: f.pooling and f.device == "cpu" and f.native_kernels and f.prefill_attention == "auto",
-        "a pooling request is all prefill, mostly short texts: prompts of at most 128 tokens take the native kernel, "
-        "all of a step's in one call a layer, where one fused SDPA per text and layer costs more than AMX's tiles "
-        "save; generation keeps its default, where the native bf16 kernel's rounding can turn a near-tie",
-        "prefill_attention split (the effective config says so); prefill_attention or BATCHSERVE_PREFILL_ATTENTION "
-        "picks another",
-        "cpu-kernels.md#prefill-attention-by-chunk-length",
-        adjust=_prefill_split,
-    ),
     # ---- covered: said here because a reader could doubt it
     Rule(
         "quantization_auto", Verdict.RUN, ("quantization", "dtype", "model"),
@@ -369,7 +351,6 @@ class ModeDecision:
     facts: ModeFacts
     refused: tuple[Rule, ...] = ()
     fallbacks: tuple[Rule, ...] = ()
-    chosen: tuple[Rule, ...] = ()
     covered: tuple[Rule, ...] = ()
 
     @property
@@ -384,22 +365,19 @@ def decide(facts: ModeFacts, rules: Iterable[Rule] = RULES) -> ModeDecision:
         facts,
         refused=tuple(r for r in held if r.verdict == Verdict.REFUSE),
         fallbacks=tuple(r for r in held if r.verdict == Verdict.FALL_BACK),
-        chosen=tuple(r for r in held if r.verdict == Verdict.CHOOSE),
         covered=tuple(r for r in held if r.verdict == Verdict.RUN),
     )
 
 
 def enforce(config: EngineConfig, facts: ModeFacts) -> ModeDecision:
     """The table applied to an engine about to start: raises ModeRefused if any row refuses; else logs each fallback
-    and each choice once, sets the options they change in `config` (so the effective config says what runs) and
-    returns the decision."""
+    once, sets the options the fallbacks change in `config` (so the effective config says what runs) and returns the
+    decision."""
     decision = decide(facts)
     if decision.refused:
         raise ModeRefused(list(decision.refused))
     log_fallbacks(decision)
-    for rule in decision.chosen:
-        logger.info("mode choice %s: %s", rule.name, rule.message())
-    for rule in decision.fallbacks + decision.chosen:
+    for rule in decision.fallbacks:
         if rule.adjust is not None:
             rule.adjust(config)
     return decision
@@ -447,6 +425,5 @@ def summary(decision: ModeDecision) -> dict[str, Any]:
     return {
         "refused": [r.name for r in decision.refused],
         "fallbacks": decision.fallback_names,
-        "chosen": [r.name for r in decision.chosen],
         "covered": [r.name for r in decision.covered],
     }

@@ -47,7 +47,6 @@ FIRING = {
     "tensor_parallel_with_a_draft_model": ModeFacts(tensor_parallel_size=2, speculative_method="draft_model"),
     "parallel_ranks_run_python_layers": ModeFacts(tensor_parallel_size=2, pipeline_parallel_size=2),
     "ray_ranks_all_reduce_by_gloo": ModeFacts(executor_backend="ray", tensor_parallel_size=2),
-    "pooling_prefill_attention_split": ModeFacts(pooling=True),
 }
 
 
@@ -60,14 +59,14 @@ def test_every_rule_has_a_firing_case_and_unique_name():
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
 def test_each_rule_fires_on_its_condition(rule):
     fired = decide(FIRING[rule.name])
-    assert rule in fired.refused + fired.fallbacks + fired.chosen + fired.covered
+    assert rule in fired.refused + fired.fallbacks + fired.covered
 
 
 def test_plain_facts_fire_nothing():
     """The default engine (CPU, float32 or bf16, auto pool, no special mode) runs as asked, silently."""
     for dtype in ("float32", "bfloat16"):
         decision = decide(ModeFacts(dtype=dtype))
-        assert decision.refused == decision.fallbacks == decision.chosen == decision.covered == ()
+        assert decision.refused == decision.fallbacks == decision.covered == ()
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
@@ -77,7 +76,7 @@ def test_each_row_is_complete(rule):
     page = rule.anchor.split("#")[0]
     assert re.fullmatch(r"[a-z0-9-]+\.md", page), rule.anchor
     if rule.adjust is not None:
-        assert rule.verdict in (Verdict.FALL_BACK, Verdict.CHOOSE)  # only a fallback or a choice changes what runs
+        assert rule.verdict == Verdict.FALL_BACK  # only a fallback changes what runs
 
 
 def test_a_refusal_names_the_options_and_what_works():
@@ -191,44 +190,3 @@ def test_the_configuration_page_renders_every_rule():
     assert "generated: mode-rules" not in page
     for rule in RULES:
         assert f"| `{rule.name}` |" in page and f"**{rule.verdict.value}**" in page
-
-
-def test_a_pooling_runner_chooses_split_prefill_attention_and_says_so(caplog, monkeypatch):
-    """The one choice row: a pooling runner on the CPU with the native kernels and prefill_attention auto runs split
-    (the effective config says so), in one info line and no fallback label; generation keeps auto."""
-    monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
-    pooling = EngineConfig.from_options(runner="pooling")
-    with caplog.at_level(logging.INFO, logger="batchserve.modes"):
-        decision = modes.enforce(pooling, _facts(pooling))
-    assert [r.name for r in decision.chosen] == ["pooling_prefill_attention_split"] and decision.fallback_names == []
-    assert pooling.prefill_attention == "split"
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and lines[0].startswith("mode choice pooling_prefill_attention_split: runner pooling")
-    generation = EngineConfig.from_options(runner="generate")
-    assert modes.enforce(generation, _facts(generation)).chosen == () and generation.prefill_attention == "auto"
-
-
-@pytest.mark.parametrize(
-    "options, host, variable",
-    [
-        ({"prefill_attention": "sdpa"}, {}, None),  # asked for by name
-        ({}, {}, "native"),  # forced by the variable
-        ({}, {"device": "cuda"}, None),  # the Triton kernels attend
-    ],
-    ids=["option", "variable", "gpu"],
-)
-def test_a_pooling_runner_keeps_a_prefill_attention_asked_for(options, host, variable, monkeypatch):
-    if variable is None:
-        monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
-    else:
-        monkeypatch.setenv("BATCHSERVE_PREFILL_ATTENTION", variable)
-    config = EngineConfig.from_options(runner="pooling", **options)
-    asked = config.prefill_attention
-    assert modes.enforce(config, _facts(config, **host)).chosen == () and config.prefill_attention == asked
-    without_kernels = dataclasses.replace(_facts(EngineConfig.from_options(runner="pooling")), native_kernels=False)
-    assert decide(without_kernels).chosen == ()
-
-
-def test_prefill_attention_refuses_an_unknown_value():
-    with pytest.raises(ConfigError, match="prefill_attention"):
-        EngineConfig.from_options(prefill_attention="flash")

@@ -98,15 +98,14 @@ def test_embeddings_batched_with_generation_traffic(tmp_path):
     torch.testing.assert_close(got, reference_embeddings(folder, TEXTS), atol=TOLERANCE, rtol=0)
 
 
-def test_a_pooling_engine_chooses_split_prefill_attention_and_still_equals_sentence_transformers(
-    tmp_path, monkeypatch
-):
-    """The mode table's choice (modes.py pooling_prefill_attention_split) reaches every step: a pooling engine's
-    steps attend by split (short chunks the native kernel, batched; longer ones SDPA: the threshold is moved to 8
-    rows so that 16-token chunks take SDPA and the short tails the native kernel), and its float32 embeddings equal
-    sentence-transformers'; a generation engine of the same folder keeps its default (native in float32)."""
+@pytest.mark.parametrize("method", ["native", "sdpa", "split"])
+def test_embeddings_equal_sentence_transformers_on_every_prefill_attention(tmp_path, monkeypatch, method):
+    """The prefill_attention option reaches every step of the engine it is given (a head size the native prefill
+    kernel takes; split's threshold moved to 8 rows, so that 16-token chunks take SDPA and the short tails the native
+    kernel), and the float32 embeddings equal sentence-transformers' on each; an engine left on auto keeps the
+    CPU's choice (native for a float32 pool)."""
     if kernels.load() is None or not kernels.load().prefill_attention_available(32):
-        pytest.skip("no native prefill kernel here: split has nothing to choose")
+        pytest.skip("no native prefill kernel here: every method attends by SDPA")
     monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
     monkeypatch.setattr(paths, "SHORT_PREFILL_MAX_ROWS", 8)
     seen = []
@@ -114,16 +113,13 @@ def test_a_pooling_engine_chooses_split_prefill_attention_and_still_equals_sente
     monkeypatch.setattr(attention, "native_prefill_rows", lambda method: seen.append(method) or take_rows(method))
     attention.preferred_prefill_method.cache_clear()
     folder = embedding_folder(tmp_path / "native", head_dim=32)
-    llm = LLM(str(folder), dtype="float32", max_num_tokens=16, max_batch_size=4)
-    assert llm.engine.config.prefill_attention == "split"
-    assert [r.name for r in llm.engine.modes.chosen] == ["pooling_prefill_attention_split"]
+    llm = LLM(str(folder), dtype="float32", max_num_tokens=16, max_batch_size=4, prefill_attention=method)
     got = torch.tensor([out.embedding for out in llm.embed(TEXTS)])
     torch.testing.assert_close(got, reference_embeddings(folder, TEXTS), atol=TOLERANCE, rtol=0)
-    assert set(seen) == {"split"}
+    assert set(seen) == {method}
     seen.clear()
-    generation = LLM(str(folder), dtype="float32", runner="generate", max_num_tokens=16)
-    assert generation.engine.config.prefill_attention == "auto" and generation.engine.modes.chosen == ()
-    generation.generate("w1 w2 w3", SamplingParams(max_tokens=2, temperature=0.0))
+    llm.engine.config.prefill_attention = "auto"  # read at each step
+    llm.embed(TEXTS[:2])
     assert set(seen) == {"native"}
     attention.preferred_prefill_method.cache_clear()
 

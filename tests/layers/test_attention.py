@@ -344,19 +344,24 @@ def test_sdpa_prefill_path(dtype, block_size, force_prefill, monkeypatch):
 
 
 def test_prefill_path_choice(monkeypatch, force_prefill):
-    # For bfloat16 pools where the CPU has AMX, SDPA (on its tiles; "split", tests/layers/test_prefill_split.py, is
-    # asked for); the native kernel elsewhere and for float32 pools; the variable forces
-    # any of them, and an unknown name is an error.
+    # For bfloat16 pools where the CPU has AMX, split by chunk length (long chunks SDPA on its tiles, short ones the
+    # native kernel: tests/layers/test_prefill_split.py); the native kernel elsewhere and for float32 pools; the
+    # engine's prefill_attention option picks another, the variable forces any of them over it, and an unknown name
+    # is an error.
     monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
-    for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "sdpa"), ("avx512f avx512_bf16", "native")):
+    for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "split"), ("avx512f avx512_bf16", "native")):
         monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: f"flags : fpu {flags}")
         preferred_prefill_method.cache_clear()
         assert (
             preferred_prefill_method(torch.bfloat16) == bf16_path
             and preferred_prefill_method(torch.float32) == "native"
         )
+        assert preferred_prefill_method(torch.bfloat16, "sdpa") == "sdpa"
+    with pytest.raises(ValueError, match="prefill_attention='fastest'"):
+        preferred_prefill_method(torch.float32, "fastest")
     force_prefill("sdpa")
     assert preferred_prefill_method(torch.float32) == "sdpa"
+    assert preferred_prefill_method(torch.bfloat16, "split") == "sdpa"  # the variable over the option
     force_prefill("fastest")
     with pytest.raises(ValueError, match="BATCHSERVE_PREFILL_ATTENTION"):
         preferred_prefill_method(torch.bfloat16)
