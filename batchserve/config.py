@@ -57,6 +57,15 @@ class Convert(enum.StrEnum):
     CLASSIFY = "classify"  # a classification head on the last token (/v1/score, /v1/rerank); a causal LM: yes/no logits
 
 
+class PrefillAttention(enum.StrEnum):
+    """How prefill chunks attend on the CPU (layers/attention.py preferred_prefill_method; docs/cpu-kernels.md)."""
+
+    AUTO = "auto"  # split for a bfloat16 pool on a CPU with AMX, else native
+    NATIVE = "native"  # the native prefill kernel wherever it takes the chunk
+    SDPA = "sdpa"  # torch's fused attention, one call per sequence (on AMX tiles for a bfloat16 pool)
+    SPLIT = "split"  # chunks of <= SHORT_PREFILL_MAX_ROWS rows native, batched; longer ones SDPA
+
+
 class Truncation(enum.StrEnum):
     ERROR = "error"
     LEFT = "left"  # keep the prompt's end
@@ -306,6 +315,8 @@ class EngineConfig:
     speculative_config: dict | None = None
     runner: Runner = Runner.AUTO  # vLLM's: generate or pooling (auto: from the model folder); resolved at load
     convert: Convert = Convert.AUTO  # vLLM's: a pooling runner's task, embed or classify; resolved at load
+    # how prompts attend on the CPU (layers/attention.py); BATCHSERVE_PREFILL_ATTENTION overrides it
+    prefill_attention: PrefillAttention = PrefillAttention.AUTO
     # LoRA adapters (vLLM's names; docs/lora.md): requests name one by `model`; lora_modules "name=path ..." loads
     # some at start; max_loras distinct adapters run in one step, max_cpu_loras stay loaded (LRU beyond)
     enable_lora: bool = False
@@ -328,6 +339,7 @@ class EngineConfig:
         SpeculativeConfig.from_value(self.speculative_config)  # refuses a bad one here, with the reason
         self.runner = _as_enum(Runner, self.runner, "runner")
         self.convert = _as_enum(Convert, self.convert, "convert")
+        self.prefill_attention = _as_enum(PrefillAttention, self.prefill_attention, "prefill_attention")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         _require(self.device in DEVICES, f"device must be one of {DEVICES}")
         _require(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}")

@@ -70,10 +70,11 @@ def quant_gemm_path() -> str | None:
 
 
 def prefill_attention() -> str | None:
-    """BATCHSERVE_PREFILL_ATTENTION (default unset or "auto": the pool's dtype and the CPU's flags decide): "native"
-    (the native kernel, or SDPA where it does not run), "sdpa" (torch's fused attention, one call per prompt) or
-    "split" (chunks of at most kernels/paths.py SHORT_PREFILL_MAX_ROWS rows native, longer ones SDPA: for embeddings
-    on an AMX CPU) for prefill chunks on the CPU; to measure or test one way on any CPU."""
+    """BATCHSERVE_PREFILL_ATTENTION (default unset or "auto": the engine's prefill_attention option decides, and on
+    auto the pool's dtype and the CPU's flags): "native" (the native kernel, or SDPA where it does not run), "sdpa"
+    (torch's fused attention, one call per prompt) or "split" (chunks of at most kernels/paths.py
+    SHORT_PREFILL_MAX_ROWS rows native, longer ones SDPA: the default for a bfloat16 pool on an AMX CPU) for prefill
+    chunks on the CPU, over the option; to measure or test one way on any CPU."""
     value = os.environ.get("BATCHSERVE_PREFILL_ATTENTION")
     return None if value in (None, "", "auto") else value
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from batchserve import LLM  # noqa: E402
+from batchserve.layers.attention import preferred_prefill_method  # noqa: E402
 from batchserve.models.loader import default_model_path, load_tokenizer  # noqa: E402
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
@@ -80,9 +80,9 @@ def main() -> None:
     parser.add_argument("--max-num-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--prefill-attention", default="auto", choices=["auto", "native", "sdpa", "split"],
-                        help="BATCHSERVE_PREFILL_ATTENTION for batchserve's side (auto: split for bfloat16 on AMX)")  # fmt: skip
+                        help="batchserve's prefill_attention option (auto: split for bfloat16 on a CPU with AMX, "
+                             "else native); BATCHSERVE_PREFILL_ATTENTION, where set, overrides it")  # fmt: skip
     args = parser.parse_args()
-    os.environ["BATCHSERVE_PREFILL_ATTENTION"] = args.prefill_attention  # read once, when the first prefill runs
     if args.threads:
         torch.set_num_threads(args.threads)
     from sentence_transformers import SentenceTransformer
@@ -94,7 +94,8 @@ def main() -> None:
         dtype = getattr(torch, args.dtype)
         total_blocks = args.texts * (args.tokens // 16 + 1) + 16
         llm = LLM(str(folder), dtype=args.dtype, device="cpu", num_kv_blocks=total_blocks,
-                  max_num_tokens=args.max_num_tokens, max_batch_size=args.texts, num_threads=args.threads)  # fmt: skip
+                  max_num_tokens=args.max_num_tokens, max_batch_size=args.texts, num_threads=args.threads,
+                  prefill_attention=args.prefill_attention)  # fmt: skip
         reference = SentenceTransformer(str(folder), device="cpu", model_kwargs={"dtype": dtype})
         ours = lambda: llm.embed(texts)  # noqa: E731
         theirs = lambda: reference.encode(texts, batch_size=args.st_batch_size, convert_to_tensor=True)  # noqa: E731
@@ -113,9 +114,10 @@ def main() -> None:
                     want = out.float()
         agreement = float(torch.nn.functional.cosine_similarity(got, want, dim=1).min())
     tokens = args.texts * args.tokens
+    ran = preferred_prefill_method(getattr(torch, args.dtype), args.prefill_attention)  # the engine's, cached
     print(f"model: SmolLM2-135M shape, {args.layers} layers, random weights, {args.dtype}; {args.texts} texts x "
           f"{args.tokens} tokens; torch threads {torch.get_num_threads()}; batchserve prefill attention "
-          f"{args.prefill_attention}")  # fmt: skip
+          f"{args.prefill_attention} (ran: {ran})")  # fmt: skip
     for name, seconds in best.items():
         print(f"{name:>22}: {seconds:7.2f} s wall  {tokens / seconds:8.0f} tokens/s;  {cpu[name]:7.2f} CPU-s  "
               f"{tokens / cpu[name]:8.0f} tokens per CPU-second")  # fmt: skip

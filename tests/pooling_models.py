@@ -41,10 +41,11 @@ def _randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.float().eval()
 
 
-def causal_lm_folder(directory: Path, yes_no: bool = False) -> transformers.Qwen3ForCausalLM:
-    """A Qwen3 causal LM with tied embeddings (Qwen3-Embedding's and Qwen3-Reranker's shape)."""
+def causal_lm_folder(directory: Path, yes_no: bool = False, head_dim: int = 24) -> transformers.Qwen3ForCausalLM:
+    """A Qwen3 causal LM with tied embeddings (Qwen3-Embedding's and Qwen3-Reranker's shape); head_dim 32 or 64 is
+    one the native prefill kernel takes (24 attends by SDPA)."""
     torch.manual_seed(63)
-    config = transformers.Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=True)
+    config = transformers.Qwen3Config(**COMMON, head_dim=head_dim, tie_word_embeddings=True)
     model = _randomised(transformers.Qwen3ForCausalLM(config), 63)
     model.generation_config.eos_token_id = None  # never stop early: compare a fixed number of tokens
     model.save_pretrained(directory)
@@ -52,9 +53,9 @@ def causal_lm_folder(directory: Path, yes_no: bool = False) -> transformers.Qwen
     return model
 
 
-def embedding_folder(directory: Path, pooling: str = "last", normalize: bool = True) -> Path:
+def embedding_folder(directory: Path, pooling: str = "last", normalize: bool = True, head_dim: int = 24) -> Path:
     """The causal LM with sentence-transformers' modules.json and 1_Pooling/config.json."""
-    causal_lm_folder(directory)
+    causal_lm_folder(directory, head_dim=head_dim)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]  # fmt: skip
     if normalize:

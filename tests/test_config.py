@@ -225,3 +225,10 @@ def test_model_is_the_positional_or_vllms_model_flag():
     assert parser.parse_args(["--model", "org/name"]).model == "org/name"
     assert parser.parse_args(["org/name"]).model == "org/name"
     assert parser.parse_args([]).model is None
+
+
+def test_prefill_attention_takes_its_four_values_and_names_itself_otherwise():
+    for value in ("auto", "native", "sdpa", "SPLIT"):
+        assert EngineConfig.from_options(prefill_attention=value).prefill_attention == value.lower()
+    with pytest.raises(ConfigError, match="prefill_attention"):
+        EngineConfig.from_options(prefill_attention="flash")

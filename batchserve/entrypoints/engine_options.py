@@ -64,6 +64,9 @@ HELP: dict[str, str] = {
     "(docs/embeddings.md)",
     "convert": "a pooling runner's task: embed (pooled hidden states) or classify (a *ForSequenceClassification "
     "head; on a causal LM, the yes/no logits of a Qwen3-Reranker-style prompt); auto: from the model folder",
+    "prefill_attention": "how prompts attend on the CPU: native kernel, sdpa (torch's, one call per prompt) or split "
+    "(prompts of <= 128 tokens native, batched; longer sdpa); auto: split for a bf16 KV pool on a CPU with AMX, "
+    "native otherwise (docs/cpu-kernels.md)",
     "quantization": "weights kept quantized on the CPU, quantized at load: int8 (per output channel), int4 (groups "
     "of 32 k; int4_g64, int4_g128); gguf: a GGUF file's own codes as stored; none: dequantized; auto (default): "
     "gguf for a GGUF file in bfloat16 where this CPU runs it faster, else none, said in one start-up line "

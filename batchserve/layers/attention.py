@@ -135,6 +135,8 @@ class AttentionMetadata:
     long_context: torch.Tensor | None = None
     # the step's tokens grouped by LoRA adapter (layers/lora.py), handed to each projection; None: base model only
     lora: LoRAStep | None = None
+    # how prefill chunks attend on the CPU: the engine's prefill_attention option (preferred_prefill_method)
+    prefill_attention: str = "auto"
     _native_steps: dict = field(default_factory=dict, repr=False)  # native_step's, per (dtypes, head size)
 
     @property
@@ -202,9 +204,8 @@ def paged_attention(
         key, value = kv_quant.write(key, value, kv_cache, metadata.slot_mapping)
     else:
         write_kv(key, value, kv_cache, metadata.slot_mapping)
-    groups = [
-        (g, path) for g, path in ((metadata.decode, decode_attention), (metadata.prefill, prefill_attention)) if g
-    ]
+    prefill = functools.partial(prefill_attention, chosen=metadata.prefill_attention)
+    groups = [(g, path) for g, path in ((metadata.decode, decode_attention), (metadata.prefill, prefill)) if g]
     if len(groups) == 1:
         group, path = groups[0]
         return path(query, key, value, kv_cache, group, scale)
@@ -245,7 +246,7 @@ def _make_native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, meta
         prefill is not None and tuple(prefill.token_range) != (decode_rows, like.shape[0])
     ):
         return None  # the native call takes decodes as the first rows and prefill chunks as the rest
-    method = None if prefill is None else prefill_method(like, head_dim, kv_cache)
+    method = None if prefill is None else prefill_method(like, head_dim, kv_cache, meta.prefill_attention)
     if method == "torch":
         return None
     return native.StepAttention(
@@ -294,15 +295,15 @@ def decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def prefill_method(like: torch.Tensor, head_dim: int, kv_cache: KVCache) -> str:
+def prefill_method(like: torch.Tensor, head_dim: int, kv_cache: KVCache, chosen: str = "auto") -> str:
     """How prefill chunks of queries like `like` (its dtype and device) attend: "sdpa" (one fused attention per
     chunk), "native" (the native prefill kernel), "split" (chunks of at most paths.SHORT_PREFILL_MAX_ROWS rows the
     native kernel, longer ones SDPA) or "torch" (the torch code: gather, pad, SDPA). On the CPU a chunk the native
     kernel cannot take (no AVX-512, another head size) goes to SDPA, which the native step runs too: the torch code
-    would send the whole step to the torch path, a slower one."""
+    would send the whole step to the torch path, a slower one. `chosen`: the engine's prefill_attention option."""
     if like.device.type != "cpu":
         return "torch"
-    preferred = preferred_prefill_method(kv_cache[0].dtype)
+    preferred = preferred_prefill_method(kv_cache[0].dtype, chosen)
     if preferred != "sdpa" and _native_prefill(like, head_dim, kv_cache) is not None:
         return preferred
     return "sdpa"
@@ -315,11 +316,17 @@ def native_prefill_rows(method: str) -> int:
 
 
 def prefill_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, group: SeqGroup, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: KVCache,
+    group: SeqGroup,
+    scale: float,
+    chosen: str = "auto",
 ) -> torch.Tensor:
     if gpu_attention.supports(query, kv_cache):  # CUDA: the Triton kernel reads the pool in place
         return gpu_attention.prefill_attention(query, key, value, kv_cache, group, scale)
-    mode = prefill_method(query, query.shape[-1], kv_cache)
+    mode = prefill_method(query, query.shape[-1], kv_cache, chosen)
     if mode == "torch":
         return _padded_prefill_attention(query, key, value, kv_cache, group, scale)
     max_rows = native_prefill_rows(mode)
@@ -386,24 +393,26 @@ def _native_prefill(like: torch.Tensor, head_dim: int, kv_cache: KVCache):
 
 
 @functools.cache
-def preferred_prefill_method(pool_dtype: torch.dtype) -> str:
-    """How prefill chunks attend on the CPU, chosen once per pool dtype and logged: "sdpa" (torch's fused attention,
-    one call per sequence) for a bfloat16 pool on a CPU with AMX, whose tiles put it well ahead there of the native
-    kernel's AVX512-BF16 dot products on long chunks; "native" (the native kernel where it runs, else SDPA:
-    prefill_method) otherwise, a float32 pool included (there the two are as fast). BATCHSERVE_PREFILL_ATTENTION forces
-    one; "split" (chunks of at most paths.SHORT_PREFILL_MAX_ROWS rows native, batched, longer ones SDPA) is several
-    times faster for many short prompts (embeddings) but is not the default: its bf16 rounding turns the default
-    model's answer to the README's question at a near-tie (docs/cpu-kernels.md)."""
+def preferred_prefill_method(pool_dtype: torch.dtype, chosen: str = "auto") -> str:
+    """How prefill chunks attend on the CPU, chosen once per pool dtype and engine option, and logged. `chosen` is
+    the engine's prefill_attention option. With "auto": "split" (chunks of at most paths.SHORT_PREFILL_MAX_ROWS rows the native kernel, batched, longer ones SDPA,
+    one call per sequence) for a bfloat16 pool on a CPU with AMX, whose tiles put SDPA well ahead of the native kernel
+    on long chunks while one call per short prompt and layer costs more than they save; "native" (the native kernel
+    where it runs, else SDPA: prefill_method) otherwise, a float32 pool included (there the two are as fast).
+    BATCHSERVE_PREFILL_ATTENTION forces one over `chosen` (docs/cpu-kernels.md)."""
     forced = env.prefill_attention()
     if forced is not None and forced not in PREFILL_METHODS:
         raise ValueError(f"BATCHSERVE_PREFILL_ATTENTION={forced!r}: not one of auto, {', '.join(PREFILL_METHODS)}")
+    if chosen != "auto" and chosen not in PREFILL_METHODS:
+        raise ValueError(f"prefill_attention={chosen!r}: not one of auto, {', '.join(PREFILL_METHODS)}")
     amx = pool_dtype == torch.bfloat16 and "amx_bf16" in kernels.cpu_flags().split()
-    path = forced or ("sdpa" if amx else "native")
+    path = forced or (chosen if chosen != "auto" else None) or ("split" if amx else "native")
     where = {
         "native": " where it takes the chunk, else sdpa",
         "split": f" (chunks of <= {paths.SHORT_PREFILL_MAX_ROWS} rows native, batched, where it takes them; longer sdpa)",
     }.get(path, "")
-    logger.info("prefill attention on a %s pool: %s%s%s", pool_dtype, path, where, " (forced)" if forced else "")
+    why = " (forced)" if forced else f" (prefill_attention {chosen})" if chosen != "auto" else ""
+    logger.info("prefill attention on a %s pool: %s%s%s", pool_dtype, path, where, why)
     return path
 
 

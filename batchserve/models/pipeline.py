@@ -72,6 +72,7 @@ def _micro_batch(meta: AttentionMetadata, start: int, stop: int, total: int, las
         decode=group,
         prefill=prefill,
         long_context=None if meta.long_context is None else meta.long_context[start:end],
+        prefill_attention=meta.prefill_attention,
     )
     return MicroBatch(slice(start, end), metadata)
 

@@ -169,6 +169,7 @@ class ModelRunner:
         stage_drafts(self.requests, drafts)  # query tokens of this step, not known tokens: unstaged once built
         batch = self.requests.build(scheduler_output, self.device)
         unstage_drafts(self.requests, drafts)
+        batch.attn_metadata.prefill_attention = str(self.engine_config.prefill_attention)  # the engine option
         if self.lora is not None:
             batch.attn_metadata.lora = self.lora.step(batch.req_ids, batch.query_lens)
         # the grammar masks of the rows _sample takes (drafted rows are verified instead), filled during the forward

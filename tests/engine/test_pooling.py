@@ -11,6 +11,8 @@ import transformers
 
 from batchserve.engine.llm_engine import LLMEngine
 from batchserve.entrypoints.llm import LLM
+from batchserve.layers import attention, kernels
+from batchserve.layers.kernels import paths
 from batchserve.pooling_params import PoolingTask
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.pooling import pooling_sampling_params
@@ -94,6 +96,32 @@ def test_embeddings_batched_with_generation_traffic(tmp_path):
         assert tokens[request_id] == hf_greedy(hf_model, prompt, 12)
     got = torch.stack([pooled[r] for r in pool_ids])
     torch.testing.assert_close(got, reference_embeddings(folder, TEXTS), atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["native", "sdpa", "split"])
+def test_embeddings_equal_sentence_transformers_on_every_prefill_attention(tmp_path, monkeypatch, method):
+    """The prefill_attention option reaches every step of the engine it is given (a head size the native prefill
+    kernel takes; split's threshold moved to 8 rows, so that 16-token chunks take SDPA and the short tails the native
+    kernel), and the float32 embeddings equal sentence-transformers' on each; an engine left on auto keeps the
+    CPU's choice (native for a float32 pool)."""
+    if kernels.load() is None or not kernels.load().prefill_attention_available(32):
+        pytest.skip("no native prefill kernel here: every method attends by SDPA")
+    monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
+    monkeypatch.setattr(paths, "SHORT_PREFILL_MAX_ROWS", 8)
+    seen = []
+    take_rows = attention.native_prefill_rows
+    monkeypatch.setattr(attention, "native_prefill_rows", lambda method: seen.append(method) or take_rows(method))
+    attention.preferred_prefill_method.cache_clear()
+    folder = embedding_folder(tmp_path / "native", head_dim=32)
+    llm = LLM(str(folder), dtype="float32", max_num_tokens=16, max_batch_size=4, prefill_attention=method)
+    got = torch.tensor([out.embedding for out in llm.embed(TEXTS)])
+    torch.testing.assert_close(got, reference_embeddings(folder, TEXTS), atol=TOLERANCE, rtol=0)
+    assert set(seen) == {method}
+    seen.clear()
+    llm.engine.config.prefill_attention = "auto"  # read at each step
+    llm.embed(TEXTS[:2])
+    assert set(seen) == {"native"}
+    attention.preferred_prefill_method.cache_clear()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

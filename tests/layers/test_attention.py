@@ -366,19 +366,24 @@ def test_sdpa_chunk_after_context_equals_the_bool_mask(dtype, caller, force_pref
 
 
 def test_prefill_path_choice(monkeypatch, force_prefill):
-    # For bfloat16 pools where the CPU has AMX, SDPA (on its tiles; "split", tests/layers/test_prefill_split.py, is
-    # asked for); the native kernel elsewhere and for float32 pools; the variable forces
-    # any of them, and an unknown name is an error.
+    # For bfloat16 pools where the CPU has AMX, split by chunk length (long chunks SDPA on its tiles, short ones the
+    # native kernel: tests/layers/test_prefill_split.py); the native kernel elsewhere and for float32 pools; the
+    # engine's prefill_attention option picks another, the variable forces any of them over it, and an unknown name
+    # is an error.
     monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
-    for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "sdpa"), ("avx512f avx512_bf16", "native")):
+    for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "split"), ("avx512f avx512_bf16", "native")):
         monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: f"flags : fpu {flags}")
         preferred_prefill_method.cache_clear()
         assert (
             preferred_prefill_method(torch.bfloat16) == bf16_path
             and preferred_prefill_method(torch.float32) == "native"
         )
+        assert preferred_prefill_method(torch.bfloat16, "sdpa") == "sdpa"
+    with pytest.raises(ValueError, match="prefill_attention='fastest'"):
+        preferred_prefill_method(torch.float32, "fastest")
     force_prefill("sdpa")
     assert preferred_prefill_method(torch.float32) == "sdpa"
+    assert preferred_prefill_method(torch.bfloat16, "split") == "sdpa"  # the variable over the option
     force_prefill("fastest")
     with pytest.raises(ValueError, match="BATCHSERVE_PREFILL_ATTENTION"):
         preferred_prefill_method(torch.bfloat16)
@@ -393,7 +398,7 @@ def test_paths_float32_pool(path, force_path):
     torch.testing.assert_close(out, expected, **F32_TOLERANCE)
 
 
-def test_bf16_dot_path_leaves_float32_pools_as_they_were(force_path):
+def test_bf16_dot_path_leaves_float32_pools_and_prefill_as_they_were(force_path):
     # Float32 models keep their exact results (greedy parity): on a float32 pool the avx512_bf16 path runs the very
     # code of the avx512 path, bit for bit, in decode and prefill.
     seqs = [(0, 29), (5, 1), (31, 40), (200, 1)]
@@ -402,12 +407,13 @@ def test_bf16_dot_path_leaves_float32_pools_as_they_were(force_path):
     force_path("avx512_bf16")
     after, _, _ = run_batch(seqs, 16, heads=(9, 3, 64))
     assert torch.equal(before, after)
-    # while on a bfloat16 pool the forced path is the one that runs (decode and prefill)
+    # while on a bfloat16 pool the forced path is the one that decodes; both prefill by the one widening kernel (float32
+    # scores and weights: docs/cpu-kernels.md), bit for bit
     bf16_dot, _, _ = run_batch(seqs, 16, heads=(9, 3, 64), dtype=torch.bfloat16)
     force_path("avx512")
     widened, _, _ = run_batch(seqs, 16, heads=(9, 3, 64), dtype=torch.bfloat16)
-    for rows in (slice(0, 2), slice(2, None)):  # the batch packs its decodes first
-        assert not torch.equal(bf16_dot[rows], widened[rows])
+    assert not torch.equal(bf16_dot[:2], widened[:2])  # the batch packs its decodes first
+    assert torch.equal(bf16_dot[2:], widened[2:])
 
 
 def test_bf16_dot_path_matches_the_widening_path(force_path, native_kernels):

@@ -1,5 +1,4 @@
-// The AVX-512 attention kernels' shared pieces (decode_avx512.cpp, prefill_avx512.cpp, and the prefill work split of
-// prefill_avx512_bf16.cpp): 16-token score tiles reduced by transpose-adds (one horizontal sum per 16 tokens instead
+// The AVX-512 attention kernels' shared pieces (decode_avx512.cpp, prefill_avx512.cpp): 16-token score tiles reduced by transpose-adds (one horizontal sum per 16 tokens instead
 // of one per token), an online softmax a tile at a time, P.V with independent FMA chains. K/V are float32, or
 // bfloat16 widened to float32 as they are loaded. Compiled only where the build has AVX-512.
 #pragma once

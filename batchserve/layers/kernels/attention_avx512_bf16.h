@@ -1,5 +1,5 @@
-// The "avx512_bf16" attention path's shared pieces (decode_avx512_bf16.cpp, prefill_avx512_bf16.cpp): bfloat16 K/V
-// read as they are, by AVX512-BF16 (vdpbf16ps).
+// The "avx512_bf16" attention path's decode pieces (decode_avx512_bf16.cpp; its prefill is prefill_avx512.cpp's, K/V
+// widened to float32): bfloat16 K/V read as they are, by AVX512-BF16 (vdpbf16ps).
 // Q.K: the query, rounded to bf16 once per sequence (a bf16 model's query already is), dotted with each K row by
 // vdpbf16ps (pairs of products summed in float32), 16 tokens reduced as in sum16; the scale is applied to the float32
 // scores. P.V: the softmax weights, rounded to bf16, paired token by token (p[t], p[t+1]) against V rows t and t+1
@@ -7,7 +7,7 @@
 // the accumulators' lanes in a fixed permuted order of d, undone once at the output. The softmax denominator sums the
 // rounded weights, so the weights applied to V sum to 1.
 // Decode runs in three passes per sequence instead of an online softmax (see decode_items_bf16), and asks for the
-// scattered blocks ahead of use (RowPrefetcher); prefill keeps the online softmax of prefill_tile.
+// scattered blocks ahead of use (RowPrefetcher).
 // On the Xeon this was written on, vdpbf16ps retires at half the multiply-adds per cycle of float32 FMA, so the
 // arithmetic alone is no faster than widening: the gain comes from the passes and the prefetching. Only for CPUs with avx512_bf16 (checked before a call: bf16_dot_supported()); compiled per function
 // for that target, so the library still builds and runs on CPUs without it.

@@ -43,4 +43,3 @@ bool decode_attention_avx512(const PagedArgs<T>& a);                       // de
 bool decode_attention_avx512_bf16(const PagedArgs<c10::BFloat16>& a);      // decode_avx512_bf16.cpp
 template <typename T>
 bool prefill_attention_avx512(const PagedArgs<T>& a);                      // prefill_avx512.cpp
-bool prefill_attention_avx512_bf16(const PagedArgs<c10::BFloat16>& a);     // prefill_avx512_bf16.cpp

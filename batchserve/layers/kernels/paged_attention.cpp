@@ -1,7 +1,7 @@
 // The paged attention entry points: the shapes checked (a bad call raises, never reads or writes outside its
 // tensors), then the call handed to the kernel of its instruction-set path (kernels.h AttentionPath):
 //   decode:  decode_avx512_bf16.cpp, decode_avx512.cpp, decode_avx2.cpp, decode_portable.cpp
-//   prefill: prefill_avx512_bf16.cpp, prefill_avx512.cpp (the other paths have no prefill kernel: the torch code runs)
+//   prefill: prefill_avx512.cpp on both AVX-512 paths (the other paths have no prefill kernel: the torch code runs)
 #include "aten_pch.h"  // first: the precompiled torch headers (build.py)
 
 #include "isa.h"
@@ -178,11 +178,11 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::T
     prefill_attention_avx512<float>(paged_args<float>(query, key_cache, value_cache, tables, lens, start, scale, out));
     return out;
   }
-  const auto args = paged_args<c10::BFloat16>(query, key_cache, value_cache, tables, lens, start, scale, out);
-#ifdef BATCHSERVE_BF16_DOT
-  if (path == AttentionPath::kAvx512Bf16) return prefill_attention_avx512_bf16(args), out;
-#endif
-  prefill_attention_avx512<c10::BFloat16>(args);
+  // A bfloat16 pool's K/V widened to float32 on both paths, the scores and softmax weights kept in float32: as fast as
+  // the vdpbf16ps kernel on bf16 weights that it replaced, and no weight rounded to bf16 before P.V (docs/cpu-kernels.md,
+  // prefill attention by chunk length).
+  prefill_attention_avx512<c10::BFloat16>(
+      paged_args<c10::BFloat16>(query, key_cache, value_cache, tables, lens, start, scale, out));
 #endif
   return out;
 }

@@ -1,4 +1,5 @@
-// Paged prefill attention on the "avx512" path (and a float32 pool's on "avx512_bf16"): causal by absolute position,
+// Paged prefill attention on both AVX-512 paths ("avx512", "avx512_bf16"; a bfloat16 pool's K/V widened to float32 as
+// they are loaded, the scores and softmax weights float32): causal by absolute position,
 // tiles of up to 16 query rows of one sequence and one head, every key read in place from the pool.
 #include "isa.h"
 #include "attention_avx512.h"
