@@ -26,6 +26,7 @@ from batchserve.core.outputs import (
     SchedulerStats,
 )
 from batchserve.engine.detokenizer import IncrementalDetokenizer
+from batchserve.engine.errors import QueueFullError
 from batchserve.engine.inputs import EngineLimits, Prompt, RequestBuilder
 from batchserve.engine.lora_registry import LoRARegistry, UnknownAdapterError
 from batchserve.engine.outputs import CompletionDelta, RequestMetrics
@@ -37,10 +38,6 @@ from batchserve.request import EngineRequest, FinishReason, LoRARequest, Request
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The bounded waiting queue (max_waiting_requests) is full: retry later."""
 
 
 class Runner(Protocol):
