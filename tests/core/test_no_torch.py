@@ -20,3 +20,14 @@ def test_classifying_engine_errors_imports_no_engine():
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_api_server_process_imports_no_torch():
+    """The API server process (its engine core runs elsewhere) and the Ray ingress serve HTTP and gRPC, tokenize and
+    check requests: torch and xgrammar (seconds of CPU at every server start) stay in the engine's processes."""
+    code = (
+        "import sys; import batchserve.entrypoints.openai.launch, batchserve.distributed.ingress; "
+        "heavy = [m for m in ('torch', 'xgrammar', 'batchserve.models.loader') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
