@@ -26,7 +26,8 @@ from batchserve.models.gguf_weights import EXPERT, iter_gguf_tensors, write_gguf
 from batchserve.models.hf_config import read_hf_config
 from batchserve.models.registry import ModelLoadError
 
-__all__ = ["DEFAULT_MODEL_FILE", "DEFAULT_MODEL_PACKAGE", "ModelLoadError", "gguf_reader", "hf_config_json"]  # re-exported: their callers import them from here
+# re-exported: their callers import them from here
+__all__ = ["DEFAULT_MODEL_FILE", "DEFAULT_MODEL_PACKAGE", "ModelLoadError", "gguf_reader", "hf_config_json"]
 
 logger = logging.getLogger(__name__)
 
