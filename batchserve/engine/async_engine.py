@@ -29,8 +29,9 @@ from transformers import PreTrainedTokenizerBase
 
 from batchserve.config import EngineConfig
 from batchserve.core.outputs import SchedulerStats
+from batchserve.engine.errors import EngineDeadError, QueueFullError
 from batchserve.engine.inputs import EngineLimits, Prompt
-from batchserve.engine.llm_engine import LLMEngine, QueueFullError
+from batchserve.engine.llm_engine import LLMEngine
 from batchserve.engine.outputs import CompletionDelta
 from batchserve.host.process import adopt_torch_threads, release_openmp_workers
 from batchserve.request import EngineRequest, LoRARequest
@@ -41,10 +42,6 @@ logger = logging.getLogger(__name__)
 IDLE_STEP_PAUSE_S = 0.005
 
 StepListener = Callable[[LLMEngine, list[CompletionDelta]], None]  # called on the loop thread after each step
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (crashed or shut down); no request can be served."""
 
 
 class RequestStream:

@@ -43,7 +43,7 @@ def choose(config: EngineConfig, path: Path, model_config: ModelConfig, device: 
     """quantization auto's answer for this model file, device and resolved dtype ("bfloat16", "float32", ...)."""
     from batchserve.layers.kernels.paths import gguf_as_stored_rule
     from batchserve.models.gguf_quantized import first_matrix_not_as_stored
-    from batchserve.models.loader import is_gguf
+    from batchserve.models.loader import gguf_tensor_types, is_gguf
 
     if not is_gguf(path):
         return AutoChoice("none", "not a GGUF file: no stored codes")
@@ -55,7 +55,7 @@ def choose(config: EngineConfig, path: Path, model_config: ModelConfig, device: 
         return AutoChoice("none", "enable_lora: adapters run over the dequantized projections")
     if model_config.num_experts > 0:
         return AutoChoice("none", "a mixture-of-experts model: its experts do not run as stored")
-    unstored = first_matrix_not_as_stored(path)
+    unstored = first_matrix_not_as_stored(gguf_tensor_types(path))
     if unstored is not None:
         return AutoChoice("none", f"tensor {unstored}: a type the as-stored kernels do not take")
     flags, built = host()

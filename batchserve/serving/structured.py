@@ -20,7 +20,7 @@ from batchserve.serving.grammar_pool import (
     tokenizer_info_json,
     too_large,
 )
-from batchserve.worker.structured_output import check_json_depth, check_schema_keywords, parse_schema_text
+from batchserve.worker.json_schema_checks import check_json_depth, check_schema_keywords, parse_schema_text
 
 MAX_CHOICES = 1024
 # vLLM's structured_outputs fields this server acts on; the others (backend knobs) are answered 400 by name.

@@ -1,18 +1,19 @@
-"""End to end on Ray Serve: a local Ray instance started here, 2 engine replicas of SmolLM2-135M-Instruct (1 thread
-each) behind the OpenAI ingress and the prefix-aware router; Ray's HTTP proxy on a free port, and the ingress's own
-HTTP server on another. Ray runs with the environment `batchserve serve --replicas` gives the Ray instance it
-starts (conftest.py). First, before this module's Ray instance exists, `batchserve serve --replicas N` as a user
-runs it (it would join an instance already running here): a local Ray instance of its own, the ingress serving HTTP
-on --port itself (Ray Serve's proxy off), and a clean exit on SIGINT. One file, so that the test runner's workers
-never run the two side by side.
+"""End to end on Ray: one local two-node cluster made with Ray's own test utility (the head, where this process is the
+driver, with one CPU; the other node with two), shared by the tensor-parallel ranks and then the Ray Serve app. Ray
+runs with the environment `batchserve serve --replicas` gives the Ray instance it starts (conftest.py). First, before
+the cluster exists, `batchserve serve --replicas N` as a user runs it (it would join an instance already running
+here): a local Ray instance of its own, the ingress serving HTTP on --port itself (Ray Serve's proxy off), and a clean
+exit on SIGINT. One file, so that the test runner's workers never run two Ray instances side by side.
 
-Between the two, tensor-parallel ranks placed by Ray (distributed_executor_backend ray, worker/ray_ranks.py) on a
-local two-node cluster made with Ray's own test utility (the head, where this process is the driver, with one CPU; the
-other node with two): greedy float32 tokens at TP=2 equal one rank's and transformers', with rank 1 on the other node;
-a cluster without the CPUs is refused at start naming the CPUs needed and available, and a group the cluster cannot
-place is refused after the wait, nothing left pending; a rank killed mid-run ends the engine with an error naming it
-within seconds. Every Ray instance of the suite starts in this one file: a second one on this host at the same time
-would be found by the others' `ray.init()` and joined."""
+Tensor-parallel ranks placed by Ray (distributed_executor_backend ray, worker/ray_ranks.py): greedy float32 tokens at
+TP=2 equal one rank's and transformers', with rank 1 on the other node; a cluster without the CPUs is refused at start
+naming the CPUs needed and available, and a group the cluster cannot place is refused after the wait, nothing left
+pending; a rank killed mid-run ends the engine with an error naming it within seconds.
+
+Then, on the same cluster once the ranks have given every CPU back: 2 engine replicas of SmolLM2-135M-Instruct (1
+thread each) behind the OpenAI ingress and the prefix-aware router; Ray's HTTP proxy (on the head node) on a free
+port, and the ingress's own HTTP server on another. Every Ray instance of the suite starts in this one file: a second
+one on this host at the same time would be found by the others' `ray.init()` and joined."""
 
 from __future__ import annotations
 
@@ -88,14 +89,22 @@ RANK_GREEDY = SamplingParams(temperature=0.0, max_tokens=RANK_MAX_TOKENS, ignore
 CPUS = 3.0  # the cluster's: 1 on the head, 2 on the other node
 
 
-@pytest.fixture(scope="class")
+@pytest.fixture(scope="module")
 def cluster():
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes.add_node(num_cpus=2)
-    ray.init(address=nodes.address)
+    """The module's one Ray instance (starting one costs ~10 s of a 2-core host): the ranks' tests, then the app's."""
+    from batchserve.layers import kernels
+
+    kernels.load()  # built (and cached on disk) here once, before rank workers or replicas start and look for them
+    store = 200 * 1024**2
+    nodes = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "object_store_memory": store},
+    )
+    nodes.add_node(num_cpus=2, object_store_memory=store)
+    ray.init(address=nodes.address, log_to_driver=False)
     try:
         yield nodes
-    finally:
+    finally:  # the app's actors go down with the nodes: no serve.shutdown() round of graceful stops first
         ray.shutdown()
         nodes.shutdown()
 
@@ -118,7 +127,7 @@ def _pending_groups() -> list:
 
 
 class TestRanksPlacedByRay:
-    """Before the Ray app below starts its own instance: this class's cluster is gone by then (class scope)."""
+    """Before the Ray app below starts on the same cluster: each test finds all of its CPUs free."""
 
     def test_ranks_on_two_nodes_give_one_rank_and_transformers_tokens(self, cluster, model):
         hf, directory = model
@@ -213,34 +222,26 @@ def _quiet_ports(count: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def ray_app():
+def ray_app(cluster):
     from ray import serve
 
     from batchserve.distributed.app import build_application
     from batchserve.distributed.options import RayAppOptions
-    from batchserve.layers import kernels
 
-    kernels.load()  # built (and cached on disk) here once, before the replicas start and look for them
     port, grpc_port, http_port = _quiet_ports(3)
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2
+    # one proxy, on the head: the two nodes share this host's loopback address and port
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    options = RayAppOptions(
+        engine=ENGINE, replicas=2, health_check_period_s=1.0, grpc_port=grpc_port, http_port=http_port
     )
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        options = RayAppOptions(
-            engine=ENGINE, replicas=2, health_check_period_s=1.0, grpc_port=grpc_port, http_port=http_port
-        )
-        started = threading.Thread(
-            target=serve.run, args=(build_application(options),), kwargs={"name": "batchserve", "route_prefix": "/"},
-            daemon=True,
-        )  # fmt: skip
-        started.start()
-        started.join(START_TIMEOUT_S)
-        assert not started.is_alive(), f"the Ray app did not start within {START_TIMEOUT_S:.0f} s"
-        yield f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    started = threading.Thread(
+        target=serve.run, args=(build_application(options),), kwargs={"name": "batchserve", "route_prefix": "/"},
+        daemon=True,
+    )  # fmt: skip
+    started.start()
+    started.join(START_TIMEOUT_S)
+    assert not started.is_alive(), f"the Ray app did not start within {START_TIMEOUT_S:.0f} s"
+    return f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ saying which in one start-up line; explicit values run as asked, without the lin
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -154,6 +155,27 @@ def test_auto_dequantizes_where_the_rule_does_not_win_and_in_float32(tiny_q4_1, 
         "docs/quantization.md#quantization-auto)"
     ]
     assert tokens32 == _run(tiny_q4_1, "float32", quantization="none")[1]
+
+
+def test_a_converted_file_starts_again_without_parsing_its_header(tiny_q4_1):
+    """The converted folder keeps the file's tensor types, so auto decides a later start from them: parsing a real
+    header again (its token list) was seconds of every start-up, in every server, engine core and replica."""
+    import gguf
+
+    from batchserve.models import gguf_config
+    from batchserve.models.loader import TENSOR_TYPES_FILE, gguf_cache_dir, gguf_tensor_types
+
+    want = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tiny_q4_1).tensors}
+    assert "Q4_1" in want.values()
+    _, tokens = _run(tiny_q4_1, "float32")  # converts the file
+    record = gguf_cache_dir(tiny_q4_1) / TENSOR_TYPES_FILE
+    assert json.loads(record.read_text()) == want and list(json.loads(record.read_text())) == list(want)
+    gguf_config._gguf_reader.cache_clear()
+    again, tokens_again = _run(tiny_q4_1, "float32")
+    assert gguf_config._gguf_reader.cache_info().misses == 0  # no header parsed
+    assert again.engine.config.quantization == "none" and tokens_again == tokens
+    record.unlink()  # a folder converted before the types were kept: they are added the first time they are asked
+    assert gguf_tensor_types(tiny_q4_1) == want and json.loads(record.read_text()) == want
 
 
 def test_a_hugging_face_folder_and_explicit_values(tmp_path, caplog):

@@ -112,55 +112,57 @@ def test_split_ranks_give_one_rank_and_transformers_tokens(models, single_rank, 
     assert not any(worker.is_alive() for worker in runner.workers)
 
 
-def test_over_http(models):
-    hf, directory = models("llama_head64")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+@pytest.fixture(scope="module")
+def tp_server(models):
+    """A TP=2 engine behind the HTTP server, shared by the two tests below (the second kills a rank: last)."""
+    _, directory = models("llama_head64")
     engine = LLMEngine(EngineConfig.from_options(model=str(directory), tensor_parallel_size=2, num_kv_blocks=64,
                                                  **OPTIONS))  # fmt: skip
     server = start_server(engine)
     try:
-        for prompt in PROMPTS:
-            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-            reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
-            assert reply.status_code == 200, reply.text
-            assert reply.json()["choices"][0]["text"] == tokenizer.decode(hf_greedy(hf, prompt, MAX_TOKENS))
+        yield engine, server
     finally:
         server.stop()
         engine.close()
 
 
-def test_a_killed_rank_ends_every_request_with_an_error_naming_it(models):
-    _, directory = models("llama_head64")
-    engine = LLMEngine(EngineConfig.from_options(model=str(directory), tensor_parallel_size=2, num_kv_blocks=64,
-                                                 **OPTIONS))  # fmt: skip
-    server = start_server(engine)
+def test_over_http(models, tp_server):
+    hf, directory = models("llama_head64")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    _, server = tp_server
+    for prompt in PROMPTS:
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == tokenizer.decode(hf_greedy(hf, prompt, MAX_TOKENS))
+
+
+def test_a_killed_rank_ends_every_request_with_an_error_naming_it(tp_server):
+    engine, server = tp_server
     replies: list[httpx.Response] = []
     body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
     def ask() -> None:
         replies.append(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
 
-    try:
-        askers = [threading.Thread(target=ask) for _ in range(2)]
-        for asker in askers:
-            asker.start()
-        deadline = time.monotonic() + 30
-        while engine.num_steps < 3:  # both requests running
-            assert time.monotonic() < deadline, "the requests did not start"
-            time.sleep(0.01)
-        pid = engine.runner.workers[0].pid
-        os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        for asker in askers:
-            asker.join(30)
-        assert time.monotonic() - killed < 10, "the requests did not end within seconds"
-        assert len(replies) == 2 and all(reply.status_code >= 500 for reply in replies), [r.text for r in replies]
-        assert all(f"rank 1 (pid {pid}) died (exit code -9)" in reply.text for reply in replies), replies[0].text
-        after = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
-        assert after.status_code >= 500  # the engine is down, and says so
-    finally:
-        server.stop()
-        engine.close()
+    askers = [threading.Thread(target=ask) for _ in range(2)]
+    steps = engine.num_steps  # the HTTP test's steps before these
+    for asker in askers:
+        asker.start()
+    deadline = time.monotonic() + 30
+    while engine.num_steps < steps + 3:  # both requests running
+        assert time.monotonic() < deadline, "the requests did not start"
+        time.sleep(0.01)
+    pid = engine.runner.workers[0].pid
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    for asker in askers:
+        asker.join(30)
+    assert time.monotonic() - killed < 10, "the requests did not end within seconds"
+    assert len(replies) == 2 and all(reply.status_code >= 500 for reply in replies), [r.text for r in replies]
+    assert all(f"rank 1 (pid {pid}) died (exit code -9)" in reply.text for reply in replies), replies[0].text
+    after = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
+    assert after.status_code >= 500  # the engine is down, and says so
 
 
 def test_a_killed_rank_fails_the_offline_step(models, monkeypatch):
