@@ -23,22 +23,23 @@ and in the step output's broadcast (the wait for the last stage included). --voc
 the layers, not the output matrix (all on the last stage), weigh in a step. --rounds N runs the configurations N
 times, alternating, and reports each one's best round (a loaded host slows some rounds).
 
---rank-memory-cap-gib G caps each process (rank 0 and the ranks it starts, which inherit the limit) at G GiB of
-private memory (RLIMIT_DATA: the weights, the KV pool, every allocation; not the checkpoint's read-only file mapping,
-which the page cache holds). A configuration that cannot load under the cap is reported with its error. The engine
-runs with max_num_tokens = batch x prompt length, under bf16 AMX's row limit, so each projection is laid out once
-(LinearPolicy.max_rows).
+--rank-memory-cap-gib G runs each configuration's processes in a memory cgroup of G GiB a rank (Linux cgroup v1 or
+v2, writable by this user: as a container's memory limit, it counts resident memory, page cache included, which it
+reclaims before it kills), and reports each rank's peak RSS. A configuration that cannot run under the cap is reported
+with how it ended. The engine runs with max_num_tokens = batch x prompt length, under bf16 AMX's row limit, so each
+projection is laid out once (LinearPolicy.max_rows).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
 import os
-import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,17 +68,12 @@ def _peak_rss_gib(pid: int | str = "self") -> float:
     return 0.0
 
 
-def measure(
-    folder: Path, config: tuple, batch: int, prompt_len: int, output_len: int, dtype: str, cap_gib: float | None
-) -> dict:
+def measure(folder: Path, config: tuple, batch: int, prompt_len: int, output_len: int, dtype: str) -> dict:
     """In this fresh process: the engine at tensor_parallel_size `tp`, `threads` threads a rank, `pp` pipeline stages
     of `micro` micro-batches; one prefill step of every request, then the decode steps timed."""
     from batchserve import LLM, SamplingParams
 
     tp, threads, _, pp, micro = config
-    if cap_gib:
-        limit = int(cap_gib * 1024**3)
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))  # inherited by the ranks this process starts
     blocks = batch * (-(-(prompt_len + output_len) // 16) + 1)
     start = time.perf_counter()
     llm = LLM(model=str(folder), dtype=dtype, num_threads=threads, tensor_parallel_size=tp, max_batch_size=batch,
@@ -170,7 +166,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         result = measure(args.dir, tuple(json.loads(args.child)), args.batch, args.prompt_len, args.output_len,
-                         args.dtype, args.rank_memory_cap_gib)  # fmt: skip
+                         args.dtype)  # fmt: skip
         print("RESULT " + json.dumps(result), flush=True)
         return
     shapes = dataclasses.replace(PRESETS[args.preset], num_layers=args.layers or PRESETS[args.preset].num_layers)
@@ -204,18 +200,56 @@ def _configs(args) -> dict[str, tuple]:
     return {name: config for name, config in every.items() if not args.configs or name in args.configs}
 
 
+def memory_cgroup(name: str, limit_bytes: int) -> Path:
+    """A new memory cgroup of `limit_bytes` (v2's memory.max, else v1's memory.limit_in_bytes); a process joins it by
+    writing its pid to its cgroup.procs. Refused where this user cannot make one."""
+    v2 = Path("/sys/fs/cgroup")
+    base, limit_file = (v2, "memory.max") if (v2 / "cgroup.controllers").is_file() else (v2 / "memory", None)
+    limit_file = limit_file or "memory.limit_in_bytes"
+    group = base / name
+    try:
+        group.mkdir()
+        (group / limit_file).write_text(str(limit_bytes))
+    except OSError as error:
+        raise SystemExit(
+            f"--rank-memory-cap-gib needs a memory cgroup this user can make under {base}: {error}"
+        ) from None
+    return group
+
+
+def _remove_cgroup(group: Path) -> None:
+    """The cgroup removed once its processes (ranks the child left behind) are gone: killed after 10 s."""
+    deadline = time.monotonic() + 10
+    while pids := (group / "cgroup.procs").read_text().split():
+        if time.monotonic() > deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        time.sleep(0.2)
+    group.rmdir()
+
+
 def _run_child(args, folder: Path, config: tuple) -> dict:
     command = [sys.executable, __file__, "--child", json.dumps(config), "--dir", str(folder), "--batch",
                str(args.batch), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
                "--dtype", args.dtype]  # fmt: skip
-    if args.rank_memory_cap_gib:
-        command += ["--rank-memory-cap-gib", str(args.rank_memory_cap_gib)]
     env = {**os.environ, "TQDM_DISABLE": "1", "BATCHSERVE_SHARED_ALLREDUCE": "1" if config[2] else "0"}
-    out = subprocess.run(command, capture_output=True, text=True, env=env)
+    group = None
+    if args.rank_memory_cap_gib:
+        group = memory_cgroup(
+            f"tp-bench-{os.getpid()}", int(args.rank_memory_cap_gib * 1024**3) * config[0] * config[3]
+        )
+    try:
+        join = None if group is None else lambda: (group / "cgroup.procs").write_text(str(os.getpid()))
+        out = subprocess.run(command, capture_output=True, text=True, env=env, preexec_fn=join)
+    finally:
+        if group is not None:
+            _remove_cgroup(group)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
-        if args.rank_memory_cap_gib:  # not loading under the cap is a result here
-            return {"error": f"exit {out.returncode}: " + (out.stderr.strip().splitlines() or [""])[-1][-300:]}
+        if args.rank_memory_cap_gib:  # not running under the cap is a result here
+            how = "killed" if out.returncode < 0 else "error"
+            return {"error": f"{how} (exit {out.returncode}): " + (out.stderr.strip().splitlines() or [""])[-1][-300:]}
         raise SystemExit(f"{config}: exit {out.returncode}\n{out.stderr[-3000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
