@@ -2,9 +2,11 @@
 
 16 streams decode with an adapter; their mean step time is measured first alone, then while a second adapter is read
 from its folder (off the engine loop, as the server's load endpoint does: a thread), registered, and its first request
-(a short prompt) joins, which fills the adapter's device slot. Printed: both mean step times and their ratio.
+(a short prompt) joins, which fills the adapter's device slot. Printed: both mean step times and their ratio, in the
+engine thread's CPU time (the step's own cost, whatever other processes or the reading thread take of the cores) and
+in wall time (which a busy host makes noisy).
 
-    python benchmarks/lora_load.py                   # the default model, 16 streams
+    python benchmarks/lora_load.py --threads 1       # the default model, 16 streams
 """
 
 from __future__ import annotations
@@ -25,31 +27,55 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lora import random_adapter  # noqa: E402  (benchmarks/lora.py, beside this script)
 
 
-def timed_steps(engine, count: int) -> list[float]:
+def timed_step(engine) -> tuple[float, float, list]:
+    """(engine thread's CPU seconds, wall seconds, outputs) of one step."""
+    cpu, wall = time.thread_time(), time.perf_counter()
+    outputs = engine.step()
+    return time.thread_time() - cpu, time.perf_counter() - wall, outputs
+
+
+def timed_steps(engine, count: int, streams: int) -> list[tuple[float, float]]:
     times = []
     for _ in range(count):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+        check_together(engine, streams)
+        times.append(timed_step(engine)[:2])
     return times
 
 
-def steps_while_loading(engine, lora: LoRARequest, prompt: list[int]) -> list[float]:
+def check_together(engine, streams: int) -> None:
+    """Refuse a step that does not hold all the streams: its time would not be theirs."""
+    running = len(engine.scheduler.running)
+    if running < streams:
+        raise RuntimeError(f"{running} of {streams} streams decode together: the step would not be theirs")
+
+
+def steps_while_loading(engine, lora: LoRARequest, prompt: list[int], streams: int) -> list[tuple[float, float]]:
     """Step times from the start of the adapter's read until its first request has its first token."""
     read: dict = {}
     reader = threading.Thread(target=lambda: read.update(adapter=engine.read_lora(lora)))
     times, request_id = [], None
     reader.start()
     while True:
-        start = time.perf_counter()
+        check_together(engine, streams)
+        cpu, wall = time.thread_time(), time.perf_counter()
         if request_id is None and not reader.is_alive():
             engine.add_lora(lora, read["adapter"])
             params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4, lora_name=lora.lora_name)
             request_id = engine.add_prompt(None, {"prompt_token_ids": prompt}, params)
         outputs = engine.step()
-        times.append(time.perf_counter() - start)
+        times.append((time.thread_time() - cpu, time.perf_counter() - wall))
         if request_id is not None and any(o.request_id == request_id for o in outputs):
             return times
+
+
+def report(label: str, times: list[tuple[float, float]], base: tuple[float, float] | None = None) -> tuple:
+    cpu, wall = (statistics.mean(t[i] for t in times) for i in (0, 1))
+    line = f"{label:26} CPU {cpu * 1e3:7.2f} ms   wall {wall * 1e3:7.2f} ms"
+    if base is not None:
+        line += (f"   {cpu / base[0]:.2f}x / {wall / base[1]:.2f}x over {len(times)} steps "
+                 f"(longest CPU {max(t[0] for t in times) * 1e3:.2f} ms)")  # fmt: skip
+    print(line, flush=True)
+    return cpu, wall
 
 
 def main() -> None:
@@ -73,18 +99,21 @@ def main() -> None:
         print(
             f"host: {describe(machine_info(args.threads, engine.config.dtype))}; load average {os.getloadavg()[0]:.1f}"
         )
-        running = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10_000, lora_name="a0")
+        max_tokens = 8 + 3 * args.steps + 64  # past the steps this script takes (the loading ones included)
+        # a pool sized to the requests grows in generate(); driven step by step it must be grown here, or the
+        # streams would take turns in a small pool (preempting each other) instead of decoding together
+        engine.reserve_kv_for([(4, max_tokens)] * args.streams + [(8, 4)])
+        running = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, lora_name="a0")
         for i in range(args.streams):
             engine.add_prompt(None, {"prompt_token_ids": [100 + i, 200, 300, 400]}, running)
-        timed_steps(engine, 8)  # prompts in, warm
-        before = statistics.mean(timed_steps(engine, args.steps))
-        during = steps_while_loading(engine, loras[1], [500, 600, 700, 800, 900, 1000, 1100, 1200])
-        after = statistics.mean(timed_steps(engine, args.steps))
+        for _ in range(8):  # prompts in, warm
+            engine.step()
         print(f"{args.streams} streams, adapter rank {args.rank} on all seven projections")
-        print(f"step time alone            {before * 1e3:8.2f} ms")
-        print(f"while an adapter loads     {statistics.mean(during) * 1e3:8.2f} ms over {len(during)} steps "
-              f"(longest {max(during) * 1e3:.2f} ms)   {statistics.mean(during) / before:.2f}x")  # fmt: skip
-        print(f"after                      {after * 1e3:8.2f} ms; load average {os.getloadavg()[0]:.1f}")
+        before = report("step time alone", timed_steps(engine, args.steps, args.streams))
+        prompt = [500, 600, 700, 800, 900, 1000, 1100, 1200]
+        report("while an adapter loads", steps_while_loading(engine, loras[1], prompt, args.streams), before)
+        report("after", timed_steps(engine, args.steps, args.streams), before)
+        print(f"load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

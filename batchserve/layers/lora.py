@@ -65,22 +65,23 @@ class LoRAStep:
 class LoRASlots:
     """One projection's adapter weights in `num_slots` device slots. slices: (out offset, out size) of each part of
     the fused output (q, k, v; gate, up; or one). For a slot whose adapter has rank r, `a[s, :n * r]` holds the A
-    of each slice, slice by slice (r rows each), and `b[s, :n * r]` each slice's B (transposed) in its own rows and
-    output columns, zeros elsewhere: one shrink and one expand serve every slice at once. present[s]: the slot's
-    adapter targets some slice of this projection."""
+    of each slice, slice by slice (r rows each): one shrink serves every slice. `b[s]` holds each slice's B^T
+    [r, size] packed (kernels/lora_args.h): its columns cut into panels of PANEL, the last padded with zeros, each
+    panel's r rows one after the other, slice after slice; so the native expand of a few columns reads one
+    contiguous run. present[s]: the slot's adapter targets some slice of this projection."""
 
     slices: tuple[tuple[int, int], ...]
     a: torch.Tensor  # [S, n_slices * R, in]
-    b: torch.Tensor  # [S, n_slices * R, out], block-diagonal by slice
+    b: torch.Tensor  # [S, R * sum of the slices' padded sizes], packed
     present: list[bool] = field(default_factory=list)
     present_flags: torch.Tensor | None = None  # present as uint8 [S] on the CPU, for the native kernel
     _native: object = field(default=None, repr=False)
 
     @classmethod
     def allocate(cls, slices, in_features: int, num_slots: int, max_rank: int, dtype, device) -> LoRASlots:
-        rows, out = len(slices) * max_rank, sum(size for _, size in slices)
+        rows, packed = len(slices) * max_rank, sum(padded(size) for _, size in slices)
         a = torch.zeros(num_slots, rows, in_features, dtype=dtype, device=device)
-        b = torch.zeros(num_slots, rows, out, dtype=dtype, device=device)
+        b = torch.zeros(num_slots, max_rank * packed, dtype=dtype, device=device)
         return cls(tuple(slices), a, b, [False] * num_slots, torch.zeros(num_slots, dtype=torch.uint8))
 
     def load(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None], rank: int) -> None:
@@ -88,28 +89,37 @@ class LoRASlots:
         self.load_rows(slot, self.rows_of(parts, rank))
 
     def rows_of(self, parts: list[tuple[torch.Tensor, torch.Tensor] | None], rank: int):
-        """An adapter's parts (as `load` takes them) in a slot's layout: (a [n * r, in], b [n * r, out]) in host
-        memory, or None where it targets no slice. Made when the adapter is read (worker/lora_slots.py: off the
+        """An adapter's parts (as `load` takes them) in a slot's layout: (a [n * r, in], b [r * packed sizes]) in
+        host memory, or None where it targets no slice. Made when the adapter is read (worker/lora_slots.py: off the
         engine loop), so that taking a slot is two copies."""
         if all(part is None for part in parts):
             return None
         n = len(self.slices)
         a = torch.zeros(n * rank, self.a.shape[2], dtype=self.a.dtype)
-        b = torch.zeros(n * rank, self.b.shape[2], dtype=self.b.dtype)
+        b = torch.zeros(rank * sum(padded(size) for _, size in self.slices), dtype=self.b.dtype)
         for i, part in enumerate(parts):
             if part is not None:
-                offset, size = self.slices[i]
                 a[i * rank : (i + 1) * rank].copy_(part[0])
-                b[i * rank : (i + 1) * rank, offset : offset + size].copy_(part[1].t())
+                self._b_panels(b, i, rank).copy_(pack(part[1].t(), PANEL))
         return a, b
+
+    def _b_panels(self, flat: torch.Tensor, i: int, rank: int) -> torch.Tensor:
+        """Slice i's packed B in a slot's values `flat` (rank r): a view [panels, r, PANEL]."""
+        start = rank * sum(padded(size) for _, size in self.slices[:i])
+        width = padded(self.slices[i][1])
+        return flat[start : start + rank * width].view(width // PANEL, rank, PANEL)
+
+    def b_of(self, slot: int, i: int, rank: int) -> torch.Tensor:
+        """Slice i's B^T [r, size] in slot `slot` (rank r), unpacked: a copy."""
+        panels = self._b_panels(self.b[slot], i, rank)
+        return panels.permute(1, 0, 2).reshape(rank, -1)[:, : self.slices[i][1]]
 
     def load_rows(self, slot: int, rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Slot `slot` takes `rows_of`'s result. Rows past the adapter's n * r keep an earlier adapter's values:
         a group of rank r reads only its first n * r."""
         if rows is not None:
-            count = rows[0].shape[0]
-            self.a[slot, :count].copy_(rows[0], non_blocking=True)
-            self.b[slot, :count].copy_(rows[1], non_blocking=True)
+            self.a[slot, : rows[0].shape[0]].copy_(rows[0], non_blocking=True)
+            self.b[slot, : rows[1].shape[0]].copy_(rows[1], non_blocking=True)
         self.present[slot] = rows is not None
         self.present_flags[slot] = int(rows is not None)
 
@@ -138,15 +148,34 @@ class LoRASlots:
         for group in step.groups:
             if not self.present[group.slot]:
                 continue
-            rows = len(self.slices) * group.rank
-            a, b = self.a[group.slot, :rows], self.b[group.slot, :rows]
-            if group.start >= 0:  # the group's tokens are one run: shrink, then expand into y's rows in one call
-                end = group.start + group.rows.shape[0]
-                y[group.start : end].addmm_(x[group.start : end].to(a.dtype) @ a.t(), b, alpha=group.scale)
-            else:
-                delta = (x.index_select(0, group.rows).to(a.dtype) @ a.t()) @ b
-                y.index_add_(0, group.rows, delta.to(y.dtype), alpha=group.scale)
+            r, a = group.rank, self.a[group.slot, : len(self.slices) * group.rank]
+            end = group.start + group.rows.shape[0]
+            contiguous = group.start >= 0  # the group's tokens are one run: y's rows are a slice of it
+            u = (x[group.start : end] if contiguous else x.index_select(0, group.rows)).to(a.dtype) @ a.t()
+            for i, (offset, size) in enumerate(self.slices):
+                b, out = self.b_of(group.slot, i, r), y[:, offset : offset + size]
+                if contiguous:
+                    out[group.start : end].addmm_(u[:, i * r : (i + 1) * r], b, alpha=group.scale)
+                else:
+                    delta = u[:, i * r : (i + 1) * r] @ b
+                    out.index_add_(0, group.rows, delta.to(y.dtype), alpha=group.scale)
         return y
+
+
+PANEL = 16  # the packed B's panel width: kernels/lora_args.h's kLoraPanel (make_lora_weights checks the sizes)
+
+
+def padded(size: int) -> int:
+    """A slice's width in the packed B: whole panels."""
+    return -(-size // PANEL) * PANEL
+
+
+def pack(b_t: torch.Tensor, panel: int) -> torch.Tensor:
+    """B^T [r, size] as [panels, r, panel]: columns cut into panels, the last padded with zeros."""
+    rank, size = b_t.shape
+    wide = torch.zeros(rank, padded(size), dtype=b_t.dtype)
+    wide[:, :size].copy_(b_t)
+    return wide.view(rank, -1, panel).permute(1, 0, 2)
 
 
 def slots_of(linear: nn.Module) -> LoRASlots | None:

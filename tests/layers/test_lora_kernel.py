@@ -1,7 +1,8 @@
 """The native LoRA kernel (kernels/lora_kernels.cpp, through LoRASlots.add_delta) against the torch code it stands in
 for (LoRASlots.torch_delta), on every path this host runs, float32 and bfloat16: fused projections of slices of
 different widths, groups of contiguous and of scattered rows, ranks below the slots' maximum, a slot whose adapter
-does not target the projection, input widths that are no multiple of a vector. And its checks: rows beyond x, a
+does not target the projection, input widths that are no multiple of a vector, slices whose packed B ends in a
+padded panel. The slots' packed B gives back what was loaded, panels padded with zeros. And its checks: rows beyond x, a
 slot beyond the slots, or tensors of another projection are errors naming what is wrong."""
 
 from __future__ import annotations
@@ -67,6 +68,22 @@ def test_the_kernel_adds_the_torch_codes_deltas(force_lora_path, path, dtype, ge
     changed = (native != y).any(dim=1)
     assert changed[[0, 1, 2, 5, 10, 12, 19, 20]].all()  # every adapter that targets a slice moved its rows
     assert not changed[[3, 4, 21, 22]].any()  # base rows, and the adapter that targets nothing here
+
+
+def test_the_packed_b_gives_back_each_slices_weights():
+    """Each slice's B, as loaded, from its panels (layers/lora.py LoRASlots.b_of), for ranks under the maximum; the
+    padding of a slice's last panel is zeros and nothing past an adapter's values is written."""
+    g = torch.Generator().manual_seed(5)
+    slots = LoRASlots.allocate(SLICES, IN, 2, MAX_RANK, torch.float32, torch.device("cpu"))
+    assert slots.b.shape == (2, MAX_RANK * (48 + 32 + 32))  # 40 and 24 wide: 3 and 2 panels of 16
+    slots.b.fill_(7.0)
+    parts = [(torch.randn(4, IN, generator=g), torch.randn(size, 4, generator=g)) for _, size in SLICES]
+    slots.load(1, parts, 4)
+    for i, (_, size) in enumerate(SLICES):
+        torch.testing.assert_close(slots.b_of(1, i, 4), parts[i][1].t(), rtol=0, atol=0)
+    packed = slots.b[1, : 4 * (48 + 32 + 32)].view(-1, 4, 16)  # every panel of the three slices, in order
+    assert (packed[2, :, 8:] == 0).all() and (packed[4, :, 8:] == 0).all() and (packed[6, :, 8:] == 0).all()
+    assert (slots.b[1, 4 * (48 + 32 + 32) :] == 7.0).all() and (slots.b[0] == 7.0).all()
 
 
 def test_every_path_agrees_within_rounding(force_lora_path):

@@ -123,8 +123,8 @@ at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const std::vec
 at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up);
 
 // lora_op.cpp: LoRA deltas on a projection's output (layers/lora.py), the kernel of lora_kernels.cpp.
-// One projection's adapter slots (layers/lora.py LoRASlots): a [S, R, in], b [S, R, out], present [S] uint8, the
-// slices of its fused output. Default-constructed (a undefined): the projection serves no adapters.
+// One projection's adapter slots (layers/lora.py LoRASlots): a [S, R, in], b [S, packed values] (lora_args.h),
+// present [S] uint8, the slices of its fused output. Default-constructed (a undefined): the projection serves no adapters.
 struct LoraWeights {
   at::Tensor a, b, present;
   std::vector<LoraSlice> slices;

@@ -6,9 +6,18 @@
 
 #include "isa.h"
 
-// One part of a fused projection's output (q, k, v; gate, up; or the whole): its first column and width.
+// B's packed layout (layers/lora.py LoRASlots holds the same number): a slice's B of rank r is its columns cut into
+// panels of kLoraPanel (the last padded with zeros), each panel's r rows of kLoraPanel values one after the other,
+// the panels one after the other. An expand of a few columns then reads one contiguous run of r * width values
+// instead of r short pieces a whole output row apart.
+constexpr int64_t kLoraPanel = 16;
+
+inline int64_t lora_padded(int64_t size) { return (size + kLoraPanel - 1) / kLoraPanel * kLoraPanel; }
+
+// One part of a fused projection's output (q, k, v; gate, up; or the whole): its first column and width, and where
+// its packed B starts in a slot, in values per unit of rank (the padded widths of the slices before it).
 struct LoraSlice {
-  int64_t offset, size;
+  int64_t offset, size, packed;
 };
 
 struct LoraArgs {
@@ -19,11 +28,11 @@ struct LoraArgs {
   int64_t x_stride, y_stride;
   bool bf16;
   // the slots (layers/lora.py LoRASlots): a [S, rows_per_slot, in] (slice i's A in rows i*r..(i+1)*r of a slot of
-  // rank r), b [S, rows_per_slot, out] (those rows' B in the slice's own columns); present[s]: the slot's adapter
+  // rank r), b [S, b_per_slot] (each slice's B packed, from r * its `packed`); present[s]: the slot's adapter
   // targets this projection
   const void* a;
   const void* b;
-  int64_t rows_per_slot, in, out;
+  int64_t rows_per_slot, in, b_per_slot;
   const LoraSlice* slices;
   int64_t num_slices;
   const uint8_t* present;

@@ -4,7 +4,7 @@
 // A group's rows go in tiles of up to kTile: each row of A and of B is read once for the tile's rows, so a group of
 // many tokens (an adapter's prefill, or its many decodes) reads its adapter's weights once per tile instead of once
 // per token: what grouping tokens by adapter buys. Per row, the shrink (x . A_j, j over the slice's rank rows) and
-// the expand (u @ B into the slice's own columns: B's zeros outside them are skipped) accumulate in float32, and y
+// the expand (u @ B into the slice's own columns, B packed in panels: lora_args.h) accumulate in float32, and y
 // gets scale * delta added and is rounded to its type once. The sums of a pass are kept in registers, several rows
 // of A (or vectors of B's columns) by the tile's rows, so that no sum waits on its own previous FMA and every weight
 // loaded serves the whole tile; the weights ahead are prefetched, as they come from memory once a step. On the vector
@@ -183,20 +183,27 @@ void shrink(const float* xf, int64_t xf_stride, const T* a, int64_t used, int64_
   for (; j < used; ++j) shrink_block<V, T, N, 1>(xf, xf_stride, a + j * in, a + j * in, in, u + j, u_stride);
 }
 
-// C vectors of columns from c (the last `last` wide) of the tile's N rows: y_t += scale * sum_j u_t[j] * B[j], j over
-// the slice's rows, each column summed in j's order; `ahead`: how far on to prefetch in each row (0: not)
+// C vectors of a slice's columns, from column c of it (the last vector `last` wide), of the tile's N rows:
+// y_t += scale * sum_j u_t[j] * B[j], j over the slice's rank rows, each column summed in j's order. `b`: the slice's
+// packed B (lora_args.h), so each vector's rows are kLoraPanel apart; `next`: the next block's values to prefetch
+// (the block after this one is contiguous with it), or null.
 template <class V, class T, int N, int C>
-void expand_block(const float* u, int64_t u_stride, const T* b, int64_t out, int64_t first, int64_t rank, int64_t c,
-                  int64_t last, int64_t ahead, typename V::Vec scale, T* const* y) {
+void expand_block(const float* u, int64_t u_stride, const T* b, int64_t rank, int64_t c, int64_t last, const T* next,
+                  typename V::Vec scale, T* const* y) {
+  const T* base[C];
+  for (int cc = 0; cc < C; ++cc) {
+    const int64_t col = c + cc * V::kWidth;  // a vector never straddles two panels (kLoraPanel % kWidth == 0)
+    base[cc] = b + col / kLoraPanel * rank * kLoraPanel + col % kLoraPanel;
+  }
   typename V::Vec acc[N][C];
   for (int t = 0; t < N; ++t)
     for (int cc = 0; cc < C; ++cc) acc[t][cc] = V::zero();
-  for (int64_t j = first; j < first + rank; ++j) {
-    const T* row = b + j * out + c;
-    if (ahead > 0) prefetch_lines(row + ahead, C * V::kWidth);
+  for (int64_t j = 0; j < rank; ++j) {
+    if (next != nullptr) prefetch_lines(next + j * C * V::kWidth, C * V::kWidth);
     typename V::Vec w[C];
-    for (int cc = 0; cc + 1 < C; ++cc) w[cc] = V::load(row + cc * V::kWidth);
-    w[C - 1] = last == V::kWidth ? V::load(row + (C - 1) * V::kWidth) : load_n<V>(row + (C - 1) * V::kWidth, last);
+    for (int cc = 0; cc + 1 < C; ++cc) w[cc] = V::load(base[cc] + j * kLoraPanel);
+    w[C - 1] = last == V::kWidth ? V::load(base[C - 1] + j * kLoraPanel)
+                                 : load_n<V>(base[C - 1] + j * kLoraPanel, last);
     for (int t = 0; t < N; ++t) {
       const auto ut = V::set1(u[t * u_stride + j]);
       for (int cc = 0; cc < C; ++cc) acc[t][cc] = V::fmadd(ut, w[cc], acc[t][cc]);
@@ -210,21 +217,26 @@ void expand_block(const float* u, int64_t u_stride, const T* b, int64_t out, int
     }
 }
 
-// y_t[slice i's columns] += scale * u_t[slice i's rows] @ B[those rows, those columns]
+// y_t[slice i's columns] += scale * u_t[slice i's rows] @ B_i
 template <class V, class T, int N>
-void expand(const float* u, int64_t u_stride, const T* b, const LoraArgs& args, int64_t i, int64_t rank, float scale,
-            T* const* y) {
+void expand(const float* u, int64_t u_stride, const T* b_slot, const LoraArgs& args, int64_t i, int64_t rank,
+            float scale, T* const* y) {
   const auto s = V::set1(scale);
   constexpr int C = kColBlock<N>;
   constexpr int64_t kBlockWidth = C * V::kWidth;
-  const int64_t first = i * rank, end = args.slices[i].offset + args.slices[i].size;
-  int64_t c = args.slices[i].offset;
-  for (; c + kBlockWidth <= end; c += kBlockWidth) {
-    const int64_t ahead = c + 2 * kBlockWidth <= end ? kBlockWidth : 0;
-    expand_block<V, T, N, C>(u, u_stride, b, args.out, first, rank, c, V::kWidth, ahead, s, y);
+  const LoraSlice& slice = args.slices[i];
+  const T* b = b_slot + rank * slice.packed;
+  T* ys[N];  // the rows from the slice's first column, as the packed columns count
+  for (int t = 0; t < N; ++t) ys[t] = y[t] + slice.offset;
+  int64_t c = 0;
+  for (; c + kBlockWidth <= slice.size; c += kBlockWidth) {
+    // blocks of whole panels: the next block's values follow this one's
+    const bool whole = kBlockWidth % kLoraPanel == 0 && c + 2 * kBlockWidth <= slice.size;
+    const T* next = whole ? b + (c + kBlockWidth) * rank : nullptr;
+    expand_block<V, T, N, C>(u, u_stride, b, rank, c, V::kWidth, next, s, ys);
   }
-  for (; c < end; c += V::kWidth)
-    expand_block<V, T, N, 1>(u, u_stride, b, args.out, first, rank, c, std::min(V::kWidth, end - c), 0, s, y);
+  for (; c < slice.size; c += V::kWidth)
+    expand_block<V, T, N, 1>(u, u_stride, b, rank, c, std::min(V::kWidth, slice.size - c), nullptr, s, ys);
 }
 
 // One work item: up to kTile rows of group g, from its row list's index `first`, in one slice of the projection's
@@ -245,10 +257,12 @@ void run_rows(const LoraArgs& args, const Item& item, const T* const* xs, T* con
   const int64_t xf_stride = (args.in + V::kWidth - 1) / V::kWidth * V::kWidth;
   widen_rows(xs, N, args.in, scratch.x.data(), xf_stride);
   const T* a = static_cast<const T*>(args.a) + (slot * args.rows_per_slot + first) * args.in;
-  const T* b = static_cast<const T*>(args.b) + slot * args.rows_per_slot * args.out;
+  const T* b = static_cast<const T*>(args.b) + slot * args.b_per_slot;
+  // u: the tile's shrink of this item's slice only (an item is one slice), max_rank a row
   float* u = scratch.u.data();
-  shrink<V, T, N>(scratch.x.data(), xf_stride, a, rank, args.in, u + first, args.rows_per_slot);
-  expand<V, T, N>(u, args.rows_per_slot, b, args, item.slice, rank, args.scale[g], ys);
+  const int64_t u_stride = args.rows_per_slot / args.num_slices;
+  shrink<V, T, N>(scratch.x.data(), xf_stride, a, rank, args.in, u, u_stride);
+  expand<V, T, N>(u, u_stride, b, args, item.slice, rank, args.scale[g], ys);
 }
 
 template <class V, class T, int N = 1>
@@ -269,7 +283,7 @@ void run_tile(const LoraArgs& args, const Item& item, Scratch& scratch) {
     ys[t] = static_cast<T*>(args.y) + row * args.y_stride;
   }
   scratch.x.resize(kTile * ((args.in + V::kWidth - 1) / V::kWidth * V::kWidth));
-  scratch.u.resize(kTile * args.rows_per_slot);
+  scratch.u.resize(kTile * (args.rows_per_slot / args.num_slices));
   run_height<V, T>(args, item, xs, ys, scratch);
 }
 

@@ -19,23 +19,41 @@ bool lora_path_built(Isa path) {
   return false;
 }
 
-// A group of many rows (a prompt's): shrink and expand as two GEMMs of the library (oneDNN's; AMX tiles for bf16
-// where the CPU has them), which the vector kernel's loads cannot match at that size. The shrink is rounded to x's
-// dtype, as layers/lora.py's torch code rounds it.
+// Slice i's B [r, size] of a slot of rank r, unpacked from its panels (lora_args.h): a copy
+at::Tensor unpacked_b(const LoraWeights& w, int64_t slot, int64_t i, int64_t rank) {
+  const LoraSlice& slice = w.slices[i];
+  const int64_t padded = lora_padded(slice.size);
+  const auto panels = w.b[slot].narrow(0, rank * slice.packed, rank * padded);
+  return panels.view({padded / kLoraPanel, rank, kLoraPanel}).permute({1, 0, 2}).reshape({rank, padded})
+      .narrow(1, 0, slice.size);
+}
+
+// A group of many rows (a prompt's): shrink and expand as library GEMMs (oneDNN's; AMX tiles for bf16 where the CPU
+// has them), which the vector kernel's loads cannot match at that size. The shrink is rounded to x's dtype, as
+// layers/lora.py's torch code rounds it.
 void gemm_group(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch, size_t g) {
-  const int64_t used = batch.rank[g] * static_cast<int64_t>(w.slices.size());
-  const auto a = w.a[batch.slot[g]].narrow(0, 0, used), b = w.b[batch.slot[g]].narrow(0, 0, used);
+  const int64_t rank = batch.rank[g], used = rank * static_cast<int64_t>(w.slices.size());
+  const auto a = w.a[batch.slot[g]].narrow(0, 0, used);
   const auto rows = batch.rows.narrow(0, batch.offsets[g], batch.offsets[g + 1] - batch.offsets[g]);
-  const auto delta = at::matmul(at::matmul(x.index_select(0, rows), a.t()), b);
-  y.index_add_(0, rows, delta, batch.scale[g]);
+  const auto u = at::matmul(x.index_select(0, rows), a.t());
+  for (int64_t i = 0; i < static_cast<int64_t>(w.slices.size()); ++i) {
+    const auto delta = at::matmul(u.narrow(1, i * rank, rank), unpacked_b(w, batch.slot[g], i, rank));
+    y.narrow(1, w.slices[i].offset, w.slices[i].size).index_add_(0, rows, delta, batch.scale[g]);
+  }
+}
+
+int64_t lora_out(const LoraWeights& w) {
+  int64_t out = 0;
+  for (const auto& slice : w.slices) out = std::max(out, slice.offset + slice.size);
+  return out;
 }
 
 }  // namespace
 
 LoraWeights make_lora_weights(at::Tensor a, at::Tensor b, at::Tensor present,
                               const std::vector<std::tuple<int64_t, int64_t>>& slices) {
-  TORCH_CHECK_VALUE(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(1) == b.size(1),
-                    "LoRA slots: a [S, R, in] and b [S, R, out]");
+  TORCH_CHECK_VALUE(a.dim() == 3 && b.dim() == 2 && a.size(0) == b.size(0),
+                    "LoRA slots: a [S, R, in] and b [S, packed values]");
   TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type() &&
                         (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
                     "LoRA slots: a and b both float32 or both bfloat16");
@@ -45,11 +63,16 @@ LoraWeights make_lora_weights(at::Tensor a, at::Tensor b, at::Tensor present,
                     "LoRA slots: present is one uint8 a slot");
   TORCH_CHECK_VALUE(!slices.empty() && a.size(1) % static_cast<int64_t>(slices.size()) == 0,
                     "LoRA slots: rows a multiple of the slices");
+  const int64_t max_rank = a.size(1) / static_cast<int64_t>(slices.size());
   LoraWeights weights{std::move(a), std::move(b), std::move(present), {}};
+  int64_t packed = 0;
   for (const auto& [offset, size] : slices) {
-    TORCH_CHECK_VALUE(offset >= 0 && size > 0 && offset + size <= weights.b.size(2), "LoRA slice out of range");
-    weights.slices.push_back({offset, size});
+    TORCH_CHECK_VALUE(offset >= 0 && size > 0, "LoRA slice out of range");
+    weights.slices.push_back({offset, size, packed});
+    packed += lora_padded(size);
   }
+  TORCH_CHECK_VALUE(weights.b.size(1) == max_rank * packed, "LoRA slots: b holds ", weights.b.size(1),
+                    " values a slot, the slices packed at rank ", max_rank, " take ", max_rank * packed);
   return weights;
 }
 
@@ -79,7 +102,7 @@ void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, c
   const int64_t slots = w.a.size(0), rows_per_slot = w.a.size(1), n_slices = w.slices.size();
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && batch.max_row < x.size(0),
               "lora_add_: x [T, in] and y [T, out] covering the groups' rows");
-  TORCH_CHECK(x.size(1) == w.a.size(2) && y.size(1) == w.b.size(2), "lora_add_: x or y of another projection");
+  TORCH_CHECK(x.size(1) == w.a.size(2) && y.size(1) == lora_out(w), "lora_add_: x or y of another projection");
   TORCH_CHECK(x.scalar_type() == w.a.scalar_type() && y.scalar_type() == w.a.scalar_type(),
               "lora_add_: x, y and the slots in one dtype");
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "lora_add_: rows contiguous");
@@ -95,7 +118,7 @@ void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, c
                       w.b.data_ptr(),
                       rows_per_slot,
                       w.a.size(2),
-                      w.b.size(2),
+                      w.b.size(1),
                       w.slices.data(),
                       n_slices,
                       w.present.data_ptr<uint8_t>(),
