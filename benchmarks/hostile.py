@@ -325,7 +325,7 @@ def cpu_seconds(server_pid: int, attackers_pid: int) -> dict[str, float]:
 
 
 def probe_tpot_beside_hostile(url: str, server_pid: int, clients: int = 8, repeats: int = 2,
-                              bodies: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+                              bodies: list[str] | None = None, victim_tokens: int = 24) -> dict[str, Any]:  # fmt: skip
     """A normal stream's TPOT alone, then beside `clients` looping senders of each hostile body (a process of their
     own), alternated `repeats` times (medians): the ratio is what the hostile clients cost the stream."""
     context = multiprocessing.get_context("spawn")
@@ -334,7 +334,7 @@ def probe_tpot_beside_hostile(url: str, server_pid: int, clients: int = 8, repea
     statuses: dict[str, dict[str, int]] = {}
     cpu: dict[str, dict[str, float]] = {}
     for _ in range(repeats):
-        tpot["alone"].append(victim_tpot_s(url))
+        tpot["alone"].append(victim_tpot_s(url, victim_tokens))
         for name, (path, body) in chosen.items():
             started, stop, results = context.Event(), context.Event(), context.Queue()
             attackers = context.Process(target=_attack, args=(url, path, body, clients, started, stop, results))
@@ -342,7 +342,7 @@ def probe_tpot_beside_hostile(url: str, server_pid: int, clients: int = 8, repea
             started.wait(120)  # the attackers' interpreter has started and a first answer came back
             before, start = cpu_seconds(server_pid, attackers.pid), time.monotonic()
             time.sleep(1.0)  # all of them loop
-            tpot[name].append(victim_tpot_s(url))
+            tpot[name].append(victim_tpot_s(url, victim_tokens))
             after, wall = cpu_seconds(server_pid, attackers.pid), time.monotonic() - start
             cpu[name] = {who: round((after[who] - before.get(who, 0.0)) / wall, 2) for who in after}  # latest
             stop.set()
@@ -415,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hostile-bodies", default=",".join(HOSTILE_BODIES),
                         help="round tpot: the hostile bodies sent beside the stream, comma-separated")
     parser.add_argument("--tpot-repeats", type=int, default=2, help="round tpot: alternations (medians)")
+    parser.add_argument("--victim-tokens", type=int, default=24,
+                        help="round tpot: the stream's output tokens (fewer: a shorter round on a loaded host)")
     parser.add_argument("--server-arg", action="append", default=[], dest="server_args",
                         help="one more flag of `batchserve serve` (repeat it), e.g. --server-arg=--error-delay-max=0")
     parser.add_argument("--output", default="bench_results/hostile.json")
@@ -434,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                   ("detokenize", lambda: probe_big_detokenize(url)),
                   ("overload", lambda: probe_overload(url, args.clients, args.overload_s, args.load_max_tokens)),
                   ("tpot", lambda: probe_tpot_beside_hostile(url, proc.pid, repeats=args.tpot_repeats,
-                                                          bodies=args.hostile_bodies.split(","))),
+                                                          bodies=args.hostile_bodies.split(","),
+                                                          victim_tokens=args.victim_tokens)),
                   ("slow_sockets", lambda: probe_slow_sockets(port, args.header_timeout))]  # fmt: skip
         for name, probe in [(name, probe) for name, probe in rounds if name in args.rounds.split(",")]:
             load_before = os.getloadavg()[0]
