@@ -406,7 +406,8 @@ def format_report(report: SoakReport) -> str:
         f"overloaded 503 {c['overloaded_503']}, bad requests rejected {c['bad_rejected']}, "
         f"other 4xx {sum(v for k, v in c.items() if k.startswith('rejected_'))}, hostile refused "
         f"{c['hostile_refused']} (served {c['hostile_served']})",
-        "hostile bodies by status: " + ", ".join(f"{name} {dict(statuses)}" for name, statuses in report.hostile.items()),
+        "hostile bodies by status: "
+        + ", ".join(f"{name} {dict(statuses)}" for name, statuses in report.hostile.items()),
         f"TTFT of streams: p50 {statistics.median(report.ttfts) if report.ttfts else float('nan'):.3f} s, "
         f"p99 {report.ttft_p99_s:.3f} s",
         f"RSS: {report.rss_start_mb:.0f} MB at start, {report.rss_warm_mb:.0f} MB after the warm-up share, "
