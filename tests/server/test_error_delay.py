@@ -15,7 +15,12 @@ from fastapi.testclient import TestClient
 from batchserve.entrypoints.openai import launch
 from batchserve.entrypoints.openai.app import build_app
 from batchserve.entrypoints.openai.connections import ConnectionLimits
-from batchserve.entrypoints.openai.error_delay import FIRST_DELAY_S, ErrorDelayConfig, OffenderTable
+from batchserve.entrypoints.openai.error_delay import (
+    FIRST_DELAY_S,
+    ErrorDelayConfig,
+    ErrorDelayMiddleware,
+    OffenderTable,
+)
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
 from batchserve.serving.metrics import parse_metrics
 from tests.server.fakes import fake_engine
@@ -147,3 +152,22 @@ def test_a_repeat_offenders_protocol_level_413_waits_and_still_arrives():
     assert [status for status, _ in answers] == [413, 413, 413, 200], answers
     assert answers[0][1] < FIRST_DELAY_S + 0.5 and answers[2][1] >= 2 * FIRST_DELAY_S
     assert answers[3][1] < delay and offenders.delayed_total == 2
+
+
+@pytest.mark.parametrize(("status", "waits"), [(400, True), (404, True), (413, True), (422, True), (200, False),
+                                               (499, False), (500, False), (503, False)])  # fmt: skip
+def test_only_4xx_answers_wait(status, waits):
+    # an offender well past its free refusals: only a 4xx answer is held back (a 499 has nobody to answer; a 503
+    # carries Retry-After; a 5xx is the server's fault)
+    async def answer(scope, receive, send):
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    offenders = OffenderTable(ErrorDelayConfig(max_delay_s=0.3, after=0))
+    for _ in range(20):
+        offenders.refused("testclient")
+    client = TestClient(ErrorDelayMiddleware(answer, offenders))  # no lifespan: the toy app answers requests only
+    start = time.monotonic()
+    assert client.get("/").status_code == status
+    took = time.monotonic() - start
+    assert (took >= 0.3) == waits and offenders.delayed_total == 20 + waits
