@@ -12,6 +12,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
+from batchserve.entrypoints.grpc.error_delay import peer_address
 from batchserve.entrypoints.openai import launch
 from batchserve.entrypoints.openai.app import build_app
 from batchserve.entrypoints.openai.connections import ConnectionLimits
@@ -171,3 +172,42 @@ def test_only_4xx_answers_wait(status, waits):
     assert client.get("/").status_code == status
     took = time.monotonic() - start
     assert (took >= 0.3) == waits and offenders.delayed_total == 20 + waits
+
+
+@pytest.mark.parametrize(
+    ("peer", "address"),
+    [("ipv4:127.0.0.1:5000", "127.0.0.1"), ("ipv6:[::1]:5000", "::1"), ("unix:/tmp/s", "/tmp/s"), (None, None)],
+)
+def test_grpc_peers_are_keyed_by_address_as_http_clients_are(peer, address):
+    assert peer_address(peer) == address
+
+
+def test_a_grpc_repeat_offender_waits_for_invalid_argument_and_a_valid_call_does_not():
+    import grpc
+
+    from batchserve.engine.async_engine import AsyncLLMEngine
+    from batchserve.entrypoints.grpc.pb import generation_pb2 as pb
+    from tests.server.grpc_live import LiveGrpc
+
+    delay = 0.4
+    offenders = OffenderTable(ErrorDelayConfig(max_delay_s=delay, after=2))
+    engine = AsyncLLMEngine(fake_engine())
+    live = LiveGrpc(engine, ["fake"], offenders=offenders)
+    bad = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=2, stop_token_ids=[-3]))
+    good = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=2))
+    try:
+        took = []
+        for _ in range(8):  # 2 free, then 0.05, 0.1, 0.2 and the cap
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                list(live.generation.Generate(bad, timeout=30))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            took.append(time.monotonic() - start)
+        assert max(took[:2]) < delay / 2 and min(took[-2:]) >= delay, took
+        start = time.monotonic()
+        (ok,) = live.generation.Generate(good, timeout=30)
+        assert len(ok.token_ids) == 2 and time.monotonic() - start < delay
+        assert offenders.delayed_total == 6 and len(offenders) == 1
+    finally:
+        live.stop()
+        engine.shutdown()

@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_server = GrpcServer(
             async_engine, names or [config.model or DEFAULT_MODEL_NAME], host=args.host, port=args.grpc_port,
             api_key=api_key, max_request_bytes=args.max_body_bytes, stall_timeout_s=args.stall_timeout,
+            offenders=offenders,
         )  # fmt: skip
     try:
         return serve(app, async_engine, args.host, args.port, args.log_level, args.drain_timeout, grpc_server,
