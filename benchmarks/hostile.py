@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from batchserve.bench.hostile_bodies import HOSTILE_BODIES
 from batchserve.bench.soak import _free_port, rss_mb, wait_ready
 from batchserve.entrypoints.openai.protocol import MAX_TOKEN_IDS
 from batchserve.sampling_params import MAX_STOP_TOKEN_IDS
@@ -67,8 +68,10 @@ FAKE_SERVER = textwrap.dedent(
 )
 
 
-def start(fake: bool, port: int, header_timeout_s: float, in_process: bool = False) -> subprocess.Popen:
-    """The server, its engine core in a process of its own (the default) or in the server's (`in_process`)."""
+def start(fake: bool, port: int, header_timeout_s: float, in_process: bool = False,
+          server_args: list[str] | None = None) -> subprocess.Popen:  # fmt: skip
+    """The server, its engine core in a process of its own (the default) or in the server's (`in_process`);
+    `server_args`: more flags of `batchserve serve` (the model's server only)."""
     if fake:
         root = Path(__file__).resolve().parents[1]
         mode = "in-process" if in_process else "core-process"
@@ -77,7 +80,7 @@ def start(fake: bool, port: int, header_timeout_s: float, in_process: bool = Fal
         sys.executable, "-m", "batchserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--log-level", "warning", "--max-batch-size", "16", "--max-waiting-requests", "32", "--dtype", "float32",
         "--max-model-len", "512", "--header-timeout", str(header_timeout_s),
-        *(["--disable-frontend-multiprocessing"] if in_process else []),
+        *(["--disable-frontend-multiprocessing"] if in_process else []), *(server_args or []),
     ])  # fmt: skip
 
 
@@ -263,32 +266,6 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------ TPOT beside hostile clients
-def wide_schema(properties: int = 8000) -> dict[str, Any]:
-    """A JSON schema of `properties` required string properties with descriptions: about 1 MB."""
-    names = [f"field_{i:05d}" for i in range(properties)]
-    return {"type": "object", "properties": {name: {"type": "string", "description": "d" * 100} for name in names},
-            "required": names}  # fmt: skip
-
-
-def nested(depth: int) -> Any:
-    value: Any = "x"
-    for _ in range(depth):
-        value = [value]
-    return value
-
-
-HOSTILE_BODIES = {  # (path, body): each refused (4xx), but only after the server has read and checked a large body
-    "logit_bias_100k": (COMPLETIONS, {"prompt": "x", "max_tokens": 4,
-                                      "logit_bias": {str(i): 1 for i in range(100_000)}}),
-    "stop_ids_590k": (COMPLETIONS, {"prompt": "x", "max_tokens": 4, "stop_token_ids": list(range(590_000))}),
-    "json_schema_8000": ("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": wide_schema()}}}),
-    "echo_scoring_7k": (COMPLETIONS, {"prompt": "hello " * 7000, "max_tokens": 0, "echo": True, "logprobs": 5}),
-    "nesting_200": (COMPLETIONS, {"prompt": nested(200), "max_tokens": 4}),
-}  # fmt: skip
-
-
 def victim_tpot_s(url: str, max_tokens: int = 24) -> float:
     """A normal stream's time per output token: from its first chunk to its last."""
     body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
@@ -348,7 +325,7 @@ def cpu_seconds(server_pid: int, attackers_pid: int) -> dict[str, float]:
 
 
 def probe_tpot_beside_hostile(url: str, server_pid: int, clients: int = 8, repeats: int = 2,
-                              bodies: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+                              bodies: list[str] | None = None, victim_tokens: int = 24) -> dict[str, Any]:  # fmt: skip
     """A normal stream's TPOT alone, then beside `clients` looping senders of each hostile body (a process of their
     own), alternated `repeats` times (medians): the ratio is what the hostile clients cost the stream."""
     context = multiprocessing.get_context("spawn")
@@ -357,7 +334,7 @@ def probe_tpot_beside_hostile(url: str, server_pid: int, clients: int = 8, repea
     statuses: dict[str, dict[str, int]] = {}
     cpu: dict[str, dict[str, float]] = {}
     for _ in range(repeats):
-        tpot["alone"].append(victim_tpot_s(url))
+        tpot["alone"].append(victim_tpot_s(url, victim_tokens))
         for name, (path, body) in chosen.items():
             started, stop, results = context.Event(), context.Event(), context.Queue()
             attackers = context.Process(target=_attack, args=(url, path, body, clients, started, stop, results))
@@ -365,7 +342,7 @@ def probe_tpot_beside_hostile(url: str, server_pid: int, clients: int = 8, repea
             started.wait(120)  # the attackers' interpreter has started and a first answer came back
             before, start = cpu_seconds(server_pid, attackers.pid), time.monotonic()
             time.sleep(1.0)  # all of them loop
-            tpot[name].append(victim_tpot_s(url))
+            tpot[name].append(victim_tpot_s(url, victim_tokens))
             after, wall = cpu_seconds(server_pid, attackers.pid), time.monotonic() - start
             cpu[name] = {who: round((after[who] - before.get(who, 0.0)) / wall, 2) for who in after}  # latest
             stop.set()
@@ -438,15 +415,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hostile-bodies", default=",".join(HOSTILE_BODIES),
                         help="round tpot: the hostile bodies sent beside the stream, comma-separated")
     parser.add_argument("--tpot-repeats", type=int, default=2, help="round tpot: alternations (medians)")
+    parser.add_argument("--victim-tokens", type=int, default=24,
+                        help="round tpot: the stream's output tokens (fewer: a shorter round on a loaded host)")
+    parser.add_argument("--server-arg", action="append", default=[], dest="server_args",
+                        help="one more flag of `batchserve serve` (repeat it), e.g. --server-arg=--error-delay-max=0")
     parser.add_argument("--output", default="bench_results/hostile.json")
     parser.add_argument("--in-process", action="store_true",
                         help="the engine core in the server's process (--disable-frontend-multiprocessing)")
     args = parser.parse_args(argv)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start(args.fake, port, args.header_timeout, args.in_process)
+    proc = start(args.fake, port, args.header_timeout, args.in_process, args.server_args)
     report: dict[str, Any] = {"engine": "fake" if args.fake else "default model",
-                              "engine_core": "in-process" if args.in_process else "own process", "cpu": cpu_name()}
+                              "engine_core": "in-process" if args.in_process else "own process", "cpu": cpu_name(),
+                              "server_args": args.server_args}
     try:
         wait_ready(proc, url)
         report["rss_mb_start"] = round(rss_mb(proc.pid))
@@ -454,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                   ("detokenize", lambda: probe_big_detokenize(url)),
                   ("overload", lambda: probe_overload(url, args.clients, args.overload_s, args.load_max_tokens)),
                   ("tpot", lambda: probe_tpot_beside_hostile(url, proc.pid, repeats=args.tpot_repeats,
-                                                          bodies=args.hostile_bodies.split(","))),
+                                                          bodies=args.hostile_bodies.split(","),
+                                                          victim_tokens=args.victim_tokens)),
                   ("slow_sockets", lambda: probe_slow_sockets(port, args.header_timeout))]  # fmt: skip
         for name, probe in [(name, probe) for name, probe in rounds if name in args.rounds.split(",")]:
             load_before = os.getloadavg()[0]

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from batchserve.bench.corpus import CORPUS
+from batchserve.bench.hostile_bodies import slow_body, soak_mix
 from batchserve.serving.metrics import parse_metrics
 
 # Bodies no server should accept; each must get a 4xx and leave the server serving.
@@ -49,6 +50,9 @@ class SoakOptions:
     concurrency: int = 16
     kill_fraction: float = 0.25  # streams the client drops mid-way
     bad_fraction: float = 0.05
+    # the reliability probes' bodies (bench/hostile_bodies.py: huge lists and schemas, deep nesting, 7k-token
+    # scoring, out-of-vocabulary ids, lone surrogates) and a body trickled a byte at a time
+    hostile_fraction: float = 0.0
     max_prompt_words: int = 80
     max_tokens: int = 48
     num_kv_blocks: int = 64
@@ -76,6 +80,9 @@ class SoakReport:
     rss_end_mb: float = 0.0
     # (requests sent, seconds since the load began, RSS, its anonymous part, its file-backed part), in MB
     rss_timeline: list[tuple[int, float, float, float, float]] = field(default_factory=list)
+    # (requests sent, RSS of the server and every process under it: engine core, body parser, grammar workers), MB
+    rss_tree_timeline: list[tuple[int, float]] = field(default_factory=list)
+    hostile: dict[str, Counter] = field(default_factory=dict)  # each hostile body's answers by status
     rss_rounds: list[tuple[float, float]] = field(default_factory=list)  # RSS before and after each round, MB
     leaked_blocks: float = -1.0
     left_running: float = -1.0
@@ -88,13 +95,12 @@ class SoakReport:
     def rss_slope_mb_per_1000(self) -> float:
         """RSS growth per 1,000 requests over the timeline's second half (least squares): a leak keeps a slope as
         requests go on; caches that fill flatten it."""
-        late = self.rss_timeline[len(self.rss_timeline) // 2 :]
-        if len(late) < 3 or late[-1][0] == late[0][0]:
-            return float("nan")
-        xs, ys = [p[0] for p in late], [p[2] for p in late]
-        mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-        cov = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
-        return 1000 * cov / sum((x - mean_x) ** 2 for x in xs)
+        return _late_slope([(p[0], p[2]) for p in self.rss_timeline])
+
+    @property
+    def rss_tree_slope_mb_per_1000(self) -> float:
+        """The same over the server's whole process tree."""
+        return _late_slope(self.rss_tree_timeline)
 
     @property
     def ttft_p99_s(self) -> float:
@@ -111,6 +117,9 @@ class SoakReport:
             "rss_end_mb": self.rss_end_mb,
             "rss_slope_mb_per_1000_requests": self.rss_slope_mb_per_1000,
             "rss_timeline": self.rss_timeline,
+            "rss_tree_slope_mb_per_1000_requests": self.rss_tree_slope_mb_per_1000,
+            "rss_tree_timeline": self.rss_tree_timeline,
+            "hostile": {name: dict(statuses) for name, statuses in self.hostile.items()},
             "rss_rounds": self.rss_rounds,
             "leaked_blocks": self.leaked_blocks,
             "left_running": self.left_running,
@@ -119,6 +128,17 @@ class SoakReport:
             "wall_s": self.wall_s,
             "failures": self.failures,
         }
+
+
+def _late_slope(points: list[tuple[int, float]]) -> float:
+    """MB per 1,000 requests over the second half of (requests, MB) points (least squares)."""
+    late = points[len(points) // 2 :]
+    if len(late) < 3 or late[-1][0] == late[0][0]:
+        return float("nan")
+    xs, ys = [p[0] for p in late], [p[1] for p in late]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    cov = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+    return 1000 * cov / sum((x - mean_x) ** 2 for x in xs)
 
 
 # ---------------------------------------------------------------------------------------------------- server
@@ -161,12 +181,34 @@ def rss_mb(pid: int, field_name: str = "VmRSS") -> float:
     return float("nan")
 
 
+def tree_rss_mb(pid: int) -> float:
+    """RSS of `pid` and every process under it, in MB."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit():
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += rss_mb(current)
+        except OSError:
+            continue
+        todo += children.get(current, [])
+    return total
+
+
 # ---------------------------------------------------------------------------------------------------- clients
 class SoakClients:
     def __init__(self, url: str, options: SoakOptions, report: SoakReport) -> None:
         self.url, self.options, self.report = url, options, report
         self.rng = random.Random(options.seed)
         self.words = CORPUS.split()
+        self.hostile_mix = soak_mix() if options.hostile_fraction > 0 else []
 
     def _prompt(self) -> str:
         n = self.rng.randint(1, self.options.max_prompt_words)
@@ -175,6 +217,9 @@ class SoakClients:
 
     async def one(self, client: httpx.AsyncClient, index: int) -> None:
         rng, counts = self.rng, self.report.counts
+        if rng.random() < self.options.hostile_fraction:
+            await self._hostile(client)
+            return
         if rng.random() < self.options.bad_fraction:
             body = rng.choice(BAD_BODIES)
             response = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -198,6 +243,20 @@ class SoakClients:
         else:
             response = await client.post(path, json=body)
             self._count(response.status_code, finished=response.status_code == 200)
+
+    async def _hostile(self, client: httpx.AsyncClient) -> None:
+        """One of the hostile bodies (or, as often as any one of them, a body trickled a byte at a time)."""
+        pick = self.rng.randrange(len(self.hostile_mix) + 1)
+        if pick == len(self.hostile_mix):
+            name, host_port = "slow_body", client.base_url
+            status = await slow_body(host_port.host, host_port.port)
+        else:
+            name, path, raw = self.hostile_mix[pick]
+            response = await client.post(path, content=raw, headers={"content-type": "application/json"})
+            status = response.status_code
+        self.report.hostile.setdefault(name, Counter())[str(status)] += 1
+        kind = "refused" if 400 <= status < 500 else "served" if status == 200 else f"answered_{status}"
+        self.report.counts["overloaded_503" if status == 503 else f"hostile_{kind}"] += 1
 
     async def _stream(self, client: httpx.AsyncClient, path: str, body: dict, kill_after: int | None) -> None:
         counts, start = self.report.counts, time.monotonic()
@@ -265,6 +324,7 @@ class SoakClients:
                     if report.counts["sent"] % options.rss_sample_every == 0:
                         report.rss_timeline.append((report.counts["sent"], round(time.monotonic() - started, 1), rss,
                                                     rss_mb(pid, "RssAnon"), rss_mb(pid, "RssFile")))  # fmt: skip
+                        report.rss_tree_timeline.append((report.counts["sent"], round(tree_rss_mb(pid), 1)))
 
             await asyncio.gather(*(worker() for _ in range(options.concurrency)))
 
@@ -322,7 +382,8 @@ def check(report: SoakReport, options: SoakOptions) -> list[str]:
         failures.append(
             f"left behind: {report.leaked_blocks} blocks, {report.left_running} running, {report.left_waiting} waiting"
         )
-    errors = {k: v for k, v in counts.items() if k.startswith(("server_error", "bad_answered", "transport"))}
+    errors = {k: v for k, v in counts.items()
+              if k.startswith(("server_error", "bad_answered", "transport", "hostile_answered"))}  # fmt: skip
     if errors:
         failures.append(f"server errors or broken connections: {errors}")
     unfinished = counts["unfinished"] + counts["stream_ended_unfinished"]
@@ -343,13 +404,18 @@ def format_report(report: SoakReport) -> str:
     lines = [
         f"sent {c['sent']}: accepted {c['accepted']} (finished {c['finished']}, client-aborted {c['client_aborted']}), "
         f"overloaded 503 {c['overloaded_503']}, bad requests rejected {c['bad_rejected']}, "
-        f"other 4xx {sum(v for k, v in c.items() if k.startswith('rejected_'))}",
+        f"other 4xx {sum(v for k, v in c.items() if k.startswith('rejected_'))}, hostile refused "
+        f"{c['hostile_refused']} (served {c['hostile_served']})",
+        "hostile bodies by status: "
+        + ", ".join(f"{name} {dict(statuses)}" for name, statuses in report.hostile.items()),
         f"TTFT of streams: p50 {statistics.median(report.ttfts) if report.ttfts else float('nan'):.3f} s, "
         f"p99 {report.ttft_p99_s:.3f} s",
         f"RSS: {report.rss_start_mb:.0f} MB at start, {report.rss_warm_mb:.0f} MB after the warm-up share, "
         f"{report.rss_peak_mb:.0f} MB peak, {report.rss_end_mb:.0f} MB at the end ({report.rss_end_mb - report.rss_start_mb:+.0f} "
         f"MB in all, {report.rss_end_mb - report.rss_warm_mb:+.0f} MB after the warm-up share; "
-        f"{report.rss_slope_mb_per_1000:+.1f} MB per 1,000 requests over the second half)",
+        f"{report.rss_slope_mb_per_1000:+.1f} MB per 1,000 requests over the second half; the whole process tree: "
+        f"{report.rss_tree_timeline[-1][1] if report.rss_tree_timeline else float('nan'):.0f} MB last, "
+        f"{report.rss_tree_slope_mb_per_1000:+.1f} MB per 1,000 requests)",
         "RSS growth by round (the same requests each round): "
         + ", ".join(f"{after - before:+.1f} MB" for before, after in report.rss_rounds),
         f"after the load: {report.leaked_blocks:g} KV blocks held, {report.left_running:g} running, "

@@ -20,12 +20,14 @@ from batchserve.engine.async_engine import AsyncLLMEngine
 from batchserve.engine.core_client import EngineCoreClient
 from batchserve.entrypoints.grpc.auth import ApiKeyInterceptor
 from batchserve.entrypoints.grpc.decoding import DecodeErrorInterceptor
+from batchserve.entrypoints.grpc.error_delay import ErrorDelayInterceptor
 from batchserve.entrypoints.grpc.generation import GenerationServicer
 from batchserve.entrypoints.grpc.pb import generation_pb2, generation_pb2_grpc
 from batchserve.entrypoints.grpc.served import DEFAULT_MAX_REQUEST_BYTES, ServedModel
 from batchserve.entrypoints.kserve.model import KServeModel
 from batchserve.entrypoints.kserve.pb import kserve_pb2, kserve_pb2_grpc
 from batchserve.entrypoints.kserve.service import InferenceServicer
+from batchserve.entrypoints.openai.error_delay import OffenderTable
 from batchserve.serving.client import EngineClient
 from batchserve.serving.generation import GenerationService
 
@@ -52,14 +54,17 @@ class GrpcServer:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         health_problem: Callable[[], Awaitable[str | None]] | None = None,
+        offenders: OffenderTable | None = None,
     ) -> None:
-        """`health_problem`: None while serving, else why not (default: a local engine's loop dead or stalled)."""
+        """`health_problem`: None while serving, else why not (default: a local engine's loop dead or stalled).
+        `offenders`: the HTTP server's table; repeat offenders' refusals wait here too (error_delay.py)."""
         self.engine = engine
         self.health_problem = health_problem or self._local_engine_problem
         self.served = ServedModel(tuple(served_model_names), max_request_bytes)
         self.address = f"{host}:{port}"
         self.api_key = api_key
         self.stall_timeout_s = stall_timeout_s
+        self.offenders = offenders if offenders is not None and offenders.config.enabled else None
         self.port: int | None = None  # bound by start()
         self._server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
@@ -72,6 +77,7 @@ class GrpcServer:
         service = GenerationService(self.engine)
         server = grpc.aio.server(
             interceptors=[
+                *([ErrorDelayInterceptor(self.offenders)] if self.offenders is not None else []),
                 *([ApiKeyInterceptor(self.api_key)] if self.api_key else []),
                 DecodeErrorInterceptor((GENERATION_SERVICE, KSERVE_SERVICE)),  # undecodable: INVALID_ARGUMENT
             ],

@@ -30,6 +30,7 @@ from batchserve.entrypoints.openai.chat import chat_prompt, create_chat_completi
 from batchserve.entrypoints.openai.completions import create_completion
 from batchserve.entrypoints.openai.embeddings import BODIES as POOLING_BODIES
 from batchserve.entrypoints.openai.embeddings import add_pooling_routes, served_task
+from batchserve.entrypoints.openai.error_delay import ErrorDelayCollector, ErrorDelayMiddleware, OffenderTable
 from batchserve.entrypoints.openai.errors import APIError, APIKeyMiddleware, as_api_error
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES, OpenAIFrontEnd
 from batchserve.entrypoints.openai.lora_routes import adapter_cards, add_lora_routes
@@ -70,12 +71,14 @@ def build_app(
     lenient: bool = False,
     tracer: RequestTracer | None = None,
     access_log: AccessLog | None = None,
+    offenders: OffenderTable | None = None,
 ) -> FastAPI:
     """The app over an LLMEngine (wrapped and owned: its loop stops with the app) or an AsyncLLMEngine (shared: the
     caller starts and stops it; the app starts it if needed). /health answers 503 once the engine loop has made no
     progress for `stall_timeout_s` with requests pending. `lenient`: request fields the server does not act on are
     dropped with a logged warning instead of answered 400. `tracer`, `access_log`: request spans and JSON access
-    lines (--otlp-traces-endpoint, --log-format json). `api_key_protects_metrics`: /metrics needs the key too."""
+    lines (--otlp-traces-endpoint, --log-format json). `api_key_protects_metrics`: /metrics needs the key too.
+    `offenders`: repeat offenders' 4xx answers are delayed (--error-delay-max; error_delay.py)."""
     owned = isinstance(engine, LLMEngine)
     async_engine = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
     names = model_names(served_model_name, async_engine.config.model)
@@ -96,8 +99,10 @@ def build_app(
     app = build_front_app(
         async_engine, names, api_key=api_key, max_body_bytes=max_body_bytes, lenient=lenient,
         render_metrics=metrics.render, health_problem=health_problem, lifespan=lifespan,
-        api_key_protects_metrics=api_key_protects_metrics,
+        api_key_protects_metrics=api_key_protects_metrics, offenders=offenders,
     )  # fmt: skip
+    if offenders is not None:
+        metrics.registry.register(ErrorDelayCollector(offenders, names[0]))
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     add_observability(app, async_engine, tracer, access_log)  # /dashboard, X-Request-Id, traces, access log
@@ -115,6 +120,7 @@ def build_front_app(
     health_problem: Callable[[], Awaitable[str | None]],
     lifespan: Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]] | None = None,
     api_key_protects_metrics: bool = False,
+    offenders: OffenderTable | None = None,
 ) -> FastAPI:
     """The OpenAI (and KServe) routes over any EngineClient: one engine in this process, or a Ray Serve deployment
     of them (batchserve.distributed). `render_metrics` answers /metrics; `health_problem` is None when healthy,
@@ -134,6 +140,9 @@ def build_front_app(
     answer_unsupported_endpoints(app)  # other APIs' endpoints: what to use instead, behind every real route
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_metrics=api_key_protects_metrics)
+    app.state.offenders = offenders
+    if offenders is not None and offenders.config.enabled:  # outside the key check: a key guesser waits too
+        app.add_middleware(ErrorDelayMiddleware, offenders=offenders)
     return app
 
 

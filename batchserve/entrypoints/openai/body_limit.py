@@ -7,7 +7,8 @@ close with unread bytes is a TCP reset, and an asyncio client (httpx's AsyncClie
 writing the body then loses the 413 it has not read yet and reports a dropped connection instead. The bounded rate
 holds back what goes past the kernel's socket buffers: on loopback those take a few megabytes at once, so a 4 MB
 body is written in full and the client loops at its own speed; each refusal then costs the server an accept, a
-header parse and a write, and the kernel a copy, where it cost a parse before.
+header parse and a write, and the kernel a copy, where it cost a parse before. A repeat offender's 413 waits as
+its other refusals do (error_delay.py); the connection is not closed before it has gone out.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import json
 from typing import Any
 
+from batchserve.entrypoints.openai.error_delay import OffenderTable
 from batchserve.entrypoints.openai.errors import APIError
 from batchserve.entrypoints.openai.messages import anthropic_error
 
@@ -28,6 +30,7 @@ class RefuseOversizedBodies:
     path in `self.url` until `on_headers_complete`)."""
 
     max_body_bytes: int
+    offenders: OffenderTable | None
     headers: list[tuple[bytes, bytes]]
     url: bytes
     loop: asyncio.AbstractEventLoop
@@ -36,15 +39,35 @@ class RefuseOversizedBodies:
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._drain_left: int | None = None  # bytes of a refused body still to drain; None: not refusing
+        self._refusal: bytes | None = None  # a 413 held back for a repeat offender, until it has gone out
+        self._close_when_sent = False
 
     def on_headers_complete(self) -> None:
         length = _content_length(self.headers)
         if length is None or length <= self.max_body_bytes:
             super().on_headers_complete()  # type: ignore[misc]
             return
-        self.transport.write(refusal(self.url, self.max_body_bytes))
+        delay = self._offender_delay()
         self._drain_left = length
-        self.loop.call_later(LINGER_S, self._close)
+        if delay > 0:
+            self._refusal = refusal(self.url, self.max_body_bytes)
+            self.loop.call_later(delay, self._send_refusal)
+        else:
+            self.transport.write(refusal(self.url, self.max_body_bytes))
+        self.loop.call_later(LINGER_S + delay, self._close)
+
+    def _offender_delay(self) -> float:
+        if self.offenders is None:
+            return 0.0
+        peer = self.transport.get_extra_info("peername")
+        return self.offenders.refused(peer[0] if peer else None)
+
+    def _send_refusal(self) -> None:
+        answer, self._refusal = self._refusal, None
+        if answer is not None and not self.transport.is_closing():
+            self.transport.write(answer)
+            if self._close_when_sent:
+                self._close()
 
     def on_body(self, body: bytes) -> None:
         if self._drain_left is None:
@@ -76,6 +99,9 @@ class RefuseOversizedBodies:
             self.transport.resume_reading()
 
     def _close(self) -> None:
+        if self._refusal is not None:  # the body is in before its delayed 413 went out: close once it has
+            self._close_when_sent = True
+            return
         if not self.transport.is_closing():
             self.transport.close()
 

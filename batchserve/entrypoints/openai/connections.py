@@ -21,6 +21,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from batchserve.entrypoints.openai.body_limit import RefuseOversizedBodies
+from batchserve.entrypoints.openai.error_delay import OffenderTable
 
 logger = logging.getLogger("batchserve.server")
 
@@ -39,11 +40,12 @@ class ConnectionLimits:
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
     max_body_bytes: int | None = None  # a larger Content-Length is answered 413 by the protocol (body_limit.py)
 
-    def uvicorn_options(self) -> dict[str, Any]:
-        """uvicorn.Config keywords: the guarded protocol class, the keep-alive timeout and the connection cap."""
+    def uvicorn_options(self, offenders: OffenderTable | None = None) -> dict[str, Any]:
+        """uvicorn.Config keywords: the guarded protocol class, the keep-alive timeout and the connection cap.
+        `offenders`: the app's table, so that a repeat offender's protocol-level 413 waits as its other 4xx do."""
         return {
             "http": guarded_protocol(
-                self.header_timeout_s, self.body_timeout_s, self.body_read_timeout_s, self.max_body_bytes
+                self.header_timeout_s, self.body_timeout_s, self.body_read_timeout_s, self.max_body_bytes, offenders
             ),
             "timeout_keep_alive": self.keep_alive_timeout_s,
             "limit_concurrency": self.max_connections,
@@ -156,6 +158,7 @@ def guarded_protocol(
     body_timeout_s: float,
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S,
     max_body_bytes: int | None = None,
+    offenders: OffenderTable | None = None,
 ) -> type[asyncio.Protocol]:
     """uvicorn's own HTTP protocol class (httptools when installed, else h11) with read deadlines and, with
     `max_body_bytes` and httptools, oversized bodies refused from their Content-Length (else the app refuses them)."""
@@ -168,5 +171,6 @@ def guarded_protocol(
             "body_timeout_s": body_timeout_s,
             "body_read_timeout_s": body_read_timeout_s,
             "max_body_bytes": max_body_bytes,
+            "offenders": offenders if offenders is not None and offenders.config.enabled else None,
         },
     )

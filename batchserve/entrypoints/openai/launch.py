@@ -32,6 +32,13 @@ from batchserve.entrypoints.openai.connections import (
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     ConnectionLimits,
 )
+from batchserve.entrypoints.openai.error_delay import (
+    DEFAULT_ERROR_DELAY_AFTER,
+    DEFAULT_ERROR_DELAY_CLIENTS,
+    DEFAULT_ERROR_DELAY_MAX_S,
+    ErrorDelayConfig,
+    OffenderTable,
+)
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
 from batchserve.entrypoints.openai.observability import add_observability_arguments, observability_from_args
 from batchserve.host.process import configure_torch
@@ -130,6 +137,29 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-connections", type=int, default=None,
         help="open connections (or requests in progress) over this many are answered 503 (default: no cap)",
     )  # fmt: skip
+    group.add_argument(
+        "--error-delay-max", type=float, default=DEFAULT_ERROR_DELAY_MAX_S,
+        help="a client (peer address) refused with 4xx more than --error-delay-after times lately waits for its next "
+        "4xx answers, 0.05 s doubling up to this many seconds; served requests are never delayed; 0: off "
+        f"(default: {DEFAULT_ERROR_DELAY_MAX_S:g})",
+    )  # fmt: skip
+    group.add_argument(
+        "--error-delay-after", type=int, default=DEFAULT_ERROR_DELAY_AFTER,
+        help="4xx answers a client gets at once before its next ones wait (its count halves every 30 s; default: "
+        f"{DEFAULT_ERROR_DELAY_AFTER})",
+    )  # fmt: skip
+    group.add_argument(
+        "--error-delay-clients", type=int, default=DEFAULT_ERROR_DELAY_CLIENTS,
+        help=f"clients the offender table remembers, least recently refused dropped first (default: "
+        f"{DEFAULT_ERROR_DELAY_CLIENTS})",
+    )  # fmt: skip
+
+
+def offenders_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> OffenderTable:
+    try:
+        return OffenderTable(ErrorDelayConfig(args.error_delay_max, args.error_delay_after, args.error_delay_clients))
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
@@ -184,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         config = engine_config_from_args(args, **({"model": args.model} if args.model else {}))
     except ConfigError as exc:
         parser.error(str(exc))
+    offenders = offenders_from_args(parser, args)
     if not is_loopback(args.host) and not api_key:
         logger.warning("binding %s without an API key: anyone who can reach it can use it", args.host)
 
@@ -202,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_bytes,
         stall_timeout_s=args.stall_timeout,
         lenient=args.lenient,
+        offenders=offenders,
         **observability,
     )
     apply_chat_options(app.state.front, args, parser)
@@ -211,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_server = GrpcServer(
             async_engine, names or [config.model or DEFAULT_MODEL_NAME], host=args.host, port=args.grpc_port,
             api_key=api_key, max_request_bytes=args.max_body_bytes, stall_timeout_s=args.stall_timeout,
+            offenders=offenders,
         )  # fmt: skip
     try:
         return serve(app, async_engine, args.host, args.port, args.log_level, args.drain_timeout, grpc_server,
@@ -248,7 +281,7 @@ def serve(
     server = _DrainingServer(
         uvicorn.Config(
             app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None, **logs,
-            **(limits or ConnectionLimits()).uvicorn_options(),
+            **(limits or ConnectionLimits()).uvicorn_options(getattr(app.state, "offenders", None)),
         ),
         async_engine,
         drain_timeout,
