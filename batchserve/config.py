@@ -60,7 +60,7 @@ class Convert(enum.StrEnum):
 class PrefillAttention(enum.StrEnum):
     """How prefill chunks attend on the CPU (layers/attention.py preferred_prefill_method; docs/cpu-kernels.md)."""
 
-    AUTO = "auto"  # split for a bfloat16 pool on a CPU with AMX, else native
+    AUTO = "auto"  # sdpa for a bfloat16 pool on a CPU with AMX, else native
     NATIVE = "native"  # the native prefill kernel wherever it takes the chunk
     SDPA = "sdpa"  # torch's fused attention, one call per sequence (on AMX tiles for a bfloat16 pool)
     SPLIT = "split"  # chunks of <= SHORT_PREFILL_MAX_ROWS rows native, batched; longer ones SDPA

@@ -395,18 +395,19 @@ def _native_prefill(like: torch.Tensor, head_dim: int, kv_cache: KVCache):
 @functools.cache
 def preferred_prefill_method(pool_dtype: torch.dtype, chosen: str = "auto") -> str:
     """How prefill chunks attend on the CPU, chosen once per pool dtype and engine option, and logged. `chosen` is
-    the engine's prefill_attention option. With "auto": "split" (chunks of at most paths.SHORT_PREFILL_MAX_ROWS rows the native kernel, batched, longer ones SDPA,
-    one call per sequence) for a bfloat16 pool on a CPU with AMX, whose tiles put SDPA well ahead of the native kernel
-    on long chunks while one call per short prompt and layer costs more than they save; "native" (the native kernel
-    where it runs, else SDPA: prefill_method) otherwise, a float32 pool included (there the two are as fast).
-    BATCHSERVE_PREFILL_ATTENTION forces one over `chosen` (docs/cpu-kernels.md)."""
+    the engine's prefill_attention option. With "auto": "sdpa" (torch's fused attention, one call per sequence) for a
+    bfloat16 pool on a CPU with AMX, whose tiles put it ahead of the native kernel there, and on a quiet host as fast
+    as "split" (chunks of at most paths.SHORT_PREFILL_MAX_ROWS rows the native kernel, batched, longer ones SDPA) on
+    peer64 and faster on embeddings; "native" (the native kernel where it runs, else SDPA: prefill_method) otherwise,
+    a float32 pool included (there the two are as fast). BATCHSERVE_PREFILL_ATTENTION forces one over `chosen`
+    (docs/cpu-kernels.md)."""
     forced = env.prefill_attention()
     if forced is not None and forced not in PREFILL_METHODS:
         raise ValueError(f"BATCHSERVE_PREFILL_ATTENTION={forced!r}: not one of auto, {', '.join(PREFILL_METHODS)}")
     if chosen != "auto" and chosen not in PREFILL_METHODS:
         raise ValueError(f"prefill_attention={chosen!r}: not one of auto, {', '.join(PREFILL_METHODS)}")
     amx = pool_dtype == torch.bfloat16 and "amx_bf16" in kernels.cpu_flags().split()
-    path = forced or (chosen if chosen != "auto" else None) or ("split" if amx else "native")
+    path = forced or (chosen if chosen != "auto" else None) or ("sdpa" if amx else "native")
     where = {
         "native": " where it takes the chunk, else sdpa",
         "split": f" (chunks of <= {paths.SHORT_PREFILL_MAX_ROWS} rows native, batched, where it takes them; longer sdpa)",
