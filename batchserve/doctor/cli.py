@@ -1,5 +1,5 @@
 """`batchserve doctor`: watch a running server (--url) for a window, or read a bench trace file, and print what the
-seeds' troubleshooting would find, with the numbers and the simulator's predictions.
+troubleshooting guide (docs/troubleshooting.md) would find, with the numbers and the simulator's predictions.
 
   batchserve doctor --url http://127.0.0.1:8000 --window 60
   batchserve doctor bench_results/run/trace-poisson.json --set max_num_tokens=2048 --set num_kv_blocks=4096

@@ -1,4 +1,4 @@
-"""The findings, each a rule over an Observation, in the seeds' terms (section 4.5): the symptom, the evidence in
+"""The findings, each a rule over an Observation, in the troubleshooting guide's terms: the symptom, the evidence in
 numbers, what to change and by how much, and where the change is a knob the simulator's prediction of its effect.
 
 The rules and what they read:

@@ -365,30 +365,6 @@ def test_sdpa_chunk_after_context_equals_the_bool_mask(dtype, caller, force_pref
         assert torch.equal(out[ends[i] - n : ends[i]], expected[0].transpose(0, 1)), (i, context, n)
 
 
-def test_prefill_path_choice(monkeypatch, force_prefill):
-    # For bfloat16 pools where the CPU has AMX, SDPA (on its tiles); the native kernel elsewhere and for float32
-    # pools; the
-    # engine's prefill_attention option picks another, the variable forces any of them over it, and an unknown name
-    # is an error.
-    monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
-    for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "sdpa"), ("avx512f avx512_bf16", "native")):
-        monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: f"flags : fpu {flags}")
-        preferred_prefill_method.cache_clear()
-        assert (
-            preferred_prefill_method(torch.bfloat16) == bf16_path
-            and preferred_prefill_method(torch.float32) == "native"
-        )
-        assert preferred_prefill_method(torch.bfloat16, "split") == "split"
-    with pytest.raises(ValueError, match="prefill_attention='fastest'"):
-        preferred_prefill_method(torch.float32, "fastest")
-    force_prefill("sdpa")
-    assert preferred_prefill_method(torch.float32) == "sdpa"
-    assert preferred_prefill_method(torch.bfloat16, "split") == "sdpa"  # the variable over the option
-    force_prefill("fastest")
-    with pytest.raises(ValueError, match="BATCHSERVE_PREFILL_ATTENTION"):
-        preferred_prefill_method(torch.bfloat16)
-
-
 @pytest.mark.parametrize("path", kernels.ATTENTION_PATHS)
 def test_paths_float32_pool(path, force_path):
     # A float32 pool on every path: float32 accuracy (the bf16 dot-product path computes it as "avx512" does).

@@ -129,3 +129,27 @@ def test_split_threshold_is_logged_once(monkeypatch, caplog, force):
     assert attention.native_prefill_rows("split") == 96
     assert attention.native_prefill_rows("sdpa") == 0
     assert attention.native_prefill_rows("native") >= 2**31
+
+
+def test_prefill_path_choice(monkeypatch, force_prefill):
+    # For bfloat16 pools where the CPU has AMX, SDPA (on its tiles); the native kernel elsewhere and for float32
+    # pools; the
+    # engine's prefill_attention option picks another, the variable forces any of them over it, and an unknown name
+    # is an error.
+    monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
+    for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "sdpa"), ("avx512f avx512_bf16", "native")):
+        monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: f"flags : fpu {flags}")
+        preferred_prefill_method.cache_clear()
+        assert (
+            preferred_prefill_method(torch.bfloat16) == bf16_path
+            and preferred_prefill_method(torch.float32) == "native"
+        )
+        assert preferred_prefill_method(torch.bfloat16, "split") == "split"
+    with pytest.raises(ValueError, match="prefill_attention='fastest'"):
+        preferred_prefill_method(torch.float32, "fastest")
+    force_prefill("sdpa")
+    assert preferred_prefill_method(torch.float32) == "sdpa"
+    assert preferred_prefill_method(torch.bfloat16, "split") == "sdpa"  # the variable over the option
+    force_prefill("fastest")
+    with pytest.raises(ValueError, match="BATCHSERVE_PREFILL_ATTENTION"):
+        preferred_prefill_method(torch.bfloat16)
