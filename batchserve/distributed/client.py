@@ -30,13 +30,12 @@ from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from transformers import PreTrainedTokenizerBase
 
-from batchserve.config import EngineConfig
 from batchserve.core.outputs import SchedulerStats
 from batchserve.distributed.messages import EngineDescription, ReplicaRequest, StepOutputs, Subscribe, WrongReplica
 from batchserve.distributed.metrics import REQUESTS_MOVED
 from batchserve.distributed.migration import MAX_MIGRATIONS, Handover
 from batchserve.engine.async_engine import RequestStream
-from batchserve.engine.inputs import EngineLimits
+from batchserve.engine.core_messages import DescribedEngine
 from batchserve.request import EngineRequest, LoRARequest
 from batchserve.serving.errors import ErrorKind, ServingError
 
@@ -63,7 +62,7 @@ class _InFlight:
         self.handover = Handover(self.stream.request)
 
 
-class RemoteEngineClient:
+class RemoteEngineClient(DescribedEngine):
     def __init__(self, handle: Any, description: EngineDescription, tokenizer: PreTrainedTokenizerBase) -> None:
         """`handle`: a DeploymentHandle of the EngineReplica deployment."""
         self._handle = handle.options(stream=True)
@@ -93,14 +92,6 @@ class RemoteEngineClient:
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
-
-    @property
-    def config(self) -> EngineConfig:
-        return self.description.config
-
-    @property
-    def limits(self) -> EngineLimits:
-        return self.description.limits
 
     @property
     def is_running(self) -> bool:

@@ -38,6 +38,7 @@ from batchserve.engine.core_messages import (
     Admissions,
     CoreFailed,
     CoreReady,
+    DescribedEngine,
     EngineDescription,
     Shutdown,
     StepDone,
@@ -106,7 +107,7 @@ class _Pending:
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-class EngineCoreClient:
+class EngineCoreClient(DescribedEngine):
     """An AsyncLLMEngine's surface over an engine core process. See the module docstring."""
 
     def __init__(self, child: ChildProcess, description: EngineDescription) -> None:
@@ -161,14 +162,6 @@ class EngineCoreClient:
     @property
     def tokenizer(self) -> Any:
         return self.description.tokenizer
-
-    @property
-    def config(self) -> EngineConfig:
-        return self.description.config
-
-    @property
-    def limits(self) -> EngineLimits:
-        return self.description.limits
 
     @property
     def core_pid(self) -> int:

@@ -52,6 +52,21 @@ class EngineDescription:
     pid: int
 
 
+class DescribedEngine:
+    """The read-only face of an engine that is served from its description (the engine core process's, a Ray
+    replica's): what the API process asks for at every request, without a round trip."""
+
+    description: Any
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.description.config
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.description.limits
+
+
 @dataclass
 class CoreReady:
     description: EngineDescription
