@@ -16,10 +16,9 @@ from batchserve.layers.kernels import paths
 from batchserve.pooling_params import PoolingTask
 from batchserve.sampling_params import InvalidRequestError, SamplingParams
 from batchserve.serving.pooling import pooling_sampling_params
+from tests.lazy import sentence_transformers
 from tests.pooling_models import NO, YES, causal_lm_folder, classifier_folder, embedding_folder, words
 from tests.tiny_models import hf_greedy
-
-sentence_transformers = pytest.importorskip("sentence_transformers")
 
 TOLERANCE = 1e-5
 TEXTS = [words(seed, 3 + 7 * seed) for seed in range(7)]  # 3 to 45 words: several chunks of 16 tokens

@@ -8,9 +8,9 @@ import logging
 import time
 
 import httpx
-import openai
 import pytest
 
+from tests.lazy import openai
 from tests.server.fakes import fake_engine
 from tests.server.live import start_server
 
@@ -86,7 +86,11 @@ def test_unknown_fields_are_refused_by_name(server):
 def test_lenient_server_drops_unknown_fields_with_a_warning(caplog):
     s = start_server(fake_engine(), lenient=True)
     try:
-        body = {"messages": [{"role": "user", "content": "hi", "mood": "x"}], "max_tokens": 3, "guided_decoding_backend": "x"}
+        body = {
+            "messages": [{"role": "user", "content": "hi", "mood": "x"}],
+            "max_tokens": 3,
+            "guided_decoding_backend": "x",
+        }
         with caplog.at_level(logging.WARNING):
             r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

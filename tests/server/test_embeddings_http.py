@@ -9,16 +9,17 @@ import base64
 
 import httpx
 import numpy as np
-import openai
 import pytest
 import torch
 import transformers
 
 from batchserve.engine.llm_engine import LLMEngine
+from tests.lazy import (
+    openai,
+    sentence_transformers,  # noqa: E402
+)
 from tests.pooling_models import classifier_folder, embedding_folder, words
 from tests.server.live import start_server
-
-sentence_transformers = pytest.importorskip("sentence_transformers")
 
 TOLERANCE = 1e-5
 TEXTS = [words(seed, 4 + 6 * seed) for seed in range(5)]

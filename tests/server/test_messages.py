@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import anthropic
 import httpx
-import openai
 import pytest
 
+from tests.lazy import anthropic, openai
 from tests.server.fakes import fake_engine
 from tests.server.live import start_server
 

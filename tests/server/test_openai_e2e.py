@@ -6,10 +6,10 @@ import asyncio
 import time
 
 import httpx
-import openai
 import pytest
 
 from batchserve.serving.metrics import parse_metrics
+from tests.lazy import openai
 
 pytestmark = pytest.mark.slow
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
 from batchserve.entrypoints.openai.response_store import ResponseStore
+from tests.lazy import openai
 from tests.server.fakes import fake_engine
 from tests.server.live import start_server
 

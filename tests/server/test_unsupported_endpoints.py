@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 from fastapi.testclient import TestClient
 
 from batchserve.entrypoints.openai.app import build_app
 from batchserve.entrypoints.openai.unsupported import UNSUPPORTED_ENDPOINTS, unsupported_endpoint
+from tests.lazy import openai
 from tests.server.fakes import fake_engine
 from tests.server.live import start_server
 
