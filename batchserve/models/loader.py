@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import importlib.util
 import json
 import logging
@@ -121,13 +123,26 @@ _gguf_config = read_gguf_config
 # Parsing and dequantizing a GGUF file and converting its tokenizer takes ~30 s; the result is kept on disk as a
 # complete Hugging Face model folder (config.json, generation_config.json, tokenizer files, HF-named safetensors), so
 # every later start takes about a second and other tools (transformers, `vllm bench serve --tokenizer DIR`) can read
-# it. A folder is keyed by the file's size and mtime: a reinstalled package converts again into a new one.
+# it. A folder is keyed by the file's size and a digest of its first and last MiB, not by its mtime: every install of
+# the same package (each venv, each reinstall) has a new mtime, and keyed by it each left another 0.5 GB folder.
+FINGERPRINT_BYTES = 1 << 20
 
 
 def gguf_cache_dir(path: Path) -> Path:
-    root = env.cache_dir()
     stat = path.stat()
-    return root / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    return env.cache_dir() / "gguf" / f"{path.stem}-{stat.st_size}-{_fingerprint(path.resolve(), stat.st_mtime_ns)}"
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint(path: Path, mtime_ns: int) -> str:
+    """A digest of the file's head (its header: names, shapes, types, metadata) and tail (the last tensors' data):
+    enough to tell two model files apart without reading all of one at every start."""
+    digest = hashlib.blake2b(digest_size=8)
+    with open(path, "rb") as file:
+        digest.update(file.read(FINGERPRINT_BYTES))
+        file.seek(max(0, path.stat().st_size - FINGERPRINT_BYTES))
+        digest.update(file.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()
 
 
 TENSOR_TYPES_FILE = "gguf_tensor_types.json"

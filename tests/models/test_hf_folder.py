@@ -80,3 +80,22 @@ def test_the_default_models_conversion_folder_loads_in_transformers():
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     assert GenerationConfig.from_pretrained(folder).eos_token_id == load_model_config(path).eos_token_ids
+
+
+def test_a_reinstalled_file_keeps_its_conversion_and_another_file_gets_its_own(tmp_path, monkeypatch):
+    """The folder is keyed by what the file holds: each install of the same package (a new venv, a reinstall) gives
+    the file a new mtime, and keyed by it every install converted again and left another 0.5 GB folder behind."""
+    import os
+
+    from batchserve import env
+    from batchserve.models.loader import FINGERPRINT_BYTES, gguf_cache_dir
+
+    monkeypatch.setattr(env, "cache_dir", lambda: tmp_path / "cache")
+    body = os.urandom(3 * FINGERPRINT_BYTES)
+    first, reinstalled, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, data in ((first, body), (reinstalled, body), (other, body[:-1] + bytes([body[-1] ^ 1]))):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    os.utime(reinstalled, ns=(1, 1))
+    assert gguf_cache_dir(first) == gguf_cache_dir(reinstalled)
+    assert gguf_cache_dir(other) != gguf_cache_dir(first)  # one byte of the last tensor differs
