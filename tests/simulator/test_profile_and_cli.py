@@ -228,7 +228,7 @@ def test_tune_simulate_confirms_the_best_on_the_engine(tmp_path, tokenizer, make
     tokenizer.save_pretrained(tmp_path / "tok")
     Profile("measured", STEP_MODEL, "tiny", "float32", 1024, 1024 * 16 * 512, 4096).save(tmp_path / "p.json")
     argv = ["--simulate", "--profile", str(tmp_path / "p.json"), "--tokenizer", str(tmp_path / "tok"),
-            "--workload", "uniform", "--input-len", "16", "--output-len", "8", "--num-requests", "12",
+            "--workload", "uniform", "--input-len", "16", "--output-len", "8", "--num-requests", "12", "--request-rate", "inf",
             "--batch-sizes", "4,8", "--num-tokens", "256", "--policies", "max_utilization", "--confirm", "2",
             "--output", str(tmp_path / "best.json"), "--results-json", str(tmp_path / "rows.json"), "--no-progress"]  # fmt: skip
     assert main(["tune", *argv]) == 0  # the CLI sends --simulate to the simulator
