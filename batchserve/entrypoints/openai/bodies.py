@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from batchserve.entrypoints.openai.errors import APIError, as_api_error, validation_error
+from batchserve.entrypoints.openai.refused_bodies import RefusedBodies, body_key
 from batchserve.sampling_params import InvalidRequestError
 
 OFF_LOOP_BODY_BYTES = 64 * 1024  # bodies larger than this are parsed in the parser process
@@ -139,9 +140,11 @@ def _warm() -> int:
 class BodyParser:
     """Parses large bodies in one child process once `start` has been called and that process is up (it imports
     the request models: seconds); until then, or if it cannot be used (it died, a model does not pickle), on a
-    thread, as an app built without `start` (the tests' servers) always does."""
+    thread, as an app built without `start` (the tests' servers) always does. A body refused before is refused
+    again without a parse (refused_bodies.py)."""
 
     def __init__(self) -> None:
+        self.refused = RefusedBodies()
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._ready: concurrent.futures.Future | None = None
         self._fallback = asyncio.Semaphore(1)  # threads parsing at once would each hold the lock in turn
@@ -168,6 +171,17 @@ class BodyParser:
         return ready is not None and ready.done() and ready.exception() is None
 
     async def parse(self, body: bytes, model: type[Body], lenient: bool) -> Body:
+        key = await body_key(body, model, lenient)
+        known = self.refused.refusal(key)
+        if known is not None:
+            raise known
+        try:
+            return await self._parse(body, model, lenient)
+        except APIError as refused:
+            self.refused.remember(key, refused)
+            raise
+
+    async def _parse(self, body: bytes, model: type[Body], lenient: bool) -> Body:
         if self._pool is None and self._on_first_body:
             self.start()
         if self._pool is None or not self.in_process:
