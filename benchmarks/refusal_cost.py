@@ -9,7 +9,8 @@ load around does not change, where a stream's wall-clock ratio on a shared host 
 Before the bodies, the client makes itself a repeat offender (small bad requests past `--error-delay-after`) and
 each body is sent once unmeasured (the body parser process starts on the first large body: its start is reported
 on its own, as `parser_start`). The delay cap is lowered (`--error-delay-max`, default 0.05 s here) so that the
-run is short; what a refusal costs does not depend on how long its answer waited.
+run is short; what a refusal costs does not depend on how long its answer waited. `--vary`: each send differs
+(a `user` field counting up), as from an offender that defeats a memory of refused bodies.
 """
 
 from __future__ import annotations
@@ -88,21 +89,28 @@ def _delta(before: dict[str, float], after: dict[str, float], per: int) -> dict[
     return {who: round(1000 * (after[who] - before.get(who, 0.0)) / per, 2) for who in after}
 
 
-def measure(url: str, server_pid: int, bodies: list[str], repeats: int, after: int) -> dict[str, object]:
+def _sends(body: dict, repeats: int, vary: bool) -> list[bytes]:
+    if not vary:
+        return [json.dumps(body).encode()] * repeats
+    return [json.dumps({**body, "user": f"offender-{i}"}).encode() for i in range(repeats)]
+
+
+def measure(url: str, server_pid: int, bodies: list[str], repeats: int, after: int, vary: bool) -> dict[str, object]:
     report: dict[str, object] = {}
     with httpx.Client(base_url=url, timeout=120) as client:
         for _ in range(after + 2):  # a repeat offender from here on
             client.post("/v1/completions", json=BAD_SMALL)
-        encoded = {name: (HOSTILE_BODIES[name][0], json.dumps(HOSTILE_BODIES[name][1]).encode()) for name in bodies}
-        for name, (path, raw) in encoded.items():
+        for name in bodies:
+            path, body = HOSTILE_BODIES[name]
+            raw, *sends = _sends(body, repeats + 1, vary)
             headers = {"content-type": "application/json"}
             before = tree_cpu_s(server_pid)
             status = client.post(path, content=raw, headers=headers).status_code
             time.sleep(1.0)  # a parser process started by this body has finished its imports
             first = _delta(before, tree_cpu_s(server_pid), 1)
             before, statuses = tree_cpu_s(server_pid), {}
-            for _ in range(repeats):
-                code = str(client.post(path, content=raw, headers=headers).status_code)
+            for send in sends:
+                code = str(client.post(path, content=send, headers=headers).status_code)
                 statuses[code] = statuses.get(code, 0) + 1
             report[name] = {"bytes": len(raw), "first": {"status": status, "cpu_ms": first},
                             "statuses": statuses, "cpu_ms_per_refusal": _delta(before, tree_cpu_s(server_pid), repeats)}  # fmt: skip
@@ -117,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bodies", default=",".join(HOSTILE_BODIES), help="comma-separated, in this order")
     parser.add_argument("--error-delay-max", type=float, default=0.05)
     parser.add_argument("--error-delay-after", type=int, default=10)
+    parser.add_argument("--vary", action="store_true", help="every send of a body differs (a `user` field)")
     parser.add_argument("--output", default="bench_results/refusal_cost.json")
     args = parser.parse_args(argv)
     port = _free_port()
@@ -124,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     proc = start(args.fake, port, args.error_delay_max, args.error_delay_after)
     try:
         wait_ready(proc, url)
-        report = {"engine": "fake" if args.fake else "default model", "load_1min_before": os.getloadavg()[0],
-                  **measure(url, proc.pid, args.bodies.split(","), args.repeats, args.error_delay_after)}  # fmt: skip
+        report = {"engine": "fake" if args.fake else "default model", "vary": args.vary,
+                  "load_1min_before": os.getloadavg()[0],
+                  **measure(url, proc.pid, args.bodies.split(","), args.repeats, args.error_delay_after, args.vary)}  # fmt: skip
         report["load_1min_after"] = os.getloadavg()[0]
     finally:
         proc.send_signal(signal.SIGTERM)
