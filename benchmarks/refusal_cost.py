@@ -7,8 +7,8 @@ load around does not change, where a stream's wall-clock ratio on a shared host 
     python benchmarks/refusal_cost.py                   # `batchserve serve` with the default model
 
 Before the bodies, the client makes itself a repeat offender (small bad requests past `--error-delay-after`) and
-each body is sent once unmeasured (the body parser process starts on the first large body: its start is reported
-on its own, as `parser_start`). The delay cap is lowered (`--error-delay-max`, default 0.05 s here) so that the
+sends large valid bodies until the body parser process has started and the server is idle (that start's CPU is
+reported on its own, as `start_cpu_ms`). The delay cap is lowered (`--error-delay-max`, default 0.05 s here) so that the
 run is short; what a refusal costs does not depend on how long its answer waited. `--vary`: each send differs
 (a `user` field counting up), as from an offender that defeats a memory of refused bodies.
 """
@@ -67,26 +67,48 @@ def _stat(pid: int) -> list[str]:
 
 
 def tree_cpu_s(server_pid: int) -> dict[str, float]:
-    """CPU seconds so far of the server process ("api_server") and of each child, by the child's role."""
+    """CPU seconds so far of the server process ("api_server") and of each child, by the child's role: "parser"
+    for the one at a higher niceness, else "child PID"."""
     tick = os.sysconf("SC_CLK_TCK")
 
     def used(fields: list[str]) -> float:
         return (int(fields[11]) + int(fields[12])) / tick
 
-    totals = {"api_server": used(_stat(server_pid))}
+    server = _stat(server_pid)
+    totals = {"api_server": used(server)}
     for entry in Path("/proc").iterdir():
         try:
             fields = _stat(int(entry.name)) if entry.name.isdigit() else None
         except (OSError, ValueError):
             continue  # gone meanwhile
         if fields and int(fields[1]) == server_pid:
-            role = "parser" if int(fields[16]) > int(_stat(server_pid)[16]) else f"child {entry.name}"
+            role = "parser" if int(fields[16]) > int(server[16]) else f"child {entry.name}"
             totals[role] = totals.get(role, 0.0) + used(fields)
     return totals
 
 
 def _delta(before: dict[str, float], after: dict[str, float], per: int) -> dict[str, float]:
     return {who: round(1000 * (after[who] - before.get(who, 0.0)) / per, 2) for who in after}
+
+
+def warm_up(client: httpx.Client, server_pid: int, after: int, settle_s: float = 60.0) -> dict[str, float]:
+    """Make the client a repeat offender, start the parser process with a large valid body that imports what its
+    checks need (a constraint), and wait until the server's processes are idle: the CPU that start costs."""
+    before = tree_cpu_s(server_pid)
+    for _ in range(after + 2):
+        client.post("/v1/completions", json=BAD_SMALL)
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    large = {"prompt": "x", "max_tokens": 1, "user": "u" * 100_000,
+             "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}  # fmt: skip
+    deadline, last = time.monotonic() + settle_s, None
+    while time.monotonic() < deadline:
+        client.post("/v1/completions", json=large)
+        time.sleep(1.0)
+        now = tree_cpu_s(server_pid)
+        if "parser" in now and last is not None and now["parser"] == last.get("parser"):
+            break
+        last = now
+    return _delta(before, tree_cpu_s(server_pid), 1)
 
 
 def _sends(body: dict, repeats: int, vary: bool) -> list[bytes]:
@@ -98,22 +120,15 @@ def _sends(body: dict, repeats: int, vary: bool) -> list[bytes]:
 def measure(url: str, server_pid: int, bodies: list[str], repeats: int, after: int, vary: bool) -> dict[str, object]:
     report: dict[str, object] = {}
     with httpx.Client(base_url=url, timeout=120) as client:
-        for _ in range(after + 2):  # a repeat offender from here on
-            client.post("/v1/completions", json=BAD_SMALL)
+        report["start_cpu_ms"] = warm_up(client, server_pid, after)
         for name in bodies:
             path, body = HOSTILE_BODIES[name]
-            raw, *sends = _sends(body, repeats + 1, vary)
-            headers = {"content-type": "application/json"}
-            before = tree_cpu_s(server_pid)
-            status = client.post(path, content=raw, headers=headers).status_code
-            time.sleep(1.0)  # a parser process started by this body has finished its imports
-            first = _delta(before, tree_cpu_s(server_pid), 1)
             before, statuses = tree_cpu_s(server_pid), {}
-            for send in sends:
-                code = str(client.post(path, content=send, headers=headers).status_code)
+            for send in _sends(body, repeats, vary):
+                code = str(client.post(path, content=send, headers={"content-type": "application/json"}).status_code)
                 statuses[code] = statuses.get(code, 0) + 1
-            report[name] = {"bytes": len(raw), "first": {"status": status, "cpu_ms": first},
-                            "statuses": statuses, "cpu_ms_per_refusal": _delta(before, tree_cpu_s(server_pid), repeats)}  # fmt: skip
+            report[name] = {"bytes": len(json.dumps(body)), "statuses": statuses,
+                            "cpu_ms_per_refusal": _delta(before, tree_cpu_s(server_pid), repeats)}  # fmt: skip
             print(name, json.dumps(report[name]), flush=True)
     return report
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from batchserve.entrypoints.openai.bodies import PARSER_NICE, BodyParser
+from batchserve.entrypoints.openai.bodies import PARSER_NICE, BodyParser, NicedSpawnContext
 from batchserve.entrypoints.openai.errors import APIError
 from batchserve.entrypoints.openai.protocol import CompletionRequest
 from batchserve.serving.grammar_pool import MAX_CONSTRAINT_BYTES
@@ -171,3 +171,15 @@ def test_huge_logit_bias_bodies_that_differ_are_refused_from_a_scan_in_the_proce
             asyncio.run(parser.parse(body, CompletionRequest, False))
         assert (refused.value.status, refused.value.param) == (400, "logit_bias")
     assert _cpu_s(child) - before <= 0.1
+
+
+def test_the_parser_process_is_lowered_before_its_imports_run():
+    # its start (an interpreter importing pydantic and the request models) is most of its CPU: lowered from the
+    # moment it exists, not from its initializer on
+    process = NicedSpawnContext().Process(target=time.sleep, args=(30,))
+    process.start()
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, process.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + PARSER_NICE)
+    finally:
+        process.kill()
+        process.join()

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import multiprocessing
+import multiprocessing.context
 import os
 import pickle
 import re
@@ -113,11 +115,33 @@ def _drop(data: object, loc: tuple[int | str, ...]) -> bool:
 
 # ------------------------------------------------------------------------------------------------ parser process
 def _start_parser() -> None:
-    """The parser process's set-up: a lower priority, and an exit of its own when the server is gone (killed, it
-    cannot shut the pool down, and an orphan would wait for bodies forever)."""
-    os.nice(PARSER_NICE)
+    """The parser process's set-up: its lower priority if its start did not set it, and an exit of its own when the
+    server is gone (killed, it cannot shut the pool down, and an orphan would wait for bodies forever)."""
     parent = os.getppid()
+    with contextlib.suppress(OSError):  # the server gone already: the watch below exits
+        wanted = _lowered(os.getpriority(os.PRIO_PROCESS, parent))
+        if os.getpriority(os.PRIO_PROCESS, 0) < wanted:
+            os.setpriority(os.PRIO_PROCESS, 0, wanted)
     threading.Thread(target=_exit_with, args=(parent,), name="batchserve-parser-watch", daemon=True).start()
+
+
+def _lowered(niceness: int) -> int:
+    return min(19, niceness + PARSER_NICE)
+
+
+class _NicedProcess(multiprocessing.context.SpawnProcess):
+    """A spawned process whose priority its parent lowers as soon as it exists: its start (a new interpreter
+    importing pydantic, FastAPI and the request models: a quarter to most of a second of CPU) runs before any
+    initializer of its own could, and at the server's priority it took a core from the engine core."""
+
+    def start(self) -> None:
+        super().start()
+        with contextlib.suppress(OSError):  # it died at once: the pool reports that
+            os.setpriority(os.PRIO_PROCESS, self.pid, _lowered(os.getpriority(os.PRIO_PROCESS, 0)))
+
+
+class NicedSpawnContext(multiprocessing.context.SpawnContext):
+    Process = _NicedProcess
 
 
 def _exit_with(parent: int) -> None:
@@ -167,7 +191,7 @@ class BodyParser:
     def start(self) -> concurrent.futures.Future:
         """Spawn the parser process; the future is done once it can take bodies."""
         if self._pool is None:
-            context = multiprocessing.get_context("spawn")  # no threads or locks of this process inherited
+            context = NicedSpawnContext()  # spawned: no threads or locks of this process inherited
             self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_start_parser)
             self._ready = self._pool.submit(_warm)
         assert self._ready is not None
