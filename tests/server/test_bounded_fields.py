@@ -16,6 +16,7 @@ from batchserve.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
 )
+from batchserve.entrypoints.openai.responses import ResponsesRequest
 from batchserve.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS
 
 BIAS = {str(i): 1 for i in range(100_000)}
@@ -60,9 +61,14 @@ def test_an_over_bound_field_is_refused_by_the_scan_as_by_the_parse(model, body)
     assert (scanned.status, scanned.param) == (parsed.status, parsed.param) == (400, scanned.message.split(":")[0])
 
 
-def test_a_trailing_comma_after_the_bound_is_refused_and_so_is_it_by_the_parse():
-    raw = b'{"prompt": "x", "stop_token_ids": [' + b"1," * MAX_STOP_TOKEN_IDS + b"]}"
-    assert _scan(raw) is not None and _parse(raw).code == "invalid_json"
+def test_a_trailing_comma_or_an_empty_list_under_a_zero_bound_is_left_to_the_parse():
+    trailing = b'{"prompt": "x", "stop_token_ids": [' + b"1," * MAX_STOP_TOKEN_IDS + b"]}"
+    assert _scan(trailing) is None and _parse(trailing).code == "invalid_json"
+    assert bounded_fields(ResponsesRequest) == (("include", 0),)  # no extra output data is built
+    assert _scan(b'{"model": "m", "input": "hi", "include": [ ]}', ResponsesRequest) is None
+    one = b'{"model": "m", "input": "hi", "include": ["reasoning.encrypted_content"]}'
+    scanned, parsed = _scan(one, ResponsesRequest), _parse(one, ResponsesRequest)
+    assert (scanned.status, scanned.param) == (parsed.status, parsed.param) == (400, "include")
 
 
 def _steps_aside(body: bytes, model=CompletionRequest) -> None:

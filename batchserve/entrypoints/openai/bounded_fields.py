@@ -12,8 +12,7 @@ parse decides) whenever it cannot be sure of that:
   the strings and brackets before it tells (given up past `WALK_TOKENS` of them);
 - no `\\u` escape after it (a later key spelled with one would be the same name, and the last duplicate wins);
 - every counted item is a plain scalar (a mapping's keys without escapes): any other value the parse may judge.
-Bound + 1 items, or bound items and a trailing comma (malformed JSON), are refused either way. A mapping's
-duplicate keys are counted as items: an object with more members than the bound is refused even if fewer keys
+It refuses on the bound's items and the start of one more. A mapping's duplicate keys are counted as items: an object with more members than the bound is refused even if fewer keys
 are distinct.
 """
 
@@ -37,12 +36,16 @@ _OBJECT = re.compile(rb"\s*\{")
 _SCALAR = rb'[^,\[\]{}"]*'
 
 
+_NEXT_ITEM = rb"(?=\s*[^\s\]}])"  # then another item begins (not the value's end, nor a trailing comma's)
+
+
 @cache
 def _items(bound: int) -> dict[bytes, re.Pattern[bytes]]:
-    """Patterns matching `bound` items, each followed by a comma, from the value's opening bracket."""
+    """Patterns matching `bound` items, each followed by a comma, and the start of one more, from the value's
+    opening bracket."""
     return {
-        b"{": re.compile(rb'\{(?:\s*"[^"\\]*"\s*:' + _SCALAR + rb",){%d}" % bound),
-        b"[": re.compile(rb"\[(?:" + _SCALAR + rb",){%d}" % bound),
+        b"{": re.compile(rb'\{(?:\s*"[^"\\]*"\s*:' + _SCALAR + rb",){%d}" % bound + _NEXT_ITEM),
+        b"[": re.compile(rb"\[(?:" + _SCALAR + rb",){%d}" % bound + _NEXT_ITEM),
     }
 
 
