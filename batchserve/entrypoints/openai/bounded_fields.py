@@ -12,8 +12,8 @@ parse decides) whenever it cannot be sure of that:
   the strings and brackets before it tells (given up past `WALK_TOKENS` of them);
 - no `\\u` escape after it (a later key spelled with one would be the same name, and the last duplicate wins);
 - every counted item is a plain scalar (a mapping's keys without escapes): any other value the parse may judge.
-It refuses on the bound's items and the start of one more. A mapping's duplicate keys are counted as items: an object with more members than the bound is refused even if fewer keys
-are distinct.
+It refuses on the bound's items and the start of one more. A mapping's duplicate keys are counted as items: an
+object with more members than the bound is refused even if fewer keys are distinct.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ _STEP = re.compile(rb'[^"\[\]{}]*("[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}])', re.DOTALL
 _COLON = re.compile(rb"\s*:\s*")
 _OBJECT = re.compile(rb"\s*\{")
 _SCALAR = rb'[^,\[\]{}"]*'
-
-
 _NEXT_ITEM = rb"(?=\s*[^\s\]}])"  # then another item begins (not the value's end, nor a trailing comma's)
 
 
