@@ -1,7 +1,8 @@
 """OpenAIIngress: the Ray Serve ingress deployment. Ray Serve's HTTP proxy hands it each request; it answers with
 the same OpenAI (and KServe) routes as `batchserve serve`, over RemoteEngineClient, so tokenizing, validation,
 streaming and errors are the serving layer's. /metrics: every running replica's metrics, labelled `replica`, and
-the router's decisions (distributed/metrics.py); /health: 503 while no running replica has reported.
+the router's decisions (distributed/metrics.py) and the offender table's counts; /health: 503 while no running
+replica has reported. Repeat offenders' 4xx answers wait as on `batchserve serve` (one table for every port here).
 
 With `grpc_port`, the ingress also runs batchserve's gRPC server (batchserve.v1.Generation, KServe v2, health,
 reflection) on that port, over the same client: one ingress replica binds it (Ray Serve's own gRPC proxy would need
@@ -18,7 +19,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from batchserve.distributed.client import RemoteEngineClient
 from batchserve.distributed.dashboard import ReplicaDashboards
@@ -28,6 +29,7 @@ from batchserve.entrypoints.grpc.server import GrpcServer
 from batchserve.entrypoints.openai.app import build_front_app, model_names
 from batchserve.entrypoints.openai.connections import ConnectionLimits
 from batchserve.entrypoints.openai.dashboard import add_dashboard_routes
+from batchserve.entrypoints.openai.error_delay import ErrorDelayCollector
 
 HTTP_START_TIMEOUT_S = 30.0
 
@@ -38,11 +40,17 @@ class OpenAIIngress:
         self.client = await RemoteEngineClient.connect(engines)
         self.options = options
         self.names = model_names(options.served_model_name, self.client.config.model)
+        # one table for every front end here (Ray's proxy, the ingress's own HTTP port, gRPC): an offender is one
+        # client whichever port it uses
+        self.offenders = options.offender_table()
+        self._offender_metrics = CollectorRegistry(auto_describe=False)
+        self._offender_metrics.register(ErrorDelayCollector(self.offenders, self.names[0]))
         self.grpc_server: GrpcServer | None = None
         if options.grpc_port is not None:
             self.grpc_server = GrpcServer(
                 self.client, self.names, host=options.grpc_host, port=options.grpc_port, api_key=options.api_key,
                 max_request_bytes=options.max_body_bytes, health_problem=self.health_problem,
+                offenders=self.offenders,
             )  # fmt: skip
             await self.grpc_server.start()
         self.http_server: uvicorn.Server | None = None
@@ -62,6 +70,7 @@ class OpenAIIngress:
             lenient=options.lenient,
             render_metrics=self.render_metrics,
             health_problem=self.health_problem,
+            offenders=self.offenders,
         )
         add_dashboard_routes(app, ReplicaDashboards())
         return app
@@ -76,8 +85,11 @@ class OpenAIIngress:
             max_body_bytes=options.max_body_bytes,
         )  # fmt: skip
         config = uvicorn.Config(
-            self._front_app(), log_config=None, access_log=False, timeout_graceful_shutdown=options.drain_timeout_s,
-            **limits.uvicorn_options(),
+            self._front_app(),
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=options.drain_timeout_s,
+            **limits.uvicorn_options(self.offenders),
         )
         self.http_server = uvicorn.Server(config)
         self._http_task = asyncio.ensure_future(self.http_server.serve(sockets=[listener]))
@@ -107,7 +119,7 @@ class OpenAIIngress:
             self.http_server.should_exit = True
 
     async def render_metrics(self) -> bytes:
-        return relabelled(replica_metrics()) + generate_latest(ROUTER_METRICS)
+        return relabelled(replica_metrics()) + generate_latest(ROUTER_METRICS) + generate_latest(self._offender_metrics)
 
     def engine_config(self) -> dict[str, str]:
         """The replicas' options as they run them (they all run the same): Ray Serve keeps replicas' own logs out

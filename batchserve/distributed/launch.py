@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             stall_timeout_s=args.stall_timeout, grpc_port=args.grpc_port, grpc_host=args.host,
             drain_timeout_s=args.drain_timeout, header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
-            max_connections=args.max_connections,
+            max_connections=args.max_connections, error_delay_max_s=args.error_delay_max,
+            error_delay_after=args.error_delay_after, error_delay_clients=args.error_delay_clients,
         )  # fmt: skip
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))

@@ -8,6 +8,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from batchserve.entrypoints.openai.error_delay import (
+    DEFAULT_ERROR_DELAY_AFTER,
+    DEFAULT_ERROR_DELAY_CLIENTS,
+    DEFAULT_ERROR_DELAY_MAX_S,
+    ErrorDelayConfig,
+    OffenderTable,
+)
+
 ROUTERS = ("prefix-aware", "power-of-two")
 
 
@@ -40,6 +48,10 @@ class RayAppOptions(BaseModel):
     body_timeout_s: float = Field(60.0, gt=0)
     keep_alive_timeout_s: float = Field(5.0, gt=0)
     max_connections: int | None = Field(None, ge=1)
+    # repeat offenders' 4xx answers wait, on the ingress's HTTP and gRPC alike (serve's --error-delay-* flags)
+    error_delay_max_s: float = Field(DEFAULT_ERROR_DELAY_MAX_S, ge=0, description="0: no delays")
+    error_delay_after: int = Field(DEFAULT_ERROR_DELAY_AFTER, ge=0)
+    error_delay_clients: int = Field(DEFAULT_ERROR_DELAY_CLIENTS, ge=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> RayAppOptions:
@@ -52,6 +64,9 @@ class RayAppOptions(BaseModel):
                 "(every replica loads them at start)"
             )
         return self
+
+    def offender_table(self) -> OffenderTable:
+        return OffenderTable(ErrorDelayConfig(self.error_delay_max_s, self.error_delay_after, self.error_delay_clients))
 
     @property
     def autoscaling(self) -> bool:

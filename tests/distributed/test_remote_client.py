@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+from pydantic import ValidationError
 from ray.serve.context import _get_serve_request_context, _RequestContext, _serve_request_context
 
 from batchserve.distributed.client import RemoteEngineClient
@@ -84,3 +86,47 @@ def test_the_ingress_serves_the_replicas_adapters_by_model_name():
         missing = http.post("/v1/completions", json={"model": "chat", "prompt": "hi", "max_tokens": 2})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         assert "'sql'" in missing.json()["error"]["message"]
+
+
+def test_the_ingress_delays_repeat_offenders_on_its_own_http_port(monkeypatch):
+    """The ingress keeps serve's offender table (--error-delay-*): its app's 4xx and its protocol's 413 count
+    against one client and wait, and /metrics shows the table."""
+    import httpx
+
+    from batchserve.config import EngineConfig, Truncation
+    from batchserve.distributed.ingress import OpenAIIngress
+    from batchserve.distributed.messages import EngineDescription
+    from batchserve.distributed.options import RayAppOptions
+    from batchserve.engine.inputs import EngineLimits
+    from batchserve.serving.metrics import parse_metrics
+
+    description = EngineDescription(EngineConfig(model="tiny-base"), EngineLimits(64, 64, 100, Truncation.ERROR, 1024),
+                                    64, {}, ())  # fmt: skip
+    client = RemoteEngineClient(_Handle(), description, tokenizer=None)
+
+    async def connect(cls, handle):
+        return client
+
+    monkeypatch.setattr(RemoteEngineClient, "connect", classmethod(connect))
+    monkeypatch.setattr("batchserve.distributed.ingress.replica_metrics", lambda: {})  # no Ray cluster here
+    options = RayAppOptions(http_port=0, max_body_bytes=1000, error_delay_max_s=0.05, error_delay_after=1)
+
+    async def offend() -> tuple[list[int], dict[str, float], OpenAIIngress]:
+        ingress = OpenAIIngress.__new__(OpenAIIngress)
+        await ingress.__init__(None, options)  # Ray Serve awaits a deployment's async __init__ so
+        port = ingress.http_server.servers[0].sockets[0].getsockname()[1]
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+                statuses = [(await http.post("/v1/completions", json={"prompt": 5})).status_code for _ in range(3)]
+                statuses.append((await http.post("/v1/completions", content=b"{" * 2000)).status_code)
+                metrics = parse_metrics((await http.get("/metrics")).text)
+        finally:
+            await ingress.drain()
+        return statuses, metrics, ingress
+
+    statuses, metrics, ingress = asyncio.run(offend())
+    assert statuses == [400, 400, 400, 413]
+    assert ingress.offenders.delayed_total == 3  # all but the first (--error-delay-after 1), the 413 among them
+    assert metrics["batchserve:error_responses_delayed_total"] == 3 and metrics["batchserve:error_delay_clients"] == 1
+    with pytest.raises(ValidationError, match="error_delay_max_s"):
+        RayAppOptions(error_delay_max_s=-1)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import multiprocessing
+import multiprocessing.context
 import os
 import pickle
 import re
@@ -25,7 +27,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from batchserve.entrypoints.openai.bounded_fields import refuse_over_bound
 from batchserve.entrypoints.openai.errors import APIError, as_api_error, validation_error
+from batchserve.entrypoints.openai.refused_bodies import RefusedBodies, body_key
 from batchserve.sampling_params import InvalidRequestError
 
 OFF_LOOP_BODY_BYTES = 64 * 1024  # bodies larger than this are parsed in the parser process
@@ -47,6 +51,13 @@ def validated_body(body: bytes, model: type[Body], lenient: bool) -> Body:
         if not lenient:
             raise validation_error(exc) from None
         return _validate_without_unknown_fields(model, data, exc)
+
+
+def large_body(body: bytes, model: type[Body], lenient: bool) -> Body:
+    """`validated_body` for a large body, which a scan of its bytes may refuse first (a bounded list over its bound:
+    bounded_fields.py): a few milliseconds a megabyte where the parse would take tens."""
+    refuse_over_bound(body, model)
+    return validated_body(body, model, lenient)
 
 
 def json_value(body: bytes) -> object:
@@ -104,11 +115,33 @@ def _drop(data: object, loc: tuple[int | str, ...]) -> bool:
 
 # ------------------------------------------------------------------------------------------------ parser process
 def _start_parser() -> None:
-    """The parser process's set-up: a lower priority, and an exit of its own when the server is gone (killed, it
-    cannot shut the pool down, and an orphan would wait for bodies forever)."""
-    os.nice(PARSER_NICE)
+    """The parser process's set-up: its lower priority if its start did not set it, and an exit of its own when the
+    server is gone (killed, it cannot shut the pool down, and an orphan would wait for bodies forever)."""
     parent = os.getppid()
+    with contextlib.suppress(OSError):  # the server gone already: the watch below exits
+        wanted = _lowered(os.getpriority(os.PRIO_PROCESS, parent))
+        if os.getpriority(os.PRIO_PROCESS, 0) < wanted:
+            os.setpriority(os.PRIO_PROCESS, 0, wanted)
     threading.Thread(target=_exit_with, args=(parent,), name="batchserve-parser-watch", daemon=True).start()
+
+
+def _lowered(niceness: int) -> int:
+    return min(19, niceness + PARSER_NICE)
+
+
+class _NicedProcess(multiprocessing.context.SpawnProcess):
+    """A spawned process whose priority its parent lowers as soon as it exists: its start (a new interpreter
+    importing pydantic, FastAPI and the request models: a quarter to most of a second of CPU) runs before any
+    initializer of its own could, and at the server's priority it took a core from the engine core."""
+
+    def start(self) -> None:
+        super().start()
+        with contextlib.suppress(OSError):  # it died at once: the pool reports that
+            os.setpriority(os.PRIO_PROCESS, self.pid, _lowered(os.getpriority(os.PRIO_PROCESS, 0)))
+
+
+class NicedSpawnContext(multiprocessing.context.SpawnContext):
+    Process = _NicedProcess
 
 
 def _exit_with(parent: int) -> None:
@@ -122,7 +155,7 @@ def _parse_in_parser(body: bytes, model: type[Body], lenient: bool) -> tuple[str
     A refusal travels as its APIError's fields (exceptions with keyword-only state do not round-trip through
     pickle)."""
     try:
-        parsed = validated_body(body, model, lenient)
+        parsed = large_body(body, model, lenient)
         check = getattr(parsed, "check_off_loop", None)  # a large constraint's checks, say
         if check is not None:
             check()
@@ -139,9 +172,12 @@ def _warm() -> int:
 class BodyParser:
     """Parses large bodies in one child process once `start` has been called and that process is up (it imports
     the request models: seconds); until then, or if it cannot be used (it died, a model does not pickle), on a
-    thread, as an app built without `start` (the tests' servers) always does."""
+    thread, as an app built without `start` (the tests' servers) always does. A body refused before is refused
+    again without a parse (refused_bodies.py), and so is one whose bounded list is over its bound in a scan of its
+    bytes (bounded_fields.py)."""
 
     def __init__(self) -> None:
+        self.refused = RefusedBodies()
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._ready: concurrent.futures.Future | None = None
         self._fallback = asyncio.Semaphore(1)  # threads parsing at once would each hold the lock in turn
@@ -155,7 +191,7 @@ class BodyParser:
     def start(self) -> concurrent.futures.Future:
         """Spawn the parser process; the future is done once it can take bodies."""
         if self._pool is None:
-            context = multiprocessing.get_context("spawn")  # no threads or locks of this process inherited
+            context = NicedSpawnContext()  # spawned: no threads or locks of this process inherited
             self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_start_parser)
             self._ready = self._pool.submit(_warm)
         assert self._ready is not None
@@ -168,6 +204,17 @@ class BodyParser:
         return ready is not None and ready.done() and ready.exception() is None
 
     async def parse(self, body: bytes, model: type[Body], lenient: bool) -> Body:
+        key = await body_key(body, model, lenient)
+        known = self.refused.refusal(key)
+        if known is not None:
+            raise known
+        try:
+            return await self._parse(body, model, lenient)
+        except APIError as refused:
+            self.refused.remember(key, refused)
+            raise
+
+    async def _parse(self, body: bytes, model: type[Body], lenient: bool) -> Body:
         if self._pool is None and self._on_first_body:
             self.start()
         if self._pool is None or not self.in_process:
@@ -187,7 +234,7 @@ class BodyParser:
 
     async def _on_thread(self, body: bytes, model: type[Body], lenient: bool) -> Body:
         async with self._fallback:
-            return await asyncio.to_thread(validated_body, body, model, lenient)
+            return await asyncio.to_thread(large_body, body, model, lenient)
 
     def close(self) -> None:
         pool, self._pool, self._ready = self._pool, None, None
