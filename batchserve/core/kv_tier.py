@@ -159,26 +159,73 @@ class TierStore:
             self.stats.read_s += time.perf_counter() - start
         return payload
 
+    def read_into(self, digest: bytes, views: list) -> bool:
+        """Read the block's payload straight into `views` (writable buffers, in payload order: the pool block's rows
+        of each layer part) with one readv, and check it there: no payload buffer is allocated (its first touch cost
+        more than the read) and nothing is copied. False when the file is absent or fails a check (then it is
+        deleted and counted; the views hold garbage, which the caller recomputes over)."""
+        start = time.perf_counter()
+        path = self.path_of(digest)
+        head, extra = bytearray(HEADER_BYTES), bytearray(1)  # extra: a file longer than its block takes a byte
+        expected = HEADER_BYTES + sum(memoryview(v).nbytes for v in views)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(digest)
+            return False
+        except OSError as exc:
+            logger.warning("KV tier: cannot read %s (%s): its tokens are recomputed", path.name, exc)
+            return False
+        try:
+            got = os.readv(fd, [head, *views, extra])
+        except OSError as exc:
+            logger.warning("KV tier: cannot read %s (%s): its tokens are recomputed", path.name, exc)
+            return False
+        finally:
+            os.close(fd)
+        why = self._check_header(digest, head, got, expected - HEADER_BYTES)
+        if not why and _checksum(memoryview(head)[: _HEADER.size], *views) != head[_HEADER.size :]:
+            why = "checksum mismatch"
+        if why:
+            self.drop_corrupt(digest, why)
+            return False
+        self._touch(digest, got)
+        with self._lock:
+            self.stats.blocks_read += 1
+            self.stats.bytes_read += got
+            self.stats.read_s += time.perf_counter() - start
+        return True
+
     def count_hits(self, blocks: int) -> None:
         with self._lock:
             self.stats.hits += blocks
 
     def _check(self, digest: bytes, data: bytes) -> tuple[memoryview | None, str]:
-        if len(data) < HEADER_BYTES:
-            return None, f"truncated header ({len(data)} bytes)"
-        magic, version, _priority, _expires, fingerprint, stored, length = _HEADER.unpack_from(data)
-        if magic != MAGIC or version != VERSION:
-            return None, "not a KV block file of this format"
-        if fingerprint != self.fingerprint:
-            return None, "written for another model or KV layout"
-        if stored != digest:
-            return None, "holds another block"
-        if len(data) != HEADER_BYTES + length:
-            return None, f"truncated: {len(data) - HEADER_BYTES} of {length} payload bytes"
+        why = self._check_header(digest, data, len(data))
+        if why:
+            return None, why
         view = memoryview(data)
         if _checksum(view[: _HEADER.size], view[HEADER_BYTES:]) != view[_HEADER.size : HEADER_BYTES]:
             return None, "checksum mismatch"
         return view[HEADER_BYTES:], ""
+
+    def _check_header(self, digest: bytes, head, size: int, payload_bytes: int | None = None) -> str:
+        """Why a file of `size` bytes starting with `head` is not this block ('' when its header says it is);
+        `payload_bytes`: the payload's length the reader expects (None: any)."""
+        if size < HEADER_BYTES:
+            return f"truncated header ({size} bytes)"
+        magic, version, _priority, _expires, fingerprint, stored, length = _HEADER.unpack_from(head)
+        if magic != MAGIC or version != VERSION:
+            return "not a KV block file of this format"
+        if fingerprint != self.fingerprint:
+            return "written for another model or KV layout"
+        if stored != digest:
+            return "holds another block"
+        if payload_bytes is not None and length != payload_bytes:
+            return f"a payload of {length} bytes where a block has {payload_bytes}"
+        if size < HEADER_BYTES + length:
+            return f"truncated: {size - HEADER_BYTES} of {length} payload bytes"
+        return "longer than its header says" if size > HEADER_BYTES + length else ""
 
     def drop_corrupt(self, digest: bytes, why: str) -> None:
         logger.warning("KV tier: dropped %s (%s): its tokens are recomputed", self.path_of(digest).name, why)

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 WRITE_QUEUE_BYTES = 256 << 20
 DEFAULT_MAX_BYTES = 16 << 30  # kv_offload_max_bytes when only the directory is given
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
 
 
 def _layout(kv_cache: KVCache) -> list[tuple[int, int, torch.dtype, tuple[int, ...]]]:
@@ -168,6 +169,31 @@ def copy_blocks_in(kv_cache: KVCache, pairs: Sequence[tuple[int, object]]) -> No
             offset += size
 
 
+class PoolRows:
+    """Where the tier's reader scatters a file (core/kv_tier.py TierStore.read_into): a pool block's rows of every
+    layer part, writable, in payload order. The parts' byte views are made once per pool (a resize makes a new one),
+    not per block: 60 tensor-to-numpy conversions cost more than a block's read."""
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        self.kv_cache = kv_cache
+        self._of: list | None = None
+        self._arrays: list[np.ndarray] = []
+
+    def block(self, block_id: int) -> list[np.ndarray] | None:
+        """None where one readv cannot take them all (more parts than the system's IOV_MAX; then read and copy)."""
+        caches = self.kv_cache.device_caches
+        if caches is not self._of:
+            self._arrays = [_byte_rows(_parts(caches[i])[j]) for i, j, _ in _part_sizes(self.kv_cache)]
+            self._of = caches
+        if len(self._arrays) + 2 > IOV_MAX:  # + the header and the overlong-file probe
+            return None
+        return [rows[block_id] for rows in self._arrays]
+
+
+def _byte_rows(part: torch.Tensor) -> np.ndarray:
+    return part.view(part.shape[0], -1).view(torch.uint8).numpy()
+
+
 def _part_sizes(kv_cache: KVCache) -> list[tuple[int, int, int]]:
     return [(i, j, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
             for i, j, dtype, shape in _layout(kv_cache)]
@@ -187,6 +213,7 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     offload = KVOffload(store, block_payload_bytes(runner.kv_cache), retention_of(cache.block_size))
     kv_manager.tier = offload
     offload.copy_in = lambda pairs: copy_blocks_in(runner.kv_cache, pairs)
+    offload.views_of = PoolRows(runner.kv_cache).block
     runner.offload = BlockWriter(store)
     logger.info(
         "KV tier: %s, %d blocks (%.2f of %.2f GiB) found from earlier runs",
