@@ -51,7 +51,7 @@ class KVOffload:
         # copy_in(pairs of block id and payload), on the reader thread; set by the worker (worker/kv_offload.py)
         self.copy_in: Callable[[list[tuple[int, object]]], None] | None = None
         # views_of(block id) -> the pool block's rows of each layer part, writable, in payload order (or None), on
-        # the reader thread: a block is read into them in place; set by the worker with copy_in
+        # a reading thread: where read_into puts a checked block; set by the worker with copy_in
         self.views_of: Callable[[int], list | None] | None = None
         self._jobs: dict[Future, _LoadJob] = {}
 
@@ -92,8 +92,9 @@ class KVOffload:
     def start_load(self, digests: Sequence[bytes], block_ids: Sequence[int]) -> Future:
         """Read these consecutive blocks back into their (fresh) pool blocks on the reader thread; the future's result
         is how many arrived, in order up to the first missing or bad one. A block whose read started at lookup is
-        copied from that read; the others (their reads cancelled here, if not yet begun) are read straight into their
-        pool blocks (`views_of`). `help_load` lets a thread that would only wait for the job take blocks of it."""
+        copied from that read; the others (their reads cancelled here, if not yet begun) are read and checked by
+        TierStore.read_into and copied into their pool blocks' rows (`views_of`). `help_load` lets a thread that
+        would only wait for the job take blocks of it."""
         futures = [None if f is None or f.cancel() else f for f in (self._prefetch.pop(d, None) for d in digests)]
         job = _LoadJob(self, list(zip(digests, futures, block_ids)))
         future = self._reader.submit(job.run)
@@ -109,7 +110,7 @@ class KVOffload:
             job.work()
 
     def _load_one(self, digest: bytes, future: Future | None, block_id: int) -> bool:
-        """One block into its pool block: from its read at lookup, or read in place; False: missing, bad or failed."""
+        """One block into its pool block: from its read at lookup, or by read_into; False: missing, bad or failed."""
         views = self.views_of(block_id) if future is None and self.views_of is not None else None
         if views is not None:
             return self.store.read_into(digest, views)

@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 WRITE_QUEUE_BYTES = 256 << 20
 DEFAULT_MAX_BYTES = 16 << 30  # kv_offload_max_bytes when only the directory is given
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
 
 
 def _layout(kv_cache: KVCache) -> list[tuple[int, int, torch.dtype, tuple[int, ...]]]:
@@ -155,23 +154,22 @@ def load_blocks(kv_cache: KVCache, loads: Sequence[tuple[int, bytes]]) -> None:
         offset += size
 
 
-def copy_blocks_in(kv_cache: KVCache, pairs: Sequence[tuple[int, object]]) -> None:
+def copy_blocks_in(kv_cache: KVCache, pairs: Sequence[tuple[int, object]], rows: PoolRows | None = None) -> None:
     """On the tier's reader thread, while steps run: checked payloads into their pool blocks, which no step reads
     before their request is admitted. numpy does the copies: a torch op on this thread could start an OpenMP team
-    of its own beside the steps' threads."""
-    views = [(_parts(kv_cache.device_caches[i])[j], size) for i, j, size in _part_sizes(kv_cache)]
-    pool = [part.view(part.shape[0], -1).view(torch.uint8).numpy() for part, _ in views]
+    of its own beside the steps' threads. `rows`: the pool's byte views, made once (else made here)."""
+    rows = rows or PoolRows(kv_cache)
     for block_id, payload in pairs:
         src = np.frombuffer(payload, dtype=np.uint8)
         offset = 0
-        for dst, (_, size) in zip(pool, views):
-            dst[block_id] = src[offset : offset + size]
-            offset += size
+        for dst in rows.block(block_id):
+            dst[:] = src[offset : offset + dst.nbytes]
+            offset += dst.nbytes
 
 
 class PoolRows:
-    """Where the tier's reader scatters a file (core/kv_tier.py TierStore.read_into): a pool block's rows of every
-    layer part, writable, in payload order. The parts' byte views are made once per pool (a resize makes a new one),
+    """Where the tier's readers put a checked block (core/kv_tier.py TierStore.read_into): a pool block's rows of
+    every layer part, writable, in payload order. The parts' byte views are made once per pool (a resize makes a new one),
     not per block: 60 tensor-to-numpy conversions cost more than a block's read."""
 
     def __init__(self, kv_cache: KVCache) -> None:
@@ -179,14 +177,11 @@ class PoolRows:
         self._of: list | None = None
         self._arrays: list[np.ndarray] = []
 
-    def block(self, block_id: int) -> list[np.ndarray] | None:
-        """None where one readv cannot take them all (more parts than the system's IOV_MAX; then read and copy)."""
+    def block(self, block_id: int) -> list[np.ndarray]:
         caches = self.kv_cache.device_caches
         if caches is not self._of:
             self._arrays = [_byte_rows(_parts(caches[i])[j]) for i, j, _ in _part_sizes(self.kv_cache)]
             self._of = caches
-        if len(self._arrays) + 2 > IOV_MAX:  # + the header and the overlong-file probe
-            return None
         return [rows[block_id] for rows in self._arrays]
 
 
@@ -212,8 +207,9 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     store = TierStore(cache.kv_offload_dir, description, max_bytes, block_payload_bytes(runner.kv_cache))
     offload = KVOffload(store, block_payload_bytes(runner.kv_cache), retention_of(cache.block_size))
     kv_manager.tier = offload
-    offload.copy_in = lambda pairs: copy_blocks_in(runner.kv_cache, pairs)
-    offload.views_of = PoolRows(runner.kv_cache).block
+    rows = PoolRows(runner.kv_cache)
+    offload.copy_in = lambda pairs: copy_blocks_in(runner.kv_cache, pairs, rows)
+    offload.views_of = rows.block
     runner.offload = BlockWriter(store)
     logger.info(
         "KV tier: %s, %d blocks (%.2f of %.2f GiB) found from earlier runs",

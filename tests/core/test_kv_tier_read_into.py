@@ -1,7 +1,8 @@
-"""Reading a block back in place: TierStore.read_into scatters a file straight into the pool block's part rows (one
-readv, no payload buffer) and checks it there, failing every damage get() fails; a load job is shared by the reader
-thread and a helper (the scheduler's thread, which would otherwise only wait), each block read by exactly one of them,
-the count in order up to the first block that did not arrive. Model-free: numpy rows stand in for the pool's parts."""
+"""Reading a block back into the pool: TierStore.read_into reads a file (one readv into the thread's reusable
+buffer), checks it and copies it into the pool block's part rows, failing every damage get() fails; a load job is
+shared by the reader thread and a helper (the scheduler's thread, which would otherwise only wait), each block read
+by exactly one of them, the count in order up to the first block that did not arrive. Model-free: numpy rows stand in
+for the pool's parts."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def block_of(pool, block_id: int) -> bytes:
     return b"".join(rows[block_id].tobytes() for rows in pool)
 
 
-def test_read_into_fills_the_block_in_place(tier):
+def test_read_into_fills_the_pool_block(tier):
     store, pool = tier
     assert store.read_into(digest(3), [rows[7] for rows in pool])
     assert block_of(pool, 7) == payload(3) and block_of(pool, 6) == bytes(PAYLOAD)
@@ -74,7 +75,7 @@ def test_read_into_refuses_every_damage(tier, damage):
 def test_a_helper_shares_the_load_and_the_count_stops_at_the_first_bad_block(tier):
     store, pool = tier
     offload = KVOffload(store, PAYLOAD)
-    offload.copy_in = lambda pairs: pytest.fail("no payload was read ahead: every block is read in place")
+    offload.copy_in = lambda pairs: pytest.fail("no payload was read ahead: every block goes by read_into")
     readers: dict[int, str] = {}
     gate = threading.Event()
 

@@ -85,8 +85,8 @@ def test_prefix_read_back_gives_transformers_tokens(tiny, tmp_path):
 
 
 def spy_reads_in_place(eng: LLMEngine) -> list:
-    """The blocks the engine's tier puts into pool blocks from now on (the real calls, recorded): read straight into
-    them (readv), or copied from a read begun at lookup, before the request was admitted."""
+    """The blocks the engine's tier puts into pool blocks from now on (the real calls, recorded): by read_into, or
+    copied from a read begun at lookup, before the request was admitted."""
     offload, store, arrived = eng.kv_tier, eng.kv_tier.store, []
     read_into, copy_in = store.read_into, offload.copy_in
     store.read_into = lambda digest, views: read_into(digest, views) and not arrived.append(digest)
