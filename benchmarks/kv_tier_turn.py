@@ -4,9 +4,10 @@ scheduler's step (it waits there for the read, nothing else running), the read a
 forward pass, sampling; for three ways of reading the same blocks back, alternating turn by turn so that a host's
 load falls on all alike:
 
-- copy:     the reader thread alone reads each file whole, checks it, copies it into the pool block (the old way);
-- in-place: the reader thread alone, each file read by readv straight into the pool block's rows and checked there;
-- helped:   in place, the scheduler's thread reading blocks of the same job beside the reader (the engine's way).
+- get+copy:  the reader thread alone reads each file into a new buffer, checks it, copies it into the pool block (as
+             before read_into);
+- read_into: the reader thread alone, each file read into the thread's reusable buffer, checked, copied in;
+- helped:    read_into, the scheduler's thread reading blocks of the same job beside the reader (the engine's way).
 
     .venv/bin/python benchmarks/kv_tier_turn.py [--history 1167] [--new 257] [--reps 5] [--threads 2]
 """
@@ -27,12 +28,12 @@ from batchserve.engine.llm_engine import LLMEngine  # noqa: E402
 from batchserve.host.process import configure_torch  # noqa: E402
 from batchserve.sampling_params import SamplingParams  # noqa: E402
 
-WAYS = ("copy", "in-place", "helped")
+WAYS = ("get+copy", "read_into", "helped")
 
 
 def set_way(engine: LLMEngine, way: str, views_of) -> None:
     offload = engine.kv_tier
-    offload.views_of = None if way == "copy" else views_of
+    offload.views_of = None if way == "get+copy" else views_of
     if way == "helped":
         offload.__dict__.pop("help_load", None)  # the class's
     else:
@@ -105,9 +106,9 @@ def main() -> None:
         engine.close()
     print(f"{args.dtype}, {args.threads or 'default'} threads; {args.history} tokens read back "
           f"({args.history // 16} blocks), {args.new} computed; medians of {args.reps} (ms):")  # fmt: skip
-    print(f"{'':10}" + "".join(f"{p:>10}" for p in results[WAYS[0]][0]))
+    print(f"{'':11}" + "".join(f"{p:>10}" for p in results[WAYS[0]][0]))
     for way, runs in results.items():
-        print(f"{way:10}" + "".join(f"{statistics.median(r[p] for r in runs) * 1e3:10.1f}" for p in runs[0]))
+        print(f"{way:11}" + "".join(f"{statistics.median(r[p] for r in runs) * 1e3:10.1f}" for p in runs[0]))
 
 
 if __name__ == "__main__":
