@@ -50,9 +50,9 @@ class KVOffload:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-read")
         # copy_in(pairs of block id and payload), on the reader thread; set by the worker (worker/kv_offload.py)
         self.copy_in: Callable[[list[tuple[int, object]]], None] | None = None
-        # views_of(block id) -> the pool block's rows of each layer part, writable, in payload order (or None), on
-        # a reading thread: where read_into puts a checked block; set by the worker with copy_in
-        self.views_of: Callable[[int], list | None] | None = None
+        # views_of(block id) -> the pool block's rows of each layer part, writable, in payload order, on a reading
+        # thread: where read_into puts a checked block; set by the worker with copy_in
+        self.views_of: Callable[[int], list] | None = None
         self._jobs: dict[Future, _LoadJob] = {}
 
     @property
@@ -104,23 +104,21 @@ class KVOffload:
 
     def help_load(self, future: Future) -> None:
         """The calling thread (the scheduler's, with nothing else to run) reads blocks of this load job beside the
-        reader thread until none is left: a long prefix arrives in about half the time on two cores."""
+        reader thread until none is left, so that a second core reads rather than idles."""
         job = self._jobs.get(future)
         if job is not None:
             job.work()
 
     def _load_one(self, digest: bytes, future: Future | None, block_id: int) -> bool:
         """One block into its pool block: from its read at lookup, or by read_into; False: missing, bad or failed."""
-        views = self.views_of(block_id) if future is None and self.views_of is not None else None
-        if views is not None:
-            return self.store.read_into(digest, views)
+        if future is None and self.views_of is not None:
+            return self.store.read_into(digest, self.views_of(block_id))
         payload = future.result() if future is not None and not future.cancelled() else self.store.get(digest)
         if payload is None:
             return False
         self.copy_in([(block_id, payload)])
         return True
 
-    # ---- writes ----------------------------------------------------------------------------------------------
     # ---- writes ----------------------------------------------------------------------------------------------
     def digests(self, request: Request, keys: Sequence) -> list[bytes]:
         """The request's block digests, extended to cover `keys` (the manager's keys of its full blocks)."""

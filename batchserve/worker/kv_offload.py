@@ -169,8 +169,8 @@ def copy_blocks_in(kv_cache: KVCache, pairs: Sequence[tuple[int, object]], rows:
 
 class PoolRows:
     """Where the tier's readers put a checked block (core/kv_tier.py TierStore.read_into): a pool block's rows of
-    every layer part, writable, in payload order. The parts' byte views are made once per pool (a resize makes a new one),
-    not per block: 60 tensor-to-numpy conversions cost more than a block's read."""
+    every layer part, writable, in payload order. The parts' byte views are made once per pool (a resize makes a new
+    one), not per block: 60 tensor-to-numpy conversions a block cost about as much as its read."""
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
