@@ -170,7 +170,8 @@ class TierStore:
         counted)."""
         start = time.perf_counter()
         path = self.path_of(digest)
-        dests = [memoryview(v).cast("B") for v in views]
+        dests = [v if isinstance(v, memoryview) and v.format == "B" and v.ndim == 1 else memoryview(v).cast("B")
+                 for v in views]  # fmt: skip
         length = sum(d.nbytes for d in dests)
         buffer = self._buffers.__dict__.get("buffer")
         if buffer is None or len(buffer) != HEADER_BYTES + length + 1:  # + a byte: a file longer than its block

@@ -163,26 +163,28 @@ def copy_blocks_in(kv_cache: KVCache, pairs: Sequence[tuple[int, object]], rows:
         src = np.frombuffer(payload, dtype=np.uint8)
         offset = 0
         for dst in rows.block(block_id):
-            dst[:] = src[offset : offset + dst.nbytes]
+            dst[:] = src[offset : offset + dst.nbytes].data
             offset += dst.nbytes
 
 
 class PoolRows:
     """Where the tier's readers put a checked block (core/kv_tier.py TierStore.read_into): a pool block's rows of
-    every layer part, writable, in payload order. The parts' byte views are made once per pool (a resize makes a new
-    one), not per block: 60 tensor-to-numpy conversions a block cost about as much as its read."""
+    every layer part, writable byte views, in payload order. Each part's flat byte view is made once per pool (a
+    resize makes a new one) and a block's rows are slices of it: 60 tensor-to-numpy conversions a block cost about as
+    much as its read, and numpy rows cast to bytes took twice the time these slices take, held under the GIL."""
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
         self._of: list | None = None
-        self._arrays: list[np.ndarray] = []
+        self._parts: list[tuple[memoryview, int]] = []  # (a part's flat bytes, one block's bytes of it)
 
-    def block(self, block_id: int) -> list[np.ndarray]:
+    def block(self, block_id: int) -> list[memoryview]:
         caches = self.kv_cache.device_caches
         if caches is not self._of:
-            self._arrays = [_byte_rows(_parts(caches[i])[j]) for i, j, _ in _part_sizes(self.kv_cache)]
+            rows = [_byte_rows(_parts(caches[i])[j]) for i, j, _ in _part_sizes(self.kv_cache)]
+            self._parts = [(memoryview(r).cast("B"), r.shape[1]) for r in rows]
             self._of = caches
-        return [rows[block_id] for rows in self._arrays]
+        return [flat[block_id * size : (block_id + 1) * size] for flat, size in self._parts]
 
 
 def _byte_rows(part: torch.Tensor) -> np.ndarray:
