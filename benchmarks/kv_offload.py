@@ -22,6 +22,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -186,21 +187,24 @@ def chat_phases(args, pool: int) -> None:
 
 
 def time_loads(engine: LLMEngine) -> list[float]:
-    """[seconds, blocks] of the tier's load jobs (read, check, copy into the pool, on the reader thread)."""
-    totals, real = [0.0, 0], getattr(engine.kv_tier, "_load", None)
-    if real is None:  # a checkout from before the load jobs
+    """[seconds, blocks] of the tier's block loads (read, check, into the pool: by the reader thread, or by the
+    scheduler's thread helping it), each block's time summed, whichever thread took it."""
+    totals, lock = [0.0, 0], threading.Lock()
+    real = getattr(engine.kv_tier, "_load_one", None)
+    if real is None:  # a checkout from before the per-block load jobs
         return totals
 
-    clock = time.thread_time if CLOCK[0] is time.process_time else time.perf_counter  # on the reader thread
+    clock = time.thread_time if CLOCK[0] is time.process_time else time.perf_counter  # on the thread that loads
 
     def timed(*args):
         start = clock()
         arrived = real(*args)
-        totals[0] += clock() - start
-        totals[1] += arrived
+        with lock:
+            totals[0] += clock() - start
+            totals[1] += int(arrived)
         return arrived
 
-    engine.kv_tier._load = timed
+    engine.kv_tier._load_one = timed
     return totals
 
 

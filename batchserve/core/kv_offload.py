@@ -14,6 +14,7 @@ the end of the step and writes it off the step path (`kv_saves`).
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,6 +50,10 @@ class KVOffload:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-read")
         # copy_in(pairs of block id and payload), on the reader thread; set by the worker (worker/kv_offload.py)
         self.copy_in: Callable[[list[tuple[int, object]]], None] | None = None
+        # views_of(block id) -> the pool block's rows of each layer part, writable, in payload order, on a reading
+        # thread: where read_into puts a checked block; set by the worker with copy_in
+        self.views_of: Callable[[int], list] | None = None
+        self._jobs: dict[Future, _LoadJob] = {}
 
     @property
     def stats(self):
@@ -86,26 +91,33 @@ class KVOffload:
 
     def start_load(self, digests: Sequence[bytes], block_ids: Sequence[int]) -> Future:
         """Read these consecutive blocks back into their (fresh) pool blocks on the reader thread; the future's result
-        is how many arrived, in order up to the first missing or bad one. The reader is one thread that runs its
-        tasks in order, so the prefetches started at lookup are done (or never started) when the job runs."""
-        futures = [self._prefetch.pop(digest, None) for digest in digests]
-        return self._reader.submit(self._load, list(digests), futures, list(block_ids))
+        is how many arrived, in order up to the first missing or bad one. A block whose read started at lookup is
+        copied from that read; the others (their reads cancelled here, if not yet begun) are read and checked by
+        TierStore.read_into and copied into their pool blocks' rows (`views_of`). `help_load` lets a thread that
+        would only wait for the job take blocks of it."""
+        futures = [None if f is None or f.cancel() else f for f in (self._prefetch.pop(d, None) for d in digests)]
+        job = _LoadJob(self, list(zip(digests, futures, block_ids)))
+        future = self._reader.submit(job.run)
+        self._jobs[future] = job
+        future.add_done_callback(lambda f: self._jobs.pop(f, None))
+        return future
 
-    def _load(self, digests: list[bytes], futures: list[Future | None], block_ids: list[int]) -> int:
-        pairs = []
-        for digest, future, block_id in zip(digests, futures, block_ids):
-            payload = future.result() if future is not None and not future.cancelled() else self.store.get(digest)
-            if payload is None:
-                break
-            pairs.append((block_id, payload))
-        try:
-            if pairs:
-                self.copy_in(pairs)
-        except Exception:  # a load that fails is a miss: its tokens are recomputed, the engine goes on
-            logger.exception("KV tier: copying %d blocks into the pool failed: they are recomputed", len(pairs))
-            return 0
-        self.store.count_hits(len(pairs))
-        return len(pairs)
+    def help_load(self, future: Future) -> None:
+        """The calling thread (the scheduler's, with nothing else to run) reads blocks of this load job beside the
+        reader thread until none is left, so that a second core reads rather than idles."""
+        job = self._jobs.get(future)
+        if job is not None:
+            job.work()
+
+    def _load_one(self, digest: bytes, future: Future | None, block_id: int) -> bool:
+        """One block into its pool block: from its read at lookup, or by read_into; False: missing, bad or failed."""
+        if future is None and self.views_of is not None:
+            return self.store.read_into(digest, self.views_of(block_id))
+        payload = future.result() if future is not None and not future.cancelled() else self.store.get(digest)
+        if payload is None:
+            return False
+        self.copy_in([(block_id, payload)])
+        return True
 
     # ---- writes ----------------------------------------------------------------------------------------------
     def digests(self, request: Request, keys: Sequence) -> list[bytes]:
@@ -130,3 +142,48 @@ class KVOffload:
 
     def close(self) -> None:
         self._reader.shutdown(wait=True, cancel_futures=True)
+
+
+class _LoadJob:
+    """One request's blocks read back into the pool, taken one at a time by the reader thread and by any helper
+    (help_load); the result counts the blocks that arrived in order up to the first that did not."""
+
+    def __init__(self, offload: KVOffload, items: list[tuple[bytes, Future | None, int]]) -> None:
+        self.offload = offload
+        self.items = items
+        self.ok = [False] * len(items)
+        self._next = 0
+        self._stop = len(items)  # the first block that failed: the ones after it are not worth reading
+        self._busy = 0  # blocks being read now
+        self._cond = threading.Condition()
+
+    def work(self) -> None:
+        while (i := self._take()) is not None:
+            try:
+                ok = self.offload._load_one(*self.items[i])
+            except Exception:  # a load that fails is a miss: its tokens are recomputed, the engine goes on
+                logger.exception("KV tier: reading a block back into the pool failed: it is recomputed")
+                ok = False
+            with self._cond:
+                self.ok[i] = ok
+                if not ok:
+                    self._stop = min(self._stop, i)
+                self._busy -= 1
+                self._cond.notify_all()
+
+    def _take(self) -> int | None:
+        with self._cond:
+            if self._next >= self._stop:
+                return None
+            self._next += 1
+            self._busy += 1
+            return self._next - 1
+
+    def run(self) -> int:
+        """On the reader thread: its share of the blocks, then (the helpers' last ones done) how many arrived."""
+        self.work()
+        with self._cond:
+            self._cond.wait_for(lambda: self._busy == 0)
+        arrived = next((i for i, ok in enumerate(self.ok) if not ok), len(self.ok))
+        self.offload.store.count_hits(arrived)
+        return arrived

@@ -154,18 +154,41 @@ def load_blocks(kv_cache: KVCache, loads: Sequence[tuple[int, bytes]]) -> None:
         offset += size
 
 
-def copy_blocks_in(kv_cache: KVCache, pairs: Sequence[tuple[int, object]]) -> None:
+def copy_blocks_in(kv_cache: KVCache, pairs: Sequence[tuple[int, object]], rows: PoolRows | None = None) -> None:
     """On the tier's reader thread, while steps run: checked payloads into their pool blocks, which no step reads
     before their request is admitted. numpy does the copies: a torch op on this thread could start an OpenMP team
-    of its own beside the steps' threads."""
-    views = [(_parts(kv_cache.device_caches[i])[j], size) for i, j, size in _part_sizes(kv_cache)]
-    pool = [part.view(part.shape[0], -1).view(torch.uint8).numpy() for part, _ in views]
+    of its own beside the steps' threads. `rows`: the pool's byte views, made once (else made here)."""
+    rows = rows or PoolRows(kv_cache)
     for block_id, payload in pairs:
         src = np.frombuffer(payload, dtype=np.uint8)
         offset = 0
-        for dst, (_, size) in zip(pool, views):
-            dst[block_id] = src[offset : offset + size]
-            offset += size
+        for dst in rows.block(block_id):
+            dst[:] = src[offset : offset + dst.nbytes].data
+            offset += dst.nbytes
+
+
+class PoolRows:
+    """Where the tier's readers put a checked block (core/kv_tier.py TierStore.read_into): a pool block's rows of
+    every layer part, writable byte views, in payload order. Each part's flat byte view is made once per pool (a
+    resize makes a new one) and a block's rows are slices of it: 60 tensor-to-numpy conversions a block cost about as
+    much as its read, and numpy rows cast to bytes took twice the time these slices take, held under the GIL."""
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        self.kv_cache = kv_cache
+        self._of: list | None = None
+        self._parts: list[tuple[memoryview, int]] = []  # (a part's flat bytes, one block's bytes of it)
+
+    def block(self, block_id: int) -> list[memoryview]:
+        caches = self.kv_cache.device_caches
+        if caches is not self._of:
+            rows = [_byte_rows(_parts(caches[i])[j]) for i, j, _ in _part_sizes(self.kv_cache)]
+            self._parts = [(memoryview(r).cast("B"), r.shape[1]) for r in rows]
+            self._of = caches
+        return [flat[block_id * size : (block_id + 1) * size] for flat, size in self._parts]
+
+
+def _byte_rows(part: torch.Tensor) -> np.ndarray:
+    return part.view(part.shape[0], -1).view(torch.uint8).numpy()
 
 
 def _part_sizes(kv_cache: KVCache) -> list[tuple[int, int, int]]:
@@ -186,7 +209,9 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     store = TierStore(cache.kv_offload_dir, description, max_bytes, block_payload_bytes(runner.kv_cache))
     offload = KVOffload(store, block_payload_bytes(runner.kv_cache), retention_of(cache.block_size))
     kv_manager.tier = offload
-    offload.copy_in = lambda pairs: copy_blocks_in(runner.kv_cache, pairs)
+    rows = PoolRows(runner.kv_cache)
+    offload.copy_in = lambda pairs: copy_blocks_in(runner.kv_cache, pairs, rows)
+    offload.views_of = rows.block
     runner.offload = BlockWriter(store)
     logger.info(
         "KV tier: %s, %d blocks (%.2f of %.2f GiB) found from earlier runs",

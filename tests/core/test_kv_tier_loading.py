@@ -80,7 +80,10 @@ def test_a_bad_block_and_the_ones_after_it_are_computed(tmp_path):
     out = step(sched)  # nothing else runs: the scheduler waits for the read, then admits c
     (new,) = out.new_requests
     assert new.num_computed_tokens == 4 and out.num_scheduled_tokens["c"] == 9
-    assert [block_id for block_id, _ in copied] == new.block_ids[:1]
+    # the scheduler's thread reads beside the reader (nothing else runs): the block after the bad one may have been
+    # copied too, into a block of c's that its step then computes over; the bad one never is
+    assert new.block_ids[0] in [b for b, _ in copied] and new.block_ids[1] not in [b for b, _ in copied]
+    assert {b for b, _ in copied} <= set(new.block_ids[:3])
     assert store.stats.corrupt_dropped == 1 and store.stats.hits == 1
     assert [s.digest for s in out.kv_saves] == digests[1:2]  # recomputed, so written anew (the third is on disk)
 

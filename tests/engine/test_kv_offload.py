@@ -74,13 +74,24 @@ def test_prefix_read_back_gives_transformers_tokens(tiny, tmp_path):
     first = generate(eng, tokens)
     assert eng.kv_tier.stats.blocks_written >= 5
     evict_all(eng)
+    in_place = spy_reads_in_place(eng)
     again, hit = tier_hit_tokens(eng, tokens)
-    assert hit == 5 * BLOCK  # every full prompt block read back, not recomputed
+    assert hit == 5 * BLOCK and len(in_place) == 5  # every full prompt block read back, not recomputed
     assert first == again == hf_greedy(model, tokens, 6)
     metrics = scraped(eng)
     assert metrics["batchserve:kv_tier_hit_tokens_total"] == 5 * BLOCK
     assert metrics["batchserve:kv_tier_read_bytes_total"] > 0 and metrics["batchserve:kv_tier_read_seconds_total"] > 0
     eng.close()
+
+
+def spy_reads_in_place(eng: LLMEngine) -> list:
+    """The blocks the engine's tier puts into pool blocks from now on (the real calls, recorded): by read_into, or
+    copied from a read begun at lookup, before the request was admitted."""
+    offload, store, arrived = eng.kv_tier, eng.kv_tier.store, []
+    read_into, copy_in = store.read_into, offload.copy_in
+    store.read_into = lambda digest, views: read_into(digest, views) and not arrived.append(digest)
+    offload.copy_in = lambda pairs: (copy_in(pairs), arrived.extend(pairs))
+    return arrived
 
 
 def scraped(eng: LLMEngine) -> dict[str, float]:
@@ -104,8 +115,9 @@ def test_bf16_blocks_read_back_bit_equal(tiny, tmp_path):
     written = _blocks_of(eng, tokens)
     evict_all(eng)
     assert all(kv.pool.lookup(key) is None for key, _ in written)
+    in_place = spy_reads_in_place(eng)
     _, hit = tier_hit_tokens(eng, tokens, max_tokens=1)
-    assert hit == 4 * BLOCK
+    assert hit == 4 * BLOCK and len(in_place) == 4  # read into the pool's rows (or copied from a read begun earlier)
     for key, before in written:
         block = kv.pool.lookup(key)
         assert block is not None
