@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +33,7 @@ from batchserve.bench.workloads import BenchRequest, WorkloadOptions, make_workl
 from batchserve.config import EngineConfig
 from batchserve.simulator.build import make_cluster
 from batchserve.simulator.profile_file import Profile
+from batchserve.simulator.step_model import ScaledStepModel
 from batchserve.simulator.tokens import workload_tokenizer
 
 MIX = {"max_batch_size": 32, "max_num_tokens": 8192}
@@ -55,13 +58,18 @@ def targets(requests: list[BenchRequest], args: argparse.Namespace) -> list[Benc
     return [replace(r, **(long if r.category == "long" else short)) for r in requests]
 
 
+def make_requests(args: argparse.Namespace, num_requests: int, seed: int) -> list[BenchRequest]:
+    options = WorkloadOptions(long_ratio=args.long_ratio, long_output_len=args.long_output_len)
+    return targets(make_workload("mixed", workload_tokenizer(None, None), num_requests, seed, options), args)
+
+
 def met(result: RequestResult, request: BenchRequest) -> bool:
     if not result.success or result.ttft is None or result.ttft * 1000 > request.ttft_slo_ms:
         return False
     return result.tpot is None or result.tpot * 1000 <= request.tpot_slo_ms
 
 
-def summary(results: list[RequestResult], requests: list[BenchRequest], duration_s: float) -> dict[str, float]:
+def summary(results: list[RequestResult], duration_s: float, requests: list[BenchRequest]) -> dict[str, float]:
     by_id = {r.request_id: r for r in requests}
     shorts = [r for r in results if r.category == "short"]
     served_short = [r.ttft for r in shorts if r.success and r.ttft is not None]
@@ -84,21 +92,87 @@ def summary(results: list[RequestResult], requests: list[BenchRequest], duration
 def simulate(policy: str, profile: Profile, requests, rate: float, seed: int) -> dict[str, float]:
     config = EngineConfig.from_options(**MIX, **POLICIES[policy], enable_chunked_prefill=True)
     trace = make_cluster(config, profile).run(requests, ArrivalProcess(request_rate=rate), seed=seed).trace
-    return summary(trace.requests, requests, trace.meta["duration_s"])
+    return summary(trace.requests, trace.meta["duration_s"], requests)
 
 
-def on_engine(names: list[str], requests, rate: float, seed: int, args: argparse.Namespace) -> dict[str, dict]:
-    """The real engine (the default model) through bench's offline driver, on the same trace; one model load, a
-    fresh scheduler per policy."""
+def on_engine(names: list[str], requests, rate: float, profile: Profile, args: argparse.Namespace) -> dict:
+    """The real engine (the default model, the profile's dtype, --threads torch threads) through bench's offline
+    driver, on the same trace; one model load and warm-up, a fresh scheduler per policy. With --calibrate each policy's
+    run is preceded by a speed check (batchserve profile --check) and simulated again at that minute's speed."""
     from batchserve.bench.offline import build_engine, run_offline
+    from batchserve.bench.warmup import warmup_requests
+    from batchserve.host.process import configure_torch
+    from batchserve.simulator.profiler import check_speed
 
-    rows, engine = {}, None
+    configure_torch(args.threads, args.seed)
+    rows, at_speed, speeds, engine = {}, {}, {}, None
     for name in names:
-        config = EngineConfig.from_options(**MIX, **POLICIES[name], num_kv_blocks=args.num_kv_blocks)
+        config = EngineConfig.from_options(**MIX, **POLICIES[name], num_kv_blocks=args.num_kv_blocks,
+                                           dtype=profile.dtype, num_threads=args.threads)  # fmt: skip
+        fresh = engine is None
         engine = build_engine(config, like=engine)
-        trace = run_offline(engine, requests, ArrivalProcess(request_rate=rate), seed, name, False)
-        rows[name] = summary(trace.requests, requests, trace.meta["duration_s"])
-    return rows
+        if fresh:  # the first forward of each shape, the largest prefill, a full batch's decode: not timed
+            warm = warmup_requests(lambda n, seed: make_requests(args, n, seed), MIX["max_batch_size"])
+            run_offline(engine, warm, progress=False, label="warmup")
+        if args.calibrate:
+            check = check_speed(engine, profile, args.seed)
+            speeds[name] = {"time_scale": check.factor, "decode_time_scale": check.decode_factor}
+            scaled = replace(profile, step_model=ScaledStepModel(profile.step_model, check.factor, check.decode_factor))
+            at_speed[name] = simulate(name, scaled, requests, rate, args.seed)
+        trace = run_offline(engine, requests, ArrivalProcess(request_rate=rate), args.seed, name, False)
+        rows[name] = summary(trace.requests, trace.meta["duration_s"], requests)
+    return {"engine": rows, "simulated_at_host_speed": at_speed, "host_speed": speeds}
+
+
+def on_vllm(requests, rate: float, args: argparse.Namespace) -> tuple[dict, dict]:
+    """The same trace through vLLM's CPU build (benchmarks/slo_mix_vllm.py in vLLM's venv): its summary row and
+    the settings it ran with."""
+    import slo_mix_vllm
+
+    from batchserve import env
+
+    offsets = ArrivalProcess(request_rate=rate).offsets(len(requests), args.seed)
+    trace = [{"request_id": r.request_id, "category": r.category, "prompt_token_ids": r.prompt_token_ids,
+              "max_tokens": r.output_len, "arrival_s": t} for r, t in zip(requests, offsets, strict=True)]  # fmt: skip
+    options = slo_mix_vllm.BEST | json.loads(args.vllm_options)
+    priorities = {"short": 0, "long": 1} if options.get("scheduling_policy") == "priority" else {}
+    out = slo_mix_vllm.run(trace, Path(args.hf_dir or env.hf_export_dir()).resolve(),
+                           Path(args.vllm_python or env.vllm_python()).absolute(), options, priorities, args.threads,
+                           Path(env.BENCH_RESULTS) / "slo_mix_vllm.log", args.vllm_timeout)  # fmt: skip
+    settings = {"version": out["version"], "options": out["options"], "priorities": priorities}
+    return summary(*vllm_results(out["results"], requests), requests=requests), settings
+
+
+def vllm_results(records: list[dict], requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
+    """The worker's per-request times (seconds after its start) as bench's results, and the run's duration (its
+    last finish)."""
+    category = {r.request_id: r.category for r in requests}
+    results = [RequestResult(rec["request_id"], 0, rec["output_len"], rec["arrival_s"], rec["first_token_s"],
+                             rec["finish_s"], category=category[rec["request_id"]]) for rec in records]  # fmt: skip
+    return results, max(rec["finish_s"] for rec in records)
+
+
+def accuracy(simulated: dict, real: dict, at_speed: dict) -> str:
+    """Per policy: the simulator's goodput beside the engine's and its relative error (and at the host's speed)."""
+    head = f"{'policy':<11} {'engine':>8} {'simulated':>9} {'error':>7}"
+    head += f" {'sim at host speed':>17} {'error':>7}" if at_speed else ""
+    lines = [head]
+    for name, e in real.items():
+        s = simulated[name]["goodput"]
+        line = f"{name:<11} {e['goodput']:>8.3f} {s:>9.3f} {relative(s, e['goodput'])}"
+        if name in at_speed:
+            c = at_speed[name]["goodput"]
+            line += f" {c:>17.3f} {relative(c, e['goodput'])}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def relative(predicted: float, measured: float) -> str:
+    return f"{100 * (predicted - measured) / measured:>+6.1f}%" if measured else f"{'-':>7}"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b and not math.isnan(a / b) else "-"
 
 
 def table(rows: dict[str, dict[str, float]]) -> str:
@@ -107,18 +181,18 @@ def table(rows: dict[str, dict[str, float]]) -> str:
              f"{'short TTFT miss':>15} {'long tok/s':>10} {'x fcfs':>6} {'refused':>7}"]  # fmt: skip
     for name, s in rows.items():
         lines.append(
-            f"{name:<11} {s['goodput']:>8.3f} {s['goodput'] / base['goodput']:>6.2f} {100 * s['attainment']:>6.1f} "
-            f"{s['short_ttft_p99_ms']:>17.0f} {base['short_ttft_p99_ms'] / s['short_ttft_p99_ms']:>6.2f} "
+            f"{name:<11} {s['goodput']:>8.3f} {ratio(s['goodput'], base['goodput']):>6} {100 * s['attainment']:>6.1f} "
+            f"{s['short_ttft_p99_ms']:>17.0f} {ratio(base['short_ttft_p99_ms'], s['short_ttft_p99_ms']):>6} "
             f"{100 * s['short_ttft_miss']:>14.1f}% {s['long_tok_s']:>10.1f} "
-            f"{s['long_tok_s'] / base['long_tok_s']:>6.2f} {s['refused']:>7}"
+            f"{ratio(s['long_tok_s'], base['long_tok_s']):>6} {s['refused']:>7}"
         )
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", required=True)
-    p.add_argument("--num-requests", type=int, default=300)
+    p.add_argument("--requests", "--num-requests", dest="num_requests", type=int, default=200)
     p.add_argument("--long-ratio", type=float, default=0.2)
     p.add_argument("--long-output-len", type=int, default=500)
     p.add_argument("--rate", type=float, default=None, help="requests/s (default: searched over --rates)")
@@ -129,39 +203,72 @@ def main() -> None:
     p.add_argument("--long-tpot-ms", type=float, default=250.0)
     p.add_argument("--threshold", type=int, default=128, help="long_prefill_token_threshold of the SLO policies")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", default=",".join(POLICIES), help="the policies run (default: all)")
     p.add_argument("--engine", action="store_true", help="also run the real engine (default model) on the trace")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the engine, OpenMP threads of vLLM "
+                   "(default 1: the profile's)")  # fmt: skip
+    p.add_argument("--calibrate", action="store_true", help="--engine: time a few steps before each policy's run "
+                   "(batchserve profile --check) and simulate again at that minute's speed")  # fmt: skip
     p.add_argument("--num-kv-blocks", type=int, default=None, help="the real engine's KV pool (--engine)")
+    p.add_argument("--vllm", action="store_true", help="also run the trace through vLLM's CPU build (its venv)")
+    p.add_argument("--vllm-python", default=None, help="vLLM's interpreter (default: $VLLM_PYTHON, else "
+                   "bench_results/vllm-venv/bin/python)")  # fmt: skip
+    p.add_argument("--hf-dir", default=None, help="the model exported for vLLM (benchmarks/export_hf.py)")
+    p.add_argument("--vllm-options", default="{}", help="JSON of vLLM EngineArgs keywords over slo_mix_vllm.BEST")
+    p.add_argument("--vllm-timeout", type=float, default=3600.0)
     p.add_argument("--json", default=None, help="write the rows here")
-    args = p.parse_args()
-    POLICIES.update(policies(args.threshold))
+    return p.parse_args(argv)
 
+
+def find_rate(args: argparse.Namespace, profile: Profile, requests: list[BenchRequest]) -> float:
+    """--rate, else the lowest of --rates at which FCFS misses the short TTFT target for more than 30% of them."""
+    if args.rate is not None:
+        return args.rate
+    for candidate in (float(r) for r in args.rates.split(",")):
+        if simulate("fcfs", profile, requests, candidate, args.seed)["short_ttft_miss"] > 0.3:
+            return candidate
+    raise SystemExit("FCFS met the short TTFT target at every rate tried: raise --rates")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    POLICIES.update(policies(args.threshold))
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(POLICIES))
+    if unknown or "fcfs" not in names:
+        raise SystemExit(f"--policies: {unknown or 'fcfs is needed (the ratios are against it)'}; "
+                         f"choose from {', '.join(POLICIES)}")  # fmt: skip
     profile = Profile.load(args.profile)
-    options = WorkloadOptions(long_ratio=args.long_ratio, long_output_len=args.long_output_len)
-    requests = make_workload("mixed", workload_tokenizer(None, None), args.num_requests, args.seed, options)
-    requests = targets(requests, args)
-    rate = args.rate
-    if rate is None:
-        for candidate in (float(r) for r in args.rates.split(",")):
-            if simulate("fcfs", profile, requests, candidate, args.seed)["short_ttft_miss"] > 0.3:
-                rate = candidate
-                break
-        else:
-            raise SystemExit("FCFS met the short TTFT target at every rate tried: raise --rates")
+    requests = make_requests(args, args.num_requests, args.seed)
+    rate = find_rate(args, profile, requests)
     print(f"mixed: {args.num_requests} requests ({100 * args.long_ratio:g}% summaries), Poisson {rate:g} req/s, "
           f"seed {args.seed}; profile {profile.label}; {MIX}")  # fmt: skip
     start = time.monotonic()
-    rows = {name: simulate(name, profile, requests, rate, args.seed) for name in POLICIES}
-    print(f"\nsimulated ({time.monotonic() - start:.1f} s)\n{table(rows)}")
-    out = {"rate": rate, "simulated": rows}
+    rows = {name: simulate(name, profile, requests, rate, args.seed) for name in names}
+    print(f"\nsimulated ({time.monotonic() - start:.1f} s)\n{table(rows)}", flush=True)
+    out = {"rate": rate, "num_requests": args.num_requests, "threads": args.threads, "simulated": rows}
     if args.engine:
         start = time.monotonic()
-        real = on_engine(["fcfs", "slo"], requests, rate, args.seed, args)
-        print(f"\nengine ({time.monotonic() - start:.1f} s)\n{table(real)}")
-        out["engine"] = real
+        out |= on_engine(names, requests, rate, profile, args)
+        print(f"\nengine, {args.threads} thread(s) ({time.monotonic() - start:.1f} s)\n{table(out['engine'])}")
+        print(f"\ngoodput (req/s), simulated against the engine\n"
+              f"{accuracy(rows, out['engine'], out['simulated_at_host_speed'])}", flush=True)  # fmt: skip
+        for name, speed in out["host_speed"].items():
+            print(f"  {name}: host at {speed['time_scale']:.3f}x the profile's step times, "
+                  f"{speed['decode_time_scale']:.3f}x its decodes")  # fmt: skip
+    if args.vllm:
+        start = time.monotonic()
+        row, out["vllm_settings"] = on_vllm(requests, rate, args)
+        out["vllm"] = row
+        source = "engine" if "engine" in out else "simulated"
+        both = {**out.get("engine", rows), "vllm": row}
+        print(f"\nvLLM {out['vllm_settings']['version']} ({time.monotonic() - start:.1f} s with its start-up), "
+              f"{json.dumps(out['vllm_settings']['options'])}; beside the {source} rows\n{table(both)}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # slo_mix_vllm, peer_compare
     main()
