@@ -33,6 +33,7 @@ from batchserve.bench.workloads import BenchRequest, WorkloadOptions, make_workl
 from batchserve.config import EngineConfig
 from batchserve.simulator.build import make_cluster
 from batchserve.simulator.profile_file import Profile
+from batchserve.simulator.shape import StepShape
 from batchserve.simulator.step_model import ScaledStepModel
 from batchserve.simulator.tokens import workload_tokenizer
 
@@ -95,6 +96,47 @@ def simulate(policy: str, profile: Profile, requests, rate: float, seed: int) ->
     return summary(trace.requests, trace.meta["duration_s"], requests)
 
 
+class TimedSteps:
+    """The engine with each step's shape (the profiler's recorder) and wall time noted, so that a run's steps can be
+    set against the profile's prediction for the very same shapes."""
+
+    def __init__(self, engine) -> None:
+        from batchserve.simulator.profiler import ShapeRecorder
+
+        self.engine, self.runner = engine, engine.runner
+        self.recorder = engine.runner = ShapeRecorder(engine)
+        self.steps: list[tuple[StepShape, float]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def step(self):
+        self.recorder.last_shape = StepShape()
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - start
+        if self.recorder.last_shape.seqs:
+            self.steps.append((self.recorder.last_shape, elapsed))
+        return outputs
+
+    def close(self) -> None:
+        self.engine.runner = self.runner
+
+    def speed(self, profile: Profile) -> dict[str, float]:
+        """Measured / predicted step time, summed over the run's steps of each kind (decode, mixed, prefill) and
+        over all of them (`all`)."""
+        sums: dict[str, list[float]] = {}
+        for shape, seconds in self.steps:
+            for kind in (shape.kind, "all"):
+                pair = sums.setdefault(kind, [0.0, 0.0])
+                pair[0], pair[1] = pair[0] + seconds, pair[1] + profile.step_model.predict(shape)
+        return {kind: measured / predicted for kind, (measured, predicted) in sums.items() if predicted > 0}
+
+
+def at_speed(profile: Profile, decode: float, other: float) -> Profile:
+    return replace(profile, step_model=ScaledStepModel(profile.step_model, other, decode))
+
+
 def on_engine(names: list[str], requests, rate: float, profile: Profile, args: argparse.Namespace) -> dict:
     """The real engine (the default model, the profile's dtype, --threads torch threads) through bench's offline
     driver, on the same trace; one model load and warm-up, a fresh scheduler per policy. With --calibrate each policy's
@@ -105,7 +147,9 @@ def on_engine(names: list[str], requests, rate: float, profile: Profile, args: a
     from batchserve.simulator.profiler import check_speed
 
     configure_torch(args.threads, args.seed)
-    rows, at_speed, speeds, engine = {}, {}, {}, None
+    out: dict[str, dict] = {"engine": {}, "simulated_at_host_speed": {}, "host_speed": {}, "step_speed": {},
+                            "simulated_at_run_speed": {}}  # fmt: skip
+    engine = None
     for name in names:
         config = EngineConfig.from_options(**MIX, **POLICIES[name], num_kv_blocks=args.num_kv_blocks,
                                            dtype=profile.dtype, num_threads=args.threads)  # fmt: skip
@@ -116,12 +160,17 @@ def on_engine(names: list[str], requests, rate: float, profile: Profile, args: a
             run_offline(engine, warm, progress=False, label="warmup")
         if args.calibrate:
             check = check_speed(engine, profile, args.seed)
-            speeds[name] = {"time_scale": check.factor, "decode_time_scale": check.decode_factor}
-            scaled = replace(profile, step_model=ScaledStepModel(profile.step_model, check.factor, check.decode_factor))
-            at_speed[name] = simulate(name, scaled, requests, rate, args.seed)
-        trace = run_offline(engine, requests, ArrivalProcess(request_rate=rate), args.seed, name, False)
-        rows[name] = summary(trace.requests, trace.meta["duration_s"], requests)
-    return {"engine": rows, "simulated_at_host_speed": at_speed, "host_speed": speeds}
+            out["host_speed"][name] = {"time_scale": check.factor, "decode_time_scale": check.decode_factor}
+            scaled = at_speed(profile, check.decode_factor, check.factor)
+            out["simulated_at_host_speed"][name] = simulate(name, scaled, requests, rate, args.seed)
+        timed = TimedSteps(engine)
+        trace = run_offline(timed, requests, ArrivalProcess(request_rate=rate), args.seed, name, False)
+        timed.close()
+        out["engine"][name] = summary(trace.requests, trace.meta["duration_s"], requests)
+        speed = out["step_speed"][name] = timed.speed(profile)
+        scaled = at_speed(profile, speed.get("decode", 1.0), speed.get("all", 1.0))
+        out["simulated_at_run_speed"][name] = simulate(name, scaled, requests, rate, args.seed)
+    return out
 
 
 def on_vllm(requests, rate: float, args: argparse.Namespace) -> tuple[dict, dict]:
@@ -152,18 +201,21 @@ def vllm_results(records: list[dict], requests: list[BenchRequest]) -> tuple[lis
     return results, max(rec["finish_s"] for rec in records)
 
 
-def accuracy(simulated: dict, real: dict, at_speed: dict) -> str:
-    """Per policy: the simulator's goodput beside the engine's and its relative error (and at the host's speed)."""
-    head = f"{'policy':<11} {'engine':>8} {'simulated':>9} {'error':>7}"
-    head += f" {'sim at host speed':>17} {'error':>7}" if at_speed else ""
-    lines = [head]
-    for name, e in real.items():
-        s = simulated[name]["goodput"]
-        line = f"{name:<11} {e['goodput']:>8.3f} {s:>9.3f} {relative(s, e['goodput'])}"
-        if name in at_speed:
-            c = at_speed[name]["goodput"]
-            line += f" {c:>17.3f} {relative(c, e['goodput'])}"
-        lines.append(line)
+def accuracy(simulated: dict, out: dict) -> str:
+    """Per policy: the engine's goodput, the simulator's at the profile's speed, at the run's own step speed and (with
+    --calibrate) at the speed checked before the run, each with its error; and the run's steps against the profile."""
+    columns = [("simulated", simulated), ("at run speed", out["simulated_at_run_speed"]),
+               ("at checked speed", out["simulated_at_host_speed"])]  # fmt: skip
+    columns = [(label, rows) for label, rows in columns if rows]
+    lines = [f"{'policy':<11} {'engine':>8} " + " ".join(f"{label:>16} {'error':>7}" for label, _ in columns)
+             + "   engine steps / profile (decode, mixed, prefill, all)"]  # fmt: skip
+    for name, e in out["engine"].items():
+        cells = [
+            f"{rows[name]['goodput']:>16.3f} {relative(rows[name]['goodput'], e['goodput'])}" for _, rows in columns
+        ]
+        speed = out["step_speed"][name]
+        kinds = ", ".join(f"{speed[k]:.2f}x" if k in speed else "-" for k in ("decode", "mixed", "prefill", "all"))
+        lines.append(f"{name:<11} {e['goodput']:>8.3f} " + " ".join(cells) + f"   {kinds}")
     return "\n".join(lines)
 
 
@@ -251,8 +303,8 @@ def main(argv: list[str] | None = None) -> None:
         start = time.monotonic()
         out |= on_engine(names, requests, rate, profile, args)
         print(f"\nengine, {args.threads} thread(s) ({time.monotonic() - start:.1f} s)\n{table(out['engine'])}")
-        print(f"\ngoodput (req/s), simulated against the engine\n"
-              f"{accuracy(rows, out['engine'], out['simulated_at_host_speed'])}", flush=True)  # fmt: skip
+        save(out, args.json)
+        print(f"\ngoodput (req/s), simulated against the engine\n{accuracy(rows, out)}", flush=True)
         for name, speed in out["host_speed"].items():
             print(f"  {name}: host at {speed['time_scale']:.3f}x the profile's step times, "
                   f"{speed['decode_time_scale']:.3f}x its decodes")  # fmt: skip
@@ -264,9 +316,12 @@ def main(argv: list[str] | None = None) -> None:
         both = {**out.get("engine", rows), "vllm": row}
         print(f"\nvLLM {out['vllm_settings']['version']} ({time.monotonic() - start:.1f} s with its start-up), "
               f"{json.dumps(out['vllm_settings']['options'])}; beside the {source} rows\n{table(both)}")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    save(out, args.json)
+
+
+def save(out: dict, path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
