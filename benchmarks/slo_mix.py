@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import replace
@@ -148,7 +149,7 @@ def on_engine(names: list[str], requests, rate: float, profile: Profile, args: a
 
     configure_torch(args.threads, args.seed)
     out: dict[str, dict] = {"engine": {}, "simulated_at_host_speed": {}, "host_speed": {}, "step_speed": {},
-                            "simulated_at_run_speed": {}}  # fmt: skip
+                            "simulated_at_run_speed": {}, "loadavg": {}}  # fmt: skip
     engine = None
     for name in names:
         config = EngineConfig.from_options(**MIX, **POLICIES[name], num_kv_blocks=args.num_kv_blocks,
@@ -163,9 +164,10 @@ def on_engine(names: list[str], requests, rate: float, profile: Profile, args: a
             out["host_speed"][name] = {"time_scale": check.factor, "decode_time_scale": check.decode_factor}
             scaled = at_speed(profile, check.decode_factor, check.factor)
             out["simulated_at_host_speed"][name] = simulate(name, scaled, requests, rate, args.seed)
-        timed = TimedSteps(engine)
+        timed, load = TimedSteps(engine), os.getloadavg()[0]
         trace = run_offline(timed, requests, ArrivalProcess(request_rate=rate), args.seed, name, False)
         timed.close()
+        out["loadavg"][name] = [load, os.getloadavg()[0]]  # 1-minute, at the run's start and end
         out["engine"][name] = summary(trace.requests, trace.meta["duration_s"], requests)
         speed = out["step_speed"][name] = timed.speed(profile)
         scaled = at_speed(profile, speed.get("decode", 1.0), speed.get("all", 1.0))
@@ -188,7 +190,7 @@ def on_vllm(requests, rate: float, args: argparse.Namespace) -> tuple[dict, dict
     out = slo_mix_vllm.run(trace, Path(args.hf_dir or env.hf_export_dir()).resolve(),
                            Path(args.vllm_python or env.vllm_python()).absolute(), options, priorities, args.threads,
                            Path(env.BENCH_RESULTS) / "slo_mix_vllm.log", args.vllm_timeout)  # fmt: skip
-    settings = {"version": out["version"], "options": out["options"], "priorities": priorities}
+    settings = {k: out[k] for k in ("version", "options", "load_s", "warmup_s", "loadavg")} | {"priorities": priorities}
     return summary(*vllm_results(out["results"], requests), requests=requests), settings
 
 
@@ -305,17 +307,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nengine, {args.threads} thread(s) ({time.monotonic() - start:.1f} s)\n{table(out['engine'])}")
         save(out, args.json)
         print(f"\ngoodput (req/s), simulated against the engine\n{accuracy(rows, out)}", flush=True)
-        for name, speed in out["host_speed"].items():
-            print(f"  {name}: host at {speed['time_scale']:.3f}x the profile's step times, "
-                  f"{speed['decode_time_scale']:.3f}x its decodes")  # fmt: skip
+        for name, (first, last) in out["loadavg"].items():
+            speed = out["host_speed"].get(name)
+            checked = (f"; checked before: {speed['time_scale']:.3f}x the profile's step times, "
+                       f"{speed['decode_time_scale']:.3f}x its decodes") if speed else ""  # fmt: skip
+            print(f"  {name}: load average {first:.2f} -> {last:.2f}{checked}")
     if args.vllm:
         start = time.monotonic()
         row, out["vllm_settings"] = on_vllm(requests, rate, args)
         out["vllm"] = row
         source = "engine" if "engine" in out else "simulated"
         both = {**out.get("engine", rows), "vllm": row}
-        print(f"\nvLLM {out['vllm_settings']['version']} ({time.monotonic() - start:.1f} s with its start-up), "
-              f"{json.dumps(out['vllm_settings']['options'])}; beside the {source} rows\n{table(both)}")  # fmt: skip
+        v = out["vllm_settings"]
+        print(f"\nvLLM {v['version']} ({time.monotonic() - start:.1f} s; load {v['load_s']:.0f} s, warm-up "
+              f"{v['warmup_s']:.0f} s, load average {v['loadavg'][0]:.2f} -> {v['loadavg'][1]:.2f}), "
+              f"{json.dumps(v['options'])}; beside the {source} rows\n{table(both)}")  # fmt: skip
     save(out, args.json)
 
 

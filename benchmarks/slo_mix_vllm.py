@@ -60,12 +60,13 @@ def add(engine, request_id: str, request: dict, priority: int) -> None:
 
 
 def warm_up(engine, trace: list[dict]) -> float:
-    """One short and one long request of the trace, 8 tokens each, to completion: the first forward of each shape
-    (and whatever the build compiles on first use) is not timed."""
+    """A short and a long request shaped like the trace's, 8 tokens each, to completion: the first forward of each
+    shape (and whatever the build compiles on first use) is not timed. Their prompts are the trace's reversed, so the
+    prefix cache holds nothing a timed request could hit."""
     started = time.monotonic()
     picks = {r["category"]: r for r in trace}
     for i, r in enumerate(picks.values()):
-        add(engine, f"warmup-{i}", dict(r, max_tokens=8), 0)
+        add(engine, f"warmup-{i}", dict(r, prompt_token_ids=r["prompt_token_ids"][::-1], max_tokens=8), 0)
     while engine.has_unfinished_requests():
         engine.step()
     return time.monotonic() - started
@@ -110,9 +111,10 @@ def worker_main(args) -> None:
     warm_s = warm_up(engine, trace)
     import vllm
 
+    load = os.getloadavg()[0]
     results = drive(engine, trace, json.loads(args.priorities))
     Path(args.result).write_text(json.dumps({"version": vllm.__version__, "load_s": load_s, "warmup_s": warm_s,
-                                             "results": results}))  # fmt: skip
+                                             "loadavg": [load, os.getloadavg()[0]], "results": results}))  # fmt: skip
 
 
 # --- the driver: batchserve's venv ---------------------------------------------------------------------------------
