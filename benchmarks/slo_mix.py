@@ -137,6 +137,21 @@ class TimedSteps:
         return {kind: measured / predicted for kind, (measured, predicted) in sums.items() if predicted > 0}
 
 
+class CpuClock:
+    """The engine thread's CPU time, plus the time skipped while no request is due: with one torch thread a step's
+    work runs on that thread, so on a shared host this clock runs as a quiet host's wall clock would (less the time
+    other processes held the core; sharing its caches still slows it some)."""
+
+    def __init__(self) -> None:
+        self.skipped = 0.0
+
+    def __call__(self) -> float:
+        return time.thread_time() + self.skipped
+
+    def sleep(self, seconds: float) -> None:
+        self.skipped += max(0.0, seconds)
+
+
 def at_speed(profile: Profile, decode: float, other: float) -> Profile:
     return replace(profile, step_model=ScaledStepModel(profile.step_model, other, decode))
 
@@ -153,27 +168,29 @@ def on_engine(names: list[str], requests, rate: float, profile: Profile, args: a
     configure_torch(args.threads, args.seed)
     out: dict[str, dict] = {"engine": {}, "simulated_at_host_speed": {}, "host_speed": {}, "step_speed": {},
                             "simulated_at_run_speed": {}, "loadavg": {}, "step_cpu_speed": {}}  # fmt: skip
-    engine = None
+    engine, clock = None, CpuClock() if args.cpu_clock else time.monotonic
+    timing = {"clock": clock, "sleep": clock.sleep} if args.cpu_clock else {}
     for name in names:
         config = EngineConfig.from_options(**MIX, **POLICIES[name], num_kv_blocks=args.num_kv_blocks,
                                            dtype=profile.dtype, num_threads=args.threads)  # fmt: skip
         fresh = engine is None
-        engine = build_engine(config, like=engine)
+        engine = build_engine(config, like=engine, clock=clock)
         if fresh:  # the first forward of each shape, the largest prefill, a full batch's decode: not timed
             warm = warmup_requests(lambda n, seed: make_requests(args, n, seed), MIX["max_batch_size"])
-            run_offline(engine, warm, progress=False, label="warmup")
+            run_offline(engine, warm, progress=False, label="warmup", **timing)
         if args.calibrate:
             check = check_speed(engine, profile, args.seed)
             out["host_speed"][name] = {"time_scale": check.factor, "decode_time_scale": check.decode_factor}
             scaled = at_speed(profile, check.decode_factor, check.factor)
             out["simulated_at_host_speed"][name] = simulate(name, scaled, requests, rate, args.seed)
         timed, load = TimedSteps(engine), os.getloadavg()[0]
-        trace = run_offline(timed, requests, ArrivalProcess(request_rate=rate), args.seed, name, False)
+        trace = run_offline(timed, requests, ArrivalProcess(request_rate=rate), args.seed, name, False, **timing)
         timed.close()
         out["loadavg"][name] = [load, os.getloadavg()[0]]  # 1-minute, at the run's start and end
         out["engine"][name] = summary(trace.requests, trace.meta["duration_s"], requests)
-        speed = out["step_speed"][name] = timed.speed(profile)
+        out["step_speed"][name] = timed.speed(profile)
         out["step_cpu_speed"][name] = timed.speed(profile, cpu=True)
+        speed = out["step_cpu_speed" if args.cpu_clock else "step_speed"][name]  # the speed on the run's clock
         scaled = at_speed(profile, speed.get("decode", 1.0), speed.get("all", 1.0))
         out["simulated_at_run_speed"][name] = simulate(name, scaled, requests, rate, args.seed)
     return out
@@ -267,6 +284,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default 1: the profile's)")  # fmt: skip
     p.add_argument("--calibrate", action="store_true", help="--engine: time a few steps before each policy's run "
                    "(batchserve profile --check) and simulate again at that minute's speed")  # fmt: skip
+    p.add_argument("--cpu-clock", action="store_true", help="--engine: time the engine (its scheduler, the requests' "
+                   "TTFT / TPOT) on its thread's CPU time, not the wall clock: a busy host's figures as on a quiet one "
+                   "(with --threads 1 only)")  # fmt: skip
     p.add_argument("--num-kv-blocks", type=int, default=None, help="the real engine's KV pool (--engine)")
     p.add_argument("--vllm", action="store_true", help="also run the trace through vLLM's CPU build (its venv)")
     p.add_argument("--vllm-python", default=None, help="vLLM's interpreter (default: $VLLM_PYTHON, else "
@@ -296,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or "fcfs" not in names:
         raise SystemExit(f"--policies: {unknown or 'fcfs is needed (the ratios are against it)'}; "
                          f"choose from {', '.join(POLICIES)}")  # fmt: skip
+    if args.cpu_clock and args.threads != 1:
+        raise SystemExit("--cpu-clock needs --threads 1 (a step's work on the engine's own thread)")
     profile = Profile.load(args.profile)
     requests = make_requests(args, args.num_requests, args.seed)
     rate = find_rate(args, profile, requests)
@@ -304,11 +326,13 @@ def main(argv: list[str] | None = None) -> None:
     start = time.monotonic()
     rows = {name: simulate(name, profile, requests, rate, args.seed) for name in names}
     print(f"\nsimulated ({time.monotonic() - start:.1f} s)\n{table(rows)}", flush=True)
-    out = {"rate": rate, "num_requests": args.num_requests, "threads": args.threads, "simulated": rows}
+    out = {"rate": rate, "num_requests": args.num_requests, "threads": args.threads, "cpu_clock": args.cpu_clock,
+           "simulated": rows}  # fmt: skip
     if args.engine:
         start = time.monotonic()
         out |= on_engine(names, requests, rate, profile, args)
-        print(f"\nengine, {args.threads} thread(s) ({time.monotonic() - start:.1f} s)\n{table(out['engine'])}")
+        clock = "thread CPU time" if args.cpu_clock else "wall clock"
+        print(f"\nengine, {args.threads} thread(s), {clock} ({time.monotonic() - start:.1f} s)\n{table(out['engine'])}")
         save(out, args.json)
         print(f"\ngoodput (req/s), simulated against the engine\n{accuracy(rows, out)}", flush=True)
         for name, (first, last) in out["loadavg"].items():
