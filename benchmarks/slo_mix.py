@@ -210,8 +210,9 @@ def on_vllm(requests, rate: float, args: argparse.Namespace) -> tuple[dict, dict
     priorities = {"short": 0, "long": 1} if options.get("scheduling_policy") == "priority" else {}
     out = slo_mix_vllm.run(trace, Path(args.hf_dir or env.hf_export_dir()).resolve(),
                            Path(args.vllm_python or env.vllm_python()).absolute(), options, priorities, args.threads,
-                           Path(env.BENCH_RESULTS) / "slo_mix_vllm.log", args.vllm_timeout)  # fmt: skip
-    settings = {k: out[k] for k in ("version", "options", "load_s", "warmup_s", "loadavg")} | {"priorities": priorities}
+                           Path(env.BENCH_RESULTS) / "slo_mix_vllm.log", args.vllm_timeout, args.cpu_clock)  # fmt: skip
+    keys = ("version", "options", "load_s", "warmup_s", "loadavg", "cpu_s")
+    settings = {k: out[k] for k in keys} | {"priorities": priorities, "cpu_clock": args.cpu_clock}
     return summary(*vllm_results(out["results"], requests), requests=requests), settings
 
 
@@ -284,9 +285,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default 1: the profile's)")  # fmt: skip
     p.add_argument("--calibrate", action="store_true", help="--engine: time a few steps before each policy's run "
                    "(batchserve profile --check) and simulate again at that minute's speed")  # fmt: skip
-    p.add_argument("--cpu-clock", action="store_true", help="--engine: time the engine (its scheduler, the requests' "
-                   "TTFT / TPOT) on its thread's CPU time, not the wall clock: a busy host's figures as on a quiet one "
-                   "(with --threads 1 only)")  # fmt: skip
+    p.add_argument("--cpu-clock", action="store_true", help="time the engine (its scheduler, the requests' TTFT / "
+                   "TPOT) and vLLM's run on their thread's CPU time, not the wall clock: a busy host's figures as on a "
+                   "quiet one (with --threads 1 only)")  # fmt: skip
     p.add_argument("--num-kv-blocks", type=int, default=None, help="the real engine's KV pool (--engine)")
     p.add_argument("--vllm", action="store_true", help="also run the trace through vLLM's CPU build (its venv)")
     p.add_argument("--vllm-python", default=None, help="vLLM's interpreter (default: $VLLM_PYTHON, else "
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> None:
         both = {**out.get("engine", rows), "vllm": row}
         v = out["vllm_settings"]
         print(f"\nvLLM {v['version']} ({time.monotonic() - start:.1f} s; load {v['load_s']:.0f} s, warm-up "
-              f"{v['warmup_s']:.0f} s, load average {v['loadavg'][0]:.2f} -> {v['loadavg'][1]:.2f}), "
+              f"{v['warmup_s']:.0f} s, load average {v['loadavg'][0]:.2f} -> {v['loadavg'][1]:.2f}; CPU time of the run "
+              f"{v['cpu_s']['thread']:.0f} s on its thread, {v['cpu_s']['process']:.0f} s in all), "
               f"{json.dumps(v['options'])}; beside the {source} rows\n{table(both)}")  # fmt: skip
     save(out, args.json)
 

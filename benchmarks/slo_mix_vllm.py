@@ -72,24 +72,39 @@ def warm_up(engine, trace: list[dict]) -> float:
     return time.monotonic() - started
 
 
-def drive(engine, trace: list[dict], priorities: dict[str, int]) -> list[dict]:
+class CpuClock:
+    """This thread's CPU time plus the time skipped while no request is due (slo_mix.py's --cpu-clock): vLLM's
+    scheduling decides nothing by the clock, so the run's times on it are those of a quiet host, provided the model
+    runs on this thread (one OpenMP thread; the worker reports the process's CPU time beside the thread's)."""
+
+    def __init__(self) -> None:
+        self.skipped = 0.0
+
+    def __call__(self) -> float:
+        return time.thread_time() + self.skipped
+
+    def sleep(self, seconds: float) -> None:
+        self.skipped += max(0.0, seconds)
+
+
+def drive(engine, trace: list[dict], priorities: dict[str, int], clock=time.monotonic, sleep=time.sleep) -> list[dict]:
     """Add each request when its offset has passed, step while any is unfinished, stamp first and last tokens."""
     pending = sorted(trace, key=lambda r: r["arrival_s"])
     live: dict[str, dict] = {}
     done: list[dict] = []
-    t0 = time.monotonic()
+    t0 = clock()
     while pending or live:
-        now = time.monotonic() - t0
+        now = clock() - t0
         while pending and pending[0]["arrival_s"] <= now:
             r = pending.pop(0)
             add(engine, r["request_id"], r, priorities.get(r["category"], 0))
             live[r["request_id"]] = {"request_id": r["request_id"], "arrival_s": r["arrival_s"], "output_len": 0,
                                      "first_token_s": None, "finish_s": None}  # fmt: skip
         if not live:
-            time.sleep(max(0.0, pending[0]["arrival_s"] - (time.monotonic() - t0)))
+            sleep(max(0.0, pending[0]["arrival_s"] - (clock() - t0)))
             continue
         outputs = engine.step()
-        end = time.monotonic() - t0
+        end = clock() - t0
         for out in outputs:
             rec = live.get(out.request_id)
             if rec is None:
@@ -111,17 +126,21 @@ def worker_main(args) -> None:
     warm_s = warm_up(engine, trace)
     import vllm
 
-    load = os.getloadavg()[0]
-    results = drive(engine, trace, json.loads(args.priorities))
+    load, cpu = os.getloadavg()[0], (time.thread_time(), time.process_time())
+    clock = CpuClock() if args.cpu_clock else time.monotonic
+    timing = {"clock": clock, "sleep": clock.sleep} if args.cpu_clock else {}
+    results = drive(engine, trace, json.loads(args.priorities), **timing)
+    cpu_s = {"thread": time.thread_time() - cpu[0], "process": time.process_time() - cpu[1]}
     Path(args.result).write_text(json.dumps({"version": vllm.__version__, "load_s": load_s, "warmup_s": warm_s,
-                                             "loadavg": [load, os.getloadavg()[0]], "results": results}))  # fmt: skip
+                                             "loadavg": [load, os.getloadavg()[0]], "cpu_s": cpu_s,
+                                             "results": results}))  # fmt: skip
 
 
 # --- the driver: batchserve's venv ---------------------------------------------------------------------------------
 
 
 def run(trace: list[dict], hf_dir: Path, python: Path, options: dict, priorities: dict[str, int], threads: int,
-        log_file: Path, timeout: float) -> dict:  # fmt: skip
+        log_file: Path, timeout: float, cpu_clock: bool = False) -> dict:  # fmt: skip
     """Run the worker on `trace` in vLLM's interpreter `python`; returns its result (per-request times)."""
     sys.path.insert(0, str(HERE))
     from peer_compare import engine_env, ensure_hf_export
@@ -138,7 +157,7 @@ def run(trace: list[dict], hf_dir: Path, python: Path, options: dict, priorities
         trace_file.write_text(json.dumps(trace))
         cmd = [str(python), str(Path(__file__).resolve()), "--worker", "--trace", str(trace_file), "--result",
                str(result_file), "--hf-dir", str(hf_dir), "--options", json.dumps(options), "--priorities",
-               json.dumps(priorities)]  # fmt: skip
+               json.dumps(priorities), *(["--cpu-clock"] if cpu_clock else [])]  # fmt: skip
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "w") as log:
             proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
@@ -157,6 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--options", default=json.dumps(BEST), help="JSON of vllm EngineArgs keywords")
+    p.add_argument("--cpu-clock", action="store_true", help="time on this thread's CPU time (CpuClock)")
     p.add_argument("--priorities", default="{}", help="JSON {category: priority} (scheduling_policy 'priority')")
     return p.parse_args(argv)
 
