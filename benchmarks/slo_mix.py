@@ -7,7 +7,13 @@ is the lowest of --rates at which FCFS misses the short requests' TTFT target fo
 Each policy runs once on the same trace; a refused request counts as a miss.
 
     .venv/bin/python benchmarks/slo_mix.py --profile benchmarks/profiles/smollm2-bf16-1thread-xeon-amx-2cpu-v2.json
-    .venv/bin/python benchmarks/slo_mix.py --profile P --rate 3 --engine   # the real engine too (minutes)
+    .venv/bin/python benchmarks/slo_mix.py --profile P --requests 40 --policies fcfs,slo --engine --calibrate
+    .venv/bin/python benchmarks/slo_mix.py --profile P --requests 40 --policies fcfs --vllm
+    bash benchmarks/slo_mix_full.sh                          # everything at 200 requests, for a quiet host
+
+--engine: the real engine (default model, the profile's dtype, --threads 1) on the same trace, every policy, with
+the simulator's goodput error per policy and the run's steps against the profile by kind. --vllm: the trace through
+vLLM's CPU build (slo_mix_vllm.py, in vLLM's venv). --cpu-clock: both timed on their thread's CPU time (a busy host).
 
 Policies: fcfs (the defaults), isolate (long_prefill_token_threshold, max_long_partial_prefills 1), slo (isolate plus
 slo_admission refuse and max_preemptions_per_request 2), slo-demote (isolate plus slo_admission deprioritize).
