@@ -173,7 +173,8 @@ def on_engine(names: list[str], requests, rate: float, profile: Profile, args: a
 
     configure_torch(args.threads, args.seed)
     out: dict[str, dict] = {"engine": {}, "simulated_at_host_speed": {}, "host_speed": {}, "step_speed": {},
-                            "simulated_at_run_speed": {}, "loadavg": {}, "step_cpu_speed": {}}  # fmt: skip
+                            "simulated_at_run_speed": {}, "loadavg": {}, "step_cpu_speed": {},
+                            "steps": {}}  # fmt: skip
     engine, clock = None, CpuClock() if args.cpu_clock else time.monotonic
     timing = {"clock": clock, "sleep": clock.sleep} if args.cpu_clock else {}
     for name in names:
@@ -196,6 +197,8 @@ def on_engine(names: list[str], requests, rate: float, profile: Profile, args: a
         out["engine"][name] = summary(trace.requests, trace.meta["duration_s"], requests)
         out["step_speed"][name] = timed.speed(profile)
         out["step_cpu_speed"][name] = timed.speed(profile, cpu=True)
+        out["steps"][name] = [[shape.kind, shape.tokens, shape.seqs, shape.prefill_pairs, round(wall, 6), round(cpu, 6),
+                               round(profile.step_model.predict(shape), 6)] for shape, wall, cpu in timed.steps]  # fmt: skip
         speed = out["step_cpu_speed" if args.cpu_clock else "step_speed"][name]  # the speed on the run's clock
         scaled = at_speed(profile, speed.get("decode", 1.0), speed.get("all", 1.0))
         out["simulated_at_run_speed"][name] = simulate(name, scaled, requests, rate, args.seed)
