@@ -7,7 +7,13 @@ is the lowest of --rates at which FCFS misses the short requests' TTFT target fo
 Each policy runs once on the same trace; a refused request counts as a miss.
 
     .venv/bin/python benchmarks/slo_mix.py --profile benchmarks/profiles/smollm2-bf16-1thread-xeon-amx-2cpu-v2.json
-    .venv/bin/python benchmarks/slo_mix.py --profile P --rate 3 --engine   # the real engine too (minutes)
+    .venv/bin/python benchmarks/slo_mix.py --profile P --requests 40 --policies fcfs,slo --engine --calibrate
+    .venv/bin/python benchmarks/slo_mix.py --profile P --requests 40 --policies fcfs --vllm
+    bash benchmarks/slo_mix_full.sh                          # everything at 200 requests, for a quiet host
+
+--engine: the real engine (default model, the profile's dtype, --threads 1) on the same trace, every policy, with
+the simulator's goodput error per policy and the run's steps against the profile by kind. --vllm: the trace through
+vLLM's CPU build (slo_mix_vllm.py, in vLLM's venv). --cpu-clock: both timed on their thread's CPU time (a busy host).
 
 Policies: fcfs (the defaults), isolate (long_prefill_token_threshold, max_long_partial_prefills 1), slo (isolate plus
 slo_admission refuse and max_preemptions_per_request 2), slo-demote (isolate plus slo_admission deprioritize).
@@ -20,8 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +40,8 @@ from batchserve.bench.workloads import BenchRequest, WorkloadOptions, make_workl
 from batchserve.config import EngineConfig
 from batchserve.simulator.build import make_cluster
 from batchserve.simulator.profile_file import Profile
+from batchserve.simulator.shape import StepShape
+from batchserve.simulator.step_model import ScaledStepModel
 from batchserve.simulator.tokens import workload_tokenizer
 
 MIX = {"max_batch_size": 32, "max_num_tokens": 8192}
@@ -55,13 +66,18 @@ def targets(requests: list[BenchRequest], args: argparse.Namespace) -> list[Benc
     return [replace(r, **(long if r.category == "long" else short)) for r in requests]
 
 
+def make_requests(args: argparse.Namespace, num_requests: int, seed: int) -> list[BenchRequest]:
+    options = WorkloadOptions(long_ratio=args.long_ratio, long_output_len=args.long_output_len)
+    return targets(make_workload("mixed", workload_tokenizer(None, None), num_requests, seed, options), args)
+
+
 def met(result: RequestResult, request: BenchRequest) -> bool:
     if not result.success or result.ttft is None or result.ttft * 1000 > request.ttft_slo_ms:
         return False
     return result.tpot is None or result.tpot * 1000 <= request.tpot_slo_ms
 
 
-def summary(results: list[RequestResult], requests: list[BenchRequest], duration_s: float) -> dict[str, float]:
+def summary(results: list[RequestResult], duration_s: float, requests: list[BenchRequest]) -> dict[str, float]:
     by_id = {r.request_id: r for r in requests}
     shorts = [r for r in results if r.category == "short"]
     served_short = [r.ttft for r in shorts if r.success and r.ttft is not None]
@@ -84,21 +100,164 @@ def summary(results: list[RequestResult], requests: list[BenchRequest], duration
 def simulate(policy: str, profile: Profile, requests, rate: float, seed: int) -> dict[str, float]:
     config = EngineConfig.from_options(**MIX, **POLICIES[policy], enable_chunked_prefill=True)
     trace = make_cluster(config, profile).run(requests, ArrivalProcess(request_rate=rate), seed=seed).trace
-    return summary(trace.requests, requests, trace.meta["duration_s"])
+    return summary(trace.requests, trace.meta["duration_s"], requests)
 
 
-def on_engine(names: list[str], requests, rate: float, seed: int, args: argparse.Namespace) -> dict[str, dict]:
-    """The real engine (the default model) through bench's offline driver, on the same trace; one model load, a
-    fresh scheduler per policy."""
+class TimedSteps:
+    """The engine with each step's shape (the profiler's recorder) and wall time noted, so that a run's steps can be
+    set against the profile's prediction for the very same shapes."""
+
+    def __init__(self, engine) -> None:
+        from batchserve.simulator.profiler import ShapeRecorder
+
+        self.engine, self.runner = engine, engine.runner
+        self.recorder = engine.runner = ShapeRecorder(engine)
+        self.steps: list[tuple[StepShape, float]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def step(self):
+        self.recorder.last_shape = StepShape()
+        start, cpu = time.perf_counter(), time.thread_time()
+        outputs = self.engine.step()
+        elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        if self.recorder.last_shape.seqs:
+            self.steps.append((self.recorder.last_shape, elapsed, cpu))
+        return outputs
+
+    def close(self) -> None:
+        self.engine.runner = self.runner
+
+    def speed(self, profile: Profile, cpu: bool = False) -> dict[str, float]:
+        """Measured / predicted step time, summed over the run's steps of each kind (decode, mixed, prefill) and
+        over all of them (`all`). With `cpu`, the thread's CPU time instead of the wall time: with one torch thread
+        the step's work runs on this thread, and its CPU time leaves out the time other processes held the core, so
+        on a busy host it says whether the step model prices each kind right (near 1.00x in every kind) where the
+        wall time cannot (the host's sharing or contention still inflates it some)."""
+        sums: dict[str, list[float]] = {}
+        for shape, wall, thread in self.steps:
+            for kind in (shape.kind, "all"):
+                pair = sums.setdefault(kind, [0.0, 0.0])
+                pair[0], pair[1] = pair[0] + (thread if cpu else wall), pair[1] + profile.step_model.predict(shape)
+        return {kind: measured / predicted for kind, (measured, predicted) in sums.items() if predicted > 0}
+
+
+class CpuClock:
+    """The engine thread's CPU time, plus the time skipped while no request is due: with one torch thread a step's
+    work runs on that thread, so on a shared host this clock runs as a quiet host's wall clock would (less the time
+    other processes held the core; sharing its caches still slows it some)."""
+
+    def __init__(self) -> None:
+        self.skipped = 0.0
+
+    def __call__(self) -> float:
+        return time.thread_time() + self.skipped
+
+    def sleep(self, seconds: float) -> None:
+        self.skipped += max(0.0, seconds)
+
+
+def at_speed(profile: Profile, decode: float, other: float) -> Profile:
+    return replace(profile, step_model=ScaledStepModel(profile.step_model, other, decode))
+
+
+def on_engine(names: list[str], requests, rate: float, profile: Profile, args: argparse.Namespace) -> dict:
+    """The real engine (the default model, the profile's dtype, --threads torch threads) through bench's offline
+    driver, on the same trace; one model load and warm-up, a fresh scheduler per policy. With --calibrate each policy's
+    run is preceded by a speed check (batchserve profile --check) and simulated again at that minute's speed."""
     from batchserve.bench.offline import build_engine, run_offline
+    from batchserve.bench.warmup import warmup_requests
+    from batchserve.host.process import configure_torch
+    from batchserve.simulator.profiler import check_speed
 
-    rows, engine = {}, None
+    configure_torch(args.threads, args.seed)
+    out: dict[str, dict] = {"engine": {}, "simulated_at_host_speed": {}, "host_speed": {}, "step_speed": {},
+                            "simulated_at_run_speed": {}, "loadavg": {}, "step_cpu_speed": {},
+                            "steps": {}}  # fmt: skip
+    engine, clock = None, CpuClock() if args.cpu_clock else time.monotonic
+    timing = {"clock": clock, "sleep": clock.sleep} if args.cpu_clock else {}
     for name in names:
-        config = EngineConfig.from_options(**MIX, **POLICIES[name], num_kv_blocks=args.num_kv_blocks)
-        engine = build_engine(config, like=engine)
-        trace = run_offline(engine, requests, ArrivalProcess(request_rate=rate), seed, name, False)
-        rows[name] = summary(trace.requests, requests, trace.meta["duration_s"])
-    return rows
+        config = EngineConfig.from_options(**MIX, **POLICIES[name], num_kv_blocks=args.num_kv_blocks,
+                                           dtype=profile.dtype, num_threads=args.threads)  # fmt: skip
+        fresh = engine is None
+        engine = build_engine(config, like=engine, clock=clock)
+        if fresh:  # the first forward of each shape, the largest prefill, a full batch's decode: not timed
+            warm = warmup_requests(lambda n, seed: make_requests(args, n, seed), MIX["max_batch_size"])
+            run_offline(engine, warm, progress=False, label="warmup", **timing)
+        if args.calibrate:
+            check = check_speed(engine, profile, args.seed)
+            out["host_speed"][name] = {"time_scale": check.factor, "decode_time_scale": check.decode_factor}
+            scaled = at_speed(profile, check.decode_factor, check.factor)
+            out["simulated_at_host_speed"][name] = simulate(name, scaled, requests, rate, args.seed)
+        timed, load = TimedSteps(engine), os.getloadavg()[0]
+        trace = run_offline(timed, requests, ArrivalProcess(request_rate=rate), args.seed, name, False, **timing)
+        timed.close()
+        out["loadavg"][name] = [load, os.getloadavg()[0]]  # 1-minute, at the run's start and end
+        out["engine"][name] = summary(trace.requests, trace.meta["duration_s"], requests)
+        out["step_speed"][name] = timed.speed(profile)
+        out["step_cpu_speed"][name] = timed.speed(profile, cpu=True)
+        out["steps"][name] = [[shape.kind, shape.tokens, shape.seqs, shape.prefill_pairs, round(wall, 6), round(cpu, 6),
+                               round(profile.step_model.predict(shape), 6)] for shape, wall, cpu in timed.steps]  # fmt: skip
+        speed = out["step_cpu_speed" if args.cpu_clock else "step_speed"][name]  # the speed on the run's clock
+        scaled = at_speed(profile, speed.get("decode", 1.0), speed.get("all", 1.0))
+        out["simulated_at_run_speed"][name] = simulate(name, scaled, requests, rate, args.seed)
+    return out
+
+
+def on_vllm(requests, rate: float, args: argparse.Namespace) -> tuple[dict, dict]:
+    """The same trace through vLLM's CPU build (benchmarks/slo_mix_vllm.py in vLLM's venv): its summary row and
+    the settings it ran with."""
+    import slo_mix_vllm
+
+    from batchserve import env
+
+    offsets = ArrivalProcess(request_rate=rate).offsets(len(requests), args.seed)
+    trace = [{"request_id": r.request_id, "category": r.category, "prompt_token_ids": r.prompt_token_ids,
+              "max_tokens": r.output_len, "arrival_s": t} for r, t in zip(requests, offsets, strict=True)]  # fmt: skip
+    options = slo_mix_vllm.BEST | json.loads(args.vllm_options)
+    priorities = {"short": 0, "long": 1} if options.get("scheduling_policy") == "priority" else {}
+    out = slo_mix_vllm.run(trace, Path(args.hf_dir or env.hf_export_dir()).resolve(),
+                           Path(args.vllm_python or env.vllm_python()).absolute(), options, priorities, args.threads,
+                           Path(env.BENCH_RESULTS) / "slo_mix_vllm.log", args.vllm_timeout, args.cpu_clock)  # fmt: skip
+    keys = ("version", "options", "load_s", "warmup_s", "loadavg", "cpu_s")
+    settings = {k: out[k] for k in keys} | {"priorities": priorities, "cpu_clock": args.cpu_clock}
+    return summary(*vllm_results(out["results"], requests), requests=requests), settings
+
+
+def vllm_results(records: list[dict], requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
+    """The worker's per-request times (seconds after its start) as bench's results, and the run's duration (its
+    last finish)."""
+    category = {r.request_id: r.category for r in requests}
+    results = [RequestResult(rec["request_id"], 0, rec["output_len"], rec["arrival_s"], rec["first_token_s"],
+                             rec["finish_s"], category=category[rec["request_id"]]) for rec in records]  # fmt: skip
+    return results, max(rec["finish_s"] for rec in records)
+
+
+def accuracy(simulated: dict, out: dict) -> str:
+    """Per policy: the engine's goodput, the simulator's at the profile's speed, at the run's own step speed and (with
+    --calibrate) at the speed checked before the run, each with its error; and the run's steps against the profile."""
+    columns = [("simulated", simulated), ("at run speed", out["simulated_at_run_speed"]),
+               ("at checked speed", out["simulated_at_host_speed"])]  # fmt: skip
+    columns = [(label, rows) for label, rows in columns if rows]
+    lines = [f"{'policy':<11} {'engine':>8} " + " ".join(f"{label:>16} {'error':>7}" for label, _ in columns)
+             + "   engine steps / profile (decode, mixed, prefill, all): wall | thread CPU time"]  # fmt: skip
+    for name, e in out["engine"].items():
+        cells = [
+            f"{rows[name]['goodput']:>16.3f} {relative(rows[name]['goodput'], e['goodput'])}" for _, rows in columns
+        ]
+        kinds = [", ".join(f"{speed[k]:.2f}x" if k in speed else "-" for k in ("decode", "mixed", "prefill", "all"))
+                 for speed in (out["step_speed"][name], out["step_cpu_speed"][name])]  # fmt: skip
+        lines.append(f"{name:<11} {e['goodput']:>8.3f} " + " ".join(cells) + f"   {kinds[0]} | {kinds[1]}")
+    return "\n".join(lines)
+
+
+def relative(predicted: float, measured: float) -> str:
+    return f"{100 * (predicted - measured) / measured:>+6.1f}%" if measured else f"{'-':>7}"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b and not math.isnan(a / b) else "-"
 
 
 def table(rows: dict[str, dict[str, float]]) -> str:
@@ -107,18 +266,18 @@ def table(rows: dict[str, dict[str, float]]) -> str:
              f"{'short TTFT miss':>15} {'long tok/s':>10} {'x fcfs':>6} {'refused':>7}"]  # fmt: skip
     for name, s in rows.items():
         lines.append(
-            f"{name:<11} {s['goodput']:>8.3f} {s['goodput'] / base['goodput']:>6.2f} {100 * s['attainment']:>6.1f} "
-            f"{s['short_ttft_p99_ms']:>17.0f} {base['short_ttft_p99_ms'] / s['short_ttft_p99_ms']:>6.2f} "
+            f"{name:<11} {s['goodput']:>8.3f} {ratio(s['goodput'], base['goodput']):>6} {100 * s['attainment']:>6.1f} "
+            f"{s['short_ttft_p99_ms']:>17.0f} {ratio(base['short_ttft_p99_ms'], s['short_ttft_p99_ms']):>6} "
             f"{100 * s['short_ttft_miss']:>14.1f}% {s['long_tok_s']:>10.1f} "
-            f"{s['long_tok_s'] / base['long_tok_s']:>6.2f} {s['refused']:>7}"
+            f"{ratio(s['long_tok_s'], base['long_tok_s']):>6} {s['refused']:>7}"
         )
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", required=True)
-    p.add_argument("--num-requests", type=int, default=300)
+    p.add_argument("--requests", "--num-requests", dest="num_requests", type=int, default=200)
     p.add_argument("--long-ratio", type=float, default=0.2)
     p.add_argument("--long-output-len", type=int, default=500)
     p.add_argument("--rate", type=float, default=None, help="requests/s (default: searched over --rates)")
@@ -129,39 +288,87 @@ def main() -> None:
     p.add_argument("--long-tpot-ms", type=float, default=250.0)
     p.add_argument("--threshold", type=int, default=128, help="long_prefill_token_threshold of the SLO policies")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", default=",".join(POLICIES), help="the policies run (default: all)")
     p.add_argument("--engine", action="store_true", help="also run the real engine (default model) on the trace")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the engine, OpenMP threads of vLLM "
+                   "(default 1: the profile's)")  # fmt: skip
+    p.add_argument("--calibrate", action="store_true", help="--engine: time a few steps before each policy's run "
+                   "(batchserve profile --check) and simulate again at that minute's speed")  # fmt: skip
+    p.add_argument("--cpu-clock", action="store_true", help="time the engine (its scheduler, the requests' TTFT / "
+                   "TPOT) and vLLM's run on their thread's CPU time, not the wall clock: a busy host's figures as on a "
+                   "quiet one (with --threads 1 only)")  # fmt: skip
     p.add_argument("--num-kv-blocks", type=int, default=None, help="the real engine's KV pool (--engine)")
+    p.add_argument("--vllm", action="store_true", help="also run the trace through vLLM's CPU build (its venv)")
+    p.add_argument("--vllm-python", default=None, help="vLLM's interpreter (default: $VLLM_PYTHON, else "
+                   "bench_results/vllm-venv/bin/python)")  # fmt: skip
+    p.add_argument("--hf-dir", default=None, help="the model exported for vLLM (benchmarks/export_hf.py)")
+    p.add_argument("--vllm-options", default="{}", help="JSON of vLLM EngineArgs keywords over slo_mix_vllm.BEST")
+    p.add_argument("--vllm-timeout", type=float, default=3600.0)
     p.add_argument("--json", default=None, help="write the rows here")
-    args = p.parse_args()
-    POLICIES.update(policies(args.threshold))
+    return p.parse_args(argv)
 
+
+def find_rate(args: argparse.Namespace, profile: Profile, requests: list[BenchRequest]) -> float:
+    """--rate, else the lowest of --rates at which FCFS misses the short TTFT target for more than 30% of them."""
+    if args.rate is not None:
+        return args.rate
+    for candidate in (float(r) for r in args.rates.split(",")):
+        if simulate("fcfs", profile, requests, candidate, args.seed)["short_ttft_miss"] > 0.3:
+            return candidate
+    raise SystemExit("FCFS met the short TTFT target at every rate tried: raise --rates")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    POLICIES.update(policies(args.threshold))
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(POLICIES))
+    if unknown or "fcfs" not in names:
+        raise SystemExit(f"--policies: {unknown or 'fcfs is needed (the ratios are against it)'}; "
+                         f"choose from {', '.join(POLICIES)}")  # fmt: skip
+    if args.cpu_clock and args.threads != 1:
+        raise SystemExit("--cpu-clock needs --threads 1 (a step's work on the engine's own thread)")
     profile = Profile.load(args.profile)
-    options = WorkloadOptions(long_ratio=args.long_ratio, long_output_len=args.long_output_len)
-    requests = make_workload("mixed", workload_tokenizer(None, None), args.num_requests, args.seed, options)
-    requests = targets(requests, args)
-    rate = args.rate
-    if rate is None:
-        for candidate in (float(r) for r in args.rates.split(",")):
-            if simulate("fcfs", profile, requests, candidate, args.seed)["short_ttft_miss"] > 0.3:
-                rate = candidate
-                break
-        else:
-            raise SystemExit("FCFS met the short TTFT target at every rate tried: raise --rates")
+    requests = make_requests(args, args.num_requests, args.seed)
+    rate = find_rate(args, profile, requests)
     print(f"mixed: {args.num_requests} requests ({100 * args.long_ratio:g}% summaries), Poisson {rate:g} req/s, "
           f"seed {args.seed}; profile {profile.label}; {MIX}")  # fmt: skip
     start = time.monotonic()
-    rows = {name: simulate(name, profile, requests, rate, args.seed) for name in POLICIES}
-    print(f"\nsimulated ({time.monotonic() - start:.1f} s)\n{table(rows)}")
-    out = {"rate": rate, "simulated": rows}
+    rows = {name: simulate(name, profile, requests, rate, args.seed) for name in names}
+    print(f"\nsimulated ({time.monotonic() - start:.1f} s)\n{table(rows)}", flush=True)
+    out = {"rate": rate, "num_requests": args.num_requests, "threads": args.threads, "cpu_clock": args.cpu_clock,
+           "simulated": rows}  # fmt: skip
     if args.engine:
         start = time.monotonic()
-        real = on_engine(["fcfs", "slo"], requests, rate, args.seed, args)
-        print(f"\nengine ({time.monotonic() - start:.1f} s)\n{table(real)}")
-        out["engine"] = real
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        out |= on_engine(names, requests, rate, profile, args)
+        clock = "thread CPU time" if args.cpu_clock else "wall clock"
+        print(f"\nengine, {args.threads} thread(s), {clock} ({time.monotonic() - start:.1f} s)\n{table(out['engine'])}")
+        save(out, args.json)
+        print(f"\ngoodput (req/s), simulated against the engine\n{accuracy(rows, out)}", flush=True)
+        for name, (first, last) in out["loadavg"].items():
+            speed = out["host_speed"].get(name)
+            checked = (f"; checked before: {speed['time_scale']:.3f}x the profile's step times, "
+                       f"{speed['decode_time_scale']:.3f}x its decodes") if speed else ""  # fmt: skip
+            print(f"  {name}: load average {first:.2f} -> {last:.2f}{checked}")
+    if args.vllm:
+        start = time.monotonic()
+        row, out["vllm_settings"] = on_vllm(requests, rate, args)
+        out["vllm"] = row
+        source = "engine" if "engine" in out else "simulated"
+        both = {**out.get("engine", rows), "vllm": row}
+        v = out["vllm_settings"]
+        print(f"\nvLLM {v['version']} ({time.monotonic() - start:.1f} s; load {v['load_s']:.0f} s, warm-up "
+              f"{v['warmup_s']:.0f} s, load average {v['loadavg'][0]:.2f} -> {v['loadavg'][1]:.2f}; CPU time of the run "
+              f"{v['cpu_s']['thread']:.0f} s on its thread, {v['cpu_s']['process']:.0f} s in all), "
+              f"{json.dumps(v['options'])}; beside the {source} rows\n{table(both)}")  # fmt: skip
+    save(out, args.json)
+
+
+def save(out: dict, path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # slo_mix_vllm, peer_compare
     main()

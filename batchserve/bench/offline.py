@@ -17,11 +17,11 @@ from batchserve.bench.trace import RunTrace
 from batchserve.bench.workloads import BenchRequest
 
 
-def build_engine(config: Any, like: Any = None, share_runner: bool = True) -> Any:
+def build_engine(config: Any, like: Any = None, share_runner: bool = True, **engine_kwargs: Any) -> Any:
     """A new LLMEngine; given `like`, an engine whose model and KV cache fit `config`, it reuses that engine's model
     so that runs differing only in scheduler options skip reloading it: its whole runner (weights and KV tensors) when
     `share_runner` (the runs then take turns), else a runner of its own (own KV pool) around the same weights (runs
-    that step alternately)."""
+    that step alternately). `engine_kwargs` go to LLMEngine (its clock)."""
     from batchserve.engine.llm_engine import LLMEngine
 
     if like is not None and same_runner(like.config, config):
@@ -32,8 +32,9 @@ def build_engine(config: Any, like: Any = None, share_runner: bool = True) -> An
             if not like.has_unfinished_requests():
                 like.step()  # an empty step tells the runner which requests finished last, so it frees their state
             runner = like.runner
-        return LLMEngine(config, runner=runner, tokenizer=like.tokenizer, model_config=like.model_config)
-    return LLMEngine(config)
+        return LLMEngine(config, runner=runner, tokenizer=like.tokenizer, model_config=like.model_config,
+                         **engine_kwargs)  # fmt: skip
+    return LLMEngine(config, **engine_kwargs)
 
 
 def same_runner(a: Any, b: Any) -> bool:

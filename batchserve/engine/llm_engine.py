@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -113,12 +113,15 @@ class LLMEngine:
         tokenizer: PreTrainedTokenizerBase | None = None,
         model_config: ModelConfig | None = None,
         initial_kv_blocks: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`initial_kv_blocks`: allocate only that many KV blocks now (a runner loaded here), and grow the pool to
         what the requests need (reserve_kv_blocks, add_request) up to what num_kv_blocks or the memory fraction
-        allows; None: all of that now, as a server does. The limits (max_model_len) are those of the whole budget."""
+        allows; None: all of that now, as a server does. The limits (max_model_len) are those of the whole budget.
+        `clock`: what the scheduler's decisions and the step times are measured on (a benchmark on a shared host may
+        give the engine thread's CPU time, which other processes' turns on the core do not advance)."""
         config.validate()
-        self.config = config
+        self.config, self.clock = config, clock
         if runner is None:
             # torch only when a real model is asked for
             runner, model_config, tokenizer = load_runner(config, initial_kv_blocks)
@@ -136,6 +139,7 @@ class LLMEngine:
             runner.num_kv_blocks,
             runner.num_swap_blocks,
             self.limits.max_model_len,
+            clock,
             speculative=SpeculativeConfig.from_value(config.speculative_config),
             sliding_window=model_config.sliding_window,  # set only when every layer is windowed (ModelConfig)
             long_context_from=model_config.long_context_from,
@@ -296,8 +300,9 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Build a request (`self.requests`, tokenizing a text here) and add it: for scripts and benchmarks that
-        drive the engine directly. A None id is given one."""
+        drive the engine directly. A None id is given one; a None arrival is now on the engine's clock."""
         request_id = request_id if request_id is not None else self.new_request_id()
+        arrival_time = self.clock() if arrival_time is None else arrival_time
         return self.add_request(self.requests.from_prompt(request_id, prompt, sampling_params, priority, arrival_time))
 
     def new_request_id(self) -> str:
@@ -320,13 +325,13 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:
-        start = time.monotonic()
+        start = self.clock()
         scheduled = self.scheduler.schedule()
-        scheduled_at = time.monotonic()
+        scheduled_at = self.clock()
         model_output = self.runner.execute(scheduled)
-        executed_at = time.monotonic()
-        if not scheduled.is_empty:  # the SLO predictions' step-time fit (core/slo.py)
-            self.scheduler.observe_step(scheduled.total_num_scheduled_tokens, self.runner.last_timings.model_s)
+        executed_at = self.clock()
+        if not scheduled.is_empty:  # the SLO predictions' step-time fit (core/slo.py), on the scheduler's clock
+            self.scheduler.observe_step(scheduled.total_num_scheduled_tokens, executed_at - scheduled_at)
         if self.scheduler.speculation is not None and not scheduled.is_empty:  # k_policy "cost" learns step costs
             self.scheduler.speculation.observe_step(scheduled.total_num_scheduled_tokens, executed_at - scheduled_at)
         for request_id, scores in model_output.prompt_logprobs.items():
@@ -340,7 +345,7 @@ class LLMEngine:
             request_outputs += self.scheduler.finish_requests(model_output.pooled, FinishReason.STOP)
         self._pending = []
         results = self._process(request_outputs)
-        end = time.monotonic()
+        end = self.clock()
         self.last_stats = self.scheduler.stats()
         self.last_step_time_s = end - start
         self.last_timings = StepTimings.of(scheduled_at - start, self.runner.last_timings, end - executed_at)

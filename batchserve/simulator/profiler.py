@@ -19,6 +19,7 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,11 +59,12 @@ class ShapeRecorder:
 class Timings:
     shapes: list[StepShape] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    clock: Callable[[], float] = time.perf_counter  # or the thread's CPU time (profile --cpu-clock)
 
     def step(self, engine: Any, recorder: ShapeRecorder, keep: bool = True) -> None:
-        start = time.perf_counter()
+        start = self.clock()
         engine.step()
-        elapsed = time.perf_counter() - start
+        elapsed = self.clock() - start
         if keep and recorder.last_shape.seqs:
             self.shapes.append(recorder.last_shape)
             self.seconds.append(elapsed)
@@ -78,12 +80,12 @@ def _add(engine: Any, rng: random.Random, n: int, prompt_len: int, max_tokens: i
 
 
 def run_grid(engine: Any, grid: list[tuple[int, int]], seed: int = 0, progress: bool = True,
-             mixed: bool = True) -> Timings:  # fmt: skip
+             mixed: bool = True, clock: Callable[[], float] = time.perf_counter) -> Timings:  # fmt: skip
     """Time every step of the grid's groups (and with `mixed`, of prompts joining decodes and of decodes behind a
     shared prefix), after an untimed warm-up."""
     recorder = ShapeRecorder(engine) if not isinstance(engine.runner, ShapeRecorder) else engine.runner
     engine.runner = recorder
-    rng, t = random.Random(seed), Timings()
+    rng, t = random.Random(seed), Timings(clock=clock)
     mbs = engine.config.scheduler.max_batch_size
     limit = engine.limits.max_input_len
     # the first steps pay one-time costs (packing, allocation), and the first seconds of a new process run slower
@@ -187,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", metavar="PROFILE",
                    help="time a few steps now and say how far this host's speed is from the profile's (the factors "
                         "for simulate --time-scale and --decode-time-scale); engine flags as for the profile")  # fmt: skip
+    p.add_argument("--cpu-clock", action="store_true",
+                   help="time the steps on the engine thread's CPU time, not the wall clock (with --num-threads 1): "
+                        "on a busy host, the profile a quiet one would give, less cache sharing")  # fmt: skip
     p.add_argument("--knots", type=parse_knots, default=",".join(map(str, KNOTS)), metavar="K,K,...",
                    help="token counts where the time per token may change (default: %(default)s; '' for the plain "
                         "linear model)")  # fmt: skip
@@ -244,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         config = engine_config_from_args(args)
+        if args.cpu_clock and config.num_threads != 1:
+            raise ValueError("--cpu-clock needs --num-threads 1 (every step's work on the engine's own thread)")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -261,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info(torch.get_num_threads(), dtype)
     print(f"profiling on {describe(info)}", file=sys.stderr)
     wall = time.perf_counter()
-    timings = run_grid(engine, GRID, config.seed, not args.no_progress)
+    clock = time.thread_time if args.cpu_clock else time.perf_counter
+    timings = run_grid(engine, GRID, config.seed, not args.no_progress, clock=clock)
     model, fit = fit_linear(timings.shapes, timings.seconds, args.knots)
     per_token = block_bytes(engine.model_config, 1, runner.dtype)
     pool = runner.num_kv_blocks * config.cache.block_size * per_token
@@ -274,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                # every timed step, to refit another model without measuring again
                "step_fields": [*StepShape().to_dict(), "seconds"],
                "steps": [[*s.to_dict().values(), round(t, 7)] for s, t in zip(timings.shapes, timings.seconds, strict=True)],
-               "engine": {k: str(v) for k, v in engine.effective_config().items()}},
+               "engine": {k: str(v) for k, v in engine.effective_config().items()},
+               "clock": "thread CPU time" if args.cpu_clock else "wall"},
     )  # fmt: skip
     path = profile.save(args.output)
     report(profile, path)

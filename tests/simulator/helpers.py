@@ -41,7 +41,8 @@ def run_real(engine, requests, arrivals, seed=0):
     """bench's own driver (OfflineRun) over the real engine, on a virtual clock."""
     clock = VirtualClock()
     engine.runner = ClockedFake(engine, clock)
-    engine.scheduler.clock = clock  # deadlines and slack on the simulated time, as in the simulator
+    # deadlines, slack and the step times the SLO predictions learn on the simulated time, as in the simulator
+    engine.clock = engine.scheduler.clock = clock
     return drive(OfflineRun(engine, requests, arrivals, seed, "real", False, clock, sleep=clock.sleep)), engine.runner
 
 

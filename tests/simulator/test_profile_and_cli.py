@@ -115,6 +115,25 @@ def test_profiler_grid_times_the_shapes_it_promises(make_engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_profiler_times_on_the_clock_it_is_given(make_engine):
+    """--cpu-clock's path: every step is timed on the clock run_grid gets (here one that ticks 0.25 s a reading)."""
+    import itertools
+
+    from batchserve.simulator.profiler import run_grid
+
+    ticks = itertools.count()
+    engine = make_engine(max_batch_size=8, num_kv_blocks=512, max_model_len=512)
+    t = run_grid(engine, [(2, 32)], progress=False, mixed=False, clock=lambda: 0.25 * next(ticks))
+    assert t.seconds and all(s == 0.25 for s in t.seconds)
+
+
+def test_profiler_cpu_clock_needs_one_thread(capsys):
+    from batchserve.simulator.profiler import main
+
+    assert main(["--cpu-clock", "--num-threads", "2", "--num-kv-blocks", "16"]) == 2
+    assert "--cpu-clock needs --num-threads 1" in capsys.readouterr().err
+
+
 def test_dispatcher_knows_the_new_commands(capsys):
     from batchserve.cli import main
 
