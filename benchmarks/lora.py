@@ -3,8 +3,12 @@
 - peer64 on the base model alone, and peer64 with its requests spread over 8 random adapters (rank 16, all seven
   projections, max_loras 8): throughput, and the ratio;
 - one stream decoding alone, with an adapter and without: time per output token, and the ratio;
-- the same adapter workload with the deltas applied one request at a time (a loop over the step's requests, as
-  grouping by adapter replaces): throughput, and grouped over looped.
+- the same adapter workload with the deltas applied one request at a time, two ways: each request its own group in
+  the native kernel (the same batched step, the adapter's weights read once per request instead of once per
+  adapter), and a loop over requests in torch (each request's x @ A @ B by separate matmuls, Punica's and S-LoRA's
+  baseline; the native decoder loop takes its deltas from the kernel only, so this step runs the Python layers),
+  beside the torch deltas grouped by adapter on that same Python path and the base model alone on it (what the
+  Python layers cost without any delta): throughput, and grouped over each.
 
     python benchmarks/lora.py                  # the default model, the first 32 requests of peer64
     python benchmarks/lora.py --limit 0        # the whole workload
@@ -108,32 +112,80 @@ def decode_step_ms(engine, prompts: list[list[int]], loras: list[LoRARequest | N
     return min(times) * 1e3
 
 
+# the variants after the first four (one stream without and with an adapter, the streams on the base model and over
+# the adapters, grouped, native kernel): the pool's (grouping, delta kernel) for the adapter workload
+LOOPS = (("request", "native"), ("request", "torch"), ("adapter", "torch"))
+NAMES = ("each request its own group, native kernel", "torch loop over requests (Python layers)",
+         "torch, grouped by adapter (Python layers)")  # fmt: skip
+
+
+def variants(runner, one, many, lora, spread: list, base: list) -> list[float]:
+    """Every variant measured once, in order: one(None), one(lora), many(base), many(spread), then many(spread) with
+    each of LOOPS' ways of applying the deltas (the pool put back to grouping by adapter in the native kernel), and
+    last many(base) in the Python layers (what the torch ways' step costs without any delta)."""
+    pool, model = runner.lora, runner.model
+    row = [one(None), one(lora), many(base), many(spread)]
+    for grouping, kernel in LOOPS:
+        pool.grouping, pool.delta_kernel = grouping, kernel
+        try:
+            row.append(many(spread))
+        finally:
+            pool.grouping, pool.delta_kernel = "adapter", "native"
+    loop, model.decoder_loop = model.decoder_loop, None  # None: the model runs its Python layers (models/llama.py)
+    try:
+        row.append(many(base))
+    finally:
+        model.decoder_loop = loop
+    return row
+
+
+def report(best: list[float], one_unit: str, many_unit: str, adapters: int, streams: str) -> None:
+    """Each variant's figure (one stream: a time; the others: a time when many_unit is "ms", else tok/s) and its
+    ratios of speed: with an adapter to without, over the adapters to the base alone, grouped to each loop."""
+    speed = (lambda v: 1 / v) if many_unit == "ms" else (lambda v: v)
+    print(f"single stream                {best[0]:8.2f} {one_unit}")
+    print(f"single stream + adapter      {best[1]:8.2f} {one_unit}   {best[0] / best[1]:.2f}x the speed without")
+    print(f"{streams}, base alone  {best[2]:8.1f} {many_unit}")
+    print(f"{streams}, {adapters} adapters  {best[3]:8.1f} {many_unit}   {speed(best[3]) / speed(best[2]):.2f}x base")
+    for name, value in zip(NAMES, best[4:]):
+        print(f"  {name}: {value:.1f} {many_unit}, grouped {speed(best[3]) / speed(value):.2f}x it")
+    print(f"  base alone, Python layers: {best[-1]:.1f} {many_unit}, {speed(best[-1]) / speed(best[2]):.2f}x base")
+
+
 def decode_steps(llm: LLM, requests: list[dict], loras: list[LoRARequest], rounds: int, steps: int) -> None:
-    """Decode step times, variants alternating round by round: one stream with and without an adapter; the
-    requests spread over the adapters, on the base model alone, and with the deltas one request at a time."""
-    engine, pool = llm.engine, llm.engine.runner.lora
+    """Decode step times, every variant in each round: one stream with and without an adapter; the requests spread
+    over the adapters, on the base model alone, and with the deltas one request at a time."""
+    engine = llm.engine
     for lora in loras:
         engine.add_lora(lora)
     prompts = [r["prompt_token_ids"][:64] for r in requests]
     spread = [loras[i % len(loras)] for i in range(len(prompts))]
     rows = []
     for _ in range(rounds):
-        alone = decode_step_ms(engine, prompts[:1], [None], steps)
-        alone_lora = decode_step_ms(engine, prompts[:1], loras[:1], steps)
-        base = decode_step_ms(engine, prompts, [None] * len(prompts), steps)
-        with_loras = decode_step_ms(engine, prompts, spread, steps)
-        pool.grouping = "request"
-        looped = decode_step_ms(engine, prompts, spread, steps)
-        pool.grouping = "adapter"
-        rows.append((alone, alone_lora, base, with_loras, looped))
-        print(f"round: {alone:.2f} / {alone_lora:.2f}; {base:.2f} / {with_loras:.2f} / {looped:.2f} ms a step; "
-              f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
-    best = [min(column) for column in zip(*rows)]
+        rows.append(variants(engine.runner, lambda lora: decode_step_ms(engine, prompts[:1], [lora], steps),
+                             lambda each: decode_step_ms(engine, prompts, each, steps), loras[0], spread,
+                             [None] * len(prompts)))  # fmt: skip
+        print("round: " + " / ".join(f"{v:.2f}" for v in rows[-1]) + f" ms a step; load average "
+              f"{os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     print(f"cheapest decode step (process CPU time) of {rounds} round(s) x {steps} steps:")
-    print(f"one stream: {best[0]:.2f} ms, with an adapter {best[1]:.2f} ms ({best[0] / best[1]:.2f}x the speed)")
-    print(f"{len(prompts)} streams: base {best[2]:.2f} ms, over {len(loras)} adapters {best[3]:.2f} ms "
-          f"({best[2] / best[3]:.2f}x base), deltas one request at a time {best[4]:.2f} ms "
-          f"(grouped {best[4] / best[3]:.2f}x looped)")  # fmt: skip
+    report([min(column) for column in zip(*rows)], "ms", "ms", len(loras), f"{len(prompts)} streams")
+
+
+def whole_runs(llm: LLM, requests: list[dict], loras: list[LoRARequest], args) -> None:
+    """The workload end to end, every variant in each round (a shared host's swings of load touch all alike)."""
+    prompt, clock = requests[0]["prompt_token_ids"], CLOCK[args.clock]
+    step_ms(llm, prompt, 8, loras[0])  # warm
+    spread = [loras[i % len(loras)] for i in range(len(requests))]
+    rows = []
+    for _ in range(args.rounds):
+        rows.append(variants(llm.engine.runner, lambda lora: step_ms(llm, prompt, args.single_tokens, lora, clock),
+                             lambda each: throughput(llm, requests, each, clock), loras[0], spread,
+                             [None] * len(requests)))  # fmt: skip
+        print(f"round: {rows[-1][0]:.2f} / {rows[-1][1]:.2f} ms/token, "
+              + " / ".join(f"{v:.1f}" for v in rows[-1][2:]) + f" tok/s; load average {os.getloadavg()[0]:.1f}",
+              flush=True)  # fmt: skip
+    print(f"median of {args.rounds} round(s), {args.clock} clock:")
+    report([statistics.median(column) for column in zip(*rows)], "ms/token", "tok/s", len(loras), "peer64")
 
 
 def main() -> None:
@@ -161,39 +213,14 @@ def main() -> None:
         for i in range(args.adapters):
             random_adapter(Path(tmp) / f"a{i}", llm.engine.model_config, args.rank, seed=i)
             loras.append(LoRARequest(f"a{i}", i + 1, str(Path(tmp) / f"a{i}")))
-        spread = [loras[i % len(loras)] for i in range(len(requests))]
         print(f"host: {describe(machine_info(args.threads, llm.engine.config.dtype))}")
         print(
             f"{len(requests)} requests of peer64, {args.adapters} adapters of rank {args.rank} on all seven projections"
         )
         if args.decode_steps:
             decode_steps(llm, requests, loras, args.rounds, args.decode_steps)
-            return
-        prompt = requests[0]["prompt_token_ids"]
-        step_ms(llm, prompt, 8, loras[0])  # warm
-        pool = llm.engine.runner.lora
-        rows = []
-        # each round measures every variant once: a shared host's swings of load touch all of them alike
-        for _ in range(args.rounds):
-            clock = CLOCK[args.clock]
-            alone = step_ms(llm, prompt, args.single_tokens, None, clock)
-            alone_lora = step_ms(llm, prompt, args.single_tokens, loras[0], clock)
-            base = throughput(llm, requests, [None] * len(requests), clock)
-            with_loras = throughput(llm, requests, spread, clock)
-            pool.grouping = "request"
-            looped = throughput(llm, requests, spread, clock)
-            pool.grouping = "adapter"
-            rows.append((alone, alone_lora, base, with_loras, looped))
-            print(f"round: {alone:.2f} / {alone_lora:.2f} ms/token, {base:.1f} / {with_loras:.1f} / {looped:.1f} tok/s; "
-                  f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
-        median = [statistics.median(column) for column in zip(*rows)]
-        ratios = [statistics.median(r[i] / r[j] for r in rows) for i, j in ((0, 1), (3, 2), (3, 4))]
-        print(f"median of {args.rounds} round(s), {args.clock} clock:")
-        print(f"single stream               {median[0]:8.2f} ms/token")
-        print(f"single stream + adapter     {median[1]:8.2f} ms/token   {ratios[0]:.2f}x the speed without")
-        print(f"peer64 base alone           {median[2]:8.1f} tok/s")
-        print(f"peer64 over {args.adapters} adapters       {median[3]:8.1f} tok/s   {ratios[1]:.2f}x base")
-        print(f"  deltas one request a time {median[4]:8.1f} tok/s   grouped {ratios[2]:.2f}x looped")
+        else:
+            whole_runs(llm, requests, loras, args)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ class LoRAStep:
     # a group of this many rows or more (a prompt's) takes two library GEMMs in the native kernels; 0: never (a
     # deterministic engine: the vector kernel's order per row ignores the batch)
     gemm_min_rows: int = 0
+    # False: the torch code adds the deltas even where the native kernel would (the step then runs the Python layers):
+    # benchmarks/lora.py's loop over requests, x @ A @ B by separate torch matmuls per request
+    native_kernel: bool = True
 
     def __bool__(self) -> bool:
         return bool(self.groups)
@@ -49,7 +52,7 @@ class LoRAStep:
     def native(self):
         """The grouping as the native kernels take it (a LoraBatch: every group's rows in one vector), made once a
         step on the kernel's path; None where the native kernels are not built or the rows are not on the CPU."""
-        native = kernels.load()
+        native = kernels.load() if self.native_kernel else None
         if native is None or not self.groups or any(g.rows.device.type != "cpu" for g in self.groups):
             return None
         offsets = [0]
@@ -76,6 +79,9 @@ class LoRASlots:
     present: list[bool] = field(default_factory=list)
     present_flags: torch.Tensor | None = None  # present as uint8 [S] on the CPU, for the native kernel
     _native: object = field(default=None, repr=False)
+    # (slot, slice, rank) -> that slice's B unpacked, for the torch code: made when a group first reads it, dropped
+    # when the slot takes another adapter (so that a step's matmuls do not each copy B out of its panels first)
+    _unpacked: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def allocate(cls, slices, in_features: int, num_slots: int, max_rank: int, dtype, device) -> LoRASlots:
@@ -120,6 +126,7 @@ class LoRASlots:
         if rows is not None:
             self.a[slot, : rows[0].shape[0]].copy_(rows[0], non_blocking=True)
             self.b[slot, : rows[1].shape[0]].copy_(rows[1], non_blocking=True)
+        self._unpacked = {key: b for key, b in self._unpacked.items() if key[0] != slot}
         self.present[slot] = rows is not None
         self.present_flags[slot] = int(rows is not None)
 
@@ -153,13 +160,19 @@ class LoRASlots:
             contiguous = group.start >= 0  # the group's tokens are one run: y's rows are a slice of it
             u = (x[group.start : end] if contiguous else x.index_select(0, group.rows)).to(a.dtype) @ a.t()
             for i, (offset, size) in enumerate(self.slices):
-                b, out = self.b_of(group.slot, i, r), y[:, offset : offset + size]
+                b, out = self._unpacked_b(group.slot, i, r), y[:, offset : offset + size]
                 if contiguous:
                     out[group.start : end].addmm_(u[:, i * r : (i + 1) * r], b, alpha=group.scale)
                 else:
                     delta = u[:, i * r : (i + 1) * r] @ b
                     out.index_add_(0, group.rows, delta.to(y.dtype), alpha=group.scale)
         return y
+
+    def _unpacked_b(self, slot: int, i: int, rank: int) -> torch.Tensor:
+        key = (slot, i, rank)
+        if key not in self._unpacked:
+            self._unpacked[key] = self.b_of(slot, i, rank)
+        return self._unpacked[key]
 
 
 PANEL = 16  # the packed B's panel width: kernels/lora_args.h's kLoraPanel (make_lora_weights checks the sizes)

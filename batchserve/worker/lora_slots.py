@@ -62,6 +62,9 @@ class LoRAPool:
         # one group per adapter (the engine's); "request": one per request, the loop a grouping replaces
         # (benchmarks/lora.py measures the two)
         self.grouping = "adapter"
+        # "native": the native kernel adds the deltas where it runs; "torch": the torch code always, a matmul each
+        # (with grouping "request": the loop over requests that benchmarks/lora.py compares grouping against)
+        self.delta_kernel = "native"
         # groups of this many rows multiply by GEMMs in the native kernels; a deterministic engine never (0)
         self.gemm_min_rows = 0 if deterministic else GEMM_MIN_ROWS
 
@@ -166,7 +169,7 @@ class LoRAPool:
             contiguous = int(rows[-1] - rows[0]) + 1 == len(rows)
             tensor = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
             groups.append(LoRAGroup(slot, adapter.rank, adapter.scale, tensor, int(rows[0]) if contiguous else -1))
-        return LoRAStep(tuple(groups), self.gemm_min_rows)
+        return LoRAStep(tuple(groups), self.gemm_min_rows, native_kernel=self.delta_kernel == "native")
 
     def _slot(self, lora_id: int, this_step: list[int]) -> tuple[int, LoRAAdapter]:
         """The adapter's device slot, loading it there when it has none (into a free slot, else the least recently

@@ -28,17 +28,38 @@ at::Tensor unpacked_b(const LoraWeights& w, int64_t slot, int64_t i, int64_t ran
       .narrow(1, 0, slice.size);
 }
 
+// The first index of each run of consecutive rows among a group's `count` rows, and `count` at the end: a request's
+// prompt chunk is one run, so a group is as many runs as it has requests in their prompts
+std::vector<int64_t> run_starts(const int64_t* rows, int64_t count) {
+  std::vector<int64_t> starts{0};
+  for (int64_t i = 1; i < count; ++i)
+    if (rows[i] != rows[i - 1] + 1) starts.push_back(i);
+  starts.push_back(count);
+  return starts;
+}
+
 // A group of many rows (a prompt's): shrink and expand as library GEMMs (oneDNN's; AMX tiles for bf16 where the CPU
 // has them), which the vector kernel's loads cannot match at that size. The shrink is rounded to x's dtype, as
-// layers/lora.py's torch code rounds it.
+// layers/lora.py's torch code rounds it. The expand adds into y's rows in place, one GEMM a run of consecutive rows
+// (y += scale * u @ B, summed in float32 and rounded once): index_add_ would add a copy of the delta row by row, a
+// dispatched add each, which cost a prompt's step more than the GEMMs themselves.
 void gemm_group(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch, size_t g) {
   const int64_t rank = batch.rank[g], used = rank * static_cast<int64_t>(w.slices.size());
+  const int64_t first = batch.offsets[g], count = batch.offsets[g + 1] - first;
+  const int64_t* rows = batch.rows.data_ptr<int64_t>() + first;
+  const auto starts = run_starts(rows, count);
   const auto a = w.a[batch.slot[g]].narrow(0, 0, used);
-  const auto rows = batch.rows.narrow(0, batch.offsets[g], batch.offsets[g + 1] - batch.offsets[g]);
-  const auto u = at::matmul(x.index_select(0, rows), a.t());
+  const bool one_run = starts.size() == 2;
+  const auto xs = one_run ? x.narrow(0, rows[0], count) : x.index_select(0, batch.rows.narrow(0, first, count));
+  const auto u = at::matmul(xs, a.t());
   for (int64_t i = 0; i < static_cast<int64_t>(w.slices.size()); ++i) {
-    const auto delta = at::matmul(u.narrow(1, i * rank, rank), unpacked_b(w, batch.slot[g], i, rank));
-    y.narrow(1, w.slices[i].offset, w.slices[i].size).index_add_(0, rows, delta, batch.scale[g]);
+    const auto b = unpacked_b(w, batch.slot[g], i, rank);
+    const auto out = y.narrow(1, w.slices[i].offset, w.slices[i].size);
+    for (size_t run = 0; run + 1 < starts.size(); ++run) {
+      const int64_t start = starts[run], length = starts[run + 1] - start;
+      out.narrow(0, rows[start], length).addmm_(u.narrow(0, start, length).narrow(1, i * rank, rank), b, 1.0,
+                                                batch.scale[g]);
+    }
   }
 }
 
