@@ -99,6 +99,11 @@ def attention_flops(s: model_scale.Shapes, context: int) -> float:
     return 2.0 * s.num_layers * s.num_heads * s.head_dim * context * context
 
 
+def beyond_context(config, tokens: int) -> str:
+    limit = config.max_position_embeddings
+    return f"refused: the model's context is {limit} tokens" if tokens > limit else ""
+
+
 def fits(need: float, args) -> str:
     return (
         "" if need <= args.memory_gib * GIB else f"skipped: needs {need / GIB:.1f} GiB > --memory-gib {args.memory_gib}"
@@ -157,12 +162,15 @@ def section_prefill(args, dtype, element) -> list[Row]:
     probe = new_engine(args, args.model, num_kv_blocks=8)
     s = shapes_of(probe.model_config, "default model" if not args.model else args.model)
     probe.close()
+    config = probe.model_config
     seconds, flops = gemm_rate(s, args.max_num_tokens, dtype, args.min_time, False, args.clock)
     rate = flops / seconds
     print(f"prefill: matmuls at M={args.max_num_tokens} run at {rate / 1e9:.0f} GFLOP/s on these shapes", flush=True)
     for context in args.contexts:
         label = f"{s.name} prefill {context}"
-        skip = fits(weight_bytes(s, element) + kv_bytes(s, context + 64, element), args)
+        skip = fits(weight_bytes(s, element) + kv_bytes(s, context + 64, element), args) or beyond_context(
+            config, context + 1
+        )
         if skip:
             rows.append(Row("prefill", label, note=skip))
             continue
@@ -188,11 +196,12 @@ def section_decode(args, element, bandwidth) -> list[Row]:
     probe = new_engine(args, args.model, num_kv_blocks=8)
     s = shapes_of(probe.model_config, "default model" if not args.model else args.model)
     probe.close()
+    config = probe.model_config
     for context in args.contexts:
         for batch in args.batches:
             label = f"{s.name} decode batch {batch} context {context}"
             kv = kv_bytes(s, batch * (context + args.decode_steps + 16), element)
-            skip = fits(weight_bytes(s, element) + kv, args)
+            skip = fits(weight_bytes(s, element) + kv, args) or beyond_context(config, context + args.decode_steps + 8)
             if skip:
                 rows.append(Row("decode", label, note=skip))
                 continue

@@ -58,6 +58,13 @@ def test_a_row_over_the_memory_budget_is_skipped_with_its_size(limits, tiny_mode
     assert skipped["figure"] is None and "skipped: needs" in skipped["note"] and "--memory-gib 1" in skipped["note"]
 
 
+def test_a_context_longer_than_the_model_s_is_refused_by_name(limits, tiny_model, tmp_path):
+    record = limits.main(["--model", str(tiny_model), "--sections", "prefill,decode", "--contexts", "9000",
+                          "--batches", "1", "--threads", "1", "--min-time", "0.001", "--max-num-tokens", "32",
+                          "--out", str(tmp_path / "l.json")])  # fmt: skip
+    assert [r["note"] for r in record["rows"]] == ["refused: the model's context is 8192 tokens"] * 2
+
+
 def test_cpu_time_needs_one_thread(limits):
     with pytest.raises(SystemExit, match="--threads 1"):
         limits.main(["--clock", "cpu", "--threads", "2"])
