@@ -17,6 +17,8 @@ Sections (--sections, comma-separated):
            --eightb-batches sequences of 32-token prompts decoding; batch 1 against the bandwidth bound, larger
            batches against the compute bound (the GEMM rate measured at that M on the 8B shapes, the lm_head
            included). Ratios hold for the reduced model; the 32-layer step is extrapolated and marked so.
+           --eightb-formats int8,gguf:Q4_0 adds the weights kept quantized (int8 at load; the checkpoint written as
+           a GGUF file and run as stored), batch 1 against the bytes of that format.
   peer64   the default model (always: the bound is roofline.py's, on its shapes) on benchmarks/workloads/peer64.json
            (64 sequences at once), its time against roofline.py's matmul-only bound of that workload at the GEMM
            rates measured now.
@@ -221,6 +223,22 @@ def section_decode(args, element, bandwidth) -> list[Row]:
     return rows
 
 
+def step_weight_bytes(s: model_scale.Shapes, fmt: str, element: int, folder: Path) -> float:
+    """What one batch-1 step reads of the weights in format `fmt`: none as written; int8 the decoder layers' codes
+    (1 byte) and float32 per-channel scales, the lm_head and norms as written (layers/quantization.py quantizes the
+    layers' projections only); gguf:<type> every tensor of the file as stored but the embedding table."""
+    if fmt == "none":
+        return s.step_params(1) * element
+    if fmt == "int8":
+        layers = [shape for i in range(s.num_layers) for _, shape in s.layer_tensors(i) if len(shape) == 2]
+        quantized = sum(n * k + 4 * n for n, k in layers)
+        return quantized + (s.step_params(1) - sum(n * k for n, k in layers)) * element
+    import gguf
+
+    reader = gguf.GGUFReader(str(model_scale.engine_source(folder, fmt)[0]))
+    return float(sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight"))
+
+
 def section_8b(args, dtype, element, bandwidth) -> list[Row]:
     full = model_scale.PRESETS[args.eightb_preset]
     s = dataclasses.replace(full, name=f"{full.name} ({args.layers} of {full.num_layers} layers)",
@@ -233,23 +251,33 @@ def section_8b(args, dtype, element, bandwidth) -> list[Row]:
     rows = []
     try:
         model_scale.write_checkpoint(s, folder, dtype)
-        engine = new_engine(args, str(folder), num_kv_blocks=max(args.eightb_batches) * 4 + 8,
-                            max_batch_size=max(args.eightb_batches))  # fmt: skip
-        for batch in args.eightb_batches:
-            prompts = [prompt(s.vocab_size, 32, 20 + i) for i in range(batch)]
-            step = decode_step_s(engine, prompts, args.decode_steps, args.clock)
-            if batch == 1:
-                bound, kind = s.step_params(1) * element / bandwidth, "bandwidth"
-            else:
-                bound = gemm_rate(s, batch, dtype, args.min_time, True, args.clock)[0]
-                kind = f"compute at M={batch}"
-            full_step = step * full.step_params(batch) / s.step_params(batch)
-            rows.append(Row("8b", f"{s.name} batch {batch} vs {kind}", step, bound,
-                            f"32 layers ~{1e3 * full_step:.0f} ms/step (scaled by params)"))  # fmt: skip
-            report(rows[-1])
-        engine.close()
+        model_scale.scale_gguf.write_ggufs(folder, model_scale.gguf_types(args.eightb_formats))
+        for fmt in args.eightb_formats:
+            rows += _rows_8b(args, s, full, fmt, folder, dtype, element, bandwidth)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    return rows
+
+
+def _rows_8b(args, s, full, fmt: str, folder: Path, dtype, element, bandwidth) -> list[Row]:
+    """Batch 1 against the bandwidth bound (the format's bytes), larger batches against the bf16 GEMMs' compute bound."""
+    model, tokenizer, quantization = model_scale.engine_source(folder, fmt)
+    engine = new_engine(args, str(model), num_kv_blocks=max(args.eightb_batches) * 4 + 8, tokenizer=tokenizer,
+                        max_batch_size=max(args.eightb_batches), quantization=quantization)  # fmt: skip
+    rows = []
+    for batch in args.eightb_batches:
+        prompts = [prompt(s.vocab_size, 32, 20 + i) for i in range(batch)]
+        step = decode_step_s(engine, prompts, args.decode_steps, args.clock)
+        if batch == 1:
+            bound, kind = step_weight_bytes(s, fmt, element, folder) / bandwidth, "bandwidth"
+        else:
+            bound = gemm_rate(s, batch, dtype, args.min_time, True, args.clock)[0]
+            kind = f"bf16 compute at M={batch}"
+        full_step = step * full.step_params(batch) / s.step_params(batch)
+        rows.append(Row("8b", f"{s.name} {fmt} batch {batch} vs {kind}", step, bound,
+                        f"32 layers ~{1e3 * full_step:.0f} ms/step (scaled by params)"))  # fmt: skip
+        report(rows[-1])
+    engine.close()
     return rows
 
 
@@ -300,6 +328,12 @@ def parse_args(argv=None):
     ap.add_argument("--batches", type=ints, default=[1, 8], help="decode batch sizes at each context")
     ap.add_argument("--layers", type=int, default=4, help="layers of the 8B shapes actually built")
     ap.add_argument("--eightb-batches", type=ints, default=[1, 32])
+    ap.add_argument(
+        "--eightb-formats",
+        type=lambda t: t.split(","),
+        default=["none"],
+        help="weight formats of the 8B rows: none (as written), int8, gguf:Q4_0 (gguf:Q8_0, gguf:Q4_1)",
+    )
     ap.add_argument("--eightb-preset", default="llama-3.1-8b", choices=sorted(model_scale.PRESETS))
     ap.add_argument("--model", default=None, help="the model of prefill and decode (default: the default model)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -35,12 +35,14 @@ def tiny_model(tmp_path_factory, limits):
 def test_every_section_gives_a_figure_its_bound_and_the_ratio(limits, tiny_model, tmp_path, capsys):
     out = tmp_path / "limits.json"
     record = limits.main(["--model", str(tiny_model), "--contexts", "96", "--batches", "1,2", "--layers", "1",
-                          "--eightb-preset", "tiny-llama", "--eightb-batches", "1,4", "--peer-limit", "2",
+                          "--eightb-preset", "tiny-llama", "--eightb-batches", "1,4",
+                          "--eightb-formats", "none,int8,gguf:Q4_0", "--peer-limit", "2",
                           "--peer-max-tokens", "3", "--peer-ms", "2", "--decode-steps", "2", "--min-time", "0.001", "--max-num-tokens", "32",
                           "--threads", "1", "--clock", "cpu", "--out", str(out)])  # fmt: skip
     rows = {(r["section"], r["label"]): r for r in record["rows"]}
     assert {section for section, _ in rows} == {"prefill", "decode", "8b", "peer64"}
-    assert len(rows) == 1 + 2 + 2 + 1
+    assert len(rows) == 1 + 2 + 3 * 2 + 1
+    assert sum(fmt in label for _, label in rows for fmt in ("int8 batch", "gguf:Q4_0 batch")) == 4
     for row in rows.values():
         assert row["figure"] > 0 and row["bound"] > 0 and row["ratio"] == pytest.approx(row["bound"] / row["figure"])
     assert json.loads(out.read_text())["machine"]["cpu_family"] == record["machine"]["cpu_family"]
