@@ -42,9 +42,12 @@ def params_per_token() -> int:
     return LAYERS * sum(k * n for k, n in LAYER_SHAPES.values()) + LM_HEAD[0] * LM_HEAD[1]
 
 
-def time_matmuls(m: int, shape: tuple[int, int], copies: int, dtype: torch.dtype, min_time: float) -> float:
+def time_matmuls(
+    m: int, shape: tuple[int, int], copies: int, dtype: torch.dtype, min_time: float, clock=time.perf_counter
+) -> float:
     """Median seconds for one (m, K) x (K, N) product, cycling through `copies` distinct weights; the faster of the
-    two weight layouts ([N, K] as x @ W.T, the nn.Linear way, or [K, N] as x @ W), since an engine may keep either."""
+    two weight layouts ([N, K] as x @ W.T, the nn.Linear way, or [K, N] as x @ W), since an engine may keep either.
+    `clock` time.process_time on one thread: CPU seconds, which a loaded host does not inflate."""
     k, n = shape
     weights = [torch.randn(n, k, dtype=dtype) * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, dtype=dtype)
@@ -60,10 +63,10 @@ def time_matmuls(m: int, shape: tuple[int, int], copies: int, dtype: torch.dtype
             samples: list[float] = []
             start = time.perf_counter()
             while len(samples) < 3 or (time.perf_counter() - start < min_time and len(samples) < 200):
-                t0 = time.perf_counter()
+                t0 = clock()
                 for w in operands:
                     product(x, w)
-                samples.append((time.perf_counter() - t0) / copies)
+                samples.append((clock() - t0) / copies)
             best = min(best, statistics.median(samples))
     return best
 
@@ -95,15 +98,15 @@ def workload_bound(rows: list[dict], workload: Path, batch: int) -> dict[str, di
     return bounds
 
 
-def measure(dtype_name: str, ms: list[int], min_time: float) -> list[dict]:
+def measure(dtype_name: str, ms: list[int], min_time: float, clock=time.perf_counter) -> list[dict]:
     dtype = DTYPES[dtype_name]
     flops_per_token = 2 * params_per_token()
     rows = []
     for m in ms:
         per_shape = {}
         for name, shape in LAYER_SHAPES.items():
-            per_shape[name] = time_matmuls(m, shape, LAYERS, dtype, min_time)
-        per_shape["lm_head"] = time_matmuls(m, LM_HEAD, 1, dtype, min_time)
+            per_shape[name] = time_matmuls(m, shape, LAYERS, dtype, min_time, clock)
+        per_shape["lm_head"] = time_matmuls(m, LM_HEAD, 1, dtype, min_time, clock)
         step_s = LAYERS * sum(per_shape[name] for name in LAYER_SHAPES) + per_shape["lm_head"]
         gflops = {
             name: 2 * m * k * n / per_shape[name] / 1e9

@@ -14,7 +14,8 @@ PATH_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_
 
 
 def _cpuinfo_field(lines: list[str], name: str) -> str | None:
-    line = next((x for x in lines if x.startswith(name)), None)
+    # the key whole: "model" must not match "model name"
+    line = next((x for x in lines if x.split(":", 1)[0].strip() == name), None)
     return line.split(":", 1)[1].strip() if line else None
 
 
@@ -27,6 +28,7 @@ def machine_info(threads: int | None = None, dtype: str | None = None) -> dict[s
     return {
         "cpu": _cpuinfo_field(lines, "model name") or platform.processor() or platform.machine(),
         "cpu_family": _cpuinfo_field(lines, "cpu family"),
+        "cpu_model": _cpuinfo_field(lines, "model"),
         "cpu_flags": [f for f in PATH_FLAGS if f in flags],
         "bf16_units": bool(flags & {"avx512_bf16", "amx_bf16"}),
         "cpu_count": os.cpu_count(),
@@ -38,10 +40,14 @@ def machine_info(threads: int | None = None, dtype: str | None = None) -> dict[s
     }
 
 
+def _model(info: dict[str, Any]) -> str:
+    return f" model {info['cpu_model']}" if info.get("cpu_model") else ""  # records from before it was kept lack it
+
+
 def describe(info: dict[str, Any]) -> str:
     """One line for a table's header."""
     parts = [
-        f"{info['cpu']} (family {info['cpu_family']}, {info['cpu_count']} CPUs)",
+        f"{info['cpu']} (family {info['cpu_family']}{_model(info)}, {info['cpu_count']} CPUs)",
         f"flags: {' '.join(info['cpu_flags']) or 'none of ' + '/'.join(PATH_FLAGS)}",
         f"bf16 units: {'yes' if info['bf16_units'] else 'no'}",
     ]

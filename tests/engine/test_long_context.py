@@ -2,7 +2,8 @@
 (original context 32): a prompt longer than it is rotated with the long factors from its first token (chunked
 prefill too), a generation that outgrows it starts over with the long factors as transformers recomputes it, and a
 long sequence never takes a short one's cached blocks; greedy float32 tokens equal transformers' in one batch, with
-n-gram speculation too (its drafts stop at the original context)."""
+n-gram speculation too (its drafts stop at the original context). And an 8,000-token prompt, chunked and then hit
+in the prefix cache, on a tiny Llama whose context holds it."""
 
 from __future__ import annotations
 
@@ -71,3 +72,53 @@ def test_the_per_position_rule_gives_other_tokens(phi3, monkeypatch):
     differ = [name for name in ("long", "crossing", "shares_a_prefix")
               if tokens[name] != hf_greedy(hf, PROMPTS[name], MAX_NEW[name])]  # fmt: skip
     assert differ, "the long factors must change these tokens"
+
+
+# An 8k-token prompt on a tiny Llama with head size 64 (the native prefill kernel's) and a context wide enough for it
+LONG_PROMPT = prompt_ids(11, 8000)
+LONG_MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def llama_8k(tmp_path_factory):
+    import torch
+    import transformers
+
+    from tests.tiny_models import COMMON, save_word_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny_llama_8k")
+    torch.manual_seed(8000)
+    config = transformers.LlamaConfig(**{**COMMON, "hidden_size": 128, "num_attention_heads": 2,
+                                         "num_key_value_heads": 1, "max_position_embeddings": 8192})  # fmt: skip
+    # sdpa, not eager: eager would hold 8k x 8k scores per head (GBs); both are transformers' reference attention
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(directory)
+    save_word_tokenizer(directory)
+    return model, directory
+
+
+def test_greedy_tokens_after_an_8k_prompt_are_transformers(llama_8k):
+    """An 8,000-token prompt prefilled in four chunks, then asked again with another ending (a prefix-cache hit on
+    all its full blocks): both generations equal transformers' greedy tokens."""
+    hf, directory = llama_8k
+    engine = LLMEngine.from_options(
+        model=str(directory), device="cpu", dtype="float32", num_kv_blocks=1100, block_size=16, max_num_tokens=2048,
+    )  # fmt: skip
+    second = LONG_PROMPT[:7990] + prompt_ids(12, 12)
+    done = {}
+    for name, prompt in (("first", LONG_PROMPT), ("second", second)):
+        engine.add_prompt(name, prompt, SamplingParams(max_tokens=LONG_MAX_NEW, temperature=0.0))
+        steps = 0
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.extend(out.delta_token_ids)
+                if out.finished:
+                    done[name] = out
+            steps += 1
+        assert tokens == hf_greedy(hf, prompt, LONG_MAX_NEW), name
+        if name == "first":
+            assert steps >= 4 + LONG_MAX_NEW - 1  # four prefill chunks of at most 2048 tokens
+    assert done["first"].metrics.num_cached_tokens == 0
+    assert done["second"].metrics.num_cached_tokens == 7984  # 499 full blocks of the shared 7,990 tokens

@@ -1,0 +1,72 @@
+"""benchmarks/limits.py at tiny sizes: every section runs, prints a figure, its bound and the ratio for each row, a
+row that would not fit the memory budget is skipped with its size, and the JSON record names the host."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def limits():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("limits")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, limits):
+    import model_scale
+    import torch
+
+    folder = tmp_path_factory.mktemp("limits_tiny")
+    model_scale.write_checkpoint(model_scale.PRESETS["tiny-llama"], folder, torch.bfloat16)
+    return folder
+
+
+def test_every_section_gives_a_figure_its_bound_and_the_ratio(limits, tiny_model, tmp_path, capsys):
+    out = tmp_path / "limits.json"
+    record = limits.main(["--model", str(tiny_model), "--contexts", "96", "--batches", "1,2", "--layers", "1",
+                          "--eightb-preset", "tiny-llama", "--eightb-batches", "1,4",
+                          "--eightb-formats", "none,int8,gguf:Q4_0", "--peer-limit", "2",
+                          "--peer-max-tokens", "3", "--peer-ms", "2", "--decode-steps", "2", "--min-time", "0.001", "--max-num-tokens", "32",
+                          "--threads", "1", "--clock", "cpu", "--out", str(out)])  # fmt: skip
+    rows = {(r["section"], r["label"]): r for r in record["rows"]}
+    assert {section for section, _ in rows} == {"prefill", "decode", "8b", "peer64"}
+    assert len(rows) == 1 + 2 + 3 * 2 + 1
+    assert sum(fmt in label for _, label in rows for fmt in ("int8 batch", "gguf:Q4_0 batch")) == 4
+    for row in rows.values():
+        assert row["figure"] > 0 and row["bound"] > 0 and row["ratio"] == pytest.approx(row["bound"] / row["figure"])
+    assert json.loads(out.read_text())["machine"]["cpu_family"] == record["machine"]["cpu_family"]
+    assert record["clock"] == "cpu"
+    printed = capsys.readouterr().out
+    assert "family" in printed and "bound ms" in printed
+
+
+def test_a_row_over_the_memory_budget_is_skipped_with_its_size(limits, tiny_model, tmp_path):
+    record = limits.main(["--model", str(tiny_model), "--sections", "decode", "--contexts", "64,4000000",
+                          "--batches", "1", "--decode-steps", "1", "--memory-gib", "1", "--threads", "1",
+                          "--out", str(tmp_path / "l.json")])  # fmt: skip
+    fitted, skipped = record["rows"]
+    assert fitted["figure"] > 0
+    assert skipped["figure"] is None and "skipped: needs" in skipped["note"] and "--memory-gib 1" in skipped["note"]
+
+
+def test_a_context_longer_than_the_model_s_is_refused_by_name(limits, tiny_model, tmp_path):
+    record = limits.main(["--model", str(tiny_model), "--sections", "prefill,decode", "--contexts", "9000",
+                          "--batches", "1", "--threads", "1", "--min-time", "0.001", "--max-num-tokens", "32",
+                          "--out", str(tmp_path / "l.json")])  # fmt: skip
+    assert [r["note"] for r in record["rows"]] == ["refused: the model's context is 8192 tokens"] * 2
+
+
+def test_cpu_time_needs_one_thread(limits):
+    with pytest.raises(SystemExit, match="--threads 1"):
+        limits.main(["--clock", "cpu", "--threads", "2"])
