@@ -184,7 +184,9 @@ class CacheConfig:
         _require(self.swap_space_gb >= 0, "swap_space_gb must be >= 0")
         _require(self.num_swap_blocks is None or self.num_swap_blocks >= 0, "num_swap_blocks must be >= 0")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}")
-        _require(self.kv_offload_max_bytes is None or self.kv_offload_max_bytes >= 1, "kv_offload_max_bytes must be >= 1")
+        _require(
+            self.kv_offload_max_bytes is None or self.kv_offload_max_bytes >= 1, "kv_offload_max_bytes must be >= 1"
+        )
         _require(
             self.kv_offload_dir is None or os.path.isdir(self.kv_offload_dir),
             f"kv_offload_dir {self.kv_offload_dir!r} is not an existing directory",

@@ -72,9 +72,11 @@ class KVRetention:
         for i, r in enumerate(ranges):
             if not isinstance(r, dict):
                 raise InvalidRequestError(f"{FIELD}.token_ranges[{i}] must be an object", f"{FIELD}.token_ranges")
-            parsed.append(TokenRangeRetention(
-                r.get("token_start", 0), r.get("token_end"), r.get("priority", DEFAULT_PRIORITY), _seconds(r)
-            ))
+            parsed.append(
+                TokenRangeRetention(
+                    r.get("token_start", 0), r.get("token_end"), r.get("priority", DEFAULT_PRIORITY), _seconds(r)
+                )
+            )
         decode = value.get("decode_priority", value.get("decode_retention_priority", DEFAULT_PRIORITY))
         decode_s = value.get("decode_duration_s")
         if decode_s is None and value.get("decode_duration_ms") is not None:
@@ -112,4 +114,3 @@ def _duration(name: str, value: Any) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
         raise InvalidRequestError(f"{name} must be a positive number of seconds, got {value!r}", name)
-

@@ -72,7 +72,7 @@ def chat(engines: dict[str, LLMEngine], args, rng_seed: int = 0) -> tuple[list[l
         for history in histories:
             history += [rng.randrange(10, vocab) for _ in range(args.user)]
             outs = []
-            for name, engine in (engines.items() if turn % 2 else reversed(engines.items())):
+            for name, engine in engines.items() if turn % 2 else reversed(engines.items()):
                 ttft, out = serve_one(engine, history, args.reply)
                 outs.append(out)
                 if turn:
@@ -119,8 +119,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="nothing-hits throughput rounds (0: skip them)")
     parser.add_argument("--throughput-only", action="store_true", help="only the nothing-hits rounds")
     parser.add_argument("--unique-len", type=int, default=256, help="tokens of each unique prompt")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: TTFT and throughput in the "
-                        "process's CPU seconds (for a host others load; use with --threads 1)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: TTFT and throughput in the process's CPU seconds (for a host others load; use with --threads 1)",
+    )
     args = parser.parse_args()
     # an entry point's settings (an engine never makes them): without this --threads never reached torch, and freed
     # activations went back to the kernel after each step, as they do in no server
@@ -185,7 +189,6 @@ def chat_phases(args, pool: int) -> None:
         restarted.close()
 
 
-
 def time_loads(engine: LLMEngine) -> list[float]:
     """[seconds, blocks] of the tier's block loads (read, check, into the pool: by the reader thread, or by the
     scheduler's thread helping it), each block's time summed, whichever thread took it."""
@@ -220,8 +223,10 @@ def nothing_hits(args) -> None:
                 prompts = [[rng.randrange(10, 20000) for _ in range(args.unique_len)] for _ in range(args.unique)]
                 rates[name].append(throughput(engine, prompts, 16))
         best = {name: max(r) for name, r in rates.items()}
-        print(f"nothing hits, {args.unique} unique {args.unique_len}-token prompts x 16 tokens: off {best['off']:.0f} tok/s, on "
-              f"{best['on']:.0f} tok/s ({best['on'] / best['off']:.3f}x; best of {args.rounds} alternating rounds)")
+        print(
+            f"nothing hits, {args.unique} unique {args.unique_len}-token prompts x 16 tokens: off {best['off']:.0f} tok/s, on "
+            f"{best['on']:.0f} tok/s ({best['on'] / best['off']:.3f}x; best of {args.rounds} alternating rounds)"
+        )
         for engine in engines.values():
             engine.close()
 

@@ -53,7 +53,11 @@ def main() -> None:
         for round_ in range(args.rounds):
             if round_ == min(2, args.rounds - 1):
                 writer.flush()
-                step_share[0], blocks, writer_s = 0.0, engine.kv_tier.stats.blocks_written, thread_cpu_s("kv-tier-write")
+                step_share[0], blocks, writer_s = (
+                    0.0,
+                    engine.kv_tier.stats.blocks_written,
+                    thread_cpu_s("kv-tier-write"),
+                )
             for _ in range(12):
                 engine.add_prompt(None, [rng.randrange(10, 20000) for _ in range(256)], params)
             while engine.has_unfinished_requests():

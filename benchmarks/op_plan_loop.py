@@ -81,7 +81,7 @@ def measure(model, batch, kv, rounds: int) -> tuple[float, float]:
     loop = model.decoder_loop
     assert loop is not None, "the native decoder loop does not run this model here"
     native, python = [], []
-    for sequencing in ([loop, None] * 2):  # warm-up
+    for sequencing in [loop, None] * 2:  # warm-up
         model.decoder_loop = sequencing
         step_seconds(model, batch, kv)
     for _ in range(rounds):
@@ -105,7 +105,9 @@ def main() -> None:
     args = ap.parse_args()
     configure_torch(args.threads, 0)
     dtype = getattr(torch, args.dtype)
-    print(f"{args.dtype}, {args.layers} layers, context {args.context}, {args.threads} threads, median of {args.rounds}")
+    print(
+        f"{args.dtype}, {args.layers} layers, context {args.context}, {args.threads} threads, median of {args.rounds}"
+    )
     print(f"{'family':>10} {'B':>4} {'native ms':>10} {'python ms':>10} {'speed-up':>9}")
     for family in args.families.split(","):
         with tempfile.TemporaryDirectory() as directory:

@@ -138,7 +138,9 @@ def main() -> None:
     formats = args.formats if dtype == torch.float32 else ["none", *args.formats]
     for fmt in formats:
         for kv, log_probs in text_log_probs(path, config, fmt, inputs, args.kv, dtype).items():
-            name = (fmt if dtype == torch.float32 else f"{fmt} ({args.dtype})") + ("" if kv == "float32" else f", KV {kv}")
+            name = (fmt if dtype == torch.float32 else f"{fmt} ({args.dtype})") + (
+                "" if kv == "float32" else f", KV {kv}"
+            )
             rows.append({"format": name, **compare(reference, log_probs, targets)})
     if args.llama_cpp:
         rows.extend(llama_cpp_rows(path, args, inputs, reference, targets))

@@ -57,7 +57,9 @@ def projections(native, weight: torch.Tensor, scheme: quantization.QuantScheme) 
         "w8a8_16": quantized(path=quantization.W8A8_PATH, small_max_m=16, act_block=16),
     }
     if native.quant_amx_available():
-        paths["amx"] = quantized(path=quantization.W8A8_PATH, small_max_m=16, act_block=16, bf16_tiles=True, amx_min_m=1)
+        paths["amx"] = quantized(
+            path=quantization.W8A8_PATH, small_max_m=16, act_block=16, bf16_tiles=True, amx_min_m=1
+        )
     paths["bf16"] = CpuLinear(torch.nn.Parameter(weight.bfloat16()), None)
     return paths
 

@@ -28,8 +28,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         kind = float if isinstance(f.default, float) else int if isinstance(f.default, int) else str
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
-    parser.add_argument("--server-arg", action="append", default=[], dest="extra_server_args",
-                        help="one more argument for `batchserve serve` (repeat it), e.g. --server-arg=--num-threads=1")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        dest="extra_server_args",
+        help="one more argument for `batchserve serve` (repeat it), e.g. --server-arg=--num-threads=1",
+    )
     parser.add_argument("--output", default="bench_results/soak.json")
     args = parser.parse_args(argv)
     options = SoakOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SoakOptions)})

@@ -37,8 +37,11 @@ TTFT_SCHEMA = {
         "name": {"type": "string", "maxLength": 20},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string",
-                    "pattern": "^[0-9]{5}$"}}, "required": ["city", "zip"]},  # fmt: skip
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+        },  # fmt: skip
     },
     "required": ["name", "age", "tags", "address"],
 }
@@ -243,7 +246,9 @@ def report(results: dict[str, dict[str, list]]) -> None:
               f"{len(walls)} runs; best run per step ({phases['steps']:.0f} steps): forward "
               f"{per_step['forward_s']:.2f} ms, sampling {per_step['sample_s']:.2f} ms")  # fmt: skip
         step_ms = [1e3 * (ph["forward_s"] + ph["sample_s"]) / ph["steps"] for ph in entry["steps"]]
-        print(f"{'':22} forward + sampling per step: best {min(step_ms):.2f} ms, median {statistics.median(step_ms):.2f} ms")
+        print(
+            f"{'':22} forward + sampling per step: best {min(step_ms):.2f} ms, median {statistics.median(step_ms):.2f} ms"
+        )
         if entry["fill"]:
             print(f"{'':22} mask fill at the largest batch: median {ms(entry['fill'])}, max "
                   f"{ms(entry['fill'], max)}; the step's wait for its masks: median {ms(entry['wait'])}")  # fmt: skip
@@ -255,8 +260,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--limit", type=int, default=0, help="the first N requests only")
     parser.add_argument("--max-tokens", type=int, default=0, help="cap each request's max_tokens (a shorter run)")
-    parser.add_argument("--overlap", choices=["on", "off", "both", "alternate"], default="both",
-                        help="fill the masks during the forward pass (BATCHSERVE_GRAMMAR_OVERLAP), or not, or both")
+    parser.add_argument(
+        "--overlap",
+        choices=["on", "off", "both", "alternate"],
+        default="both",
+        help="fill the masks during the forward pass (BATCHSERVE_GRAMMAR_OVERLAP), or not, or both",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="free and constrained runs, alternated, this often")
     parser.add_argument("--masks-only", type=int, default=0, metavar="BATCH",
                         help="only time the masks of BATCH sequences, without the model")  # fmt: skip

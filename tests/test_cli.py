@@ -103,7 +103,9 @@ def test_every_flag_of_every_command_has_help_and_shows_its_default():
                 if action.default not in (None, False):
                     assert "default" in text, (parser.prog, action.option_strings, text)
     help_text = " ".join(bench_parser().format_help().split())
-    assert "--timeline-steps TIMELINE_STEPS draw only the first N steps in the batch timeline (default: all" in help_text
+    assert (
+        "--timeline-steps TIMELINE_STEPS draw only the first N steps in the batch timeline (default: all" in help_text
+    )
 
 
 def test_version(capsys):

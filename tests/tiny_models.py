@@ -97,10 +97,16 @@ ARCH_KINDS = {
     "phi3_window": lambda: transformers.Phi3Config(**COMMON, sliding_window=8),  # Phi-3-mini-4k's is 2047
     # Phi-4-mini's shape of it: partial rotary (12 of 16 dims), tied embeddings
     "phi4_mini": lambda: transformers.Phi3Config(
-        **{**COMMON, "max_position_embeddings": 128}, original_max_position_embeddings=32, partial_rotary_factor=0.75,
-        tie_word_embeddings=True, rope_scaling={**LONGROPE, "short_factor": LONGROPE["short_factor"][:6],
-                                                 "long_factor": LONGROPE["long_factor"][:6],
-                                                 "partial_rotary_factor": 0.75},
+        **{**COMMON, "max_position_embeddings": 128},
+        original_max_position_embeddings=32,
+        partial_rotary_factor=0.75,
+        tie_word_embeddings=True,
+        rope_scaling={
+            **LONGROPE,
+            "short_factor": LONGROPE["short_factor"][:6],
+            "long_factor": LONGROPE["long_factor"][:6],
+            "partial_rotary_factor": 0.75,
+        },
     ),  # fmt: skip
 }
 

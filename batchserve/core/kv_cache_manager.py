@@ -78,7 +78,9 @@ class KVCacheManager:
         self.prefix_queries = 0  # prompt tokens looked up, since start
         self.prefix_hits = 0  # prompt tokens found
         self.tier: KVOffload | None = None  # the disk tier under the pool (core/kv_offload.py), when on
-        self.waiting_needs = WaitingNeeds()  # blocks the waiting queue's head will hit: evicted last (core/retention.py)
+        self.waiting_needs = (
+            WaitingNeeds()
+        )  # blocks the waiting queue's head will hit: evicted last (core/retention.py)
         self.tier_loads: dict[str, TierLoad] = {}
         self._release_after_load: list[tuple[Future, list[KVBlock]]] = []  # a loading request's blocks, once done
 
@@ -145,11 +147,14 @@ class KVCacheManager:
         blocks += fresh
         if loaded:
             self.tier.loads += [(b.block_id, payload) for b, payload in zip(fresh, loaded)]
-        self._register_full_blocks(request, request.num_computed_tokens + num_new_tokens, len(blocks) - len(fresh),
-                                   len(loaded))
+        self._register_full_blocks(
+            request, request.num_computed_tokens + num_new_tokens, len(blocks) - len(fresh), len(loaded)
+        )
         return [b.block_id for b in blocks[start:]]  # hit blocks already out of the window: the null block
 
-    def _register_full_blocks(self, request: Request, num_tokens: int, loaded_from: int = 0, num_loaded: int = 0) -> None:
+    def _register_full_blocks(
+        self, request: Request, num_tokens: int, loaded_from: int = 0, num_loaded: int = 0
+    ) -> None:
         """Blocks that will be full once this step runs become findable by content. Their tokens are known now:
         a step computes only tokens that are already in the request. The disk tier writes the new ones, except the
         blocks [loaded_from, loaded_from + num_loaded) it is reading back."""

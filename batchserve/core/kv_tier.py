@@ -279,7 +279,9 @@ class TierStore:
         start = time.perf_counter()
         parts = [memoryview(p).cast("B") for p in (payload if isinstance(payload, list) else [payload])]
         length = sum(len(p) for p in parts)
-        header = _HEADER.pack(MAGIC, VERSION, retention.priority, retention.expires_at, self.fingerprint, digest, length)
+        header = _HEADER.pack(
+            MAGIC, VERSION, retention.priority, retention.expires_at, self.fingerprint, digest, length
+        )
         size = HEADER_BYTES + length
         if size > self.max_bytes:
             return False
@@ -304,8 +306,12 @@ class TierStore:
             first = self.stats.write_errors == 1
         full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         if first or self.stats.write_errors % 1000 == 0:  # a full disk fails every write: log the first and a count
-            logger.warning("KV tier: write failed (%s%s; %d so far): the block stays in the pool only, serving goes "
-                           "on", "disk full: " if full else "", exc, self.stats.write_errors)
+            logger.warning(
+                "KV tier: write failed (%s%s; %d so far): the block stays in the pool only, serving goes on",
+                "disk full: " if full else "",
+                exc,
+                self.stats.write_errors,
+            )
         try:
             temp.unlink()
         except OSError:
@@ -317,7 +323,9 @@ class TierStore:
             if entry is None:
                 return False
             entry.last_used = time.time()
-            if retention.priority > entry.priority:  # the index ranks it higher; the file keeps what it was written with
+            if (
+                retention.priority > entry.priority
+            ):  # the index ranks it higher; the file keeps what it was written with
                 entry.priority, entry.expires_at = retention.priority, retention.expires_at
             return True
 

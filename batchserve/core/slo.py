@@ -102,7 +102,9 @@ class SloPlanner:
     def mode(self) -> SloAdmission:
         return self.config.slo_admission
 
-    def check_admission(self, request: Request, running: Iterable[Request], waiting: Iterable[Request], now: float) -> None:
+    def check_admission(
+        self, request: Request, running: Iterable[Request], waiting: Iterable[Request], now: float
+    ) -> None:
         """Refuse (SloUnattainableError), before it takes a block, a request predicted to miss its TTFT target
         (slo_admission refuse) or its deadline; under deprioritize one that would miss its target is demoted."""
         if self.mode == SloAdmission.OFF and request.deadline is None:

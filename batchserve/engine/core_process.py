@@ -101,7 +101,9 @@ class CoreLoop:
                 elif self.stopping:
                     break
         except PeerDeadError:
-            logger.warning("the API server process is gone: the engine core stops (%d requests dropped)", len(self.live))
+            logger.warning(
+                "the API server process is gone: the engine core stops (%d requests dropped)", len(self.live)
+            )
             return
         self.channel.send(Stopped(self.num_aborted))
 

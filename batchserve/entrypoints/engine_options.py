@@ -48,9 +48,9 @@ HELP: dict[str, str] = {
     "bfloat16 / float16 on a CPU without their matmul units compute in float32 on widened weights (half, fp16, bf16, "
     "fp32 accepted)",
     "device": "auto: CUDA when torch sees a GPU, else the CPU",
-    "speculative_config": "speculative decoding, vLLM's shape as JSON: {\"method\": \"ngram\", "
-    "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}, method suffix, or a "
-    "draft model of the same tokenizer: {\"model\": \"path\", \"num_speculative_tokens\": 4} "
+    "speculative_config": 'speculative decoding, vLLM\'s shape as JSON: {"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}, method suffix, or a '
+    'draft model of the same tokenizer: {"model": "path", "num_speculative_tokens": 4} '
     "(docs/speculative-decoding.md; default: off)",
     "seed": "seed of torch's RNG, and of sampling for requests without a seed of their own",
     "num_threads": "torch intra-op threads on CPU (default: torch's choice)",
@@ -72,7 +72,7 @@ HELP: dict[str, str] = {
     "gguf for a GGUF file in bfloat16 where this CPU runs it faster, else none, said in one start-up line "
     "(docs/quantization.md)",
     "enable_lora": "serve LoRA adapters on top of the base model: a request names one by `model` (docs/lora.md)",
-    "lora_modules": "adapters loaded at start, \"name=path name2=path2\" (PEFT folders; needs enable_lora)",
+    "lora_modules": 'adapters loaded at start, "name=path name2=path2" (PEFT folders; needs enable_lora)',
     "max_loras": "distinct adapters in one step (their weights' device slots)",
     "max_lora_rank": "the largest adapter rank accepted; a higher one is refused at load",
     "max_cpu_loras": "adapters kept loaded in host memory, least recently used dropped beyond (default: max_loras)",

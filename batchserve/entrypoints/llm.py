@@ -177,4 +177,6 @@ def _params_per_prompt(
 
 
 def _with_adapter(request: EngineRequest, lora_name: str) -> EngineRequest:
-    return dataclasses.replace(request, sampling_params=dataclasses.replace(request.sampling_params, lora_name=lora_name))
+    return dataclasses.replace(
+        request, sampling_params=dataclasses.replace(request.sampling_params, lora_name=lora_name)
+    )

@@ -157,7 +157,9 @@ class RotaryEmbedding(nn.Module):
     def _long_inv_freq(self) -> torch.Tensor | None:
         if self.rope_type != "longrope":
             return None
-        return _longrope_inv_freq(self.config.rope_theta, rotary_dim(self.config), self.config.rope_scaling["long_factor"])
+        return _longrope_inv_freq(
+            self.config.rope_theta, rotary_dim(self.config), self.config.rope_scaling["long_factor"]
+        )
 
     def reset(self, device: torch.device) -> None:
         """Recompute the (non-loaded) frequencies once the module lives on its real device."""

@@ -73,7 +73,9 @@ def read_gguf_config(path: Path) -> ModelConfig:
     rope_dims = int(get("rope.dimension_count") or head_dim)
     eos = as_id_list(meta.get("tokenizer.ggml.eos_token_id")) + as_id_list(meta.get("tokenizer.ggml.eot_token_id"))
     vocab_size = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    rope_scaling = _longrope_scaling(get, tensors) if arch == "phi3" else _gguf_rope_scaling(get, tensors.get(ROPE_FREQS))
+    rope_scaling = (
+        _longrope_scaling(get, tensors) if arch == "phi3" else _gguf_rope_scaling(get, tensors.get(ROPE_FREQS))
+    )
     window = get("attention.sliding_window")  # Phi-3-mini-4k's; one at or past the context is no window
     config = ModelConfig(
         vocab_size=int(vocab_size),

@@ -103,7 +103,12 @@ def _projection(stored: StoredTensors, bases: list[str], float_output: bool = Fa
     biases = [f"{base}.bias" for base in bases if f"{base}.bias" in stored.tensors]
     bias = torch.cat([stored.float_tensor(b) for b in biases]) if biases else None
     return QuantizedLinear.from_codes(
-        codes.codes, codes.scales, codes.scheme, bias=bias, mins=codes.mins, float_output=float_output,
+        codes.codes,
+        codes.scales,
+        codes.scheme,
+        bias=bias,
+        mins=codes.mins,
+        float_output=float_output,
         policy=loading_policy(),
     )
 

@@ -78,7 +78,11 @@ def _float32_chunks(tensor) -> Iterator[tuple[slice, np.ndarray]] | None:
 
     check_tensor_type(tensor)
     data = tensor.data
-    if _storage_dtype(tensor) != torch.float32 or tensor.tensor_type.name == "F32" or data.nbytes <= DEQUANTIZE_CHUNK_BYTES:
+    if (
+        _storage_dtype(tensor) != torch.float32
+        or tensor.tensor_type.name == "F32"
+        or data.nbytes <= DEQUANTIZE_CHUNK_BYTES
+    ):
         return None
     step = max(1, DEQUANTIZE_CHUNK_BYTES // (data.nbytes // data.shape[0]))
 
@@ -151,7 +155,11 @@ def write_safetensors_streaming(
     header, offset = {}, 0
     for name, shape, dtype in plan:
         size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
@@ -205,7 +213,9 @@ def safetensors_num_elements(folder: Path) -> int:
     return total
 
 
-def checkpoint_weight_bytes(path: Path, to_hf_name: Callable[[str], str | None], dtype: torch.dtype, reader=None) -> int:
+def checkpoint_weight_bytes(
+    path: Path, to_hf_name: Callable[[str], str | None], dtype: torch.dtype, reader=None
+) -> int:
     """Bytes the loaded weights take at `dtype`, from the checkpoint's headers (a GGUF file via `reader`, or an HF
     folder's *.safetensors); 0 when the folder has none (pytorch_model*.bin: not counted)."""
     elements = gguf_num_elements(reader, to_hf_name) if reader is not None else safetensors_num_elements(path)

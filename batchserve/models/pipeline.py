@@ -66,7 +66,9 @@ def _micro_batch(meta: AttentionMetadata, start: int, stop: int, total: int, las
         positions=meta.positions[start:end],
         block_tables=meta.block_tables[seqs],
         seq_lens=meta.seq_lens[seqs],
-        query_start_loc=meta.query_start_loc[start:] - start if last else meta.query_start_loc[start : stop + 1] - start,
+        query_start_loc=meta.query_start_loc[start:] - start
+        if last
+        else meta.query_start_loc[start : stop + 1] - start,
         max_query_len=meta.max_query_len if prefill is not None else 1,
         max_seq_len=meta.max_seq_len,
         decode=group,

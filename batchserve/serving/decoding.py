@@ -11,6 +11,10 @@ def decode_releasing_gil(tokenizer: Any, token_ids: Sequence[int]) -> str:
     """`tokenizer.decode(token_ids)`, through the Rust core's GIL-free batch call when the result is the same (a
     fast tokenizer that does no Python-side clean-up of spaces); otherwise `decode` itself."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not hasattr(backend, "decode_batch") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    if (
+        backend is None
+        or not hasattr(backend, "decode_batch")
+        or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    ):
         return tokenizer.decode(token_ids)
     return backend.decode_batch([list(token_ids)], skip_special_tokens=False)[0]

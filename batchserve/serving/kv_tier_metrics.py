@@ -44,7 +44,9 @@ class TierCollector:
                                       "behind by more than its queue.", labels=["model_name"])  # fmt: skip
         skipped.add_metric([self.model_name], getattr(self.writer, "num_skipped", 0))
         yield skipped
-        used = GaugeMetricFamily(PREFIX + "kv_tier_bytes_used", "Bytes of the disk tier's files.", labels=["model_name"])
+        used = GaugeMetricFamily(
+            PREFIX + "kv_tier_bytes_used", "Bytes of the disk tier's files.", labels=["model_name"]
+        )
         used.add_metric([self.model_name], stats.bytes_used)
         yield used
         loading = GaugeMetricFamily(PREFIX + "kv_tier_loading_requests", "Waiting requests whose prefix the disk "

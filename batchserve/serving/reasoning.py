@@ -71,7 +71,10 @@ class ReasoningStream:
 
     def _take(self, reasoning: str, content: str) -> tuple[str, str]:
         r, c = reasoning[self.sent_reasoning :], content[self.sent_content :]
-        self.sent_reasoning, self.sent_content = max(self.sent_reasoning, len(reasoning)), max(self.sent_content, len(content))
+        self.sent_reasoning, self.sent_content = (
+            max(self.sent_reasoning, len(reasoning)),
+            max(self.sent_content, len(content)),
+        )
         return r, c
 
 

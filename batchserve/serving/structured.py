@@ -122,7 +122,9 @@ def constraint_of(
             found.append(_one(_STRUCTURED_FIELDS[name], value, "structured_outputs"))
     if len(found) > 1:
         sources = ", ".join(sorted({c.source for c in found}))
-        raise InvalidRequestError(f"a request may ask for one output constraint, got several ({sources})", found[1].source)
+        raise InvalidRequestError(
+            f"a request may ask for one output constraint, got several ({sources})", found[1].source
+        )
     return found[0] if found else None
 
 

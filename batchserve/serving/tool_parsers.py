@@ -131,9 +131,7 @@ def _split_json_objects(body: str) -> list[object]:
     return out
 
 
-PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
-}
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
 
 
 def parser_for(name: str | None, chat_template: str | None) -> ToolParser:

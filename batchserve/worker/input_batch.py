@@ -193,7 +193,9 @@ class RequestTable:
             decode = self._group(host, "decode", is_decode, rows, query_start_loc, offset, query_lens, seq_lens)
             prefill = self._group(host, "prefill", ~is_decode, rows, query_start_loc, offset, query_lens, seq_lens)
         dev = host.to(device)
-        metadata = _attention_metadata(dev, max_query_len, max_seq_len, decode and decode(dev), prefill and prefill(dev))
+        metadata = _attention_metadata(
+            dev, max_query_len, max_seq_len, decode and decode(dev), prefill and prefill(dev)
+        )
         return InputBatch(
             input_ids=dev["input_ids"],
             positions=dev["positions"],

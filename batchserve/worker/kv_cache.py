@@ -115,7 +115,9 @@ class KVCache:
         num_layers, shape, dtype, device = len(self.device_caches), tuple(first.shape[1:]), first.dtype, first.device
         del first
         ids = torch.tensor(sorted(keep_block_ids), dtype=torch.long, device=device)
-        kept = [tuple(t.index_select(0, ids) for t in _parts(layer)) for layer in self.device_caches] if len(ids) else []
+        kept = (
+            [tuple(t.index_select(0, ids) for t in _parts(layer)) for layer in self.device_caches] if len(ids) else []
+        )
         self.device_caches = []  # nothing holds the old pool now: freed here
         new = _zeroed_pool(num_layers, num_blocks, shape, dtype, device)
         for new_layer, kept_layer in zip(new, kept):

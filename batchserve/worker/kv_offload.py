@@ -47,8 +47,10 @@ def _layout(kv_cache: KVCache) -> list[tuple[int, int, torch.dtype, tuple[int, .
 
 
 def block_payload_bytes(kv_cache: KVCache) -> int:
-    return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-               for _, _, dtype, shape in _layout(kv_cache))
+    return sum(
+        torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        for _, _, dtype, shape in _layout(kv_cache)
+    )
 
 
 def tier_description(config: EngineConfig, model_config, kv_cache: KVCache, block_size: int) -> str:
@@ -192,8 +194,10 @@ def _byte_rows(part: torch.Tensor) -> np.ndarray:
 
 
 def _part_sizes(kv_cache: KVCache) -> list[tuple[int, int, int]]:
-    return [(i, j, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
-            for i, j, dtype, shape in _layout(kv_cache)]
+    return [
+        (i, j, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+        for i, j, dtype, shape in _layout(kv_cache)
+    ]
 
 
 def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
@@ -215,6 +219,9 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     runner.offload = BlockWriter(store)
     logger.info(
         "KV tier: %s, %d blocks (%.2f of %.2f GiB) found from earlier runs",
-        store.dir, len(store), store.stats.bytes_used / (1 << 30), max_bytes / (1 << 30),
+        store.dir,
+        len(store),
+        store.stats.bytes_used / (1 << 30),
+        max_bytes / (1 << 30),
     )
     return offload

@@ -48,7 +48,9 @@ def compile_constraint(compiler: xgr.GrammarCompiler, constraint: StructuredOutp
     except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse errors
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         reason = reason.split("] ", 1)[-1]  # drop xgrammar's "[time] file.cc:line:" prefix
-        raise InvalidRequestError(f"{constraint.source}: invalid {constraint.kind.value}: {reason}", constraint.source) from None
+        raise InvalidRequestError(
+            f"{constraint.source}: invalid {constraint.kind.value}: {reason}", constraint.source
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,11 @@ def json_grammar(schema: str, bounds: NumberBounds, strict_mode: bool = True) ->
     # compact JSON: "any whitespace" lets a small model pad forever and run out of tokens mid-object
     grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
     bounded = "\n".join(_bounded_rule(line, bounds) for line in grammar.splitlines())
-    if bounded == grammar and "basic_number_digits{1, -1}" in grammar and (bounds.fraction_digits or
-                                                                              bounds.exponent_digits):
+    if (
+        bounded == grammar
+        and "basic_number_digits{1, -1}" in grammar
+        and (bounds.fraction_digits or bounds.exponent_digits)
+    ):
         logger.warning("xgrammar's number rules changed shape: JSON numbers are not bounded")  # pragma: no cover
     return bounded
 

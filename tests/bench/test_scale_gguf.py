@@ -107,7 +107,9 @@ def test_batchserve_serves_the_file_as_stored_with_transformers_tokens(scripts, 
     quantization.quant_gemm_path.cache_clear()
     laid_out = []  # the float matrices given CPU layouts
     init = CpuLinear.__init__
-    monkeypatch.setattr(CpuLinear, "__init__", lambda self, w, *a, **k: laid_out.append(w.shape) or init(self, w, *a, **k))
+    monkeypatch.setattr(
+        CpuLinear, "__init__", lambda self, w, *a, **k: laid_out.append(w.shape) or init(self, w, *a, **k)
+    )
     try:
         llm = LLM(model=str(scripts[1].gguf_path(checkpoint, type_name)), tokenizer=str(checkpoint), dtype="float32",
                   quantization="gguf", device="cpu", num_kv_blocks=16, max_batch_size=2, num_threads=1)  # fmt: skip

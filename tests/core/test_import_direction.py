@@ -17,9 +17,19 @@ PACKAGE_DIR = Path(batchserve.__file__).parent
 # Lowest first; a module may import its own layer and the layers below it. A name taken from the package itself
 # (`from batchserve import __version__`) counts as batchserve.<name>, in the layer its definition needs.
 LAYERS: list[tuple[str, ...]] = [
-    ("batchserve.config", "batchserve.sampling_params", "batchserve.pooling_params", "batchserve.request",
-     "batchserve.env", "batchserve.modes", "batchserve.mode_facts", "batchserve.__version__",
-     "batchserve.SamplingParams", "batchserve.kv_retention", "batchserve.LoRARequest"),  # fmt: skip
+    (
+        "batchserve.config",
+        "batchserve.sampling_params",
+        "batchserve.pooling_params",
+        "batchserve.request",
+        "batchserve.env",
+        "batchserve.modes",
+        "batchserve.mode_facts",
+        "batchserve.__version__",
+        "batchserve.SamplingParams",
+        "batchserve.kv_retention",
+        "batchserve.LoRARequest",
+    ),  # fmt: skip
     ("batchserve.core",),
     ("batchserve.host",),  # process-wide settings and memory probes: torch, but no model
     ("batchserve.layers",),

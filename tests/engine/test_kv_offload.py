@@ -36,8 +36,13 @@ def other(tmp_path_factory):
 
 def engine(directory, tier_dir, dtype="float32", num_kv_blocks=12, **options) -> LLMEngine:
     return LLMEngine.from_options(
-        model=str(directory), device="cpu", dtype=dtype, block_size=BLOCK, num_kv_blocks=num_kv_blocks,
-        kv_offload_dir=str(tier_dir), **options,
+        model=str(directory),
+        device="cpu",
+        dtype=dtype,
+        block_size=BLOCK,
+        num_kv_blocks=num_kv_blocks,
+        kv_offload_dir=str(tier_dir),
+        **options,
     )
 
 

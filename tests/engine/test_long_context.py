@@ -51,7 +51,9 @@ def _generate(directory, **options) -> tuple[dict[str, list[int]], LLMEngine]:
     return tokens, engine
 
 
-@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "prompt_lookup_min": 1, "disable_by_batch_size": 64}])
+@pytest.mark.parametrize(
+    "speculative", [None, {"method": "ngram", "prompt_lookup_min": 1, "disable_by_batch_size": 64}]
+)
 def test_greedy_tokens_past_the_original_context_are_transformers(phi3, speculative):
     hf, directory = phi3
     tokens, engine = _generate(directory, speculative_config=speculative)

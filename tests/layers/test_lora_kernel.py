@@ -79,7 +79,7 @@ def test_the_packed_b_gives_back_each_slices_weights():
     slots.b.fill_(7.0)
     parts = [(torch.randn(4, IN, generator=g), torch.randn(size, 4, generator=g)) for _, size in SLICES]
     slots.load(1, parts, 4)
-    for i, (_, size) in enumerate(SLICES):
+    for i in range(len(SLICES)):
         torch.testing.assert_close(slots.b_of(1, i, 4), parts[i][1].t(), rtol=0, atol=0)
     packed = slots.b[1, : 4 * (48 + 32 + 32)].view(-1, 4, 16)  # every panel of the three slices, in order
     assert (packed[2, :, 8:] == 0).all() and (packed[4, :, 8:] == 0).all() and (packed[6, :, 8:] == 0).all()

@@ -90,7 +90,6 @@ def test_rope_tables_match_transformers(tiny_models, kind):
         torch.testing.assert_close(sin[p], ref_sin[0, 0, :half], atol=1e-6, rtol=1e-6)
 
 
-
 @pytest.mark.parametrize("kind", list(ARCH_KINDS))
 def test_logits_match_transformers(tiny_models, kind):
     hf, directory = tiny_models(kind)
@@ -137,9 +136,11 @@ def test_bfloat16_as_near_float32_as_transformers_bfloat16(tiny_models, kind):
     ours = our_prefill_logits(model, config, tokens, dtype=torch.bfloat16).float()
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)(
-            torch.tensor([tokens])
-        ).logits[0].float()
+        theirs = (
+            transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)(torch.tensor([tokens]))
+            .logits[0]
+            .float()
+        )
     assert (ours - ref).abs().mean() <= 1.5 * (theirs - ref).abs().mean()
 
 
@@ -185,8 +186,10 @@ def gguf_name(hf_name: str) -> str:
 
 def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute: llama.cpp's RoPE pairs adjacent dims."""
-    return weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
-        weights.shape
+    return (
+        weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
     )
 
 
@@ -303,7 +306,10 @@ def test_gguf_from_the_gguf_package_gives_transformers_tokens(tiny_models, tmp_p
             assert config.rope_scaling[key] == pytest.approx(ours_from_folder.rope_scaling[key])
         assert (config.rope_scaling is None) == (ours_from_folder.rope_scaling is None)
         assert rotary.attention_scaling(config) == pytest.approx(rotary.attention_scaling(ours_from_folder))
-        assert (config.rotary_dim, config.sliding_window) == (ours_from_folder.rotary_dim, ours_from_folder.sliding_window)
+        assert (config.rotary_dim, config.sliding_window) == (
+            ours_from_folder.rotary_dim,
+            ours_from_folder.sliding_window,
+        )
     # past llama3_rope's original context (32); within LongRoPE's (as test_greedy_generation_matches_transformers)
     prompts = {"a": prompt_ids(21, 22 if arch == "phi3" else 40), "b": prompt_ids(22, 6)}
     sched = MiniScheduler(make_runner(path, block_size=8, num_kv_blocks=48), chunk=16)

@@ -49,7 +49,9 @@ def test_the_minimum_pool():
 def test_a_model_larger_than_memory_is_refused_before_loading(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps(HUGE_CONFIG))
     header_only_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": [128256, 16384], "b": [16384, 53248]})
-    header_only_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"c": [53248, 16384], "d": [1 << 20, 1 << 16]})
+    header_only_safetensors(
+        tmp_path / "model-00002-of-00002.safetensors", {"c": [53248, 16384], "d": [1 << 20, 1 << 16]}
+    )
     expected = 128256 * 16384 + 2 * 16384 * 53248 + (1 << 36)
     assert safetensors_num_elements(tmp_path) == expected
 

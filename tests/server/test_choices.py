@@ -28,7 +28,9 @@ def test_n4_chat_returns_four_choices_counts_the_prompt_once_and_prefills_once(r
     real_server.wait_idle()
     # the three later choices found the prompt's full blocks in the prefix cache
     block = 16
-    assert _metric(real_server, "prefix_cache_hits") - hits_before >= 3 * (many.usage.prompt_tokens // block - 1) * block
+    assert (
+        _metric(real_server, "prefix_cache_hits") - hits_before >= 3 * (many.usage.prompt_tokens // block - 1) * block
+    )
 
 
 def test_greedy_choices_are_equal_and_completions_number_prompt_major(real_server, client):

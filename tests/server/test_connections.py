@@ -116,8 +116,11 @@ def test_an_idle_keep_alive_connection_is_closed(port):
 
 def test_a_request_read_in_time_is_served_past_the_deadlines(port):
     # a completion that runs longer than every deadline: reading is over, so nothing times it out
-    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                          json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True})
+    response = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        timeout=30,
+        json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True},
+    )
     assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
 
 

@@ -44,7 +44,10 @@ def test_the_tier_panel_agrees_with_metrics(tiny, tmp_path):
         engine.runner.offload.flush()
         tier = httpx.get(server.url + "/dashboard/data", timeout=10).json()["kv_tier"]
         metrics = server.metrics()
-        assert tier["hit_blocks"] == 5 and tier["hit_tokens"] == 5 * BLOCK == metrics["batchserve:kv_tier_hit_tokens_total"]
+        assert (
+            tier["hit_blocks"] == 5
+            and tier["hit_tokens"] == 5 * BLOCK == metrics["batchserve:kv_tier_hit_tokens_total"]
+        )
         assert tier["written_blocks"] == metrics["batchserve:kv_tier_written_blocks_total"] >= 5 + 11
         assert tier["bytes_used"] == metrics["batchserve:kv_tier_bytes_used"] > 0 and tier["max_bytes"] == 10**8
         assert tier["blocks_read"] >= 5 and tier["read_s"] > 0

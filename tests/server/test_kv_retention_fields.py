@@ -31,7 +31,10 @@ def test_http_accepts_a_retention_and_refuses_a_priority_out_of_range(servers):
         ({"token_ranges": [{"token_start": 0, "priority": 101}]}, "kv_retention.token_ranges[0].priority"),
         ({"token_ranges": [{"token_start": 0, "priority": 0}]}, "kv_retention.token_ranges[0].priority"),
         ({"decode_priority": -3}, "kv_retention.decode_priority"),
-        ({"token_ranges": [{"token_start": 5, "token_end": 2, "priority": 50}]}, "kv_retention.token_ranges[0].token_end"),
+        (
+            {"token_ranges": [{"token_start": 5, "token_end": 2, "priority": 50}]},
+            "kv_retention.token_ranges[0].token_end",
+        ),
     ]:
         reply = httpx.post(http.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "kv_retention": bad})
         assert reply.status_code == 400, reply.text

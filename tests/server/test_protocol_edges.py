@@ -57,8 +57,12 @@ def test_a_triton_body_nested_900_deep_is_a_400(servers):
     http, _ = servers
     deep = "[" * 900 + '"x"' + "]" * 900
     body = '{"text_input": ' + deep + ', "max_tokens": 4}'
-    reply = httpx.post(http.url + "/v2/models/ensemble/generate", content=body, timeout=30,
-                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    reply = httpx.post(
+        http.url + "/v2/models/ensemble/generate",
+        content=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert reply.status_code == 400, reply.text
 
 
@@ -79,8 +83,11 @@ def test_a_client_gone_mid_body_logs_no_error(servers):
         logger.addHandler(handler)
     try:
         with socket.create_connection(("127.0.0.1", http.port)) as conn:
-            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         + f"Authorization: Bearer {KEY}\r\nContent-Length: 400\r\n\r\n".encode() + b'{"prompt": "')
+            conn.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {KEY}\r\nContent-Length: 400\r\n\r\n".encode()
+                + b'{"prompt": "'
+            )
             time.sleep(0.3)
         time.sleep(0.5)
         ok = httpx.get(http.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
@@ -139,10 +146,16 @@ def test_a_second_sigterm_during_the_drain_exits_at_once():
         assert events[-1] == "[DONE]" and "error" in events[-2]
 
 
-@pytest.mark.parametrize("body", [b'{"prompt": "\\ud800"}', b'{"prompt": "\xed\xa0\x80"}',
-                                  '{"prompt": "\ud800"}'.encode("utf-16", "surrogatepass")])
+@pytest.mark.parametrize(
+    "body",
+    [b'{"prompt": "\\ud800"}', b'{"prompt": "\xed\xa0\x80"}', '{"prompt": "\ud800"}'.encode("utf-16", "surrogatepass")],
+)
 def test_a_lone_surrogate_is_a_400_however_it_is_written(servers, body):
     http, _ = servers
-    reply = httpx.post(http.url + "/v1/completions", content=body, timeout=30,
-                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    reply = httpx.post(
+        http.url + "/v1/completions",
+        content=body,
+        timeout=30,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert reply.status_code == 400 and "surrogate" in reply.json()["error"]["message"]

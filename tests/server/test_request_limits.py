@@ -59,8 +59,11 @@ def test_logit_bias_keys_are_plain_decimal_token_ids(server, key):
 
 
 def test_response_format_needs_a_type(server):
-    error = refused(server, "/v1/chat/completions",
-                    {"messages": [{"role": "user", "content": "hi"}], "response_format": {"json_schema": {}}})
+    error = refused(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"json_schema": {}}},
+    )
     assert "response_format" in error["message"]
 
 
@@ -70,8 +73,16 @@ def test_token_arrays_are_bounded(server):
     error = refused(server, COMPLETIONS, {"prompt": [[1] * (MAX_TOKEN_IDS // 2 + 1)] * 2, "max_tokens": 2})
     assert error["param"] == "prompt"
     # at the bounds: served (or refused by the engine's context, not by a parse limit)
-    ok = httpx.post(server.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, "logit_bias": {"10": 1.0},
-                                                    "stop_token_ids": [i % 250 for i in range(MAX_STOP_TOKEN_IDS)]}, timeout=30)
+    ok = httpx.post(
+        server.url + COMPLETIONS,
+        json={
+            "prompt": "hi",
+            "max_tokens": 2,
+            "logit_bias": {"10": 1.0},
+            "stop_token_ids": [i % 250 for i in range(MAX_STOP_TOKEN_IDS)],
+        },
+        timeout=30,
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -86,8 +97,9 @@ def test_sampling_params_bounds_hold_for_every_front_end():
 def test_a_long_stop_id_list_is_sorted_once_not_at_every_step():
     params = SamplingParams(max_tokens=8, min_tokens=8, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS, 0, -1)))
     first = params.sorted_stop_token_ids
-    build = dict(token_ids=[[1, 2]], num_prompt_tokens=[2], eos_token_ids=[0], vocab_size=600,
-                 device=torch.device("cpu"))
+    build = dict(
+        token_ids=[[1, 2]], num_prompt_tokens=[2], eos_token_ids=[0], vocab_size=600, device=torch.device("cpu")
+    )
     meta = SamplingMetadata.build([params], **build)
     assert params.sorted_stop_token_ids is first  # cached on the request, not recomputed
     rows, ids = meta.min_tokens_mask

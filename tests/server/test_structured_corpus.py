@@ -49,8 +49,9 @@ def _check(llm, corpus: list[dict], temperatures: tuple[float, ...], max_tokens:
         for i, entry in enumerate(corpus):
             constraint = json_schema_constraint(entry["schema"], "response_format")
             conversations.append(_prompt(entry))
-            params.append(SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
-                                         structured_outputs=constraint))
+            params.append(
+                SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, structured_outputs=constraint)
+            )
             schemas.append(entry)
     outputs = llm.chat(conversations, params, use_tqdm=False)
     failures = []

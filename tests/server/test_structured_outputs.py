@@ -76,8 +76,10 @@ def test_vllm_guided_fields_on_completions(real_server, client, extra, check):
         ({"guided_regex": "(ab"}, "guided_regex"),
         ({"guided_grammar": "root ::= "}, "guided_grammar"),
         ({"guided_json": {"type": "nonsense"}}, "guided_json"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
-         "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+            "response_format",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),

@@ -100,7 +100,11 @@ def tokenizer():
 def test_the_shipped_template_renders_plain_chats_as_the_models_own(tokenizer):
     from batchserve.serving.tools import render_chat, shipped_template
 
-    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "?"}]
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "?"},
+    ]
     own = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert render_chat(tokenizer, chat, None, shipped_template("chatml_tools"), None, True) == list(own)
 

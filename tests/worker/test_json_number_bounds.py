@@ -100,7 +100,12 @@ def test_json_object_mode_and_one_sided_ranges_are_bounded_too(tokenizer, struct
     assert "[1-9] [0-9]{0, 15}" in any_object and "basic_number_digits{1, 16}" in any_object
     assert "basic_number_digits{1, -1}" not in any_object and "[0-9]*" not in any_object
     positive = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}, "required": ["n"]}
-    text = run(tokenizer, structured, digit_loving_logits, StructuredOutputsParams(ConstraintKind.JSON, json.dumps(positive), "x"))
+    text = run(
+        tokenizer,
+        structured,
+        digit_loving_logits,
+        StructuredOutputsParams(ConstraintKind.JSON, json.dumps(positive), "x"),
+    )
     assert text is not None and 0 <= json.loads(text)["n"] < 10**16
 
 

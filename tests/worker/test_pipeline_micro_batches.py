@@ -63,7 +63,9 @@ def test_one_micro_batch_where_there_is_nothing_to_split():
 def _eight_layers(directory):
     torch.manual_seed(8)
     # wide enough that a micro-batch's layers take a few milliseconds: longer than a stage takes to start its step
-    config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 8, "hidden_size": 256, "intermediate_size": 512})
+    config = transformers.LlamaConfig(
+        **{**COMMON, "num_hidden_layers": 8, "hidden_size": 256, "intermediate_size": 512}
+    )
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():
         for name, param in hf.named_parameters():

@@ -47,7 +47,9 @@ async def create_chat_completion(front: OpenAIFrontEnd, request: Request) -> Res
         (n for n in (req.max_completion_tokens, req.max_tokens) if n is not None),
         service.limits.default_max_tokens(len(prompt_ids)),
     )  # 0 is refused by SamplingParams, never read as "no limit"
-    params = with_tool_constraint(sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None), tools)
+    params = with_tool_constraint(
+        sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None), tools
+    )
     params = front.with_adapter(params, req.model)
     output_format = _output_format(front, tools)
     request_id = request_id_of(request, "chatcmpl")  # X-Request-Id when the client sent one
@@ -84,7 +86,11 @@ async def _stream(
         parsed = choice_streams.setdefault(result.index, output_format.stream())
         deltas = parsed.delta(result.delta.delta_text, result.finished) or [{}]
         if first:
-            deltas[0] = {"role": "assistant", "content": "", **deltas[0]} if "content" not in deltas[0] else {"role": "assistant", **deltas[0]}
+            deltas[0] = (
+                {"role": "assistant", "content": "", **deltas[0]}
+                if "content" not in deltas[0]
+                else {"role": "assistant", **deltas[0]}
+            )
         logprobs = _logprobs(front, result.delta_logprobs) if req.logprobs else None
         for i, delta in enumerate(deltas):
             last = i == len(deltas) - 1

@@ -57,7 +57,9 @@ async def create_completion(front: OpenAIFrontEnd, request: Request) -> Response
         prefix = _echo(front, prompts[result.index // req.n], result) if req.echo else ""
         text = prefix + ("" if scoring.score_only else completion.text)
         entries = _entries(result, scoring, completion.prompt_logprobs, completion.logprobs or [])
-        logprobs = _logprobs(front, entries, 0 if scoring.echo_logprobs else len(prefix)) if req.logprobs is not None else None
+        logprobs = (
+            _logprobs(front, entries, 0 if scoring.echo_logprobs else len(prefix)) if req.logprobs is not None else None
+        )
         choice = {"index": result.index, "text": text, "logprobs": logprobs, **_finish(result, scoring)}
         if req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(

@@ -130,7 +130,9 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         f"its headers, however steadily it trickles in (default: {DEFAULT_BODY_READ_TIMEOUT_S:g})",
     )  # fmt: skip
     group.add_argument(
-        "--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        "--keep-alive-timeout",
+        type=float,
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
         help=f"close an idle keep-alive connection after this long (default: {DEFAULT_KEEP_ALIVE_TIMEOUT_S:g})",
     )
     group.add_argument(
@@ -280,7 +282,12 @@ def serve(
     logs = {"log_config": None, "access_log": False} if json_logs else {}
     server = _DrainingServer(
         uvicorn.Config(
-            app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None, **logs,
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=None,
+            **logs,
             **(limits or ConnectionLimits()).uvicorn_options(getattr(app.state, "offenders", None)),
         ),
         async_engine,

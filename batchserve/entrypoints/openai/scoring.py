@@ -55,7 +55,9 @@ def vllm_prompt_logprobs(
             out.append(None)
             continue
         ranked = sorted(score.top.items(), key=lambda kv: -kv[1])
-        position = {str(token_id): {"logprob": score.logprob, "rank": score.rank, "decoded_token": token_text(token_id)}}
+        position = {
+            str(token_id): {"logprob": score.logprob, "rank": score.rank, "decoded_token": token_text(token_id)}
+        }
         for rank, (tid, logprob) in enumerate(ranked, start=1):
             position.setdefault(str(tid), {"logprob": logprob, "rank": rank, "decoded_token": token_text(tid)})
         out.append(position)

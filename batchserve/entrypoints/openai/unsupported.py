@@ -31,7 +31,9 @@ NO_AUDIO = f"audio models are not built: {TEXT_ROUTES}"
 NO_IMAGES = f"image models are not built: {TEXT_ROUTES}"
 NO_STORED_OBJECTS = ("not built: the server keeps no files, batches or assistants; for offline batches use "
                      "`batchserve generate` or the LLM class (docs/offline.md)")  # fmt: skip
-NO_SLOTS = "llama.cpp's slots are not built: /dashboard shows the running and waiting requests live, /metrics counts them"
+NO_SLOTS = (
+    "llama.cpp's slots are not built: /dashboard shows the running and waiting requests live, /metrics counts them"
+)
 
 
 @dataclass(frozen=True)
