@@ -108,6 +108,9 @@ class CpuLinear(nn.Module):
     # bf16 on AMX: the native AMX kernel below this M, oneDNN's packed GEMM from here on (where oneDNN's cache blocking
     # starts to win)
     AMX_MAX_M = 1280
+    # bf16 on AMX: the MLP of a longer step in row tiles of this many (kernels/projection.cpp swiglu_mlp); 256 ran it
+    # fastest of 128-1024 at 4,096 rows on one core
+    SWIGLU_TILE_M = 256
     NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
 
     @classmethod
@@ -120,6 +123,7 @@ class CpuLinear(nn.Module):
             packed_min_m=cls.PACKED_MIN_M,
             packed_max_m=cls.PACKED_MAX_M,
             amx_max_m=cls.AMX_MAX_M,
+            swiglu_tile_m=cls.SWIGLU_TILE_M,
         )
 
     def __init__(

@@ -29,11 +29,24 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRAStep | None = None) -> torch.Tensor:
         if takes_adapters(self.gate_up_proj, lora):  # the deltas join gate and up before SwiGLU reads them
             h = self._silu_and_mul(project(self.gate_up_proj, x, lora))
+        elif self._native_pair(x, lora):  # the native decoder loop's call: row tiles where gate/up is AMX-fused
+            return kernels.load().swiglu_mlp(x, self.gate_up_proj.native, self.down_proj.native)
         elif isinstance(self.gate_up_proj, CpuLinear):  # the native Projection's silu_and_mul (AMX-fused where it can)
             h = self.gate_up_proj.silu_and_mul(x)
         else:
             h = self._silu_and_mul(self.gate_up_proj(x))
         return project(self.down_proj, h, lora)
+
+    def _native_pair(self, x: torch.Tensor, lora: LoRAStep | None) -> bool:
+        """Both projections are native Projections and neither serves adapters this step."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        return (
+            isinstance(gate_up, CpuLinear)
+            and gate_up.native is not None
+            and getattr(down, "native", None) is not None
+            and x.dtype in kernels.FUSED_DTYPES
+            and not takes_adapters(down, lora)
+        )
 
     @staticmethod
     def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

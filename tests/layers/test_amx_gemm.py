@@ -169,6 +169,34 @@ def test_a_gate_up_cpu_linear_fuses_silu_and_mul_below_the_row_limit(native_kern
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_the_mlp_of_a_fused_gate_up_runs_in_row_tiles(native_kernels, force_gemm, path, monkeypatch):
+    """swiglu_mlp: tiles of SWIGLU_TILE_M rows (the last one short), each through the fused kernel and the down
+    projection, equal the tile-by-tile calls and the float32 MLP; an unfused gate/up (oneDNN) takes every row at once."""
+    emulated = _emulated(native_kernels, path)
+    force_gemm(path)
+    monkeypatch.setattr(CpuLinear, "AMX_MAX_M", 40)
+    monkeypatch.setattr(CpuLinear, "SWIGLU_TILE_M", 16)
+    torch.manual_seed(5)
+    w_gate_up, w_down = (torch.randn(128, 64) * 0.2).bfloat16(), (torch.randn(64, 64) * 0.2).bfloat16()
+    gate_up, down = CpuLinear(w_gate_up, swiglu=True), CpuLinear(w_down)
+    if not gate_up.packed_only:
+        pytest.skip("this torch build has no oneDNN bf16 linear")
+    assert gate_up.swiglu and gate_up.amx_emulated == emulated and gate_up.rows.swiglu_tile_m == 16
+    for m in (1, 16, 17, 50):
+        x = torch.randn(m, 64).bfloat16()
+        out = native_kernels.swiglu_mlp(x, gate_up.native, down.native)
+        tiles = [down(gate_up.silu_and_mul(x[i : i + 16])) for i in range(0, m, 16)]
+        assert torch.equal(out, torch.cat(tiles))
+        gate, up = (x.float() @ w_gate_up.float().t()).chunk(2, dim=-1)
+        exact = (F.silu(gate) * up) @ w_down.float().t()
+        torch.testing.assert_close(out.float(), exact, rtol=3e-2, atol=3e-2)
+    force_gemm("onednn")
+    gate_up, down = CpuLinear(w_gate_up, swiglu=True), CpuLinear(w_down)
+    x = torch.randn(50, 64).bfloat16()
+    assert torch.equal(native_kernels.swiglu_mlp(x, gate_up.native, down.native), down(gate_up.silu_and_mul(x)))
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_without_calls_of_onednn_rows_the_amx_kernel_takes_every_m_and_no_onednn_copy_is_made(
     native_kernels, force_gemm, path, monkeypatch
 ):

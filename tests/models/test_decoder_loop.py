@@ -149,6 +149,25 @@ def test_rows_above_the_amx_limit_take_onednn_then_silu_and_mul(tiny_models, mon
     assert_same(native_hidden, native_kv, python_hidden, python_kv)
 
 
+@pytest.mark.parametrize("num_seqs", [3, 21])
+def test_the_mlp_in_row_tiles_is_the_same_in_the_loop_as_in_the_python_layers(
+    tiny_models, monkeypatch, force_gemm, num_seqs
+):
+    """With CpuLinear.SWIGLU_TILE_M at 4 a step of 21 rows runs its MLP in 6 tiles (3 rows: one): the loop and the
+    Python layers call the same swiglu_mlp."""
+    monkeypatch.setattr(CpuLinear, "AMX_MAX_M", 8)
+    monkeypatch.setattr(CpuLinear, "SWIGLU_TILE_M", 4)
+    _force_units(monkeypatch, force_gemm, "amx_emulated")
+    _, directory = tiny_models("llama")
+    config, model = load_ours(directory, torch.bfloat16)
+    assert model.layers[0].mlp.gate_up_proj.rows.swiglu_tile_m == 4
+    batch, kv = decode_step(config, num_seqs, block_size=8, dtype=torch.bfloat16, seed=num_seqs)
+    native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)
+    model.decoder_loop = None
+    python_hidden, python_kv = forward(model, batch, kv)
+    assert_same(native_hidden, native_kv, python_hidden, python_kv)
+
+
 @pytest.mark.parametrize("num_seqs", [0, 1, 5])
 @pytest.mark.parametrize("prefill", ["sdpa", "native", "split"])
 @pytest.mark.parametrize(

@@ -98,16 +98,17 @@ void register_projection(pybind11::module& m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   py::class_<RowSchedule>(m, "RowSchedule", "the row counts at which a Projection changes GEMM (layer_ops.h)")
       .def(py::init([](int64_t small_min_m, int64_t small_max_m, int64_t packed_min_m, int64_t packed_max_m,
-                       int64_t amx_max_m) {
-             return RowSchedule{small_min_m, small_max_m, packed_min_m, packed_max_m, amx_max_m};
+                       int64_t amx_max_m, int64_t swiglu_tile_m) {
+             return RowSchedule{small_min_m, small_max_m, packed_min_m, packed_max_m, amx_max_m, swiglu_tile_m};
            }),
            py::arg("small_min_m"), py::arg("small_max_m"), py::arg("packed_min_m"), py::arg("packed_max_m"),
-           py::arg("amx_max_m"))
+           py::arg("amx_max_m"), py::arg("swiglu_tile_m") = 0)
       .def_readonly("small_min_m", &RowSchedule::small_min_m)
       .def_readonly("small_max_m", &RowSchedule::small_max_m)
       .def_readonly("packed_min_m", &RowSchedule::packed_min_m)
       .def_readonly("packed_max_m", &RowSchedule::packed_max_m)
-      .def_readonly("amx_max_m", &RowSchedule::amx_max_m);
+      .def_readonly("amx_max_m", &RowSchedule::amx_max_m)
+      .def_readonly("swiglu_tile_m", &RowSchedule::swiglu_tile_m);
   py::class_<Projection>(m, "Projection")
       .def(py::init([](at::Tensor weight_t, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> packed,
                        c10::optional<at::Tensor> small_packed, int64_t out_features, RowSchedule rows,
@@ -128,6 +129,8 @@ void register_projection(pybind11::module& m) {
            py::arg("bf16_packed") = c10::optional<at::Tensor>(), py::arg("float_output") = false)
       .def("__call__", &Projection::operator(), "x [M, in] -> [M, out], the GEMM chosen by M", no_gil)
       .def("silu_and_mul", &Projection::silu_and_mul_of, "silu(gate) * up of this gate/up projection of x", no_gil);
+  m.def("swiglu_mlp", &swiglu_mlp, "down(silu(gate) * up) of x, in row tiles where gate/up is AMX-fused", no_gil,
+        py::arg("x"), py::arg("gate_up"), py::arg("down"));
   m.def("bf16_gemm_available", &bf16_gemm_available, "whether bf16_gemm is built here and this CPU has AVX512-BF16");
   m.def("bf16_gemm_pack", &bf16_gemm_pack, "[N, K] bf16 weight -> [N/32, K/2, 32, 2] pairs for bf16_gemm", no_gil);
   m.def("bf16_gemm", &bf16_gemm, "x [M, K] bf16 @ packed weight -> [M, n] float32, one reduction order per row",

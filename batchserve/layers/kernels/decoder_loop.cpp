@@ -205,6 +205,10 @@ void run(const Op& op, Registers& r, LayerContext& context) {
       r.h = project(op, 0, r.h, context);
       return;
     case OpKind::kSwigluMlp:  // layers/mlp.py MLP.forward: the deltas join gate and up before SwiGLU reads them
+      if (!takes_adapters(op, 0, context) && !takes_adapters(op, 1, context)) {
+        r.h = swiglu_mlp(r.h, p[0], p[1]);
+        return;
+      }
       r.h = project(op, 1,
                     takes_adapters(op, 0, context) ? silu_and_mul(project(op, 0, r.h, context))
                                                    : p[0].silu_and_mul_of(r.h),

@@ -18,8 +18,9 @@
 // The row counts at which a Projection changes GEMM, one object (layers/linear.py RowSchedule builds it): x @ W below
 // small_min_m, the native small-M kernel up to small_max_m, oneDNN's packed GEMM below packed_max_m (bf16 rows padded
 // up to packed_min_m), x @ W from there; bf16 on AMX: the AMX kernel below amx_max_m, oneDNN from there.
+// swiglu_tile_m: a gate/up projection fused with silu_and_mul runs its MLP in row tiles of this many (0: never).
 struct RowSchedule {
-  int64_t small_min_m = 0, small_max_m = 0, packed_min_m = 0, packed_max_m = 0, amx_max_m = 0;
+  int64_t small_min_m = 0, small_max_m = 0, packed_min_m = 0, packed_max_m = 0, amx_max_m = 0, swiglu_tile_m = 0;
 };
 
 // A projection laid out for this CPU's GEMMs (layers/linear.py CpuLinear makes the layouts and the RowSchedule), which
@@ -48,6 +49,10 @@ struct Projection {
   at::Tensor gemm(const at::Tensor& x) const;
   at::Tensor quantized(const at::Tensor& x, at::ScalarType wanted) const;
 };
+
+// The SwiGLU MLP down(silu(gate) * up) of x; where gate/up is fused with silu_and_mul (AMX), in row tiles of its
+// rows.swiglu_tile_m (projection.cpp). The Python MLP and the native decoder loop both call it.
+at::Tensor swiglu_mlp(const at::Tensor& x, const Projection& gate_up, const Projection& down);
 
 // The prefill chunks that take the native prefill kernel when longer ones of the same step take SDPA
 // (layers/attention.py SeqGroup.native_subset): their rows within the prefill group, their sequences' block tables and

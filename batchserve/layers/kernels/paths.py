@@ -164,6 +164,7 @@ class RowSchedule:
     """The row counts at which a projection changes GEMM (kernels/layer_ops.h RowSchedule, to which it is handed):
     x @ W below small_min_m, the native small-M kernel up to small_max_m, oneDNN's packed GEMM below packed_max_m
     (bf16 rows padded up to packed_min_m), x @ W from there; bf16 on AMX: the AMX kernel below amx_max_m, then oneDNN.
+    swiglu_tile_m: a gate/up projection fused with silu_and_mul (AMX) runs its MLP in row tiles of this many.
     """
 
     small_min_m: int
@@ -171,6 +172,7 @@ class RowSchedule:
     packed_min_m: int
     packed_max_m: int
     amx_max_m: int
+    swiglu_tile_m: int = 0
 
     def describe(self) -> str:
         return (
