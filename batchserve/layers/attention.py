@@ -260,6 +260,7 @@ def _make_native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, meta
         spans=[] if prefill is None else prefill.spans,
         native_prefill_rows=0 if method is None else native_prefill_rows(method),
         path=kernels.attention_path(),
+        mask_dtype=like.dtype,
     )
 
 
@@ -439,26 +440,12 @@ def _per_sequence_prefill_attention(
         if context == 0:
             k, v = (t[start:stop].transpose(0, 1).unsqueeze(0) for t in (key, value))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        elif query.device.type == "cpu":
-            past_k, past_v = _sequence_kv(kv_cache, group.block_tables[i], context, query.dtype)
-            own_k, own_v = (t[start:stop].transpose(0, 1).unsqueeze(0).to(query.dtype) for t in (key, value))
-            o = _after_context(q, past_k, past_v, own_k, own_v, scale)
         else:
             k, v = _sequence_kv(kv_cache, group.block_tables[i], context + stop - start, query.dtype)
             mask = group.chunk_mask(stop - start, context, query.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start:stop] = o[0].transpose(0, 1)
     return out
-
-
-def _after_context(q, past_k, past_v, own_k, own_v, scale: float) -> torch.Tensor:
-    """A chunk after earlier context on the CPU, as step_attention.cpp's after_context: the earlier keys unmasked and
-    the chunk's own causal, two flash-attention calls merged by their log-sum-exps (a masked call skips no tile)."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    past, past_lse = flash(q, past_k, past_v, scale=scale)
-    own, own_lse = flash(q, own_k, own_v, is_causal=True, scale=scale)
-    share = (past_lse - own_lse).sigmoid().unsqueeze(-1)  # the earlier keys' share of the softmax's sum
-    return (own.float() + share * (past.float() - own.float())).to(q.dtype)
 
 
 def _sequence_kv(

@@ -85,7 +85,8 @@ void register_step_attention(pybind11::module& m) {
   py::class_<StepAttention>(m, "StepAttention")
       .def(py::init(&make_step), py::arg("slot_mapping"), py::arg("decode_rows"), py::arg("decode_block_tables"),
            py::arg("decode_seq_lens"), py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"),
-           py::arg("prefill_query_starts"), py::arg("spans"), py::arg("native_prefill_rows"), py::arg("path"));
+           py::arg("prefill_query_starts"), py::arg("spans"), py::arg("native_prefill_rows"), py::arg("path"),
+           py::arg("mask_dtype"));
   m.def("paged_attention", &paged_attention,
         "one layer's attention over a step: store its K/V, then the decode and the prefill rows on their paths",
         py::call_guard<py::gil_scoped_release>(), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_cache"),

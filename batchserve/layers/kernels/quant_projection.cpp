@@ -64,11 +64,24 @@ std::shared_ptr<const QuantWeight> quant_weight(at::Tensor codes, at::Tensor sca
   return w;
 }
 
+namespace {
+
+// A chunk's causal mask shifted by its context, [rows, context + rows], as SDPA adds it to the scores: 0 where query
+// row r sees key j (j <= context + r), -inf elsewhere, in the queries' dtype. SDPA turns a bool mask into exactly this
+// on every call, which was a [rows, context + rows] pass per layer; made here once a step, the output is bit-equal.
+at::Tensor additive_chunk_mask(int64_t rows, int64_t context, at::ScalarType dtype) {
+  const auto hidden = at::ones({rows, context + rows}, at::TensorOptions().dtype(at::kBool)).triu(context + 1);
+  return at::zeros({rows, context + rows}, at::TensorOptions().dtype(dtype))
+      .masked_fill_(hidden, -std::numeric_limits<double>::infinity());
+}
+
+}  // namespace
+
 StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optional<at::Tensor> decode_block_tables,
                         c10::optional<at::Tensor> decode_seq_lens, c10::optional<at::Tensor> prefill_block_tables,
                         c10::optional<at::Tensor> prefill_seq_lens, c10::optional<at::Tensor> prefill_query_starts,
                         std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, int64_t native_prefill_rows,
-                        AttentionPath path) {
+                        AttentionPath path, at::ScalarType mask_dtype) {
   TORCH_CHECK(decode_rows == 0 || (decode_block_tables.has_value() && decode_seq_lens.has_value()),
               "decode rows need their block tables and lengths");
   TORCH_CHECK(native_prefill_rows >= 0, "native_prefill_rows: a row count, 0 for none");
@@ -77,11 +90,14 @@ StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optio
               "the native prefill kernel needs block tables, lengths and query starts");
   StepAttention step{std::move(slot_mapping),         decode_rows,          std::move(decode_block_tables),
                      std::move(decode_seq_lens),      std::move(prefill_block_tables), std::move(prefill_seq_lens),
-                     std::move(prefill_query_starts), std::move(spans),     native_prefill_rows, path, {}};
+                     std::move(prefill_query_starts), std::move(spans),     native_prefill_rows, path, {}, {}};
   std::vector<int64_t> native_seqs, native_rows, native_starts{0};
   for (size_t i = 0; i < step.spans.size(); ++i) {
     const auto [start, stop, context] = step.spans[i];
-    if (stop - start > native_prefill_rows) continue;
+    const bool native = stop - start <= native_prefill_rows;
+    step.chunk_masks.push_back(native || context == 0 ? c10::optional<at::Tensor>()
+                                                      : additive_chunk_mask(stop - start, context, mask_dtype));
+    if (!native) continue;
     native_seqs.push_back(static_cast<int64_t>(i));
     for (int64_t r = start; r < stop; ++r) native_rows.push_back(r);
     native_starts.push_back(native_starts.back() + stop - start);

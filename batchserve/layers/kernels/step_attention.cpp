@@ -36,24 +36,9 @@ at::Tensor sequence_kv(const at::Tensor& cache, const at::Tensor* scales, const 
       .to(dtype);
 }
 
-// A chunk after `context` earlier keys, in two flash-attention calls merged by their log-sum-exps: the whole earlier
-// context unmasked (read from the pool), then this chunk's own K/V causal. One call under the shifted causal mask
-// ran at 0.6x the rate of the two: with a mask torch's CPU flash kernel adds it to every score tile and skips none
-// (benchmarks/limits.py, prefill of 8k-token prompts; docs/BENCHMARKS.md, Limits). q, own_k, own_v: [1, H(kv), n, D].
-at::Tensor after_context(const at::Tensor& q, const at::Tensor& past_k, const at::Tensor& past_v,
-                         const at::Tensor& own_k, const at::Tensor& own_v, double scale) {
-  const auto [past, past_lse] =
-      at::_scaled_dot_product_flash_attention_for_cpu(q, past_k, past_v, 0.0, false, {}, scale);
-  const auto [own, own_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, own_k, own_v, 0.0, true, {}, scale);
-  // softmax over both key sets = own + w * (past - own), w = the past keys' share of the exp-sum (lse [1, H, n])
-  const auto w = (past_lse - own_lse).sigmoid_().unsqueeze(-1);
-  const auto own32 = own.to(at::kFloat);
-  return own32.add_(w * (past.to(at::kFloat) - own32)).to(q.scalar_type());
-}
-
 // One SDPA per sequence on its own rows: a fresh prompt attends to this step's K/V as they are (causal); a chunk after
-// earlier context reads the earlier keys from the pool (after_context). Chunks of at most `skip_rows` rows are left
-// out (their rows unwritten: the native kernel's).
+// earlier context reads its sequence's blocks from the pool, this chunk's included, under its shifted causal mask.
+// Chunks of at most `skip_rows` rows are left out (their rows unwritten: the native kernel's).
 at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Pool& pool,
                               const StepAttention& step, double scale, int64_t skip_rows) {
   auto out = at::empty_like(q);
@@ -69,10 +54,12 @@ at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::T
     if (context == 0) {
       o = at::scaled_dot_product_attention(rows(q), rows(k), rows(v), {}, 0.0, true, scale, gqa);
     } else {
-      const auto blocks = step.prefill_block_tables->select(0, i).slice(0, 0, (context + block_size - 1) / block_size);
-      o = after_context(rows(q), sequence_kv(pool.key, key_scale, blocks, context, q.scalar_type()),
-                        sequence_kv(pool.value, value_scale, blocks, context, q.scalar_type()),
-                        rows(k).to(q.scalar_type()), rows(v).to(q.scalar_type()), scale);
+      const int64_t num_keys = context + stop - start;
+      const auto blocks = step.prefill_block_tables->select(0, i).slice(0, 0, (num_keys + block_size - 1) / block_size);
+      o = at::scaled_dot_product_attention(
+          rows(q), sequence_kv(pool.key, key_scale, blocks, num_keys, q.scalar_type()),
+          sequence_kv(pool.value, value_scale, blocks, num_keys, q.scalar_type()), step.chunk_masks[i], 0.0, false,
+          scale, gqa);
     }
     out.slice(0, start, stop).copy_(o.select(0, 0).transpose(0, 1));
   }
