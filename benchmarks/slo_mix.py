@@ -143,21 +143,6 @@ class TimedSteps:
         return {kind: measured / predicted for kind, (measured, predicted) in sums.items() if predicted > 0}
 
 
-class CpuClock:
-    """The engine thread's CPU time, plus the time skipped while no request is due: with one torch thread a step's
-    work runs on that thread, so on a shared host this clock runs as a quiet host's wall clock would (less the time
-    other processes held the core; sharing its caches still slows it some)."""
-
-    def __init__(self) -> None:
-        self.skipped = 0.0
-
-    def __call__(self) -> float:
-        return time.thread_time() + self.skipped
-
-    def sleep(self, seconds: float) -> None:
-        self.skipped += max(0.0, seconds)
-
-
 def at_speed(profile: Profile, decode: float, other: float) -> Profile:
     return replace(profile, step_model=ScaledStepModel(profile.step_model, other, decode))
 
@@ -166,6 +151,8 @@ def on_engine(names: list[str], requests, rate: float, profile: Profile, args: a
     """The real engine (the default model, the profile's dtype, --threads torch threads) through bench's offline
     driver, on the same trace; one model load and warm-up, a fresh scheduler per policy. With --calibrate each policy's
     run is preceded by a speed check (batchserve profile --check) and simulated again at that minute's speed."""
+    from slo_mix_vllm import CpuClock  # standard library only: the same clock vLLM's run is timed on
+
     from batchserve.bench.offline import build_engine, run_offline
     from batchserve.bench.warmup import warmup_requests
     from batchserve.host.process import configure_torch
