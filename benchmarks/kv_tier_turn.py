@@ -1,13 +1,12 @@
 """Where a tier-served turn's time goes: a conversation's history (H tokens) is evicted from the pool, then the next
 turn (the history and N new tokens) finds it in the disk tier. Per phase, medians over interleaved repetitions: the
 scheduler's step (it waits there for the read, nothing else running), the read alone (blocks into the pool), the
-forward pass, sampling; for three ways of reading the same blocks back, alternating turn by turn so that a host's
+forward pass, sampling; for two ways of reading the same blocks back, alternating turn by turn so that a host's
 load falls on all alike:
 
 - get+copy:  the reader thread alone reads each file into a new buffer, checks it, copies it into the pool block (as
              before read_into);
 - read_into: the reader thread alone, each file read into the thread's reusable buffer, checked, copied in;
-- helped:    read_into, the scheduler's thread reading blocks of the same job beside the reader (the engine's way).
 
     .venv/bin/python benchmarks/kv_tier_turn.py [--history 1167] [--new 257] [--reps 5] [--threads 2]
 """
@@ -28,16 +27,12 @@ from batchserve.engine.llm_engine import LLMEngine  # noqa: E402
 from batchserve.host.process import configure_torch  # noqa: E402
 from batchserve.sampling_params import SamplingParams  # noqa: E402
 
-WAYS = ("get+copy", "read_into", "helped")
+WAYS = ("get+copy", "read_into")
 
 
 def set_way(engine: LLMEngine, way: str, views_of) -> None:
     offload = engine.kv_tier
     offload.views_of = None if way == "get+copy" else views_of
-    if way == "helped":
-        offload.__dict__.pop("help_load", None)  # the class's
-    else:
-        offload.help_load = lambda future: None
 
 
 def serve(engine: LLMEngine, prompt: list[int]) -> dict[str, float]:

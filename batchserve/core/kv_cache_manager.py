@@ -188,8 +188,6 @@ class KVCacheManager:
             if len(hit.tier_digests) + sum(1 for b in hit.blocks if b.ref_count == 0) > self.pool.num_free_blocks:
                 return False  # no room: allocate() finds none either
             load = self._start_load(request, hit)
-        if wait:  # rather than idle while the reader works: read blocks of it on this thread too
-            self.tier.help_load(load.future)
         if wait or load.future.done():
             self._finish_load(load)
         return True

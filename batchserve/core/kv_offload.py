@@ -93,21 +93,13 @@ class KVOffload:
         """Read these consecutive blocks back into their (fresh) pool blocks on the reader thread; the future's result
         is how many arrived, in order up to the first missing or bad one. A block whose read started at lookup is
         copied from that read; the others (their reads cancelled here, if not yet begun) are read and checked by
-        TierStore.read_into and copied into their pool blocks' rows (`views_of`). `help_load` lets a thread that
-        would only wait for the job take blocks of it."""
+        TierStore.read_into and copied into their pool blocks' rows (`views_of`)."""
         futures = [None if f is None or f.cancel() else f for f in (self._prefetch.pop(d, None) for d in digests)]
         job = _LoadJob(self, list(zip(digests, futures, block_ids)))
         future = self._reader.submit(job.run)
         self._jobs[future] = job
         future.add_done_callback(lambda f: self._jobs.pop(f, None))
         return future
-
-    def help_load(self, future: Future) -> None:
-        """The calling thread (the scheduler's, with nothing else to run) reads blocks of this load job beside the
-        reader thread until none is left, so that a second core reads rather than idles."""
-        job = self._jobs.get(future)
-        if job is not None:
-            job.work()
 
     def _load_one(self, digest: bytes, future: Future | None, block_id: int) -> bool:
         """One block into its pool block: from its read at lookup, or by read_into; False: missing, bad or failed."""
@@ -145,8 +137,7 @@ class KVOffload:
 
 
 class _LoadJob:
-    """One request's blocks read back into the pool, taken one at a time by the reader thread and by any helper
-    (help_load); the result counts the blocks that arrived in order up to the first that did not."""
+    """One request's blocks read back into the pool, taken one at a time by the reader thread; the result counts the blocks that arrived in order up to the first that did not."""
 
     def __init__(self, offload: KVOffload, items: list[tuple[bytes, Future | None, int]]) -> None:
         self.offload = offload
@@ -180,7 +171,7 @@ class _LoadJob:
             return self._next - 1
 
     def run(self) -> int:
-        """On the reader thread: its share of the blocks, then (the helpers' last ones done) how many arrived."""
+        """On the reader thread: the blocks, then how many arrived."""
         self.work()
         with self._cond:
             self._cond.wait_for(lambda: self._busy == 0)

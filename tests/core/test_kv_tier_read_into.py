@@ -1,13 +1,11 @@
 """Reading a block back into the pool: TierStore.read_into reads a file (one readv into the thread's reusable
-buffer), checks it and copies it into the pool block's part rows, failing every damage get() fails; a load job is
-shared by the reader thread and a helper (the scheduler's thread, which would otherwise only wait), each block read
-by exactly one of them, the count in order up to the first block that did not arrive. Model-free: numpy rows stand in
+buffer), checks it and copies it into the pool block's part rows, failing every damage get() fails; a load job
+counts the blocks in order up to the first that did not arrive. Model-free: numpy rows stand in
 for the pool's parts."""
 
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -72,28 +70,13 @@ def test_read_into_refuses_every_damage(tier, damage):
     assert store.stats.corrupt_dropped == (0 if damage == "gone" else 1) and store.stats.hits == 0
 
 
-def test_a_helper_shares_the_load_and_the_count_stops_at_the_first_bad_block(tier):
+def test_a_load_counts_the_blocks_up_to_the_first_missing_one(tier):
     store, pool = tier
     offload = KVOffload(store, PAYLOAD)
     offload.copy_in = lambda pairs: pytest.fail("no payload was read ahead: every block goes by read_into")
-    readers: dict[int, str] = {}
-    gate = threading.Event()
-
-    def views_of(block_id: int):
-        readers[block_id] = threading.current_thread().name
-        if threading.current_thread().name.startswith("kv-tier-read"):
-            assert gate.wait(10)  # the reader thread holds its first block until the helper has read the rest
-        return [rows[block_id] for rows in pool]
-
-    offload.views_of = views_of
+    offload.views_of = lambda block_id: [rows[block_id] for rows in pool]
     os.unlink(store.path_of(digest(5)))  # block 5 is missing: 5 and after are computed
     future = offload.start_load([digest(n) for n in range(8)], list(range(8)))
-    while not readers:
-        pass
-    offload.help_load(future)  # reads every block the reader has not taken, up to the missing one
-    gate.set()
     assert future.result(timeout=10) == 5 and store.stats.hits == 5
     assert all(block_of(pool, n) == payload(n) for n in range(5))
-    by_helper = [n for n, name in readers.items() if name == threading.current_thread().name]
-    assert len(readers) - len(by_helper) == 1 and by_helper == [1, 2, 3, 4, 5]  # the reader took block 0 alone
     offload.close()
