@@ -155,20 +155,14 @@ class TierStore:
         if payload is None:
             self.drop_corrupt(digest, why)
             return None
-        self._touch(digest, len(data))
-        with self._lock:
-            self.stats.blocks_read += 1
-            self.stats.bytes_read += len(data)
-            self.stats.read_s += time.perf_counter() - start
+        self._read_done(digest, len(data), start)
         return payload
 
     def read_into(self, digest: bytes, views: list) -> bool:
         """Read the block into `views` (writable byte buffers, in payload order: the pool block's rows of each layer
         part), checked. The file goes by one readv into this thread's own reusable buffer, is checked there by one
-        CRC call, and only then is copied into the views, under the GIL: two threads reading one prefix (the reader
-        and the scheduler's) hand the GIL over at the readv and the CRC only. Read straight into the views and checked
-        part by part, each of a block's 60 CRC calls released and took the GIL again, and the two threads waited on
-        each other longer than they read. False when the file is absent or fails a check (then it is deleted and
+        CRC call, and only then is copied into the views (checked part by part instead, a block took 60 CRC calls).
+        False when the file is absent or fails a check (then it is deleted and
         counted)."""
         start = time.perf_counter()
         path = self.path_of(digest)
@@ -204,12 +198,16 @@ class TierStore:
         for dest in dests:
             dest[:] = view[offset : offset + dest.nbytes]
             offset += dest.nbytes
-        self._touch(digest, got)
+        self._read_done(digest, got, start)
+        return True
+
+    def _read_done(self, digest: bytes, nbytes: int, start: float) -> None:
+        """A block read and checked: its use recorded for eviction, the read counted."""
+        self._touch(digest, nbytes)
         with self._lock:
             self.stats.blocks_read += 1
-            self.stats.bytes_read += got
+            self.stats.bytes_read += nbytes
             self.stats.read_s += time.perf_counter() - start
-        return True
 
     def count_hits(self, blocks: int) -> None:
         with self._lock:
