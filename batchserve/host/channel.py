@@ -198,10 +198,18 @@ def start_child(
         peer=f"child process {name!r} (pid {process.pid})",
         peer_alive=process.is_alive,
         peer_sentinel=process.sentinel,
-        peer_exitcode=lambda: process.exitcode,
+        peer_exitcode=lambda: _exit_code_soon(process),
         liveness_interval=liveness_interval,
     )
     return ChildProcess(process, channel)
+
+
+def _exit_code_soon(process: multiprocessing.process.BaseProcess, wait_s: float = 1.0) -> int | None:
+    """The child's exit code. Its socket's EOF can reach us before the kernel lets us reap it, so wait up to
+    ``wait_s`` for the code rather than report a death without its cause."""
+    if process.exitcode is None:
+        process.join(wait_s)
+    return process.exitcode
 
 
 def _child_main(
