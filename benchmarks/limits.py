@@ -18,7 +18,8 @@ Sections (--sections, comma-separated):
            batches against the compute bound (the GEMM rate measured at that M on the 8B shapes, the lm_head
            included). Ratios hold for the reduced model; the 32-layer step is extrapolated and marked so.
            --eightb-formats int8,gguf:Q4_0 adds the weights kept quantized (int8 at load; the checkpoint written as
-           a GGUF file and run as stored), batch 1 against the bytes of that format.
+           a GGUF file and run as stored), batch 1 against the bytes of that format. --llama-cpp adds, for each
+           GGUF file, llama.cpp's batch-1 decode on it (llama-bench) as a row whose ratio is batchserve over llama.cpp.
   peer64   the default model (always: the bound is roofline.py's, on its shapes) on benchmarks/workloads/peer64.json
            (64 sequences at once), its time against roofline.py's matmul-only bound of that workload at the GEMM
            rates measured now.
@@ -280,8 +281,23 @@ def _rows_8b(args, s, full, fmt: str, folder: Path, dtype, element, bandwidth) -
         )
         rows.append(Row("8b", f"{s.name} {fmt} batch {batch} vs {kind}", step, bound, note))
         report(rows[-1])
+        if batch == 1 and args.llama_cpp and fmt.startswith("gguf:"):
+            rows.append(_llama_cpp_row(args, s, fmt, model, step))
+            report(rows[-1])
     engine.close()
     return rows
+
+
+def _llama_cpp_row(args, s, fmt: str, path: Path, step: float) -> Row:
+    """llama.cpp's batch-1 decode on the same GGUF file (llama-bench, the same threads, wall clock) as the bound:
+    the ratio is then batchserve's speed over llama.cpp's. From an empty context (batchserve's step follows a 32-token
+    prompt): this build's AMX weight repacking crashes llama-bench's prompt step on the AMX host, and turning the
+    repacking off would slow llama.cpp's own decode."""
+    bench = model_scale.scale_gguf.llama_bench(path, args.threads, tokens=32, depth=0)
+    note = f"llama.cpp {bench['tok_s']:.2f} +- {bench['sd_tok_s']:.2f} tok/s (llama-bench, build {bench['build']})"
+    if args.clock is time.process_time:
+        note += "; batchserve on the CPU clock, llama.cpp on the wall: compare with --clock wall"
+    return Row("8b", f"{s.name} {fmt} batch 1 vs llama.cpp", step, 1.0 / bench["tok_s"], note)
 
 
 def section_peer64(args) -> list[Row]:
@@ -336,6 +352,11 @@ def parse_args(argv=None):
         type=lambda t: t.split(","),
         default=["none"],
         help="weight formats of the 8B rows: none (as written), int8, gguf:Q4_0 (gguf:Q8_0, gguf:Q4_1)",
+    )
+    ap.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="add llama.cpp's batch-1 decode (llama-bench, docs/quantization.md) on each gguf:<type> file of the 8B rows",
     )
     ap.add_argument("--eightb-preset", default="llama-3.1-8b", choices=sorted(model_scale.PRESETS))
     ap.add_argument("--model", default=None, help="the model of prefill and decode (default: the default model)")
