@@ -128,8 +128,9 @@ class SchedulerConfig:
     tpot_slo_ms: float | None = None
     slo_admission: SloAdmission = SloAdmission.OFF
     max_preemptions_per_request: int | None = None  # a request preempted this often is never chosen again
-    # batch slots kept for requests close to their TTFT target (core/slo.py SlotReserve); None: a quarter of
-    # max_batch_size under slo_admission, else 0
+    # batch slots kept for requests that cannot wait for another (core/slo.py SlotReserve); None: a quarter of
+    # max_batch_size under slo_admission refuse, else 0 (under deprioritize the late requests it serves anyway
+    # would take the kept slots: no gain measured)
     slo_reserved_slots: int | None = None
 
     def validate(self) -> None:
@@ -170,7 +171,7 @@ class SchedulerConfig:
         """slo_reserved_slots as the scheduler applies it."""
         if self.slo_reserved_slots is not None:
             return self.slo_reserved_slots
-        return self.max_batch_size // 4 if self.slo_admission != SloAdmission.OFF else 0
+        return self.max_batch_size // 4 if self.slo_admission == SloAdmission.REFUSE else 0
 
 
 @dataclass

@@ -160,14 +160,14 @@ class TimedSteps:
         self.engine.runner = self.runner
 
     def speed(self, profile: Profile, cpu: bool = False) -> dict[str, float]:
-        """Measured / predicted step time, summed over the run's steps of each kind (decode, mixed, prefill) and
-        over all of them (`all`). With `cpu`, the thread's CPU time instead of the wall time: with one torch thread
+        """Measured / predicted step time, summed over the run's steps of each kind (decode, mixed, prefill), over
+        those with prompt tokens (`prompt`: mixed and prefill) and over all of them (`all`). With `cpu`, the thread's CPU time instead of the wall time: with one torch thread
         the step's work runs on this thread, and its CPU time leaves out the time other processes held the core, so
         on a busy host it says whether the step model prices each kind right (near 1.00x in every kind) where the
         wall time cannot (the host's sharing or contention still inflates it some)."""
         sums: dict[str, list[float]] = {}
         for shape, wall, thread in self.steps:
-            for kind in (shape.kind, "all"):
+            for kind in (shape.kind, "all", *(("prompt",) if shape.kind != "decode" else ())):
                 pair = sums.setdefault(kind, [0.0, 0.0])
                 pair[0], pair[1] = pair[0] + (thread if cpu else wall), pair[1] + profile.step_model.predict(shape)
         return {kind: measured / predicted for kind, (measured, predicted) in sums.items() if predicted > 0}
@@ -217,7 +217,9 @@ def on_engine(names: list[str], requests, rate: float, profile: Profile, args: a
         out["steps"][name] = [shape.to_dict() | {"wall_s": round(wall, 6), "cpu_s": round(cpu, 6), "predicted_s":
                                round(profile.step_model.predict(shape), 6)} for shape, wall, cpu in timed.steps]  # fmt: skip
         speed = out["step_cpu_speed" if args.cpu_clock else "step_speed"][name]  # the speed on the run's clock
-        scaled = at_speed(profile, speed.get("decode", 1.0), speed.get("all", 1.0))
+        # decodes (memory-bound: they slow with the host's memory traffic) and steps with prompt tokens (compute-bound)
+        # each at their own speed: one factor for all would scale the prompt steps by the decodes' slowdown
+        scaled = at_speed(profile, speed.get("decode", 1.0), speed.get("prompt", speed.get("all", 1.0)))
         out["simulated_at_run_speed"][name] = simulate(name, scaled, requests, rate, args.seed)
     return out
 

@@ -133,7 +133,7 @@ COMMAND_FLAGS: dict[str, frozenset[str]] = {
         '--preemption-mode', '--prefill-attention', '--quantization', '--record-steps', '--refit',
         '--request-timeout', '--runner', '--scheduler-policy', '--scheduling-order', '--seed', '--slo-admission',
         '--slo-reserved-slots', '--speculative-config', '--static-padding', '--swap-space', '--swap-space-gb',
-        '--tensor-parallel-size', '--tokenizer', '--tpot-slo-ms', '--truncation', '--ttft-slo-ms', '-h',
+        '--tensor-parallel-size', '--tokenizer', '--tpot-slo-ms', '--truncation', '--ttft-slo-ms', '--with-run', '-h',
     }),
     'simulate': frozenset({
         '--allow-runtime-lora-updating', '--allreduce-bandwidth-gbs', '--allreduce-latency-us', '--arrival',

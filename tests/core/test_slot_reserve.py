@@ -75,9 +75,9 @@ def test_a_request_without_a_target_waits_for_a_regular_slot_and_everything_fini
     assert_all_blocks_free(scheduler)
 
 
-def test_the_default_reserve_is_a_quarter_of_the_batch_under_slo_admission_only():
+def test_the_default_reserve_is_a_quarter_of_the_batch_under_refuse_only():
     assert SchedulerConfig(max_batch_size=32, slo_admission="refuse").reserved_slots == 8
-    assert SchedulerConfig(max_batch_size=32, slo_admission="deprioritize").reserved_slots == 8
+    assert SchedulerConfig(max_batch_size=32, slo_admission="deprioritize").reserved_slots == 0
     assert SchedulerConfig(max_batch_size=32).reserved_slots == 0
     assert SchedulerConfig(max_batch_size=32, slo_reserved_slots=3).reserved_slots == 3
     with pytest.raises(ConfigError, match="slo_reserved_slots"):
