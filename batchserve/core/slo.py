@@ -91,6 +91,7 @@ class SlotReserve:
     reserved: int
     max_batch_size: int
     max_num_tokens: int
+    num_held_back: int = 0  # times a request was kept out of the reserved slots
 
     @property
     def active(self) -> bool:
@@ -101,17 +102,24 @@ class SlotReserve:
         """May the request take a slot now? (`limits`: the step's prefill caps, which chunk its prompt.)"""
         if self.max_batch_size - len(running) > self.reserved or request.first_scheduled_time is not None:
             return True  # a regular slot, or a preempted request resuming: holding it back wastes its work
-        if request.ttft_slo_s is None:
-            return False
-        coefficients = cost.coefficients()
-        if coefficients is None:
-            return True  # nothing to predict with yet
-        fixed_s, per_token_s = coefficients
+        if request.ttft_slo_s is not None:  # without a target it can always wait
+            coefficients = cost.coefficients()
+            if coefficients is None:
+                return True  # nothing to predict with yet
+            if slack_s(request, now) < self._regular_wait_s(request, running, limits, *coefficients):
+                return True
+        self.num_held_back += 1
+        return False
+
+    def _regular_wait_s(self, request: Request, running: list[Request], limits: PrefillLimits, fixed_s: float,
+                        per_token_s: float) -> float:  # fmt: skip
+        """Seconds to its first token if it waits for a regular slot: the running request nearest its end finishes,
+        then its own prompt, chunked as the prefill caps allow."""
         step_s = fixed_s + per_token_s * len(running)
         steps = min(r.sampling_params.max_tokens - r.num_output_tokens for r in running)
         own = remaining_tokens(request)
         steps += math.ceil(own / limits.cap(request, self.max_num_tokens))
-        return slack_s(request, now) < steps * step_s + per_token_s * own
+        return steps * step_s + per_token_s * own
 
 
 @dataclass
