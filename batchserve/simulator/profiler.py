@@ -31,11 +31,12 @@ from batchserve.simulator.profile_file import Profile
 from batchserve.simulator.shape import StepShape, shape_of
 from batchserve.simulator.step_model import KNOTS, fit_linear
 
-# (sequences, prompt tokens): decodes of 1-64 sequences at contexts up to ~8 k positions a step (1-4 sequences at short
-# and long contexts: there the time per token bends), prefill chunks of every size up to the token budget; ~39 k
-# prompt tokens in all, about a minute on 2 cores for SmolLM2-135M
+# (sequences, prompt tokens): decodes of 1-64 sequences at contexts up to ~16 k positions a step (1-4 sequences at short
+# and long contexts: there the time per token bends; 8 x 2,048 and 16 x 1,024: a batch of long documents, whose decodes
+# cost more per position than the short contexts extrapolate), prefill chunks of every size up to the token budget;
+# ~72 k prompt tokens in all, 1.5-2 minutes on 2 cores for SmolLM2-135M
 GRID = [(1, 32), (1, 256), (1, 1536), (2, 128), (2, 1024), (3, 512), (4, 64), (4, 1024), (8, 32), (8, 512), (16, 128),
-        (16, 512), (32, 32), (32, 256), (48, 64), (64, 32)]  # fmt: skip
+        (16, 512), (32, 32), (32, 256), (48, 64), (64, 32), (8, 2048), (16, 1024)]  # fmt: skip
 DECODE_TOKENS = 16
 # (sequences, shared prefix tokens): decodes that read the same prefix blocks
 SHARED_GRID = [(8, 1024), (16, 512), (32, 512), (48, 256)]
