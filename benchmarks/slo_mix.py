@@ -16,7 +16,9 @@ the simulator's goodput error per policy and the run's steps against the profile
 vLLM's CPU build (slo_mix_vllm.py, in vLLM's venv). --cpu-clock: both timed on their thread's CPU time (a busy host).
 
 Policies: fcfs (the defaults), isolate (long_prefill_token_threshold, max_long_partial_prefills 1), slo (isolate plus
-slo_admission refuse and max_preemptions_per_request 2), slo-demote (isolate plus slo_admission deprioritize).
+slo_admission refuse, with its default slot reserve, and max_preemptions_per_request 2), slo-demote (isolate plus
+slo_admission deprioritize). --explain: where the short requests waited (simulated); each table ends with the goodput
+ceiling (every request within its targets over FCFS's run), which no policy can pass.
 Prints goodput (requests within their targets per second), the short requests' TTFT p99 and miss rate, and the long
 requests' output throughput; ratios against fcfs.
 """
