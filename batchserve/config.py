@@ -128,6 +128,10 @@ class SchedulerConfig:
     tpot_slo_ms: float | None = None
     slo_admission: SloAdmission = SloAdmission.OFF
     max_preemptions_per_request: int | None = None  # a request preempted this often is never chosen again
+    # batch slots kept for requests that cannot wait for another (core/slo.py SlotReserve); None: a quarter of
+    # max_batch_size under slo_admission refuse, else 0 (under deprioritize the late requests it serves anyway
+    # would take the kept slots: no gain measured)
+    slo_reserved_slots: int | None = None
 
     def validate(self) -> None:
         _require(self.max_batch_size >= 1, "max_batch_size must be >= 1")
@@ -158,6 +162,16 @@ class SchedulerConfig:
             _require(getattr(self, name) is None or getattr(self, name) >= 1, f"{name} must be >= 1")
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             _require(getattr(self, name) is None or getattr(self, name) > 0, f"{name} must be > 0")
+        reserved = self.slo_reserved_slots
+        _require(reserved is None or 0 <= reserved < self.max_batch_size,
+                 "slo_reserved_slots must be >= 0 and less than max_batch_size")  # fmt: skip
+
+    @property
+    def reserved_slots(self) -> int:
+        """slo_reserved_slots as the scheduler applies it."""
+        if self.slo_reserved_slots is not None:
+            return self.slo_reserved_slots
+        return self.max_batch_size // 4 if self.slo_admission == SloAdmission.REFUSE else 0
 
 
 @dataclass

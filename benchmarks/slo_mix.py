@@ -16,7 +16,9 @@ the simulator's goodput error per policy and the run's steps against the profile
 vLLM's CPU build (slo_mix_vllm.py, in vLLM's venv). --cpu-clock: both timed on their thread's CPU time (a busy host).
 
 Policies: fcfs (the defaults), isolate (long_prefill_token_threshold, max_long_partial_prefills 1), slo (isolate plus
-slo_admission refuse and max_preemptions_per_request 2), slo-demote (isolate plus slo_admission deprioritize).
+slo_admission refuse, with its default slot reserve, and max_preemptions_per_request 2), slo-demote (isolate plus
+slo_admission deprioritize). --explain: where the short requests waited (simulated); each table ends with the goodput
+ceiling (every request within its targets over FCFS's run), which no policy can pass.
 Prints goodput (requests within their targets per second), the short requests' TTFT p99 and miss rate, and the long
 requests' output throughput; ratios against fcfs.
 """
@@ -103,6 +105,36 @@ def simulate(policy: str, profile: Profile, requests, rate: float, seed: int) ->
     return summary(trace.requests, trace.meta["duration_s"], requests)
 
 
+def short_waits(policy: str, profile: Profile, requests, rate: float, seed: int) -> dict[str, float]:
+    """Where the short requests wait for their first chunk, simulated: each step a short request spends queued is
+    charged, by its length, to what held it back: every batch slot taken (`slots`), the step's token budget spent
+    (`tokens`), or something else (KV blocks, the slot reserve, the prefill caps). Shares of the whole queued time
+    (`seconds`), and the summaries' mean share of the batch in the `slots` steps."""
+    config = EngineConfig.from_options(**MIX, **POLICIES[policy], enable_chunked_prefill=True)
+    cluster = make_cluster(config, profile)
+    engine = cluster.replicas[0].engine
+    scheduler, short = engine.scheduler, {r.request_id for r in requests if r.category == "short"}
+    counts, summaries, plain_step = {"slots": 0, "tokens": 0, "other": 0}, [], engine.step
+
+    def step():
+        queued, start = [r.request_id for r in scheduler.waiting if r.request_id in short], engine.clock()
+        outputs = plain_step()
+        batch = scheduler.last_step.output.num_scheduled_tokens
+        left = [rid for rid in queued if rid not in batch]
+        full = len(batch) >= scheduler.config.max_batch_size
+        why = "slots" if full else "tokens" if scheduler.last_step.token_budget <= 0 else "other"
+        counts[why] += len(left) * (engine.clock() - start)
+        if full and left:
+            summaries.append(sum(rid not in short for rid in batch) / len(batch))
+        return outputs
+
+    engine.step = step
+    cluster.run(requests, ArrivalProcess(request_rate=rate), seed=seed)
+    total = sum(counts.values())
+    share = float(np.mean(summaries)) if summaries else 0.0
+    return {k: v / (total or 1) for k, v in counts.items()} | {"seconds": total, "summaries_share": share}
+
+
 class TimedSteps:
     """The engine with each step's shape (the profiler's recorder) and wall time noted, so that a run's steps can be
     set against the profile's prediction for the very same shapes."""
@@ -130,14 +162,14 @@ class TimedSteps:
         self.engine.runner = self.runner
 
     def speed(self, profile: Profile, cpu: bool = False) -> dict[str, float]:
-        """Measured / predicted step time, summed over the run's steps of each kind (decode, mixed, prefill) and
-        over all of them (`all`). With `cpu`, the thread's CPU time instead of the wall time: with one torch thread
+        """Measured / predicted step time, summed over the run's steps of each kind (decode, mixed, prefill), over
+        those with prompt tokens (`prompt`: mixed and prefill) and over all of them (`all`). With `cpu`, the thread's CPU time instead of the wall time: with one torch thread
         the step's work runs on this thread, and its CPU time leaves out the time other processes held the core, so
         on a busy host it says whether the step model prices each kind right (near 1.00x in every kind) where the
         wall time cannot (the host's sharing or contention still inflates it some)."""
         sums: dict[str, list[float]] = {}
         for shape, wall, thread in self.steps:
-            for kind in (shape.kind, "all"):
+            for kind in (shape.kind, "all", *(("prompt",) if shape.kind != "decode" else ())):
                 pair = sums.setdefault(kind, [0.0, 0.0])
                 pair[0], pair[1] = pair[0] + (thread if cpu else wall), pair[1] + profile.step_model.predict(shape)
         return {kind: measured / predicted for kind, (measured, predicted) in sums.items() if predicted > 0}
@@ -184,10 +216,12 @@ def on_engine(names: list[str], requests, rate: float, profile: Profile, args: a
         out["engine"][name] = summary(trace.requests, trace.meta["duration_s"], requests)
         out["step_speed"][name] = timed.speed(profile)
         out["step_cpu_speed"][name] = timed.speed(profile, cpu=True)
-        out["steps"][name] = [[shape.kind, shape.tokens, shape.seqs, shape.prefill_pairs, round(wall, 6), round(cpu, 6),
-                               round(profile.step_model.predict(shape), 6)] for shape, wall, cpu in timed.steps]  # fmt: skip
+        out["steps"][name] = [shape.to_dict() | {"wall_s": round(wall, 6), "cpu_s": round(cpu, 6), "predicted_s":
+                               round(profile.step_model.predict(shape), 6)} for shape, wall, cpu in timed.steps]  # fmt: skip
         speed = out["step_cpu_speed" if args.cpu_clock else "step_speed"][name]  # the speed on the run's clock
-        scaled = at_speed(profile, speed.get("decode", 1.0), speed.get("all", 1.0))
+        # decodes (memory-bound: they slow with the host's memory traffic) and steps with prompt tokens (compute-bound)
+        # each at their own speed: one factor for all would scale the prompt steps by the decodes' slowdown
+        scaled = at_speed(profile, speed.get("decode", 1.0), speed.get("prompt", speed.get("all", 1.0)))
         out["simulated_at_run_speed"][name] = simulate(name, scaled, requests, rate, args.seed)
     return out
 
@@ -239,6 +273,15 @@ def accuracy(simulated: dict, out: dict) -> str:
     return "\n".join(lines)
 
 
+def ceiling(rows: dict[str, dict[str, float]], num_requests: int) -> str:
+    """Goodput is bounded by every request within its targets over the run's length, so no policy can beat FCFS by
+    more than about 1 / FCFS's attainment on the same trace."""
+    base = rows["fcfs"]
+    best = num_requests / base["duration_s"]
+    return (f"ceiling: all {num_requests} within their targets over FCFS's {base['duration_s']:.0f} s = {best:.3f} "
+            f"req/s, {best / base['goodput']:.2f}x FCFS")  # fmt: skip
+
+
 def relative(predicted: float, measured: float) -> str:
     return f"{100 * (predicted - measured) / measured:>+6.1f}%" if measured else f"{'-':>7}"
 
@@ -276,6 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threshold", type=int, default=128, help="long_prefill_token_threshold of the SLO policies")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default=",".join(POLICIES), help="the policies run (default: all)")
+    p.add_argument("--explain", action="store_true", help="also say where the short requests waited (simulated)")
     p.add_argument("--engine", action="store_true", help="also run the real engine (default model) on the trace")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine, OpenMP threads of vLLM "
                    "(default 1: the profile's)")  # fmt: skip
@@ -323,6 +367,14 @@ def main(argv: list[str] | None = None) -> None:
     start = time.monotonic()
     rows = {name: simulate(name, profile, requests, rate, args.seed) for name in names}
     print(f"\nsimulated ({time.monotonic() - start:.1f} s)\n{table(rows)}", flush=True)
+    print(ceiling(rows, args.num_requests))
+    if args.explain:
+        print("\nwhere the short requests waited for their first chunk, simulated (shares of their queued time)")
+        for name in names:
+            w = short_waits(name, profile, requests, rate, args.seed)
+            print(f"{name:<11} {w['seconds']:>7.1f} s: all {MIX['max_batch_size']} slots taken {100 * w['slots']:5.1f}% "
+                  f"(summaries {100 * w['summaries_share']:.0f}% of them), token budget spent {100 * w['tokens']:5.1f}%, "
+                  f"other {100 * w['other']:5.1f}%")  # fmt: skip
     out = {"rate": rate, "num_requests": args.num_requests, "threads": args.threads, "cpu_clock": args.cpu_clock,
            "simulated": rows}  # fmt: skip
     if args.engine:

@@ -3,7 +3,7 @@
 # budget (its prefill grid then reaches the 2,000-8,000-token steps FCFS runs; the stored profile's stops at 2,048),
 # then 200 requests, every policy on the simulator and on the real engine (1 thread, as the profile), the simulator's
 # goodput error per policy, then the same trace through vLLM's CPU build (bench_results/vllm-venv,
-# docs/BENCHMARKS.md). About 35-40 minutes on the 2-core AMX Xeon: the profile ~1.5 min, 4 engine runs of ~5 min,
+# docs/BENCHMARKS.md). About 35-40 minutes on the 2-core AMX Xeon: the profile ~2 min, 4 engine runs of ~5 min,
 # vLLM's start-up (3-6 min, less once its compile cache is warm) and its run of ~5 min.
 #   bash benchmarks/slo_mix_full.sh                      # from the repo root
 #   PROFILE=benchmarks/profiles/smollm2-bf16-1thread-xeon-amx-2cpu-v2.json bash benchmarks/slo_mix_full.sh   # no new profile

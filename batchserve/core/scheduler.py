@@ -15,9 +15,9 @@ Policies (scheduler_policy):
 
 Beside them, for latency targets (docs/slo.md): long-prompt isolation (core/prefill_limits.py: a long prompt is
 chunked, few prefill at once, a held-back one blocks no short one), SLO admission (core/slo.py: a request predicted
-to miss its TTFT target or deadline is refused or demoted before it takes blocks; preemption by slack), a thrash
-guard (max_preemptions_per_request: a request preempted that often is pinned, ranked first, let in when it fits).
-"""
+to miss its TTFT target or deadline is refused or demoted before it takes blocks; preemption by slack; the last
+slo_reserved_slots batch slots only for requests that cannot wait for another), a thrash guard
+(max_preemptions_per_request: a request preempted that often is pinned, ranked first, let in when it fits)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from batchserve.core.outputs import ModelOutput, RequestOutput, SchedulerOutput,
 from batchserve.core.prefill_limits import PrefillLimits
 from batchserve.core.request_queue import DemotingQueue, make_request_queue
 from batchserve.core.scheduler_stats import scheduler_stats
-from batchserve.core.slo import SloPlanner, StepCost, resolve_targets, slack_s
+from batchserve.core.slo import SloPlanner, SlotReserve, StepCost, resolve_targets, slack_s
 from batchserve.core.speculative import SpeculationPlanner
 from batchserve.core.step_builder import StepBuilder
 from batchserve.core.stopping import stop_reason
@@ -77,6 +77,7 @@ class Scheduler:
         if config.slo_admission == SloAdmission.DEPRIORITIZE:
             self.waiting = DemotingQueue(self.waiting)
         self.slo = SloPlanner(config, step_cost)
+        self.reserve = SlotReserve(config.reserved_slots, config.max_batch_size, config.max_num_tokens)
         self._num_with_deadline = 0  # waiting or running requests with a queue deadline: checked each step
         self.running: list[Request] = []  # in rank order: the tail is preempted first
         self.requests: dict[str, Request] = {}
@@ -111,8 +112,7 @@ class Scheduler:
         self.waiting.push(request)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step's scheduled tokens and its model time (the engine's, or the simulator's): the SLO predictions'
-        step-time fit learns from it."""
+        """A step's scheduled tokens and model time (the engine's or the simulator's), for the SLO step-time fit."""
         self.slo.cost.observe(num_tokens, seconds)
 
     def grow_kv_pool(self, num_blocks: int) -> None:
@@ -281,17 +281,18 @@ class Scheduler:
         self._schedule_running(step)
 
     def _next_admissible(self, limits: PrefillLimits, deferred: set[int]) -> Request | None:
-        """The queue's head, or, when the prefill caps hold it back, the first request within LOOKAHEAD that they
-        let in: a long prompt waiting for a long-prefill slot does not hold up the short ones behind it."""
+        """The queue's head, or, when the prefill caps or the slot reserve hold it back, the first request within
+        LOOKAHEAD they let in: a long prompt waiting for a long-prefill or a regular slot holds up no short one."""
         head = self.waiting.peek()
-        if not limits.active and not self.adapters.active:  # deferred: requests whose prefix is being read back
+        if not (limits.active or self.adapters.active or self.reserve.active):  # deferred: prefixes read back
             return next((r for r in self.waiting if id(r) not in deferred), None) if id(head) in deferred else head
         self.adapters.track(self.running)  # recounted each time: a swapped-in request joins without a word
         now = self.clock()
         for request in itertools.chain((head,), itertools.islice(self.waiting, LOOKAHEAD)):
             if id(request) in deferred:
                 continue
-            if limits.admits(request) and self.adapters.admits(request, now):
+            admits = limits.admits(request) and self.adapters.admits(request, now)
+            if admits and self.reserve.admits(request, self.running, now, limits, self.slo.cost):
                 return request
             deferred.add(id(request))
         return None
@@ -342,9 +343,8 @@ class Scheduler:
         self._rejected.append(RequestOutput(request.request_id, [], True, FinishReason.ABORT, why))
 
     def _reject_unschedulable(self, request: Request) -> None:
-        """The head of the queue was not admitted into an empty batch, on an empty pool: it never will be (its
-        prompt or worst case is larger than the pool, or than one step's tokens without chunked prefill). It ends
-        now, as aborted, instead of blocking the queue behind it for ever."""
+        """The head was not admitted into an empty batch on an empty pool, so it never will be (larger than the pool,
+        or than a step's tokens without chunked prefill): it ends, aborted, instead of blocking the queue for ever."""
         self._drop_waiting(request, None)
 
     def _on_scheduled(self, request: Request) -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from batchserve.config import SchedulerConfig, SloAdmission
-from batchserve.core.prefill_limits import remaining_tokens
+from batchserve.core.prefill_limits import PrefillLimits, remaining_tokens
 from batchserve.core.speculation_cost import StepCostModel
 from batchserve.request import Request
 
@@ -64,6 +64,10 @@ def resolve_targets(request: Request, config: SchedulerConfig) -> None:
     request.tpot_slo_s = None if tpot_ms is None else tpot_ms / 1000.0
 
 
+def ttft_deadline(request: Request) -> float:
+    return math.inf if request.ttft_slo_s is None else request.arrival_time + request.ttft_slo_s
+
+
 def slack_s(request: Request, now: float) -> float:
     """Seconds a running request can lose before it misses a target: before its first token, the time left to its
     TTFT target; after, the time its TPOT target allows for the tokens so far, less the time they took."""
@@ -77,6 +81,48 @@ def slack_s(request: Request, now: float) -> float:
 
 
 @dataclass
+class SlotReserve:
+    """The last `reserved` batch slots go only to requests that cannot wait for a regular one. With a sequence cap,
+    slots, not tokens, are what a short request waits for: summaries that decode for hundreds of steps would otherwise
+    fill the batch while questions with a 500 ms target queue behind them. A request whose TTFT slack outlasts the
+    predicted wait for a regular slot (the running request closest to its end finishing) and its own prefill waits
+    for one; a request without a target always can."""
+
+    reserved: int
+    max_batch_size: int
+    max_num_tokens: int
+    num_held_back: int = 0  # times a request was kept out of the reserved slots
+
+    @property
+    def active(self) -> bool:
+        return self.reserved > 0
+
+    def admits(self, request: Request, running: list[Request], now: float, limits: PrefillLimits,
+               cost: StepCost) -> bool:  # fmt: skip
+        """May the request take a slot now? (`limits`: the step's prefill caps, which chunk its prompt.)"""
+        if self.max_batch_size - len(running) > self.reserved or request.first_scheduled_time is not None:
+            return True  # a regular slot, or a preempted request resuming: holding it back wastes its work
+        if request.ttft_slo_s is not None:  # without a target it can always wait
+            coefficients = cost.coefficients()
+            if coefficients is None:
+                return True  # nothing to predict with yet
+            if slack_s(request, now) < self._regular_wait_s(request, running, limits, *coefficients):
+                return True
+        self.num_held_back += 1
+        return False
+
+    def _regular_wait_s(self, request: Request, running: list[Request], limits: PrefillLimits, fixed_s: float,
+                        per_token_s: float) -> float:  # fmt: skip
+        """Seconds to its first token if it waits for a regular slot: the running request nearest its end finishes,
+        then its own prompt, chunked as the prefill caps allow."""
+        step_s = fixed_s + per_token_s * len(running)
+        steps = min(r.sampling_params.max_tokens - r.num_output_tokens for r in running)
+        own = remaining_tokens(request)
+        steps += math.ceil(own / limits.cap(request, self.max_num_tokens))
+        return steps * step_s + per_token_s * own
+
+
+@dataclass
 class LoadSnapshot:
     """What is ahead of a waiting request when the scheduler looks: filled once per look, then extended."""
 
@@ -86,6 +132,8 @@ class LoadSnapshot:
     decode_steps_left: list[int]  # running requests' remaining output tokens, sorted: when their slots free
     free_slots: int  # max_batch_size - running
     num_ahead: int = 0  # waiting requests before it that will take slots
+    # their TTFT deadlines: with a slot reserve, one with a later deadline than its own lets it pass (SlotReserve)
+    ahead_deadlines: list[float] = field(default_factory=list)
 
 
 class SloPlanner:
@@ -180,7 +228,8 @@ class SloPlanner:
         steps = max(math.ceil((ahead + own) / per_step), math.ceil(own / max(1, min(own_per_step, per_step))))
         step_s = fixed_s + per_token_s * (load.num_decodes + beside)
         prefill_s = steps * step_s + per_token_s * (ahead + own)
-        return max(prefill_s, self._slot_wait_steps(load) * step_s + per_token_s * own)
+        return max(prefill_s, self._slot_wait_steps(load, self._ahead_for_slots(request, load)) * step_s
+                   + per_token_s * own)  # fmt: skip
 
     def _long_chunk(self, load: LoadSnapshot) -> int:
         """Tokens of long prefill in each step while there is any."""
@@ -189,11 +238,19 @@ class SloPlanner:
         most = self.config.long_prefill_token_threshold * (self.config.max_long_partial_prefills or 1)
         return min(most, load.long_tokens_ahead)
 
+    def _ahead_for_slots(self, request: Request, load: LoadSnapshot) -> int:
+        """Waiting requests that take a batch slot before it: all those ahead, or with a slot reserve only those due
+        first (a request with more slack waits for a regular slot and lets it have the reserved one)."""
+        if not self.config.reserved_slots:
+            return load.num_ahead
+        own = ttft_deadline(request)
+        return sum(1 for deadline in load.ahead_deadlines if deadline <= own)
+
     @staticmethod
-    def _slot_wait_steps(load: LoadSnapshot) -> int:
+    def _slot_wait_steps(load: LoadSnapshot, num_ahead: int) -> int:
         """Steps until a batch slot frees for it: the k-th earliest finish among the running, k being how many
         requests ahead of it (itself included) find no free slot."""
-        short = load.num_ahead + 1 - load.free_slots
+        short = num_ahead + 1 - load.free_slots
         if short <= 0 or not load.decode_steps_left:
             return 0
         return load.decode_steps_left[min(short, len(load.decode_steps_left)) - 1]
@@ -222,3 +279,4 @@ class SloPlanner:
             return
         load.prefill_tokens_ahead += remaining_tokens(request)
         load.num_ahead += 1
+        load.ahead_deadlines.append(ttft_deadline(request))

@@ -119,6 +119,9 @@ HELP: dict[str, str] = {
     "theirs); preemption then picks the running request with the most slack",
     "max_preemptions_per_request": "a request preempted this many times is pinned: never preempted again, so "
     "preemption cannot thrash (default: no bound)",
+    "slo_reserved_slots": "batch slots only a request that cannot wait for another may take (its TTFT slack under "
+    "the predicted wait for a regular slot), so that requests with loose targets (long summaries) cannot fill the "
+    "batch while tight ones queue (default: a quarter of max_batch_size under slo_admission refuse, else 0)",
     "block_size": "tokens per KV block, 8-128",
     "num_kv_blocks": "KV pool size in blocks (default: from kv_cache_memory_fraction; `generate` and the offline LLM "
     "size it to their requests, up to that)",

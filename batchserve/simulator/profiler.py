@@ -5,6 +5,7 @@
   batchserve profile --output prof.json                  # the default model, dtype and threads, ~1-2 minutes
   batchserve profile --output prof.json --num-threads 2 --dtype float32 --max-batch-size 32
   batchserve profile --refit prof.json --output new.json # fit the steps prof.json recorded again (--knots K,K,...)
+  batchserve profile --refit prof.json --with-run run.json --output new.json   # and a real run's steps
 
 The grid: for each (sequences, prompt length) a batch is prefilled (chunks up to max_num_tokens) and decodes 16
 tokens, which times prefill chunks of many sizes and decodes of every batch size at short and long contexts; then
@@ -16,11 +17,13 @@ forward, sample, update, detokenize), as bench's driver sees it. The fit's error
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from batchserve.entrypoints.engine_args import ArgumentParser, add_engine_arguments, engine_config_from_args
@@ -28,11 +31,12 @@ from batchserve.simulator.profile_file import Profile
 from batchserve.simulator.shape import StepShape, shape_of
 from batchserve.simulator.step_model import KNOTS, fit_linear
 
-# (sequences, prompt tokens): decodes of 1-64 sequences at contexts up to ~8 k positions a step (1-4 sequences at short
-# and long contexts: there the time per token bends), prefill chunks of every size up to the token budget; ~39 k
-# prompt tokens in all, about a minute on 2 cores for SmolLM2-135M
+# (sequences, prompt tokens): decodes of 1-64 sequences at contexts up to ~16 k positions a step (1-4 sequences at short
+# and long contexts: there the time per token bends; 8 x 2,048 and 16 x 1,024: a batch of long documents, whose decodes
+# cost more per position than the short contexts extrapolate), prefill chunks of every size up to the token budget;
+# ~72 k prompt tokens in all, 1.5-2 minutes on 2 cores for SmolLM2-135M
 GRID = [(1, 32), (1, 256), (1, 1536), (2, 128), (2, 1024), (3, 512), (4, 64), (4, 1024), (8, 32), (8, 512), (16, 128),
-        (16, 512), (32, 32), (32, 256), (48, 64), (64, 32)]  # fmt: skip
+        (16, 512), (32, 32), (32, 256), (48, 64), (64, 32), (8, 2048), (16, 1024)]  # fmt: skip
 DECODE_TOKENS = 16
 # (sequences, shared prefix tokens): decodes that read the same prefix blocks
 SHARED_GRID = [(8, 1024), (16, 512), (32, 512), (48, 256)]
@@ -186,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="step_profile.json", help="where the profile goes (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no line per grid point")
     p.add_argument("--refit", metavar="PROFILE", help="refit the steps a profile recorded (no model is loaded)")
+    p.add_argument("--with-run", action="append", default=[], metavar="RUN.json",
+                   help="--refit: add the steps a real run recorded (benchmarks/slo_mix.py --engine --json) to the "
+                        "fit, on the run's clock (repeatable)")  # fmt: skip
     p.add_argument("--check", metavar="PROFILE",
                    help="time a few steps now and say how far this host's speed is from the profile's (the factors "
                         "for simulate --time-scale and --decode-time-scale); engine flags as for the profile")  # fmt: skip
@@ -203,8 +210,9 @@ def parse_knots(text: str) -> tuple[int, ...]:
     return tuple(int(k) for k in text.split(",") if k.strip())
 
 
-def refit(path: str, output: str, knots: tuple[int, ...] = KNOTS) -> Profile:
-    """The profile at `path` with its step model fitted again from the steps it recorded."""
+def refit(path: str, output: str, knots: tuple[int, ...] = KNOTS, runs: tuple[str, ...] = ()) -> Profile:
+    """The profile at `path` with its step model fitted again from the steps it recorded, and with `runs` from the
+    steps real runs recorded too (run_steps)."""
     profile = Profile.load(path)
     fields, rows = profile.notes.get("step_fields"), profile.notes.get("steps")
     if not rows:
@@ -213,10 +221,29 @@ def refit(path: str, output: str, knots: tuple[int, ...] = KNOTS) -> Profile:
     if "decode_ctx_distinct" not in fields:  # recorded before it was: counted as read from memory, every position
         for s in shapes:
             s.decode_ctx_distinct = s.decode_ctx
-    profile.step_model, fit = fit_linear(shapes, [r[-1] for r in rows], knots)
+    seconds = [r[-1] for r in rows]
+    for run in runs:
+        more, times = run_steps(run)
+        shapes, seconds = shapes + more, seconds + times
+    profile.step_model, fit = fit_linear(shapes, seconds, knots)
     profile.fit = fit.to_dict()
+    if runs:
+        profile.notes["refit_with_runs"] = [Path(r).name for r in runs]
     profile.save(output)
     return profile
+
+
+def run_steps(path: str) -> tuple[list[StepShape], list[float]]:
+    """The steps a real run recorded (benchmarks/slo_mix.py --engine --json: per policy, each step's shape and its
+    wall and thread CPU times), timed on the run's clock: the shapes a workload really runs, which a grid may not
+    reach (decodes over tens of thousands of K/V positions, prefill chunks beside them)."""
+    data = json.loads(Path(path).read_text())
+    key = "cpu_s" if data.get("cpu_clock") else "wall_s"
+    names = set(StepShape().to_dict())
+    steps = [step for run in data.get("steps", {}).values() for step in run if isinstance(step, dict)]
+    if not steps:
+        raise ValueError(f"{path} recorded no steps with their shapes (slo_mix.py --engine --json)")
+    return [StepShape(**{k: v for k, v in s.items() if k in names}) for s in steps], [s[key] for s in steps]
 
 
 def report(profile: Profile, path: Any) -> None:
@@ -245,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     if args.refit:
-        report(refit(args.refit, args.output, args.knots), args.output)
+        report(refit(args.refit, args.output, args.knots, tuple(args.with_run)), args.output)
         return 0
     try:
         config = engine_config_from_args(args)

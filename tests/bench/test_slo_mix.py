@@ -102,3 +102,38 @@ def test_worker_adds_on_arrival_and_stamps_tokens(scripts, monkeypatch):
     assert early["output_len"] == 3 and late["output_len"] == 2
     assert 0.02 <= early["first_token_s"] < early["finish_s"] < 0.15  # served before the late one arrived
     assert late["first_token_s"] >= 0.15 + 0.02 and late["finish_s"] > late["first_token_s"]
+
+
+def test_short_waits_charge_the_queue_to_the_batch_slots_and_the_reserve_clears_them(scripts, monkeypatch):
+    """At 4 requests/s the 32 slots fill with summaries and questions: the short requests' queued time under
+    `isolate` is all spent with every slot taken; under `slo` almost none of it, and without its slot reserve most."""
+    slo_mix, _ = scripts
+    args = slo_mix.parse_args(["--profile", str(PROFILE)])
+    profile, requests = slo_mix.Profile.load(PROFILE), slo_mix.make_requests(args, 80, 0)
+    isolate, slo = (slo_mix.short_waits(name, profile, requests, 4.0, 0) for name in ("isolate", "slo"))
+    assert isolate["seconds"] > 0 and isolate["slots"] > 0.9 and 0 < isolate["summaries_share"] < 1
+    assert sum(isolate[k] for k in ("slots", "tokens", "other")) == pytest.approx(1.0)
+    assert slo["slots"] < 0.1
+    monkeypatch.setitem(slo_mix.POLICIES, "slo", slo_mix.POLICIES["slo"] | {"slo_reserved_slots": 0})
+    assert slo_mix.short_waits("slo", profile, requests, 4.0, 0)["slots"] > 0.5
+
+
+def test_run_speed_scales_decodes_and_prompt_steps_apart(scripts):
+    """Decodes ran 1.3x the profile's time, steps with prompt tokens 0.9x: the prompt steps' factor leaves the
+    decodes out (one factor for all would charge the prompt steps the decodes' slowdown)."""
+    slo_mix, _ = scripts
+    profile = slo_mix.Profile.load(PROFILE)
+    shapes = [slo_mix.StepShape(tokens=8, seqs=8, samples=8, decode_ctx=800),
+              slo_mix.StepShape(tokens=136, seqs=9, samples=8, decode_ctx=800, prefill_pairs=9000, prefill_seqs=1),
+              slo_mix.StepShape(tokens=512, seqs=1, samples=1, prefill_pairs=131_328, prefill_seqs=1)]  # fmt: skip
+    timed = object.__new__(slo_mix.TimedSteps)
+    timed.steps = [(s, 9.9, profile.step_model.predict(s) * (1.3 if s.kind == "decode" else 0.9)) for s in shapes]
+    speed = timed.speed(profile, cpu=True)
+    assert speed["decode"] == pytest.approx(1.3) and speed["prompt"] == pytest.approx(0.9)
+    assert speed["mixed"] == pytest.approx(0.9) and 0.9 < speed["all"] < 1.3
+
+
+def test_the_ceiling_is_every_request_within_its_targets(scripts):
+    slo_mix, _ = scripts
+    line = slo_mix.ceiling({"fcfs": {"goodput": 0.5, "duration_s": 250.0}}, 200)
+    assert "0.800 req/s" in line and "1.60x FCFS" in line

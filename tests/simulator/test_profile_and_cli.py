@@ -235,6 +235,39 @@ def test_refit_from_the_steps_a_profile_recorded(tmp_path, capsys):
     assert plain.coefficients["tokens"] == pytest.approx(STEP_MODEL.coefficients["tokens"], rel=1e-3)
 
 
+def test_refit_with_a_runs_steps_prices_the_shapes_the_grid_never_reached(tmp_path):
+    """A grid of decodes and of lone prefills says nothing of a prefill chunk beside decodes (its `mixed` cost: both
+    attention paths in every layer); a run's steps, on its clock (the CPU time of a --cpu-clock run), do."""
+    from batchserve.simulator.profiler import main
+
+    truth = LinearStepModel({**STEP_MODEL.coefficients, "mixed": 0.03, "prefill_seqs": 1e-3})
+    rng = random.Random(3)
+    decodes = [StepShape(tokens=n, seqs=n, samples=n, decode_ctx=rng.randint(n, 9000)) for n in
+               (rng.randint(1, 32) for _ in range(60))]  # fmt: skip
+    prefills = [StepShape(tokens=n, seqs=1, samples=1, prefill_pairs=n * (n + 1) // 2, prefill_seqs=1) for n in
+                (rng.randint(16, 2048) for _ in range(30))]  # fmt: skip
+    rows = [[*s.to_dict().values(), truth.predict(s)] for s in decodes + prefills]
+    notes = {"step_fields": [*StepShape().to_dict(), "seconds"], "steps": rows}
+    Profile("measured", truth, "m", "float32", 1, 1, 8, notes=notes).save(tmp_path / "grid.json")
+    mixed = [StepShape(tokens=n + 128, seqs=n + 1, samples=n, decode_ctx=rng.randint(n, 9000), prefill_seqs=1,
+                       prefill_pairs=128 * c + 128 * 129 // 2) for n, c in
+             ((rng.randint(1, 32), rng.randint(0, 1900)) for _ in range(40))]  # fmt: skip
+    run = {"cpu_clock": True, "steps": {"slo": [s.to_dict() | {"cpu_s": truth.predict(s), "wall_s": 9.9}
+                                                for s in mixed]}}  # fmt: skip
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    for extra, name in (([], "alone.json"), (["--with-run", str(tmp_path / "run.json")], "both.json")):
+        assert main(["--refit", str(tmp_path / "grid.json"), "--output", str(tmp_path / name), *extra]) == 0
+    alone, both = (Profile.load(tmp_path / n) for n in ("alone.json", "both.json"))
+    measured = sum(truth.predict(s) for s in mixed)
+    error = [sum(p.step_model.predict(s) for s in mixed) / measured - 1 for p in (alone, both)]
+    assert error[0] < -0.2 and abs(error[1]) < 0.01
+    assert both.fit["num_steps"] == 130 and both.notes["refit_with_runs"] == ["run.json"]
+    (tmp_path / "empty.json").write_text(json.dumps({"steps": {}}))
+    with pytest.raises(ValueError, match="recorded no steps"):
+        main(["--refit", str(tmp_path / "grid.json"), "--output", str(tmp_path / "x.json"),
+              "--with-run", str(tmp_path / "empty.json")])  # fmt: skip
+
+
 def test_tune_simulate_confirms_the_best_on_the_engine(tmp_path, tokenizer, make_engine, monkeypatch, capsys):
     """--confirm N reruns the N best one-replica configurations through bench's driver on the engine (here the real
     LLMEngine over the FakeRunner) and records the measured summary beside the predicted one."""

@@ -6,6 +6,7 @@ SchedulerOutput must match, and so must every request's latencies."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -35,6 +36,11 @@ CASES = {
                                     slo_admission="refuse", ttft_slo_ms=40, max_preemptions_per_request=2), {}),
     "slo-deprioritize": ("longtail", dict(max_batch_size=4, max_num_tokens=40, num_kv_blocks=48, block_size=8,
                                           slo_admission="deprioritize", ttft_slo_ms=40), {}),
+    # the slot reserve: summaries with a loose TTFT target wait for a regular slot, questions with a tight one take
+    # the kept slot
+    "slo-reserve": ("mixed", dict(max_batch_size=4, max_num_tokens=64, num_kv_blocks=96, block_size=8,
+                                  slo_admission="refuse", slo_reserved_slots=1),
+                    dict(input_len=8, long_input_len=24, long_output_len=40, long_ratio=0.5)),
     "no-evict-priority": ("uniform", dict(max_batch_size=8, scheduler_policy="guaranteed_no_evict",
                                           num_kv_blocks=40, block_size=8), dict(input_len=20)),
 }  # fmt: skip
@@ -47,6 +53,8 @@ def test_simulated_schedule_equals_the_engines(make_engine, case, rate):
     engine = make_engine(**options)
     requests = make_workload(workload, engine.tokenizer, 24, seed=3,
                              options=WorkloadOptions(output_len=12, max_output_len=40, **shape))  # fmt: skip
+    if case == "slo-reserve":
+        requests = [replace(r, ttft_slo_ms=2000.0 if r.category == "long" else 30.0) for r in requests]
     arrivals = ArrivalProcess(request_rate=rate)
     real, fake = run_real(engine, requests, arrivals, seed=3)
 
@@ -75,6 +83,9 @@ def test_simulated_schedule_equals_the_engines(make_engine, case, rate):
         real_slo, sim_slo = engine.scheduler.slo, sim.scheduler.slo
         assert real_slo.num_refused + real_slo.num_demoted > 0
         assert (real_slo.num_refused, real_slo.num_demoted) == (sim_slo.num_refused, sim_slo.num_demoted)
+    if case == "slo-reserve":
+        held = engine.scheduler.reserve.num_held_back
+        assert held > 0 and sim.scheduler.reserve.num_held_back == held
     if case == "long-prefill-limits":  # long prompts were chunked to the threshold
         assert any(16 in o.num_scheduled_tokens.values() for o in fake.steps)
     if case.startswith("uniform-preempting"):
