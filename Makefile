@@ -10,8 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 # prerequisites side by side: the apt packages of test-deps download while pip installs and the kernels compile
 MAKEFLAGS += --jobs=3
 
-.PHONY: run serve test test-fast bench lint setup kernels bytecode test-deps
-setup: $(VENV)/.installed kernels bytecode
+.PHONY: run serve test test-fast bench lint setup kernels model bytecode test-deps
+setup: $(VENV)/.installed kernels model bytecode
 
 # the kernels need only torch (and ninja, tqdm, numpy) and this checkout on the path: they compile while pip installs
 # the rest (pip is one core's work at most, mostly waiting on downloads and unpacking)
@@ -34,6 +34,11 @@ $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 # a first request pays for it; a no-op when built
 kernels: $(VENV)/.torch
 	PYTHONPATH=$(CURDIR) $(BIN)/python -m batchserve.layers.kernels
+
+# the default model's GGUF file converted once into the conversion cache (dequantized weights, tokenizer), beside
+# the bytecode compile, so that neither a test nor `make run` pays for it; a no-op when converted
+model: $(VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m batchserve.models
 
 # every installed module's .pyc, in parallel (a module of some package's test data that does not compile is that
 # package's, as pip's own compile step ignores it)

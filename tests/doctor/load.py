@@ -28,8 +28,8 @@ def steady(rate: float, duration_s: float, prompt_len: int, max_tokens: int) -> 
 
 
 def observe_load(sends: list[Send], window_s: float, delay_s: float = 0.004, **options: Any) -> Observation:
-    """Start the engine, send `sends` from a thread, watch for `window_s` seconds (from the first send), then wait
-    for the load to end and stop the engine."""
+    """Start the engine, send `sends` from a thread, watch for `window_s` seconds (from the first send), then stop
+    the engine (aborting what is left) and wait for the sending thread."""
     engine = AsyncLLMEngine(fake_engine(delay_s=delay_s, **options))
     live = LiveStats().attach(engine)
     engine.start()
@@ -37,9 +37,9 @@ def observe_load(sends: list[Send], window_s: float, delay_s: float = 0.004, **o
     try:
         thread.start()
         return watch(lambda since, after: live.snapshot(since, True, after), window_s)
-    finally:
-        thread.join(60)
+    finally:  # what is still queued when the window closes is no part of it: aborted, not served for seconds more
         engine.shutdown(drain=False)
+        thread.join(60)
 
 
 async def _send_all(engine: AsyncLLMEngine, sends: list[Send]) -> None:
@@ -77,8 +77,8 @@ def observe_closed_loop(clients: int, warmup_s: float, window_s: float, prompt_l
         return watch(lambda since, after: live.snapshot(since, True, after), window_s)
     finally:
         stop.set()
-        thread.join(60)
         engine.shutdown(drain=False)
+        thread.join(60)
 
 
 async def _loop_all(engine: AsyncLLMEngine, clients: int, prompt_len: int, max_tokens: int,

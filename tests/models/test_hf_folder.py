@@ -99,3 +99,25 @@ def test_a_reinstalled_file_keeps_its_conversion_and_another_file_gets_its_own(t
     os.utime(reinstalled, ns=(1, 1))
     assert gguf_cache_dir(first) == gguf_cache_dir(reinstalled)
     assert gguf_cache_dir(other) != gguf_cache_dir(first)  # one byte of the last tensor differs
+
+
+def test_set_up_converts_the_default_model_and_says_where_or_why_not(monkeypatch, capsys):
+    """`python -m batchserve.models` (make setup): the default model's folder, converted before any test starts it;
+    without the model installed, the reason and exit code 0 (its first start would convert it)."""
+    from batchserve.models import __main__ as setup_command
+    from batchserve.models import loader
+
+    try:
+        path = resolve_model_path(None)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"default model not installed: {exc}")
+    assert setup_command.main() == 0
+    assert capsys.readouterr().out == f"default model: converted ({loader.gguf_cache_dir(path)})\n"
+    assert (loader.gguf_cache_dir(path) / "model_config.json").is_file()
+    find_spec = loader.importlib.util.find_spec
+    uninstalled = lambda name, *args: None if name == loader.DEFAULT_MODEL_PACKAGE else find_spec(name, *args)  # noqa: E731
+    monkeypatch.setattr(loader.importlib.util, "find_spec", uninstalled)
+    assert setup_command.main() == 0
+    out = capsys.readouterr().out
+    assert out.startswith("default model: not converted (the default model (SmolLM2-135M-Instruct GGUF) is not")
+    assert out.endswith("its first start converts it\n")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 
@@ -37,16 +40,32 @@ def reference(path):
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    with _gguf_reads_memoized():
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        with torch.device("meta"):
+            skeleton = LlamaForCausalLM(config)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = LlamaForCausalLM(config).eval()
     result = model.load_state_dict(tensors, strict=False)
     assert result.unexpected_keys == [] and set(result.missing_keys) <= {"lm_head.weight"}
     model.tie_weights()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_reads_memoized():
+    """transformers reads the file's header once for the config, once for the weights and once for the tokenizer
+    (each read parses the 49,152-token vocabulary one string at a time), and builds gguf's tensor-name map once per
+    module of the model (~400 times): over half of this fixture's CPU time. Both are pure functions of their
+    arguments (the reader only maps the file), so within the fixture each is computed once; what transformers does
+    with them is unchanged."""
+    import gguf
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
 
 
 def chat_ids(tokenizer) -> list[int]:

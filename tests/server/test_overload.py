@@ -25,8 +25,10 @@ def server():
 
 def test_a_full_queue_is_refused_without_waiting_for_the_step(server):
     body = {"prompt": "a", "max_tokens": 6, "ignore_eos": True}
+    # the first runs for seconds of steps; the two behind it only fill the queue, then take a step each, not six
     filling = [threading.Thread(target=httpx.post, args=(server.url + "/v1/completions",),
-                                kwargs={"json": body, "timeout": 60}) for _ in range(3)]  # fmt: skip
+                                kwargs={"json": {**body, "max_tokens": 6 if i == 0 else 1}, "timeout": 60})
+               for i in range(3)]  # fmt: skip
     for thread in filling:
         thread.start()
         time.sleep(0.05)
