@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batchserve.host.heap import start_memory_trace
 from batchserve.host.process import name_process
 
 LIVENESS_INTERVAL_S = 0.5  # the longest a recv/poll waits between two checks that the peer lives
@@ -228,6 +229,7 @@ def _child_main(
     name: str = "",
 ) -> None:
     name_process(short_process_name(name))
+    start_memory_trace(short_process_name(name).removeprefix("bs-"))
     channel = Channel(
         conn,
         peer=f"parent process (pid {parent_pid})",

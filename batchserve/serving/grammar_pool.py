@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from batchserve.host.heap import start_memory_trace
 from batchserve.host.process import name_process
 from batchserve.sampling_params import ConstraintKind, InvalidRequestError, StructuredOutputsParams
 from batchserve.serving.errors import ErrorKind, ServingError
@@ -187,6 +188,7 @@ def serve_compiles(conn: Connection, tokenizer_info_json: str) -> None:
     from batchserve.worker.structured_output import compile_constraint
 
     name_process("bs-grammar")
+    start_memory_trace("grammar")
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # the parent remembers what compiled
