@@ -60,6 +60,9 @@ class SoakOptions:
     max_batch_size: int = 16
     max_waiting_requests: int = 64
     max_rss_growth_mb: float = 150.0  # after the warm-up share of the load (allocator and kernel caches fill there)
+    # the most any process of the server's tree may grow per 1,000 requests over the second half (RSS, least
+    # squares); 0: not checked (a short soak is still filling its caches)
+    max_slope_mb_per_1000: float = 0.0
     warmup_share: float = 0.1  # of the requests or of the duration, whichever comes first
     rss_sample_every: int = 100  # requests between two points of the RSS timeline
     model: str | None = None
@@ -368,6 +371,14 @@ def check(report: SoakReport, options: SoakOptions) -> list[str]:
         failures.append("accepted != finished + client-aborted + unfinished")
     if report.rss_end_mb - report.rss_warm_mb > options.max_rss_growth_mb:
         failures.append(f"RSS grew {report.rss_end_mb - report.rss_warm_mb:.0f} MB after the warm-up share of the load")
+    steep = {role: slope for role, (slope, _anon) in report.rss_slopes_by_process.items()
+             if options.max_slope_mb_per_1000 and slope > options.max_slope_mb_per_1000}  # fmt: skip
+    if steep:
+        failures.append(
+            "RSS grew over the second half, MB per 1,000 requests: "
+            + ", ".join(f"{role} {slope:+.2f}" for role, slope in steep.items())
+            + f" (at most {options.max_slope_mb_per_1000:g})"
+        )
     if report.exit_code != 0:
         failures.append(f"the server exited with {report.exit_code} on SIGTERM")
     return failures

@@ -42,3 +42,16 @@ def test_slopes_by_role_name_the_role_that_grows_over_the_second_half():
     assert slopes["engine-core"][0] == slopes["engine-core"][1] == 4.0  # MB per 1,000 requests
     assert slopes["api-server"] == (0.0, 0.0)
     assert all(math.isnan(value) for value in slopes["grammar"])  # too few points to call a slope
+
+
+def test_the_soak_fails_on_a_process_that_keeps_growing_and_names_it():
+    from batchserve.bench.soak import SoakOptions, SoakReport, check
+
+    report = SoakReport(leaked_blocks=0, left_running=0, left_waiting=0, exit_code=0)
+    report.rss_by_process_timeline = [
+        (sent, {"api-server": (150.0, 120.0), "engine-core": (2000.0 + sent * 3.7 / 1000, 1900.0)})
+        for sent in range(500, 8001, 500)
+    ]
+    assert check(report, SoakOptions()) == []  # not asked: a short soak's caches still fill
+    failures = check(report, SoakOptions(max_slope_mb_per_1000=1.0))
+    assert failures == ["RSS grew over the second half, MB per 1,000 requests: engine-core +3.70 (at most 1)"]
