@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import signal
 import socket
@@ -416,7 +417,9 @@ def by_process_line(report: SoakReport) -> str:
     if not report.rss_by_process_timeline:
         return "RSS by process: not sampled"
     last, slopes = report.rss_by_process_timeline[-1][1], report.rss_slopes_by_process
-    order = sorted(slopes, key=lambda role: -abs(slopes[role][0]) if slopes[role][0] == slopes[role][0] else 0)
+    # a child seen only while it started (a spawned interpreter is "python" until it names itself) is left out
+    slopes = {role: slope for role, slope in slopes.items() if role in last or not math.isnan(slope[0])}
+    order = sorted(slopes, key=lambda role: -abs(slopes[role][0]) if not math.isnan(slopes[role][0]) else 0)
     parts = [
         f"{role} {last[role][0] if role in last else float('nan'):.0f} MB last, {slopes[role][0]:+.2f} "
         f"(anonymous {slopes[role][1]:+.2f})"

@@ -183,12 +183,11 @@ def too_large(constraint: StructuredOutputsParams, size: int, limit: int = MAX_C
 
 def serve_compiles(conn: Connection, tokenizer_info_json: str) -> None:
     """The child: compiles each (kind, spec, source) it is sent and answers ("ok", "") or ("invalid", message)."""
+    name_process("bs-grammar")  # before the imports (seconds): a soak sampling meanwhile sees its role
+    start_memory_trace("grammar")
     import xgrammar as xgr
 
     from batchserve.worker.structured_output import compile_constraint
-
-    name_process("bs-grammar")
-    start_memory_trace("grammar")
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # the parent remembers what compiled
