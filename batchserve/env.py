@@ -120,6 +120,26 @@ def json_fraction_digits() -> int:
     return int(os.environ.get("BATCHSERVE_JSON_FRACTION_DIGITS", "16"))
 
 
+def memory_trace() -> Path | None:
+    """BATCHSERVE_MEMORY_TRACE (default unset: off): a file each batchserve process (API server, engine core, body
+    parser, grammar compiler, ranks) appends a JSON line of its memory to every BATCHSERVE_MEMORY_TRACE_S seconds:
+    RSS, glibc's heap in use and free, Python's object count (host/heap.py; how the soak's growth was explained)."""
+    value = os.environ.get("BATCHSERVE_MEMORY_TRACE")
+    return Path(value) if value else None
+
+
+def memory_trace_interval_s() -> float:
+    """BATCHSERVE_MEMORY_TRACE_S (default "30"): seconds between two lines of a process's memory trace."""
+    return float(os.environ.get("BATCHSERVE_MEMORY_TRACE_S", "30"))
+
+
+def memory_trace_frames() -> int:
+    """BATCHSERVE_MEMORY_TRACE_FRAMES (default "0": off): with a memory trace on, start tracemalloc keeping this many
+    frames of each allocation, and add the lines that hold most of Python's memory to each trace line. It slows
+    every allocation of the process: a diagnosis only."""
+    return int(os.environ.get("BATCHSERVE_MEMORY_TRACE_FRAMES", "0"))
+
+
 def cache_dir() -> Path:
     """BATCHSERVE_CACHE_DIR (default ~/.cache/batchserve): where GGUF files are converted to, once each."""
     return Path(os.environ.get("BATCHSERVE_CACHE_DIR", Path.home() / ".cache" / "batchserve"))

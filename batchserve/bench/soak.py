@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import signal
 import socket
@@ -19,13 +20,13 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from batchserve.bench.corpus import CORPUS
 from batchserve.bench.hostile_bodies import slow_body, soak_mix
+from batchserve.bench.proc_memory import late_slope, rss_by_role, rss_mb, slopes_by_role
 from batchserve.serving.metrics import parse_metrics
 
 # Bodies no server should accept; each must get a 4xx and leave the server serving.
@@ -60,6 +61,9 @@ class SoakOptions:
     max_batch_size: int = 16
     max_waiting_requests: int = 64
     max_rss_growth_mb: float = 150.0  # after the warm-up share of the load (allocator and kernel caches fill there)
+    # the most any process of the server's tree may grow per 1,000 requests over the second half (RSS, least
+    # squares); 0: not checked (a short soak is still filling its caches)
+    max_slope_mb_per_1000: float = 0.0
     warmup_share: float = 0.1  # of the requests or of the duration, whichever comes first
     rss_sample_every: int = 100  # requests between two points of the RSS timeline
     model: str | None = None
@@ -82,6 +86,8 @@ class SoakReport:
     rss_timeline: list[tuple[int, float, float, float, float]] = field(default_factory=list)
     # (requests sent, RSS of the server and every process under it: engine core, body parser, grammar workers), MB
     rss_tree_timeline: list[tuple[int, float]] = field(default_factory=list)
+    # (requests sent, {role: (RSS, its anonymous part)}) for each process of the tree by role (bench/proc_memory.py)
+    rss_by_process_timeline: list[tuple[int, dict[str, tuple[float, float]]]] = field(default_factory=list)
     hostile: dict[str, Counter] = field(default_factory=dict)  # each hostile body's answers by status
     rss_rounds: list[tuple[float, float]] = field(default_factory=list)  # RSS before and after each round, MB
     leaked_blocks: float = -1.0
@@ -95,12 +101,17 @@ class SoakReport:
     def rss_slope_mb_per_1000(self) -> float:
         """RSS growth per 1,000 requests over the timeline's second half (least squares): a leak keeps a slope as
         requests go on; caches that fill flatten it."""
-        return _late_slope([(p[0], p[2]) for p in self.rss_timeline])
+        return late_slope([(p[0], p[2]) for p in self.rss_timeline])
 
     @property
     def rss_tree_slope_mb_per_1000(self) -> float:
         """The same over the server's whole process tree."""
-        return _late_slope(self.rss_tree_timeline)
+        return late_slope(self.rss_tree_timeline)
+
+    @property
+    def rss_slopes_by_process(self) -> dict[str, tuple[float, float]]:
+        """Each process role's (RSS, anonymous) slope over the second half, MB per 1,000 requests."""
+        return slopes_by_role(self.rss_by_process_timeline)
 
     @property
     def ttft_p99_s(self) -> float:
@@ -119,6 +130,8 @@ class SoakReport:
             "rss_timeline": self.rss_timeline,
             "rss_tree_slope_mb_per_1000_requests": self.rss_tree_slope_mb_per_1000,
             "rss_tree_timeline": self.rss_tree_timeline,
+            "rss_slopes_by_process_mb_per_1000_requests": self.rss_slopes_by_process,
+            "rss_by_process_timeline": self.rss_by_process_timeline,
             "hostile": {name: dict(statuses) for name, statuses in self.hostile.items()},
             "rss_rounds": self.rss_rounds,
             "leaked_blocks": self.leaked_blocks,
@@ -128,17 +141,6 @@ class SoakReport:
             "wall_s": self.wall_s,
             "failures": self.failures,
         }
-
-
-def _late_slope(points: list[tuple[int, float]]) -> float:
-    """MB per 1,000 requests over the second half of (requests, MB) points (least squares)."""
-    late = points[len(points) // 2 :]
-    if len(late) < 3 or late[-1][0] == late[0][0]:
-        return float("nan")
-    xs, ys = [p[0] for p in late], [p[1] for p in late]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    cov = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
-    return 1000 * cov / sum((x - mean_x) ** 2 for x in xs)
 
 
 # ---------------------------------------------------------------------------------------------------- server
@@ -171,35 +173,6 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 300.0) -> No
             pass
         time.sleep(0.2)
     raise TimeoutError("the server did not become ready")
-
-
-def rss_mb(pid: int, field_name: str = "VmRSS") -> float:
-    """A process's resident memory in MB: VmRSS, or its anonymous (RssAnon) or file-backed (RssFile) part."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def tree_rss_mb(pid: int) -> float:
-    """RSS of `pid` and every process under it, in MB."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit():
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-    total, todo = 0.0, [pid]
-    while todo:
-        current = todo.pop()
-        try:
-            total += rss_mb(current)
-        except OSError:
-            continue
-        todo += children.get(current, [])
-    return total
 
 
 # ---------------------------------------------------------------------------------------------------- clients
@@ -298,6 +271,11 @@ class SoakClients:
         else:
             counts[f"server_error_{status}"] += 1
 
+    def _sample_tree(self, pid: int) -> None:
+        by_role, sent = rss_by_role(pid), self.report.counts["sent"]
+        self.report.rss_by_process_timeline.append((sent, by_role))
+        self.report.rss_tree_timeline.append((sent, round(sum(rss for rss, _ in by_role.values()), 1)))
+
     async def run(self, pid: int) -> None:
         options, report = self.options, self.report
         started = time.monotonic()
@@ -324,7 +302,7 @@ class SoakClients:
                     if report.counts["sent"] % options.rss_sample_every == 0:
                         report.rss_timeline.append((report.counts["sent"], round(time.monotonic() - started, 1), rss,
                                                     rss_mb(pid, "RssAnon"), rss_mb(pid, "RssFile")))  # fmt: skip
-                        report.rss_tree_timeline.append((report.counts["sent"], round(tree_rss_mb(pid), 1)))
+                        self._sample_tree(pid)
 
             await asyncio.gather(*(worker() for _ in range(options.concurrency)))
 
@@ -394,6 +372,14 @@ def check(report: SoakReport, options: SoakOptions) -> list[str]:
         failures.append("accepted != finished + client-aborted + unfinished")
     if report.rss_end_mb - report.rss_warm_mb > options.max_rss_growth_mb:
         failures.append(f"RSS grew {report.rss_end_mb - report.rss_warm_mb:.0f} MB after the warm-up share of the load")
+    steep = {role: slope for role, (slope, _anon) in report.rss_slopes_by_process.items()
+             if options.max_slope_mb_per_1000 and slope > options.max_slope_mb_per_1000}  # fmt: skip
+    if steep:
+        failures.append(
+            "RSS grew over the second half, MB per 1,000 requests: "
+            + ", ".join(f"{role} {slope:+.2f}" for role, slope in steep.items())
+            + f" (at most {options.max_slope_mb_per_1000:g})"
+        )
     if report.exit_code != 0:
         failures.append(f"the server exited with {report.exit_code} on SIGTERM")
     return failures
@@ -416,6 +402,7 @@ def format_report(report: SoakReport) -> str:
         f"{report.rss_slope_mb_per_1000:+.1f} MB per 1,000 requests over the second half; the whole process tree: "
         f"{report.rss_tree_timeline[-1][1] if report.rss_tree_timeline else float('nan'):.0f} MB last, "
         f"{report.rss_tree_slope_mb_per_1000:+.1f} MB per 1,000 requests)",
+        by_process_line(report),
         "RSS growth by round (the same requests each round): "
         + ", ".join(f"{after - before:+.1f} MB" for before, after in report.rss_rounds),
         f"after the load: {report.leaked_blocks:g} KV blocks held, {report.left_running:g} running, "
@@ -423,3 +410,19 @@ def format_report(report: SoakReport) -> str:
         "PASS" if not report.failures else "FAIL: " + "; ".join(report.failures),
     ]
     return "\n".join(lines)
+
+
+def by_process_line(report: SoakReport) -> str:
+    """Each process of the tree: its last RSS and its slopes over the second half, the steepest first."""
+    if not report.rss_by_process_timeline:
+        return "RSS by process: not sampled"
+    last, slopes = report.rss_by_process_timeline[-1][1], report.rss_slopes_by_process
+    # a child seen only while it started (a spawned interpreter is "python" until it names itself) is left out
+    slopes = {role: slope for role, slope in slopes.items() if role in last or not math.isnan(slope[0])}
+    order = sorted(slopes, key=lambda role: -abs(slopes[role][0]) if not math.isnan(slopes[role][0]) else 0)
+    parts = [
+        f"{role} {last[role][0] if role in last else float('nan'):.0f} MB last, {slopes[role][0]:+.2f} "
+        f"(anonymous {slopes[role][1]:+.2f})"
+        for role in order
+    ]
+    return "RSS by process, MB per 1,000 requests over the second half: " + "; ".join(parts)

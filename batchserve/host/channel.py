@@ -44,6 +44,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batchserve.host.heap import start_memory_trace
+from batchserve.host.process import name_process
+
 LIVENESS_INTERVAL_S = 0.5  # the longest a recv/poll waits between two checks that the peer lives
 
 
@@ -187,7 +190,7 @@ def start_child(
     parent_conn, child_conn = context.Pipe(duplex=True)
     process = context.Process(
         target=_child_main,
-        args=(target, child_conn, os.getpid(), liveness_interval, args),
+        args=(target, child_conn, os.getpid(), liveness_interval, args, name),
         name=name,
         daemon=False,
     )
@@ -212,13 +215,21 @@ def _exit_code_soon(process: multiprocessing.process.BaseProcess, wait_s: float 
     return process.exitcode
 
 
+def short_process_name(name: str) -> str:
+    """The name a child shows in `ps` (15 bytes kept): "batchserve-engine-core" becomes "bs-engine-core"."""
+    return "bs-" + name.removeprefix("batchserve-")
+
+
 def _child_main(
     target: Callable[..., Any],
     conn: multiprocessing.connection.Connection,
     parent_pid: int,
     liveness_interval: float,
     args: tuple[Any, ...],
+    name: str = "",
 ) -> None:
+    name_process(short_process_name(name))
+    start_memory_trace(short_process_name(name).removeprefix("bs-"))
     channel = Channel(
         conn,
         peer=f"parent process (pid {parent_pid})",

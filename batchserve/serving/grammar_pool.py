@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from batchserve.host.heap import start_memory_trace
+from batchserve.host.process import name_process
 from batchserve.sampling_params import ConstraintKind, InvalidRequestError, StructuredOutputsParams
 from batchserve.serving.errors import ErrorKind, ServingError
 
@@ -181,6 +183,8 @@ def too_large(constraint: StructuredOutputsParams, size: int, limit: int = MAX_C
 
 def serve_compiles(conn: Connection, tokenizer_info_json: str) -> None:
     """The child: compiles each (kind, spec, source) it is sent and answers ("ok", "") or ("invalid", message)."""
+    name_process("bs-grammar")  # before the imports (seconds): a soak sampling meanwhile sees its role
+    start_memory_trace("grammar")
     import xgrammar as xgr
 
     from batchserve.worker.structured_output import compile_constraint

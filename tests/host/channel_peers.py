@@ -66,3 +66,15 @@ def watch_parent(channel: Channel, marker: str) -> None:
     except PeerDeadError as exc:
         with open(marker, "w") as f:
             f.write(f"{time.monotonic() - started:.3f} {exc}")
+
+
+def hold_memory(channel: Channel) -> None:
+    """On each message n, keep n more MB resident (written, so the pages are really there) and answer its pid."""
+    held = []
+    while True:
+        try:
+            megabytes = channel.recv()
+        except PeerDeadError:
+            return
+        held.append(bytearray(b"\x01" * (megabytes << 20)))
+        channel.send(os.getpid())

@@ -28,3 +28,10 @@ def test_a_short_soak_leaves_nothing_behind():
     assert len(report.rss_rounds) == 2 and report.rss_rounds[1][0] == pytest.approx(report.rss_rounds[0][1], abs=64)
     for _, _, rss, anon, file_backed in report.rss_timeline:  # the parts add up to the whole (shared memory aside)
         assert anon > 0 and file_backed > 0 and anon + file_backed == pytest.approx(rss, abs=64)
+    # the tree by role: the engine core is found by the name it gave itself, and the roles add up to the tree
+    assert len(report.rss_by_process_timeline) == len(report.rss_tree_timeline) == 4
+    for (sent, by_role), (tree_sent, tree_mb) in zip(report.rss_by_process_timeline, report.rss_tree_timeline):
+        assert sent == tree_sent and {"api-server", "engine-core"} <= set(by_role)
+        assert by_role["engine-core"][0] > by_role["api-server"][0]  # the model's weights are there
+        assert sum(rss for rss, _ in by_role.values()) == pytest.approx(tree_mb, abs=1)
+    assert "engine-core" in format_report(report)

@@ -30,6 +30,8 @@ from pydantic import BaseModel, ValidationError
 from batchserve.entrypoints.openai.bounded_fields import refuse_over_bound
 from batchserve.entrypoints.openai.errors import APIError, as_api_error, validation_error
 from batchserve.entrypoints.openai.refused_bodies import RefusedBodies, body_key
+from batchserve.host.heap import start_memory_trace
+from batchserve.host.process import name_process
 from batchserve.sampling_params import InvalidRequestError
 
 OFF_LOOP_BODY_BYTES = 64 * 1024  # bodies larger than this are parsed in the parser process
@@ -117,6 +119,8 @@ def _drop(data: object, loc: tuple[int | str, ...]) -> bool:
 def _start_parser() -> None:
     """The parser process's set-up: its lower priority if its start did not set it, and an exit of its own when the
     server is gone (killed, it cannot shut the pool down, and an orphan would wait for bodies forever)."""
+    name_process("bs-body-parser")
+    start_memory_trace("body-parser")
     parent = os.getppid()
     with contextlib.suppress(OSError):  # the server gone already: the watch below exits
         wanted = _lowered(os.getpriority(os.PRIO_PROCESS, parent))

@@ -41,6 +41,7 @@ from batchserve.entrypoints.openai.error_delay import (
 )
 from batchserve.entrypoints.openai.front import DEFAULT_MAX_BODY_BYTES
 from batchserve.entrypoints.openai.observability import add_observability_arguments, observability_from_args
+from batchserve.host.heap import start_memory_trace
 from batchserve.host.process import configure_torch
 
 logger = logging.getLogger("batchserve.server")
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     offenders = offenders_from_args(parser, args)
+    start_memory_trace("api-server")  # BATCHSERVE_MEMORY_TRACE: a debug hook, off by default
     if not is_loopback(args.host) and not api_key:
         logger.warning("binding %s without an API key: anyone who can reach it can use it", args.host)
 

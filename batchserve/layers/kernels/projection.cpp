@@ -13,6 +13,12 @@
 namespace {
 
 constexpr int64_t kSwigluHalfPanel = 16;  // layers/linear.py swiglu_interleaved: half of an AMX panel (amx_gemm.cpp)
+// oneDNN builds and caches a primitive per row count it is called with (about 0.6 MB each for a 576 x 3,072 float32
+// weight; ~1 ms to build): one per step length, the cache filled for hours as rare lengths came, +277 MB over the
+// float32 path's 463 lengths (docs/BENCHMARKS.md, the soak). From this many rows on, rows are padded with zeros to
+// the next of 16 counts per doubling (less than 1/16 more work), so it sees a few dozen counts, not hundreds.
+constexpr int64_t kExactRows = 64;
+constexpr int64_t kCountsPerDoubling = 16;
 
 // torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""): oneDNN's GEMM on a weight reordered once.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -28,6 +34,23 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   stack.emplace_back(std::string(""));
   op.callBoxed(&stack);
   return stack[0].toTensor();
+}
+
+// The rows oneDNN is called with for m rows: at least min_m (its bf16 GEMM runs fewer than 4 rows slower than 4), m
+// below kExactRows, else m rounded up to a multiple of m's power of two / kCountsPerDoubling.
+int64_t packed_rows(int64_t m, int64_t min_m) {
+  if (m < kExactRows) return std::max(m, min_m);
+  int64_t step = 1;
+  while (step * 2 * kCountsPerDoubling <= m) step *= 2;
+  return (m + step - 1) / step * step;
+}
+
+// packed_linear on packed_rows(m) rows, the zero rows' results cut off
+at::Tensor bucketed_packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                                  int64_t min_m) {
+  const int64_t m = x.size(0), padded = packed_rows(m, min_m);
+  if (padded == m) return packed_linear(x, packed, bias);
+  return packed_linear(at::cat({x, x.new_zeros({padded - m, x.size(1)})}), packed, bias).narrow(0, 0, m);
 }
 
 }  // namespace
@@ -83,10 +106,7 @@ at::Tensor Projection::gemm(const at::Tensor& x) const {
       const auto y = amx_gemm(x, *amx_packed, c10::nullopt, amx_emulated, false);
       return y.view({m, -1, 2, kSwigluHalfPanel}).transpose(1, 2).reshape({m, out_features});
     }
-    if (m < rows.packed_min_m)
-      return packed_linear(at::cat({x, x.new_zeros({rows.packed_min_m - m, x.size(1)})}), *packed, bias)
-          .narrow(0, 0, m);
-    return packed_linear(x, *packed, bias);
+    return bucketed_packed_linear(x, *packed, bias, rows.packed_min_m);
   }
   at::Tensor out;
   if (m < rows.small_min_m) {
@@ -94,7 +114,7 @@ at::Tensor Projection::gemm(const at::Tensor& x) const {
   } else if (small_packed.has_value() && m <= rows.small_max_m) {
     out = small_gemm(x, *small_packed, out_features);
   } else if (packed.has_value() && m < rows.packed_max_m) {
-    return packed_linear(x, *packed, bias);
+    return bucketed_packed_linear(x, *packed, bias, 0);
   } else {
     out = at::matmul(x, weight_t);
   }
