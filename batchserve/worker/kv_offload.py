@@ -200,6 +200,13 @@ def _part_sizes(kv_cache: KVCache) -> list[tuple[int, int, int]]:
     ]
 
 
+def readers(config: EngineConfig) -> int:
+    """Threads that read a prefix back: two where the steps compute on two cores or more (they wait for the read
+    when nothing else runs, so their cores are free), one where the engine was given one core."""
+    threads = config.num_threads or torch.get_num_threads()
+    return 2 if threads >= 2 else 1
+
+
 def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     """Open the tier for this runner's KV layout and connect both sides: the scheduler's KV cache manager looks up
     and reads, the runner loads and saves. None when kv_offload_dir is unset."""
@@ -211,7 +218,9 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     max_bytes = cache.kv_offload_max_bytes if cache.kv_offload_max_bytes is not None else DEFAULT_MAX_BYTES
     description = tier_description(config, runner.model_config, runner.kv_cache, runner.block_size)
     store = TierStore(cache.kv_offload_dir, description, max_bytes, block_payload_bytes(runner.kv_cache))
-    offload = KVOffload(store, block_payload_bytes(runner.kv_cache), retention_of(cache.block_size))
+    offload = KVOffload(
+        store, block_payload_bytes(runner.kv_cache), retention_of(cache.block_size), readers=readers(config)
+    )
     kv_manager.tier = offload
     rows = PoolRows(runner.kv_cache)
     offload.copy_in = lambda pairs: copy_blocks_in(runner.kv_cache, pairs, rows)
