@@ -44,6 +44,7 @@ class KVOffload:
         simulator, whose store is an index on a virtual clock). readers: threads that read a load job's blocks (the
         engine gives one per core it computes on, up to two)."""
         self.store = store
+        self.block_bytes = block_bytes
         self.prefetch_blocks = max(4, PREFETCH_BYTES // block_bytes) if prefetch else 0
         self.retention_of = retention_of or (lambda request, index: Retention())
         self.req_digests: dict[str, list[bytes]] = {}
@@ -57,10 +58,12 @@ class KVOffload:
             ThreadPoolExecutor(max_workers=readers - 1, thread_name_prefix="kv-tier-read-more") if readers > 1 else None
         )
         self.readers = max(1, readers)
-        # copy_in(pairs of block id and payload), on the reader thread; set by the worker (worker/kv_offload.py)
+        # copy_in(pairs of block id and payload), on a reader thread; set by the worker (worker/kv_offload.py). A
+        # payload may be the reading thread's buffer: valid during the call only
         self.copy_in: Callable[[list[tuple[int, object]]], None] | None = None
         # views_of(block id) -> the pool block's rows of each layer part, writable, in payload order, on a reading
-        # thread: where read_into puts a checked block; set by the worker with copy_in
+        # thread: where read_into puts a checked block; set by the worker with copy_in. None: a block is read into the
+        # reading thread's buffer and copied in by copy_in (a pool in one allocation takes it in one copy)
         self.views_of: Callable[[int], list] | None = None
         self._jobs: dict[Future, _LoadJob] = {}
 
@@ -113,10 +116,14 @@ class KVOffload:
         return future
 
     def _load_one(self, digest: bytes, future: Future | None, block_id: int) -> bool:
-        """One block into its pool block: from its read at lookup, or by read_into; False: missing, bad or failed."""
+        """One block into its pool block: from its read at lookup, straight into its rows (read_into, views_of), or
+        read into this thread's buffer and copied in; False: missing, bad or failed."""
         if future is None and self.views_of is not None:
             return self.store.read_into(digest, self.views_of(block_id))
-        payload = future.result() if future is not None and not future.cancelled() else self.store.get(digest)
+        if future is not None and not future.cancelled():
+            payload = future.result()
+        else:
+            payload = self.store.read_block(digest, self.block_bytes)
         if payload is None:
             return False
         self.copy_in([(block_id, payload)])
