@@ -68,8 +68,11 @@ def tier_description(config: EngineConfig, model_config, kv_cache: KVCache, bloc
 class BlockWriter:
     """Copies blocks out at step end; a thread turns them into bytes and writes them to the store."""
 
-    def __init__(self, store: TierStore, max_queued_bytes: int = WRITE_QUEUE_BYTES) -> None:
+    def __init__(
+        self, store: TierStore, max_queued_bytes: int = WRITE_QUEUE_BYTES, rows: PoolRows | None = None
+    ) -> None:
         self.store = store
+        self.rows = rows  # the pool's views, for one gather of all parts where the pool allows it
         self.max_queued_bytes = max_queued_bytes
         self.num_skipped = 0  # saves dropped because the writer was behind
         self._queued_bytes = 0
@@ -89,7 +92,7 @@ class BlockWriter:
                 saves = saves[:room]
             self._queued_bytes += len(saves) * per_block
         if saves:  # nothing at all when the step completed no block
-            self._queue.put((list(saves), gather_parts(kv_cache, [s.block_id for s in saves]), per_block))
+            self._queue.put((list(saves), gather_parts(kv_cache, [s.block_id for s in saves], self.rows), per_block))
 
     def _run(self) -> None:
         _lowest_priority()
@@ -118,7 +121,7 @@ class BlockWriter:
             self._thread.join()
 
 
-def gather_parts(kv_cache: KVCache, block_ids: Sequence[int]) -> list:
+def gather_parts(kv_cache: KVCache, block_ids: Sequence[int], rows: PoolRows | None = None) -> list:
     """Every layer part's rows of these blocks, as raw bytes (numpy arrays, a row a block): one numpy take a part
     into a fresh contiguous array, which the allocator serves from memory it reuses (a gather into one long-lived
     strided buffer paid the first touch of its pages whenever the writer had not handed it back). numpy, not torch's
@@ -126,6 +129,9 @@ def gather_parts(kv_cache: KVCache, block_ids: Sequence[int]) -> list:
     host whose cores are busy every region waits for its slowest thread (1.2-3.3 ms a block with two threads on a
     loaded host, where numpy copies it in 0.05 ms)."""
     ids = np.asarray(block_ids, dtype=np.int64)
+    whole = rows.all_blocks() if rows is not None else None
+    if whole is not None:  # a pool in one allocation: every part's rows in one take, then a view a part
+        return list(whole.take(ids, axis=1))
     parts = []
     for i, j, _ in _part_sizes(kv_cache):
         part = _parts(kv_cache.device_caches[i])[j]
@@ -191,6 +197,11 @@ class PoolRows:
     def block(self, block_id: int) -> list[memoryview]:
         self._refresh()
         return [flat[block_id * size : (block_id + 1) * size] for flat, size in self._parts]
+
+    def all_blocks(self) -> np.ndarray | None:
+        """Every part's rows as one [parts, blocks, bytes] array; None as for block_array."""
+        self._refresh()
+        return self._blocks
 
     def block_array(self, block_id: int) -> np.ndarray | None:
         """The block's rows of every part as one writable [parts, bytes] array; None when the parts are not one
@@ -263,7 +274,7 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     # a pool in one allocation takes a block read into the reader's buffer in one copy (fewer calls than a readv into
     # 60 rows and 60 CRC calls over them); other pools are read straight into their rows
     offload.views_of = None if rows.block_array(0) is not None else rows.block
-    runner.offload = BlockWriter(store)
+    runner.offload = BlockWriter(store, rows=rows)
     logger.info(
         "KV tier: %s, %d blocks (%.2f of %.2f GiB) found from earlier runs",
         store.dir,

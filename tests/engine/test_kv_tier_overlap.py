@@ -84,9 +84,9 @@ def test_only_steps_that_complete_a_block_copy(tiny, tmp_path, monkeypatch):  # 
     gathered: list[int] = []
     real = kv_offload.gather_parts
 
-    def counting(kv_cache, block_ids):
+    def counting(kv_cache, block_ids, rows=None):
         gathered.append(len(block_ids))
-        return real(kv_cache, block_ids)
+        return real(kv_cache, block_ids, rows)
 
     monkeypatch.setattr(kv_offload, "gather_parts", counting)
     generate(eng, prompt(8, 2 * BLOCK + 3), max_tokens=20)  # 23 steps; blocks complete in two of them

@@ -45,6 +45,9 @@ def test_the_engines_pool_takes_a_block_in_one_strided_copy():
     payload = torch.randint(0, 256, (block_payload_bytes(kv),), dtype=torch.uint8).numpy().tobytes()
     copy_blocks_in(kv, [(2, payload)], rows)
     assert b"".join(part[0].tobytes() for part in gather_parts(kv, [2])) == payload
+    one_take = gather_parts(kv, [4, 2], rows)  # the writer's gather, one take of every part
+    assert [p.shape for p in one_take] == [(2, 4 * 3 * 8 * 2)] * 6
+    assert b"".join(part[1].tobytes() for part in one_take) == payload and not any(p[0].any() for p in one_take)
     others = [0, 1, 3, 4]
     assert all(not t[others].any() for layer in kv.device_caches for t in layer)
     separate = types.SimpleNamespace(device_caches=pool())  # parts of their own: one copy per part, as before
