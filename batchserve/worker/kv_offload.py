@@ -2,10 +2,11 @@
 
 A block's payload is every layer's parts (K and V; a quantized pool's codes and scales too) for that block, in layer
 order, as raw bytes: a block read back is bit for bit the block written. Saves are copied out of the pool at the end of
-the step that filled them (a copy: the pool block may be reused next step), one gather per layer part for all of the
-step's blocks; the writer thread checksums each block's rows of those copies and writes them with one writev, never
-joining them into one buffer. Steps that complete no block copy nothing. When the writer falls behind by more than
-WRITE_QUEUE_BYTES, later saves are skipped (counted) rather than let the queue grow or the step wait.
+the step that filled them (a copy: the pool block may be reused next step), one gather of every layer part (one per
+part for a quantized pool) for all of the step's blocks; the writer thread checksums each block's rows of those copies
+and writes them with one writev, never joining them into one buffer. Steps that complete no block copy nothing. When
+the writer falls behind by more than WRITE_QUEUE_BYTES, later saves are skipped (counted) rather than let the queue
+grow or the step wait.
 
 Write-through, not write-on-evict: a block is written when it becomes full and hashed, not when the pool lets it go.
 Under a steady load every block is evicted sooner or later, so write-on-evict writes as much, only later, and it
