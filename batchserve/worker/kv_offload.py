@@ -93,7 +93,7 @@ class BlockWriter:
                 saves = saves[:room]
             self._queued_bytes += len(saves) * per_block
         if saves:  # nothing at all when the step completed no block
-            self._queue.put((list(saves), gather_parts(kv_cache, [s.block_id for s in saves], self.rows), per_block))
+            self._queue.put((list(saves), gather_blocks(kv_cache, [s.block_id for s in saves], self.rows), per_block))
 
     def _run(self) -> None:
         _lowest_priority()
@@ -102,9 +102,9 @@ class BlockWriter:
             try:
                 if item is None:
                     return
-                saves, parts, per_block = item
-                for n, save in enumerate(saves):
-                    self.store.put(save.digest, [part[n] for part in parts], save.retention)
+                saves, payloads, per_block = item
+                for save, payload in zip(saves, payloads):
+                    self.store.put(save.digest, payload, save.retention)
                 with self._lock:
                     self._queued_bytes -= len(saves) * per_block
             except Exception:  # a writer that dies would silently stop the tier: log and go on
@@ -122,7 +122,19 @@ class BlockWriter:
             self._thread.join()
 
 
-def gather_parts(kv_cache: KVCache, block_ids: Sequence[int], rows: PoolRows | None = None) -> list:
+def gather_blocks(kv_cache: KVCache, block_ids: Sequence[int], rows: PoolRows | None = None) -> list:
+    """Each block's payload copied out of the pool, for the writer. A pool in one allocation: one fancy index of every
+    part's rows of all the blocks, into [blocks, parts, bytes], so that each block is one contiguous buffer, checksummed
+    by one CRC call and written with its header by one writev (numpy's take would first copy the whole pool where the
+    parts do not lie back to back). Otherwise a list of the block's part rows (gather_parts)."""
+    whole = rows.all_blocks() if rows is not None else None
+    if whole is not None:
+        return list(whole.transpose(1, 0, 2)[np.asarray(block_ids, dtype=np.int64)])
+    parts = gather_parts(kv_cache, block_ids)
+    return [[part[n] for part in parts] for n in range(len(block_ids))]
+
+
+def gather_parts(kv_cache: KVCache, block_ids: Sequence[int]) -> list:
     """Every layer part's rows of these blocks, as raw bytes (numpy arrays, a row a block): one numpy take a part
     into a fresh contiguous array, which the allocator serves from memory it reuses (a gather into one long-lived
     strided buffer paid the first touch of its pages whenever the writer had not handed it back). numpy, not torch's
@@ -130,9 +142,6 @@ def gather_parts(kv_cache: KVCache, block_ids: Sequence[int], rows: PoolRows | N
     host whose cores are busy every region waits for its slowest thread (1.2-3.3 ms a block with two threads on a
     loaded host, where numpy copies it in 0.05 ms)."""
     ids = np.asarray(block_ids, dtype=np.int64)
-    whole = rows.all_blocks() if rows is not None else None
-    if whole is not None:  # a pool in one allocation: every part's rows in one take, then a view a part
-        return list(whole.take(ids, axis=1))
     parts = []
     for i, j, _ in _part_sizes(kv_cache):
         part = _parts(kv_cache.device_caches[i])[j]

@@ -8,7 +8,7 @@ import types
 
 import torch
 
-from batchserve.worker.kv_offload import PoolRows, block_payload_bytes, copy_blocks_in, gather_parts
+from batchserve.worker.kv_offload import PoolRows, block_payload_bytes, copy_blocks_in, gather_blocks, gather_parts
 
 
 def pool(blocks: int = 5, layers: int = 3):
@@ -45,10 +45,27 @@ def test_the_engines_pool_takes_a_block_in_one_strided_copy():
     payload = torch.randint(0, 256, (block_payload_bytes(kv),), dtype=torch.uint8).numpy().tobytes()
     copy_blocks_in(kv, [(2, payload)], rows)
     assert b"".join(part[0].tobytes() for part in gather_parts(kv, [2])) == payload
-    one_take = gather_parts(kv, [4, 2], rows)  # the writer's gather, one take of every part
-    assert [p.shape for p in one_take] == [(2, 4 * 3 * 8 * 2)] * 6
-    assert b"".join(part[1].tobytes() for part in one_take) == payload and not any(p[0].any() for p in one_take)
+    written = gather_blocks(kv, [4, 2], rows)  # the writer's gather: each block one contiguous payload
+    assert written[1].flags["C_CONTIGUOUS"] and written[1].tobytes() == payload and not written[0].any()
     others = [0, 1, 3, 4]
     assert all(not t[others].any() for layer in kv.device_caches for t in layer)
     separate = types.SimpleNamespace(device_caches=pool())  # parts of their own: one copy per part, as before
     assert PoolRows(separate).block_array(0) is None
+    assert b"".join(bytes(row) for row in gather_blocks(separate, [1], PoolRows(separate))[0]) == bytes(
+        block_payload_bytes(separate)
+    )
+
+
+def test_one_gather_where_the_parts_do_not_lie_back_to_back():
+    """A pool whose parts are padded apart (each rounded up to 64 bytes): one fancy index, which reads only the rows it
+    gathers (numpy's take would first copy the whole pool), and the payload is that block's rows."""
+    from batchserve.worker.kv_cache import _zeroed_pool
+
+    kv = types.SimpleNamespace(device_caches=_zeroed_pool(2, 3, (1, 1, 3), torch.bfloat16, torch.device("cpu")))
+    parts = [t for layer in kv.device_caches for t in layer]
+    assert parts[1].data_ptr() - parts[0].data_ptr() == 64  # 3 blocks x 6 bytes, padded to 64
+    rows = PoolRows(kv)
+    payload = bytes(range(24))
+    copy_blocks_in(kv, [(1, payload)], rows)
+    assert gather_blocks(kv, [1], rows)[0].tobytes() == payload
+    assert b"".join(part[0].tobytes() for part in gather_parts(kv, [1])) == payload
