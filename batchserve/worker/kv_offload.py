@@ -2,11 +2,10 @@
 
 A block's payload is every layer's parts (K and V; a quantized pool's codes and scales too) for that block, in layer
 order, as raw bytes: a block read back is bit for bit the block written. Saves are copied out of the pool at the end of
-the step that filled them (a copy: the pool block may be reused next step), one gather of every layer part (one per
-part for a quantized pool) for all of the step's blocks; the writer thread checksums each block's rows of those copies
-and writes them with one writev, never joining them into one buffer. Steps that complete no block copy nothing. When
-the writer falls behind by more than WRITE_QUEUE_BYTES, later saves are skipped (counted) rather than let the queue
-grow or the step wait.
+the step that filled them (a copy: the pool block may be reused next step), one gather per layer part for all of the
+step's blocks; the writer thread checksums each block's rows of those copies and writes them with one writev, never
+joining them into one buffer. Steps that complete no block copy nothing. When the writer falls behind by more than
+WRITE_QUEUE_BYTES, later saves are skipped (counted) rather than let the queue grow or the step wait.
 
 Write-through, not write-on-evict: a block is written when it becomes full and hashed, not when the pool lets it go.
 Under a steady load every block is evicted sooner or later, so write-on-evict writes as much, only later, and it
@@ -69,11 +68,8 @@ def tier_description(config: EngineConfig, model_config, kv_cache: KVCache, bloc
 class BlockWriter:
     """Copies blocks out at step end; a thread turns them into bytes and writes them to the store."""
 
-    def __init__(
-        self, store: TierStore, max_queued_bytes: int = WRITE_QUEUE_BYTES, rows: PoolRows | None = None
-    ) -> None:
+    def __init__(self, store: TierStore, max_queued_bytes: int = WRITE_QUEUE_BYTES) -> None:
         self.store = store
-        self.rows = rows  # the pool's views, for one gather of all parts where the pool allows it
         self.max_queued_bytes = max_queued_bytes
         self.num_skipped = 0  # saves dropped because the writer was behind
         self._queued_bytes = 0
@@ -93,7 +89,7 @@ class BlockWriter:
                 saves = saves[:room]
             self._queued_bytes += len(saves) * per_block
         if saves:  # nothing at all when the step completed no block
-            self._queue.put((list(saves), gather_blocks(kv_cache, [s.block_id for s in saves], self.rows), per_block))
+            self._queue.put((list(saves), gather_parts(kv_cache, [s.block_id for s in saves]), per_block))
 
     def _run(self) -> None:
         _lowest_priority()
@@ -102,9 +98,9 @@ class BlockWriter:
             try:
                 if item is None:
                     return
-                saves, payloads, per_block = item
-                for save, payload in zip(saves, payloads):
-                    self.store.put(save.digest, payload, save.retention)
+                saves, parts, per_block = item
+                for n, save in enumerate(saves):
+                    self.store.put(save.digest, [part[n] for part in parts], save.retention)
                 with self._lock:
                     self._queued_bytes -= len(saves) * per_block
             except Exception:  # a writer that dies would silently stop the tier: log and go on
@@ -120,18 +116,6 @@ class BlockWriter:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
-
-
-def gather_blocks(kv_cache: KVCache, block_ids: Sequence[int], rows: PoolRows | None = None) -> list:
-    """Each block's payload copied out of the pool, for the writer. A pool in one allocation: one fancy index of every
-    part's rows of all the blocks, into [blocks, parts, bytes], so that each block is one contiguous buffer, checksummed
-    by one CRC call and written with its header by one writev (numpy's take would first copy the whole pool where the
-    parts do not lie back to back). Otherwise a list of the block's part rows (gather_parts)."""
-    whole = rows.all_blocks() if rows is not None else None
-    if whole is not None:
-        return list(whole.transpose(1, 0, 2)[np.asarray(block_ids, dtype=np.int64)])
-    parts = gather_parts(kv_cache, block_ids)
-    return [[part[n] for part in parts] for n in range(len(block_ids))]
 
 
 def gather_parts(kv_cache: KVCache, block_ids: Sequence[int]) -> list:
@@ -208,11 +192,6 @@ class PoolRows:
         self._refresh()
         return [flat[block_id * size : (block_id + 1) * size] for flat, size in self._parts]
 
-    def all_blocks(self) -> np.ndarray | None:
-        """Every part's rows as one [parts, blocks, bytes] array; None as for block_array."""
-        self._refresh()
-        return self._blocks
-
     def block_array(self, block_id: int) -> np.ndarray | None:
         """The block's rows of every part as one writable [parts, bytes] array; None when the parts are not one
         allocation at one distance (a quantized pool's codes and scales)."""
@@ -284,7 +263,7 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     # a pool in one allocation takes a block read into the reader's buffer in one copy (fewer calls than a readv into
     # 60 rows and 60 CRC calls over them); other pools are read straight into their rows
     offload.views_of = None if rows.block_array(0) is not None else rows.block
-    runner.offload = BlockWriter(store, rows=rows)
+    runner.offload = BlockWriter(store)
     logger.info(
         "KV tier: %s, %d blocks (%.2f of %.2f GiB) found from earlier runs",
         store.dir,

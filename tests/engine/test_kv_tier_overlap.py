@@ -82,13 +82,13 @@ def test_only_steps_that_complete_a_block_copy(tiny, tmp_path, monkeypatch):  # 
     _, directory = tiny
     eng = engine(directory, tmp_path)
     gathered: list[int] = []
-    real = kv_offload.gather_blocks
+    real = kv_offload.gather_parts
 
-    def counting(kv_cache, block_ids, rows=None):
+    def counting(kv_cache, block_ids):
         gathered.append(len(block_ids))
-        return real(kv_cache, block_ids, rows)
+        return real(kv_cache, block_ids)
 
-    monkeypatch.setattr(kv_offload, "gather_blocks", counting)
+    monkeypatch.setattr(kv_offload, "gather_parts", counting)
     generate(eng, prompt(8, 2 * BLOCK + 3), max_tokens=20)  # 23 steps; blocks complete in two of them
     assert gathered == [2, 1] and eng.kv_tier.stats.blocks_written == 3
     eng.close()
