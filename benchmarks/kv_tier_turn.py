@@ -4,9 +4,9 @@ scheduler's step (it waits there for the read, nothing else running), the read a
 forward pass, sampling; for two ways of reading the same blocks back, alternating turn by turn so that a host's
 load falls on all alike:
 
-- get+copy:  the reader thread alone reads each file into a new buffer, checks it, copies it into the pool block (as
-             before read_into);
-- read_into: the reader thread alone, each file read into the thread's reusable buffer, checked, copied in;
+- one reader:  the reader thread alone reads each file straight into its pool block's rows and checks it there;
+- two readers: a second thread takes blocks of the same job beside it (the engine's way when it computes on two
+               cores or more);
 
     .venv/bin/python benchmarks/kv_tier_turn.py [--history 1167] [--new 257] [--reps 5] [--threads 2]
 """
@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -27,12 +28,14 @@ from batchserve.engine.llm_engine import LLMEngine  # noqa: E402
 from batchserve.host.process import configure_torch  # noqa: E402
 from batchserve.sampling_params import SamplingParams  # noqa: E402
 
-WAYS = ("get+copy", "read_into")
+WAYS = ("one reader", "two readers")
 
 
-def set_way(engine: LLMEngine, way: str, views_of) -> None:
+def set_way(engine: LLMEngine, way: str) -> None:
     offload = engine.kv_tier
-    offload.views_of = None if way == "get+copy" else views_of
+    if offload._helpers is None:  # an engine given one core has no second reader: this run gets one
+        offload._helpers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-read-more")
+    offload.readers = 1 if way == "one reader" else 2
 
 
 def serve(engine: LLMEngine, prompt: list[int]) -> dict[str, float]:
@@ -78,7 +81,6 @@ def main() -> None:
                    max_batch_size=16, max_num_tokens=4096, num_threads=args.threads)  # fmt: skip
     with tempfile.TemporaryDirectory() as tier_dir:
         engine = LLMEngine.from_options(kv_offload_dir=tier_dir, **{k: v for k, v in options.items() if v is not None})
-        views_of = engine.kv_tier.views_of
         rng = random.Random(0)
         vocab = engine.model_config.vocab_size
 
@@ -94,7 +96,7 @@ def main() -> None:
                 engine.runner.offload.flush()
                 serve(engine, tokens(blocks * 16 - 8))  # takes every block: the history is evicted from the pool
                 engine.runner.offload.flush()
-                set_way(engine, way, views_of)
+                set_way(engine, way)
                 hits = engine.kv_tier.stats.hits
                 results[way].append(serve(engine, history + tokens(args.new)))
                 assert engine.kv_tier.stats.hits - hits == args.history // 16, "the history was not read back"

@@ -36,11 +36,15 @@ class TierSave:
 
 
 class KVOffload:
-    def __init__(self, store: TierStore, block_bytes: int, retention_of=None, prefetch: bool = True) -> None:
+    def __init__(
+        self, store: TierStore, block_bytes: int, retention_of=None, prefetch: bool = True, readers: int = 1
+    ) -> None:
         """retention_of(request, block_index) -> Retention: a block's retention (core/retention.py); None: the
         default for every block. prefetch False: reads happen at admission, on the scheduler's thread (the
-        simulator, whose store is an index on a virtual clock)."""
+        simulator, whose store is an index on a virtual clock). readers: threads that read a load job's blocks (the
+        engine gives one per core it computes on, up to two)."""
         self.store = store
+        self.block_bytes = block_bytes
         self.prefetch_blocks = max(4, PREFETCH_BYTES // block_bytes) if prefetch else 0
         self.retention_of = retention_of or (lambda request, index: Retention())
         self.req_digests: dict[str, list[bytes]] = {}
@@ -48,10 +52,18 @@ class KVOffload:
         self.saves: list[TierSave] = []
         self._prefetch: OrderedDict[bytes, Future] = OrderedDict()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-read")
-        # copy_in(pairs of block id and payload), on the reader thread; set by the worker (worker/kv_offload.py)
+        # more threads taking blocks of the same load job: a block goes to the pool rows by one readv, which, like the
+        # CRC, runs without the GIL, so two readers move a prefix about twice as fast while the steps wait for it
+        self._helpers = (
+            ThreadPoolExecutor(max_workers=readers - 1, thread_name_prefix="kv-tier-read-more") if readers > 1 else None
+        )
+        self.readers = max(1, readers)
+        # copy_in(pairs of block id and payload), on a reader thread; set by the worker (worker/kv_offload.py). A
+        # payload may be the reading thread's buffer: valid during the call only
         self.copy_in: Callable[[list[tuple[int, object]]], None] | None = None
         # views_of(block id) -> the pool block's rows of each layer part, writable, in payload order, on a reading
-        # thread: where read_into puts a checked block; set by the worker with copy_in
+        # thread: where read_into puts a checked block; set by the worker with copy_in. None: a block is read into the
+        # reading thread's buffer and copied in by copy_in (a pool in one allocation takes it in one copy)
         self.views_of: Callable[[int], list] | None = None
         self._jobs: dict[Future, _LoadJob] = {}
 
@@ -97,15 +109,21 @@ class KVOffload:
         futures = [None if f is None or f.cancel() else f for f in (self._prefetch.pop(d, None) for d in digests)]
         job = _LoadJob(self, list(zip(digests, futures, block_ids)))
         future = self._reader.submit(job.run)
+        for _ in range(self.readers - 1):
+            self._helpers.submit(job.work)  # blocks it takes are awaited by run(): none is taken after run() returns
         self._jobs[future] = job
         future.add_done_callback(lambda f: self._jobs.pop(f, None))
         return future
 
     def _load_one(self, digest: bytes, future: Future | None, block_id: int) -> bool:
-        """One block into its pool block: from its read at lookup, or by read_into; False: missing, bad or failed."""
+        """One block into its pool block: from its read at lookup, straight into its rows (read_into, views_of), or
+        read into this thread's buffer and copied in; False: missing, bad or failed."""
         if future is None and self.views_of is not None:
             return self.store.read_into(digest, self.views_of(block_id))
-        payload = future.result() if future is not None and not future.cancelled() else self.store.get(digest)
+        if future is not None and not future.cancelled():
+            payload = future.result()
+        else:
+            payload = self.store.read_block(digest, self.block_bytes)
         if payload is None:
             return False
         self.copy_in([(block_id, payload)])
@@ -134,10 +152,13 @@ class KVOffload:
 
     def close(self) -> None:
         self._reader.shutdown(wait=True, cancel_futures=True)
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True, cancel_futures=True)
 
 
 class _LoadJob:
-    """One request's blocks read back into the pool, taken one at a time by the reader thread; the result counts the blocks that arrived in order up to the first that did not."""
+    """One request's blocks read back into the pool, taken one at a time by the reader threads; the result counts
+    the blocks that arrived in order up to the first that did not."""
 
     def __init__(self, offload: KVOffload, items: list[tuple[bytes, Future | None, int]]) -> None:
         self.offload = offload

@@ -118,7 +118,7 @@ class TierStore:
         self._index: dict[bytes, _Entry] = {}
         self._pending: set[bytes] = set()  # claimed for writing, not yet written (or failed)
         self._lock = threading.Lock()
-        self._buffers = threading.local()  # read_into's buffer, one per reading thread
+        self._buffers = threading.local()  # read_block's and read_into's buffers, one set per reading thread
         self._rebuild_index()
 
     # ---- lookups and reads ---------------------------------------------------------------------------------
@@ -159,47 +159,79 @@ class TierStore:
         return payload
 
     def read_into(self, digest: bytes, views: list) -> bool:
-        """Read the block into `views` (writable byte buffers, in payload order: the pool block's rows of each layer
-        part), checked. The file goes by one readv into this thread's own reusable buffer, is checked there by one
-        CRC call, and only then is copied into the views (checked part by part instead, a block took 60 CRC calls).
-        False when the file is absent or fails a check (then it is deleted and
-        counted)."""
+        """Read the block straight into `views` (writable byte buffers, in payload order: the pool block's rows of
+        each layer part) by one readv, the header into this thread's own small buffer, and check it there: one CRC
+        over the header and the views. A block read into a staging buffer and then copied into the rows moved its
+        bytes twice, and the copy (60 slices a block, held under the GIL) cost more than the read. False when the
+        file is absent or fails a check (then it is deleted and counted); the views then hold whatever was read,
+        which is harmless: they are a fresh block of the pool that nobody finds and its tokens are recomputed."""
         start = time.perf_counter()
-        path = self.path_of(digest)
         dests = [v if isinstance(v, memoryview) and v.format == "B" and v.ndim == 1 else memoryview(v).cast("B")
                  for v in views]  # fmt: skip
         length = sum(d.nbytes for d in dests)
-        buffer = self._buffers.__dict__.get("buffer")
-        if buffer is None or len(buffer) != HEADER_BYTES + length + 1:  # + a byte: a file longer than its block
-            buffer = self._buffers.buffer = bytearray(HEADER_BYTES + length + 1)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            self._forget(digest)
+        head, tail = self._read_buffers()
+        got = self._readv(digest, [head, *dests, tail])  # the byte past the block: a file longer than its block
+        if got is None:
             return False
-        except OSError as exc:
-            logger.warning("KV tier: cannot read %s (%s): its tokens are recomputed", path.name, exc)
-            return False
-        try:
-            got = os.readv(fd, [buffer])
-        except OSError as exc:
-            logger.warning("KV tier: cannot read %s (%s): its tokens are recomputed", path.name, exc)
-            return False
-        finally:
-            os.close(fd)
-        view = memoryview(buffer)
-        why = self._check_header(digest, view, got, length)
-        if not why and _checksum(view[: _HEADER.size], view[HEADER_BYTES:got]) != view[_HEADER.size : HEADER_BYTES]:
+        why = self._check_header(digest, head, got, length)
+        if not why and _checksum(head[: _HEADER.size], *dests) != head[_HEADER.size :]:
             why = "checksum mismatch"
         if why:
             self.drop_corrupt(digest, why)
             return False
-        offset = HEADER_BYTES
-        for dest in dests:
-            dest[:] = view[offset : offset + dest.nbytes]
-            offset += dest.nbytes
         self._read_done(digest, got, start)
         return True
+
+    def read_block(self, digest: bytes, length: int) -> memoryview | None:
+        """The block's payload (`length` bytes), read by one readv into this thread's own reusable buffer and checked
+        there by one CRC call: valid until this thread reads again. None when the file is absent or fails a check
+        (then it is deleted and counted)."""
+        start = time.perf_counter()
+        buffers = self._buffers.__dict__
+        buffer = buffers.get("whole")
+        if buffer is None or len(buffer) != HEADER_BYTES + length + 1:  # + a byte: a file longer than its block
+            buffer = buffers["whole"] = memoryview(bytearray(HEADER_BYTES + length + 1))
+        got = self._readv(digest, [buffer])
+        if got is None:
+            return None
+        why = self._check_header(digest, buffer, got, length)
+        if (
+            not why
+            and _checksum(buffer[: _HEADER.size], buffer[HEADER_BYTES:got]) != buffer[_HEADER.size : HEADER_BYTES]
+        ):
+            why = "checksum mismatch"
+        if why:
+            self.drop_corrupt(digest, why)
+            return None
+        self._read_done(digest, got, start)
+        return buffer[HEADER_BYTES:got]
+
+    def _readv(self, digest: bytes, buffers: list) -> int | None:
+        """Bytes read from the block's file into `buffers` by one readv; None when it cannot be read (absent:
+        forgotten; another error: logged)."""
+        path = self.path_of(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(digest)
+            return None
+        except OSError as exc:
+            logger.warning("KV tier: cannot read %s (%s): its tokens are recomputed", path.name, exc)
+            return None
+        try:
+            return os.readv(fd, buffers)
+        except OSError as exc:
+            logger.warning("KV tier: cannot read %s (%s): its tokens are recomputed", path.name, exc)
+            return None
+        finally:
+            os.close(fd)
+
+    def _read_buffers(self) -> tuple[memoryview, memoryview]:
+        """This reading thread's header buffer and its one byte past a block, made once."""
+        buffers = self._buffers.__dict__
+        if "head" not in buffers:
+            buffers["head"], buffers["tail"] = memoryview(bytearray(HEADER_BYTES)), memoryview(bytearray(1))
+        return buffers["head"], buffers["tail"]
 
     def _read_done(self, digest: bytes, nbytes: int, start: float) -> None:
         """A block read and checked: its use recorded for eviction, the read counted."""

@@ -19,6 +19,7 @@ GiB = 1024**3
 # The CPU default pool stops here (vLLM's CPU default is 4 GiB too): zeroing a larger one costs start-up time, and
 # on a host short of memory minutes, for context a CPU cannot compute at a useful speed anyway.
 CPU_DEFAULT_MAX_BYTES = 4 * GiB
+POOL_ALIGN_BYTES = 64  # where each layer part of the pool starts, as the allocator aligns a tensor of its own
 
 
 def pool_dtype(cache_config: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -159,13 +160,15 @@ def _zeroed_pool(
     # zeros, not empty: stale NaNs in unwritten slots would leak through masked attention (0 * NaN = NaN).
     if dtype in CODE_DTYPES:
         return [QuantizedKV.zeros((num_blocks, *shape), device, dtype=dtype) for _ in range(num_layers)]
-    return [
-        (
-            torch.zeros((num_blocks, *shape), dtype=dtype, device=device),
-            torch.zeros((num_blocks, *shape), dtype=dtype, device=device),
-        )
-        for _ in range(num_layers)
-    ]
+    # One allocation, every layer's K and V a contiguous view of it at a fixed distance from the last: a block's rows
+    # of all of them are then one strided array, which the disk tier fills with one copy (worker/kv_offload.py). The
+    # distance is rounded up to 64 bytes, so each part starts aligned as a tensor of its own would.
+    part = num_blocks * torch.Size(shape).numel()
+    per_align = max(1, POOL_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    stride = -(-part // per_align) * per_align
+    whole = torch.zeros((2 * num_layers, stride), dtype=dtype, device=device)
+    views = [whole[i, :part].view(num_blocks, *shape) for i in range(2 * num_layers)]
+    return [(views[2 * i], views[2 * i + 1]) for i in range(num_layers)]
 
 
 def _parts(layer: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -159,10 +159,16 @@ def load_blocks(kv_cache: KVCache, loads: Sequence[tuple[int, bytes]]) -> None:
 def copy_blocks_in(kv_cache: KVCache, pairs: Sequence[tuple[int, object]], rows: PoolRows | None = None) -> None:
     """On the tier's reader thread, while steps run: checked payloads into their pool blocks, which no step reads
     before their request is admitted. numpy does the copies: a torch op on this thread could start an OpenMP team
-    of its own beside the steps' threads. `rows`: the pool's byte views, made once (else made here)."""
+    of its own beside the steps' threads. `rows`: the pool's byte views, made once (else made here). A pool in one
+    allocation (worker/kv_cache.py) takes a block in one strided copy, which runs without the GIL; otherwise one
+    copy per layer part."""
     rows = rows or PoolRows(kv_cache)
     for block_id, payload in pairs:
         src = np.frombuffer(payload, dtype=np.uint8)
+        whole = rows.block_array(block_id)
+        if whole is not None:
+            np.copyto(whole, src.reshape(whole.shape))
+            continue
         offset = 0
         for dst in rows.block(block_id):
             dst[:] = src[offset : offset + dst.nbytes].data
@@ -170,23 +176,53 @@ def copy_blocks_in(kv_cache: KVCache, pairs: Sequence[tuple[int, object]], rows:
 
 
 class PoolRows:
-    """Where the tier's readers put a checked block (core/kv_tier.py TierStore.read_into): a pool block's rows of
-    every layer part, writable byte views, in payload order. Each part's flat byte view is made once per pool (a
-    resize makes a new one) and a block's rows are slices of it: 60 tensor-to-numpy conversions a block cost about as
-    much as its read, and numpy rows cast to bytes took twice the time these slices take, held under the GIL."""
+    """Where the tier's readers put a checked block: a pool block's rows of every layer part, in payload order, as
+    writable byte views (TierStore.read_into reads into them) or, when the pool is one allocation with its parts at
+    one distance from each other, as one strided [parts, bytes] array (copy_blocks_in fills it in one call). The
+    views are made once per pool (a resize makes new ones) and a block's are slices of them: 60 tensor-to-numpy
+    conversions a block cost about as much as its read."""
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
         self._of: list | None = None
         self._parts: list[tuple[memoryview, int]] = []  # (a part's flat bytes, one block's bytes of it)
+        self._blocks: np.ndarray | None = None  # [parts, blocks, bytes]: every part at once, when they allow it
 
     def block(self, block_id: int) -> list[memoryview]:
-        caches = self.kv_cache.device_caches
-        if caches is not self._of:
-            rows = [_byte_rows(_parts(caches[i])[j]) for i, j, _ in _part_sizes(self.kv_cache)]
-            self._parts = [(memoryview(r).cast("B"), r.shape[1]) for r in rows]
-            self._of = caches
+        self._refresh()
         return [flat[block_id * size : (block_id + 1) * size] for flat, size in self._parts]
+
+    def block_array(self, block_id: int) -> np.ndarray | None:
+        """The block's rows of every part as one writable [parts, bytes] array; None when the parts are not one
+        allocation at one distance (a quantized pool's codes and scales)."""
+        self._refresh()
+        return None if self._blocks is None else self._blocks[:, block_id]
+
+    def _refresh(self) -> None:
+        caches = self.kv_cache.device_caches
+        if caches is self._of:
+            return
+        tensors = [_parts(caches[i])[j] for i, j, _ in _part_sizes(self.kv_cache)]
+        rows = [_byte_rows(t) for t in tensors]
+        self._parts = [(memoryview(r).cast("B"), r.shape[1]) for r in rows]
+        self._blocks = _one_array(tensors, rows)
+        self._of = caches
+
+
+def _one_array(tensors: list[torch.Tensor], rows: list[np.ndarray]) -> np.ndarray | None:
+    """`rows` (each part's [blocks, bytes]) as one [parts, blocks, bytes] view of their memory, when the parts share
+    one allocation, one shape and one distance from each part to the next; else None."""
+    first = rows[0]
+    storage = tensors[0].untyped_storage().data_ptr()
+    addresses = [t.data_ptr() for t in tensors]
+    step = addresses[1] - addresses[0] if len(tensors) > 1 else first.nbytes
+    if step < first.nbytes or any(r.shape != first.shape for r in rows):
+        return None
+    if any(t.untyped_storage().data_ptr() != storage for t in tensors):
+        return None
+    if any(b - a != step for a, b in zip(addresses, addresses[1:])):
+        return None
+    return np.lib.stride_tricks.as_strided(first, shape=(len(rows), *first.shape), strides=(step, *first.strides))
 
 
 def _byte_rows(part: torch.Tensor) -> np.ndarray:
@@ -200,6 +236,13 @@ def _part_sizes(kv_cache: KVCache) -> list[tuple[int, int, int]]:
     ]
 
 
+def readers(config: EngineConfig) -> int:
+    """Threads that read a prefix back: two where the steps compute on two cores or more (they wait for the read
+    when nothing else runs, so their cores are free), one where the engine was given one core."""
+    threads = config.num_threads or torch.get_num_threads()
+    return 2 if threads >= 2 else 1
+
+
 def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     """Open the tier for this runner's KV layout and connect both sides: the scheduler's KV cache manager looks up
     and reads, the runner loads and saves. None when kv_offload_dir is unset."""
@@ -211,11 +254,15 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     max_bytes = cache.kv_offload_max_bytes if cache.kv_offload_max_bytes is not None else DEFAULT_MAX_BYTES
     description = tier_description(config, runner.model_config, runner.kv_cache, runner.block_size)
     store = TierStore(cache.kv_offload_dir, description, max_bytes, block_payload_bytes(runner.kv_cache))
-    offload = KVOffload(store, block_payload_bytes(runner.kv_cache), retention_of(cache.block_size))
+    offload = KVOffload(
+        store, block_payload_bytes(runner.kv_cache), retention_of(cache.block_size), readers=readers(config)
+    )
     kv_manager.tier = offload
     rows = PoolRows(runner.kv_cache)
     offload.copy_in = lambda pairs: copy_blocks_in(runner.kv_cache, pairs, rows)
-    offload.views_of = rows.block
+    # a pool in one allocation takes a block read into the reader's buffer in one copy (fewer calls than a readv into
+    # 60 rows and 60 CRC calls over them); other pools are read straight into their rows
+    offload.views_of = None if rows.block_array(0) is not None else rows.block
     runner.offload = BlockWriter(store)
     logger.info(
         "KV tier: %s, %d blocks (%.2f of %.2f GiB) found from earlier runs",

@@ -40,9 +40,9 @@ def tier_with_prompt_on_disk(tmp_path):
     assert len(store) == 3 + 9
     gate, copied = threading.Event(), []
 
-    def copy_in(pairs):
+    def copy_in(pairs):  # a payload is the reader's buffer, valid during this call only: kept as a copy
         assert gate.wait(10)
-        copied.extend(pairs)
+        copied.extend((block_id, bytes(payload)) for block_id, payload in pairs)
 
     sched.kv.tier.copy_in = copy_in
     return sched, store, gate, copied

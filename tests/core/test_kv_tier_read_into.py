@@ -6,6 +6,8 @@ for the pool's parts."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -79,4 +81,29 @@ def test_a_load_counts_the_blocks_up_to_the_first_missing_one(tier):
     future = offload.start_load([digest(n) for n in range(8)], list(range(8)))
     assert future.result(timeout=10) == 5 and store.stats.hits == 5
     assert all(block_of(pool, n) == payload(n) for n in range(5))
+    offload.close()
+
+
+@pytest.mark.parametrize("missing", [None, 5])
+def test_two_readers_share_a_load_and_count_in_order(tier, missing):
+    """With readers=2 a second thread takes blocks of the same job: every block lands in its own pool block, and the
+    count still stops at the first missing one (a block after it read by the other thread is not counted)."""
+    store, pool = tier
+    offload = KVOffload(store, PAYLOAD, readers=2)
+    offload.views_of = lambda block_id: [rows[block_id] for rows in pool]
+    read_into, threads = store.read_into, []
+
+    def slow_read_into(digest, views):  # slow enough that the second reader takes some blocks while the first reads
+        threads.append(threading.current_thread().name)
+        time.sleep(0.05)
+        return read_into(digest, views)
+
+    store.read_into = slow_read_into
+    if missing is not None:
+        os.unlink(store.path_of(digest(missing)))
+    future = offload.start_load([digest(n) for n in range(8)], [9 - n for n in range(8)])  # pool blocks 9..2
+    arrived = 8 if missing is None else missing
+    assert future.result(timeout=30) == arrived and store.stats.hits == arrived
+    assert all(block_of(pool, 9 - n) == payload(n) for n in range(arrived))
+    assert {name.rsplit("_", 1)[0] for name in threads} == {"kv-tier-read", "kv-tier-read-more"}
     offload.close()
