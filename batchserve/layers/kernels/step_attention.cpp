@@ -69,7 +69,8 @@ at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::T
 // The native prefill kernel over chunks (q: their rows in order) -> q's dtype.
 at::Tensor prefill_natively(const at::Tensor& q, const Pool& pool, const at::Tensor& tables, const at::Tensor& lens,
                             const at::Tensor& starts, const StepAttention& step, double scale) {
-  return paged_prefill_attention(q.to(at::kFloat), pool.key, pool.value, tables, lens, starts, scale, step.path)
+  return paged_prefill_attention(q.to(at::kFloat), pool.key, pool.value, tables, lens, starts, scale, step.path,
+                                 step.prefill_path)
       .to(q.scalar_type());
 }
 
