@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -183,6 +184,7 @@ __attribute__((always_inline)) inline void softmax_block(const Scores& s, int64_
     const __m512 shift = _mm512_set1_ps(new_max[r]);
     __m512 sum = _mm512_mul_ps(st.sum[r], _mm512_set1_ps(st.corr[r]));
     const auto weights = [&](int j) {
+      if (16 * j >= visible[r]) return _mm512_setzero_ps();  // past the row (its scores maybe never computed)
       const __m512 e = exp2_weight(_mm512_fmsub_ps(_mm512_loadu_ps(score_row(s, r, j)), scale_v, shift));
       return visible[r] >= kBlock ? e : _mm512_maskz_mov_ps(mask(r, j), e);
     };
@@ -257,7 +259,9 @@ __attribute__((always_inline)) inline void lane_key_block(const Lane& lane, Lane
   constexpr int64_t kTileBytes = kKeys * D * 2;  // one packed key tile
   alignas(64) uint16_t p[kRows * kBlock];
   alignas(64) Scores s;
-  for (int j = 0; j < kSub; ++j) {
+  // the key tiles up to the lane's last row: any later one is masked for every row, its P.V product all zeros
+  const int64_t tiles = std::min<int64_t>(kSub, (lane.first_pos + lane.rows - 1 - b * kBlock) / kKeys + 1);
+  for (int j = 0; j < tiles; ++j) {
     Tiles::zero_c();
     for (int g = 0; g < D / 32; ++g) {
       Tiles::template load_a<false>(st.q + 32 * g, D * 2);
@@ -269,7 +273,7 @@ __attribute__((always_inline)) inline void lane_key_block(const Lane& lane, Lane
   softmax_block<Tiles>(s, b, lane.first_pos, lane.rows, scale, st.rows, p);
   for (int g = 0; g < D / 32; ++g) {
     Tiles::zero_c();
-    for (int j = 0; j < kSub; ++j) {
+    for (int j = 0; j < tiles; ++j) {
       Tiles::template load_a<false>(p + j * kKeys, kBlock * 2);
       Tiles::load_b(v + j * kTileBytes + g * 2 * kTile * 2);
       Tiles::dot_all();
@@ -307,9 +311,9 @@ __attribute__((always_inline)) inline void attend_item(const WorkItem& item, con
 template <class Tiles, int D>
 __attribute__((always_inline)) inline void attend_items(const std::vector<WorkItem>& items,
                                                         const PagedArgs<c10::BFloat16>& a, WorkQueue& queue) {
-  std::vector<LaneState<D>> states(kMaxLanes);
+  const std::unique_ptr<LaneState<D>[]> states(new LaneState<D>[kMaxLanes]);  // set up by each item
   Tiles::configure();
-  for (int64_t item; queue.next(item);) attend_item<Tiles, D>(items[item], a, states.data());
+  for (int64_t item; queue.next(item);) attend_item<Tiles, D>(items[item], a, states.get());
   Tiles::release();
 }
 
@@ -356,10 +360,10 @@ std::vector<WorkItem> work_items(const PagedArgs<c10::BFloat16>& a, const Packed
 template <int D>
 void attend(const PagedArgs<c10::BFloat16>& a, bool emulated) {
   const PackedKV plan = plan_packing(a.seq_lens, a.num_seqs);
-  std::vector<uint16_t> k_packed(plan.total_tiles * a.num_kv_heads * kKeys * D);
-  std::vector<uint16_t> v_packed(k_packed.size());
-  pack_kv(a, plan, k_packed.data(), v_packed.data());
-  const std::vector<WorkItem> items = work_items(a, plan, k_packed.data(), v_packed.data());
+  const int64_t packed = plan.total_tiles * a.num_kv_heads * kKeys * D;  // every element written by pack_kv
+  const std::unique_ptr<uint16_t[]> k_packed(new uint16_t[packed]), v_packed(new uint16_t[packed]);
+  pack_kv(a, plan, k_packed.get(), v_packed.get());
+  const std::vector<WorkItem> items = work_items(a, plan, k_packed.get(), v_packed.get());
   run_costliest_first(
       static_cast<int64_t>(items.size()), [&](int64_t i) { return items[i].last_pos; },
       [&](WorkQueue& queue) {
