@@ -7,10 +7,9 @@ so a prefix block computed in this very step is visible to the requests that sha
 - prefill chunks (query length > 1, context = cached tokens + this chunk): the native CPU kernel reads their keys in
   place too, causal by absolute position, in tiles of 16 query rows; the torch path pads only their own queries and
   runs SDPA with a causal mask (or, for prompts with no earlier context, one causal SDPA per prompt on its own K/V).
-On a CPU with AMX a bfloat16 pool's long prefill chunks take torch's fused SDPA instead, one call per sequence, which
-runs on the tiles; chunks of at most paths.SHORT_PREFILL_MAX_ROWS rows stay on the native kernel, batched, where one
-call per sequence and layer would cost more than the tiles save (preferred_prefill_method() "split", decided per chunk
-from its own length; BATCHSERVE_PREFILL_ATTENTION forces one way).
+On a CPU with AMX a bfloat16 pool's prefill chunks take the native kernel on the tiles (kernels/prefill_amx.cpp, every
+chunk whatever its length, so a prefix-cache hit rounds as the whole prompt), or torch's fused SDPA where that kernel
+is not chosen (preferred_prefill_method(); BATCHSERVE_PREFILL_ATTENTION forces one way).
 On the CPU all of this is one native call a layer (kernels/step_attention.cpp paged_attention, the same function the
 native decoder loop calls) on the step's StepAttention (native_step: built once a step); the Python code below is the
 torch path, for other devices and for what the native kernels do not take.
@@ -354,9 +353,12 @@ def _native_prefill_attention(
     query_starts: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The native prefill kernel over prefill chunks: query [T, H, D], their rows in order, query_starts [S + 1]."""
+    """The native prefill kernel over prefill chunks: query [T, H, D], their rows in order, query_starts [S + 1].
+    bf16 rows of a bf16 pool go to the AMX kernel as they are, any other through float32 (step_attention.cpp's rule)."""
+    isa = kernels.prefill_kernel_isa()
+    bf16_rows = query.dtype == kv_cache[0].dtype == torch.bfloat16 and isa.name != "avx512"
     out = kernels.load().paged_prefill_attention(
-        query.float(),
+        query if bf16_rows else query.float(),
         kv_cache[0],
         kv_cache[1],
         block_tables,
@@ -364,7 +366,7 @@ def _native_prefill_attention(
         query_starts,
         scale,
         kernels.attention_path(),
-        kernels.prefill_kernel_isa(),
+        isa,
     )
     return out.to(query.dtype)
 

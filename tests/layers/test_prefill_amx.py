@@ -46,9 +46,9 @@ class Pool:
         self.queries = [torch.randn(n, heads, head_dim, generator=gen).to(torch.bfloat16).float() for n in lens]
         self.block_size = block_size
 
-    def run(self, native, isa, chunks, scale=None):
-        """The kernel over the last `chunks[i]` rows of sequence i -> [rows, H, D] float32."""
-        query = torch.cat([q[n - c :] for q, n, c in zip(self.queries, self.lens, chunks)])
+    def run(self, native, isa, chunks, scale=None, dtype=torch.float32):
+        """The kernel over the last `chunks[i]` rows of sequence i, queries in `dtype` -> [rows, H, D] in `dtype`."""
+        query = torch.cat([q[n - c :] for q, n, c in zip(self.queries, self.lens, chunks)]).to(dtype)
         starts = torch.tensor([0, *chunks]).cumsum(0)
         scale = scale if scale is not None else self.head_dim**-0.5
         lens = torch.tensor(self.lens, dtype=torch.int64)
@@ -116,6 +116,17 @@ def test_a_row_is_the_same_bits_in_any_batch_and_on_any_number_of_threads(path, 
         assert torch.equal(pool.run(native, isa, [70, 17, 45]), together)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("path", AMX_PATHS)
+def test_bf16_rows_are_the_float32_rows_rounded(path, native):
+    # bf16 queries go in as they are and come out rounded to nearest even: the float32 output's bits, rounded
+    pool = Pool([90, 33], 6, 2, 64, 16, seed=5)
+    isa = _isa(native, path)
+    out = pool.run(native, isa, [90, 7], dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, pool.run(native, isa, [90, 7]).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):  # the vector kernel takes float32 queries only
+        pool.run(native, native.Isa.avx512, [90, 7], dtype=torch.bfloat16)
 
 
 def test_amx_tiles_and_their_emulation_agree(native):

@@ -214,9 +214,8 @@ __attribute__((always_inline)) inline void rescale_add(float* acc, const float (
 
 // One query tile (up to 32 rows of one head) of a work item.
 struct Lane {
-  const float* q;  // its first row's head
+  int64_t row, head;  // its first row in the call, and its query head
   int64_t first_pos, rows;
-  float* out;
 };
 
 // A work item: the lanes that read one (sequence, kv head)'s packed K and V (the query heads sharing it, and up to
@@ -240,12 +239,19 @@ struct LaneState {
   Rows rows;
 };
 
-template <class Tiles, int D>
-__attribute__((always_inline)) inline void start_lane(const Lane& lane, int64_t q_stride, LaneState<D>& st) {
+// The lane's query rows as bf16: copied, or rounded from float32 (exact: they hold bf16 values).
+template <int D>
+__attribute__((always_inline)) inline void start_lane(const Lane& lane, const PagedArgs<c10::BFloat16>& a,
+                                                      LaneState<D>& st) {
   for (int64_t r = 0; r < kRows; ++r) {
-    for (int64_t d = 0; d < D; d += 16)  // exact: the queries are bf16 values
-      store16(reinterpret_cast<c10::BFloat16*>(st.q + r * D + d),
-              r < lane.rows ? _mm512_loadu_ps(lane.q + r * q_stride + d) : _mm512_setzero_ps());
+    const int64_t at = (lane.row + r) * a.q_stride + lane.head * D;
+    if (r >= lane.rows)
+      std::memset(st.q + r * D, 0, D * sizeof(uint16_t));
+    else if (a.q_bf16 != nullptr)
+      std::memcpy(st.q + r * D, a.q_bf16 + at, D * sizeof(uint16_t));
+    else
+      for (int64_t d = 0; d < D; d += 16)
+        store16(reinterpret_cast<c10::BFloat16*>(st.q + r * D + d), _mm512_loadu_ps(a.q + at + d));
     st.rows.max[r] = -1e30f;
     st.rows.sum[r] = _mm512_setzero_ps();
   }
@@ -283,12 +289,19 @@ __attribute__((always_inline)) inline void lane_key_block(const Lane& lane, Lane
   }
 }
 
+// out = acc / sum, in float32 or rounded to bf16 (to nearest even, as a float32 output's conversion rounds).
 template <int D>
-void finish_lane(const Lane& lane, const LaneState<D>& st, int64_t out_stride) {
+void finish_lane(const Lane& lane, const LaneState<D>& st, const PagedArgs<c10::BFloat16>& a) {
   for (int64_t r = 0; r < lane.rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(st.rows.sum[r]));
-    for (int j = 0; j < D; j += 16)
-      _mm512_storeu_ps(lane.out + r * out_stride + j, _mm512_mul_ps(_mm512_loadu_ps(st.acc + r * D + j), inv));
+    const int64_t at = ((lane.row + r) * a.num_heads + lane.head) * D;
+    for (int j = 0; j < D; j += 16) {
+      const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(st.acc + r * D + j), inv);
+      if (a.out_bf16 != nullptr)
+        store16(a.out_bf16 + at + j, o);
+      else
+        _mm512_storeu_ps(a.out + at + j, o);
+    }
   }
 }
 
@@ -296,7 +309,7 @@ void finish_lane(const Lane& lane, const LaneState<D>& st, int64_t out_stride) {
 template <class Tiles, int D>
 __attribute__((always_inline)) inline void attend_item(const WorkItem& item, const PagedArgs<c10::BFloat16>& a,
                                                        LaneState<D>* states) {
-  for (int l = 0; l < item.lanes; ++l) start_lane<Tiles, D>(item.lane[l], a.q_stride, states[l]);
+  for (int l = 0; l < item.lanes; ++l) start_lane<D>(item.lane[l], a, states[l]);
   for (int64_t b = 0; b <= item.last_pos / kBlock; ++b) {
     const auto* k = reinterpret_cast<const char*>(item.k + b * kBlock * D);
     const auto* v = reinterpret_cast<const char*>(item.v + b * kBlock * D);
@@ -305,7 +318,7 @@ __attribute__((always_inline)) inline void attend_item(const WorkItem& item, con
       if (b * kBlock <= lane.first_pos + lane.rows - 1) lane_key_block<Tiles, D>(lane, states[l], k, v, b, a.scale);
     }
   }
-  for (int l = 0; l < item.lanes; ++l) finish_lane<D>(item.lane[l], states[l], a.num_heads * D);
+  for (int l = 0; l < item.lanes; ++l) finish_lane<D>(item.lane[l], states[l], a);
 }
 
 template <class Tiles, int D>
@@ -348,7 +361,7 @@ std::vector<WorkItem> work_items(const PagedArgs<c10::BFloat16>& a, const Packed
           for (int64_t row = block; row < std::min(end, block + tiles_per_block * kRows); row += kRows) {
             if (item.lanes == kMaxLanes) items.push_back(item), item.lanes = 0;
             const int64_t rows = std::min(kRows, end - row), pos = context + row - first;
-            item.lane[item.lanes++] = {a.q + row * a.q_stride + h * D, pos, rows, a.out + (row * a.num_heads + h) * D};
+            item.lane[item.lanes++] = {row, h, pos, rows};
             item.last_pos = std::max(item.last_pos, pos + rows - 1);
           }
         items.push_back(item);
