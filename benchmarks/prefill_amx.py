@@ -56,7 +56,10 @@ def sdpa(case, scale):
         q = case["query"][start : start + rows].transpose(0, 1).unsqueeze(0)
         n = context + rows
         blocks = case["tables"][i, : -(-n // bs)]
-        k, v = (c[blocks].view(-1, kv_heads, head_dim)[:n].transpose(0, 1).unsqueeze(0) for c in (case["key"], case["value"]))
+        k, v = (
+            c[blocks].view(-1, kv_heads, head_dim)[:n].transpose(0, 1).unsqueeze(0)
+            for c in (case["key"], case["value"])
+        )
         if context == 0:
             F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:

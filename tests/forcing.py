@@ -124,7 +124,11 @@ def force_prefill_kernel(monkeypatch):
         preferred_prefill_method.cache_clear()
 
     force = _path_forcer(
-        monkeypatch, "prefill kernel", "BATCHSERVE_PREFILL_KERNEL_PATH", kernels.prefill_kernel_path_runs, kernels.prefill_kernel_path
+        monkeypatch,
+        "prefill kernel",
+        "BATCHSERVE_PREFILL_KERNEL_PATH",
+        kernels.prefill_kernel_path_runs,
+        kernels.prefill_kernel_path,
     )
 
     def force_and_clear(path: str) -> None:

@@ -305,7 +305,11 @@ def prefill_method(like: torch.Tensor, head_dim: int, kv_cache: KVCache, chosen:
     if like.device.type != "cpu":
         return "torch"
     preferred = preferred_prefill_method(kv_cache[0].dtype, chosen)
-    if preferred == "native" and _amx_by_choice(kv_cache[0].dtype, chosen) and head_dim not in paths.AMX_PREFILL_HEAD_DIMS:
+    if (
+        preferred == "native"
+        and _amx_by_choice(kv_cache[0].dtype, chosen)
+        and head_dim not in paths.AMX_PREFILL_HEAD_DIMS
+    ):
         return "sdpa"  # the AMX kernel is chosen by itself only for the head sizes where it was measured faster
     if preferred != "sdpa" and _native_prefill(like, head_dim, kv_cache) is not None:
         return preferred

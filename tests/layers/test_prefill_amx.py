@@ -11,7 +11,6 @@ import torch
 from batchserve.layers import kernels
 from batchserve.layers.attention import preferred_prefill_method, prefill_method
 from batchserve.layers.kernels import paths
-from tests.forcing import force_prefill, force_prefill_kernel  # noqa: F401 (fixtures)
 
 AMX_PATHS = ("amx", "amx_emulated")
 
@@ -53,9 +52,7 @@ class Pool:
         scale = scale if scale is not None else self.head_dim**-0.5
         lens = torch.tensor(self.lens, dtype=torch.int64)
         path = native.Isa.avx512_bf16 if kernels.attention_path_runs("avx512_bf16") else native.Isa.avx512
-        return native.paged_prefill_attention(
-            query, self.key, self.value, self.tables, lens, starts, scale, path, isa
-        )
+        return native.paged_prefill_attention(query, self.key, self.value, self.tables, lens, starts, scale, path, isa)
 
     def reference(self, seq, chunk, scale=None):
         """float64 causal attention of sequence `seq`'s last `chunk` rows -> [chunk, H, D]."""
