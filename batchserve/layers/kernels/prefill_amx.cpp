@@ -3,14 +3,17 @@
 // amx_gemm.cpp: AMX's, or amx_tiles.h's scalar emulation (the "amx_emulated" path, which tests run anywhere).
 //
 // Why a row's output never depends on its chunking (a prefix-cache hit must round as the whole prompt did): key
-// tiles are 32 keys aligned to absolute position 0, every row visits them in the same order, a tile product's row
-// depends only on that row of A, and a key tile wholly in a row's future leaves its softmax state and accumulator
-// untouched (skipped, not multiplied by 1). So the tile a row shares with other rows, and where its chunk started,
-// change nothing.
+// blocks are 128 keys aligned to absolute position 0, every row visits them in the same order, a tile product's row
+// depends only on that row of A, and a block wholly in a row's future leaves its softmax state and accumulator
+// untouched (skipped, not multiplied by 1). Within a row's last block the key tiles past the lane's last row are not
+// multiplied: for the row they are all masked, their P.V product exact zeros, so leaving them out changes no sum. So
+// the rows a row shares its tile with, where its chunk started and the number of threads change nothing.
 //
-// Layout: each (sequence, kv head)'s keys are first packed, once per call, into the tiles' B operand: per key tile,
-// Q.K^T's [2 halves of 16 keys][head_dim / 32][16 dim pairs][16 keys][2] and P.V's [head_dim / 16][16 key pairs][16
-// dims][2] (padded with zero keys past the context). Then every (query tile of 16 rows, head) is one work item.
+// Layout: each (sequence, kv head)'s keys are first packed, once per call, into the tiles' B operand: per key tile of
+// 32, Q.K^T's [head_dim / 32][2 halves of 16 keys][16 dim pairs][16 keys][2] and P.V's [head_dim / 16][16 key pairs]
+// [16 dims][2] (zero keys past the context, up to a whole block). A work item is the query tiles (32 rows) of the
+// heads sharing one kv head, and up to 4 consecutive tiles where that group is small: each K/V tile is loaded into L1
+// once for all of them.
 #include "isa.h"
 
 #ifdef BATCHSERVE_ISA_AVX512
