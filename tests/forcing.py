@@ -111,3 +111,29 @@ def force_auto_flags(monkeypatch):
         monkeypatch.setattr(auto_quantization, "host", lambda: (HOST_CLASS_FLAGS[host_class], every))
 
     return force
+
+
+@pytest.fixture
+def force_prefill_kernel(monkeypatch):
+    """force_prefill_kernel(path): a bfloat16 pool's native prefill kernel takes `path` ("amx", "amx_emulated" or
+    "avx512"; skipped where it cannot run here). The cached choices are cleared around the test."""
+    from batchserve.layers import kernels
+
+    def clear() -> None:
+        kernels.prefill_kernel_path.cache_clear()
+        preferred_prefill_method.cache_clear()
+
+    force = _path_forcer(
+        monkeypatch,
+        "prefill kernel",
+        "BATCHSERVE_PREFILL_KERNEL_PATH",
+        kernels.prefill_kernel_path_runs,
+        kernels.prefill_kernel_path,
+    )
+
+    def force_and_clear(path: str) -> None:
+        force(path)
+        clear()
+
+    yield force_and_clear
+    clear()

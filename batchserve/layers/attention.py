@@ -7,10 +7,9 @@ so a prefix block computed in this very step is visible to the requests that sha
 - prefill chunks (query length > 1, context = cached tokens + this chunk): the native CPU kernel reads their keys in
   place too, causal by absolute position, in tiles of 16 query rows; the torch path pads only their own queries and
   runs SDPA with a causal mask (or, for prompts with no earlier context, one causal SDPA per prompt on its own K/V).
-On a CPU with AMX a bfloat16 pool's long prefill chunks take torch's fused SDPA instead, one call per sequence, which
-runs on the tiles; chunks of at most paths.SHORT_PREFILL_MAX_ROWS rows stay on the native kernel, batched, where one
-call per sequence and layer would cost more than the tiles save (preferred_prefill_method() "split", decided per chunk
-from its own length; BATCHSERVE_PREFILL_ATTENTION forces one way).
+On a CPU with AMX a bfloat16 pool's prefill chunks take the native kernel on the tiles (kernels/prefill_amx.cpp, every
+chunk whatever its length, so a prefix-cache hit rounds as the whole prompt), or torch's fused SDPA where that kernel
+is not chosen (preferred_prefill_method(); BATCHSERVE_PREFILL_ATTENTION forces one way).
 On the CPU all of this is one native call a layer (kernels/step_attention.cpp paged_attention, the same function the
 native decoder loop calls) on the step's StepAttention (native_step: built once a step); the Python code below is the
 torch path, for other devices and for what the native kernels do not take.
@@ -45,6 +44,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_
 PREFILL_METHODS = ("native", "sdpa", "split")  # how prefill chunks attend on the CPU (preferred_prefill_method)
 EVERY_CHUNK = 2**62  # native_prefill_rows: no chunk is too long for the native kernel
 PREFILL_KERNEL_PATHS = ("avx512_bf16", "avx512")  # the native kernel paths with a prefill kernel
+AMX_KERNEL_PATHS = ("amx", "amx_emulated")  # the native prefill kernel's paths on (emulated) AMX tiles
 
 
 @dataclass
@@ -261,6 +261,7 @@ def _make_native_step(like: torch.Tensor, head_dim: int, kv_cache: KVCache, meta
         native_prefill_rows=0 if method is None else native_prefill_rows(method),
         path=kernels.attention_path(),
         mask_dtype=like.dtype,
+        prefill_path=kernels.prefill_kernel_isa(),
     )
 
 
@@ -304,6 +305,12 @@ def prefill_method(like: torch.Tensor, head_dim: int, kv_cache: KVCache, chosen:
     if like.device.type != "cpu":
         return "torch"
     preferred = preferred_prefill_method(kv_cache[0].dtype, chosen)
+    if (
+        preferred == "native"
+        and _amx_by_choice(kv_cache[0].dtype, chosen)
+        and head_dim not in paths.AMX_PREFILL_HEAD_DIMS
+    ):
+        return "sdpa"  # the AMX kernel is chosen by itself only for the head sizes where it was measured faster
     if preferred != "sdpa" and _native_prefill(like, head_dim, kv_cache) is not None:
         return preferred
     return "sdpa"
@@ -350,9 +357,20 @@ def _native_prefill_attention(
     query_starts: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The native prefill kernel over prefill chunks: query [T, H, D], their rows in order, query_starts [S + 1]."""
+    """The native prefill kernel over prefill chunks: query [T, H, D], their rows in order, query_starts [S + 1].
+    bf16 rows of a bf16 pool go to the AMX kernel as they are, any other through float32 (step_attention.cpp's rule)."""
+    isa = kernels.prefill_kernel_isa()
+    bf16_rows = query.dtype == kv_cache[0].dtype == torch.bfloat16 and isa.name != "avx512"
     out = kernels.load().paged_prefill_attention(
-        query.float(), kv_cache[0], kv_cache[1], block_tables, seq_lens, query_starts, scale, kernels.attention_path()
+        query if bf16_rows else query.float(),
+        kv_cache[0],
+        kv_cache[1],
+        block_tables,
+        seq_lens,
+        query_starts,
+        scale,
+        kernels.attention_path(),
+        isa,
     )
     return out.to(query.dtype)
 
@@ -395,11 +413,12 @@ def _native_prefill(like: torch.Tensor, head_dim: int, kv_cache: KVCache):
 @functools.cache
 def preferred_prefill_method(pool_dtype: torch.dtype, chosen: str = "auto") -> str:
     """How prefill chunks attend on the CPU, chosen once per pool dtype and engine option, and logged. `chosen` is
-    the engine's prefill_attention option. With "auto": "sdpa" (torch's fused attention, one call per sequence) for a
-    bfloat16 pool on a CPU with AMX, whose tiles put it ahead of the native kernel there, and on a quiet host as fast
-    as "split" (chunks of at most paths.SHORT_PREFILL_MAX_ROWS rows the native kernel, batched, longer ones SDPA) on
-    peer64 and faster on embeddings; "native" (the native kernel where it runs, else SDPA: prefill_method) otherwise,
-    a float32 pool included (there the two are as fast). BATCHSERVE_PREFILL_ATTENTION forces one over `chosen`
+    the engine's prefill_attention option. With "auto": for a bfloat16 pool on a CPU with AMX, "native" where the
+    native prefill kernel runs on the tiles (kernels.prefill_kernel_path; every chunk, of the head sizes
+    paths.AMX_PREFILL_HEAD_DIMS, in one call: prefill_method), else "sdpa" (torch's fused attention, one call per
+    sequence, on the tiles too); "native" (the native kernel where it runs, else SDPA: prefill_method) otherwise, a
+    float32 pool included. "split" (chunks of at most paths.SHORT_PREFILL_MAX_ROWS rows the native kernel, batched,
+    longer ones SDPA) only when asked for. BATCHSERVE_PREFILL_ATTENTION forces one over `chosen`
     (docs/cpu-kernels.md)."""
     forced = env.prefill_attention()
     if forced is not None and forced not in PREFILL_METHODS:
@@ -407,14 +426,30 @@ def preferred_prefill_method(pool_dtype: torch.dtype, chosen: str = "auto") -> s
     if chosen != "auto" and chosen not in PREFILL_METHODS:
         raise ValueError(f"prefill_attention={chosen!r}: not one of auto, {', '.join(PREFILL_METHODS)}")
     amx = pool_dtype == torch.bfloat16 and "amx_bf16" in kernels.cpu_flags().split()
-    path = forced or (chosen if chosen != "auto" else None) or ("sdpa" if amx else "native")
+    auto = "native" if not amx or _amx_by_choice(pool_dtype, chosen) else "sdpa"
+    path = forced or (chosen if chosen != "auto" else None) or auto
+    on_tiles = pool_dtype == torch.bfloat16 and kernels.prefill_kernel_path() in AMX_KERNEL_PATHS
     where = {
-        "native": " where it takes the chunk, else sdpa",
+        "native": f" ({'AMX tiles' if on_tiles else 'vector kernel'}) where it takes the chunk, else sdpa",
         "split": f" (chunks of <= {paths.SHORT_PREFILL_MAX_ROWS} rows native, batched, where it takes them; longer sdpa)",
     }.get(path, "")
     why = " (forced)" if forced else f" (prefill_attention {chosen})" if chosen != "auto" else ""
     logger.info("prefill attention on a %s pool: %s%s%s", pool_dtype, path, where, why)
     return path
+
+
+def _amx_by_choice(pool_dtype: torch.dtype, chosen: str) -> bool:
+    """Whether prefill auto sends a bfloat16 pool's chunks to the native kernel on AMX tiles: nothing forces a prefill
+    method, the option is auto, the CPU has AMX and the native prefill kernel's path is the tiles (or their emulation,
+    forced). Every chunk then takes it, whatever its length: a row rounds the same in a prefix-cache hit's chunk as in
+    the whole prompt (prefill_amx.cpp)."""
+    return (
+        env.prefill_attention() is None
+        and chosen == "auto"
+        and pool_dtype == torch.bfloat16
+        and "amx_bf16" in kernels.cpu_flags().split()
+        and kernels.prefill_kernel_path() in AMX_KERNEL_PATHS
+    )
 
 
 def _per_sequence_prefill_attention(

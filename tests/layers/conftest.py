@@ -5,6 +5,7 @@ from tests.forcing import (  # noqa: F401  (fixtures of the tests here)
     force_gemm,
     force_lora_path,
     force_prefill,
+    force_prefill_kernel,
     force_quant_gemm,
     force_small_gemm,
 )

@@ -41,13 +41,15 @@ def _built_on(flags: str) -> frozenset[tuple[str, str]]:
     "flags, expected",
     [
         (SAPPHIRE_RAPIDS, {"attention": "avx512_bf16", "small_gemm": "avx512", "bf16_gemm": "amx",
-                           "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512"}),
+                           "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512",
+                           "prefill_attention": "amx"}),
         (SKYLAKE_SP, {"attention": "avx512", "small_gemm": "avx512", "bf16_gemm": "onednn",
-                      "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512"}),
+                      "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512",
+                      "prefill_attention": "avx512"}),
         (ZEN3, {"attention": "avx2", "small_gemm": "avx2", "bf16_gemm": "onednn", "quant_gemm": "avx2",
-                "kv_codec": "portable", "lora": "avx2"}),
+                "kv_codec": "portable", "lora": "avx2", "prefill_attention": None}),
         (OLD, {"attention": "portable", "small_gemm": "library", "bf16_gemm": "onednn", "quant_gemm": "portable",
-               "kv_codec": "portable", "lora": "portable"}),
+               "kv_codec": "portable", "lora": "portable", "prefill_attention": None}),
     ],
     ids=["sapphire-rapids", "skylake-sp", "zen3", "no-avx2"],
 )  # fmt: skip
@@ -65,7 +67,7 @@ def test_a_build_from_another_cpu_is_read_against_this_cpus_flags():
 def test_without_native_kernels_only_the_libraries_paths_run():
     chosen = select_paths(SAPPHIRE_RAPIDS, {}, None)
     assert chosen.paths == {"attention": None, "small_gemm": "library", "bf16_gemm": "onednn", "quant_gemm": None,
-                            "kv_codec": None, "lora": None}  # fmt: skip
+                            "kv_codec": None, "lora": None, "prefill_attention": None}  # fmt: skip
 
 
 def test_the_emulated_amx_path_is_taken_only_when_forced():

@@ -132,13 +132,19 @@ def test_split_threshold_is_logged_once(monkeypatch, caplog, force):
 
 
 def test_prefill_path_choice(monkeypatch, force_prefill):
-    # For bfloat16 pools where the CPU has AMX, SDPA (on its tiles); the native kernel elsewhere and for float32
-    # pools; the
-    # engine's prefill_attention option picks another, the variable forces any of them over it, and an unknown name
-    # is an error.
+    # For bfloat16 pools where the CPU has AMX, the native kernel where it runs on the tiles, else SDPA (on its
+    # tiles); the native kernel elsewhere and for float32 pools; the engine's prefill_attention option picks another,
+    # the variable forces any of them over it, and an unknown name is an error.
     monkeypatch.delenv("BATCHSERVE_PREFILL_ATTENTION", raising=False)
-    for flags, bf16_path in (("avx512f avx512_bf16 amx_tile amx_bf16", "sdpa"), ("avx512f avx512_bf16", "native")):
+    amx = "avx512f avx512_bf16 amx_tile amx_bf16"
+    cases = [(amx, "avx512", "sdpa"), ("avx512f avx512_bf16", "avx512", "native")]
+    if kernels.prefill_kernel_path_runs("amx_emulated"):  # an AVX-512 build: the AMX kernel, emulated, forced
+        cases.append((amx, "amx_emulated", "native"))
+    for flags, kernel, bf16_path in cases:
         monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: f"flags : fpu {flags}")
+        if kernels.prefill_kernel_path_runs(kernel):  # else (no AVX-512 build) no prefill kernel: the same answer
+            monkeypatch.setenv("BATCHSERVE_PREFILL_KERNEL_PATH", kernel)
+        kernels.prefill_kernel_path.cache_clear()
         preferred_prefill_method.cache_clear()
         assert (
             preferred_prefill_method(torch.bfloat16) == bf16_path
@@ -147,6 +153,8 @@ def test_prefill_path_choice(monkeypatch, force_prefill):
         assert preferred_prefill_method(torch.bfloat16, "split") == "split"
     with pytest.raises(ValueError, match="prefill_attention='fastest'"):
         preferred_prefill_method(torch.float32, "fastest")
+    monkeypatch.delenv("BATCHSERVE_PREFILL_KERNEL_PATH", raising=False)
+    kernels.prefill_kernel_path.cache_clear()
     force_prefill("sdpa")
     assert preferred_prefill_method(torch.float32) == "sdpa"
     assert preferred_prefill_method(torch.bfloat16, "split") == "sdpa"  # the variable over the option

@@ -115,6 +115,26 @@ def attention_path():
     return native.Isa.__members__[chosen_path("attention")]
 
 
+def prefill_kernel_path_runs(path: str) -> bool:
+    """Whether the native prefill kernel `path` ("amx", "amx_emulated", "avx512") is built here and this CPU runs it."""
+    return load() is not None and path_runs("prefill_attention", path)
+
+
+@functools.cache
+def prefill_kernel_path() -> str | None:
+    """The native prefill kernel's path for a bfloat16 pool, chosen once: BATCHSERVE_PREFILL_KERNEL_PATH when set
+    (ValueError when it names no path or one that cannot run here), else AMX tiles where the CPU grants them, else
+    the attention path's vector kernel. None where the native kernels are not built."""
+    return None if load() is None else chosen_path("prefill_attention")
+
+
+def prefill_kernel_isa():
+    """prefill_kernel_path() as the module's Isa, which paged_prefill_attention and StepAttention take."""
+    path = prefill_kernel_path()
+    isa = OPERATIONS["prefill_attention"].path(path).isa if path else "avx512"
+    return load().Isa.__members__[isa]
+
+
 def gemm_path_runs(path: str) -> bool:
     """Whether the bf16 GEMM `path` is built here and this CPU runs it."""
     return path_runs("bf16_gemm", path)

@@ -86,7 +86,7 @@ void register_step_attention(pybind11::module& m) {
       .def(py::init(&make_step), py::arg("slot_mapping"), py::arg("decode_rows"), py::arg("decode_block_tables"),
            py::arg("decode_seq_lens"), py::arg("prefill_block_tables"), py::arg("prefill_seq_lens"),
            py::arg("prefill_query_starts"), py::arg("spans"), py::arg("native_prefill_rows"), py::arg("path"),
-           py::arg("mask_dtype"));
+           py::arg("mask_dtype"), py::arg("prefill_path") = Isa::kAvx512);
   m.def("paged_attention", &paged_attention,
         "one layer's attention over a step: store its K/V, then the decode and the prefill rows on their paths",
         py::call_guard<py::gil_scoped_release>(), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_cache"),
@@ -186,7 +186,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal paged attention of prefill rows (CPU)", kNoGil,
         pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_starts"),
-        pybind11::arg("scale"), pybind11::arg("path"));
+        pybind11::arg("scale"), pybind11::arg("path"), pybind11::arg("prefill_path") = Isa::kAvx512);
   m.def("attention_paths", &attention_paths, "the attention paths built here, best first");
   m.def("attention_path_runs", &attention_path_runs, "whether this path is built here and this CPU runs it");
   m.def("best_attention_path", &best_attention_path, "the best attention path this build and CPU run");

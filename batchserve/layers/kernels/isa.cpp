@@ -41,6 +41,11 @@ std::vector<std::tuple<std::string, std::string, Isa>> kernel_table() {
 #ifdef BATCHSERVE_ISA_AVX512
     add("attention", {"float32", "bfloat16", "int8", "fp8_e4m3"}, Isa::kAvx512);
     add("prefill_attention", {"float32", "bfloat16"}, Isa::kAvx512);
+    // a bfloat16 pool's prefill on AMX tiles (prefill_amx.cpp), the tiles emulated in scalar code on any AVX-512 CPU
+    add("prefill_attention", {"bfloat16"}, Isa::kPortable);
+#ifdef BATCHSERVE_AMX
+    add("prefill_attention", {"bfloat16"}, Isa::kAmx);
+#endif
 #endif
 #ifdef BATCHSERVE_ISA_AVX512_BF16
     add("attention", {"bfloat16"}, Isa::kAvx512Bf16);

@@ -31,7 +31,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
                                      AttentionPath path);
 at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                       at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
-                                      double scale, AttentionPath path);
+                                      double scale, AttentionPath path, Isa prefill_path = Isa::kAvx512);
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 at::Tensor silu_and_mul(at::Tensor gate_up);
 void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin);

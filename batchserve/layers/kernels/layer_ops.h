@@ -73,6 +73,7 @@ struct StepAttention {
   // one SDPA per sequence; 0: every chunk SDPA (layers/attention.py native_prefill_rows)
   int64_t native_prefill_rows = 0;
   AttentionPath path = AttentionPath::kPortable;  // the native kernels' attention path
+  Isa prefill_path = Isa::kAvx512;  // the native prefill kernel's (paged_prefill_attention's prefill_path)
   // per prefill chunk after earlier context (SDPA only): its causal mask shifted by the context, additive (0 / -inf)
   // in the queries' dtype; none for a fresh one
   std::vector<c10::optional<at::Tensor>> chunk_masks;
@@ -86,7 +87,7 @@ StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optio
                         c10::optional<at::Tensor> decode_seq_lens, c10::optional<at::Tensor> prefill_block_tables,
                         c10::optional<at::Tensor> prefill_seq_lens, c10::optional<at::Tensor> prefill_query_starts,
                         std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, int64_t native_prefill_rows,
-                        AttentionPath path, at::ScalarType mask_dtype);
+                        AttentionPath path, at::ScalarType mask_dtype, Isa prefill_path = Isa::kAvx512);
 
 // A weight kept quantized (quant_gemm.h) from its codes, scales and minimums, checked, on `path` ("avx512_vnni",
 // "avx512", "avx2", "portable"), repacked once for W8A8 or AMX where those take it (quant_projection.cpp).

@@ -30,6 +30,9 @@ struct PagedArgs {
   // an int8 pool (T = int8_t): each K and V row's scale, [slots, Hkv] (kv_cache_dtype="int8")
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
+  // bfloat16 queries and output instead of q and out (the AMX prefill kernel only), strided as they are
+  const c10::BFloat16* q_bf16 = nullptr;
+  c10::BFloat16* out_bf16 = nullptr;
 };
 
 // Each returns false (and writes nothing) where it does not take the call: another head size, or a build without its
@@ -43,3 +46,5 @@ bool decode_attention_avx512(const PagedArgs<T>& a);                       // de
 bool decode_attention_avx512_bf16(const PagedArgs<c10::BFloat16>& a);      // decode_avx512_bf16.cpp
 template <typename T>
 bool prefill_attention_avx512(const PagedArgs<T>& a);                      // prefill_avx512.cpp
+// a bfloat16 pool on AMX tiles, or their scalar emulation (tests); head_dim 32, 64 or 128
+bool prefill_attention_amx(const PagedArgs<c10::BFloat16>& a, bool emulated);  // prefill_amx.cpp

@@ -89,9 +89,10 @@ template <typename T>
 PagedArgs<T> paged_args(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                         const at::Tensor& tables, const at::Tensor& lens, const int64_t* query_starts,
                         double scale, at::Tensor& out) {
-  return {query.data_ptr<float>(),   query.stride(0),         key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+  const auto floats = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t.data_ptr<float>() : nullptr; };
+  return {floats(query),              query.stride(0),         key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
           tables.data_ptr<int64_t>(), tables.size(1),         lens.data_ptr<int64_t>(), query_starts,
-          out.data_ptr<float>(),      lens.size(0),           query.size(1),           key_cache.size(2),
+          floats(out),                lens.size(0),           query.size(1),           key_cache.size(2),
           query.size(2),              key_cache.size(1),      static_cast<float>(scale)};
 }
 
@@ -142,17 +143,23 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
 // order; caches [num_blocks, block_size, Hkv, D] (float32 or bfloat16) holding every key up to each row's position
 // (this step's included); block_tables [S, max_blocks]; seq_lens [S] context after this step; query_starts [S + 1]
 // cumulative query rows -> [T, H, D] float32. Needs an AVX-512 path and head_dim in {32, 64, 128}: see
-// prefill_attention_available().
+// prefill_attention_available(). prefill_path (the kernel table's prefill_attention row): a bfloat16 pool's rows on
+// AMX tiles (kAmx), on their scalar emulation (kPortable, tests), or (kAvx512) the vector kernel of `path`.
 at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                       at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
-                                      double scale, AttentionPath path) {
+                                      double scale, AttentionPath path, Isa prefill_path) {
   TORCH_CHECK(attention_path_runs(path), "this attention path is not built here or does not run on this CPU");
   TORCH_CHECK(path == AttentionPath::kAvx512 || path == AttentionPath::kAvx512Bf16,
               "paged_prefill_attention runs on the AVX-512 paths only (on the others the torch code runs)");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3 && query.stride(2) == 1 &&
-                  query.stride(1) == query.size(2),
-              "query: float32 [T, H, D] with contiguous heads");
+  TORCH_CHECK(prefill_path == Isa::kAvx512 || prefill_path == Isa::kPortable || prefill_path == Isa::kAmx,
+              "prefill_path: amx, portable (emulated tiles) or avx512");
+  TORCH_CHECK(prefill_path != Isa::kAmx || cpu_runs(Isa::kAmx), "prefill_path amx: this CPU grants no AMX tiles");
   const auto cache_type = key_cache.scalar_type();
+  // bfloat16 queries (and output) go to the AMX kernel of a bfloat16 pool as they are, with no float32 copy
+  const bool bf16_rows = query.scalar_type() == at::kBFloat16 && cache_type == at::kBFloat16 && prefill_path != Isa::kAvx512;
+  TORCH_CHECK((query.scalar_type() == at::kFloat || bf16_rows) && query.dim() == 3 && query.stride(2) == 1 &&
+                  query.stride(1) == query.size(2),
+              "query: float32 [T, H, D] with contiguous heads (or bfloat16, on the AMX kernel of a bfloat16 pool)");
   TORCH_CHECK((cache_type == at::kFloat || cache_type == at::kBFloat16) &&
                   value_cache.scalar_type() == cache_type && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "caches: contiguous float32 or bfloat16");
@@ -181,8 +188,14 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::T
   // A bfloat16 pool's K/V widened to float32 on both paths, the scores and softmax weights kept in float32: as fast as
   // the vdpbf16ps kernel on bf16 weights that it replaced, and no weight rounded to bf16 before P.V (docs/cpu-kernels.md,
   // prefill attention by chunk length).
-  prefill_attention_avx512<c10::BFloat16>(
-      paged_args<c10::BFloat16>(query, key_cache, value_cache, tables, lens, start, scale, out));
+  auto args = paged_args<c10::BFloat16>(query, key_cache, value_cache, tables, lens, start, scale, out);
+  if (bf16_rows) {
+    args.q = nullptr, args.out = nullptr;
+    args.q_bf16 = query.data_ptr<c10::BFloat16>(), args.out_bf16 = out.data_ptr<c10::BFloat16>();
+  }
+  if (prefill_path != Isa::kAvx512 && prefill_attention_amx(args, prefill_path == Isa::kPortable)) return out;
+  TORCH_CHECK(!bf16_rows, "paged_prefill_attention: bfloat16 queries need the AMX kernel");
+  prefill_attention_avx512<c10::BFloat16>(args);
 #endif
   return out;
 }

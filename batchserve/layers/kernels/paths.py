@@ -61,6 +61,13 @@ OPERATIONS: dict[str, Operation] = {
     for op in (
         # paged attention, decode and (AVX-512 paths) prefill: kernels.h AttentionPath
         Operation("attention", "BATCHSERVE_ATTENTION_PATH", _isa_paths("avx512_bf16", "avx512", "avx2", "portable")),
+        # the native prefill kernel of a bfloat16 pool: AMX tiles (prefill_amx.cpp), their scalar emulation (tests),
+        # or the attention path's vector kernel (prefill_avx512.cpp, which a float32 pool always takes)
+        Operation(
+            "prefill_attention",
+            "BATCHSERVE_PREFILL_KERNEL_PATH",
+            (Path("amx", "amx"), Path("amx_emulated", "portable", auto=False), Path("avx512", "avx512")),
+        ),
         # float32 GEMM of decode-sized M (small_gemm.cpp); "library": oneDNN or x @ W at every M
         Operation("small_gemm", "BATCHSERVE_SMALL_GEMM_PATH", (*_isa_paths("avx512", "avx2"), Path("library", None))),
         # bfloat16 GEMM on a CPU with bf16 matmul units: the AMX kernel, its tiles emulated (tests), or oneDNN
@@ -84,6 +91,10 @@ OPERATIONS: dict[str, Operation] = {
 # than its tiles save for short prompts (benchmarks/prefill_split.py; docs/cpu-kernels.md). Decided per chunk from its
 # own length, so a row's path never depends on the other sequences of its step.
 SHORT_PREFILL_MAX_ROWS = 128
+
+# The head sizes for which prefill auto takes the native kernel on AMX tiles for a bfloat16 pool (else SDPA): where it
+# was measured faster than torch's SDPA, one thread, 2k and 8k tokens (benchmarks/prefill_amx.py; docs/cpu-kernels.md).
+AMX_PREFILL_HEAD_DIMS = (64, 128)
 
 FORCE_OFF = ("", "auto")  # a forcing variable with one of these values forces nothing
 

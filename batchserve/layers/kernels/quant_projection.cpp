@@ -81,7 +81,7 @@ StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optio
                         c10::optional<at::Tensor> decode_seq_lens, c10::optional<at::Tensor> prefill_block_tables,
                         c10::optional<at::Tensor> prefill_seq_lens, c10::optional<at::Tensor> prefill_query_starts,
                         std::vector<std::tuple<int64_t, int64_t, int64_t>> spans, int64_t native_prefill_rows,
-                        AttentionPath path, at::ScalarType mask_dtype) {
+                        AttentionPath path, at::ScalarType mask_dtype, Isa prefill_path) {
   TORCH_CHECK(decode_rows == 0 || (decode_block_tables.has_value() && decode_seq_lens.has_value()),
               "decode rows need their block tables and lengths");
   TORCH_CHECK(native_prefill_rows >= 0, "native_prefill_rows: a row count, 0 for none");
@@ -90,7 +90,8 @@ StepAttention make_step(at::Tensor slot_mapping, int64_t decode_rows, c10::optio
               "the native prefill kernel needs block tables, lengths and query starts");
   StepAttention step{std::move(slot_mapping),         decode_rows,          std::move(decode_block_tables),
                      std::move(decode_seq_lens),      std::move(prefill_block_tables), std::move(prefill_seq_lens),
-                     std::move(prefill_query_starts), std::move(spans),     native_prefill_rows, path, {}, {}};
+                     std::move(prefill_query_starts), std::move(spans),     native_prefill_rows, path, prefill_path,
+                     {},                              {}};
   std::vector<int64_t> native_seqs, native_rows, native_starts{0};
   for (size_t i = 0; i < step.spans.size(); ++i) {
     const auto [start, stop, context] = step.spans[i];

@@ -66,10 +66,14 @@ at::Tensor prefill_by_sdpa(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
-// The native prefill kernel over chunks (q: their rows in order) -> q's dtype.
+// The native prefill kernel over chunks (q: their rows in order) -> q's dtype. bf16 rows of a bf16 pool go to the AMX
+// kernel as they are; any other through float32.
 at::Tensor prefill_natively(const at::Tensor& q, const Pool& pool, const at::Tensor& tables, const at::Tensor& lens,
                             const at::Tensor& starts, const StepAttention& step, double scale) {
-  return paged_prefill_attention(q.to(at::kFloat), pool.key, pool.value, tables, lens, starts, scale, step.path)
+  const bool bf16_rows = q.scalar_type() == at::kBFloat16 && pool.key.scalar_type() == at::kBFloat16 &&
+                         step.prefill_path != Isa::kAvx512;
+  return paged_prefill_attention(bf16_rows ? q : q.to(at::kFloat), pool.key, pool.value, tables, lens, starts, scale,
+                                 step.path, step.prefill_path)
       .to(q.scalar_type());
 }
 

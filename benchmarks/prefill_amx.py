@@ -1,0 +1,115 @@
+"""The native prefill kernel on AMX tiles against torch's SDPA (what a bfloat16 pool's prefill took on an AMX CPU
+before it), one layer's attention, ms per call, and the ratio.
+
+    .venv/bin/python benchmarks/prefill_amx.py                     # 1 thread, CPU time; 2k and 8k, head dims 64, 128
+    .venv/bin/python benchmarks/prefill_amx.py --lengths 2048 --heads 9/3/64
+
+Cases per head shape (query heads / kv heads / head dim):
+- "fresh N": a whole prompt of N tokens (SDPA: one causal call on its own K/V, as the engine calls it);
+- "after C: N": N rows after C cached keys, a later chunk of a long prompt or a prefix-cache hit (SDPA: one call over
+  the sequence's keys gathered from the pool under the additive shifted causal mask, as the engine calls it);
+- "short L x P": P prompts of L tokens in one step (SDPA: one call per prompt).
+Both run in turns on the same inputs, so the host's load hits both alike; the median of the rounds of CPU time of this
+process (1 thread by default; wall time beside it). The AMX kernel's time includes packing the keys into tiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from batchserve.bench.machine import describe, machine_info
+from batchserve.layers import kernels
+
+
+def make_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, block_size: int = 16):
+    """A pool holding sequences of (context, rows) tokens, their rows' queries, in block order."""
+    torch.manual_seed(sum(c + r for c, r in seqs))
+    lens = [c + r for c, r in seqs]
+    per_seq = max(-(-n // block_size) for n in lens)
+    shape = (len(seqs) * per_seq, block_size, kv_heads, head_dim)
+    key_cache, value_cache = torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()
+    tables = torch.arange(len(seqs) * per_seq).view(len(seqs), per_seq)
+    rows = [r for _, r in seqs]
+    query = torch.randn(sum(rows), heads, head_dim).bfloat16()
+    starts = torch.tensor([0, *rows]).cumsum(0)
+    return {"seqs": seqs, "query": query, "key": key_cache, "value": value_cache, "tables": tables,
+            "lens": torch.tensor(lens), "starts": starts, "block_size": block_size}  # fmt: skip
+
+
+def amx(case, native, scale):
+    args = (case["tables"], case["lens"], case["starts"], scale, kernels.attention_path(), native.Isa.amx)
+    native.paged_prefill_attention(case["query"].float(), case["key"], case["value"], *args)
+
+
+def sdpa(case, scale):
+    """As the engine's SDPA prefill does it: per sequence, its own K/V causal when fresh, else the pool's keys under
+    the shifted causal mask."""
+    kv_heads, head_dim, bs = case["key"].shape[2], case["key"].shape[3], case["block_size"]
+    for i, (context, rows) in enumerate(case["seqs"]):
+        start = int(case["starts"][i])
+        q = case["query"][start : start + rows].transpose(0, 1).unsqueeze(0)
+        n = context + rows
+        blocks = case["tables"][i, : -(-n // bs)]
+        k, v = (
+            c[blocks].view(-1, kv_heads, head_dim)[:n].transpose(0, 1).unsqueeze(0)
+            for c in (case["key"], case["value"])
+        )
+        if context == 0:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            mask = torch.zeros(rows, n, dtype=q.dtype).masked_fill_(
+                torch.ones(rows, n, dtype=torch.bool).triu(context + 1), float("-inf")
+            )
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def timed(fn, *args) -> tuple[float, float]:
+    """ms of CPU time of this process and of wall time that fn(*args) took."""
+    start, start_wall = time.process_time(), time.perf_counter()
+    fn(*args)
+    return (time.process_time() - start) * 1e3, (time.perf_counter() - start_wall) * 1e3
+
+
+def cases(lengths: list[int]) -> list[tuple[str, list[tuple[int, int]]]]:
+    out = [(f"fresh {n}", [(0, n)]) for n in lengths]
+    out += [(f"after {3 * n}: {n}", [(3 * n, n)]) for n in lengths if n <= 2048]
+    out += [("short 32 x 64", [(0, 32)] * 64), ("short 128 x 16", [(0, 128)] * 16)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="2048,8192")
+    ap.add_argument("--heads", default="9/3/64,8/2/128", help="query heads/kv heads/head dim, comma separated")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    native = kernels.load()
+    if native is None or not kernels.prefill_kernel_path_runs("amx"):
+        raise SystemExit("the AMX prefill kernel does not run here (no AMX, or no native kernels)")
+    print(describe(machine_info(threads=args.threads)))
+    print(f"load average (1, 5, 15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("ms per call, median of the rounds: CPU time (wall time)")
+    print(f"{'heads':>9s} {'case':>18s} {'amx':>17s} {'sdpa':>17s} {'sdpa/amx':>8s}")
+    for shape in args.heads.split(","):
+        heads, kv_heads, head_dim = (int(x) for x in shape.split("/"))
+        scale = head_dim**-0.5
+        for name, seqs in cases([int(n) for n in args.lengths.split(",")]):
+            case = make_case(seqs, heads, kv_heads, head_dim)
+            runs = {"amx": [], "sdpa": []}
+            for _ in range(args.rounds):
+                runs["amx"].append(timed(amx, case, native, scale))
+                runs["sdpa"].append(timed(sdpa, case, scale))
+            (a, a_wall), (s, s_wall) = ([statistics.median(t) for t in zip(*runs[k])] for k in runs)
+            print(f"{shape:>9s} {name:>18s} {a:8.2f} ({a_wall:6.2f}) {s:8.2f} ({s_wall:6.2f}) {s / a:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
