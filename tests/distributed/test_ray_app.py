@@ -96,10 +96,10 @@ def cluster():
 
     kernels.load()  # built (and cached on disk) here once, before rank workers or replicas start and look for them
     store = 200 * 1024**2
-    # no autoscaler monitor (the cluster's two nodes are all it has) and no log monitor (the driver is not sent the
-    # workers' logs): two processes polling Ray for the whole module
-    quiet = {"include_dashboard": False, "no_monitor": True, "include_log_monitor": False}
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store, **quiet})
+    nodes = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "object_store_memory": store},
+    )
     nodes.add_node(num_cpus=2, object_store_memory=store)
     ray.init(address=nodes.address, log_to_driver=False)
     try:
