@@ -37,6 +37,11 @@ WRITE_QUEUE_BYTES = 256 << 20
 DEFAULT_MAX_BYTES = 16 << 30  # kv_offload_max_bytes when only the directory is given
 
 
+# Threads that read a prefix back. The tier can run two on one load job, but on the AMX host at two compute threads
+# two read a 72-block prefix slower than one (13.1 ms against 7.4, the time to first token alike: docs/kv-offload.md).
+TIER_READERS = 1
+
+
 def _layout(kv_cache: KVCache) -> list[tuple[int, int, torch.dtype, tuple[int, ...]]]:
     """(layer, part, dtype, one block's shape) in payload order."""
     return [
@@ -236,14 +241,6 @@ def _part_sizes(kv_cache: KVCache) -> list[tuple[int, int, int]]:
     ]
 
 
-def readers(config: EngineConfig) -> int:
-    """Threads that read a prefix back: one. A second reader (the tier supports it) made a 72-block read slower, not
-    faster, at two threads on the AMX host (13.1 ms against 7.4, the time to first token alike: docs/kv-offload.md),
-    so the engine does not start one; `config` stays the place to decide it per host if that changes."""
-    del config
-    return 1
-
-
 def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     """Open the tier for this runner's KV layout and connect both sides: the scheduler's KV cache manager looks up
     and reads, the runner loads and saves. None when kv_offload_dir is unset."""
@@ -256,7 +253,7 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     description = tier_description(config, runner.model_config, runner.kv_cache, runner.block_size)
     store = TierStore(cache.kv_offload_dir, description, max_bytes, block_payload_bytes(runner.kv_cache))
     offload = KVOffload(
-        store, block_payload_bytes(runner.kv_cache), retention_of(cache.block_size), readers=readers(config)
+        store, block_payload_bytes(runner.kv_cache), retention_of(cache.block_size), readers=TIER_READERS
     )
     kv_manager.tier = offload
     rows = PoolRows(runner.kv_cache)
