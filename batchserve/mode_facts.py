@@ -35,6 +35,7 @@ class ModeFacts:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     executor_backend: str = "mp"  # distributed_executor_backend
+    slo_reserved_slots: int = 0  # batch slots kept for requests that cannot wait (as the scheduler applies it)
 
     @classmethod
     def of(
@@ -65,6 +66,7 @@ class ModeFacts:
             tensor_parallel_size=config.tensor_parallel_size,
             pipeline_parallel_size=config.pipeline_parallel_size,
             executor_backend=config.distributed_executor_backend,
+            slo_reserved_slots=config.scheduler.reserved_slots,
             **traits,
         )
 

@@ -65,6 +65,10 @@ def _eager(config: EngineConfig) -> None:
     config.enforce_eager = True
 
 
+def _no_reserved_slots(config: EngineConfig) -> None:
+    config.scheduler.slo_reserved_slots = 0
+
+
 def _tier_off(config: EngineConfig) -> None:
     config.cache.kv_offload_dir = None
 
@@ -243,6 +247,17 @@ RULES: tuple[Rule, ...] = (
         "speculation is off (the effective config says speculative_config=None)",
         "speculative-decoding.md",
         adjust=_speculation_off,
+    ),
+    Rule(
+        "static_policy_keeps_no_slots", Verdict.FALL_BACK, ("scheduler_policy", "slo_reserved_slots"),
+        "scheduler_policy static with slo_reserved_slots > 0 (by default a quarter of max_batch_size under "
+        "slo_admission refuse)",
+        lambda f: f.scheduler_policy == "static" and f.slo_reserved_slots > 0,
+        "a static batch is formed whole from the queue's head and nobody joins it, so there is no later slot to keep",
+        "no slot is kept (the effective config says slo_reserved_slots=0); SLO admission still refuses a request "
+        "predicted to miss its targets",
+        "slo.md#admission-by-predicted-ttft",
+        adjust=_no_reserved_slots,
     ),
     Rule(
         "kv_pool_dtype_not_the_models", Verdict.FALL_BACK, ("kv_cache_dtype", "dtype"),

@@ -23,6 +23,7 @@ FIRING = {
     "eight_bit_kv_with_windows_or_softcaps": ModeFacts(kv_cache_dtype="int8", windowed=True),
     "deterministic_with_speculation": ModeFacts(deterministic=True, speculative_method="ngram"),
     "static_policy_drops_speculation": ModeFacts(scheduler_policy="static", speculative_method="suffix"),
+    "static_policy_keeps_no_slots": ModeFacts(scheduler_policy="static", slo_reserved_slots=8),
     "kv_pool_dtype_not_the_models": ModeFacts(dtype="bfloat16", kv_cache_dtype="float32"),
     "float16_on_cpu_runs_the_torch_code": ModeFacts(dtype="float16"),
     "eight_bit_kv_on_gpu": ModeFacts(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e4m3"),
@@ -157,6 +158,14 @@ def test_the_engine_under_the_static_policy_does_not_speculate_and_says_so(make_
     assert sum("static_policy_drops_speculation" in r.getMessage() for r in caplog.records) == 1
     speculating = make_engine(speculative_config={"method": "ngram"})
     assert speculating.scheduler.speculation is not None and speculating.modes.fallbacks == ()
+
+
+def test_the_engine_under_the_static_policy_keeps_no_slot_and_says_so(make_engine):
+    engine = make_engine(scheduler_policy="static", slo_admission="refuse", max_batch_size=8)
+    assert engine.modes.fallback_names == ["static_policy_keeps_no_slots"]
+    assert engine.scheduler.reserve.reserved == 0
+    assert engine.effective_config()["slo_reserved_slots"] == "0"
+    assert make_engine(slo_admission="refuse", max_batch_size=8).scheduler.reserve.reserved == 2
 
 
 def test_the_simulator_follows_the_table():
