@@ -40,7 +40,8 @@ from batchserve.simulator.kv_tier import attach_sim_tier
 from batchserve.simulator.tokens import workload_tokenizer
 
 KNOBS = ("replicas", "scheduler_policy", "scheduling_order", "max_batch_size", "max_num_tokens", "block_size",
-         "enable_chunked_prefill", "long_prefill_token_threshold", "slo_admission", "kv_offload_blocks")  # fmt: skip
+         "enable_chunked_prefill", "long_prefill_token_threshold", "slo_admission", "slo_reserved_slots",
+         "kv_offload_blocks")  # fmt: skip
 NOT_ENGINE_OPTIONS = ("replicas", "kv_offload_blocks")  # the cluster's size; the tier needs a directory as well
 
 
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-thresholds", default="0", help="long_prefill_token_threshold values to try (0: off; "
                    "above 0 with max_long_partial_prefills 1)")  # fmt: skip
     g.add_argument("--slo-admissions", default="off", help="slo_admission values to try (off,refuse,deprioritize)")
+    g.add_argument("--reserved-slots", default="auto", help="slo_reserved_slots values to try under an slo_admission "
+                   "other than off (auto: the engine's default, a quarter of max_batch_size under refuse)")  # fmt: skip
     g.add_argument("--kv-offload-blocks", default="0", help="disk KV tier sizes to try, in blocks (0: no tier); "
                    "each row reports the tier's hit rate")  # fmt: skip
     g.add_argument(
@@ -80,12 +83,25 @@ def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     chunked = [x == "on" for x in _list(args.chunked)]
     axes = (_list(args.replicas_list, int), _list(args.policies), _list(args.orders), _list(args.batch_sizes, int),
             _list(args.num_tokens, int), _list(args.block_sizes, int), chunked, _list(args.prefill_thresholds, int),
-            _list(args.slo_admissions), _list(args.kv_offload_blocks, int))  # fmt: skip
+            _list(args.slo_admissions), _reserved_slots(args.reserved_slots), _list(args.kv_offload_blocks, int))  # fmt: skip
     if any(n < 0 for n in axes[-1]):
         raise ValueError(f"--kv-offload-blocks: sizes must be >= 0 blocks, got {args.kv_offload_blocks!r}")
     if not args.kv_offload_read_gbps > 0:
         raise ValueError(f"--kv-offload-read-gbps must be > 0, got {args.kv_offload_read_gbps}")
-    return [dict(zip(KNOBS, values, strict=True)) for values in itertools.product(*axes)]
+    points = [dict(zip(KNOBS, values, strict=True)) for values in itertools.product(*axes)]
+    # without SLO admission the workload's requests carry no target, so a kept slot would never be taken
+    return [p for p in points if p["slo_admission"] != "off" or p["slo_reserved_slots"] is None]
+
+
+def _reserved_slots(text: str) -> list[int | None]:
+    values = [None if x == "auto" else x for x in _list(text)]
+    try:
+        values = [v if v is None else int(v) for v in values]
+    except ValueError:
+        raise ValueError(f"--reserved-slots takes slot counts and auto, got {text!r}") from None
+    if any(v is not None and v < 0 for v in values):
+        raise ValueError(f"--reserved-slots: counts must be >= 0, got {text!r}")
+    return values
 
 
 def parse_slo(args: argparse.Namespace) -> None:
@@ -110,6 +126,8 @@ def engine_options(knobs: dict[str, Any], args: argparse.Namespace) -> dict[str,
     """A grid point as engine options: a prefill threshold comes with one long prefill at a time, and SLO admission
     with the targets as the engine's defaults (the workload's requests carry none of their own)."""
     options = {k: v for k, v in knobs.items() if k not in NOT_ENGINE_OPTIONS}
+    if options["slo_reserved_slots"] is None:
+        del options["slo_reserved_slots"]
     if options["long_prefill_token_threshold"]:
         options["max_long_partial_prefills"] = 1
     if options["slo_admission"] != "off":
@@ -129,7 +147,7 @@ def pick(rows: list[dict[str, Any]], min_attainment: float) -> tuple[list[dict[s
 
 def format_rows(rows: list[dict[str, Any]], limit: int = 15) -> str:
     head = (f"{'rep':>3} {'policy':<20} {'order':<14} {'batch':>5} {'tokens':>6} {'block':>5} {'chunk':>5} "
-            f"{'long>':>5} {'admission':<12} {'tier':>6} {'goodput':>8} {'SLO %':>6} {'out tok/s':>9} {'TTFT p50':>9} "
+            f"{'long>':>5} {'admission':<12} {'kept':>4} {'tier':>6} {'goodput':>8} {'SLO %':>6} {'out tok/s':>9} {'TTFT p50':>9} "
             f"{'TTFT p99':>9} {'TPOT p99':>9} {'tier hit %':>10}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows[:limit]:
@@ -137,7 +155,8 @@ def format_rows(rows: list[dict[str, Any]], limit: int = 15) -> str:
         lines.append(
             f"{c['replicas']:>3} {c['scheduler_policy']:<20} {c['scheduling_order']:<14} {c['max_batch_size']:>5} "
             f"{c['max_num_tokens']:>6} {c['block_size']:>5} {'on' if c['enable_chunked_prefill'] else 'off':>5} "
-            f"{c['long_prefill_token_threshold'] or '-':>5} {c['slo_admission']:<12} {c['kv_offload_blocks'] or '-':>6} "
+            f"{c['long_prefill_token_threshold'] or '-':>5} {c['slo_admission']:<12} "
+            f"{'auto' if c['slo_reserved_slots'] is None else c['slo_reserved_slots']:>4} {c['kv_offload_blocks'] or '-':>6} "
             f"{s['goodput']:>8.3f} {100 * s['slo_attainment']:>6.1f} {s['output_throughput']:>9.1f} "
             f"{s['ttft_ms']['p50']:>9.1f} {s['ttft_ms']['p99']:>9.1f} {s['tpot_ms']['p99']:>9.1f} "
             f"{100 * s['kv_tier']['hit_rate']:>10.1f}"

@@ -53,3 +53,21 @@ def test_the_slo_flag_sets_both_targets():
     args = build_parser().parse_args(["--slo", "ttft=400,tpot=80"])
     parse_slo(args)
     assert (args.slo_ttft_ms, args.slo_tpot_ms) == (400, 80)
+
+
+def test_the_slot_reserve_is_searched_under_slo_admission_only():
+    from batchserve.simulator.tune_sim import engine_options, grid
+
+    args = build_parser().parse_args(["--slo-admissions", "off,refuse", "--reserved-slots", "auto,0,4"])
+    points = {(p["slo_admission"], p["slo_reserved_slots"]) for p in grid(args)}
+    assert points == {("off", None), ("refuse", None), ("refuse", 0), ("refuse", 4)}
+    chosen = {p["slo_reserved_slots"]: engine_options(p, args) for p in grid(args) if p["slo_admission"] == "refuse"}
+    assert "slo_reserved_slots" not in chosen[None] and chosen[4]["slo_reserved_slots"] == 4
+
+
+@pytest.mark.parametrize("text", ["-1", "many"])
+def test_a_bad_reserved_slots_list_is_refused(text):
+    from batchserve.simulator.tune_sim import grid
+
+    with pytest.raises(ValueError, match="--reserved-slots"):
+        grid(build_parser().parse_args(["--reserved-slots", text]))
