@@ -37,6 +37,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -234,6 +235,7 @@ def _child_main(
     name: str,
     environ: dict[str, str],
 ) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver ignores it (host/forkserver_setup.py)
     adopt_environment(environ)
     name_process(short_process_name(name))
     start_memory_trace(short_process_name(name).removeprefix("bs-"))

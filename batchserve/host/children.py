@@ -35,7 +35,13 @@ from batchserve import env
 # What a child imports before its target runs: named, not imported here (host depends on none of them), and a name
 # that does not import is skipped by multiprocessing. The engine core's and a rank's modules pull in torch,
 # transformers and the layers and models.
-PRELOAD = ("torch", "transformers", "batchserve.engine.core_process", "batchserve.worker.rank_worker")
+PRELOAD = (
+    "batchserve.host.forkserver_setup",
+    "torch",
+    "transformers",
+    "batchserve.engine.core_process",
+    "batchserve.worker.rank_worker",
+)
 START_METHODS = ("forkserver", "spawn")
 
 

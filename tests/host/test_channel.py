@@ -137,3 +137,21 @@ def test_an_unknown_start_method_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("BATCHSERVE_START_METHOD", "fork")
     with pytest.raises(ValueError, match="BATCHSERVE_START_METHOD: 'fork'"):
         start_child(channel_peers.silent, name="never")
+
+
+def test_a_sigterm_to_the_whole_group_leaves_forked_children_readable():
+    """A service manager's SIGTERM reaches the forkserver too: it ignores it, or its children would read as dead
+    (their exit codes come through it); each child itself still ends on SIGTERM."""
+    child = start_child(channel_peers.report_start, [], name="term-probe", start_method="forkserver")
+    try:
+        _, _, forkserver = child.channel.recv(timeout=60)
+        with open(f"/proc/{forkserver}/comm") as f:
+            assert f.read().strip() == "bs-forkserver"
+        os.kill(forkserver, signal.SIGTERM)
+        time.sleep(0.5)
+        assert _pid_alive(forkserver) and child.is_alive()
+        child.process.terminate()
+        child.process.join(10)
+        assert child.process.exitcode == -signal.SIGTERM
+    finally:
+        child.stop(timeout=1)
