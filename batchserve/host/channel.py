@@ -37,14 +37,13 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from batchserve.host.children import ParentWatch, adopt_environment, child_context
+from batchserve.host.children import ParentWatch, adopt_launcher, child_context
 from batchserve.host.heap import start_memory_trace
 from batchserve.host.process import name_process
 
@@ -235,8 +234,7 @@ def _child_main(
     name: str,
     environ: dict[str, str],
 ) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver ignores it (host/forkserver_setup.py)
-    adopt_environment(environ)
+    adopt_launcher(environ)
     name_process(short_process_name(name))
     start_memory_trace(short_process_name(name).removeprefix("bs-"))
     launcher = ParentWatch.of(parent_pid)

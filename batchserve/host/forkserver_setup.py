@@ -4,8 +4,8 @@ and nothing else imports it.
 SIGTERM is ignored: a SIGTERM sent to the whole process group (a service manager stopping a server) would end the
 forkserver at once, and the launcher reads its children's exit codes through the forkserver, so its live engine core
 would read as dead mid-drain (exit code 255). The forkserver still ends with its launcher (multiprocessing closes a
-pipe it watches). A child puts SIGTERM back to the default first thing (channel._child_main). Its name in `ps` is
-bs-forkserver, which the soak's per-process memory timeline reports as its role."""
+pipe it watches). A child puts SIGTERM back to the default first thing (children.adopt_launcher). Its name in `ps`
+is bs-forkserver, which the soak's per-process memory timeline reports as its role."""
 
 from __future__ import annotations
 
