@@ -37,12 +37,12 @@ from batchserve import env
 # that does not import is skipped by multiprocessing. The engine core's and a rank's modules pull in torch,
 # transformers and the layers and models; the runner's, xgrammar (0.3 CPU-s more of each engine's build).
 PRELOAD = (
-    "batchserve.host.forkserver_setup",
     "torch",
     "transformers",
     "batchserve.engine.core_process",
     "batchserve.worker.rank_worker",
     "batchserve.worker.model_runner",
+    "batchserve.host.forkserver_setup",  # last: it freezes what the others imported
 )
 START_METHODS = ("forkserver", "spawn")
 
