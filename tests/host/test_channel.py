@@ -139,14 +139,16 @@ def test_an_unknown_start_method_is_refused_by_name(monkeypatch):
         start_child(channel_peers.silent, name="never")
 
 
-def test_a_sigterm_to_the_whole_group_leaves_forked_children_readable():
-    """A service manager's SIGTERM reaches the forkserver too: it ignores it, or its children would read as dead
-    (their exit codes come through it); each child itself still ends on SIGTERM."""
+def test_the_forkserver_has_one_thread_and_outlives_a_sigterm_to_the_whole_group():
+    """The forkserver only imported torch: one thread, no OpenMP or BLAS pool for a child to inherit half-made. A
+    service manager's SIGTERM reaches it too: it ignores it, or its children would read as dead (their exit codes
+    come through it); each child itself still ends on SIGTERM."""
     child = start_child(channel_peers.report_start, [], name="term-probe", start_method="forkserver")
     try:
         _, _, forkserver = child.channel.recv(timeout=60)
         with open(f"/proc/{forkserver}/comm") as f:
             assert f.read().strip() == "bs-forkserver"
+        assert len(os.listdir(f"/proc/{forkserver}/task")) == 1
         os.kill(forkserver, signal.SIGTERM)
         time.sleep(0.5)
         assert _pid_alive(forkserver) and child.is_alive()
