@@ -105,6 +105,14 @@ def native_decoder_loop() -> bool:
     return os.environ.get("BATCHSERVE_NATIVE_DECODER_LOOP", "1") != "0"
 
 
+def start_method() -> str:
+    """BATCHSERVE_START_METHOD (default "forkserver"): how batchserve starts its engine core and tensor-parallel rank
+    processes, "forkserver" (forked from one interpreter per launching process that imported torch, transformers
+    and the engine once) or "spawn" (a fresh interpreter each, importing them again: ~2 CPU-s per start);
+    host/children.py says why and what differs."""
+    return os.environ.get("BATCHSERVE_START_METHOD") or "forkserver"
+
+
 def shared_allreduce() -> bool:
     """BATCHSERVE_SHARED_ALLREDUCE (default "1"): "0" all-reduces the tensor-parallel ranks' activations through
     gloo's loopback TCP instead of shared memory (read when the ranks start; docs/parallelism.md)."""

@@ -12,18 +12,17 @@ to ONE thread per channel end (the reader). A reader that must also do other wor
 ``poll(0)`` between its steps, or ``recv(timeout)``.
 
 **Peer death.** Each end knows how to tell whether its peer lives: the parent holds the child's process sentinel,
-the child checks that its parent is still its parent. ``recv`` and ``poll`` never block longer than
-``liveness_interval`` (0.5 s) without checking; a dead peer (killed, crashed, exited) makes ``send``, ``recv`` and
-``poll`` raise ``PeerDeadError`` naming the peer and its exit code where known — within about a second, never a
+the child a pidfd of the process that started it (host/children.py: under the forkserver its parent process is
+not its launcher). ``recv`` and ``poll`` never block longer than ``liveness_interval`` (0.5 s) without checking; a
+dead peer (killed, crashed, exited) makes ``send``, ``recv`` and ``poll`` raise ``PeerDeadError`` naming the peer and its exit code where known — within about a second, never a
 hang. Queued messages the peer sent before it died are still delivered first. A peer that is alive but silent is
 not an error here: a link that needs a deadline (a step reply) passes ``timeout`` to ``recv`` and gets
 ``TimeoutError``. ``send`` to a live peer that stopped reading blocks once the OS buffer fills (a socketpair); the
 peer's death unblocks it with ``PeerDeadError``.
 
 **Starting a child.** ``start_child(target, *args, name=...)`` starts ``target(channel, *args)`` in a new process
-(the ``spawn`` method by default: a fresh interpreter, so no torch/OpenMP threads are inherited half-initialised)
-and returns a ``ChildProcess`` holding the parent's end. ``target`` must be a module-level function; ``args``
-must be picklable. The child's end is built by ``start_child``'s trampoline: the target gets a ready ``Channel``
+(forked from a forkserver that imported torch and the engine once, or spawned: host/children.py) and returns a
+``ChildProcess`` holding the parent's end. ``target`` must be a module-level function; ``args`` must be picklable. The child's end is built by ``start_child``'s trampoline: the target gets a ready ``Channel``
 whose peer is the parent. Closing: ``ChildProcess.stop(timeout)`` closes the channel (the child sees
 ``PeerDeadError`` on its next ``recv``/``poll`` and should exit), waits, then terminates and at last kills.
 
@@ -44,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batchserve.host.children import ParentWatch, adopt_launcher, child_context
 from batchserve.host.heap import start_memory_trace
 from batchserve.host.process import name_process
 
@@ -143,6 +143,10 @@ class Channel:
     def closed(self) -> bool:
         return self._closed
 
+    def peer_alive(self) -> bool:
+        """Whether the peer process still runs (for a wait of the caller's own, e.g. a shared-memory all-reduce)."""
+        return self._peer_alive()
+
 
 @dataclass
 class ChildProcess:
@@ -181,16 +185,17 @@ def start_child(
     target: Callable[..., Any],
     *args: Any,
     name: str,
-    start_method: str = "spawn",
+    start_method: str | None = None,
     liveness_interval: float = LIVENESS_INTERVAL_S,
 ) -> ChildProcess:
     """Start ``target(channel, *args)`` in a new process named ``name``; returns the parent's end. The child is
-    not a daemon (it may start its own children, e.g. rank workers); ``ChildProcess.stop`` ends it."""
-    context = multiprocessing.get_context(start_method)
+    not a daemon (it may start its own children, e.g. rank workers); ``ChildProcess.stop`` ends it.
+    ``start_method``: "forkserver" or "spawn" (default: BATCHSERVE_START_METHOD's)."""
+    context = child_context(start_method)
     parent_conn, child_conn = context.Pipe(duplex=True)
     process = context.Process(
         target=_child_main,
-        args=(target, child_conn, os.getpid(), liveness_interval, args, name),
+        args=(target, child_conn, os.getpid(), liveness_interval, args, name, dict(os.environ)),
         name=name,
         daemon=False,
     )
@@ -226,15 +231,18 @@ def _child_main(
     parent_pid: int,
     liveness_interval: float,
     args: tuple[Any, ...],
-    name: str = "",
+    name: str,
+    environ: dict[str, str],
 ) -> None:
+    adopt_launcher(environ)
     name_process(short_process_name(name))
     start_memory_trace(short_process_name(name).removeprefix("bs-"))
+    launcher = ParentWatch.of(parent_pid)
     channel = Channel(
         conn,
         peer=f"parent process (pid {parent_pid})",
-        # a dead parent's children are re-parented (to init or a subreaper): the parent pid changes
-        peer_alive=lambda: os.getppid() == parent_pid,
+        peer_alive=launcher.alive,
+        peer_sentinel=launcher.fd,
         liveness_interval=liveness_interval,
     )
     try:

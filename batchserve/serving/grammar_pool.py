@@ -2,13 +2,15 @@
 its time is killed with the process (a thread cannot be stopped: a runaway compile would hold a core for as long as
 it takes, and keep the server from exiting). The child stays warm between compiles and is replaced after a kill.
 
-The child is started with `spawn` (a fork of a server with an event loop, tokenizer and OpenMP threads could inherit
-a lock held by one of them); its start (importing xgrammar) is not counted against a request's compile time."""
+The child is never forked from the server itself (a fork of a server with an event loop, tokenizer and OpenMP threads
+could inherit a lock held by one of them): it forks from batchserve's forkserver, which imported xgrammar once, or is
+spawned (host/children.py); its start is not counted against a request's compile time."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from batchserve.host.children import adopt_launcher, child_context
 from batchserve.host.heap import start_memory_trace
 from batchserve.host.process import name_process
 from batchserve.sampling_params import ConstraintKind, InvalidRequestError, StructuredOutputsParams
@@ -145,11 +148,10 @@ class GrammarCompilePool:
             raise ServingError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         if self._child is not None and self._child.process.is_alive():
             return self._child
-        context = multiprocessing.get_context("spawn")
+        context = child_context()
         parent_conn, child_conn = context.Pipe()
-        process = context.Process(
-            target=serve_compiles, args=(child_conn, self.tokenizer_info_json), name="batchserve-grammar", daemon=True
-        )
+        args = (child_conn, self.tokenizer_info_json, dict(os.environ))
+        process = context.Process(target=serve_compiles, args=args, name="batchserve-grammar", daemon=True)
         process.start()
         child_conn.close()
         child = self._child = _Child(process, parent_conn)  # registered now: close() kills a child still starting
@@ -181,8 +183,10 @@ def too_large(constraint: StructuredOutputsParams, size: int, limit: int = MAX_C
     )
 
 
-def serve_compiles(conn: Connection, tokenizer_info_json: str) -> None:
-    """The child: compiles each (kind, spec, source) it is sent and answers ("ok", "") or ("invalid", message)."""
+def serve_compiles(conn: Connection, tokenizer_info_json: str, environ: dict[str, str]) -> None:
+    """The child: compiles each (kind, spec, source) it is sent and answers ("ok", "") or ("invalid", message).
+    It ends when the server closes its end (or dies: the socket's EOF)."""
+    adopt_launcher(environ)  # the JSON grammar's digit bounds are read from the environment (env.py)
     name_process("bs-grammar")  # before the imports (seconds): a soak sampling meanwhile sees its role
     start_memory_trace("grammar")
     import xgrammar as xgr

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import os
 import traceback
 from dataclasses import dataclass
 
@@ -203,8 +202,7 @@ def rank_main(channel: Channel, spec: RankSpec) -> None:
     try:
         shard = join_and_load(spec)
         pool = channel.recv()
-        parent = os.getppid()
-        share(shard[0], spec.shared, lambda: os.getppid() == parent)
+        share(shard[0], spec.shared, channel.peer_alive)
         runner = shard_runner(spec, shard, pool)
         channel.send(Ready(spec.rank))
         _serve(channel, runner)

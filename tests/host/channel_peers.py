@@ -78,3 +78,11 @@ def hold_memory(channel: Channel) -> None:
             return
         held.append(bytearray(b"\x01" * (megabytes << 20)))
         channel.send(os.getpid())
+
+
+def report_start(channel: Channel, names: list[str]) -> None:
+    """Answer what this child was started with: the named variables, torch's thread count, its parent's pid."""
+    import torch
+
+    channel.send(({name: os.environ.get(name) for name in names}, torch.get_num_threads(), os.getppid()))
+    silent(channel)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from batchserve.host.channel import Channel, PeerDeadError
@@ -20,8 +18,7 @@ def rank_tensor(rank: int, call: int, dtype: torch.dtype) -> torch.Tensor:
 
 def reduce_in_child(channel: Channel, buffers: SharedBuffers, calls: int = CALLS) -> None:
     """Rank 1: all-reduce `calls` tensors with the parent, sending each result back; then wait for the parent."""
-    parent = os.getppid()
-    ours = SharedAllReduce(buffers, 1, lambda: os.getppid() == parent)
+    ours = SharedAllReduce(buffers, 1, channel.peer_alive)
     for call in range(calls):
         dtype = torch.float32 if call % 3 else torch.bfloat16
         channel.send(ours(rank_tensor(1, call, dtype)).float().numpy())  # a private copy (numpy)

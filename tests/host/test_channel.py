@@ -81,7 +81,11 @@ def test_dead_child_seen_even_when_a_grandchild_holds_its_socket():
         child.stop(timeout=1)
 
 
-def test_child_sees_its_parent_die(tmp_path):
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_child_sees_its_parent_die(tmp_path, monkeypatch, method):
+    """The grandchild's parent process is the middle one only when spawned; forked by the middle's forkserver it
+    still sees the middle (its launcher) die."""
+    monkeypatch.setenv("BATCHSERVE_START_METHOD", method)  # the middle adopts it and starts the grandchild so
     marker = tmp_path / "parent-died"
     middle = start_child(channel_peers.middle, str(marker), name="middle")
     grandchild = middle.channel.recv(timeout=30)
@@ -110,3 +114,46 @@ def test_stop_closes_the_channel_and_the_child_exits():
     assert child.channel.closed
     with pytest.raises(PeerDeadError, match="closed"):
         child.channel.send(1)
+
+
+def test_a_forked_child_takes_its_launchers_environment_and_threads(monkeypatch):
+    """Forked from the forkserver (whose environment froze when it started), each child still gets the environment
+    its launcher had when it started it, OMP_NUM_THREADS included."""
+    names = ["BATCHSERVE_TEST_MARK", "OMP_NUM_THREADS"]
+    for mark, threads in (("first", 1), ("second", 2)):
+        monkeypatch.setenv("BATCHSERVE_TEST_MARK", mark)
+        monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+        child = start_child(channel_peers.report_start, names, name="env-probe", start_method="forkserver")
+        try:
+            environ, torch_threads, parent = child.channel.recv(timeout=60)
+            assert environ == {"BATCHSERVE_TEST_MARK": mark, "OMP_NUM_THREADS": str(threads)}
+            assert torch_threads == threads
+            assert parent != os.getpid()  # the forkserver's child: getppid() could not have told its launcher's death
+        finally:
+            child.stop(timeout=10)
+
+
+def test_an_unknown_start_method_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("BATCHSERVE_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="BATCHSERVE_START_METHOD: 'fork'"):
+        start_child(channel_peers.silent, name="never")
+
+
+def test_the_forkserver_has_one_thread_and_outlives_a_sigterm_to_the_whole_group():
+    """The forkserver only imported torch: one thread, no OpenMP or BLAS pool for a child to inherit half-made. A
+    service manager's SIGTERM reaches it too: it ignores it, or its children would read as dead (their exit codes
+    come through it); each child itself still ends on SIGTERM."""
+    child = start_child(channel_peers.report_start, [], name="term-probe", start_method="forkserver")
+    try:
+        _, _, forkserver = child.channel.recv(timeout=60)
+        with open(f"/proc/{forkserver}/comm") as f:
+            assert f.read().strip() == "bs-forkserver"
+        assert len(os.listdir(f"/proc/{forkserver}/task")) == 1
+        os.kill(forkserver, signal.SIGTERM)
+        time.sleep(0.5)
+        assert _pid_alive(forkserver) and child.is_alive()
+        child.process.terminate()
+        child.process.join(10)
+        assert child.process.exitcode == -signal.SIGTERM
+    finally:
+        child.stop(timeout=1)
