@@ -62,20 +62,37 @@ void pack_key_tile(const PagedArgs<c10::BFloat16>& a, const int64_t* table, int6
   const int64_t D = a.head_dim, token_stride = a.num_kv_heads * D;
   const auto* k_cache = reinterpret_cast<const uint16_t*>(a.k_cache);
   const auto* v_cache = reinterpret_cast<const uint16_t*>(a.v_cache);
-  std::memset(k_out, 0, sizeof(uint16_t) * kKeys * D);
-  std::memset(v_out, 0, sizeof(uint16_t) * kKeys * D);
-  for (int64_t i = 0; i < kKeys && t * kKeys + i < num_keys; ++i) {
-    const int64_t key = t * kKeys + i;
-    const int64_t slot = table[key / a.block_size] * a.block_size + key % a.block_size;
-    const uint16_t* k = k_cache + slot * token_stride + kv_head * D;
-    const uint16_t* v = v_cache + slot * token_stride + kv_head * D;
-    const int64_t half = i / 16, n = i % 16;
-    for (int64_t d = 0; d < D; ++d) {  // K: [d / 32][half][(d % 32) / 2][n][d % 2]
-      k_out[(d / 32 * 2 + half) * kTile + ((d % 32) / 2) * 32 + n * 2 + d % 2] = k[d];
-      // V: [d / 16][i / 2][d % 16][i % 2]
-      v_out[(d / 16) * kTile + (i / 2) * 32 + (d % 16) * 2 + i % 2] = v[d];
+  const int64_t keys = std::clamp<int64_t>(num_keys - t * kKeys, 0, kKeys);
+  if (keys < kKeys) {
+    std::memset(k_out, 0, sizeof(uint16_t) * kKeys * D);
+    std::memset(v_out, 0, sizeof(uint16_t) * kKeys * D);
+  }
+  const auto row = [&](const uint16_t* cache, int64_t i) {
+    const int64_t key = t * kKeys + i, slot = table[key / a.block_size] * a.block_size + key % a.block_size;
+    return cache + slot * token_stride + kv_head * D;
+  };
+  for (int64_t i = 0; i < keys; ++i) {  // K: [d / 32][i / 16][(d % 32) / 2][i % 16][d % 2], a dim pair at a time
+    const auto* k = reinterpret_cast<const uint32_t*>(row(k_cache, i));
+    auto* out = reinterpret_cast<uint32_t*>(k_out) + (i / 16) * (kTile / 2) + i % 16;
+    for (int64_t pair = 0; pair < D / 2; ++pair) out[(pair / 16) * kTile + (pair % 16) * 16] = k[pair];
+  }
+  // V: [d / 16][i / 2][d % 16][i % 2], 16 dims of a key pair interleaved at a time
+#ifndef __AVX512BW__
+  for (int64_t i = 0; i < keys; ++i)
+    for (int64_t d = 0; d < D; ++d) v_out[(d / 16) * kTile + (i / 2) * 32 + (d % 16) * 2 + i % 2] = row(v_cache, i)[d];
+#else
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t i = 0; i < keys; i += 2) {
+    const uint16_t *v0 = row(v_cache, i), *v1 = i + 1 < keys ? row(v_cache, i + 1) : nullptr;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d));
+      const __m256i a1 = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)) : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a0), a1, 1);
+      _mm512_storeu_si512(v_out + (d / 16) * kTile + (i / 2) * 32, _mm512_permutexvar_epi16(interleave, both));
     }
   }
+#endif
 }
 
 void pack_kv(const PagedArgs<c10::BFloat16>& a, const PackedKV& plan, uint16_t* k_packed, uint16_t* v_packed) {
