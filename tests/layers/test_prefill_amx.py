@@ -99,6 +99,21 @@ def test_a_chunk_after_context_is_bit_equal_to_the_whole_prompt(path, heads, nat
 
 
 @pytest.mark.parametrize("path", AMX_PATHS)
+def test_a_maximum_that_grows_block_after_block_rounds_the_same_in_any_chunk(path, native):
+    # keys growing along the prompt: a row's running maximum rises in most of its key blocks, so its accumulator is
+    # rescaled there (and left alone where the maximum held), in blocks whole for the row and in its last one alike
+    pool = Pool([520], 4, 2, 64, 16, seed=6)
+    growth = torch.ones(pool.key.shape[0])
+    growth[pool.tables[0]] = torch.linspace(0.5, 4.0, pool.tables.shape[1])
+    pool.key = (pool.key.float() * growth[:, None, None, None]).to(torch.bfloat16)
+    isa = _isa(native, path)
+    whole = pool.run(native, isa, [520])
+    torch.testing.assert_close(whole.double(), pool.reference(0, 520), atol=1.5e-2, rtol=1.5e-2)
+    for chunk in (1, 129, 300, 519):
+        assert torch.equal(pool.run(native, isa, [chunk]), whole[520 - chunk :]), chunk
+
+
+@pytest.mark.parametrize("path", AMX_PATHS)
 def test_a_row_is_the_same_bits_in_any_batch_and_on_any_number_of_threads(path, native):
     pool = Pool([70, 200, 45], 6, 2, 64, 16, seed=2)
     isa = _isa(native, path)

@@ -62,6 +62,16 @@ struct EmulatedTiles {
       for (int j = 0; j < 2; ++j) dot(2 * i + j, 4 + i, 6 + j);
   }
   static void store_c(float (*c)[16][16]) { std::memcpy(c, reg, 4 * sizeof reg[0]); }
+  // C tiles from / into a 32 x 32 float block of rows `stride` bytes apart: tile 2i + j its rows 16i.., columns 16j..
+  static void load_c(const float* c, int64_t stride) {
+    for (int t = 0; t < 4; ++t)
+      load(t, reinterpret_cast<const char*>(c + 16 * (t % 2)) + 16 * (t / 2) * stride, stride);
+  }
+  static void store_c(float* c, int64_t stride) {
+    for (int t = 0; t < 4; ++t)
+      for (int r = 0; r < 16; ++r)
+        std::memcpy(reinterpret_cast<char*>(c + 16 * (t % 2)) + (16 * (t / 2) + r) * stride, reg[t][r], 64);
+  }
   static void load(int t, const char* src, int64_t stride) {
     for (int r = 0; r < 16; ++r) std::memcpy(reg[t][r], src + r * stride, 64);
   }
@@ -141,6 +151,20 @@ struct AmxTiles {
     _tile_stored(1, c[1], 64);
     _tile_stored(2, c[2], 64);
     _tile_stored(3, c[3], 64);
+  }
+  AMX_TARGET static void load_c(const float* c, int64_t stride) {
+    const char* rows = reinterpret_cast<const char*>(c);
+    _tile_loadd(0, rows, stride);
+    _tile_loadd(1, rows + 64, stride);
+    _tile_loadd(2, rows + 16 * stride, stride);
+    _tile_loadd(3, rows + 16 * stride + 64, stride);
+  }
+  AMX_TARGET static void store_c(float* c, int64_t stride) {
+    char* rows = reinterpret_cast<char*>(c);
+    _tile_stored(0, rows, stride);
+    _tile_stored(1, rows + 64, stride);
+    _tile_stored(2, rows + 16 * stride, stride);
+    _tile_stored(3, rows + 16 * stride + 64, stride);
   }
   AMX_TARGET static void prefetch(const char* p) { prefetch_line<_MM_HINT_T1>(p); }
   AMX_TARGET static void write_row(const float* c0, const float* c1, const float* bias, uint16_t* out) {

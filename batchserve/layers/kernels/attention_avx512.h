@@ -20,20 +20,9 @@
 
 namespace {
 
-// Lane i of the result = sum of the 16 lanes of v[i]. Pairs are interleaved and added four times (within 128-bit
-// lanes twice, then across them twice), so each level halves the vector count; the order comes out natural.
+// Lane i of the result = sum of the 16 lanes of v[i] (vec_math.h's combine16).
 inline __m512 sum16(const __m512* v) {
-  __m512 t[8], u[4], w[2];
-  for (int j = 0; j < 8; ++j)
-    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  for (int j = 0; j < 4; ++j) {
-    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
-    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int j = 0; j < 2; ++j)
-    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  return combine16(v, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
 }
 
 // Scores of one query (qv: head_dim / 16 vectors, already scaled) against the first `n` tokens of a tile; lanes >= n

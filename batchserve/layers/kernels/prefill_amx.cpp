@@ -4,10 +4,12 @@
 //
 // Why a row's output never depends on its chunking (a prefix-cache hit must round as the whole prompt did): key
 // blocks are 128 keys aligned to absolute position 0, every row visits them in the same order, a tile product's row
-// depends only on that row of A, and a block wholly in a row's future leaves its softmax state and accumulator
-// untouched (skipped, not multiplied by 1). Within a row's last block the key tiles past the lane's last row are not
-// multiplied: for the row they are all masked, their P.V product exact zeros, so leaving them out changes no sum. So
-// the rows a row shares its tile with, where its chunk started and the number of threads change nothing.
+// depends only on that row of A, and a block wholly in a row's future leaves its softmax state untouched and adds
+// exact zeros to its accumulator (P.V sums start in the C tiles from the accumulator). A row's weights take the
+// unmasked code wherever the block is whole for it, the masked code only in its last block, whatever its tile mates.
+// Within a row's last block the key tiles past the lane's last row are not multiplied: for the row they are all
+// masked, their P.V product exact zeros, so leaving them out changes no sum. So the rows a row shares its tile with,
+// where its chunk started and the number of threads change nothing.
 //
 // Layout: each (sequence, kv head)'s keys are first packed, once per call, into the tiles' B operand: per key tile of
 // 32, Q.K^T's [head_dim / 32][2 halves of 16 keys][16 dim pairs][16 keys][2] and P.V's [head_dim / 16][16 key pairs]
@@ -60,20 +62,37 @@ void pack_key_tile(const PagedArgs<c10::BFloat16>& a, const int64_t* table, int6
   const int64_t D = a.head_dim, token_stride = a.num_kv_heads * D;
   const auto* k_cache = reinterpret_cast<const uint16_t*>(a.k_cache);
   const auto* v_cache = reinterpret_cast<const uint16_t*>(a.v_cache);
-  std::memset(k_out, 0, sizeof(uint16_t) * kKeys * D);
-  std::memset(v_out, 0, sizeof(uint16_t) * kKeys * D);
-  for (int64_t i = 0; i < kKeys && t * kKeys + i < num_keys; ++i) {
-    const int64_t key = t * kKeys + i;
-    const int64_t slot = table[key / a.block_size] * a.block_size + key % a.block_size;
-    const uint16_t* k = k_cache + slot * token_stride + kv_head * D;
-    const uint16_t* v = v_cache + slot * token_stride + kv_head * D;
-    const int64_t half = i / 16, n = i % 16;
-    for (int64_t d = 0; d < D; ++d) {  // K: [d / 32][half][(d % 32) / 2][n][d % 2]
-      k_out[(d / 32 * 2 + half) * kTile + ((d % 32) / 2) * 32 + n * 2 + d % 2] = k[d];
-      // V: [d / 16][i / 2][d % 16][i % 2]
-      v_out[(d / 16) * kTile + (i / 2) * 32 + (d % 16) * 2 + i % 2] = v[d];
+  const int64_t keys = std::clamp<int64_t>(num_keys - t * kKeys, 0, kKeys);
+  if (keys < kKeys) {
+    std::memset(k_out, 0, sizeof(uint16_t) * kKeys * D);
+    std::memset(v_out, 0, sizeof(uint16_t) * kKeys * D);
+  }
+  const auto row = [&](const uint16_t* cache, int64_t i) {
+    const int64_t key = t * kKeys + i, slot = table[key / a.block_size] * a.block_size + key % a.block_size;
+    return cache + slot * token_stride + kv_head * D;
+  };
+  for (int64_t i = 0; i < keys; ++i) {  // K: [d / 32][i / 16][(d % 32) / 2][i % 16][d % 2], a dim pair at a time
+    const auto* k = reinterpret_cast<const uint32_t*>(row(k_cache, i));
+    auto* out = reinterpret_cast<uint32_t*>(k_out) + (i / 16) * (kTile / 2) + i % 16;
+    for (int64_t pair = 0; pair < D / 2; ++pair) out[(pair / 16) * kTile + (pair % 16) * 16] = k[pair];
+  }
+  // V: [d / 16][i / 2][d % 16][i % 2], 16 dims of a key pair interleaved at a time
+#ifndef __AVX512BW__
+  for (int64_t i = 0; i < keys; ++i)
+    for (int64_t d = 0; d < D; ++d) v_out[(d / 16) * kTile + (i / 2) * 32 + (d % 16) * 2 + i % 2] = row(v_cache, i)[d];
+#else
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t i = 0; i < keys; i += 2) {
+    const uint16_t *v0 = row(v_cache, i), *v1 = i + 1 < keys ? row(v_cache, i + 1) : nullptr;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d));
+      const __m256i a1 = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)) : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a0), a1, 1);
+      _mm512_storeu_si512(v_out + (d / 16) * kTile + (i / 2) * 32, _mm512_permutexvar_epi16(interleave, both));
     }
   }
+#endif
 }
 
 void pack_kv(const PagedArgs<c10::BFloat16>& a, const PackedKV& plan, uint16_t* k_packed, uint16_t* v_packed) {
@@ -92,20 +111,9 @@ void pack_kv(const PagedArgs<c10::BFloat16>& a, const PackedKV& plan, uint16_t* 
   });
 }
 
-// Lane i of the result = the largest of the 16 lanes of v[i] (attention_avx512.h's sum16 with max for add): the
-// row maxima of 16 rows in 15 shuffles and maxima instead of 16 horizontal reductions.
+// Lane i of the result = the largest of the 16 lanes of v[i]: the row maxima of 16 rows at once.
 inline __m512 max16(const __m512* v) {
-  __m512 t[8], u[4], w[2];
-  for (int j = 0; j < 8; ++j)
-    t[j] = _mm512_max_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  for (int j = 0; j < 4; ++j) {
-    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
-    u[j] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int j = 0; j < 2; ++j)
-    w[j] = _mm512_max_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
-  return _mm512_max_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  return combine16(v, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
 }
 
 // 32 softmax weights of one row as bf16 (round to nearest even): vcvtne2ps2bf16 beside the tiles, the same rounding
@@ -122,19 +130,18 @@ inline void weights_to_bf16(__m512 e0, __m512 e1, uint16_t* p) {
   store16(reinterpret_cast<c10::BFloat16*>(p + 16), e1);
 }
 
-// 2^x for x <= 0 (a softmax weight; the scores are kept in base 2, times log2(e)): 2^k * p(f), f = x - k in
-// [-1/2, 1/2], p of degree 5 (relative error ~2e-6, well below P's bf16 rounding); no clamp, 2^k of a large negative
-// k is 0. Cheaper than exp512, and the softmax's vector work is most of this kernel's, not the tile products.
+// 2^x for x <= 0 (a softmax weight; the scores are kept in base 2, times log2(e)): p(f) * 2^floor(x) with
+// f = x - floor(x) in [0, 1) (vreduceps) and p of degree 4 with p(0) = 1 (relative error ~3e-6, far below P's bf16
+// rounding); vscalefps takes floor(x) from x itself, so no rounding step, and 2^floor(x) of a large negative x is 0.
+// Cheaper than exp512, and the softmax's vector work is most of this kernel's, not the tile products.
 inline __m512 exp2_weight(__m512 x) {
-  const __m512 k = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT);
-  const __m512 f = _mm512_sub_ps(x, k);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF);  // imm 0x01: no fraction bits kept, round down
+  __m512 p = _mm512_set1_ps(1.3426685e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.2242473e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4128020e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9304484e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, k);
+  return _mm512_scalef_ps(p, x);
 }
 
 // The rows' softmax state across key blocks: the running maximum (scaled, in base 2), per-lane partial sums.
@@ -150,68 +157,89 @@ using Scores = float[kSub][4][16][16];  // a block's scores: per key tile, its f
 // Row r's 16 keys j * 16.. of a block's scores (j: 0-7)
 inline const float* score_row(const Scores& s, int64_t r, int64_t j) { return s[j / 2][2 * (r / 16) + j % 2][r % 16]; }
 
+constexpr int kVecs = kBlock / 16;  // 16-key vectors of a row of one block
+
+inline __mmask16 first_lanes(int64_t n) {  // the lanes below n (of 16)
+  return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// The largest of row r's scores in a key block (unscaled), its first `visible` keys only where Masked (its later
+// scores are another row's future, or were never computed).
+template <bool Masked>
+__attribute__((always_inline)) inline __m512 row_block_max(const Scores& s, int64_t r, int64_t visible) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m = neg_inf;
+  for (int j = 0; j < kVecs; ++j) {
+    const __m512 x = _mm512_loadu_ps(score_row(s, r, j));
+    m = _mm512_max_ps(m, Masked ? _mm512_mask_mov_ps(neg_inf, first_lanes(visible - 16 * j), x) : x);
+  }
+  return m;
+}
+
+// Row r's softmax weights in a key block (0 past `visible` where Masked) into P as bf16; returns `sum` plus them.
+// Two sums, even and odd vectors, so the adds wait on each other half as long. A row whose block is whole always
+// takes the unmasked instance, in any chunk or tile: the same operations in the same order, so the same bits.
+template <class Tiles, bool Masked>
+__attribute__((always_inline)) inline __m512 row_weights(const Scores& s, int64_t r, int64_t visible, __m512 scale_v,
+                                                         __m512 shift, __m512 sum, uint16_t* p) {
+  const auto weight = [&](int j) {
+    if (Masked && 16 * j >= visible) return _mm512_setzero_ps();
+    const __m512 e = exp2_weight(_mm512_fmsub_ps(_mm512_loadu_ps(score_row(s, r, j)), scale_v, shift));
+    return Masked ? _mm512_maskz_mov_ps(first_lanes(visible - 16 * j), e) : e;
+  };
+  __m512 odd = _mm512_setzero_ps();
+  for (int j = 0; j < kVecs; j += 2) {
+    const __m512 e0 = weight(j), e1 = weight(j + 1);
+    sum = _mm512_add_ps(sum, e0);
+    odd = _mm512_add_ps(odd, e1);
+    weights_to_bf16<Tiles>(e0, e1, p + 16 * j);
+  }
+  return _mm512_add_ps(sum, odd);
+}
+
 // Key block b's scores -> P [32][128] bf16 and each row's rescale factor. Only a block reaching past a row's position
 // masks that row's keys.
-template <class Tiles>
+template <class Tiles, class Between>
 __attribute__((always_inline)) inline void softmax_block(const Scores& s, int64_t b, int64_t first_pos, int64_t rows,
-                                                         float scale, Rows& st, uint16_t* p) {
-  constexpr int kVecs = kBlock / 16;
+                                                         float scale, Rows& st, uint16_t* p, Between&& between) {
   const __m512 scale_v = _mm512_set1_ps(scale * 1.44269504f);  // to base 2
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) float new_max[kRows];
   int64_t visible[kRows];
-  const auto mask = [&](int64_t r, int j) -> __mmask16 {
-    const int64_t n = visible[r] - 16 * j;
-    return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
-  };
   for (int half = 0; half < 2; ++half) {
     __m512 row_max[16];
     for (int i = 0; i < 16; ++i) {
       const int64_t r = half * 16 + i;
       visible[r] = r < rows ? std::min<int64_t>(kBlock, first_pos + r - b * kBlock + 1) : 0;
       st.skip[r] = visible[r] <= 0;
-      row_max[i] = neg_inf;
-      for (int j = 0; j < kVecs; ++j)
-        row_max[i] = _mm512_max_ps(row_max[i], _mm512_mask_mov_ps(neg_inf, mask(r, j), _mm512_loadu_ps(score_row(s, r, j))));
+      row_max[i] = visible[r] >= kBlock ? row_block_max<false>(s, r, kBlock) : row_block_max<true>(s, r, visible[r]);
     }
     const __m512 old_max = _mm512_load_ps(st.max + 16 * half);
     const __m512 grown = _mm512_max_ps(old_max, _mm512_mul_ps(max16(row_max), scale_v));
     _mm512_store_ps(new_max + 16 * half, grown);
     _mm512_store_ps(st.corr + 16 * half, exp2_weight(_mm512_sub_ps(old_max, grown)));
   }
-  for (int64_t r = 0; r < kRows; ++r) {
+  for (int r = 0; r < kRows; ++r) {
+    between(r);
     if (st.skip[r]) {
       std::memset(p + r * kBlock, 0, kBlock * sizeof(uint16_t));
       continue;
     }
     const __m512 shift = _mm512_set1_ps(new_max[r]);
-    __m512 sum = _mm512_mul_ps(st.sum[r], _mm512_set1_ps(st.corr[r]));
-    const auto weights = [&](int j) {
-      if (16 * j >= visible[r]) return _mm512_setzero_ps();  // past the row (its scores maybe never computed)
-      const __m512 e = exp2_weight(_mm512_fmsub_ps(_mm512_loadu_ps(score_row(s, r, j)), scale_v, shift));
-      return visible[r] >= kBlock ? e : _mm512_maskz_mov_ps(mask(r, j), e);
-    };
-    for (int j = 0; j < kVecs; j += 2) {
-      const __m512 e0 = weights(j), e1 = weights(j + 1);
-      sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
-      weights_to_bf16<Tiles>(e0, e1, p + r * kBlock + 16 * j);
-    }
-    st.sum[r] = sum;
+    const __m512 sum = _mm512_mul_ps(st.sum[r], _mm512_set1_ps(st.corr[r]));
+    st.sum[r] = visible[r] >= kBlock ? row_weights<Tiles, false>(s, r, kBlock, scale_v, shift, sum, p + r * kBlock)
+                                     : row_weights<Tiles, true>(s, r, visible[r], scale_v, shift, sum, p + r * kBlock);
     st.max[r] = new_max[r];
   }
 }
 
-// acc[:, 32g .. 32g + 32) = acc * corr + P.V's 32 dims (c: rows 0-15 then 16-31, dims 0-15 then 16-31), for the
-// rows the key block reached.
+// acc *= corr, the rows whose running maximum grew this key block (a factor of 1 changes no bits: skipped).
 template <int D>
-__attribute__((always_inline)) inline void rescale_add(float* acc, const float (*c)[16][16], int g, const Rows& st) {
+__attribute__((always_inline)) inline void rescale_rows(float* acc, const Rows& st) {
   for (int64_t r = 0; r < kRows; ++r) {
-    if (st.skip[r]) continue;
+    if (st.skip[r] || st.corr[r] == 1.f) continue;
     const __m512 corr = _mm512_set1_ps(st.corr[r]);
-    float* a = acc + r * D + 32 * g;
-    const int half = static_cast<int>(r / 16), i = static_cast<int>(r % 16);
-    _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), corr, _mm512_loadu_ps(c[2 * half][i])));
-    _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(_mm512_loadu_ps(a + 16), corr, _mm512_loadu_ps(c[2 * half + 1][i])));
+    for (float* a = acc + r * D; a < acc + (r + 1) * D; a += 16)
+      _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), corr));
   }
 }
 
@@ -261,35 +289,77 @@ __attribute__((always_inline)) inline void start_lane(const Lane& lane, const Pa
   std::fill(st.acc, st.acc + kRows * D, 0.f);
 }
 
-// One lane against key block b (k, v: its first packed tile): scores, softmax, P.V into the accumulator.
+// The key tiles of block b that a lane multiplies: up to its last row's (any later one is masked for every row, its
+// P.V product all zeros).
+inline int64_t lane_tiles(const Lane& lane, int64_t b) {
+  return std::min<int64_t>(kSub, (lane.first_pos + lane.rows - 1 - b * kBlock) / kKeys + 1);
+}
+
+// One lane's scores against one key block (k: its first packed tile) as tile operations issued a few at a time, so
+// that the tile unit computes them while the vector unit works on the previous block's softmax. A key tile's steps:
+// zero the C tiles, one product per 32 dims, store.
 template <class Tiles, int D>
-__attribute__((always_inline)) inline void lane_key_block(const Lane& lane, LaneState<D>& st, const char* k,
-                                                          const char* v, int64_t b, float scale) {
-  constexpr int64_t kTileBytes = kKeys * D * 2;  // one packed key tile
-  alignas(64) uint16_t p[kRows * kBlock];
-  alignas(64) Scores s;
-  // the key tiles up to the lane's last row: any later one is masked for every row, its P.V product all zeros
-  const int64_t tiles = std::min<int64_t>(kSub, (lane.first_pos + lane.rows - 1 - b * kBlock) / kKeys + 1);
-  for (int j = 0; j < tiles; ++j) {
-    Tiles::zero_c();
-    for (int g = 0; g < D / 32; ++g) {
-      Tiles::template load_a<false>(st.q + 32 * g, D * 2);
-      Tiles::load_b(k + j * kTileBytes + g * 2 * kTile * 2);
-      Tiles::dot_all();
+class ScoreTiles {
+ public:
+  static constexpr int kSteps = D / 32 + 2;  // per key tile
+
+  ScoreTiles(const uint16_t* q, const char* k, int64_t tiles, Scores* out)
+      : q_(q), k_(k), out_(out), total_(static_cast<int>(tiles) * kSteps) {}
+  int total() const { return total_; }
+  // Issues the steps up to the n-th.
+  __attribute__((always_inline)) void until(int n) {
+    for (n = std::min(n, total_); done_ < n; ++done_) {
+      const int j = done_ / kSteps, at = done_ % kSteps;
+      if (at == 0) {
+        Tiles::zero_c();
+      } else if (at <= D / 32) {
+        Tiles::template load_a<false>(q_ + 32 * (at - 1), D * 2);
+        Tiles::load_b(k_ + (j * kKeys * D + (at - 1) * 2 * kTile) * 2);
+        Tiles::dot_all();
+      } else {
+        Tiles::store_c((*out_)[j]);
+      }
     }
-    Tiles::store_c(s[j]);
   }
-  softmax_block<Tiles>(s, b, lane.first_pos, lane.rows, scale, st.rows, p);
+
+ private:
+  const uint16_t* q_;
+  const char* k_;
+  Scores* out_;
+  int total_, done_ = 0;
+};
+
+// P.V of one lane's key block (v: its first packed tile) added to the accumulator, rescaled first: the C tiles start
+// from it, 32 dims at a time, and go back into it. A row the block does not reach has P all zeros there, and adding
+// their exact zero products leaves its sums as they were.
+template <class Tiles, int D>
+__attribute__((always_inline)) inline void lane_values(LaneState<D>& st, const uint16_t* p, const char* v,
+                                                       int64_t tiles) {
+  rescale_rows<D>(st.acc, st.rows);
   for (int g = 0; g < D / 32; ++g) {
-    Tiles::zero_c();
+    Tiles::load_c(st.acc + 32 * g, D * 4);
     for (int j = 0; j < tiles; ++j) {
       Tiles::template load_a<false>(p + j * kKeys, kBlock * 2);
-      Tiles::load_b(v + j * kTileBytes + g * 2 * kTile * 2);
+      Tiles::load_b(v + (j * kKeys * D + g * 2 * kTile) * 2);
       Tiles::dot_all();
     }
-    Tiles::store_c(s[0]);
-    rescale_add<D>(st.acc, s[0], g, st.rows);
+    Tiles::store_c(st.acc + 32 * g, D * 4);
   }
+}
+
+// A (lane, key block) pair of an item, in the order the item visits them: block by block, each block's lanes.
+struct Visit {
+  int l = 0;
+  int64_t b = 0;
+};
+
+// The visit after `at` (false after the last): the next lane that reaches its block, or the next block's first.
+inline bool next_visit(const WorkItem& item, Visit& at) {
+  do {
+    if (++at.l == item.lanes) at.l = 0, ++at.b;
+    if (at.b > item.last_pos / kBlock) return false;
+  } while (at.b * kBlock > item.lane[at.l].first_pos + item.lane[at.l].rows - 1);
+  return true;
 }
 
 // out = acc / sum, in float32 or rounded to bf16 (to nearest even, as a float32 output's conversion rounds).
@@ -308,18 +378,35 @@ void finish_lane(const Lane& lane, const LaneState<D>& st, const PagedArgs<c10::
   }
 }
 
-// One item: every key tile up to its last row's, each lane taking the tiles up to its own last row's.
+// One item: every key tile up to its last row's, each lane taking the tiles up to its own last row's. The next
+// visit's scores are issued on the tiles between the rows of this visit's softmax (two score buffers).
 template <class Tiles, int D>
 __attribute__((always_inline)) inline void attend_item(const WorkItem& item, const PagedArgs<c10::BFloat16>& a,
-                                                       LaneState<D>* states) {
+                                                       LaneState<D>* states, Scores* scores) {
+  alignas(64) uint16_t p[kRows * kBlock];
+  const auto key_tile = [&](const uint16_t* packed, int64_t b) {
+    return reinterpret_cast<const char*>(packed + b * kBlock * D);
+  };
+  const auto scores_of = [&](const Visit& at, Scores* out) {
+    return ScoreTiles<Tiles, D>(states[at.l].q, key_tile(item.k, at.b), lane_tiles(item.lane[at.l], at.b), out);
+  };
   for (int l = 0; l < item.lanes; ++l) start_lane<D>(item.lane[l], a, states[l]);
-  for (int64_t b = 0; b <= item.last_pos / kBlock; ++b) {
-    const auto* k = reinterpret_cast<const char*>(item.k + b * kBlock * D);
-    const auto* v = reinterpret_cast<const char*>(item.v + b * kBlock * D);
-    for (int l = 0; l < item.lanes; ++l) {
-      const Lane& lane = item.lane[l];
-      if (b * kBlock <= lane.first_pos + lane.rows - 1) lane_key_block<Tiles, D>(lane, states[l], k, v, b, a.scale);
-    }
+  Visit at;  // lane 0 reaches block 0
+  ScoreTiles<Tiles, D> first = scores_of(at, scores);
+  first.until(first.total());
+  for (int buf = 0;; buf ^= 1) {
+    Visit next = at;
+    const bool more = next_visit(item, next);
+    ScoreTiles<Tiles, D> ahead =
+        more ? scores_of(next, scores + (buf ^ 1)) : ScoreTiles<Tiles, D>(nullptr, nullptr, 0, nullptr);
+    const Lane& lane = item.lane[at.l];
+    softmax_block<Tiles>(scores[buf], at.b, lane.first_pos, lane.rows, a.scale, states[at.l].rows, p, [&](int r) {
+      ahead.until((r + 1) * ahead.total() / kRows);
+    });
+    ahead.until(ahead.total());
+    lane_values<Tiles, D>(states[at.l], p, key_tile(item.v, at.b), lane_tiles(lane, at.b));
+    if (!more) break;
+    at = next;
   }
   for (int l = 0; l < item.lanes; ++l) finish_lane<D>(item.lane[l], states[l], a);
 }
@@ -328,8 +415,12 @@ template <class Tiles, int D>
 __attribute__((always_inline)) inline void attend_items(const std::vector<WorkItem>& items,
                                                         const PagedArgs<c10::BFloat16>& a, WorkQueue& queue) {
   const std::unique_ptr<LaneState<D>[]> states(new LaneState<D>[kMaxLanes]);  // set up by each item
+  struct alignas(64) TwoScores {  // whole cache lines: a tile row stored across two lines costs two
+    Scores s[2];
+  };
+  const std::unique_ptr<TwoScores> scores(new TwoScores);
   Tiles::configure();
-  for (int64_t item; queue.next(item);) attend_item<Tiles, D>(items[item], a, states.get());
+  for (int64_t item; queue.next(item);) attend_item<Tiles, D>(items[item], a, states.get(), scores->s);
   Tiles::release();
 }
 

@@ -111,6 +111,23 @@ inline void store16(c10::BFloat16* p, __m512 v, __mmask16 mask) {
 }
 #endif
 
+// Lane i of the result = the 16 lanes of v[i] combined by `op` (an add: their sum; a max: their largest). Pairs are
+// interleaved and combined four times (within 128-bit lanes twice, then across them twice), so each level halves the
+// vector count and the order comes out natural: 15 shuffles and ops instead of 16 horizontal reductions.
+template <class Op>
+inline __m512 combine16(const __m512* v, Op op) {
+  __m512 t[8], u[4], w[2];
+  for (int j = 0; j < 8; ++j)
+    t[j] = op(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int j = 0; j < 2; ++j)
+    w[j] = op(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88), _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
+  return op(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
 // exp(x), x clamped to [-87, 88]: 2^k * p(r) with r = x - k ln2 in [-ln2/2, ln2/2] and p of degree 6 (relative error
 // ~1e-7, about one float ulp). NaN stays NaN: vmaxps/vminps return their second operand when one is NaN.
 inline __m512 exp512(__m512 x) {
