@@ -78,7 +78,7 @@ def check_loop_equals_python(model, config, dtype, monkeypatch, gemm_min_rows: i
 
 
 @pytest.mark.parametrize("gemm_min_rows", [0, 9])  # 9: the groups of 15 and 9 rows take two GEMMs, 7 the kernel
-@pytest.mark.parametrize("path", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("path", ["avx512_bf16", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize(
     "kind,dtype,units",
     [
