@@ -86,7 +86,7 @@ def check_loop_equals_python(model, config, dtype, monkeypatch, gemm_min_rows: i
         ("qwen2", torch.float32, None),  # q/k/v biases
         ("gemma3", torch.float32, None),  # GeGLU, q/k norms, sliding layers
         ("llama", torch.bfloat16, "1"),  # oneDNN's packed bf16 GEMMs
-        ("llama", torch.bfloat16, "amx_emulated"),  # gate/up in the AMX kernel's swiglu order
+        ("llama", torch.bfloat16, "amx_emulated"),  # gate/up in the AMX kernel's swiglu order: the deltas added there
         ("llama", torch.bfloat16, "amx"),
         ("qwen2", torch.bfloat16, "0"),  # no bf16 units: float32 GEMMs on widened weights
         ("gemma3", torch.bfloat16, "1"),

@@ -244,7 +244,7 @@ void shrink_pairs(const c10::BFloat16* const* x, const c10::BFloat16* a, int64_t
 // (the block after this one is contiguous with it), or null.
 template <class V, class T, int N, int C>
 void expand_block(const float* u, int64_t u_stride, const T* b, int64_t rank, int64_t c, int64_t last, const T* next,
-                  typename V::Vec scale, T* const* y) {
+                  typename V::Vec scale, T* const* y, int64_t pitch) {
   const T* base[C];
   for (int cc = 0; cc < C; ++cc) {
     const int64_t col = c + cc * V::kWidth;  // a vector never straddles two panels (kLoraPanel % kWidth == 0)
@@ -266,7 +266,8 @@ void expand_block(const float* u, int64_t u_stride, const T* b, int64_t rank, in
   }
   for (int t = 0; t < N; ++t)
     for (int cc = 0; cc < C; ++cc) {
-      T* p = y[t] + c + cc * V::kWidth;
+      const int64_t col = c + cc * V::kWidth;  // y's column of it: panels `pitch` apart (kLoraPanel: contiguous)
+      T* p = y[t] + col / kLoraPanel * pitch + col % kLoraPanel;
       const int64_t width = cc + 1 < C ? V::kWidth : last;
       store_n<V>(p, V::fmadd(scale, acc[t][cc], load_n<V>(p, width)), width);
     }
@@ -281,17 +282,20 @@ void expand(const float* u, int64_t u_stride, const T* b_slot, const LoraArgs& a
   constexpr int64_t kBlockWidth = C * V::kWidth;
   const LoraSlice& slice = args.slices[i];
   const T* b = b_slot + rank * slice.packed;
-  T* ys[N];  // the rows from the slice's first column, as the packed columns count
-  for (int t = 0; t < N; ++t) ys[t] = y[t] + slice.offset;
+  // the rows from the slice's first column, and the distance between two of its panels there
+  const int64_t first = args.swiglu_panels ? i * kLoraPanel : slice.offset;
+  const int64_t pitch = args.swiglu_panels ? args.num_slices * kLoraPanel : kLoraPanel;
+  T* ys[N];
+  for (int t = 0; t < N; ++t) ys[t] = y[t] + first;
   int64_t c = 0;
   for (; c + kBlockWidth <= slice.size; c += kBlockWidth) {
     // blocks of whole panels: the next block's values follow this one's
     const bool whole = kBlockWidth % kLoraPanel == 0 && c + 2 * kBlockWidth <= slice.size;
     const T* next = whole ? b + (c + kBlockWidth) * rank : nullptr;
-    expand_block<V, T, N, C>(u, u_stride, b, rank, c, V::kWidth, next, s, ys);
+    expand_block<V, T, N, C>(u, u_stride, b, rank, c, V::kWidth, next, s, ys, pitch);
   }
   for (; c < slice.size; c += V::kWidth)
-    expand_block<V, T, N, 1>(u, u_stride, b, rank, c, std::min(V::kWidth, slice.size - c), nullptr, s, ys);
+    expand_block<V, T, N, 1>(u, u_stride, b, rank, c, std::min(V::kWidth, slice.size - c), nullptr, s, ys, pitch);
 }
 
 // One work item: up to kTile rows of group g, from its row list's index `first`, in one slice of the projection's

@@ -144,8 +144,10 @@ LoraBatch make_lora_batch(std::vector<int64_t> slot, std::vector<int64_t> rank, 
           std::move(rows), max_row, path, std::max<int64_t>(gemm_min_rows, 0)};
 }
 
-void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch) {
-  if (batch.empty() || !w.defined()) return;
+namespace {
+
+void add_deltas(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch,
+                bool swiglu_panels) {
   const int64_t slots = w.a.size(0), rows_per_slot = w.a.size(1), n_slices = w.slices.size();
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && batch.max_row < x.size(0),
               "lora_add_: x [T, in] and y [T, out] covering the groups' rows");
@@ -175,11 +177,26 @@ void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, c
                       batch.offsets.data(),
                       batch.rows.data_ptr<int64_t>(),
                       static_cast<int64_t>(batch.slot.size()),
-                      batch.gemm_min_rows};
+                      batch.gemm_min_rows,
+                      swiglu_panels};
   lora_add(args, batch.path);
-  for (size_t g = 0; g < batch.slot.size(); ++g) {
+  for (size_t g = 0; g < batch.slot.size() && args.gemm_min_rows > 0; ++g) {
     const int64_t count = batch.offsets[g + 1] - batch.offsets[g];
-    if (batch.gemm_min_rows > 0 && count >= batch.gemm_min_rows && w.present.data_ptr<uint8_t>()[batch.slot[g]])
-      gemm_group(x, y, w, batch, g);
+    if (count >= batch.gemm_min_rows && w.present.data_ptr<uint8_t>()[batch.slot[g]]) gemm_group(x, y, w, batch, g);
   }
+}
+
+}  // namespace
+
+void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch) {
+  if (batch.empty() || !w.defined()) return;
+  add_deltas(x, y, w, batch, false);
+}
+
+void lora_add_swiglu_panels_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch) {
+  if (batch.empty() || !w.defined()) return;
+  TORCH_CHECK(w.slices.size() == 2 && w.slices[0].size == w.slices[1].size && w.slices[0].size % kLoraPanel == 0,
+              "lora_add_swiglu_panels_: gate and up of one width, whole panels");
+  TORCH_CHECK(!batch.has_gemm_groups(), "lora_add_swiglu_panels_: a group takes the GEMMs, which write whole slices");
+  add_deltas(x, y, w, batch, true);
 }
