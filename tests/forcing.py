@@ -80,7 +80,7 @@ def force_quant_gemm(monkeypatch):
 
 @pytest.fixture
 def force_lora_path(monkeypatch):
-    """force_lora_path(path): the LoRA kernel takes `path` ("avx512", "avx2" or "portable") in the steps made after
+    """force_lora_path(path): the LoRA kernel takes `path` ("avx512_bf16", "avx512", "avx2" or "portable") in the steps made after
     this. The cached choice is cleared around the test."""
     from batchserve.layers import kernels
 

@@ -30,7 +30,10 @@ PROJECTIONS = (
 )
 
 
-GEMM_MIN_ROWS = 32  # an adapter's rows in a step from which two GEMMs beat the vector kernel (a prompt's rows)
+# An adapter's rows in a step from which two library GEMMs take its deltas instead of the vector kernel; 0: never.
+# Measured on the AMX host (docs/lora.md): a 2048-row prompt step of 8 adapters, 30 layers, took 730 ms of CPU
+# through oneDNN's GEMMs (rank-16 products are too thin for them) against 372 ms in the vector kernel.
+GEMM_MIN_ROWS = 0
 
 
 class LoRAPool:
@@ -65,7 +68,7 @@ class LoRAPool:
         # "native": the native kernel adds the deltas where it runs; "torch": the torch code always, a matmul each
         # (with grouping "request": the loop over requests that benchmarks/lora.py compares grouping against)
         self.delta_kernel = "native"
-        # groups of this many rows multiply by GEMMs in the native kernels; a deterministic engine never (0)
+        # groups of this many rows multiply by GEMMs in the native kernels (0: never; a deterministic engine never)
         self.gemm_min_rows = 0 if deterministic else GEMM_MIN_ROWS
 
     def _attach(self, layer: nn.Module) -> dict[str, LoRASlots]:

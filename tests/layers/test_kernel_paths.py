@@ -41,7 +41,7 @@ def _built_on(flags: str) -> frozenset[tuple[str, str]]:
     "flags, expected",
     [
         (SAPPHIRE_RAPIDS, {"attention": "avx512_bf16", "small_gemm": "avx512", "bf16_gemm": "amx",
-                           "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512",
+                           "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512_bf16",
                            "prefill_attention": "amx"}),
         (SKYLAKE_SP, {"attention": "avx512", "small_gemm": "avx512", "bf16_gemm": "onednn",
                       "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512",

@@ -48,7 +48,7 @@ def a_step(gemm_min_rows: int = 0) -> LoRAStep:
 
 
 @pytest.mark.parametrize("gemm_min_rows", [0, 8])
-@pytest.mark.parametrize("path", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("path", ["avx512_bf16", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_adds_the_torch_codes_deltas(force_lora_path, path, dtype, gemm_min_rows):
     force_lora_path(path)
@@ -92,7 +92,7 @@ def test_every_path_agrees_within_rounding(force_lora_path):
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(23, IN, generator=g), torch.randn(23, 88, generator=g)
     results = []
-    for path in ("avx512", "avx2", "portable"):
+    for path in ("avx512_bf16", "avx512", "avx2", "portable"):
         if kernels.lora_path_runs(path):
             force_lora_path(path)
             results.append(slots.add_delta(x, y.clone(), a_step()))
@@ -119,7 +119,7 @@ def test_bad_arguments_are_errors_that_say_what_is_wrong():
         native.LoraBatch([0], [8], [1.0], torch.tensor([1]), [0, 2], kernels.lora_path(), 0)
 
 
-@pytest.mark.parametrize("path", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("path", ["avx512_bf16", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_tile_height_gives_each_row_what_it_gets_alone(force_lora_path, path, dtype):
     """Groups of 1 to 8 rows (one tile of each height) and of 11 (a full tile and a short one), scattered: each row's

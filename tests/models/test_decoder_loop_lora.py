@@ -78,7 +78,7 @@ def check_loop_equals_python(model, config, dtype, monkeypatch, gemm_min_rows: i
 
 
 @pytest.mark.parametrize("gemm_min_rows", [0, 9])  # 9: the groups of 15 and 9 rows take two GEMMs, 7 the kernel
-@pytest.mark.parametrize("path", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("path", ["avx512_bf16", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize(
     "kind,dtype,units",
     [
@@ -86,7 +86,7 @@ def check_loop_equals_python(model, config, dtype, monkeypatch, gemm_min_rows: i
         ("qwen2", torch.float32, None),  # q/k/v biases
         ("gemma3", torch.float32, None),  # GeGLU, q/k norms, sliding layers
         ("llama", torch.bfloat16, "1"),  # oneDNN's packed bf16 GEMMs
-        ("llama", torch.bfloat16, "amx_emulated"),  # gate/up in the AMX kernel's swiglu order
+        ("llama", torch.bfloat16, "amx_emulated"),  # gate/up in the AMX kernel's swiglu order: the deltas added there
         ("llama", torch.bfloat16, "amx"),
         ("qwen2", torch.bfloat16, "0"),  # no bf16 units: float32 GEMMs on widened weights
         ("gemma3", torch.bfloat16, "1"),

@@ -82,6 +82,16 @@ at::Tensor project(const Op& op, size_t i, const at::Tensor& x, const LayerConte
   return y;
 }
 
+// layers/mlp.py MLP.forward with adapters on gate/up: silu(gate) * up of the adapted product. Where the AMX kernel
+// takes the rows, its product stays in its swiglu order and the deltas go into those columns (the same values the
+// Python layers add after the columns are put back in order, bit for bit), which saves a copy of [T, 2I]
+at::Tensor adapted_silu_and_mul(const Op& op, const at::Tensor& x, const LayerContext& c) {
+  auto panels = c.lora->has_gemm_groups() ? at::Tensor() : op.projections[0].swiglu_panels_of(x);
+  if (!panels.defined()) return silu_and_mul(project(op, 0, x, c));
+  lora_add_swiglu_panels_(x, panels, op.loras[0], *c.lora);
+  return silu_and_mul_panels(panels);
+}
+
 // layers/rotary.py apply_rope: the native kernel rotates x in place
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "RoPE on heads contiguous within a token");
@@ -209,9 +219,8 @@ void run(const Op& op, Registers& r, LayerContext& context) {
         r.h = swiglu_mlp(r.h, p[0], p[1]);
         return;
       }
-      r.h = project(op, 1,
-                    takes_adapters(op, 0, context) ? silu_and_mul(project(op, 0, r.h, context))
-                                                   : p[0].silu_and_mul_of(r.h),
+      r.h = project(op, 1, takes_adapters(op, 0, context) ? adapted_silu_and_mul(op, r.h, context)
+                                                          : p[0].silu_and_mul_of(r.h),
                     context);
       return;
     case OpKind::kGegluMlp:  // layers/activation.py GeGLUMLP.forward

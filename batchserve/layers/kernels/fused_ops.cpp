@@ -240,6 +240,27 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
   return out;
 }
 
+at::Tensor silu_and_mul_panels(at::Tensor gate_up) {
+  constexpr int64_t kHalf = 16;  // projection.cpp kSwigluHalfPanel
+  check_rows(gate_up, "gate_up");
+  const int64_t inter = gate_up.size(1) / 2, rows = gate_up.size(0);
+  TORCH_CHECK(inter % kHalf == 0, "silu_and_mul_panels: whole panels of 16 gate and 16 up columns");
+  auto out = at::empty({rows, inter}, gate_up.options());
+  dispatch_float_or_bf16(gate_up.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t stride = gate_up.stride(0);
+    at::parallel_for(0, rows, grain(2 * inter), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t p = 0; p < inter / kHalf; ++p)
+          silu_and_mul_row(in + r * stride + 2 * kHalf * p, in + r * stride + 2 * kHalf * p + kHalf,
+                           o + r * inter + kHalf * p, kHalf);
+    });
+  });
+  return out;
+}
+
 // x [T, heads, D] float32 or bfloat16 with contiguous heads (any token stride), cos/sin [T, D/2] contiguous, of
 // x's dtype: rotated in place.
 void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin) {

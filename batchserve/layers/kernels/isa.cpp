@@ -85,6 +85,9 @@ std::vector<std::tuple<std::string, std::string, Isa>> kernel_table() {
 #ifdef BATCHSERVE_ISA_AVX512
     add("lora", {"float32", "bfloat16"}, Isa::kAvx512);
 #endif
+#ifdef BATCHSERVE_ISA_AVX512_BF16
+    add("lora", {"bfloat16"}, Isa::kAvx512Bf16);  // the shrink by pair dot products (float32 slots: AVX-512's)
+#endif
     return t;
   }();
   return rows;

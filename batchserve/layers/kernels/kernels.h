@@ -34,6 +34,9 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::T
                                       double scale, AttentionPath path, Isa prefill_path = Isa::kAvx512);
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 at::Tensor silu_and_mul(at::Tensor gate_up);
+// the same of a gate/up product in the AMX kernel's swiglu order (16 gate columns, then their 16 up columns, and so
+// on): per element what silu_and_mul gives of the columns put back in order
+at::Tensor silu_and_mul_panels(at::Tensor gate_up);
 void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor argmax_rows(at::Tensor logits);
 void write_kv_(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,

@@ -44,6 +44,9 @@ struct Projection {
   at::Tensor operator()(const at::Tensor& x) const;
   // silu(gate) * up of this gate/up projection's output: fused into the AMX GEMM where it takes the rows.
   at::Tensor silu_and_mul_of(const at::Tensor& x) const;
+  // This gate/up projection's product in the AMX kernel's swiglu order (16 gate columns, then 16 up columns, and so
+  // on: silu_and_mul_panels reads it) where its AMX kernel takes x's rows; else an undefined tensor.
+  at::Tensor swiglu_panels_of(const at::Tensor& x) const;
 
  private:
   at::Tensor gemm(const at::Tensor& x) const;
@@ -147,6 +150,12 @@ struct LoraBatch {
   Isa path = Isa::kPortable;
   int64_t gemm_min_rows = 0;
   bool empty() const { return slot.empty(); }
+  // some group takes the GEMMs (lora_op.cpp), which write whole slices: not a product in swiglu order
+  bool has_gemm_groups() const {
+    for (size_t g = 0; g < slot.size() && gemm_min_rows > 0; ++g)
+      if (offsets[g + 1] - offsets[g] >= gemm_min_rows) return true;
+    return false;
+  }
 };
 LoraWeights make_lora_weights(at::Tensor a, at::Tensor b, at::Tensor present,
                               const std::vector<std::tuple<int64_t, int64_t>>& slices);
@@ -154,6 +163,10 @@ LoraBatch make_lora_batch(std::vector<int64_t> slot, std::vector<int64_t> rank, 
                           at::Tensor rows, std::vector<int64_t> offsets, Isa path, int64_t gemm_min_rows);
 // y [T, out] (the projection's fresh output of x [T, in]) += each group's scale * (x_g @ A^T) @ B, in place
 void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& weights, const LoraBatch& batch);
+// the same on a gate/up projection's output in the AMX kernel's swiglu order (Projection::swiglu_panels_of: 16 gate
+// columns, then 16 up columns, and so on), so that silu_and_mul_panels reads it without a copy back to [gate | up]
+void lora_add_swiglu_panels_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& weights,
+                             const LoraBatch& batch);
 
 // kv_quantized.cpp: whether a pool element type is a quantized one (int8, float8 e4m3); k/v [T, Hkv, D] quantized into
 // the pool's slots -> (k, v) as stored, dequantized, in k's dtype; a pool's blocks dequantized to dtype

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
@@ -101,6 +102,13 @@ struct Avx512 {
 };
 #endif
 
+#ifdef BATCHSERVE_ISA_AVX512_BF16
+// AVX-512 whose bfloat16 shrink multiplies pairs (AVX512-BF16's dot product: 32 products an instruction, x and A as
+// stored, nothing widened): per row, lane i sums the products of elements 32k + 2i and 32k + 2i + 1 in that order,
+// the same order whatever the tile. The expand and float32 are Avx512's.
+struct Avx512Bf16 : Avx512 {};
+#endif
+
 // n <= V::kWidth values (a row's last, shorter chunk through a zero-padded copy)
 template <class V, class T>
 typename V::Vec load_n(const T* p, int64_t n) {
@@ -164,6 +172,38 @@ void shrink_block(const float* xf, int64_t xf_stride, const T* a, const T* next,
     for (int t = 0; t < N; ++t) u[t * u_stride + jj] = V::sum(acc[jj][t]);
 }
 
+#ifdef BATCHSERVE_ISA_AVX512_BF16
+// One run of 32 values of shrink_block_pairs: the tile's x and J rows of A under `mask` (zeros past a row's end)
+template <int N, int J>
+BATCHSERVE_BF16_TARGET inline void pairs_pass(__m512 (&acc)[J][N], const c10::BFloat16* const* x,
+                                              const c10::BFloat16* a, int64_t in, int64_t k, __mmask32 mask) {
+  __m512bh xv[N];
+  for (int t = 0; t < N; ++t) xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x[t] + k);
+  for (int jj = 0; jj < J; ++jj) {
+    const auto w = (__m512bh)_mm512_maskz_loadu_epi16(mask, a + jj * in + k);
+    for (int t = 0; t < N; ++t) acc[jj][t] = _mm512_dpbf16_ps(acc[jj][t], xv[t], w);
+  }
+}
+
+// shrink_block on bfloat16 rows by pair dot products: x's rows read where they are (no widened copy), the last,
+// shorter run of 32 loaded under a mask
+template <int N, int J>
+BATCHSERVE_BF16_TARGET void shrink_block_pairs(const c10::BFloat16* const* x, const c10::BFloat16* a,
+                                               const c10::BFloat16* next, int64_t in, float* u, int64_t u_stride) {
+  __m512 acc[J][N];
+  for (int jj = 0; jj < J; ++jj)
+    for (int t = 0; t < N; ++t) acc[jj][t] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= in; k += 32) {
+    for (int jj = 0; jj < J; ++jj) __builtin_prefetch(next + jj * in + k, 0, 3);  // 32 values: one line
+    pairs_pass<N, J>(acc, x, a, in, k, ~__mmask32(0));
+  }
+  if (k < in) pairs_pass<N, J>(acc, x, a, in, k, (__mmask32(1) << (in - k)) - 1);
+  for (int jj = 0; jj < J; ++jj)
+    for (int t = 0; t < N; ++t) u[t * u_stride + jj] = _mm512_reduce_add_ps(acc[jj][t]);
+}
+#endif
+
 // Register blocking by tile height: J rows of A in a shrink pass, C vectors of B's columns in an expand pass, so
 // that the J * N (or N * C) sums stay in registers
 template <int N>
@@ -183,13 +223,28 @@ void shrink(const float* xf, int64_t xf_stride, const T* a, int64_t used, int64_
   for (; j < used; ++j) shrink_block<V, T, N, 1>(xf, xf_stride, a + j * in, a + j * in, in, u + j, u_stride);
 }
 
+#ifdef BATCHSERVE_ISA_AVX512_BF16
+// shrink on bfloat16 rows by pair dot products (Avx512Bf16), blocked as shrink is
+template <int N>
+void shrink_pairs(const c10::BFloat16* const* x, const c10::BFloat16* a, int64_t used, int64_t in, float* u,
+                  int64_t u_stride) {
+  constexpr int J = kRowBlock<N>;
+  int64_t j = 0;
+  for (; j + J <= used; j += J) {
+    const auto* next = a + (j + 2 * J <= used ? j + J : j) * in;
+    shrink_block_pairs<N, J>(x, a + j * in, next, in, u + j, u_stride);
+  }
+  for (; j < used; ++j) shrink_block_pairs<N, 1>(x, a + j * in, a + j * in, in, u + j, u_stride);
+}
+#endif
+
 // C vectors of a slice's columns, from column c of it (the last vector `last` wide), of the tile's N rows:
 // y_t += scale * sum_j u_t[j] * B[j], j over the slice's rank rows, each column summed in j's order. `b`: the slice's
 // packed B (lora_args.h), so each vector's rows are kLoraPanel apart; `next`: the next block's values to prefetch
 // (the block after this one is contiguous with it), or null.
 template <class V, class T, int N, int C>
 void expand_block(const float* u, int64_t u_stride, const T* b, int64_t rank, int64_t c, int64_t last, const T* next,
-                  typename V::Vec scale, T* const* y) {
+                  typename V::Vec scale, T* const* y, int64_t pitch) {
   const T* base[C];
   for (int cc = 0; cc < C; ++cc) {
     const int64_t col = c + cc * V::kWidth;  // a vector never straddles two panels (kLoraPanel % kWidth == 0)
@@ -211,7 +266,8 @@ void expand_block(const float* u, int64_t u_stride, const T* b, int64_t rank, in
   }
   for (int t = 0; t < N; ++t)
     for (int cc = 0; cc < C; ++cc) {
-      T* p = y[t] + c + cc * V::kWidth;
+      const int64_t col = c + cc * V::kWidth;  // y's column of it: panels `pitch` apart (kLoraPanel: contiguous)
+      T* p = y[t] + col / kLoraPanel * pitch + col % kLoraPanel;
       const int64_t width = cc + 1 < C ? V::kWidth : last;
       store_n<V>(p, V::fmadd(scale, acc[t][cc], load_n<V>(p, width)), width);
     }
@@ -226,17 +282,20 @@ void expand(const float* u, int64_t u_stride, const T* b_slot, const LoraArgs& a
   constexpr int64_t kBlockWidth = C * V::kWidth;
   const LoraSlice& slice = args.slices[i];
   const T* b = b_slot + rank * slice.packed;
-  T* ys[N];  // the rows from the slice's first column, as the packed columns count
-  for (int t = 0; t < N; ++t) ys[t] = y[t] + slice.offset;
+  // the rows from the slice's first column, and the distance between two of its panels there
+  const int64_t first = args.swiglu_panels ? i * kLoraPanel : slice.offset;
+  const int64_t pitch = args.swiglu_panels ? args.num_slices * kLoraPanel : kLoraPanel;
+  T* ys[N];
+  for (int t = 0; t < N; ++t) ys[t] = y[t] + first;
   int64_t c = 0;
   for (; c + kBlockWidth <= slice.size; c += kBlockWidth) {
     // blocks of whole panels: the next block's values follow this one's
     const bool whole = kBlockWidth % kLoraPanel == 0 && c + 2 * kBlockWidth <= slice.size;
     const T* next = whole ? b + (c + kBlockWidth) * rank : nullptr;
-    expand_block<V, T, N, C>(u, u_stride, b, rank, c, V::kWidth, next, s, ys);
+    expand_block<V, T, N, C>(u, u_stride, b, rank, c, V::kWidth, next, s, ys, pitch);
   }
   for (; c < slice.size; c += V::kWidth)
-    expand_block<V, T, N, 1>(u, u_stride, b, rank, c, std::min(V::kWidth, slice.size - c), nullptr, s, ys);
+    expand_block<V, T, N, 1>(u, u_stride, b, rank, c, std::min(V::kWidth, slice.size - c), nullptr, s, ys, pitch);
 }
 
 // One work item: up to kTile rows of group g, from its row list's index `first`, in one slice of the projection's
@@ -254,14 +313,21 @@ struct Scratch {
 template <class V, class T, int N>
 void run_rows(const LoraArgs& args, const Item& item, const T* const* xs, T* const* ys, Scratch& scratch) {
   const int64_t g = item.group, slot = args.slot[g], rank = args.rank[g], first = item.slice * rank;
-  const int64_t xf_stride = (args.in + V::kWidth - 1) / V::kWidth * V::kWidth;
-  widen_rows(xs, N, args.in, scratch.x.data(), xf_stride);
   const T* a = static_cast<const T*>(args.a) + (slot * args.rows_per_slot + first) * args.in;
   const T* b = static_cast<const T*>(args.b) + slot * args.b_per_slot;
   // u: the tile's shrink of this item's slice only (an item is one slice), max_rank a row
   float* u = scratch.u.data();
   const int64_t u_stride = args.rows_per_slot / args.num_slices;
-  shrink<V, T, N>(scratch.x.data(), xf_stride, a, rank, args.in, u, u_stride);
+#ifdef BATCHSERVE_ISA_AVX512_BF16
+  if constexpr (std::is_same_v<V, Avx512Bf16>) {
+    shrink_pairs<N>(xs, a, rank, args.in, u, u_stride);
+  } else
+#endif
+  {
+    const int64_t xf_stride = (args.in + V::kWidth - 1) / V::kWidth * V::kWidth;
+    widen_rows(xs, N, args.in, scratch.x.data(), xf_stride);
+    shrink<V, T, N>(scratch.x.data(), xf_stride, a, rank, args.in, u, u_stride);
+  }
   expand<V, T, N>(u, u_stride, b, args, item.slice, rank, args.scale[g], ys);
 }
 
@@ -322,6 +388,11 @@ void lora_add(const LoraArgs& args, Isa path) {
 #ifdef BATCHSERVE_ISA_AVX512
     case Isa::kAvx512:
       return run_on<Avx512>(args);
+#endif
+#ifdef BATCHSERVE_ISA_AVX512_BF16
+    case Isa::kAvx512Bf16:  // its table row is bfloat16's; float32 slots take AVX-512's kernel
+      if (args.bf16) return run<Avx512Bf16, c10::BFloat16>(args);
+      return run<Avx512, float>(args);
 #endif
 #ifdef BATCHSERVE_ISA_AVX2
     case Isa::kAvx2:

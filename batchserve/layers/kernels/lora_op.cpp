@@ -5,6 +5,7 @@
 #include "aten_pch.h"  // first: the precompiled torch headers (build.py)
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -28,39 +29,64 @@ at::Tensor unpacked_b(const LoraWeights& w, int64_t slot, int64_t i, int64_t ran
       .narrow(1, 0, slice.size);
 }
 
-// The first index of each run of consecutive rows among a group's `count` rows, and `count` at the end: a request's
-// prompt chunk is one run, so a group is as many runs as it has requests in their prompts
-std::vector<int64_t> run_starts(const int64_t* rows, int64_t count) {
-  std::vector<int64_t> starts{0};
-  for (int64_t i = 1; i < count; ++i)
-    if (rows[i] != rows[i - 1] + 1) starts.push_back(i);
-  starts.push_back(count);
-  return starts;
+// The rows a group's GEMMs run on: its count rounded up to a power of two (at least 32). oneDNN builds (and
+// JIT-compiles) a primitive for each new shape, which cost a prompt step more than its GEMMs when every group's row
+// count was a shape of its own; with the counts in a few buckets its cache finds them, and the padding rows are
+// a few cheap rows of a small GEMM.
+int64_t gemm_rows(int64_t count) {
+  int64_t rows = 32;
+  while (rows < count) rows *= 2;
+  return rows;
+}
+
+// A thread's tensors for the GEMM path, kept between calls (re-made when a shape or dtype changes): a group's x rows
+// and y rows gathered contiguous, padded to the bucket. Fresh tensors of a few MB a call came from the kernel as
+// zeroed pages each time.
+struct GemmScratch {
+  at::Tensor x, y;
+};
+
+at::Tensor scratch_of(at::Tensor& held, int64_t rows, int64_t cols, at::ScalarType dtype) {
+  if (!held.defined() || held.size(0) != rows || held.size(1) != cols || held.scalar_type() != dtype)
+    held = at::zeros({rows, cols}, at::TensorOptions().dtype(dtype));
+  return held;
+}
+
+// dst's first `count` rows = src's rows `rows` (row by row, raw copies: an index_select or index_copy_ would
+// dispatch per call and allocate); with `back`, the other way round
+void copy_rows(const at::Tensor& whole, const at::Tensor& packed, const int64_t* rows, int64_t count, bool back) {
+  const int64_t bytes = whole.size(1) * whole.element_size();
+  auto* base = static_cast<char*>(whole.data_ptr());
+  auto* dense = static_cast<char*>(packed.data_ptr());
+  const int64_t whole_stride = whole.stride(0) * whole.element_size();
+  const int64_t dense_stride = packed.stride(0) * packed.element_size();
+  for (int64_t i = 0; i < count; ++i) {
+    char* far = base + rows[i] * whole_stride;
+    char* near = dense + i * dense_stride;
+    std::memcpy(back ? far : near, back ? near : far, bytes);
+  }
 }
 
 // A group of many rows (a prompt's): shrink and expand as library GEMMs (oneDNN's; AMX tiles for bf16 where the CPU
-// has them), which the vector kernel's loads cannot match at that size. The shrink is rounded to x's dtype, as
-// layers/lora.py's torch code rounds it. The expand adds into y's rows in place, one GEMM a run of consecutive rows
-// (y += scale * u @ B, summed in float32 and rounded once): index_add_ would add a copy of the delta row by row, a
-// dispatched add each, which cost a prompt's step more than the GEMMs themselves.
+// has them), which the vector kernel's loads cannot match at that size. The group's x and y rows are gathered into
+// the thread's scratch (padded to gemm_rows), the expand adds into the gathered y in place (y += scale * u @ B,
+// summed in float32 and rounded once) and the rows go back: one shrink and one expand a slice, whatever runs of
+// rows the group has. The shrink is rounded to x's dtype, as layers/lora.py's torch code rounds it.
 void gemm_group(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch, size_t g) {
+  thread_local GemmScratch scratch;
   const int64_t rank = batch.rank[g], used = rank * static_cast<int64_t>(w.slices.size());
-  const int64_t first = batch.offsets[g], count = batch.offsets[g + 1] - first;
+  const int64_t first = batch.offsets[g], count = batch.offsets[g + 1] - first, padded = gemm_rows(count);
   const int64_t* rows = batch.rows.data_ptr<int64_t>() + first;
-  const auto starts = run_starts(rows, count);
-  const auto a = w.a[batch.slot[g]].narrow(0, 0, used);
-  const bool one_run = starts.size() == 2;
-  const auto xs = one_run ? x.narrow(0, rows[0], count) : x.index_select(0, batch.rows.narrow(0, first, count));
-  const auto u = at::matmul(xs, a.t());
+  const auto xs = scratch_of(scratch.x, padded, x.size(1), x.scalar_type());
+  const auto ys = scratch_of(scratch.y, padded, y.size(1), y.scalar_type());
+  copy_rows(x, xs, rows, count, false);
+  copy_rows(y, ys, rows, count, false);
+  const auto u = at::matmul(xs, w.a[batch.slot[g]].narrow(0, 0, used).t());
   for (int64_t i = 0; i < static_cast<int64_t>(w.slices.size()); ++i) {
     const auto b = unpacked_b(w, batch.slot[g], i, rank);
-    const auto out = y.narrow(1, w.slices[i].offset, w.slices[i].size);
-    for (size_t run = 0; run + 1 < starts.size(); ++run) {
-      const int64_t start = starts[run], length = starts[run + 1] - start;
-      out.narrow(0, rows[start], length).addmm_(u.narrow(0, start, length).narrow(1, i * rank, rank), b, 1.0,
-                                                batch.scale[g]);
-    }
+    ys.narrow(1, w.slices[i].offset, w.slices[i].size).addmm_(u.narrow(1, i * rank, rank), b, 1.0, batch.scale[g]);
   }
+  copy_rows(y, ys, rows, count, true);
 }
 
 int64_t lora_out(const LoraWeights& w) {
@@ -118,8 +144,10 @@ LoraBatch make_lora_batch(std::vector<int64_t> slot, std::vector<int64_t> rank, 
           std::move(rows), max_row, path, std::max<int64_t>(gemm_min_rows, 0)};
 }
 
-void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch) {
-  if (batch.empty() || !w.defined()) return;
+namespace {
+
+void add_deltas(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch,
+                bool swiglu_panels) {
   const int64_t slots = w.a.size(0), rows_per_slot = w.a.size(1), n_slices = w.slices.size();
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && batch.max_row < x.size(0),
               "lora_add_: x [T, in] and y [T, out] covering the groups' rows");
@@ -149,11 +177,26 @@ void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, c
                       batch.offsets.data(),
                       batch.rows.data_ptr<int64_t>(),
                       static_cast<int64_t>(batch.slot.size()),
-                      batch.gemm_min_rows};
+                      batch.gemm_min_rows,
+                      swiglu_panels};
   lora_add(args, batch.path);
-  for (size_t g = 0; g < batch.slot.size(); ++g) {
+  for (size_t g = 0; g < batch.slot.size() && args.gemm_min_rows > 0; ++g) {
     const int64_t count = batch.offsets[g + 1] - batch.offsets[g];
-    if (batch.gemm_min_rows > 0 && count >= batch.gemm_min_rows && w.present.data_ptr<uint8_t>()[batch.slot[g]])
-      gemm_group(x, y, w, batch, g);
+    if (count >= batch.gemm_min_rows && w.present.data_ptr<uint8_t>()[batch.slot[g]]) gemm_group(x, y, w, batch, g);
   }
+}
+
+}  // namespace
+
+void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch) {
+  if (batch.empty() || !w.defined()) return;
+  add_deltas(x, y, w, batch, false);
+}
+
+void lora_add_swiglu_panels_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& w, const LoraBatch& batch) {
+  if (batch.empty() || !w.defined()) return;
+  TORCH_CHECK(w.slices.size() == 2 && w.slices[0].size == w.slices[1].size && w.slices[0].size % kLoraPanel == 0,
+              "lora_add_swiglu_panels_: gate and up of one width, whole panels");
+  TORCH_CHECK(!batch.has_gemm_groups(), "lora_add_swiglu_panels_: a group takes the GEMMs, which write whole slices");
+  add_deltas(x, y, w, batch, true);
 }

@@ -81,7 +81,7 @@ OPERATIONS: dict[str, Operation] = {
         # a quantized KV pool's quantize-on-store and dequantize (kv_quantized.cpp)
         Operation("kv_codec", None, _isa_paths("avx512", "portable")),
         # LoRA's shrink and expand of a step's adapter groups (lora_kernels.cpp)
-        Operation("lora", "BATCHSERVE_LORA_PATH", _isa_paths("avx512", "avx2", "portable")),
+        Operation("lora", "BATCHSERVE_LORA_PATH", _isa_paths("avx512_bf16", "avx512", "avx2", "portable")),
     )
 }
 

@@ -61,6 +61,12 @@ at::Tensor Projection::silu_and_mul_of(const at::Tensor& x) const {
   return silu_and_mul((*this)(x));
 }
 
+at::Tensor Projection::swiglu_panels_of(const at::Tensor& x) const {
+  const bool amx = packed_only && amx_packed.has_value() && (x.size(0) < rows.amx_max_m || !packed.has_value());
+  if (!swiglu || !amx || quant || bf16_packed.has_value() || x.scalar_type() != weight_t.scalar_type()) return {};
+  return amx_gemm(x, *amx_packed, c10::nullopt, amx_emulated, false);
+}
+
 // Row tiles small enough that the fused AMX kernel takes each and a tile's [tile, I] activation stays in cache between
 // the two GEMMs: over a long prefill chunk this ran the MLP faster than one oneDNN GEMM, silu_and_mul over the whole
 // [M, 2I] output (memory-bound at that size) and the down GEMM (docs/embeddings.md).
