@@ -177,6 +177,26 @@ def test_w8a8_reads_bf16_rows_and_writes_bf16_over_many_row_chunks(force_quant_g
     assert torch.equal(as_float, torch.cat([layer(x[i : i + 1].float()) for i in range(100)]))
 
 
+def test_a_weight_packed_on_huge_pages_multiplies_as_its_pieces(force_quant_gemm):
+    """From 8 MiB up a packed weight lies in its own 2 MiB-aligned mapping with the huge page hint
+    (quant_w8a8_pack.cpp): 32768 x 4096 int4 in groups of 32 (64 MiB of codes, 8 MiB of float16 scales, both there)
+    gives, at the batch-1 and batch-2 tiles that prefetch and at 3 rows, the bits of its 16 slices of 2048 columns,
+    each packed in ordinary memory (a column's result does not depend on the others)."""
+    _native()
+    force_quant_gemm(quantization.W8A8_PATH)
+    g = torch.Generator().manual_seed(0)
+    n, k, scheme = 32768, 4096, QuantScheme(4, 32)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
+    whole = QuantizedLinear.from_codes(codes, scales, scheme)
+    pieces = [QuantizedLinear.from_codes(codes[i : i + 2048], scales[i : i + 2048], scheme) for i in range(0, n, 2048)]
+    x = torch.randn(3, k, generator=g).to(torch.bfloat16)
+    for rows in (1, 2, 3):
+        got = whole(x[:rows])
+        assert got.shape == (rows, n) and got.abs().sum() > 0
+        assert torch.equal(got, torch.cat([piece(x[:rows]) for piece in pieces], dim=1))
+
+
 def test_native_dequantize_matches_torch():
     native = _native()
     for scheme in SCHEMES:

@@ -49,11 +49,12 @@ using namespace w8a8;
 constexpr int64_t kChunkBytes = 192 * 1024;
 constexpr int64_t kChunkRows = 96;  // a multiple of every tile's rows (6 and 4)
 // Tiles of up to kPrefetchRows rows (a decode batch of one or two) stream the weight from memory: they ask for the
-// bytes kPrefetchAhead along the pairs' stream, which runs on from pair to pair (the hardware prefetcher alone left a
-// thread at about two thirds of what this draws). Larger tiles spend their time multiplying and read each weight line
-// from cache for their other row tiles.
+// bytes kPrefetchAhead along the pairs' stream, which runs on from pair to pair, into L2 (the hardware prefetcher
+// alone left a thread at about two thirds of what this draws). 3 KiB into L2 streamed a batch-1 Q4_0 weight at the
+// rate of a plain read on the AMX host; 8 KiB into L1 (what this was) at three quarters of it (docs/quantization.md).
+// Larger tiles spend their time multiplying and read each weight line from cache for their other row tiles.
 constexpr int kPrefetchRows = 2;
-constexpr int64_t kPrefetchAhead = 8192;
+constexpr int64_t kPrefetchAhead = 3072;
 constexpr int kMostRows = 6;                  // a tile's int32 sums and float sums: 24 of the 32 registers
 
 // The activations quantized: int8 codes [M, K], a scale per row and block of k [M, K / block], per row and span
@@ -145,7 +146,7 @@ template <int R>
 inline void load_pair(const uint8_t* w, __m512i (&v)[kBlocks]) {
   for (int c = 0; c < kBlocks; ++c) {
     v[c] = _mm512_loadu_si512(w + c * kVector);
-    if constexpr (R <= kPrefetchRows) prefetch_line(w + c * kVector + kPrefetchAhead);
+    if constexpr (R <= kPrefetchRows) prefetch_line<_MM_HINT_T1>(w + c * kVector + kPrefetchAhead);
   }
 }
 

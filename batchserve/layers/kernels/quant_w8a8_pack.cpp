@@ -6,16 +6,58 @@
 
 #include <ATen/Parallel.h>
 
+#include <cstdint>
+#include <cstring>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
 using namespace w8a8;
 
 namespace {
+
+// A packed weight from this size up lies in memory the kernel may back with 2 MiB pages (transparent huge pages,
+// asked for with madvise): a batch-1 step streams every byte of it once, and on 4 KiB pages the reads pay a TLB miss
+// every 4 KiB (a Q4_0 weight read about a quarter faster on huge pages on the AMX host, docs/quantization.md). Below
+// it, a weight would hold a whole 2 MiB page for a few bytes.
+constexpr int64_t kHugePageMinBytes = int64_t{8} << 20;
+constexpr size_t kHugePage = size_t{2} << 20;
+
+// `bytes` zeroed bytes as a tensor of `sizes` and `dtype`: on Linux from `kHugePageMinBytes` an anonymous mapping
+// aligned to 2 MiB with the huge page hint (zeroed by the kernel, unmapped with the tensor), else at::zeros.
+at::Tensor zeroed(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
+#ifdef __linux__
+  if (bytes >= kHugePageMinBytes) {
+    const size_t size = (static_cast<size_t>(bytes) + kHugePage - 1) / kHugePage * kHugePage;
+    void* raw = mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw != MAP_FAILED) {
+      char* base = static_cast<char*>(raw);
+      char* aligned = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + kHugePage - 1) & ~(kHugePage - 1));
+      if (aligned > base) munmap(base, aligned - base);  // the mapping trimmed to the aligned `size` bytes
+      if (base + size + kHugePage > aligned + size) munmap(aligned + size, base + size + kHugePage - (aligned + size));
+      madvise(aligned, size, MADV_HUGEPAGE);  // a hint: where THP is off the pages stay 4 KiB ones
+      return at::from_blob(aligned, sizes, [size](void* p) { munmap(p, size); }, at::TensorOptions().dtype(dtype));
+    }
+  }
+#endif
+  return at::zeros(sizes, dtype);
+}
+
+// `values` copied into zeroed()'s memory (where large, huge pages)
+at::Tensor in_stream_memory(const at::Tensor& values) {
+  auto out = zeroed(values.sizes(), values.scalar_type());
+  out.copy_(values);
+  return out;
+}
 
 // [N, G] float32 -> [N / 32][G][2 blocks][16] (zero-padded columns) of float32, or float16
 at::Tensor pack_columns(const at::Tensor& per_group, at::ScalarType dtype) {
   const int64_t N = per_group.size(0), G = per_group.size(1), pairs = column_pairs(N);
   auto padded = at::zeros({pairs * kPairCols, G}, at::kFloat);
   padded.narrow(0, 0, N).copy_(per_group);
-  return padded.view({pairs, kPairCols, G}).transpose(1, 2).contiguous().to(dtype);
+  return in_stream_memory(padded.view({pairs, kPairCols, G}).transpose(1, 2).to(dtype));
 }
 
 bool all_float16(const at::Tensor& values) { return at::equal(values.to(at::kHalf).to(at::kFloat), values); }
@@ -50,7 +92,7 @@ bool w8a8_supported(const QuantWeight& w) { return w.group % 32 == 0 && w.in_fea
 void w8a8_pack(QuantWeight& w) {
   const int64_t N = w.out_features, K = w.in_features, pairs = column_pairs(N);
   spans_of(w);  // an activation block that does not fit the weight is refused here, at load
-  auto packed = at::zeros({pairs * pair_bytes(K, w.bits)}, at::kByte);
+  auto packed = zeroed({pairs * pair_bytes(K, w.bits)}, at::kByte);
   uint8_t* dst = packed.data_ptr<uint8_t>();
   const auto* codes = static_cast<const uint8_t*>(w.codes.data_ptr());
   const int64_t row_bytes = w.bits == 8 ? K : K / 2;
