@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-thresholds", default="0", help="long_prefill_token_threshold values to try (0: off; "
                    "above 0 with max_long_partial_prefills 1)")  # fmt: skip
     g.add_argument("--slo-admissions", default="off", help="slo_admission values to try (off,refuse,deprioritize)")
-    g.add_argument("--reserved-slots", default="auto", help="slo_reserved_slots values to try under an slo_admission "
+    g.add_argument("--slo-reserved-slots-list", default="auto", help="slo_reserved_slots values to try under an slo_admission "
                    "other than off (auto: the engine's default, a quarter of max_batch_size under refuse)")  # fmt: skip
     g.add_argument("--kv-offload-blocks", default="0", help="disk KV tier sizes to try, in blocks (0: no tier); "
                    "each row reports the tier's hit rate")  # fmt: skip
@@ -83,7 +83,7 @@ def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     chunked = [x == "on" for x in _list(args.chunked)]
     axes = (_list(args.replicas_list, int), _list(args.policies), _list(args.orders), _list(args.batch_sizes, int),
             _list(args.num_tokens, int), _list(args.block_sizes, int), chunked, _list(args.prefill_thresholds, int),
-            _list(args.slo_admissions), _reserved_slots(args.reserved_slots), _list(args.kv_offload_blocks, int))  # fmt: skip
+            _list(args.slo_admissions), _reserved_slots(args.slo_reserved_slots_list), _list(args.kv_offload_blocks, int))  # fmt: skip
     if any(n < 0 for n in axes[-1]):
         raise ValueError(f"--kv-offload-blocks: sizes must be >= 0 blocks, got {args.kv_offload_blocks!r}")
     if not args.kv_offload_read_gbps > 0:
@@ -98,9 +98,9 @@ def _reserved_slots(text: str) -> list[int | None]:
     try:
         values = [v if v is None else int(v) for v in values]
     except ValueError:
-        raise ValueError(f"--reserved-slots takes slot counts and auto, got {text!r}") from None
+        raise ValueError(f"--slo-reserved-slots-list takes slot counts and auto, got {text!r}") from None
     if any(v is not None and v < 0 for v in values):
-        raise ValueError(f"--reserved-slots: counts must be >= 0, got {text!r}")
+        raise ValueError(f"--slo-reserved-slots-list: counts must be >= 0, got {text!r}")
     return values
 
 

@@ -58,7 +58,7 @@ def test_the_slo_flag_sets_both_targets():
 def test_the_slot_reserve_is_searched_under_slo_admission_only():
     from batchserve.simulator.tune_sim import engine_options, grid
 
-    args = build_parser().parse_args(["--slo-admissions", "off,refuse", "--reserved-slots", "auto,0,4"])
+    args = build_parser().parse_args(["--slo-admissions", "off,refuse", "--slo-reserved-slots-list", "auto,0,4"])
     points = {(p["slo_admission"], p["slo_reserved_slots"]) for p in grid(args)}
     assert points == {("off", None), ("refuse", None), ("refuse", 0), ("refuse", 4)}
     chosen = {p["slo_reserved_slots"]: engine_options(p, args) for p in grid(args) if p["slo_admission"] == "refuse"}
@@ -69,5 +69,5 @@ def test_the_slot_reserve_is_searched_under_slo_admission_only():
 def test_a_bad_reserved_slots_list_is_refused(text):
     from batchserve.simulator.tune_sim import grid
 
-    with pytest.raises(ValueError, match="--reserved-slots"):
-        grid(build_parser().parse_args(["--reserved-slots", text]))
+    with pytest.raises(ValueError, match="--slo-reserved-slots-list"):
+        grid(build_parser().parse_args(["--slo-reserved-slots-list", text]))
