@@ -205,7 +205,7 @@ def on_engine(names: list[str], requests, rate: float, profile: Profile, args: a
             warm = warmup_requests(lambda n, seed: make_requests(args, n, seed), MIX["max_batch_size"])
             run_offline(engine, warm, progress=False, label="warmup", **timing)
         if args.calibrate:
-            check = check_speed(engine, profile, args.seed)
+            check = check_speed(engine, profile, args.seed, time.thread_time if args.cpu_clock else time.perf_counter)
             out["host_speed"][name] = {"time_scale": check.factor, "decode_time_scale": check.decode_factor}
             scaled = at_speed(profile, check.decode_factor, check.factor)
             out["simulated_at_host_speed"][name] = simulate(name, scaled, requests, rate, args.seed)

@@ -172,10 +172,12 @@ class SpeedCheck:
         return f"--time-scale {self.factor:.3f} --decode-time-scale {self.decode_factor:.3f}"
 
 
-def check_speed(engine: Any, profile: Profile, seed: int = 0) -> SpeedCheck:
+def check_speed(
+    engine: Any, profile: Profile, seed: int = 0, clock: Callable[[], float] = time.perf_counter
+) -> SpeedCheck:
     """Time the check's groups on `engine` and compare with `profile`: a profile taken on a host that has since slowed
-    down or sped up predicts by these factors off."""
-    t = run_grid(engine, CHECK_GRID, seed, progress=False, mixed=False)
+    down or sped up predicts by these factors off. `clock`: the profile's (time.thread_time for a CPU-clock one)."""
+    t = run_grid(engine, CHECK_GRID, seed, progress=False, mixed=False, clock=clock)
 
     def ratio(decode: bool) -> float:
         steps = [(s, sec) for s, sec in zip(t.shapes, t.seconds, strict=True) if (s.kind == "decode") == decode]
@@ -284,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_torch(config.num_threads, config.seed)
     engine = LLMEngine(config)
     if args.check:
-        check = check_speed(engine, Profile.load(args.check), config.seed)
+        clock = time.thread_time if args.cpu_clock else time.perf_counter
+        check = check_speed(engine, Profile.load(args.check), config.seed, clock)
         print(f"steps with a prompt take {check.factor:.3f}x, decode steps {check.decode_factor:.3f}x the time "
               f"{args.check} predicts ({len(check.timings.seconds)} steps, {sum(check.timings.seconds):.2f} s): "
               f"simulate {check.simulate_flags()}")  # fmt: skip

@@ -373,6 +373,17 @@ def test_speed_check_is_measured_over_predicted_on_the_check_grid(make_engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_speed_check_times_on_the_profiles_clock(make_engine):
+    """A CPU-clock profile is checked on the CPU clock: the factors come from the clock given, not the wall's."""
+    from batchserve.simulator.profiler import check_speed
+
+    profile = Profile("measured", STEP_MODEL, "tiny", "float32", 1024, 1024 * 16 * 512, 4096)
+    ticks = iter(range(0, 10**6, 2))  # every reading 2 s after the last: each timed step takes 2 s
+    check = check_speed(make_engine(max_batch_size=8, num_kv_blocks=256, max_model_len=512), profile, 0,
+                        lambda: float(next(ticks)))  # fmt: skip
+    assert set(check.timings.seconds) == {2.0}
+
+
 def test_decode_time_scale_applies_to_decode_steps_only():
     from batchserve.simulator.step_model import ScaledStepModel, model_from_dict
 
