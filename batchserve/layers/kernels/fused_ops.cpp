@@ -5,6 +5,7 @@
 #include "aten_pch.h"  // first: the precompiled torch headers (build.py)
 
 #include "isa.h"
+#include "kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -241,7 +242,7 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
 }
 
 at::Tensor silu_and_mul_panels(at::Tensor gate_up) {
-  constexpr int64_t kHalf = 16;  // projection.cpp kSwigluHalfPanel
+  constexpr int64_t kHalf = kSwigluHalfPanel;
   check_rows(gate_up, "gate_up");
   const int64_t inter = gate_up.size(1) / 2, rows = gate_up.size(0);
   TORCH_CHECK(inter % kHalf == 0, "silu_and_mul_panels: whole panels of 16 gate and 16 up columns");

@@ -34,8 +34,9 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::T
                                       double scale, AttentionPath path, Isa prefill_path = Isa::kAvx512);
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 at::Tensor silu_and_mul(at::Tensor gate_up);
-// the same of a gate/up product in the AMX kernel's swiglu order (16 gate columns, then their 16 up columns, and so
-// on): per element what silu_and_mul gives of the columns put back in order
+// the same of a gate/up product in the AMX kernel's swiglu order (kSwigluHalfPanel gate columns, then their up
+// columns, and so on): per element what silu_and_mul gives of the columns put back in order
+constexpr int64_t kSwigluHalfPanel = 16;  // layers/linear.py swiglu_interleaved: half of an AMX panel (amx_gemm.cpp)
 at::Tensor silu_and_mul_panels(at::Tensor gate_up);
 void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor argmax_rows(at::Tensor logits);

@@ -12,7 +12,6 @@
 
 namespace {
 
-constexpr int64_t kSwigluHalfPanel = 16;  // layers/linear.py swiglu_interleaved: half of an AMX panel (amx_gemm.cpp)
 // oneDNN builds and caches a primitive per row count it is called with (about 0.6 MB each for a 576 x 3,072 float32
 // weight; ~1 ms to build): one per step length, the cache filled for hours as rare lengths came, +277 MB over the
 // float32 path's 463 lengths (docs/BENCHMARKS.md, the soak). From this many rows on, rows are padded with zeros to
