@@ -9,6 +9,11 @@ Qwen3-Embedding recipe), and the default model's tokenizer. Each text is --token
 both sides compute the same tokens. Both sides run in --dtype; sentence-transformers with its default batch size 32
 (--st-batch-size), batchserve with one engine step of up to --max-num-tokens tokens.
 
+The bound printed last is the least time the work could take at torch's own GEMM rate on this host: the model's
+matmuls (no lm_head: pooling reads hidden states) at M = one step's rows, plus the causal attention's FLOPs at that
+same rate (roofline.py's timing; one thread's CPU seconds under --threads 1). Against it, the highest ratio to
+sentence-transformers any engine could reach is its time over the bound.
+
     .venv/bin/python benchmarks/embeddings.py [--layers 30] [--texts 256] [--tokens 128] [--dtype bfloat16]
         [--rounds 2] [--threads N] [--prefill-attention auto|native|sdpa|split]
 """
@@ -31,6 +36,9 @@ import transformers  # noqa: E402
 from batchserve import LLM  # noqa: E402
 from batchserve.layers.attention import preferred_prefill_method  # noqa: E402
 from batchserve.models.loader import default_model_path, load_tokenizer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import roofline  # noqa: E402
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                     num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
@@ -67,6 +75,21 @@ def texts_of(tokenizer, count: int, length: int) -> list[str]:
     lengths = {len(tokenizer(t)["input_ids"]) for t in texts}
     assert lengths == {length}, f"texts of {lengths} tokens"
     return texts
+
+
+def flop_bound_s(args: argparse.Namespace) -> tuple[float, float]:
+    """(bound seconds, its GFLOP/s): the matmuls at M = a step's rows and the causal attention at that rate."""
+    rows = min(args.max_num_tokens, args.texts * args.tokens)
+    dtype = getattr(torch, args.dtype)
+    clock = time.process_time if args.threads == 1 else time.perf_counter
+    step_s = sum(roofline.time_matmuls(rows, shape, args.layers, dtype, 0.5, clock)
+                 for shape in roofline.LAYER_SHAPES.values())  # fmt: skip
+    matmul_flops = 2 * rows * sum(k * n for k, n in roofline.LAYER_SHAPES.values())
+    rate = matmul_flops / step_s  # FLOP/s of one layer's projections at that M
+    width = roofline.HEADS * roofline.HEAD_DIM
+    attention_flops = 4 * width * args.tokens * (args.tokens + 1) / 2 * args.texts  # QK^T and PV, lower triangle
+    total_flops = args.layers * (matmul_flops * args.texts * args.tokens / rows + attention_flops)
+    return total_flops / rate, rate / 1e9
 
 
 def main() -> None:
@@ -121,6 +144,13 @@ def main() -> None:
     for name, seconds in best.items():
         print(f"{name:>22}: {seconds:7.2f} s wall  {tokens / seconds:8.0f} tokens/s;  {cpu[name]:7.2f} CPU-s  "
               f"{tokens / cpu[name]:8.0f} tokens per CPU-second")  # fmt: skip
+    ratio_clock = cpu if args.threads == 1 else best
+    bound_s, gflops = flop_bound_s(args)
+    print(f"bound: {bound_s:.2f} s ({tokens / bound_s:.0f} tokens/s) at torch's GEMM rate {gflops:.0f} GFLOP/s at "
+          f"M = {min(args.max_num_tokens, tokens)} ({'CPU' if args.threads == 1 else 'wall'} clock); batchserve at "
+          f"{bound_s / ratio_clock['batchserve']:.2f} of it, sentence-transformers at "
+          f"{bound_s / ratio_clock['sentence-transformers']:.2f}; the most any engine could reach against "
+          f"sentence-transformers here: {ratio_clock['sentence-transformers'] / bound_s:.2f}x")  # fmt: skip
     print(
         f"ratio batchserve / sentence-transformers: {best['sentence-transformers'] / best['batchserve']:.2f}x wall, "
         f"{cpu['sentence-transformers'] / cpu['batchserve']:.2f}x CPU; lowest cosine between the two sides' "
