@@ -166,8 +166,8 @@ def with_precompiled_header(build_file: str, header: Path, users: set[str]) -> b
 
 
 def _ninja_path(path: Path) -> str:
-    """A path as a build file spells it (torch's writer escapes spaces and colons the same way)."""
-    return str(path).replace(" ", "$ ").replace(":", "$:")
+    """A path as a build file spells it: "$", spaces and colons (a build line's separator) escaped."""
+    return str(path).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
 
 
 @contextmanager
