@@ -11,6 +11,8 @@ import os
 # another worker's thread needs (tiny-model tests on a busy 2-core host: half the CPU time, under half the wall time).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import functools  # noqa: E402
+
 import pytest  # noqa: E402
 
 from tests import doubles  # noqa: E402
@@ -25,6 +27,31 @@ from tests.doubles import (  # noqa: E402
 from tests.file_order import sort_longest_first  # noqa: E402
 
 __all__ = ["LETTERS", "FakeRunner", "byte_tokenizer", "reference_generation", "run_to_completion", "tiny_model_config"]
+
+
+def _share_httpx_tls_context() -> None:
+    """Every httpx client of the tests (each httpx.get() or .post() makes one, and the openai client its own) builds a
+    TLS context from certifi's bundle: ~30 ms of CPU a client, for requests that all go to loopback over plain HTTP.
+    The default context is built once per process here and shared (the tests never change it), as a client kept
+    for the whole run would share it; any other `verify` or a client certificate still gets its own."""
+    try:
+        from httpx._transports import default as transports
+    except ImportError:
+        return
+    build = getattr(transports, "create_ssl_context", None)
+    if build is None:
+        return
+    shared = functools.cache(lambda trust_env, cafile, capath: build(verify=True, trust_env=trust_env))
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None:
+            return shared(trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    transports.create_ssl_context = create_ssl_context
+
+
+_share_httpx_tls_context()
 
 
 @pytest.fixture(scope="session")

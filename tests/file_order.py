@@ -9,6 +9,9 @@ file_seconds.json; a file it does not list (new, or too quick to matter) goes af
 
 Refresh the table after a full run that wrote a JUnit report:
     pytest -n auto --dist loadfile --junitxml=report.xml && python -m tests.file_order report.xml
+or, on a host that other work shares (where a file's wall seconds are mostly its neighbours'), from each file's CPU
+seconds (tests/cpu_seconds.py):
+    pytest -n auto --dist loadfile -p tests.cpu_seconds && python -m tests.file_order --cpu .pytest_cache/cpu_seconds
 """
 
 from __future__ import annotations
@@ -52,7 +55,16 @@ def seconds_per_file(junit_xml: Path) -> dict[str, float]:
     return {name: round(total, 1) for name, total in totals.most_common() if total >= LISTED_ABOVE_S}
 
 
+def cpu_seconds_per_file(folder: Path) -> dict[str, float]:
+    """{tests/x/test_y.py: CPU seconds} from the per-worker tables tests/cpu_seconds.py wrote into `folder`."""
+    totals: Counter = Counter()
+    for table in sorted(folder.glob("*.json")):
+        totals.update(json.loads(table.read_text()))
+    return {name: round(total, 1) for name, total in totals.most_common() if total >= LISTED_ABOVE_S}
+
+
 if __name__ == "__main__":
-    table = seconds_per_file(Path(sys.argv[1]))
+    by_cpu = sys.argv[1] == "--cpu"
+    table = cpu_seconds_per_file(Path(sys.argv[2])) if by_cpu else seconds_per_file(Path(sys.argv[1]))
     SECONDS_FILE.write_text(json.dumps(table, indent=1) + "\n")
-    print(f"{SECONDS_FILE.name}: {len(table)} files, {sum(table.values()):.0f} s")
+    print(f"{SECONDS_FILE.name}: {len(table)} files, {sum(table.values()):.0f} {'CPU-s' if by_cpu else 's'}")

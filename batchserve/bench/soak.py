@@ -163,15 +163,16 @@ def start_server(options: SoakOptions, port: int) -> subprocess.Popen:
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    with httpx.Client(timeout=5) as http:  # one client: httpx.get() makes one (and its TLS context) per call, ~30 ms
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+            try:
+                if http.get(url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
     raise TimeoutError("the server did not become ready")
 
 

@@ -18,6 +18,7 @@ one on this host at the same time would be found by the others' `ray.init()` and
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import random
@@ -252,10 +253,17 @@ def single_engine_text():
     return out[0].text
 
 
+@functools.cache
+def _polling_client() -> httpx.Client:
+    """The client of the waits that poll: httpx.get() builds a client (and its TLS context) per call, ~30 ms of CPU,
+    taken from the replicas being waited for."""
+    return httpx.Client(timeout=30)
+
+
 def _replica_metric(base_url: str, name: str) -> dict[str, float]:
     """{replica: value} of one series on the ingress's /metrics."""
     values: dict[str, float] = {}
-    for line in httpx.get(base_url + "/metrics", timeout=30).text.splitlines():
+    for line in _polling_client().get(base_url + "/metrics").text.splitlines():
         if line.startswith(name + "{") and 'replica="' in line:
             replica = line.split('replica="', 1)[1].split('"', 1)[0]
             values[replica] = values.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -356,12 +364,14 @@ def test_the_ingress_serves_the_dashboard_from_each_replicas_reports(base_url):
     assert httpx.post(base_url + "/v1/completions", json=body, timeout=120).status_code == 200
 
     def reported() -> dict | None:  # a replica's next routing-stats report carries the finished request
-        data = httpx.get(base_url + "/dashboard/data", params={"requests": True}, timeout=30).json()
+        data = _polling_client().get(base_url + "/dashboard/data", params={"requests": True}).json()
         finished = []
         for replica in data["replicas"]:
-            one = httpx.get(
-                base_url + "/dashboard/data", params={"requests": True, "replica": replica}, timeout=30
-            ).json()
+            one = (
+                _polling_client()
+                .get(base_url + "/dashboard/data", params={"requests": True, "replica": replica})
+                .json()
+            )
             assert one["replica"] == replica
             finished += [(one, r) for r in one["requests"] if r["finished_time"] > started]
         return finished[0] if finished else None

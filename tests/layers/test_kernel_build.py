@@ -81,9 +81,10 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_process():
 
 
 def test_the_precompiled_header_is_the_one_the_build_tool_compiles_with(tmp_path):
-    """precompile() compiles aten_pch.h with the flags torch's build tool then compiles the sources with, so the
-    compiler takes it: here the header's text is an #error once precompiled, and the build must still pass (with
-    -Werror=invalid-pch, a precompiled header the compiler refuses fails the build instead of being skipped)."""
+    """The build's own edge compiles aten_pch.h with the flags the sources are then compiled with, so the compiler
+    takes it: the header asserts that it is compiled on its own (__BASE_FILE__ names it), which fails wherever a
+    source parses it as text, and -Werror=invalid-pch fails a precompiled header the compiler refuses instead of
+    skipping it. The build must pass, with the .gch made beside the header."""
     from torch.utils import cpp_extension
 
     if shutil.which(os.environ.get("CXX", "c++")) is None or not cpp_extension.is_ninja_available():
@@ -91,15 +92,39 @@ def test_the_precompiled_header_is_the_one_the_build_tool_compiles_with(tmp_path
     source = tmp_path / "src" / "probe.cpp"
     source.parent.mkdir()
     header = source.with_name(build.PCH_HEADER)
-    header.write_text("#pragma once\n#include <c10/util/Half.h>\n")  # light: the test is about the flags
+    header.write_text(
+        "#pragma once\n#include <string_view>\n#include <c10/util/Half.h>\n"  # light: the test is about the flags
+        'static_assert(std::string_view(__BASE_FILE__).ends_with("aten_pch.h"), "parsed as text, not precompiled");\n'
+    )
     source.write_text('#include "aten_pch.h"\nfloat probe(float x) { return static_cast<float>(c10::Half(x)); }\n')
     cflags = (*kernels.CFLAGS, "-Werror=invalid-pch")
-    with build.interpreter_tools_first():
-        build.precompile(tmp_path, "probe", (source,), cflags, start=0.0)
-        assert header.with_name(f"{build.PCH_HEADER}.gch").exists()
-        header.write_text('#error "parsed as text: the precompiled header was not taken"\n')
+    with build.interpreter_tools_first(), build.header_precompiled_in_build((source,)):
         cpp_extension.load(
             name="probe", sources=[str(source)], extra_cflags=list(cflags), extra_ldflags=build.LDFLAGS,
             build_directory=str(tmp_path), is_python_module=False, verbose=False,
         )  # fmt: skip
     assert (tmp_path / "probe.so").exists()
+    assert header.with_name(f"{build.PCH_HEADER}.gch").exists()
+
+
+def test_only_the_files_that_include_the_header_wait_for_its_precompile(tmp_path):
+    """The precompile is the build file's first edge; an object whose source includes the header waits for it
+    (order-only), the others start beside it."""
+    header = tmp_path / "src" / build.PCH_HEADER
+    build_file = tmp_path / "build.ninja"
+    torch_written = [
+        "cxx = c++", "cflags = -O3", "post_cflags = ", "rule compile", "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out",
+        "", f"build uses.o: compile {tmp_path}/src/uses.cpp", f"build plain.o: compile {tmp_path}/src/plain.cpp",
+        "build probe.so: link uses.o plain.o", "default probe.so",
+    ]  # fmt: skip
+    build_file.write_text("\n".join(torch_written) + "\n")
+    assert build.with_precompiled_header(str(build_file), header, {"uses.cpp"})
+    edges = [line for line in build_file.read_text().splitlines() if line.startswith("build ")]
+    gch = f"{header}.gch"
+    assert edges[0] == f"build {gch}: precompile_header {header}"
+    assert edges[1] == f"build uses.o: compile {tmp_path}/src/uses.cpp || {gch}"
+    assert edges[2] == f"build plain.o: compile {tmp_path}/src/plain.cpp"
+    assert edges[3] == "build probe.so: link uses.o plain.o"
+    build_file.write_text("rule link\n  command = $cxx $in -o $out\nbuild probe.so: link a.o\n")
+    assert not build.with_precompiled_header(str(build_file), header, {"uses.cpp"})  # no compile rule: unchanged
+    assert "precompile_header" not in build_file.read_text()

@@ -9,7 +9,6 @@ import queue
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import httpx
@@ -20,6 +19,7 @@ import tritonclient.grpc as triton
 from batchserve.entrypoints.grpc.pb import generation_pb2 as pb
 from batchserve.entrypoints.grpc.pb import generation_pb2_grpc as pb_grpc
 from batchserve.entrypoints.openai.launch import free_port
+from tests.server.live import wait_for_health
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
@@ -35,15 +35,7 @@ def served():
     proc = subprocess.Popen(command, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600  # the model loads (and the native kernels may build) first
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.5)
+        wait_for_health(proc, url, timeout_s=600, interval_s=0.5)  # the model loads (and the kernels may build) first
         yield proc, url, f"127.0.0.1:{grpc_port}"
     finally:
         if proc.poll() is None:

@@ -11,8 +11,10 @@ Only the sources this CPU runs are compiled (sources_for: the AVX-512 attention 
 while a build runs each finished object is logged with its count ("[5/21] decode_avx2.o, 41 s"), so a first build shows
 its progress. Torch's headers are most of a file's compile time: one file includes <torch/extension.h> (pybind11,
 bindings.cpp), the files that use ATen include aten_pch.h first, which is compiled once into a precompiled header
-before the build tool starts (precompile), and the attention kernels include neither. The torch build tool runs
-(CPU count + 2) compilers at once; the slowest file (the bindings) is handed to it first.
+by an edge of the build itself (header_precompiled_in_build: the files that wait for it are those that include it),
+and the attention kernels include neither, so they compile while the header does (it was a step before the build, a
+quarter of a minute of one core with the other idle). The torch build tool runs (CPU count + 2) compilers at once;
+the slowest file (the bindings) is handed to it first.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import functools
 import hashlib
 import logging
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -50,7 +51,8 @@ ISA_ONLY_SOURCES = {
 }
 # The translation unit that includes pybind11: the slowest to compile, handed to the build tool first
 BINDING_SOURCES = ("bindings.cpp",)
-# The header of torch's headers that the ATen-using files include first, precompiled once per build (precompile)
+# The header of torch's headers that the ATen-using files include first, precompiled once per build
+# (header_precompiled_in_build)
 PCH_HEADER = "aten_pch.h"
 
 
@@ -135,49 +137,63 @@ def _copied_sources(directory: Path, sources: tuple[Path, ...], headers: tuple[P
     return tuple(copies / path.name for path in sources)
 
 
-def compile_flags(directory: Path, name: str, sources: tuple[Path, ...], cflags: tuple[str, ...]) -> list[str] | None:
-    """The compiler and flags the build tool will compile `sources` with, as torch writes them into its build file
-    (written here to a file of our own by the same torch function that load() calls), or None where this torch has no
-    such function or it cannot be called so."""
+def with_precompiled_header(build_file: str, header: Path, users: set[str]) -> bool:
+    """Torch's build file (written, its build tool not yet run) with `header` precompiled by an edge of its own, first
+    in the file, and the objects of the sources in `users` (their names) waiting for it (order-only): the sources that
+    include neither torch header compile beside it instead of after it. The compile rule's own flags, so that the
+    compiler takes the header. A failed precompile only leaves no .gch (the users then parse the header as text: the
+    same objects, slower). False, and the file as it was, where it has no compile rule to copy."""
+    path = Path(build_file)
+    lines = path.read_text().splitlines()
+    first_edge = next((i for i, line in enumerate(lines) if line.startswith("build ")), None)
+    if "rule compile" not in lines or first_edge is None:
+        return False
+    target = _ninja_path(header.with_name(f"{header.name}.gch"))
+    for i, line in enumerate(lines):
+        source = line.partition(": compile ")[2]
+        if line.startswith("build ") and Path(source.strip()).name in users:
+            lines[i] = f"{line} || {target}"
+    edge = [
+        "rule precompile_header",
+        "  command = $cxx $cflags -x c++-header $in -o $out.partial $post_cflags && mv $out.partial $out"
+        " || rm -f $out.partial",
+        "  description = $out",
+        f"build {target}: precompile_header {_ninja_path(header)}",
+        "",
+    ]
+    path.write_text("\n".join([*lines[:first_edge], *edge, *lines[first_edge:]]) + "\n")
+    return True
+
+
+def _ninja_path(path: Path) -> str:
+    """A path as a build file spells it: "$", spaces and colons (a build line's separator) escaped."""
+    return str(path).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+@contextmanager
+def header_precompiled_in_build(sources: tuple[Path, ...]) -> Iterator[None]:
+    """While torch's load() runs: its build file gets aten_pch.h's precompile as an edge of the build itself
+    (with_precompiled_header), added between torch writing the file and running its build tool. Where torch has no
+    such step to wrap, or the header is not among the sources' folder, the build runs without it."""
     from torch.utils import cpp_extension
 
-    path = directory / "flags.ninja"
-    try:
-        cpp_extension._write_ninja_file_to_build_library(
-            path=str(path), name=name, sources=[str(p) for p in sources], extra_cflags=list(cflags),
-            extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=list(LDFLAGS), extra_include_paths=[],
-            with_cuda=False, with_sycl=False, is_standalone=False,
-        )  # fmt: skip
-    except (AttributeError, TypeError) as error:
-        logger.info("no precompiled header for the native CPU kernels: %s", error)
-        return None
-    values = dict(line.split(" = ", 1) for line in path.read_text().splitlines() if " = " in line)
-    path.unlink()
-    if "cxx" not in values or "cflags" not in values:
-        return None
-    return [*shlex.split(values["cxx"]), *shlex.split(values["cflags"]), *shlex.split(values.get("post_cflags", ""))]
-
-
-def precompile(directory: Path, name: str, sources: tuple[Path, ...], cflags: tuple[str, ...], start: float) -> None:
-    """aten_pch.h (beside the copied sources) compiled into aten_pch.h.gch with the flags the build tool then compiles
-    the sources with: the compiler takes a precompiled header only when its flags match, and parses the header as text
-    otherwise (a slower build, the same objects). Skipped where the header is not among the sources' headers, the flags
-    cannot be known or the compile fails: each then only costs the time saved."""
     header = sources[0].parent / PCH_HEADER
-    target = header.with_name(f"{PCH_HEADER}.gch")
-    flags = compile_flags(directory, name, sources, cflags) if header.exists() else None
-    if flags is None or target.exists():
+    run_build_tool = getattr(cpp_extension, "_run_ninja_build", None)
+    if run_build_tool is None or not header.exists():
+        yield
         return
-    partial = target.with_name(f"{target.name}.partial")  # renamed once whole: a killed compile leaves no bad header
-    command = [*flags, "-x", "c++-header", str(header), "-o", str(partial)]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        logger.warning("precompiling %s failed, building without it: %s", PCH_HEADER, result.stderr[-2000:])
-        partial.unlink(missing_ok=True)
-        return
-    os.replace(partial, target)
-    logger.warning("[0/%d] %s.gch (torch's headers, precompiled), %.0f s", len(sources), PCH_HEADER,
-                   time.perf_counter() - start)  # fmt: skip
+    users = {p.name for p in sources if f'#include "{PCH_HEADER}"' in p.read_text()}
+
+    def run_with_header(build_directory: str, verbose: bool, error_prefix: str) -> None:
+        if not with_precompiled_header(os.path.join(build_directory, "build.ninja"), header, users):
+            logger.info("no precompiled header for the native CPU kernels: torch's build file has no compile rule")
+        run_build_tool(build_directory, verbose, error_prefix)
+
+    cpp_extension._run_ninja_build = run_with_header
+    try:
+        yield
+    finally:
+        cpp_extension._run_ninja_build = run_build_tool
 
 
 @contextmanager
@@ -205,9 +221,8 @@ def _load(directory: Path, name: str, sources: tuple[Path, ...], cflags: tuple[s
             "building the native CPU kernels into %s (once for this CPU, compiler and torch; minutes)", directory
         )
     start = time.perf_counter()
-    if not built:
-        precompile(directory, name, sources, cflags, start)
-    with _progress_logged(directory, sources, start, quiet=built):
+    header = sources[0].parent / f"{PCH_HEADER}.gch"
+    with _progress_logged(directory, sources, start, quiet=built), header_precompiled_in_build(sources):
         module = load_extension(
             name=name,
             sources=[str(p) for p in sources],
@@ -218,28 +233,36 @@ def _load(directory: Path, name: str, sources: tuple[Path, ...], cflags: tuple[s
         )
     if not built:
         logger.warning("built the native CPU kernels in %.0f s", time.perf_counter() - start)
+        if not header.exists():
+            logger.warning("%s did not precompile: the files that include it parsed it as text", PCH_HEADER)
         # a key's library is loaded without the build tool from now on: the precompiled header (~100 MB) is not read
-        (sources[0].parent / f"{PCH_HEADER}.gch").unlink(missing_ok=True)
+        header.unlink(missing_ok=True)
     return module
 
 
 @contextmanager
 def _progress_logged(directory: Path, sources: tuple[Path, ...], start: float, quiet: bool) -> Iterator[None]:
-    """While the body builds: each object file as it appears, "[k/N] name.o, T s" (the build tool's own output is
-    captured by torch until it ends)."""
+    """While the body builds: the precompiled header and each object file as it appears, "[k/N] name, T s" (the
+    build tool's own output is captured by torch until it ends)."""
     if quiet:
         yield
         return
     done = threading.Event()
-    objects = {f"{p.stem}.o" for p in sources}
+    header = sources[0].parent / f"{PCH_HEADER}.gch"
+    outputs = [
+        *([header] if header.with_name(PCH_HEADER).exists() else []),
+        *(directory / f"{p.stem}.o" for p in sources),
+    ]
 
     def watch() -> None:
-        seen: set[str] = set()
+        seen: set[Path] = set()
         while not done.wait(1.0):
-            for name in sorted(objects - seen):
-                if (directory / name).exists():
-                    seen.add(name)
-                    logger.warning("[%d/%d] %s, %.0f s", len(seen), len(objects), name, time.perf_counter() - start)
+            for path in outputs:
+                if path not in seen and path.exists():
+                    seen.add(path)
+                    logger.warning(
+                        "[%d/%d] %s, %.0f s", len(seen), len(outputs), path.name, time.perf_counter() - start
+                    )
 
     watcher = threading.Thread(target=watch, name="kernel-build-progress", daemon=True)
     watcher.start()

@@ -1,0 +1,51 @@
+"""`pytest -p tests.cpu_seconds`: each test file's CPU seconds, written per worker to
+$BATCHSERVE_CPU_SECONDS_DIR/<worker>.json (default: .pytest_cache/cpu_seconds).
+
+On a host shared with other work the wall seconds of a JUnit report say more about the neighbours than about a file:
+a file's cost here is the user + system time of its setup, call and teardown phases in the test process (all of its
+threads) plus every child process reaped meanwhile (a server or Ray node a file starts is counted when the file stops
+it). A process that outlives the file, or is re-parented away from the test process before it exits, is not counted.
+`python -m tests.file_order --cpu <dir>` turns the folder into file_seconds.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+_per_file: Counter = Counter()
+
+
+def cpu_now() -> float:
+    """User + system seconds of this process and of its reaped children so far."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _file_of(item: pytest.Item) -> str:
+    root = item.config.rootpath
+    return item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else str(item.path)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    start = cpu_now()
+    yield
+    _per_file[_file_of(item)] += cpu_now() - start
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not _per_file:  # xdist's controller runs no test
+        return
+    folder = Path(
+        os.environ.get("BATCHSERVE_CPU_SECONDS_DIR", session.config.rootpath / ".pytest_cache" / "cpu_seconds")
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    table = {name: round(seconds, 2) for name, seconds in _per_file.most_common()}
+    (folder / f"{worker}.json").write_text(json.dumps(table, indent=1) + "\n")

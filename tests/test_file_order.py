@@ -1,0 +1,41 @@
+"""The suite's file order and its tables: tests/cpu_seconds.py counts a file's CPU time (its children's too), and
+tests/file_order.py merges the workers' tables into the one the order reads."""
+
+from __future__ import annotations
+
+import json
+
+from tests import file_order
+
+pytest_plugins = ["pytester"]
+
+BURNS_CPU = """
+import subprocess, sys, time
+
+def _spin(seconds):
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+def test_here():
+    _spin(0.3)
+
+def test_in_a_child():
+    subprocess.run([sys.executable, "-c", "import time\\nend = time.process_time() + 0.3\\nwhile time.process_time() < end: pass"], check=True)
+"""
+
+
+def test_a_files_cpu_seconds_count_its_children_and_skip_its_neighbours_waits(pytester, monkeypatch, tmp_path):
+    pytester.makepyfile(test_burns=BURNS_CPU, test_waits="import time\n\ndef test_sleeps():\n    time.sleep(0.5)\n")
+    monkeypatch.setenv("BATCHSERVE_CPU_SECONDS_DIR", str(tmp_path / "cpu"))
+    pytester.runpytest_inprocess("-p", "tests.cpu_seconds").assert_outcomes(passed=3)
+    (table,) = (tmp_path / "cpu").glob("*.json")
+    seconds = {name.rsplit("/", 1)[-1]: value for name, value in json.loads(table.read_text()).items()}
+    assert seconds["test_burns.py"] >= 0.6  # this process's 0.3 s and the child's 0.3 s
+    assert seconds["test_waits.py"] < 0.3  # a sleep is no CPU time
+
+
+def test_the_workers_tables_merge_into_one_listing_only_files_that_matter(tmp_path):
+    (tmp_path / "gw0.json").write_text(json.dumps({"tests/a.py": 30.04, "tests/quick.py": 0.5}))
+    (tmp_path / "gw1.json").write_text(json.dumps({"tests/b.py": 50.0, "tests/quick.py": 0.4}))
+    assert file_order.cpu_seconds_per_file(tmp_path) == {"tests/b.py": 50.0, "tests/a.py": 30.0}
