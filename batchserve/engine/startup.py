@@ -87,7 +87,7 @@ def load_runner(
         from batchserve.worker.lora_slots import LoRAPool
 
         lora_config = (config.max_loras, config.max_lora_rank, config.cpu_loras)
-        runner.lora = LoRAPool(model, model_config, *lora_config, dtype, device, deterministic=config.deterministic)
+        runner.lora = LoRAPool(model, model_config, *lora_config, dtype, device)
     speculative = SpeculativeConfig.from_value(config.speculative_config)
     if speculative is not None and speculative.method == "draft_model":
         runner.draft = load_draft_model(config, speculative.model, runner, tokenizer)

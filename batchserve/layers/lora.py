@@ -38,9 +38,6 @@ class LoRAStep:
     """One step's grouping of tokens by adapter; base-model tokens are in no group."""
 
     groups: tuple[LoRAGroup, ...] = ()
-    # a group of this many rows or more (a prompt's) takes two library GEMMs in the native kernels; 0: never (a
-    # deterministic engine: the vector kernel's order per row ignores the batch)
-    gemm_min_rows: int = 0
     # False: the torch code adds the deltas even where the native kernel would (the step then runs the Python layers):
     # benchmarks/lora.py's loop over requests, x @ A @ B by separate torch matmuls per request
     native_kernel: bool = True
@@ -61,7 +58,7 @@ class LoRAStep:
         rows = torch.cat([group.rows for group in self.groups])
         slots, ranks = [g.slot for g in self.groups], [g.rank for g in self.groups]
         scales, path = [g.scale for g in self.groups], kernels.lora_path()
-        return native.LoraBatch(slots, ranks, scales, rows, offsets, path, self.gemm_min_rows)
+        return native.LoraBatch(slots, ranks, scales, rows, offsets, path)
 
 
 @dataclass

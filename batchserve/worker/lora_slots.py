@@ -30,12 +30,6 @@ PROJECTIONS = (
 )
 
 
-# An adapter's rows in a step from which two library GEMMs take its deltas instead of the vector kernel; 0: never.
-# Measured on the AMX host (docs/lora.md): a 2048-row prompt step of 8 adapters, 30 layers, took 730 ms of CPU
-# through oneDNN's GEMMs (rank-16 products are too thin for them) against 372 ms in the vector kernel.
-GEMM_MIN_ROWS = 0
-
-
 class LoRAPool:
     def __init__(
         self,
@@ -46,7 +40,6 @@ class LoRAPool:
         max_cpu_loras: int,
         dtype: torch.dtype,
         device: torch.device,
-        deterministic: bool = False,
     ) -> None:
         if config.num_experts > 0:
             raise LoRALoadError("LoRA adapters on a mixture-of-experts model are not served")
@@ -68,8 +61,6 @@ class LoRAPool:
         # "native": the native kernel adds the deltas where it runs; "torch": the torch code always, a matmul each
         # (with grouping "request": the loop over requests that benchmarks/lora.py compares grouping against)
         self.delta_kernel = "native"
-        # groups of this many rows multiply by GEMMs in the native kernels (0: never; a deterministic engine never)
-        self.gemm_min_rows = 0 if deterministic else GEMM_MIN_ROWS
 
     def _attach(self, layer: nn.Module) -> dict[str, LoRASlots]:
         """Each projection of `layer` gets its slots (an attribute the model's `project` reads)."""
@@ -172,7 +163,7 @@ class LoRAPool:
             contiguous = int(rows[-1] - rows[0]) + 1 == len(rows)
             tensor = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
             groups.append(LoRAGroup(slot, adapter.rank, adapter.scale, tensor, int(rows[0]) if contiguous else -1))
-        return LoRAStep(tuple(groups), self.gemm_min_rows, native_kernel=self.delta_kernel == "native")
+        return LoRAStep(tuple(groups), native_kernel=self.delta_kernel == "native")
 
     def _slot(self, lora_id: int, this_step: list[int]) -> tuple[int, LoRAAdapter]:
         """The adapter's device slot, loading it there when it has none (into a free slot, else the least recently

@@ -62,10 +62,10 @@ STEP = ((0, [0, 2, *range(5, 18)]), (1, [1, *range(18, 24)]), (2, list(range(24,
 BASE_ROWS = [3, 4]
 
 
-def check_loop_equals_python(model, config, dtype, monkeypatch, gemm_min_rows: int = 0) -> None:
+def check_loop_equals_python(model, config, dtype, monkeypatch) -> None:
     assert model._loop_takes_lora and model.decoder_loop is not None
     batch, kv = step_batch(config, 5, 8, dtype, seed=11, prompts=PROMPTS)
-    batch.attn_metadata.lora = LoRAStep(tuple(group(slot, rows) for slot, rows in STEP), gemm_min_rows)
+    batch.attn_metadata.lora = LoRAStep(tuple(group(slot, rows) for slot, rows in STEP))
     native_hidden, native_kv = native_forward(model, batch, kv, monkeypatch)  # a Python layer would fail the test
     loop, model.decoder_loop = model.decoder_loop, None
     python_hidden, python_kv = forward(model, batch, kv)
@@ -77,7 +77,6 @@ def check_loop_equals_python(model, config, dtype, monkeypatch, gemm_min_rows: i
     assert changed[[r for _, rows in STEP for r in rows]].all() and not changed[BASE_ROWS].any()
 
 
-@pytest.mark.parametrize("gemm_min_rows", [0, 9])  # 9: the groups of 15 and 9 rows take two GEMMs, 7 the kernel
 @pytest.mark.parametrize("path", ["avx512_bf16", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize(
     "kind,dtype,units",
@@ -93,7 +92,7 @@ def check_loop_equals_python(model, config, dtype, monkeypatch, gemm_min_rows: i
     ],
 )
 def test_steps_with_adapters_run_the_loop_bit_for_bit(
-    tiny_models, monkeypatch, force_gemm, force_lora_path, kind, dtype, units, path, gemm_min_rows
+    tiny_models, monkeypatch, force_gemm, force_lora_path, kind, dtype, units, path
 ):
     _force_units(monkeypatch, force_gemm, units)
     force_lora_path(path)
@@ -102,7 +101,7 @@ def test_steps_with_adapters_run_the_loop_bit_for_bit(
     if kind == "llama":  # on AMX, gate/up in swiglu panels: its plain product's columns put back in order
         _check_gemm_layouts(model, units)
     attach_adapters(model, config, dtype, seed=len(kind))
-    check_loop_equals_python(model, config, dtype, monkeypatch, gemm_min_rows)
+    check_loop_equals_python(model, config, dtype, monkeypatch)
 
 
 @pytest.mark.parametrize("scheme,dtype", [("int8", torch.float32), ("int4", torch.bfloat16)])

@@ -145,7 +145,7 @@ void register_lora(pybind11::module& m) {
       .def(py::init(&make_lora_weights), py::arg("a"), py::arg("b"), py::arg("present"), py::arg("slices"));
   py::class_<LoraBatch>(m, "LoraBatch", "one step's tokens grouped by adapter (layers/lora.py LoRAStep)")
       .def(py::init(&make_lora_batch), py::arg("slot"), py::arg("rank"), py::arg("scale"), py::arg("rows"),
-           py::arg("offsets"), py::arg("path"), py::arg("gemm_min_rows") = 0);
+           py::arg("offsets"), py::arg("path"));
   m.def("lora_add_", &lora_add_, "y += each adapter group's scale * (x_g @ A^T) @ B, in place", kNoGil,
         py::arg("x"), py::arg("y"), py::arg("weights"), py::arg("batch"));
 }

@@ -86,7 +86,7 @@ at::Tensor project(const Op& op, size_t i, const at::Tensor& x, const LayerConte
 // takes the rows, its product stays in its swiglu order and the deltas go into those columns (the same values the
 // Python layers add after the columns are put back in order, bit for bit), which saves a copy of [T, 2I]
 at::Tensor adapted_silu_and_mul(const Op& op, const at::Tensor& x, const LayerContext& c) {
-  auto panels = c.lora->has_gemm_groups() ? at::Tensor() : op.projections[0].swiglu_panels_of(x);
+  auto panels = op.projections[0].swiglu_panels_of(x);
   if (!panels.defined()) return silu_and_mul(project(op, 0, x, c));
   lora_add_swiglu_panels_(x, panels, op.loras[0], *c.lora);
   return silu_and_mul_panels(panels);

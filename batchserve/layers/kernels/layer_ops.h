@@ -140,27 +140,19 @@ struct LoraWeights {
   bool defined() const { return a.defined(); }
 };
 // One step's tokens grouped by adapter (layers/lora.py LoRAStep): group g's slot, rank, scale and rows
-// rows[offsets[g]..offsets[g + 1]); the kernel's path; groups of gemm_min_rows rows or more (0: none, a deterministic
-// engine's choice) multiply by the library's GEMMs instead. Empty: the step runs the base model alone.
+// rows[offsets[g]..offsets[g + 1]) and the kernel's path. Empty: the step runs the base model alone.
 struct LoraBatch {
   std::vector<int64_t> slot, rank, offsets;
   std::vector<float> scale;
   at::Tensor rows;
   int64_t max_row = -1;
   Isa path = Isa::kPortable;
-  int64_t gemm_min_rows = 0;
   bool empty() const { return slot.empty(); }
-  // some group takes the GEMMs (lora_op.cpp), which write whole slices: not a product in swiglu order
-  bool has_gemm_groups() const {
-    for (size_t g = 0; g < slot.size() && gemm_min_rows > 0; ++g)
-      if (offsets[g + 1] - offsets[g] >= gemm_min_rows) return true;
-    return false;
-  }
 };
 LoraWeights make_lora_weights(at::Tensor a, at::Tensor b, at::Tensor present,
                               const std::vector<std::tuple<int64_t, int64_t>>& slices);
 LoraBatch make_lora_batch(std::vector<int64_t> slot, std::vector<int64_t> rank, const std::vector<double>& scale,
-                          at::Tensor rows, std::vector<int64_t> offsets, Isa path, int64_t gemm_min_rows);
+                          at::Tensor rows, std::vector<int64_t> offsets, Isa path);
 // y [T, out] (the projection's fresh output of x [T, in]) += each group's scale * (x_g @ A^T) @ B, in place
 void lora_add_(const at::Tensor& x, const at::Tensor& y, const LoraWeights& weights, const LoraBatch& batch);
 // the same on a gate/up projection's output in the AMX kernel's swiglu order (Projection::swiglu_panels_of: 16 gate

@@ -43,7 +43,6 @@ struct LoraArgs {
   const int64_t* offsets;
   const int64_t* rows;
   int64_t num_groups;
-  int64_t gemm_min_rows;  // groups of this many rows or more are lora_op.cpp's (0: none): this kernel skips them
   // y in the AMX gate/up kernel's swiglu order (projection.cpp): kLoraPanel columns of each slice in turn, so
   // that slice i's column c is y's column (c / kLoraPanel * num_slices + i) * kLoraPanel + c % kLoraPanel
   bool swiglu_panels = false;
