@@ -138,13 +138,14 @@ void score_sequence(const __m256* qv, const T* k_head, const int64_t* table, int
   }
 }
 
-// Pass 2: scores -> exp(s - max) in place (padding lanes to 0); returns their sum.
-inline float softmax_in_place(float* scores, int64_t len) {
+// Pass 2: scores -> exp(s - max) in place (padding lanes to 0); returns their sum, and their max in `max_out`.
+inline float softmax_in_place(float* scores, int64_t len, float& max_out) {
   const int64_t padded = (len + 7) / 8 * 8;
   std::fill(scores + len, scores + padded, -1e30f);  // exp(-1e30 - max) is 0
   __m256 vmax = _mm256_set1_ps(-1e30f);
   for (int64_t t = 0; t < padded; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + t));
-  const __m256 max = _mm256_set1_ps(reduce_max8(vmax));
+  max_out = reduce_max8(vmax);
+  const __m256 max = _mm256_set1_ps(max_out);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t t = 0; t < padded; t += 8) {
     const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t), max));
@@ -201,14 +202,15 @@ void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cac
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
-  const DecodeSplit split = split_decode(num_seqs, num_kv_heads);
+  DecodeSplit split = split_decode(seq_lens, num_seqs, num_heads, num_kv_heads, D, block_size);
   const int64_t heads_per_item = split.heads_per_item;
-  run_decode_items(split, seq_lens, [&](WorkQueue& queue) {
+  run_decode_items(split, out, [&](WorkQueue& queue) {
     std::vector<float> scores, weights, v_row_scales;
     for (int64_t item; queue.next(item);) {
-      const int64_t seq = split.seq(item), first_kv = split.first_kv(item);
-      const int64_t len = seq_lens[seq];
-      const int64_t* table = tables + seq * max_blocks;
+      const DecodeItem& it = split.items[item];
+      const int64_t seq = it.seq, first_kv = it.first_kv;
+      const int64_t len = it.len;  // of its partition
+      const int64_t* table = tables + seq * max_blocks + it.first_block;
       scores.resize(len + 8);  // the last tile of 8 may start at any token (a block size not a multiple of 8)
       weights.resize(kScaledCodes<T> ? len : 0);
       v_row_scales.resize(kScaledCodes<T> ? len : 0);
@@ -229,9 +231,10 @@ void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cac
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = kv_head * group + g;
           const float* qh = q + (seq * num_heads + h) * D;
-          float* o = out + (seq * num_heads + h) * D;
+          float* o = split.row(it, h, out);
           if (has_nan(qh, D)) {
             std::fill(o, o + D, std::numeric_limits<float>::quiet_NaN());
+            split.finish(it, h, 0.f, 1.f);  // a partition's NaN row carries into the merged one
             continue;
           }
           __m256 qv[NC];
@@ -239,7 +242,9 @@ void decode_attention_avx2_impl(const float* q, const T* k_cache, const T* v_cac
           // the whole tokens are pulled once, by the first query head of the first kv head
           score_sequence<NC>(qv, k_head, table, len, block_size, block_stride, token_stride,
                              g == 0 ? k_tokens : nullptr, scores.data(), RowScales{k_scale + kv_head, num_kv_heads});
-          const float inv = 1.f / softmax_in_place(scores.data(), len);
+          float max = 0.f;
+          const float sum = softmax_in_place(scores.data(), len, max);
+          const float inv = split.finish(it, h, max, sum);
           const float* p = scores.data();
           if constexpr (kScaledCodes<T>) {  // the weights (summed into inv as they are) times the V rows' scales
             for (int64_t t = 0; t < len; ++t) weights[t] = scores[t] * v_row_scales[t];

@@ -30,15 +30,17 @@ void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, con
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_stride = block_size * token_stride;
-  const DecodeSplit split = split_decode(num_seqs, num_kv_heads);
+  DecodeSplit split = split_decode(seq_lens, num_seqs, num_heads, num_kv_heads, D, block_size);
   const int64_t heads_per_item = split.heads_per_item;
   const bool grouped = group <= kMaxGroup;
-  run_decode_items(split, seq_lens, [&](WorkQueue& queue) {
+  run_decode_items(split, out, [&](WorkQueue& queue) {
     std::vector<float> acc_store(num_heads * D), m(num_heads), p(num_heads * 16), corr(num_heads), qs(num_heads * D);
     std::vector<__m512> l(num_heads);  // per-lane partial sums of the softmax denominator
     __m512 scores[kMaxGroup];
     for (int64_t item; queue.next(item);) {
-      const int64_t seq = split.seq(item), first_kv = split.first_kv(item);
+      const DecodeItem& it = split.items[item];
+      const int64_t seq = it.seq, first_kv = it.first_kv;
+      const int64_t* table = tables + seq * max_blocks + it.first_block;  // of its partition
       const int64_t first_head = first_kv * group, last_head = first_head + heads_per_item * group;
       const float* q_seq = q + seq * num_heads * D;
       for (int64_t h = first_head; h < last_head; ++h)  // scaled once per sequence, not per tile
@@ -48,18 +50,18 @@ void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, con
       std::fill(acc_store.begin(), acc_store.end(), 0.f);
       std::fill(m.begin(), m.end(), -1e30f);  // finite: exp(m - max) must be 0, not NaN
       std::fill(l.begin(), l.end(), _mm512_setzero_ps());
-      const int64_t len = seq_lens[seq];
+      const int64_t len = it.len;
       for (int64_t start = 0, n = 0; start < len; start += n) {
         // A tile: up to 16 tokens of one block.
         const int64_t in_block = start % block_size;
         n = std::min<int64_t>({16, block_size - in_block, len - start});
-        const int64_t block = tables[seq * max_blocks + start / block_size];
+        const int64_t block = table[start / block_size];
         const int64_t offset = block * block_stride + in_block * token_stride, slot0 = block * block_size + in_block;
         // the next tile's K and V asked for during this one's kv heads (the pool's blocks are scattered, which the
         // hardware prefetchers do not foresee), a few lines a kv head (see RowPrefetcher)
         const int64_t next = start + n, next_in_block = next % block_size;
         const int64_t next_rows = std::max<int64_t>(0, std::min<int64_t>({16, block_size - next_in_block, len - next}));
-        const int64_t next_offset = next_rows ? tables[seq * max_blocks + next / block_size] * block_stride +
+        const int64_t next_offset = next_rows ? table[next / block_size] * block_stride +
                                                     next_in_block * token_stride + first_kv * D
                                               : 0;
         const int64_t row_bytes = heads_per_item * D * sizeof(T), steps = 2 * heads_per_item;
@@ -98,8 +100,8 @@ void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, con
         }
       }
       for (int64_t h = first_head; h < last_head; ++h) {
-        float* o = out + (seq * num_heads + h) * D;
-        const float inv = 1.f / _mm512_reduce_add_ps(l[h]);
+        float* o = split.row(it, h, out);
+        const float inv = split.finish(it, h, m[h], _mm512_reduce_add_ps(l[h]));
         for (int64_t d = 0; d < D; ++d) o[d] = acc_store[h * D + d] * inv;
       }
     }

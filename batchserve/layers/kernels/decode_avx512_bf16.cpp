@@ -65,13 +65,14 @@ BF16_TARGET void values_group_bf16(const bf16_t* v_head, const int64_t* table, i
 }
 
 // The work items of decode_attention_bf16 this thread claims from `queue` (work_split.h), until none is left
-// (a function of its own: a lambda would not carry the target). A decode query sees its whole context at once, so
-// its softmax needs no online rescaling: (1) every score of the sequence, and their max; (2) the weights
-// exp(s - max) in bf16, and their sum; (3) P.V with the accumulators in registers from the first token to the last.
+// (a function of its own: a lambda would not carry the target). A decode query sees its whole item (its context, or
+// one partition of it) at once, so its softmax needs no online rescaling: (1) every score of the item, and their
+// max; (2) the weights exp(s - max) in bf16, and their sum; (3) P.V with the accumulators in registers from the
+// first token to the last; a partition's sums go to work_split.h's partials unnormalised.
 template <int NC>
-BF16_TARGET void decode_items_bf16(WorkQueue& queue, const DecodeSplit& split, const float* q,
+BF16_TARGET void decode_items_bf16(WorkQueue& queue, DecodeSplit& split, const float* q,
                                    const bf16_t* k_cache, const bf16_t* v_cache, const int64_t* tables,
-                                   const int64_t* seq_lens, float* out, int64_t num_heads, int64_t num_kv_heads,
+                                   float* out, int64_t num_heads, int64_t num_kv_heads,
                                    int64_t block_size, int64_t max_blocks, float scale) {
   constexpr int64_t D = NC * 16;
   constexpr int NP = NC / 2;
@@ -82,17 +83,18 @@ BF16_TARGET void decode_items_bf16(WorkQueue& queue, const DecodeSplit& split, c
   const int64_t item_heads = heads_per_item * group;
   std::vector<float> scores, acc(item_heads * D), maxes(item_heads * 16);
   std::vector<uint16_t> qb(item_heads * D), pb;
-  std::vector<float> sums(item_heads);
+  std::vector<float> sums(item_heads), head_max(item_heads);
   for (int64_t item; queue.next(item);) {
-    const int64_t seq = split.seq(item), first_kv = split.first_kv(item);
+    const DecodeItem& it = split.items[item];
+    const int64_t seq = it.seq, first_kv = it.first_kv;
     const int64_t first_head = first_kv * group;
-    const int64_t len = seq_lens[seq];
+    const int64_t len = it.len;  // of its partition
     const int64_t stride = (len + 31) / 16 * 16;  // per head, room for a whole last vector
     if (static_cast<int64_t>(scores.size()) < item_heads * stride) {
       scores.resize(item_heads * stride);
       pb.resize(item_heads * stride);
     }
-    const int64_t* table = tables + seq * max_blocks;
+    const int64_t* table = tables + seq * max_blocks + it.first_block;
     for (int64_t h = 0; h < item_heads; ++h) {
       query_to_bf16<NP>(q + (seq * num_heads + first_head + h) * D, &qb[h * D]);
       _mm512_storeu_ps(&maxes[h * 16], _mm512_set1_ps(-3.0e38f));
@@ -132,7 +134,8 @@ BF16_TARGET void decode_items_bf16(WorkQueue& queue, const DecodeSplit& split, c
     }
     // (2) weights, rounded to bf16 as (3) uses them; the sum is of the rounded weights
     for (int64_t h = 0; h < item_heads; ++h) {
-      const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(&maxes[h * 16])));
+      head_max[h] = _mm512_reduce_max_ps(_mm512_loadu_ps(&maxes[h * 16]));
+      const __m512 mx = _mm512_set1_ps(head_max[h]);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t i = 0; i < len; i += 16) {
         const __mmask16 valid = static_cast<__mmask16>(len - i >= 16 ? 0xFFFFu : (1u << (len - i)) - 1);
@@ -148,7 +151,8 @@ BF16_TARGET void decode_items_bf16(WorkQueue& queue, const DecodeSplit& split, c
       values_group_bf16<NC>(v_cache + (first_kv + kv) * D, table, len, block_size, block_stride, token_stride,
                             &pb[kv * group * stride], stride, &acc[kv * group * D], group);
     for (int64_t h = 0; h < item_heads; ++h)
-      unpermute_store<NC>(&acc[h * D], 1.f / sums[h], out + (seq * num_heads + first_head + h) * D);
+      unpermute_store<NC>(&acc[h * D], split.finish(it, first_head + h, head_max[h], sums[h]),
+                          split.row(it, first_head + h, out));
   }
 }
 
@@ -157,9 +161,9 @@ template <int NC>
 void decode_attention_bf16(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, const int64_t* tables,
                            const int64_t* seq_lens, float* out, int64_t num_seqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale) {
-  const DecodeSplit split = split_decode(num_seqs, num_kv_heads);
-  run_decode_items(split, seq_lens, [&](WorkQueue& queue) {
-    decode_items_bf16<NC>(queue, split, q, k_cache, v_cache, tables, seq_lens, out, num_heads, num_kv_heads,
+  DecodeSplit split = split_decode(seq_lens, num_seqs, num_heads, num_kv_heads, NC * 16, block_size);
+  run_decode_items(split, out, [&](WorkQueue& queue) {
+    decode_items_bf16<NC>(queue, split, q, k_cache, v_cache, tables, out, num_heads, num_kv_heads,
                           block_size, max_blocks, scale);
   });
 }

@@ -1,7 +1,7 @@
 // Paged decode attention on the "portable" path, and the fallback of every other path: one query token per sequence
 // attends over its context, read in place through its block table (no gather into a padded copy). Online softmax a
 // block at a time; the query heads that share a kv head are done back to back so K/V come from L1. Parallel over
-// (sequence, kv head) pairs (work_split.h); any head size, float32 / bfloat16 / float16 (and float64) K/V.
+// (sequence, context partition, kv head) items (work_split.h); any head size, float32 / bfloat16 / float16 (and float64) K/V.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -19,19 +19,22 @@ void decode_attention_impl(const float* q, const scalar_t* k_cache, const scalar
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
-  const DecodeSplit split = split_decode(num_seqs, num_kv_heads, /*per_head=*/true);
-  run_decode_items(split, seq_lens, [&](WorkQueue& queue) {
+  DecodeSplit split = split_decode(seq_lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                   /*per_head=*/true);
+  run_decode_items(split, out, [&](WorkQueue& queue) {
     std::vector<float> acc(group * head_dim), m(group), l(group), scores(group * block_size), kv(head_dim);
     for (int64_t item; queue.next(item);) {
-      const int64_t seq = split.seq(item), kv_head = split.first_kv(item);
+      const DecodeItem& it = split.items[item];
+      const int64_t seq = it.seq, kv_head = it.first_kv;
+      const int64_t* table = tables + seq * max_blocks + it.first_block;  // of its partition
       const float* q_seq = q + (seq * num_heads + kv_head * group) * head_dim;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -1e30f);  // finite: exp(m - max) must be 0, not NaN
       std::fill(l.begin(), l.end(), 0.f);
-      const int64_t len = seq_lens[seq];
+      const int64_t len = it.len;
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
-        const scalar_t* k_block = k_cache + tables[seq * max_blocks + start / block_size] * block_stride +
+        const scalar_t* k_block = k_cache + table[start / block_size] * block_stride +
                                   kv_head * head_dim;
         const scalar_t* v_block = v_cache + (k_block - k_cache);
         for (int64_t t = 0; t < n; ++t) {
@@ -72,8 +75,8 @@ void decode_attention_impl(const float* q, const scalar_t* k_cache, const scalar
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        float* o = out + (seq * num_heads + kv_head * group + g) * head_dim;
-        const float inv = 1.f / l[g];
+        float* o = split.row(it, kv_head * group + g, out);
+        const float inv = split.finish(it, kv_head * group + g, m[g], l[g]);
         for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv;
       }
     }

@@ -26,11 +26,12 @@
 
 namespace {
 
-// One (sequence, KV head): the `group` query heads sharing it, online softmax over the context, float32 throughout.
+// One (sequence, context partition, KV head) of `split`: the `group` query heads sharing the kv head, online softmax
+// over the partition's tokens (table: its blocks), float32 throughout.
 template <typename Code>
-void decode_one(const float* q, int64_t group, int64_t head_dim, const Code* key, const Code* value,
-                const float* k_scale, const float* v_scale, const int64_t* table, int64_t seq_len,
-                int64_t block_size, int64_t kv_heads, int64_t kv_head, float scale, float* out, int64_t out_stride) {
+void decode_one(DecodeSplit& split, const DecodeItem& item, const float* q, int64_t group, int64_t head_dim,
+                const Code* key, const Code* value, const float* k_scale, const float* v_scale, const int64_t* table,
+                int64_t seq_len, int64_t block_size, int64_t kv_heads, int64_t kv_head, float scale, float* out) {
   std::vector<float> acc(group * head_dim, 0.0f), max_logit(group, -std::numeric_limits<float>::infinity()),
       denom(group, 0.0f);
   const int64_t row_stride = kv_heads * head_dim;  // between slots of a block
@@ -58,8 +59,10 @@ void decode_one(const float* q, int64_t group, int64_t head_dim, const Code* key
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = denom[g] > 0.0f ? 1.0f / denom[g] : 0.0f;
-    for (int64_t d = 0; d < head_dim; ++d) out[g * out_stride + d] = acc[g * head_dim + d] * inv;
+    const int64_t head = kv_head * group + g;
+    float* o = split.row(item, head, out);
+    const float inv = denom[g] > 0.0f ? split.finish(item, head, max_logit[g], denom[g]) : 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv;
   }
 }
 
@@ -93,15 +96,16 @@ void decode_loop(const at::Tensor& query, const at::Tensor& key, const at::Tenso
   float* out_p = out.data_ptr<float>();
   const auto* key_p = static_cast<const Code*>(key.data_ptr());
   const auto* value_p = static_cast<const Code*>(value.data_ptr());
-  const DecodeSplit split = split_decode(num_seqs, kv_heads, /*per_head=*/true);
-  run_decode_items(split, lens.data_ptr<int64_t>(), [&](WorkQueue& queue) {
+  DecodeSplit split = split_decode(lens.data_ptr<int64_t>(), num_seqs, heads, kv_heads, head_dim, block_size,
+                                   /*per_head=*/true);
+  run_decode_items(split, out_p, [&](WorkQueue& queue) {
     for (int64_t item; queue.next(item);) {
-      const int64_t b = split.seq(item), h = split.first_kv(item);
-      const int64_t first_head = h * group;
-      decode_one(q_p + (b * heads + first_head) * head_dim, group, head_dim, key_p, value_p,
-                 k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), tables.data_ptr<int64_t>() + b * max_blocks,
-                 lens.data_ptr<int64_t>()[b], block_size, kv_heads, h, static_cast<float>(scale),
-                 out_p + (b * heads + first_head) * head_dim, head_dim);
+      const DecodeItem& it = split.items[item];
+      const int64_t b = it.seq, h = it.first_kv;
+      decode_one(split, it, q_p + (b * heads + h * group) * head_dim, group, head_dim, key_p, value_p,
+                 k_scale.data_ptr<float>(), v_scale.data_ptr<float>(),
+                 tables.data_ptr<int64_t>() + b * max_blocks + it.first_block, it.len, block_size, kv_heads, h,
+                 static_cast<float>(scale), out_p);
     }
   });
 }
