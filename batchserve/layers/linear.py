@@ -102,10 +102,6 @@ class CpuLinear(nn.Module):
     # up to where the native kernel wins, per path: {narrow projection?: M} (on AVX2 the 8-wide kernel runs near the
     # FMA peak and beats oneDNN and x @ W well into prefill-sized M)
     SMALL_MAX_M = {"avx512": {False: 48, True: 64}, "avx2": {False: 256, True: 384}, "library": {False: 0, True: 0}}
-    # on one intra-op thread, where oneDNN has no work split to get wrong, its packed GEMM ran 1.2-1.6x faster than
-    # the AVX-512 small-M kernel from about 8 rows on (AVX-512 EPYC, float32, CPU clock; docs/cpu-kernels.md): the
-    # kernel keeps the fewest rows and every projection, narrow ones too, keeps the packed copy for the rest
-    ONE_THREAD_SMALL_MAX_M = {"avx512": 6}
     # oneDNN's bf16 GEMM runs fewer than 4 rows slower than 4: zero rows pad up to 4
     PACKED_MIN_M = 4
     PACKED_MAX_M = 512  # from here on (prefill chunks) x @ W is as fast
@@ -118,27 +114,17 @@ class CpuLinear(nn.Module):
     NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
 
     @classmethod
-    def row_schedule_for(cls, small_path: str, narrow: bool = False, threads: int | None = None) -> RowSchedule:
-        """The row counts at which a projection on small-M path `small_path` changes GEMM on `threads` intra-op
-        threads (None: torch's now; this class's thresholds, read when a layer is built, so that a test may move
-        one)."""
-        small_max_m = cls.SMALL_MAX_M[small_path][narrow]
-        if cls.packed_above_few_rows(small_path, threads):
-            small_max_m = min(small_max_m, cls.ONE_THREAD_SMALL_MAX_M[small_path])
+    def row_schedule_for(cls, small_path: str, narrow: bool = False) -> RowSchedule:
+        """The row counts at which a projection on small-M path `small_path` changes GEMM (this class's thresholds,
+        read when a layer is built, so that a test may move one)."""
         return RowSchedule(
             small_min_m=cls.SMALL_MIN_M[small_path],
-            small_max_m=small_max_m,
+            small_max_m=cls.SMALL_MAX_M[small_path][narrow],
             packed_min_m=cls.PACKED_MIN_M,
             packed_max_m=cls.PACKED_MAX_M,
             amx_max_m=cls.AMX_MAX_M,
             swiglu_tile_m=cls.SWIGLU_TILE_M,
         )
-
-    @classmethod
-    def packed_above_few_rows(cls, small_path: str, threads: int | None = None) -> bool:
-        """Whether oneDNN's packed GEMM takes every projection's rows above ONE_THREAD_SMALL_MAX_M (one thread)."""
-        threads = torch.get_num_threads() if threads is None else threads
-        return threads == 1 and small_path in cls.ONE_THREAD_SMALL_MAX_M
 
     def __init__(
         self,
@@ -179,17 +165,16 @@ class CpuLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach())
         narrow = self.out_features <= self.NARROW_OUT
         path = self._amx_path(weight)
-        small_path = kernels.small_gemm_path() if kernels.for_tensors(weight) is not None else "library"
         # bf16 on AMX hands rows from AMX_MAX_M on to oneDNN's packed copy; where no call carries that many rows
         # the AMX kernel takes every M and that copy (the size of the weight) is not made
         amx_takes_all = path is not None and policy.max_rows is not None and policy.max_rows < self.AMX_MAX_M
-        narrow_unpacked = narrow and not self.packed_only and not self.packed_above_few_rows(small_path)
-        keep_packed = not narrow_unpacked and not amx_takes_all
+        keep_packed = not (narrow and not self.packed_only) and not amx_takes_all
         self.register_buffer("packed", _mkldnn_pack(weight) if keep_packed else None)
         self.packed_only = self.packed_only and (self.packed is not None or amx_takes_all)
         path = path if self.packed_only else None
         # [in, out] for x @ W, which the packed-only path never runs: not kept there (a whole weight's copy less)
         self.register_buffer("weight_t", None if self.packed_only else weight.t().contiguous())
+        small_path = kernels.small_gemm_path() if kernels.for_tensors(weight) is not None else "library"
         self.rows = self.row_schedule_for(small_path, narrow)
         small = small_path != "library"
         if self.deterministic:
