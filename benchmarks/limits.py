@@ -21,8 +21,9 @@ Sections (--sections, comma-separated):
            a GGUF file and run as stored), batch 1 against the bytes of that format. --llama-cpp adds, for each
            GGUF file, llama.cpp's batch-1 decode on it (llama-bench) as a row whose ratio is batchserve over llama.cpp.
   peer64   the default model (always: the bound is roofline.py's, on its shapes) on benchmarks/workloads/peer64.json
-           (64 sequences at once), its time against roofline.py's matmul-only bound of that workload at the GEMM
-           rates measured now.
+           (64 sequences at once), its time against the step roofline of the steps it ran (roofline.step_roofline):
+           per step the larger of its matmul time at torch's GEMM rates measured now at M = --peer-ms (interpolated
+           between them) and the weights + K/V it reads at the measured bandwidth.
 Before anything is allocated the memory a row needs (weights + its K/V pool) is checked against --memory-gib; a row
 that does not fit is printed as skipped with the sizes. Prints the host (CPU family, model, flags), a table and saves
 JSON under bench_results/. Wall times on a loaded host are pessimistic; the load average is recorded.
@@ -300,31 +301,37 @@ def _llama_cpp_row(args, s, fmt: str, path: Path, step: float) -> Row:
     return Row("8b", f"{s.name} {fmt} batch 1 vs llama.cpp", step, 1.0 / bench["tok_s"], note)
 
 
-def section_peer64(args) -> list[Row]:
+def section_peer64(args, bandwidth: float) -> list[Row]:
     from batchserve.entrypoints.llm import LLM
     from batchserve.sampling_params import SamplingParams
 
     requests = json.loads(args.workload.read_text())["requests"][: args.peer_limit or None]
     if args.peer_max_tokens:
         requests = [{**r, "max_tokens": min(r["max_tokens"], args.peer_max_tokens)} for r in requests]
-    llm = LLM(None, dtype=args.dtype, num_threads=args.threads)  # the default model: roofline.py's shapes
+    llm = LLM(None, dtype=args.dtype, num_threads=args.threads, record_steps=True)  # roofline.py's shapes
     llm.engine.reserve_kv_blocks(llm.engine.max_kv_blocks)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["max_tokens"]) for r in requests]
     llm.generate([{"prompt_token_ids": requests[0]["prompt_token_ids"]}], params[0], use_tqdm=False)  # warm-up
+    warm_steps = len(llm.engine.step_records)
     t0 = args.clock()
     llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in requests], params, use_tqdm=False)
     wall = args.clock() - t0
+    steps = [step_shape(record.stats) for record in llm.engine.step_records[warm_steps:]]
     del llm
-    ms = sorted({min(64, len(requests)), *args.peer_ms})
-    measured = roofline.measure(args.dtype, ms, args.min_time, args.clock)
-    subset = Path(tempfile.mkdtemp(prefix="limits_peer_")) / "workload.json"
-    subset.write_text(json.dumps({"requests": requests}))
-    bound = roofline.workload_bound(measured, subset, 64)[args.dtype]["bound_s"]
-    shutil.rmtree(subset.parent, ignore_errors=True)
-    row = Row("peer64", f"default model {args.workload.stem} ({len(requests)} requests)", wall, bound,
-              "matmul-only step roofline")  # fmt: skip
+    measured = roofline.measure(args.dtype, sorted(set(args.peer_ms)), args.min_time, args.clock)
+    bound = roofline.step_roofline(measured, args.dtype, steps, bandwidth)
+    note = (f"step roofline: {bound['compute_bound_steps']} of {bound['steps']} steps matmul-bound; matmuls "
+            f"{bound['matmul_s']:.2f} s, bytes {bound['memory_s']:.2f} s in all")  # fmt: skip
+    row = Row("peer64", f"default model {args.workload.stem} ({len(requests)} requests)", wall, bound["bound_s"], note)
     report(row)
     return [row]
+
+
+def step_shape(stats) -> tuple[int, int, int]:
+    """(rows through the layers, rows through the lm_head, tokens of K/V read) of one engine step, from its
+    scheduler's snapshot: every scheduled sequence samples, attention reads each running sequence's filled slots."""
+    tokens = stats.num_prefill_tokens + stats.num_decode_tokens
+    return tokens, stats.num_scheduled_seqs, stats.kv_slots_filled
 
 
 def report(row: Row) -> None:
@@ -368,7 +375,12 @@ def parse_args(argv=None):
     ap.add_argument("--workload", type=Path, default=Path(__file__).resolve().parent / "workloads" / "peer64.json")
     ap.add_argument("--peer-limit", type=int, default=0, help="only the first N requests of the workload")
     ap.add_argument("--peer-max-tokens", type=int, default=0, help="cap each request's max_tokens (0: as written)")
-    ap.add_argument("--peer-ms", type=ints, default=[512], help="GEMM rows timed for the bound's prefill (largest)")
+    ap.add_argument(
+        "--peer-ms",
+        type=ints,
+        default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+        help="GEMM rows timed for peer64's step roofline (interpolated between them)",
+    )
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds of samples per GEMM timing")
     ap.add_argument(
         "--clock",
@@ -399,7 +411,7 @@ def main(argv=None) -> dict:
     rows: list[Row] = []
     runners = {"prefill": lambda: section_prefill(args, dtype, element),
                "decode": lambda: section_decode(args, element, bandwidth),
-               "8b": lambda: section_8b(args, dtype, element, bandwidth), "peer64": lambda: section_peer64(args)}  # fmt: skip
+               "8b": lambda: section_8b(args, dtype, element, bandwidth), "peer64": lambda: section_peer64(args, bandwidth)}  # fmt: skip
     for name in sections:
         if name not in runners:
             raise SystemExit(f"--sections: unknown section {name!r}; choose from {', '.join(runners)}")

@@ -19,7 +19,10 @@ Engines (each in its own subprocess, so they share neither memory nor threads, a
                  --dtype does not apply to it
 
 Every engine: greedy (temperature 0), ignore_eos, exactly max_tokens output tokens per request, the same dtype and
-thread count, one warm-up request before the clock starts (load and warm-up time are reported apart). Greedy outputs
+thread count, one warm-up request before the clock starts (load and warm-up time are reported apart). `--clock cpu`
+(with --threads 1) rates each engine by the CPU seconds of its timed part instead of the wall: its worker process and
+every process under it (vLLM's engine core, llama-server), all threads, which the other load of a shared host does
+not inflate. Greedy outputs
 are compared token by token with hf-static's (the reference), as a check that everyone computed the same thing.
 The model: batchserve runs its default (the SmolLM2-135M-Instruct Q4_1 GGUF, dequantized at load); transformers and
 vLLM run the same weights dequantized once into a Hugging Face directory (benchmarks/export_hf.py, made on first use
@@ -50,6 +53,42 @@ REFERENCE = "hf-static"
 
 
 # --- workers: each runs in its own process and writes one JSON result --------------------------------------------------
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds (user + system, all threads) of this process and of every live process under it, from /proc;
+    this process's alone where there is no /proc."""
+    own = time.process_time()
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").is_file():
+        return own
+    parents, ticks = {}, {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        pid = int(stat.parent.name)
+        parents[pid], ticks[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
+    under, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - under
+        under |= frontier
+    return own + sum(ticks[pid] for pid in under) / os.sysconf("SC_CLK_TCK")
+
+
+class Timed:
+    """The wall and CPU seconds (_tree_cpu_s) of a block: the timed part of a run."""
+
+    def __enter__(self):
+        self.wall0, self.cpu0 = time.perf_counter(), _tree_cpu_s()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall_s, self.cpu_s = time.perf_counter() - self.wall0, _tree_cpu_s() - self.cpu0
+
+    def seconds(self) -> dict:
+        return {"wall_s": self.wall_s, "cpu_s": self.cpu_s}
 
 
 def _requests(args) -> list[dict]:
@@ -84,10 +123,9 @@ def run_batchserve(args, requests: list[dict]) -> dict:
     load_s = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     params = [_bs_params(SamplingParams, r["max_tokens"]) for r in requests]
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall_s = time.perf_counter() - t0
-    return {"load_s": load_s, "wall_s": wall_s, "outputs": [list(o.token_ids) for o in outputs]}
+    with Timed() as timed:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return {"load_s": load_s, **timed.seconds(), "outputs": [list(o.token_ids) for o in outputs]}
 
 
 def _bs_params(SamplingParams, n: int):
@@ -136,15 +174,14 @@ def run_hf_static(args, requests: list[dict]) -> dict:
     load_s = time.perf_counter() - t0
     outputs: list[list[int]] = []
     computed = 0
-    t0 = time.perf_counter()
-    for start in range(0, len(requests), args.hf_batch_size):
-        batch = requests[start : start + args.hf_batch_size]
-        longest = max(r["max_tokens"] for r in batch)
-        rows = _hf_generate(torch, model, config, [r["prompt_token_ids"] for r in batch], longest)
-        outputs += [row[: r["max_tokens"]] for row, r in zip(rows, batch, strict=True)]
-        computed += longest * len(batch)
-    wall_s = time.perf_counter() - t0
-    return {"load_s": load_s, "wall_s": wall_s, "outputs": outputs, "tokens_generated_incl_padding": computed}
+    with Timed() as timed:
+        for start in range(0, len(requests), args.hf_batch_size):
+            batch = requests[start : start + args.hf_batch_size]
+            longest = max(r["max_tokens"] for r in batch)
+            rows = _hf_generate(torch, model, config, [r["prompt_token_ids"] for r in batch], longest)
+            outputs += [row[: r["max_tokens"]] for row, r in zip(rows, batch, strict=True)]
+            computed += longest * len(batch)
+    return {"load_s": load_s, **timed.seconds(), "outputs": outputs, "tokens_generated_incl_padding": computed}
 
 
 def run_hf_stream(args, requests: list[dict]) -> dict:
@@ -153,11 +190,10 @@ def run_hf_stream(args, requests: list[dict]) -> dict:
     _hf_generate(torch, model, config, [requests[0]["prompt_token_ids"]], 4)
     load_s = time.perf_counter() - t0
     outputs = []
-    t0 = time.perf_counter()
-    for r in requests:
-        outputs += _hf_generate(torch, model, config, [r["prompt_token_ids"]], r["max_tokens"])
-    wall_s = time.perf_counter() - t0
-    return {"load_s": load_s, "wall_s": wall_s, "outputs": outputs}
+    with Timed() as timed:
+        for r in requests:
+            outputs += _hf_generate(torch, model, config, [r["prompt_token_ids"]], r["max_tokens"])
+    return {"load_s": load_s, **timed.seconds(), "outputs": outputs}
 
 
 def run_vllm(args, requests: list[dict]) -> dict:
@@ -180,10 +216,9 @@ def run_vllm(args, requests: list[dict]) -> dict:
     llm.generate([TokensPrompt(prompt_token_ids=requests[0]["prompt_token_ids"])], params(4), use_tqdm=False)
     load_s = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, [params(r["max_tokens"]) for r in requests], use_tqdm=False)
-    wall_s = time.perf_counter() - t0
-    return {"load_s": load_s, "wall_s": wall_s, "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
+    with Timed() as timed:
+        outputs = llm.generate(prompts, [params(r["max_tokens"]) for r in requests], use_tqdm=False)
+    return {"load_s": load_s, **timed.seconds(), "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
 
 
 def run_llama_server(args, requests: list[dict]) -> dict:
@@ -269,12 +304,23 @@ def run_engine(engine: str, args, forward: list[str]) -> dict:
         result = json.loads(result_file.read_text())
         result["process_s"] = time.perf_counter() - t0
         result["loadavg_1min_start_end"] = [load_start, os.getloadavg()[0]]
+        seconds = timed_s(result, args.clock)
+        rate = f"{result['output_tokens'] / seconds:.1f} output tok/s" if seconds else "no CPU time reported"
         print(
-            f"[{engine}] {result['output_tokens'] / result['wall_s']:.1f} output tok/s, wall {result['wall_s']:.1f} s,"
-            f" load+warm-up {result['load_s']:.1f} s",
+            f"[{engine}] {rate} ({args.clock} clock), wall {result['wall_s']:.1f} s"
+            f"{_cpu_note(result)}, load+warm-up {result['load_s']:.1f} s",
             flush=True,
         )
         return result
+
+
+def timed_s(result: dict, clock: str) -> float | None:
+    """The seconds an engine's rate is read from: its timed part's wall or CPU seconds (None: not reported)."""
+    return result.get("cpu_s") if clock == "cpu" else result.get("wall_s")
+
+
+def _cpu_note(result: dict) -> str:
+    return f", CPU {result['cpu_s']:.1f} s" if result.get("cpu_s") is not None else ""
 
 
 def agreement(result: dict, reference: dict | None) -> str:
@@ -290,33 +336,34 @@ def agreement(result: dict, reference: dict | None) -> str:
     return f"{same}/{len(pairs)} same, {100 * sum(prefix) / len(prefix):.0f}% prefix"
 
 
-def table(results: list[dict]) -> list[str]:
-    base = next((r for r in results if r["engine"] == "batchserve" and "wall_s" in r), None)
+def table(results: list[dict], clock: str) -> list[str]:
+    """One line per engine, its rates by `clock`'s seconds (wall, or the CPU seconds of its processes)."""
+    base = next((r for r in results if r["engine"] == "batchserve" and timed_s(r, clock)), None)
     reference = next((r for r in results if r["engine"] == REFERENCE and "outputs" in r), None)
     head = (
-        f"{'engine':<12} {'reqs':>4} {'out tok/s':>10} {'total tok/s':>11} {'wall s':>8} {'start s':>7} "
+        f"{'engine':<12} {'reqs':>4} {'out tok/s':>10} {'total tok/s':>11} {clock + ' s':>8} {'start s':>7} "
         f"{'out x bs':>8} {'total x bs':>10} {'loadavg':>10}  greedy vs {REFERENCE}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
-        if "wall_s" not in r:
-            lines.append(f"{r['engine']:<12} failed: {r.get('error')}")
+        seconds = timed_s(r, clock)
+        if not seconds:
+            lines.append(f"{r['engine']:<12} failed: {r.get('error', f'no {clock} seconds reported')}")
             continue
-        out_tps = r["output_tokens"] / r["wall_s"]
-        total_tps = (r["prompt_tokens"] + r["output_tokens"]) / r["wall_s"]
-        r.update(output_tok_s=out_tps, total_tok_s=total_tps)
+        base_s = timed_s(base, clock) if base else None
+        out_tps = r["output_tokens"] / seconds
+        total_tps = (r["prompt_tokens"] + r["output_tokens"]) / seconds
+        r.update(output_tok_s=out_tps, total_tok_s=total_tps, clock=clock)
         if base:
-            r["ratio_output_vs_batchserve"] = out_tps / (base["output_tokens"] / base["wall_s"])
-            r["ratio_total_vs_batchserve"] = total_tps / (
-                (base["prompt_tokens"] + base["output_tokens"]) / base["wall_s"]
-            )
+            r["ratio_output_vs_batchserve"] = out_tps / (base["output_tokens"] / base_s)
+            r["ratio_total_vs_batchserve"] = total_tps / ((base["prompt_tokens"] + base["output_tokens"]) / base_s)
         ratio = (
             f"{r['ratio_output_vs_batchserve']:>8.2f} {r['ratio_total_vs_batchserve']:>10.2f}"
             if base
             else f"{'-':>8} {'-':>10}"
         )
         lines.append(
-            f"{r['engine']:<12} {r['num_requests']:>4} {out_tps:>10.1f} {total_tps:>11.1f} {r['wall_s']:>8.1f} "
+            f"{r['engine']:<12} {r['num_requests']:>4} {out_tps:>10.1f} {total_tps:>11.1f} {seconds:>8.1f} "
             f"{r['load_s']:>7.1f} {ratio} {'{:.1f}->{:.1f}'.format(*r['loadavg_1min_start_end']):>10}  "
             f"{agreement(r, reference)}"
         )
@@ -351,19 +398,19 @@ def driver_main(args, forward: list[str]) -> None:
     print(f"machine: {describe(machine(args))}")
     print(
         f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} "
-        f"({os.cpu_count()} CPUs); dtype {args.dtype}, threads {args.threads}",
+        f"({os.cpu_count()} CPUs); dtype {args.dtype}, threads {args.threads}, clock {args.clock}",
         flush=True,
     )
     results = [run_engine(e, args, forward) for e in engines]
     load_after = os.getloadavg()
     order = {e: i for i, e in enumerate(ENGINES)}
     results.sort(key=lambda r: order[r["engine"]])
-    lines = table(results)
+    lines = table(results, args.clock)
     print()
     print("\n".join(lines))
     print(
         f"\nload average before {load_before[0]:.2f} / after {load_after[0]:.2f} (1-min); "
-        f"ratios are engine / batchserve; start s = load + warm-up (not timed); loadavg = 1-min load when the "
+        f"ratios are engine / batchserve, by the {args.clock} clock; start s = load + warm-up (not timed); loadavg = 1-min load when the "
         f"engine's process started -> ended; hf-stream runs only {args.stream_requests} requests one at a time"
     )
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -385,6 +432,13 @@ def parse_args(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads for every engine (default 2)")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: rate each engine by the CPU seconds of its processes in the timed part (use with --threads 1), "
+        "which a loaded host does not inflate",
+    )
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
     ap.add_argument("--limit", type=int, default=0, help="only the first N requests of the workload (0: all)")
     ap.add_argument("--workload", type=Path, default=WORKLOAD)
@@ -428,6 +482,8 @@ def main() -> None:
         return
     from batchserve import env  # the driver runs in batchserve's venv (a worker may not: vLLM's)
 
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu: use it with --threads 1 (two threads' CPU seconds include their waits)")
     forward = [a for a in sys.argv[1:] if a not in ("--worker",)]
     args.workload, args.hf_dir = args.workload.resolve(), (args.hf_dir or env.hf_export_dir()).resolve()
     args.vllm_python = (args.vllm_python or env.vllm_python()).absolute()  # not resolve(): a venv's python is a link

@@ -98,6 +98,45 @@ def workload_bound(rows: list[dict], workload: Path, batch: int) -> dict[str, di
     return bounds
 
 
+def kv_bytes_per_token(element: int) -> int:
+    """K and V of one token of context, every layer: what decode attention reads per token it attends to."""
+    return 2 * LAYERS * KV_HEADS * HEAD_DIM * element
+
+
+def _matmul_s(mine: dict[int, dict], name: str, m: int) -> float:
+    """Seconds of one `name` matmul at m rows: linear between the measured Ms around m (time grows slower than M, so
+    the chord is below the curve: never more than the real time), zero at 0 rows, past the largest M at its per-row
+    rate."""
+    if m <= 0:
+        return 0.0
+    ms = sorted(mine)
+    if m >= ms[-1]:
+        return mine[ms[-1]]["matmul_s"][name] * m / ms[-1]
+    high = next(x for x in ms if x >= m)
+    low = max((x for x in ms if x < m), default=0)
+    t_low = mine[low]["matmul_s"][name] if low else 0.0
+    return t_low + (mine[high]["matmul_s"][name] - t_low) * (m - low) / (high - low)
+
+
+def step_roofline(rows: list[dict], dtype_name: str, steps: list[tuple[int, int, int]], bandwidth: float) -> dict:
+    """The least time a run of engine steps could take: per step (rows through the layers, rows through the
+    lm_head, tokens of K/V attention reads) the larger of its matmul time at the rates measured in `rows` and the
+    bytes it must read (every weight once, the K/V) at `bandwidth` bytes/s. Attention's FLOPs, norms and the host's
+    work are left out: a real engine can only take longer."""
+    mine = {r["M"]: r for r in rows if r["dtype"] == dtype_name}
+    element = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    total = compute_s = memory_s = 0.0
+    compute_bound = 0
+    for tokens, sampled, kv_tokens in steps:
+        matmul = LAYERS * sum(_matmul_s(mine, n, tokens) for n in LAYER_SHAPES) + _matmul_s(mine, "lm_head", sampled)
+        memory = (params_per_token() * element + kv_tokens * kv_bytes_per_token(element)) / bandwidth
+        total += max(matmul, memory)
+        compute_s, memory_s = compute_s + matmul, memory_s + memory
+        compute_bound += matmul >= memory
+    return {"bound_s": total, "matmul_s": compute_s, "memory_s": memory_s, "steps": len(steps),
+            "compute_bound_steps": compute_bound}  # fmt: skip
+
+
 def measure(dtype_name: str, ms: list[int], min_time: float, clock=time.perf_counter) -> list[dict]:
     dtype = DTYPES[dtype_name]
     flops_per_token = 2 * params_per_token()
