@@ -231,6 +231,9 @@ def nothing_hits(args) -> None:
             f"nothing hits, {args.unique} unique {args.unique_len}-token prompts x 16 tokens: off {best['off']:.0f} tok/s, on "
             f"{best['on']:.0f} tok/s ({best['on'] / best['off']:.3f}x; best of {args.rounds} alternating rounds)"
         )
+        on = engines["on"]
+        print(f"  ratios by round: {' '.join(f'{a / b:.3f}' for a, b in zip(rates['on'], rates['off']))}; tier on: "
+              f"{on.kv_tier.stats.blocks_written} blocks written, {on.runner.offload.num_skipped} saves skipped")  # fmt: skip
         for engine in engines.values():
             engine.close()
 
