@@ -27,7 +27,8 @@ class WriterHolds:
         the store given back (TierStore.release), so that the block is written when it is computed again."""
         self.max_blocks = max(1, max_blocks)
         self.release_claim = release_claim
-        self.num_dropped = 0  # saves given up: the writer was behind its budget, or the pool needed the block first
+        self.num_over_budget = 0  # saves not held: the writer owed its whole budget
+        self.num_reused_first = 0  # held saves given up: the pool needed the block before the writer reached it
         self._held: dict[int, Any] = {}  # block id -> its save (core/kv_offload.TierSave), until written or dropped
         self._queue: deque = deque()  # saves whose step has run: the writer takes them oldest first
         self._writing: int | None = None  # the block the writer reads now
@@ -41,7 +42,7 @@ class WriterHolds:
         owes its whole budget already, so the save is dropped and counted."""
         with self._lock:
             if len(self._held) >= self.max_blocks:
-                self.num_dropped += 1
+                self.num_over_budget += 1
                 dropped = True
             else:
                 self._held[save.block_id] = save
@@ -64,7 +65,7 @@ class WriterHolds:
                 return False
             save = self._held.pop(block_id, None)
             if save is not None:
-                self.num_dropped += 1
+                self.num_reused_first += 1
         if save is not None:
             self.release_claim(save.digest)
         return True
@@ -84,6 +85,11 @@ class WriterHolds:
         with self._lock:
             self._closed = True
             self._changed.notify_all()
+
+    @property
+    def num_dropped(self) -> int:
+        """Saves given up, either way: each only a future hit lost."""
+        return self.num_over_budget + self.num_reused_first
 
     def is_held(self, block_id: int) -> bool:
         with self._lock:

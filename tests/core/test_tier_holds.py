@@ -70,7 +70,8 @@ def test_a_held_block_not_yet_written_is_given_up_when_the_pool_needs_it():
     second = cached_free_block(pool, holds, (7, 8))
     [block] = pool.take_new(1)  # the least recently freed: its save is dropped, the block reused
     assert block.block_id == first.block_id
-    assert holds.num_dropped == 1 and released == [first.digest] and not holds.is_held(first.block_id)
+    assert holds.num_reused_first == holds.num_dropped == 1 and released == [first.digest]
+    assert not holds.is_held(first.block_id)
     assert holds.take() is second  # the writer skips the dropped save
     holds.done(second)
     holds.close()
@@ -82,7 +83,7 @@ def test_a_save_past_the_writers_budget_is_dropped_and_its_claim_released():
     kept = cached_free_block(pool, holds, (1,))
     over = TierSave(3, b"over", Retention())
     assert not holds.hold(over)
-    assert holds.num_dropped == 1 and released == [b"over"] and holds.is_held(kept.block_id)
+    assert holds.num_over_budget == holds.num_dropped == 1 and released == [b"over"] and holds.is_held(kept.block_id)
     holds.take()
     holds.done(kept)
     assert holds.hold(over)  # the writer owes nothing now: room again
