@@ -208,8 +208,8 @@ RULES: tuple[Rule, ...] = (
         "kv_offload_off_the_cpu", Verdict.FALL_BACK, ("kv_offload_dir", "device"),
         "kv_offload_dir on a GPU",
         lambda f: f.kv_offload and f.device != "cpu",
-        "the tier's copies go through host memory at each step's end, which would wait for the GPU's stream; it is "
-        "built and tested for the CPU, where recomputing a prompt costs the most",
+        "the tier's writer and readers address the pool's memory from threads of their own, which a GPU's pool is "
+        "not; it is built and tested for the CPU, where recomputing a prompt costs the most",
         "the disk tier is off (the effective config says kv_offload_dir=None)",
         "kv-offload.md#what-runs-with-it",
         adjust=_tier_off,

@@ -231,8 +231,19 @@ def nothing_hits(args) -> None:
             f"nothing hits, {args.unique} unique {args.unique_len}-token prompts x 16 tokens: off {best['off']:.0f} tok/s, on "
             f"{best['on']:.0f} tok/s ({best['on'] / best['off']:.3f}x; best of {args.rounds} alternating rounds)"
         )
+        on = engines["on"]
+        print(f"  ratios by round: {' '.join(f'{a / b:.3f}' for a, b in zip(rates['on'], rates['off']))}; tier on: "
+              f"{on.kv_tier.stats.blocks_written} blocks written, {on.runner.offload.num_skipped} saves skipped"
+              f"{skipped_why(on.kv_tier)}")  # fmt: skip
         for engine in engines.values():
             engine.close()
+
+
+def skipped_why(tier) -> str:
+    holds = getattr(tier, "writer_holds", None)  # a checkout from before the writer read the pool has none
+    if holds is None:
+        return ""
+    return f" ({holds.num_over_budget} past the writer's budget, {holds.num_reused_first} reused by the pool first)"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What writing to the disk KV tier costs a block, in CPU time, which a host loaded by others disturbs far less than
-wall time: the step's share (the main thread's time in BlockWriter.save, the copy out of the pool) and the writer
-thread's (checksum and write), per block written. Unique 256-token prompts x 16 tokens on the default model (or
+wall time: the step's share (the main thread's time in BlockWriter.save: handing the saves over; before the writer
+read the pool, the copy out of it) and the writer thread's (checksum and write), per block written. Unique 256-token prompts x 16 tokens on the default model (or
 --model), every full block written; rounds after the first two (warm allocator, warm directory) are counted.
 
     .venv/bin/python benchmarks/kv_tier_write_cost.py [--dtype bfloat16] [--rounds 5]
@@ -43,9 +43,9 @@ def main() -> None:
         writer, step_share = engine.runner.offload, [0.0]
         save = writer.save
 
-        def timed_save(kv_cache, saves):
+        def timed_save(*save_args):  # (saves), or (kv_cache, saves) in a checkout from before the writer read the pool
             start = time.thread_time()
-            save(kv_cache, saves)
+            save(*save_args)
             step_share[0] += time.thread_time() - start
 
         writer.save = timed_save

@@ -10,6 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchserve.core.tier_holds import WriterHolds
 
 DEFAULT_PRIORITY = 35  # a block's retention priority unless its request's kv_retention says otherwise (1-100)
 PROTECT_SCAN = 64  # blocks looked past, at one level, for one that no waiting request needs
@@ -196,6 +200,9 @@ class BlockPool:
         self.num_evictions = 0
         self._num_cached_free = 0  # kept incrementally: stats read it every step
         self.null_block: KVBlock | None = None  # reserve_null_block (sliding windows only)
+        # the disk tier's writer reads held blocks from the pool (core/tier_holds.py): asked before a cached block is
+        # reused; None: no tier
+        self.writer_holds: WriterHolds | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -235,12 +242,26 @@ class BlockPool:
         """Blocks with fresh (writable) content, each owned once. The caller checks num_free_blocks first."""
         if count > self.num_free_blocks:
             raise BlockAccountingError(f"asked for {count} blocks, {self.num_free_blocks} free")
-        blocks = [self.free_queue.popleft() for _ in range(count)]
+        blocks = [self._pop_reusable() for _ in range(count)]
         for block in blocks:
             self._evict(block)
             block.ref_count = 1
             block.priority, block.expires_at = DEFAULT_PRIORITY, 0.0
         return blocks
+
+    def _pop_reusable(self) -> KVBlock:
+        """The next free block to overwrite. A cached one held for the disk tier's writer gives its save up; the one
+        the writer reads now stays, first in line, and the next is taken (the writer reads one block at a time)."""
+        block = self.free_queue.popleft()
+        holds = self.writer_holds
+        if holds is None or block.key is None or holds.release_for_reuse(block.block_id):
+            return block
+        if self.free_queue.num_free == 0:
+            holds.wait_written(block.block_id)
+            return block
+        other = self._pop_reusable()
+        self.free_queue.prepend([block])
+        return other
 
     def lookup(self, key: BlockKey) -> KVBlock | None:
         block = self.cached.get(key.hash)

@@ -7,8 +7,9 @@ request takes its blocks and a load job on the reader thread checks each payload
 other requests' steps go on (`start_load`); the request waits, its blocks counted as being computed, until the job says
 how many blocks arrived, in order up to the first missing or bad one (the rest are recomputed). Without it (the
 simulator, model-free tests) the checked payloads travel in the step's SchedulerOutput (`kv_loads`) and are copied
-before the forward pass. When a full block is registered in the pool: its digest, so that the worker copies it at
-the end of the step and writes it off the step path (`kv_saves`).
+before the forward pass. When a full block is registered in the pool: its digest, so that the worker writes it off the
+step path once the step has filled it (`kv_saves`), reading it from the pool, where the block is held until then
+(core/tier_holds.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from batchserve.core.kv_tier import Retention, TierStore, block_digest
+from batchserve.core.tier_holds import WriterHolds
 from batchserve.request import Request
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,9 @@ class KVOffload:
         # reading thread's buffer and copied in by copy_in (a pool in one allocation takes it in one copy)
         self.views_of: Callable[[int], list] | None = None
         self._jobs: dict[Future, _LoadJob] = {}
+        # the blocks held in the pool for the worker's writer, which reads them there (core/tier_holds.py); set by the
+        # worker. None: saves are handed over in the step's output and written from there (the simulator)
+        self.writer_holds: WriterHolds | None = None
 
     @property
     def stats(self):
@@ -141,7 +146,9 @@ class KVOffload:
         """A full block became findable in the pool: written to the tier unless it is there (or came from there)."""
         if loaded or not self.store.claim(digest):
             return
-        self.saves.append(TierSave(block_id, digest, self.retention_of(request, index)))
+        save = TierSave(block_id, digest, self.retention_of(request, index))
+        if self.writer_holds is None or self.writer_holds.hold(save):
+            self.saves.append(save)
 
     def forget(self, request_id: str) -> None:
         self.req_digests.pop(request_id, None)

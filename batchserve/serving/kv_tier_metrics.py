@@ -41,7 +41,7 @@ class TierCollector:
         hit_tokens.add_metric([self.model_name], stats.hits * self.block_size)
         yield hit_tokens
         skipped = CounterMetricFamily(PREFIX + "kv_tier_saves_skipped", "Blocks not written because the writer was "
-                                      "behind by more than its queue.", labels=["model_name"])  # fmt: skip
+                                      "behind: past its budget, or the pool reused the block first.", labels=["model_name"])  # fmt: skip
         skipped.add_metric([self.model_name], getattr(self.writer, "num_skipped", 0))
         yield skipped
         used = GaugeMetricFamily(

@@ -1,25 +1,23 @@
 """The worker's side of the disk tier (core/kv_tier.py): K/V blocks to bytes and back, and the writer thread.
 
 A block's payload is every layer's parts (K and V; a quantized pool's codes and scales too) for that block, in layer
-order, as raw bytes: a block read back is bit for bit the block written. Saves are copied out of the pool at the end of
-the step that filled them (a copy: the pool block may be reused next step), one gather per layer part for all of the
-step's blocks; the writer thread checksums each block's rows of those copies and writes them with one writev, never
-joining them into one buffer. Steps that complete no block copy nothing. When the writer falls behind by more than
-WRITE_QUEUE_BYTES, later saves are skipped (counted) rather than let the queue grow or the step wait.
+order, as raw bytes: a block read back is bit for bit the block written. A full block is never written again, so the
+writer thread reads it from the pool itself: the block is held there (core/tier_holds.py) from its registration until
+the thread has checksummed its rows in place and written them with one writev; the step copies nothing. When the pool
+must reuse a held block first, or the writer owes more than WRITE_QUEUE_BYTES, the save is dropped (counted): a lost
+future hit, never a wait on the step path.
 
 Write-through, not write-on-evict: a block is written when it becomes full and hashed, not when the pool lets it go.
 Under a steady load every block is evicted sooner or later, so write-on-evict writes as much, only later, and it
-copies on the step that reuses the block, before that step's forward pass (the copy must precede the overwrite),
-where write-through copies after it; a restarted engine or a replica sharing the directory would also miss every
-block still in the pool. The writer thread runs at the lowest CPU priority, so on a host whose cores the steps keep
-busy its checksums and system calls take the time the steps leave idle.
+would hold up the step that reuses the block until the write is done; a restarted engine or a replica sharing the
+directory would also miss every block still in the pool. The writer thread runs at the lowest CPU priority, so on a
+host whose cores the steps keep busy its checksums and system calls take the time the steps leave idle.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 from collections.abc import Sequence
 
@@ -29,11 +27,14 @@ import torch
 from batchserve.config import EngineConfig
 from batchserve.core.kv_offload import KVOffload, TierSave
 from batchserve.core.kv_tier import TierStore
+from batchserve.core.tier_holds import WriterHolds
 from batchserve.worker.kv_cache import KVCache, _parts
 
 logger = logging.getLogger(__name__)
 
-WRITE_QUEUE_BYTES = 256 << 20
+# the most the writer may owe: blocks past it are not written. 64 MiB is ~180 blocks of the default model, about a
+# tenth of a second of the writer's work
+WRITE_QUEUE_BYTES = 64 << 20
 DEFAULT_MAX_BYTES = 16 << 30  # kv_offload_max_bytes when only the directory is given
 
 
@@ -71,71 +72,43 @@ def tier_description(config: EngineConfig, model_config, kv_cache: KVCache, bloc
 
 
 class BlockWriter:
-    """Copies blocks out at step end; a thread turns them into bytes and writes them to the store."""
+    """Writes full blocks straight from the pool on a thread of its own: each step hands over the saves it filled
+    (`save`), and the block stays held in the pool (core/tier_holds.py) until the thread has checksummed its rows
+    where they lie and written them with one writev."""
 
-    def __init__(self, store: TierStore, max_queued_bytes: int = WRITE_QUEUE_BYTES) -> None:
+    def __init__(self, store: TierStore, kv_cache: KVCache, holds: WriterHolds) -> None:
         self.store = store
-        self.max_queued_bytes = max_queued_bytes
-        self.num_skipped = 0  # saves dropped because the writer was behind
-        self._queued_bytes = 0
-        self._per_block = 0
-        self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
+        self.holds = holds
+        self._rows = PoolRows(kv_cache)  # the writer thread's own views of the pool
         self._thread = threading.Thread(target=self._run, name="kv-tier-write", daemon=True)
         self._thread.start()
 
-    def save(self, kv_cache: KVCache, saves: Sequence[TierSave]) -> None:
-        per_block = self._per_block = self._per_block or block_payload_bytes(kv_cache)  # the layout never changes
-        with self._lock:
-            room = max(0, (self.max_queued_bytes - self._queued_bytes) // per_block)
-            if room < len(saves):
-                self.num_skipped += len(saves) - room
-                self.store.release(s.digest for s in saves[room:])
-                saves = saves[:room]
-            self._queued_bytes += len(saves) * per_block
-        if saves:  # nothing at all when the step completed no block
-            self._queue.put((list(saves), gather_parts(kv_cache, [s.block_id for s in saves]), per_block))
+    @property
+    def num_skipped(self) -> int:
+        """Saves dropped: the writer was behind its budget, or the pool reused the block before it was written."""
+        return self.holds.num_dropped
+
+    def save(self, saves: Sequence[TierSave]) -> None:
+        """At the end of the step that filled these blocks: the writer may take them (no copy, nothing waits)."""
+        self.holds.ready(saves)
 
     def _run(self) -> None:
         _lowest_priority()
-        while True:
-            item = self._queue.get()
+        while (save := self.holds.take()) is not None:
             try:
-                if item is None:
-                    return
-                saves, parts, per_block = item
-                for n, save in enumerate(saves):
-                    self.store.put(save.digest, [part[n] for part in parts], save.retention)
-                with self._lock:
-                    self._queued_bytes -= len(saves) * per_block
+                self.store.put(save.digest, self._rows.block(save.block_id), save.retention)
             except Exception:  # a writer that dies would silently stop the tier: log and go on
                 logger.exception("KV tier: a block write failed; serving goes on")
             finally:
-                self._queue.task_done()
+                self.holds.done(save)
 
     def flush(self) -> None:
-        """Wait until every queued block is written (tests, benchmarks, shutdown)."""
-        self._queue.join()
+        """Wait until every block handed over is written (tests, benchmarks, a pool resize)."""
+        self.holds.flush()
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-
-def gather_parts(kv_cache: KVCache, block_ids: Sequence[int]) -> list:
-    """Every layer part's rows of these blocks, as raw bytes (numpy arrays, a row a block): one numpy take a part
-    into a fresh contiguous array, which the allocator serves from memory it reuses (a gather into one long-lived
-    strided buffer paid the first touch of its pages whenever the writer had not handed it back). numpy, not torch's
-    index_select: each of those was an OpenMP region of the step's threads, 60 a step on the default model, and on a
-    host whose cores are busy every region waits for its slowest thread (1.2-3.3 ms a block with two threads on a
-    loaded host, where numpy copies it in 0.05 ms)."""
-    ids = np.asarray(block_ids, dtype=np.int64)
-    parts = []
-    for i, j, _ in _part_sizes(kv_cache):
-        part = _parts(kv_cache.device_caches[i])[j]
-        parts.append(part.view(part.shape[0], -1).view(torch.uint8).numpy().take(ids, axis=0))
-    return parts
+        self.holds.close()
+        self._thread.join()
 
 
 def _lowest_priority() -> None:
@@ -181,11 +154,12 @@ def copy_blocks_in(kv_cache: KVCache, pairs: Sequence[tuple[int, object]], rows:
 
 
 class PoolRows:
-    """Where the tier's readers put a checked block: a pool block's rows of every layer part, in payload order, as
-    writable byte views (TierStore.read_into reads into them) or, when the pool is one allocation with its parts at
-    one distance from each other, as one strided [parts, bytes] array (copy_blocks_in fills it in one call). The
-    views are made once per pool (a resize makes new ones) and a block's are slices of them: 60 tensor-to-numpy
-    conversions a block cost about as much as its read."""
+    """A pool block's rows of every layer part, in payload order: where the tier's readers put a checked block and
+    where its writer reads one. As byte views (TierStore.read_into reads into them, TierStore.put writes from them)
+    or, when the pool is one allocation with its parts at one distance from each other, as one strided [parts, bytes]
+    array (copy_blocks_in fills it in one call). The views are made once per pool (a resize makes new ones) and a
+    block's are slices of them: 60 tensor-to-numpy conversions a block cost about as much as its read. One instance
+    per thread that uses it."""
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
@@ -261,7 +235,9 @@ def attach_tier(config: EngineConfig, runner, kv_manager) -> KVOffload | None:
     # a pool in one allocation takes a block read into the reader's buffer in one copy (fewer calls than a readv into
     # 60 rows and 60 CRC calls over them); other pools are read straight into their rows
     offload.views_of = None if rows.block_array(0) is not None else rows.block
-    runner.offload = BlockWriter(store)
+    holds = WriterHolds(WRITE_QUEUE_BYTES // block_payload_bytes(runner.kv_cache), lambda d: store.release((d,)))
+    offload.writer_holds = kv_manager.pool.writer_holds = holds
+    runner.offload = BlockWriter(store, runner.kv_cache, holds)
     logger.info(
         "KV tier: %s, %d blocks (%.2f of %.2f GiB) found from earlier runs",
         store.dir,

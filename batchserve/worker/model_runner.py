@@ -99,6 +99,8 @@ class ModelRunner:
             raise ValueError(
                 f"a KV pool of {num_blocks} blocks: it holds {self.num_kv_blocks}, may hold {self.max_kv_blocks}"
             )
+        if self.offload is not None:
+            self.offload.flush()  # the tier's writer reads blocks from the pool: none while it moves
         self.kv_cache.resize(num_blocks + 1, keep_block_ids)
         self.num_kv_blocks = num_blocks
         self.requests.scratch_slot = num_blocks * self.block_size
@@ -134,8 +136,8 @@ class ModelRunner:
         output = self._execute(scheduler_output)
         if self.pooler is not None:
             output.pooled = self.pooler.take_outputs()
-        if scheduler_output.kv_saves and self.offload is not None:  # blocks this step filled, copied for the tier
-            self.offload.save(self.kv_cache, scheduler_output.kv_saves)
+        if scheduler_output.kv_saves and self.offload is not None:  # blocks this step filled: the tier may write them
+            self.offload.save(scheduler_output.kv_saves)
         if self.draft is not None and scheduler_output.num_draft_tokens > 0 and output.req_ids:
             start = time.perf_counter()
             output.draft_token_ids = self._propose_drafts(output.req_ids, scheduler_output.num_draft_tokens)

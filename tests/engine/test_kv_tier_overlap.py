@@ -1,6 +1,7 @@
 """The disk tier's cheaper paths on a real (tiny, random) Llama: a prefix read back while another request's steps go
 on (its blocks loading, the steps not waiting) gives transformers' tokens for both; the files written after saves of
-every size hold each block's K/V exactly; only steps that complete a block copy anything, once for all of them."""
+every size hold each block's K/V exactly; only steps that complete a block hand saves to the writer, once for all of
+them; a block held for the writer is not reused before it is written, and is free again once written or failed."""
 
 from __future__ import annotations
 
@@ -76,19 +77,86 @@ def _key(tokens: list[int], index: int):
     return key
 
 
-def test_only_steps_that_complete_a_block_copy(tiny, tmp_path, monkeypatch):  # noqa: F811
+def test_only_steps_that_complete_a_block_hand_saves_over(tiny, tmp_path, monkeypatch):  # noqa: F811
     from batchserve.worker import kv_offload
 
     _, directory = tiny
     eng = engine(directory, tmp_path)
-    gathered: list[int] = []
-    real = kv_offload.gather_parts
+    handed: list[int] = []
+    real = kv_offload.BlockWriter.save
 
-    def counting(kv_cache, block_ids):
-        gathered.append(len(block_ids))
-        return real(kv_cache, block_ids)
+    def counting(self, saves):
+        handed.append(len(saves))
+        return real(self, saves)
 
-    monkeypatch.setattr(kv_offload, "gather_parts", counting)
+    monkeypatch.setattr(kv_offload.BlockWriter, "save", counting)
     generate(eng, prompt(8, 2 * BLOCK + 3), max_tokens=20)  # 23 steps; blocks complete in two of them
-    assert gathered == [2, 1] and eng.kv_tier.stats.blocks_written == 3
+    assert handed == [2, 1] and eng.kv_tier.stats.blocks_written == 3
+    assert eng.kv_tier.writer_holds.num_held == 0
     eng.close()
+
+
+def run(eng, tokens: list[int], max_tokens: int = 1) -> None:
+    eng.add_prompt(None, tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def pool_bytes(eng, block_id: int) -> bytes:
+    return b"".join(t[block_id].contiguous().view(torch.uint8).numpy().tobytes()
+                    for layer in eng.runner.kv_caches for t in _parts(layer))  # fmt: skip
+
+
+def test_a_block_held_for_the_writer_is_not_reused_before_it_is_written(tiny, tmp_path):  # noqa: F811
+    """The writer reads blocks from the pool. While it is stuck on a block, a request that needs nearly the whole
+    pool takes every other block (the held ones not yet begun are given up, counted) but not that one: the file
+    then holds the block's K/V as its request left it, and the block is free again once written."""
+    _, directory = tiny
+    eng = engine(directory, tmp_path, num_kv_blocks=12)
+    store, holds = eng.kv_tier.store, eng.kv_tier.writer_holds
+    real_put, entered, gate, calls = store.put, threading.Event(), threading.Event(), []
+
+    def stuck_on_the_second(digest, payload, retention):
+        calls.append(digest)
+        if len(calls) == 2:
+            entered.set()
+            gate.wait(60)
+        return real_put(digest, payload, retention)
+
+    store.put = stuck_on_the_second
+    tokens = prompt(8, 5 * BLOCK + 3)
+    run(eng, tokens)  # 5 full blocks held, in order; the writer writes the first, then sticks on the second
+    assert entered.wait(60)
+    digests = _digest_chain(eng, tokens)
+    second = eng.scheduler.kv.pool.lookup(_key(tokens, 1))
+    before = pool_bytes(eng, second.block_id)
+    run(eng, prompt(9, 11 * BLOCK - 8))  # 11 of the 12 blocks: all but the one being written
+    assert holds.is_held(second.block_id) and pool_bytes(eng, second.block_id) == before
+    assert eng.runner.offload.num_skipped == 3  # the third to fifth blocks, reused before the writer reached them
+    gate.set()
+    eng.runner.offload.flush()
+    assert not holds.is_held(second.block_id) and holds.num_held == 0
+    assert bytes(store.get(digests[1])) == before and store.get(digests[0]) is not None
+    assert all(store.get(d) is None for d in digests[2:])
+    assert scraped_skipped(eng) == 3
+    eng.close()
+
+
+def test_a_held_block_is_released_when_its_write_fails(tiny, tmp_path):  # noqa: F811
+    _, directory = tiny
+    eng = engine(directory, tmp_path, num_kv_blocks=12)
+
+    def failing(digest, payload, retention):
+        raise RuntimeError("no writing today")
+
+    eng.kv_tier.store.put = failing
+    generate(eng, prompt(10, 3 * BLOCK + 1), max_tokens=1)
+    assert eng.kv_tier.writer_holds.num_held == 0 and eng.kv_tier.stats.blocks_written == 0
+    generate(eng, prompt(11, 12 * BLOCK - 8), max_tokens=1)  # the whole pool: every block reusable again
+    eng.close()
+
+
+def scraped_skipped(eng) -> float:
+    from tests.engine.test_kv_offload import scraped
+
+    return scraped(eng)["batchserve:kv_tier_saves_skipped_total"]

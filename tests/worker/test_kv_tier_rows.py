@@ -1,6 +1,6 @@
 """The pool rows the disk tier reads blocks into (worker/kv_offload.py PoolRows): a block's bytes go to exactly that
-block of every layer part, in payload order, bit for bit what gather_parts copies out for the writer; a pool that was
-replaced (a resize) gets views of its new tensors."""
+block of every layer part, in payload order, and the views the writer writes from hold exactly that block's bytes; a
+pool that was replaced (a resize) gets views of its new tensors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,18 @@ import types
 
 import torch
 
-from batchserve.worker.kv_offload import PoolRows, block_payload_bytes, copy_blocks_in, gather_parts
+from batchserve.worker.kv_offload import PoolRows, block_payload_bytes, copy_blocks_in
+
+
+def block_bytes(kv, block_id: int) -> bytes:
+    """The block's bytes of every part in payload order, by torch (the reference the tier's views must equal)."""
+    return b"".join(t[block_id].contiguous().view(torch.uint8).numpy().tobytes() for layer in kv.device_caches
+                    for t in layer)  # fmt: skip
+
+
+def written_bytes(rows: PoolRows, block_id: int) -> bytes:
+    """What the writer hands TierStore.put for this block."""
+    return b"".join(bytes(view) for view in rows.block(block_id))
 
 
 def pool(blocks: int = 5, layers: int = 3):
@@ -23,12 +34,12 @@ def test_a_payload_lands_in_its_block_only_and_reads_back_out_equal():
     payload = torch.randint(0, 256, (block_payload_bytes(kv),), dtype=torch.uint8).numpy().tobytes()
     rows = PoolRows(kv)
     copy_blocks_in(kv, [(3, payload)], rows)
-    assert b"".join(part[0].tobytes() for part in gather_parts(kv, [3])) == payload
+    assert block_bytes(kv, 3) == written_bytes(rows, 3) == payload
     others = [0, 1, 2, 4]
     assert all(not t[others].any() for layer in kv.device_caches for t in layer)
     kv.device_caches = pool(blocks=8)  # resized: the old views must not be written through
     copy_blocks_in(kv, [(7, payload)], rows)
-    assert b"".join(part[0].tobytes() for part in gather_parts(kv, [7])) == payload
+    assert block_bytes(kv, 7) == written_bytes(rows, 7) == payload
     assert len(rows.block(7)) == 6 and all(view.nbytes == 4 * 2 * 8 * 2 for view in rows.block(7))
 
 
@@ -44,7 +55,7 @@ def test_the_engines_pool_takes_a_block_in_one_strided_copy():
     assert rows.block_array(2) is not None and rows.block_array(2).shape == (6, 4 * 3 * 8 * 2)
     payload = torch.randint(0, 256, (block_payload_bytes(kv),), dtype=torch.uint8).numpy().tobytes()
     copy_blocks_in(kv, [(2, payload)], rows)
-    assert b"".join(part[0].tobytes() for part in gather_parts(kv, [2])) == payload
+    assert block_bytes(kv, 2) == written_bytes(rows, 2) == payload
     others = [0, 1, 3, 4]
     assert all(not t[others].any() for layer in kv.device_caches for t in layer)
     separate = types.SimpleNamespace(device_caches=pool())  # parts of their own: one copy per part, as before
@@ -63,5 +74,5 @@ def test_one_strided_copy_where_the_parts_do_not_lie_back_to_back():
     payload = bytes(range(24))
     copy_blocks_in(kv, [(1, payload)], rows)
     assert rows.block_array(1) is not None
-    assert b"".join(part[0].tobytes() for part in gather_parts(kv, [1])) == payload
-    assert not any(part.any() for part in gather_parts(kv, [0, 2]))
+    assert block_bytes(kv, 1) == written_bytes(rows, 1) == payload
+    assert all(block_bytes(kv, b) == written_bytes(rows, b) == bytes(24) for b in (0, 2))
