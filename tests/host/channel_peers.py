@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from batchserve.host.channel import Channel, PeerDeadError, start_child
 
@@ -64,8 +65,9 @@ def watch_parent(channel: Channel, marker: str) -> None:
     try:
         channel.recv()
     except PeerDeadError as exc:
-        with open(marker, "w") as f:
-            f.write(f"{time.monotonic() - started:.3f} {exc}")
+        # written whole, then renamed: the test polls for the file and must never read it half written
+        Path(marker + ".part").write_text(f"{time.monotonic() - started:.3f} {exc}")
+        os.replace(marker + ".part", marker)
 
 
 def hold_memory(channel: Channel) -> None:
