@@ -63,9 +63,10 @@ def lora_path() -> str | None:
 
 def prefill_kernel_path() -> str | None:
     """BATCHSERVE_PREFILL_KERNEL_PATH (default unset or "auto": the CPU's flags decide): forces the native prefill
-    kernel of a bfloat16 pool, "amx" (AMX tiles, layers/kernels/prefill_amx.cpp), "amx_emulated" (the same kernel
-    with its tile operations in scalar code: slow, any AVX-512 CPU) or "avx512" (the attention path's vector kernel,
-    prefill_avx512.cpp); to measure or test one path. A path this build or CPU cannot run is an error. Read once, at
+    kernel of a bfloat16 pool, "amx" (AMX tiles, layers/kernels/prefill_amx.cpp), "avx512_bf16" (the same body with
+    its products by AVX512-BF16 dot products, prefill_avx512_bf16.cpp), "amx_emulated" (the AMX kernel with its tile
+    operations in scalar code: slow, any AVX-512 CPU) or "avx512" (the attention path's vector kernel, K/V widened to
+    float32, prefill_avx512.cpp); to measure or test one path. A path this build or CPU cannot run is an error. Read once, at
     the first prefill."""
     value = os.environ.get("BATCHSERVE_PREFILL_KERNEL_PATH")
     return None if value in (None, "", "auto") else value

@@ -1,8 +1,10 @@
 """The native prefill kernel on AMX tiles against torch's SDPA (what a bfloat16 pool's prefill took on an AMX CPU
-before it), one layer's attention, ms per call, and the ratio.
+before it), one layer's attention, ms per call, and the ratio; `--kernels` runs other prefill kernel paths of a bf16
+pool in turns with it (e.g. avx512_bf16,avx512 on an AVX512-BF16 CPU without AMX).
 
     .venv/bin/python benchmarks/prefill_amx.py                     # 1 thread, CPU time; 2k and 8k, head dims 64, 128
     .venv/bin/python benchmarks/prefill_amx.py --lengths 2048 --heads 9/3/64
+    .venv/bin/python benchmarks/prefill_amx.py --kernels avx512_bf16,avx512 --heads 9/3/64
 
 Cases per head shape (query heads / kv heads / head dim):
 - "fresh N": a whole prompt of N tokens (SDPA: one causal call on its own K/V, as the engine calls it);
@@ -10,7 +12,8 @@ Cases per head shape (query heads / kv heads / head dim):
   the sequence's keys gathered from the pool under the additive shifted causal mask, as the engine calls it);
 - "short L x P": P prompts of L tokens in one step (SDPA: one call per prompt).
 Both run in turns on the same inputs, so the host's load hits both alike; the median of the rounds of CPU time of this
-process (1 thread by default; wall time beside it). The AMX kernel's time includes packing the keys into tiles.
+process (1 thread by default; wall time beside it). A tile kernel's time includes packing the keys; it takes the
+queries in bf16 (as the engine hands them), the vector kernel (avx512) in float32.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from batchserve.bench.machine import describe, machine_info
 from batchserve.layers import kernels
+from batchserve.layers.kernels import paths
 
 
 def make_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, block_size: int = 16):
@@ -42,9 +46,10 @@ def make_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: 
             "lens": torch.tensor(lens), "starts": starts, "block_size": block_size}  # fmt: skip
 
 
-def amx(case, native, scale):
-    args = (case["tables"], case["lens"], case["starts"], scale, kernels.attention_path(), native.Isa.amx)
-    native.paged_prefill_attention(case["query"].float(), case["key"], case["value"], *args)
+def kernel(case, native, isa, scale):
+    args = (case["tables"], case["lens"], case["starts"], scale, kernels.attention_path(), isa)
+    rows = case["query"] if isa.name != "avx512" else case["query"].float()  # the engine's rule (layers/attention.py)
+    native.paged_prefill_attention(rows, case["key"], case["value"], *args)
 
 
 def sdpa(case, scale):
@@ -89,26 +94,34 @@ def main() -> None:
     ap.add_argument("--heads", default="9/3/64,8/2/128", help="query heads/kv heads/head dim, comma separated")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kernels", default="amx", help="prefill kernel paths in turns (amx, avx512_bf16, avx512)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     native = kernels.load()
-    if native is None or not kernels.prefill_kernel_path_runs("amx"):
-        raise SystemExit("the AMX prefill kernel does not run here (no AMX, or no native kernels)")
+    names = args.kernels.split(",")
+    for name in names:
+        if native is None or not kernels.prefill_kernel_path_runs(name):
+            raise SystemExit(f"the {name} prefill kernel does not run here (not this CPU's, or no native kernels)")
+    isa = {name: native.Isa.__members__[paths.OPERATIONS["prefill_attention"].path(name).isa] for name in names}
     print(describe(machine_info(threads=args.threads)))
     print(f"load average (1, 5, 15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print("ms per call, median of the rounds: CPU time (wall time)")
-    print(f"{'heads':>9s} {'case':>18s} {'amx':>17s} {'sdpa':>17s} {'sdpa/amx':>8s}")
+    print("ms per call, median of the rounds: CPU time (wall time); sdpa/kernel: the CPU times' ratio")
+    header = " ".join(f"{n:>17s} {'sdpa/' + n:>16s}" for n in names)
+    print(f"{'heads':>9s} {'case':>18s} {header} {'sdpa':>17s}")
     for shape in args.heads.split(","):
         heads, kv_heads, head_dim = (int(x) for x in shape.split("/"))
         scale = head_dim**-0.5
         for name, seqs in cases([int(n) for n in args.lengths.split(",")]):
             case = make_case(seqs, heads, kv_heads, head_dim)
-            runs = {"amx": [], "sdpa": []}
+            runs = {k: [] for k in [*names, "sdpa"]}
             for _ in range(args.rounds):
-                runs["amx"].append(timed(amx, case, native, scale))
+                for k in names:
+                    runs[k].append(timed(kernel, case, native, isa[k], scale))
                 runs["sdpa"].append(timed(sdpa, case, scale))
-            (a, a_wall), (s, s_wall) = ([statistics.median(t) for t in zip(*runs[k])] for k in runs)
-            print(f"{shape:>9s} {name:>18s} {a:8.2f} ({a_wall:6.2f}) {s:8.2f} ({s_wall:6.2f}) {s / a:8.2f}")
+            median = {k: [statistics.median(t) for t in zip(*runs[k])] for k in runs}
+            s, s_wall = median["sdpa"]
+            cells = " ".join(f"{median[k][0]:8.2f} ({median[k][1]:6.2f}) {s / median[k][0]:16.2f}" for k in names)
+            print(f"{shape:>9s} {name:>18s} {cells} {s:8.2f} ({s_wall:6.2f})")
 
 
 if __name__ == "__main__":

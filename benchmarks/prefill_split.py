@@ -4,6 +4,7 @@ against torch's SDPA (one call per prompt, AMX tiles for a bf16 pool), ms per pr
     .venv/bin/python benchmarks/prefill_split.py                       # bf16 pool, SmolLM2-135M heads
     .venv/bin/python benchmarks/prefill_split.py --threads 2            # as the engine runs it
     .venv/bin/python benchmarks/prefill_split.py --lengths 16,64,256 --tokens 8192
+    .venv/bin/python benchmarks/prefill_split.py --kernels avx512,avx512_bf16   # two prefill kernel paths in turns
 
 One call = one layer's attention of `--tokens` tokens of fresh prompts of one length (so `tokens / length` prompts),
 9 query heads over 3 kv heads of dim 64, blocks of 16 tokens, this step's K/V already in the pool. Both paths run in
@@ -12,6 +13,8 @@ of this process, 1 thread by default: a shared host's other jobs count less; wal
 CPU times. Run it with the engine's threads too (`--threads 2`): there each SDPA call is a parallel region of its own,
 which is what short prompts pay for. `paths.SHORT_PREFILL_MAX_ROWS` is the longest length at which the native kernel
 stays clearly ahead with the engine's threads (docs/cpu-kernels.md, prefill attention by chunk length).
+`--kernels` names the native prefill kernel paths of a bf16 pool to run in turns (default: the one this host chooses,
+which BATCHSERVE_PREFILL_KERNEL_PATH forces); each is called as the engine calls it (bf16 queries to a tile kernel).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 
 from batchserve.bench.machine import describe, machine_info
 from batchserve.layers import kernels
+from batchserve.layers.kernels import paths
 
 
 def make_step(length: int, prompts: int, heads: int, kv_heads: int, head_dim: int, block_size: int):
@@ -47,9 +51,10 @@ def make_step(length: int, prompts: int, heads: int, kv_heads: int, head_dim: in
     return query, key, value, key_cache, value_cache, tables, lens, starts
 
 
-def native(step, native_mod, path, scale):
+def native(step, native_mod, path, kernel, scale):
     query, _, _, key_cache, value_cache, tables, lens, starts = step
-    native_mod.paged_prefill_attention(query.float(), key_cache, value_cache, tables, lens, starts, scale, path)
+    rows = query if kernel.name != "avx512" else query.float()  # the engine's rule (layers/attention.py)
+    native_mod.paged_prefill_attention(rows, key_cache, value_cache, tables, lens, starts, scale, path, kernel)
 
 
 def sdpa(step, length, scale):
@@ -72,26 +77,37 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per call (prompts = tokens / length)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kernels", default="", help="prefill kernel paths in turns, e.g. avx512,avx512_bf16")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     native_mod = kernels.load()
     if native_mod is None or not native_mod.prefill_attention_available(64):
         raise SystemExit("the native prefill kernel is not built here")
     path = kernels.attention_path()
+    names = args.kernels.split(",") if args.kernels else [kernels.prefill_kernel_path() or "avx512"]
+    for name in names:
+        if not kernels.prefill_kernel_path_runs(name):
+            raise SystemExit(f"prefill kernel path {name} is not built here or does not run on this CPU")
+    isa = {name: native_mod.Isa.__members__[paths.OPERATIONS["prefill_attention"].path(name).isa] for name in names}
     print(describe(machine_info(threads=args.threads)))
     print(f"load average (1, 5, 15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())}; attention path {path.name}")
-    print("ms per prompt, median of the rounds: CPU time (wall time)")
-    print(f"{'length':>6s} {'prompts':>7s} {'native':>17s} {'sdpa':>17s} {'sdpa/native':>11s}")
+    print("ms per prompt, median of the rounds: CPU time (wall time); sdpa/kernel: the CPU times' ratio")
+    print(
+        f"{'length':>6s} {'prompts':>7s} " + " ".join(f"{n:>17s} {'sdpa/' + n:>18s}" for n in names) + f" {'sdpa':>17s}"
+    )
     scale = 64**-0.5
     for length in (int(n) for n in args.lengths.split(",")):
         prompts = max(1, args.tokens // length)
         step = make_step(length, prompts, 9, 3, 64, 16)
-        runs = {"native": [], "sdpa": []}
+        runs = {name: [] for name in [*names, "sdpa"]}
         for _ in range(args.rounds):
-            runs["native"].append(timed(native, step, native_mod, path, scale))
+            for name in names:
+                runs[name].append(timed(native, step, native_mod, path, isa[name], scale))
             runs["sdpa"].append(timed(sdpa, step, length, scale))
-        (n, n_wall), (s, s_wall) = ([statistics.median(t) / prompts for t in zip(*runs[k])] for k in runs)
-        print(f"{length:6d} {prompts:7d} {n:8.4f} ({n_wall:6.4f}) {s:8.4f} ({s_wall:6.4f}) {s / n:11.2f}")
+        median = {k: [statistics.median(t) / prompts for t in zip(*runs[k])] for k in runs}
+        s, s_wall = median["sdpa"]
+        cells = " ".join(f"{median[n][0]:8.4f} ({median[n][1]:6.4f}) {s / median[n][0]:18.2f}" for n in names)
+        print(f"{length:6d} {prompts:7d} {cells} {s:8.4f} ({s_wall:6.4f})")
 
 
 if __name__ == "__main__":

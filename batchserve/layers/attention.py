@@ -45,6 +45,8 @@ PREFILL_METHODS = ("native", "sdpa", "split")  # how prefill chunks attend on th
 EVERY_CHUNK = 2**62  # native_prefill_rows: no chunk is too long for the native kernel
 PREFILL_KERNEL_PATHS = ("avx512_bf16", "avx512")  # the native kernel paths with a prefill kernel
 AMX_KERNEL_PATHS = ("amx", "amx_emulated")  # the native prefill kernel's paths on (emulated) AMX tiles
+# the start-up line's name of a bfloat16 pool's native prefill kernel, by its path (any other: "vector kernel")
+_PREFILL_KERNEL_NAMES = {"amx": "AMX tiles", "amx_emulated": "AMX tiles", "avx512_bf16": "AVX512-BF16 dot products"}
 
 
 @dataclass
@@ -428,9 +430,9 @@ def preferred_prefill_method(pool_dtype: torch.dtype, chosen: str = "auto") -> s
     amx = pool_dtype == torch.bfloat16 and "amx_bf16" in kernels.cpu_flags().split()
     auto = "native" if not amx or _amx_by_choice(pool_dtype, chosen) else "sdpa"
     path = forced or (chosen if chosen != "auto" else None) or auto
-    on_tiles = pool_dtype == torch.bfloat16 and kernels.prefill_kernel_path() in AMX_KERNEL_PATHS
+    kernel = _PREFILL_KERNEL_NAMES.get(kernels.prefill_kernel_path()) if pool_dtype == torch.bfloat16 else None
     where = {
-        "native": f" ({'AMX tiles' if on_tiles else 'vector kernel'}) where it takes the chunk, else sdpa",
+        "native": f" ({kernel or 'vector kernel'}) where it takes the chunk, else sdpa",
         "split": f" (chunks of <= {paths.SHORT_PREFILL_MAX_ROWS} rows native, batched, where it takes them; longer sdpa)",
     }.get(path, "")
     why = " (forced)" if forced else f" (prefill_attention {chosen})" if chosen != "auto" else ""

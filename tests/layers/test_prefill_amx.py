@@ -1,7 +1,8 @@
-"""The native prefill kernel of a bfloat16 pool on AMX tiles (kernels/prefill_amx.cpp), on both of its paths: the
-tiles ("amx", where the CPU grants them) and their scalar emulation ("amx_emulated", any AVX-512 CPU). Against float64
-attention of the same bf16 values, and bit for bit against itself however the rows are chunked or batched: a
-prefix-cache hit's chunk must round as the whole prompt did."""
+"""The native prefill kernels of a bfloat16 pool on 32-row tiles (kernels/prefill_tiles.h), on each of their paths:
+AMX tiles ("amx", where the CPU grants them), their scalar emulation ("amx_emulated", any AVX-512 CPU) and AVX512-BF16
+dot products on the vector unit ("avx512_bf16", kernels/prefill_avx512_bf16.cpp, where the CPU has avx512_bf16).
+Against float64 attention of the same bf16 values, and bit for bit against itself however the rows are chunked or
+batched: a prefix-cache hit's chunk must round as the whole prompt did."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from batchserve.layers import kernels
 from batchserve.layers.attention import preferred_prefill_method, prefill_method
 from batchserve.layers.kernels import paths
 
-AMX_PATHS = ("amx", "amx_emulated")
+TILE_PATHS = ("amx", "amx_emulated", "avx512_bf16")
+NEEDS = {"amx": "AMX tiles granted to this process", "avx512_bf16": "avx512_bf16 in the CPU and the build"}
 
 
 @pytest.fixture
@@ -25,7 +27,8 @@ def native():
 
 def _isa(native, path: str):
     if not kernels.prefill_kernel_path_runs(path):
-        pytest.skip(f"prefill kernel path {path} is not built here or does not run on this CPU")
+        needs = NEEDS.get(path, "an AVX-512 build")
+        pytest.skip(f"prefill kernel path {path} is not built here or does not run on this CPU (it needs {needs})")
     return native.Isa.__members__[paths.OPERATIONS["prefill_attention"].path(path).isa]
 
 
@@ -73,7 +76,7 @@ class Pool:
 SHAPES = [(9, 3, 64), (4, 1, 128), (2, 2, 32), (8, 1, 64), (4, 4, 128)]
 
 
-@pytest.mark.parametrize("path", AMX_PATHS)
+@pytest.mark.parametrize("path", TILE_PATHS)
 @pytest.mark.parametrize("heads", SHAPES, ids=str)
 @pytest.mark.parametrize("block_size", [9, 16])
 def test_matches_float64_attention(path, heads, block_size, native):
@@ -87,7 +90,7 @@ def test_matches_float64_attention(path, heads, block_size, native):
         torch.testing.assert_close(out.double(), expected, atol=1.5e-2, rtol=1.5e-2)
 
 
-@pytest.mark.parametrize("path", AMX_PATHS)
+@pytest.mark.parametrize("path", TILE_PATHS)
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 128)], ids=str)
 def test_a_chunk_after_context_is_bit_equal_to_the_whole_prompt(path, heads, native):
     # key tiles aligned to position 0: a row rounds the same whatever rows share its tile or where its chunk began
@@ -98,7 +101,7 @@ def test_a_chunk_after_context_is_bit_equal_to_the_whole_prompt(path, heads, nat
         assert torch.equal(pool.run(native, isa, [chunk]), whole[300 - chunk :]), chunk
 
 
-@pytest.mark.parametrize("path", AMX_PATHS)
+@pytest.mark.parametrize("path", TILE_PATHS)
 def test_a_maximum_that_grows_block_after_block_rounds_the_same_in_any_chunk(path, native):
     # keys growing along the prompt: a row's running maximum rises in most of its key blocks, so its accumulator is
     # rescaled there (and left alone where the maximum held), in blocks whole for the row and in its last one alike
@@ -113,7 +116,7 @@ def test_a_maximum_that_grows_block_after_block_rounds_the_same_in_any_chunk(pat
         assert torch.equal(pool.run(native, isa, [chunk]), whole[520 - chunk :]), chunk
 
 
-@pytest.mark.parametrize("path", AMX_PATHS)
+@pytest.mark.parametrize("path", TILE_PATHS)
 def test_a_row_is_the_same_bits_in_any_batch_and_on_any_number_of_threads(path, native):
     pool = Pool([70, 200, 45], 6, 2, 64, 16, seed=2)
     isa = _isa(native, path)
@@ -130,7 +133,7 @@ def test_a_row_is_the_same_bits_in_any_batch_and_on_any_number_of_threads(path, 
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("path", AMX_PATHS)
+@pytest.mark.parametrize("path", TILE_PATHS)
 def test_bf16_rows_are_the_float32_rows_rounded(path, native):
     # bf16 queries go in as they are and come out rounded to nearest even: the float32 output's bits, rounded
     pool = Pool([90, 33], 6, 2, 64, 16, seed=5)
@@ -141,18 +144,21 @@ def test_bf16_rows_are_the_float32_rows_rounded(path, native):
         pool.run(native, native.Isa.avx512, [90, 7], dtype=torch.bfloat16)
 
 
-def test_amx_tiles_and_their_emulation_agree(native):
+@pytest.mark.parametrize("path", ["amx", "avx512_bf16"])
+def test_the_tile_products_and_their_emulation_agree(path, native):
+    # the same packing, blocks and softmax; only the products' order of summation differs
     pool = Pool([150, 40], 8, 2, 128, 16, seed=3)
-    on_tiles = pool.run(native, _isa(native, "amx"), [150, 40])
+    on_tiles = pool.run(native, _isa(native, path), [150, 40])
     emulated = pool.run(native, _isa(native, "amx_emulated"), [150, 40])
     torch.testing.assert_close(on_tiles, emulated, atol=2e-3, rtol=2e-3)
 
 
-def test_the_vector_kernel_still_takes_a_float32_pool_on_the_amx_path(native):
+@pytest.mark.parametrize("path", ["amx_emulated", "avx512_bf16"])
+def test_the_vector_kernel_still_takes_a_float32_pool_on_the_tile_paths(path, native):
     pool = Pool([50], 4, 2, 64, 16, seed=4)
     expected = pool.reference(0, 50)
     pool.key, pool.value = pool.key.float(), pool.value.float()
-    out = pool.run(native, _isa(native, "amx_emulated"), [50])
+    out = pool.run(native, _isa(native, path), [50])
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 

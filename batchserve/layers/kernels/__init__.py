@@ -116,7 +116,8 @@ def attention_path():
 
 
 def prefill_kernel_path_runs(path: str) -> bool:
-    """Whether the native prefill kernel `path` ("amx", "amx_emulated", "avx512") is built here and this CPU runs it."""
+    """Whether the native prefill kernel `path` ("amx", "avx512_bf16", "amx_emulated", "avx512") is built here and this
+    CPU runs it."""
     return load() is not None and path_runs("prefill_attention", path)
 
 
@@ -124,7 +125,8 @@ def prefill_kernel_path_runs(path: str) -> bool:
 def prefill_kernel_path() -> str | None:
     """The native prefill kernel's path for a bfloat16 pool, chosen once: BATCHSERVE_PREFILL_KERNEL_PATH when set
     (ValueError when it names no path or one that cannot run here), else AMX tiles where the CPU grants them, else
-    the attention path's vector kernel. None where the native kernels are not built."""
+    AVX512-BF16 dot products where the CPU has them, else the attention path's vector kernel. None where the native
+    kernels are not built."""
     return None if load() is None else chosen_path("prefill_attention")
 
 

@@ -48,6 +48,7 @@ ISA_ONLY_SOURCES = {
     "decode_avx512_bf16.cpp": "avx512f",
     "prefill_avx512.cpp": "avx512f",
     "prefill_amx.cpp": "avx512f",
+    "prefill_avx512_bf16.cpp": "avx512_bf16",
 }
 # The translation unit that includes pybind11: the slowest to compile, handed to the build tool first
 BINDING_SOURCES = ("bindings.cpp",)

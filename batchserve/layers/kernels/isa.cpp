@@ -46,6 +46,9 @@ std::vector<std::tuple<std::string, std::string, Isa>> kernel_table() {
 #ifdef BATCHSERVE_AMX
     add("prefill_attention", {"bfloat16"}, Isa::kAmx);
 #endif
+#ifdef BATCHSERVE_ISA_AVX512_BF16_FILE
+    add("prefill_attention", {"bfloat16"}, Isa::kAvx512Bf16);  // by bf16 dot products (prefill_avx512_bf16.cpp)
+#endif
 #endif
 #ifdef BATCHSERVE_ISA_AVX512_BF16
     add("attention", {"bfloat16"}, Isa::kAvx512Bf16);

@@ -48,3 +48,5 @@ template <typename T>
 bool prefill_attention_avx512(const PagedArgs<T>& a);                      // prefill_avx512.cpp
 // a bfloat16 pool on AMX tiles, or their scalar emulation (tests); head_dim 32, 64 or 128
 bool prefill_attention_amx(const PagedArgs<c10::BFloat16>& a, bool emulated);  // prefill_amx.cpp
+// a bfloat16 pool by AVX512-BF16 dot products (built where the compiler targets AVX512-BF16); the same head sizes
+bool prefill_attention_avx512_bf16(const PagedArgs<c10::BFloat16>& a);  // prefill_avx512_bf16.cpp

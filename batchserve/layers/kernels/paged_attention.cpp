@@ -1,7 +1,8 @@
 // The paged attention entry points: the shapes checked (a bad call raises, never reads or writes outside its
 // tensors), then the call handed to the kernel of its instruction-set path (kernels.h AttentionPath):
 //   decode:  decode_avx512_bf16.cpp, decode_avx512.cpp, decode_avx2.cpp, decode_portable.cpp
-//   prefill: prefill_avx512.cpp on both AVX-512 paths (the other paths have no prefill kernel: the torch code runs)
+//   prefill: prefill_avx512.cpp on both AVX-512 paths (the other paths have no prefill kernel: the torch code runs);
+//            a bfloat16 pool by its prefill kernel path: prefill_amx.cpp, prefill_avx512_bf16.cpp or prefill_avx512.cpp
 #include "aten_pch.h"  // first: the precompiled torch headers (build.py)
 
 #include "isa.h"
@@ -47,6 +48,15 @@ AttentionPath best_attention_path() {
   for (const AttentionPath path : attention_paths())
     if (attention_path_runs(path)) return path;
   return AttentionPath::kPortable;
+}
+
+// The bf16 dot-product prefill kernel is built here (prefill_avx512_bf16.cpp) and this CPU runs it.
+bool prefill_bf16_dot_runs() {
+#if defined(BATCHSERVE_ISA_AVX512) && defined(BATCHSERVE_ISA_AVX512_BF16_FILE)
+  return cpu_runs(Isa::kAvx512Bf16);
+#else
+  return false;
+#endif
 }
 
 bool prefill_attention_available(int64_t head_dim) {
@@ -144,16 +154,20 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
 // (this step's included); block_tables [S, max_blocks]; seq_lens [S] context after this step; query_starts [S + 1]
 // cumulative query rows -> [T, H, D] float32. Needs an AVX-512 path and head_dim in {32, 64, 128}: see
 // prefill_attention_available(). prefill_path (the kernel table's prefill_attention row): a bfloat16 pool's rows on
-// AMX tiles (kAmx), on their scalar emulation (kPortable, tests), or (kAvx512) the vector kernel of `path`.
+// AMX tiles (kAmx), on their scalar emulation (kPortable, tests), by AVX512-BF16 dot products (kAvx512Bf16), or
+// (kAvx512) the vector kernel of `path`, K/V widened to float32.
 at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                       at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
                                       double scale, AttentionPath path, Isa prefill_path) {
   TORCH_CHECK(attention_path_runs(path), "this attention path is not built here or does not run on this CPU");
   TORCH_CHECK(path == AttentionPath::kAvx512 || path == AttentionPath::kAvx512Bf16,
               "paged_prefill_attention runs on the AVX-512 paths only (on the others the torch code runs)");
-  TORCH_CHECK(prefill_path == Isa::kAvx512 || prefill_path == Isa::kPortable || prefill_path == Isa::kAmx,
-              "prefill_path: amx, portable (emulated tiles) or avx512");
+  TORCH_CHECK(prefill_path == Isa::kAvx512 || prefill_path == Isa::kPortable || prefill_path == Isa::kAmx ||
+                  prefill_path == Isa::kAvx512Bf16,
+              "prefill_path: amx, portable (emulated tiles), avx512_bf16 or avx512");
   TORCH_CHECK(prefill_path != Isa::kAmx || cpu_runs(Isa::kAmx), "prefill_path amx: this CPU grants no AMX tiles");
+  TORCH_CHECK(prefill_path != Isa::kAvx512Bf16 || prefill_bf16_dot_runs(),
+              "prefill_path avx512_bf16: not built here or this CPU lacks avx512_bf16");
   const auto cache_type = key_cache.scalar_type();
   // bfloat16 queries (and output) go to the AMX kernel of a bfloat16 pool as they are, with no float32 copy
   const bool bf16_rows = query.scalar_type() == at::kBFloat16 && cache_type == at::kBFloat16 && prefill_path != Isa::kAvx512;
@@ -185,16 +199,21 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::T
     prefill_attention_avx512<float>(paged_args<float>(query, key_cache, value_cache, tables, lens, start, scale, out));
     return out;
   }
-  // A bfloat16 pool's K/V widened to float32 on both paths, the scores and softmax weights kept in float32: as fast as
-  // the vdpbf16ps kernel on bf16 weights that it replaced, and no weight rounded to bf16 before P.V (docs/cpu-kernels.md,
-  // prefill attention by chunk length).
+  // A bfloat16 pool: on prefill_path kAvx512 the vector kernel widens K/V to float32 and keeps the scores and softmax
+  // weights in float32 (docs/cpu-kernels.md, prefill attention by chunk length); the tile kernels (AMX, AVX512-BF16 dot
+  // products) multiply bf16 Q, K, P and V with float32 sums (prefill_tiles.h).
   auto args = paged_args<c10::BFloat16>(query, key_cache, value_cache, tables, lens, start, scale, out);
   if (bf16_rows) {
     args.q = nullptr, args.out = nullptr;
     args.q_bf16 = query.data_ptr<c10::BFloat16>(), args.out_bf16 = out.data_ptr<c10::BFloat16>();
   }
-  if (prefill_path != Isa::kAvx512 && prefill_attention_amx(args, prefill_path == Isa::kPortable)) return out;
-  TORCH_CHECK(!bf16_rows, "paged_prefill_attention: bfloat16 queries need the AMX kernel");
+#ifdef BATCHSERVE_ISA_AVX512_BF16_FILE
+  if (prefill_path == Isa::kAvx512Bf16 && prefill_attention_avx512_bf16(args)) return out;
+#endif
+  if ((prefill_path == Isa::kAmx || prefill_path == Isa::kPortable) &&
+      prefill_attention_amx(args, prefill_path == Isa::kPortable))
+    return out;
+  TORCH_CHECK(!bf16_rows, "paged_prefill_attention: bfloat16 queries need the AMX or the avx512_bf16 kernel");
   prefill_attention_avx512<c10::BFloat16>(args);
 #endif
   return out;

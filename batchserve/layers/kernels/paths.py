@@ -61,12 +61,18 @@ OPERATIONS: dict[str, Operation] = {
     for op in (
         # paged attention, decode and (AVX-512 paths) prefill: kernels.h AttentionPath
         Operation("attention", "BATCHSERVE_ATTENTION_PATH", _isa_paths("avx512_bf16", "avx512", "avx2", "portable")),
-        # the native prefill kernel of a bfloat16 pool: AMX tiles (prefill_amx.cpp), their scalar emulation (tests),
-        # or the attention path's vector kernel (prefill_avx512.cpp, which a float32 pool always takes)
+        # the native prefill kernel of a bfloat16 pool: AMX tiles (prefill_amx.cpp), AVX512-BF16 dot products on the
+        # same packed K/V and key blocks (prefill_avx512_bf16.cpp), the tiles' scalar emulation (tests), or the
+        # attention path's vector kernel (prefill_avx512.cpp, K/V widened to float32; a float32 pool always takes it)
         Operation(
             "prefill_attention",
             "BATCHSERVE_PREFILL_KERNEL_PATH",
-            (Path("amx", "amx"), Path("amx_emulated", "portable", auto=False), Path("avx512", "avx512")),
+            (
+                Path("amx", "amx"),
+                Path("avx512_bf16", "avx512_bf16"),
+                Path("amx_emulated", "portable", auto=False),
+                Path("avx512", "avx512"),
+            ),
         ),
         # float32 GEMM of decode-sized M (small_gemm.cpp); "library": oneDNN or x @ W at every M
         Operation("small_gemm", "BATCHSERVE_SMALL_GEMM_PATH", (*_isa_paths("avx512", "avx2"), Path("library", None))),
