@@ -31,89 +31,10 @@
 #include <vector>
 
 #include "amx_tiles.h"
-#include "paged_args.h"
+#include "prefill_work.h"
 #include "vec_math.h"
-#include "work_split.h"
 
 namespace {
-
-constexpr int64_t kRows = 32;      // query rows per tile: two A tiles
-constexpr int64_t kKeys = 32;      // keys per key tile: one A tile of P (32 bf16 a row)
-constexpr int64_t kTile = 512;     // bf16 elements in one tile (16 rows of 64 bytes)
-constexpr int64_t kSub = 4;        // key tiles per softmax block
-constexpr int64_t kBlock = kSub * kKeys;  // keys per softmax block: the running maximum and the accumulator are
-                                          // updated once per block, P.V summed over its tiles in the C tiles
-
-// Where one (sequence, kv head)'s packed keys and values start, and how many key tiles they hold.
-struct PackedKV {
-  std::vector<int64_t> first_tile;  // per sequence: its first key tile in the packed buffers (kv head 0's)
-  int64_t total_tiles = 0;          // per kv head summed over the sequences
-};
-
-PackedKV plan_packing(const int64_t* seq_lens, int64_t num_seqs) {
-  PackedKV plan;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    plan.first_tile.push_back(plan.total_tiles);
-    plan.total_tiles += (seq_lens[s] + kBlock - 1) / kBlock * kSub;
-  }
-  return plan;
-}
-
-// Key tile `t` of one sequence and kv head from the pool into both B layouts (k_out: 2 * D / 32 tiles, v_out: D / 16
-// tiles), keys past `num_keys` zero.
-void pack_key_tile(const PagedArgs<c10::BFloat16>& a, const int64_t* table, int64_t kv_head, int64_t t,
-                   int64_t num_keys, uint16_t* k_out, uint16_t* v_out) {
-  const int64_t D = a.head_dim, token_stride = a.num_kv_heads * D;
-  const auto* k_cache = reinterpret_cast<const uint16_t*>(a.k_cache);
-  const auto* v_cache = reinterpret_cast<const uint16_t*>(a.v_cache);
-  const int64_t keys = std::clamp<int64_t>(num_keys - t * kKeys, 0, kKeys);
-  if (keys < kKeys) {
-    std::memset(k_out, 0, sizeof(uint16_t) * kKeys * D);
-    std::memset(v_out, 0, sizeof(uint16_t) * kKeys * D);
-  }
-  const auto row = [&](const uint16_t* cache, int64_t i) {
-    const int64_t key = t * kKeys + i, slot = table[key / a.block_size] * a.block_size + key % a.block_size;
-    return cache + slot * token_stride + kv_head * D;
-  };
-  for (int64_t i = 0; i < keys; ++i) {  // K: [d / 32][i / 16][(d % 32) / 2][i % 16][d % 2], a dim pair at a time
-    const auto* k = reinterpret_cast<const uint32_t*>(row(k_cache, i));
-    auto* out = reinterpret_cast<uint32_t*>(k_out) + (i / 16) * (kTile / 2) + i % 16;
-    for (int64_t pair = 0; pair < D / 2; ++pair) out[(pair / 16) * kTile + (pair % 16) * 16] = k[pair];
-  }
-  // V: [d / 16][i / 2][d % 16][i % 2], 16 dims of a key pair interleaved at a time
-#ifndef __AVX512BW__
-  for (int64_t i = 0; i < keys; ++i)
-    for (int64_t d = 0; d < D; ++d) v_out[(d / 16) * kTile + (i / 2) * 32 + (d % 16) * 2 + i % 2] = row(v_cache, i)[d];
-#else
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t i = 0; i < keys; i += 2) {
-    const uint16_t *v0 = row(v_cache, i), *v1 = i + 1 < keys ? row(v_cache, i + 1) : nullptr;
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d));
-      const __m256i a1 = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)) : _mm256_setzero_si256();
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a0), a1, 1);
-      _mm512_storeu_si512(v_out + (d / 16) * kTile + (i / 2) * 32, _mm512_permutexvar_epi16(interleave, both));
-    }
-  }
-#endif
-}
-
-void pack_kv(const PagedArgs<c10::BFloat16>& a, const PackedKV& plan, uint16_t* k_packed, uint16_t* v_packed) {
-  const int64_t tile_elems = kKeys * a.head_dim;
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, key tile)
-  for (int64_t s = 0; s < a.num_seqs; ++s)
-    for (int64_t t = 0; t < (a.seq_lens[s] + kBlock - 1) / kBlock * kSub; ++t) tiles.emplace_back(s, t);
-  const int64_t items = static_cast<int64_t>(tiles.size()) * a.num_kv_heads;
-  at::parallel_for(0, items, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const auto [s, t] = tiles[item / a.num_kv_heads];
-      const int64_t h = item % a.num_kv_heads;
-      const int64_t at = (h * plan.total_tiles + plan.first_tile[s] + t) * tile_elems;
-      pack_key_tile(a, a.tables + s * a.max_blocks, h, t, a.seq_lens[s], k_packed + at, v_packed + at);
-    }
-  });
-}
 
 // Lane i of the result = the largest of the 16 lanes of v[i]: the row maxima of 16 rows at once.
 inline __m512 max16(const __m512* v) {
@@ -128,12 +49,32 @@ template <>
 constexpr bool kRoundsWithAvx512Bf16<amx::AmxTiles> = true;
 #endif
 
+// Whether a backend multiplies P.V by P's bf16 rounding and then by its remainder, also in bf16 (P to ~16 bits, where
+// one bf16 keeps 8): the remainders follow the rounded weights in P's buffer, kWeights further.
+template <class Tiles>
+constexpr bool kSplitsWeights = false;
+constexpr int64_t kWeights = kRows * kBlock;  // bf16 weights of one visit's P
+
+// A backend's P buffer: the rounded weights, and their remainders where it splits them.
+template <class Tiles>
+constexpr int64_t kWeightBuffer = kSplitsWeights<Tiles> ? 2 * kWeights : kWeights;
+
 // 32 softmax weights of one row as bf16 (round to nearest even): vcvtne2ps2bf16 where the backend runs it, the same
-// rounding in integer steps for the emulation (P stays in [0, 1] and normal, where the two agree).
+// rounding in integer steps for the emulation (P stays in [0, 1] and normal, where the two agree). Where the backend
+// splits them, e - bf16(e) (exact: the two are within a factor 2) rounded to bf16 as well, kWeights further.
 template <class Tiles>
 inline void weights_to_bf16(__m512 e0, __m512 e1, uint16_t* p) {
   if constexpr (kRoundsWithAvx512Bf16<Tiles>) {
-    _mm512_storeu_si512(p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+    const __m512i rounded = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0));
+    _mm512_storeu_si512(p, rounded);
+    if constexpr (kSplitsWeights<Tiles>) {
+      const auto widen = [](__m256i half) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+      };
+      const __m512 rest0 = _mm512_sub_ps(e0, widen(_mm512_castsi512_si256(rounded)));
+      const __m512 rest1 = _mm512_sub_ps(e1, widen(_mm512_extracti64x4_epi64(rounded, 1)));
+      _mm512_storeu_si512(p + kWeights, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(rest1, rest0)));
+    }
   } else {
     store16(reinterpret_cast<c10::BFloat16*>(p), e0);
     store16(reinterpret_cast<c10::BFloat16*>(p + 16), e1);
@@ -232,6 +173,7 @@ __attribute__((always_inline)) inline void softmax_block(const Scores& s, int64_
     between(r);
     if (st.skip[r]) {
       std::memset(p + r * kBlock, 0, kBlock * sizeof(uint16_t));
+      if constexpr (kSplitsWeights<Tiles>) std::memset(p + kWeights + r * kBlock, 0, kBlock * sizeof(uint16_t));
       continue;
     }
     const __m512 shift = _mm512_set1_ps(new_max[r]);
@@ -252,25 +194,6 @@ __attribute__((always_inline)) inline void rescale_rows(float* acc, const Rows& 
       _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), corr));
   }
 }
-
-// One query tile (up to 32 rows of one head) of a work item.
-struct Lane {
-  int64_t row, head;  // its first row in the call, and its query head
-  int64_t first_pos, rows;
-};
-
-// A work item: the lanes that read one (sequence, kv head)'s packed K and V (the query heads sharing it, and up to
-// kLaneTiles consecutive query tiles when they are few), each K/V tile loaded once for all of them.
-constexpr int kMaxLanes = 16;
-constexpr int64_t kLaneTiles = 4;  // query tiles x heads per item, where the kv head's group is smaller
-
-struct WorkItem {
-  const uint16_t* k;  // key tile 0 of the (sequence, kv head) (each key tile kKeys * D further)
-  const uint16_t* v;
-  int64_t last_pos;   // the last row's position: its keys are the item's cost
-  int lanes = 0;
-  Lane lane[kMaxLanes];
-};
 
 // A lane's query rows as bf16, its softmax state and accumulator, in the thread's scratch.
 template <int D>
@@ -408,7 +331,7 @@ void finish_lane(const Lane& lane, const LaneState<D>& st, const PagedArgs<c10::
 template <class Tiles, int D>
 __attribute__((always_inline)) inline void attend_item(const WorkItem& item, const PagedArgs<c10::BFloat16>& a,
                                                        LaneState<D>* states, Scores* scores) {
-  alignas(64) uint16_t p[kRows * kBlock];
+  alignas(64) uint16_t p[kWeightBuffer<Tiles>];
   const auto key_tile = [&](const uint16_t* packed, int64_t b) {
     return reinterpret_cast<const char*>(packed + b * kBlock * D);
   };
@@ -449,33 +372,6 @@ __attribute__((always_inline)) inline void attend_items(const std::vector<WorkIt
   Tiles::configure();
   for (int64_t item; queue.next(item);) attend_item<Tiles, D>(items[item], a, states.get(), scores->s);
   Tiles::release();
-}
-
-// The call's work items: per sequence, blocks of query tiles x each kv head, the block's lanes its tiles x the heads
-// of the kv head's group (at most kMaxLanes).
-std::vector<WorkItem> work_items(const PagedArgs<c10::BFloat16>& a, const PackedKV& plan, const uint16_t* k_packed,
-                                 const uint16_t* v_packed) {
-  std::vector<WorkItem> items;
-  const int64_t D = a.head_dim, group = a.num_heads / a.num_kv_heads, tile_elems = kKeys * D;
-  const int64_t tiles_per_block = std::max<int64_t>(1, kLaneTiles / group);
-  for (int64_t s = 0; s < a.num_seqs; ++s) {
-    const int64_t first = a.query_starts[s], end = a.query_starts[s + 1];
-    const int64_t context = a.seq_lens[s] - (end - first);
-    for (int64_t block = first; block < end; block += tiles_per_block * kRows)
-      for (int64_t kv = 0; kv < a.num_kv_heads; ++kv) {
-        const int64_t at = (kv * plan.total_tiles + plan.first_tile[s]) * tile_elems;
-        WorkItem item{k_packed + at, v_packed + at, 0};
-        for (int64_t h = kv * group; h < (kv + 1) * group; ++h)
-          for (int64_t row = block; row < std::min(end, block + tiles_per_block * kRows); row += kRows) {
-            if (item.lanes == kMaxLanes) items.push_back(item), item.lanes = 0;
-            const int64_t rows = std::min(kRows, end - row), pos = context + row - first;
-            item.lane[item.lanes++] = {row, h, pos, rows};
-            item.last_pos = std::max(item.last_pos, pos + rows - 1);
-          }
-        items.push_back(item);
-      }
-  }
-  return items;
 }
 
 // The call on one backend: K/V packed, the work items made, then run_items(items, queue) on each thread, which runs
