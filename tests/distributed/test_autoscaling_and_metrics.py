@@ -6,7 +6,6 @@ from batchserve.distributed.autoscaling import engine_load_policy
 from batchserve.distributed.metrics import STALE_AFTER_S, metrics_report, relabelled, replica_metrics
 from batchserve.serving.metrics import EngineMetrics, parse_metrics
 
-
 # Ray Serve's classes are imported by the tests that build them: every test worker collects this file, and Ray
 # Serve's import is most of a second of CPU that a worker which never runs it would pay.
 

@@ -46,6 +46,8 @@ from tests.tiny_models import build_hf_model, hf_greedy, save_word_tokenizer
 # Ray is imported when a test first uses it (most of a second of CPU that every worker collecting this file paid)
 ray = LazyModule("ray")
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray_installed():
@@ -57,7 +59,6 @@ def placement_group_table() -> dict:
 
     return table()
 
-pytestmark = pytest.mark.slow
 
 ENGINE = {"num_threads": 1, "dtype": "float32", "num_kv_blocks": 256, "max_batch_size": 16, "seed": 0}
 START_TIMEOUT_S = 240.0
@@ -103,9 +104,9 @@ CPUS = 3.0  # the cluster's: 1 on the head, 2 on the other node
 @pytest.fixture(scope="module")
 def cluster():
     """The module's one Ray instance (starting one costs ~10 s of a 2-core host): the ranks' tests, then the app's."""
-    from batchserve.layers import kernels
-
     from ray.cluster_utils import Cluster
+
+    from batchserve.layers import kernels
 
     kernels.load()  # built (and cached on disk) here once, before rank workers or replicas start and look for them
     store = 200 * 1024**2

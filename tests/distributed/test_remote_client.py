@@ -80,7 +80,9 @@ def test_the_ingress_serves_the_replicas_adapters_by_model_name():
     config = EngineConfig(model="tiny-base", enable_lora=True, lora_modules="sql=/adapters/sql")
     limits = EngineLimits(64, 64, 100, Truncation.ERROR, 1024)
     loras = (LoRARequest("sql", 1, "/adapters/sql"),)
-    client = client_module.RemoteEngineClient(_Handle(), EngineDescription(config, limits, 64, {}, loras), tokenizer=None)
+    client = client_module.RemoteEngineClient(
+        _Handle(), EngineDescription(config, limits, 64, {}, loras), tokenizer=None
+    )
     assert client.lora_names() == ("sql",) and client.list_loras() == list(loras)
     app = build_front_app(
         client, ["tiny-base"], api_key=None, max_body_bytes=1 << 20, lenient=False,
