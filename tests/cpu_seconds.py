@@ -53,7 +53,8 @@ def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureR
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    _per_fixture["(collection)"] = cpu_now()
+    # once: a test that runs pytest inside this process (pytester) collects again, with this module's hooks
+    _per_fixture.setdefault("(collection)", cpu_now())
 
 
 def _write(path: Path, counts: Counter) -> None:
