@@ -41,9 +41,11 @@ model: $(VENV)/.installed
 	PYTHONPATH=$(CURDIR) $(BIN)/python -m batchserve.models
 
 # every installed module's .pyc, in parallel (a module of some package's test data that does not compile is that
-# package's, as pip's own compile step ignores it)
+# package's, as pip's own compile step ignores it), and this checkout's: where the environment sets
+# PYTHONDONTWRITEBYTECODE, every server, engine core and CLI process a test starts compiled batchserve from source
 bytecode: $(VENV)/.installed
 	$(BIN)/python -m compileall -q -j 2 $(VENV)/lib >/dev/null 2>&1 || true
+	$(BIN)/python -m compileall -q -j 2 batchserve tests benchmarks >/dev/null
 
 run: setup
 	$(BIN)/batchserve generate --max-tokens 64 "What is continuous batching?" "Write a haiku about GPUs." "Name three planets."
@@ -60,13 +62,18 @@ test-deps:
 	    chromium prometheus >/dev/null) || echo "chromium/prometheus not installed: their tests will skip"; \
 	else echo "no chromium/prometheus (needs root and apt-get): their tests will skip"; fi
 
+# pytest keeps each test module with its asserts rewritten in __pycache__ and reads it back on the next run; with
+# PYTHONDONTWRITEBYTECODE set (some CI images and containers) nothing is kept, and every worker of every run rewrote
+# all ~200 test modules again (collection 14 CPU-s a worker instead of 6.5)
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
+
 # every core (pytest-xdist), the 25 slowest tests listed at the end
 test: setup test-deps
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25
+	$(PYTEST) -q -n auto --dist loadfile --no-loadscope-reorder --durations=25
 
 FAST_TESTS := tests/core tests/engine/test_engine.py tests/bench tests/server tests/test_config.py tests/test_cli.py
 test-fast: setup
-	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow" $(FAST_TESTS)
+	$(PYTEST) -q -n auto --dist loadfile -m "not slow" $(FAST_TESTS)
 
 bench: setup
 	$(BIN)/python benchmarks/engine_throughput.py

@@ -6,6 +6,11 @@ a file's cost here is the user + system time of its setup, call and teardown pha
 threads) plus every child process reaped meanwhile (a server or Ray node a file starts is counted when the file stops
 it). A process that outlives the file, or is re-parented away from the test process before it exits, is not counted.
 `python -m tests.file_order --cpu <dir>` turns the folder into file_seconds.json.
+
+Beside it, <dir>/fixtures/<worker>.json: the CPU seconds of each fixture's own set-up (the fixtures it requests are
+counted under their own names; teardown is left in the file's figure), keyed `<where it is defined>::<name>`, and
+`(collection)`: what the worker spent before its first test (imports and collecting every file), which every worker
+pays whatever files it runs. `python -m tests.cpu_seconds <dir>` prints both tables summed over the workers.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 import pytest
 
 _per_file: Counter = Counter()
+_per_fixture: Counter = Counter()
 
 
 def cpu_now() -> float:
@@ -39,13 +45,47 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
     _per_file[_file_of(item)] += cpu_now() - start
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+    start = cpu_now()
+    yield
+    _per_fixture[f"{fixturedef.baseid or '(plugin)'}::{fixturedef.argname}"] += cpu_now() - start
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # once: a test that runs pytest inside this process (pytester) collects again, with this module's hooks
+    _per_fixture.setdefault("(collection)", cpu_now())
+
+
+def _write(path: Path, counts: Counter) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = {name: round(seconds, 2) for name, seconds in counts.most_common()}
+    path.write_text(json.dumps(table, indent=1) + "\n")
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if not _per_file:  # xdist's controller runs no test
         return
     folder = Path(
         os.environ.get("BATCHSERVE_CPU_SECONDS_DIR", session.config.rootpath / ".pytest_cache" / "cpu_seconds")
     )
-    folder.mkdir(parents=True, exist_ok=True)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    table = {name: round(seconds, 2) for name, seconds in _per_file.most_common()}
-    (folder / f"{worker}.json").write_text(json.dumps(table, indent=1) + "\n")
+    _write(folder / f"{worker}.json", _per_file)
+    _write(folder / "fixtures" / f"{worker}.json", _per_fixture)
+
+
+def summed(folder: Path) -> Counter:
+    totals: Counter = Counter()
+    for table in sorted(folder.glob("*.json")):
+        totals.update(json.loads(table.read_text()))
+    return totals
+
+
+if __name__ == "__main__":
+    import sys
+
+    folder = Path(sys.argv[1])
+    for title, totals in (("files", summed(folder)), ("fixtures (set-up only)", summed(folder / "fixtures"))):
+        print(f"{title}: {sum(totals.values()):.1f} CPU-s")
+        for name, seconds in totals.most_common(int(sys.argv[2]) if len(sys.argv) > 2 else 40):
+            print(f"  {seconds:8.1f}  {name}")

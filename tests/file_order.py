@@ -22,6 +22,8 @@ import xml.etree.ElementTree as ElementTree
 from collections import Counter
 from pathlib import Path
 
+from tests.cpu_seconds import summed
+
 SECONDS_FILE = Path(__file__).with_name("file_seconds.json")
 LISTED_ABOVE_S = 2.0  # files quicker than this are ordered by their slow tests, not listed
 
@@ -57,9 +59,7 @@ def seconds_per_file(junit_xml: Path) -> dict[str, float]:
 
 def cpu_seconds_per_file(folder: Path) -> dict[str, float]:
     """{tests/x/test_y.py: CPU seconds} from the per-worker tables tests/cpu_seconds.py wrote into `folder`."""
-    totals: Counter = Counter()
-    for table in sorted(folder.glob("*.json")):
-        totals.update(json.loads(table.read_text()))
+    totals = summed(folder)
     return {name: round(total, 1) for name, total in totals.most_common() if total >= LISTED_ABOVE_S}
 
 

@@ -35,6 +35,34 @@ def test_a_files_cpu_seconds_count_its_children_and_skip_its_neighbours_waits(py
     assert seconds["test_waits.py"] < 0.3  # a sleep is no CPU time
 
 
+def test_a_fixtures_set_up_is_counted_under_its_own_name(pytester, monkeypatch, tmp_path):
+    pytester.makepyfile(
+        test_fixtures="""
+import time
+import pytest
+
+@pytest.fixture
+def costly():
+    end = time.thread_time() + 0.3
+    while time.thread_time() < end:
+        pass
+
+@pytest.fixture
+def cheap():
+    return 1
+
+def test_uses_both(costly, cheap):
+    pass
+"""
+    )
+    monkeypatch.setenv("BATCHSERVE_CPU_SECONDS_DIR", str(tmp_path / "cpu"))
+    pytester.runpytest_inprocess("-p", "tests.cpu_seconds").assert_outcomes(passed=1)
+    (table,) = (tmp_path / "cpu" / "fixtures").glob("*.json")
+    seconds = {name.rsplit("::", 1)[-1]: value for name, value in json.loads(table.read_text()).items()}
+    assert seconds["costly"] >= 0.3 and seconds["cheap"] < 0.1
+    assert "(collection)" in seconds
+
+
 def test_the_workers_tables_merge_into_one_listing_only_files_that_matter(tmp_path):
     (tmp_path / "gw0.json").write_text(json.dumps({"tests/a.py": 30.04, "tests/quick.py": 0.5}))
     (tmp_path / "gw1.json").write_text(json.dumps({"tests/b.py": 50.0, "tests/quick.py": 0.4}))

@@ -6,16 +6,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batchserve.bench import plots
 from batchserve.bench.metrics import RequestResult, StepSample
 from batchserve.bench.trace import RunTrace
+from tests.lazy import LazyModule
+
+# matplotlib (most of a second of CPU) is imported by the tests that draw, not by every worker that collects them
+plots = LazyModule("batchserve.bench.plots")
 
 
 def test_no_request_colour_looks_like_a_legend_kind():
+    from batchserve.bench.plots import _padding_colour, _request_colour
+
     legend = [plots.LEGEND_DECODE, plots.LEGEND_PREFILL]  # padding is every request's colour faded: near grey
     for index in range(200):
-        colour = plots._request_colour(index)
-        for shown in (colour, colour * plots.PREFILL_DARKENING, plots._padding_colour(colour)):
+        colour = _request_colour(index)
+        for shown in (colour, colour * plots.PREFILL_DARKENING, _padding_colour(colour)):
             assert min(np.abs(shown - kind).max() for kind in legend) > 0.1, (index, shown)
 
 
@@ -39,7 +44,7 @@ def captured(monkeypatch):
         figures.append(fig)
         return path
 
-    monkeypatch.setattr(plots, "_save", keep)
+    monkeypatch.setattr("batchserve.bench.plots._save", keep)
     return figures
 
 

@@ -1,8 +1,11 @@
 import json
 
 from batchserve.bench.metrics import RequestResult, StepSample
-from batchserve.bench.plots import plot_batch_timeline, plot_kv_usage, plot_throughput_latency
 from batchserve.bench.trace import RunTrace, assign_lanes, chrome_trace, save_chrome_trace
+from tests.lazy import LazyModule
+
+# matplotlib (most of a second of CPU) is imported by the tests that draw, not by every worker that collects them
+plots = LazyModule("batchserve.bench.plots")
 
 
 def _step(i, scheduled, finished=(), waiting=0):
@@ -84,8 +87,8 @@ def _png_ok(path):
 
 def test_plots_render(tmp_path):
     trace = synthetic_trace()
-    assert _png_ok(plot_batch_timeline(trace, tmp_path / "timeline.png"))
-    assert _png_ok(plot_kv_usage(trace, tmp_path / "kv.png"))
+    assert _png_ok(plots.plot_batch_timeline(trace, tmp_path / "timeline.png"))
+    assert _png_ok(plots.plot_kv_usage(trace, tmp_path / "kv.png"))
     points = [
         {
             "label": lbl,
@@ -97,12 +100,12 @@ def test_plots_render(tmp_path):
         for lbl, k in (("static", 0.8), ("max_utilization", 1.0))
         for rate in (1, 2, 4)
     ]
-    assert _png_ok(plot_throughput_latency(points, tmp_path / "sweep.png"))
+    assert _png_ok(plots.plot_throughput_latency(points, tmp_path / "sweep.png"))
 
 
 def test_timeline_of_empty_and_long_runs(tmp_path):
     empty = RunTrace("empty", 0.0, 4)
-    assert _png_ok(plot_batch_timeline(empty, tmp_path / "empty.png"))
+    assert _png_ok(plots.plot_batch_timeline(empty, tmp_path / "empty.png"))
     steps = [_step(i, {f"r{i // 10}-{j}": (1, i % 10 == 0) for j in range(3)}) for i in range(1000)]
     long = RunTrace("long", 0.0, 3, steps, [])
-    assert _png_ok(plot_batch_timeline(long, tmp_path / "long.png", max_steps=300))
+    assert _png_ok(plots.plot_batch_timeline(long, tmp_path / "long.png", max_steps=300))

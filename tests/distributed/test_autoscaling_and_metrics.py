@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from ray.serve._private.common import DeploymentID, ReplicaID
-from ray.serve.config import AutoscalingConfig, AutoscalingContext
-
 from batchserve.distributed.autoscaling import engine_load_policy
 from batchserve.distributed.metrics import STALE_AFTER_S, metrics_report, relabelled, replica_metrics
 from batchserve.serving.metrics import EngineMetrics, parse_metrics
 
+# Ray Serve's classes are imported by the tests that build them: every test worker collects this file, and Ray
+# Serve's import is most of a second of CPU that a worker which never runs it would pay.
+
 
 def _context(replicas: int, engine_requests: list[float], kv_usage: list[float], handle_requests: float = 0.0):
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
     ids = [f"r{i}" for i in range(replicas)]
     metrics = {"engine_requests": dict(zip(ids, engine_requests)), "kv_usage": dict(zip(ids, kv_usage))}
     return AutoscalingContext(
@@ -48,6 +50,8 @@ class _Replica:  # what a router's curr_replicas holds: Ray Serve's RunningRepli
 
 class _Router:
     def __init__(self, replicas):
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
         self.curr_replicas = {ReplicaID(unique_id=r, deployment_id=DeploymentID("E")): s for r, s in replicas.items()}
 
 

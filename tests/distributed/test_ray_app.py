@@ -33,21 +33,32 @@ import time
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray")
+from batchserve.bench.soak import wait_ready
+from batchserve.config import ConfigError
+from batchserve.entrypoints.llm import LLM
+from batchserve.sampling_params import SamplingParams
+from batchserve.serving.metrics import parse_metrics
+from batchserve.worker import ray_ranks
+from batchserve.worker.parallel_executor import RankDiedError
+from tests.lazy import LazyModule
+from tests.tiny_models import build_hf_model, hf_greedy, save_word_tokenizer
 
-from ray.cluster_utils import Cluster  # noqa: E402
-from ray.util.placement_group import placement_group_table  # noqa: E402
-
-from batchserve.bench.soak import wait_ready  # noqa: E402
-from batchserve.config import ConfigError  # noqa: E402
-from batchserve.entrypoints.llm import LLM  # noqa: E402
-from batchserve.sampling_params import SamplingParams  # noqa: E402
-from batchserve.serving.metrics import parse_metrics  # noqa: E402
-from batchserve.worker import ray_ranks  # noqa: E402
-from batchserve.worker.parallel_executor import RankDiedError  # noqa: E402
-from tests.tiny_models import build_hf_model, hf_greedy, save_word_tokenizer  # noqa: E402
+# Ray is imported when a test first uses it (most of a second of CPU that every worker collecting this file paid)
+ray = LazyModule("ray")
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_installed():
+    pytest.importorskip("ray")
+
+
+def placement_group_table() -> dict:
+    from ray.util.placement_group import placement_group_table as table
+
+    return table()
+
 
 ENGINE = {"num_threads": 1, "dtype": "float32", "num_kv_blocks": 256, "max_batch_size": 16, "seed": 0}
 START_TIMEOUT_S = 240.0
@@ -93,6 +104,8 @@ CPUS = 3.0  # the cluster's: 1 on the head, 2 on the other node
 @pytest.fixture(scope="module")
 def cluster():
     """The module's one Ray instance (starting one costs ~10 s of a 2-core host): the ranks' tests, then the app's."""
+    from ray.cluster_utils import Cluster
+
     from batchserve.layers import kernels
 
     kernels.load()  # built (and cached on disk) here once, before rank workers or replicas start and look for them

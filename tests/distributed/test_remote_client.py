@@ -7,12 +7,14 @@ import asyncio
 
 import pytest
 from pydantic import ValidationError
-from ray.serve.context import _get_serve_request_context, _RequestContext, _serve_request_context
 
-from batchserve.distributed.client import RemoteEngineClient
 from batchserve.distributed.messages import Admitted
 from batchserve.request import EngineRequest
 from batchserve.sampling_params import SamplingParams
+from tests.lazy import LazyModule
+
+# the client imports Ray Serve: imported by the tests that run it, not by every worker that collects this file
+client_module = LazyModule("batchserve.distributed.client")
 
 
 class _Method:
@@ -20,6 +22,8 @@ class _Method:
         self.name, self.seen, self.first = name, seen, first
 
     def remote(self, argument: object):
+        from ray.serve.context import _get_serve_request_context
+
         # what Ray Serve's handle reads to name the call (ray.serve._private.default_impl.get_request_metadata)
         self.seen.append((self.name, _get_serve_request_context()._internal_request_id))
         return self._stream()
@@ -45,9 +49,11 @@ def test_every_call_to_a_replica_is_its_own_serve_request():
     it: had they carried its Serve context, they would share its internal id, which Serve's router keys calls by
     (calls pending together under one id: all but one stay unrouted)."""
 
+    from ray.serve.context import _RequestContext, _serve_request_context
+
     async def serve_one_http_request() -> list[tuple[str, str]]:
         handle = _Handle()
-        client = RemoteEngineClient(handle, description=None, tokenizer=None)  # type: ignore[arg-type]
+        client = client_module.RemoteEngineClient(handle, description=None, tokenizer=None)  # type: ignore[arg-type]
         _serve_request_context.set(_RequestContext(request_id="http-1", _internal_request_id="http-1"))
         for child in range(3):
             await client.add_request(EngineRequest(f"http-1-{child}", [1, 2, 3], SamplingParams(max_tokens=4)))
@@ -74,7 +80,9 @@ def test_the_ingress_serves_the_replicas_adapters_by_model_name():
     config = EngineConfig(model="tiny-base", enable_lora=True, lora_modules="sql=/adapters/sql")
     limits = EngineLimits(64, 64, 100, Truncation.ERROR, 1024)
     loras = (LoRARequest("sql", 1, "/adapters/sql"),)
-    client = RemoteEngineClient(_Handle(), EngineDescription(config, limits, 64, {}, loras), tokenizer=None)
+    client = client_module.RemoteEngineClient(
+        _Handle(), EngineDescription(config, limits, 64, {}, loras), tokenizer=None
+    )
     assert client.lora_names() == ("sql",) and client.list_loras() == list(loras)
     app = build_front_app(
         client, ["tiny-base"], api_key=None, max_body_bytes=1 << 20, lenient=False,
@@ -102,12 +110,12 @@ def test_the_ingress_delays_repeat_offenders_on_its_own_http_port(monkeypatch):
 
     description = EngineDescription(EngineConfig(model="tiny-base"), EngineLimits(64, 64, 100, Truncation.ERROR, 1024),
                                     64, {}, ())  # fmt: skip
-    client = RemoteEngineClient(_Handle(), description, tokenizer=None)
+    client = client_module.RemoteEngineClient(_Handle(), description, tokenizer=None)
 
     async def connect(cls, handle):
         return client
 
-    monkeypatch.setattr(RemoteEngineClient, "connect", classmethod(connect))
+    monkeypatch.setattr(client_module.RemoteEngineClient, "connect", classmethod(connect))
     monkeypatch.setattr("batchserve.distributed.ingress.replica_metrics", lambda: {})  # no Ray cluster here
     options = RayAppOptions(http_port=0, max_body_bytes=1000, error_delay_max_s=0.05, error_delay_after=1)
 

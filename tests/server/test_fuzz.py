@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import schemathesis
 from hypothesis import HealthCheck, given, settings
 
+from tests.lazy import LazyModule
 from tests.server.fakes import fake_engine
 from tests.server.live import start_server
+
+# imported by the fuzzing test, not by every worker that collects this file (its pytest plugin is off: pyproject.toml)
+schemathesis = LazyModule("schemathesis")
 
 
 @pytest.fixture(scope="module")
