@@ -14,7 +14,8 @@ from batchserve.layers.kernels.paths import ISAS, OPERATIONS, select_path, selec
 
 ZEN3 = "flags : fpu sse2 avx f16c fma avx2 bmi2"
 SKYLAKE_SP = ZEN3 + " avx512f avx512bw avx512vl avx512_vnni"
-SAPPHIRE_RAPIDS = SKYLAKE_SP + " avx512_bf16 amx_bf16 amx_tile amx_int8"
+ZEN4 = SKYLAKE_SP + " avx512_bf16"  # bf16 pairs, no AMX
+SAPPHIRE_RAPIDS = ZEN4 + " amx_bf16 amx_tile amx_int8"
 OLD = "flags : fpu sse2 sse4_2"
 
 
@@ -43,6 +44,9 @@ def _built_on(flags: str) -> frozenset[tuple[str, str]]:
         (SAPPHIRE_RAPIDS, {"attention": "avx512_bf16", "small_gemm": "avx512", "bf16_gemm": "amx",
                            "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512_bf16",
                            "prefill_attention": "amx"}),
+        (ZEN4, {"attention": "avx512_bf16", "small_gemm": "avx512", "bf16_gemm": "avx512_bf16",
+                "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512_bf16",
+                "prefill_attention": "avx512"}),
         (SKYLAKE_SP, {"attention": "avx512", "small_gemm": "avx512", "bf16_gemm": "onednn",
                       "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512",
                       "prefill_attention": "avx512"}),
@@ -51,7 +55,7 @@ def _built_on(flags: str) -> frozenset[tuple[str, str]]:
         (OLD, {"attention": "portable", "small_gemm": "library", "bf16_gemm": "onednn", "quant_gemm": "portable",
                "kv_codec": "portable", "lora": "portable", "prefill_attention": None}),
     ],
-    ids=["sapphire-rapids", "skylake-sp", "zen3", "no-avx2"],
+    ids=["sapphire-rapids", "zen4", "skylake-sp", "zen3", "no-avx2"],
 )  # fmt: skip
 def test_each_cpu_gets_the_best_path_it_runs(flags, expected):
     chosen = select_paths(flags, {}, _built_on(flags))
@@ -140,7 +144,7 @@ def test_the_cpp_table_and_cpu_check_agree_with_the_flags(native):
         if isa != "amx":  # AMX also needs the kernel to grant the tiles
             assert native.cpu_runs(native.Isa.__members__[isa]) == all(f in flags for f in paths.ISA_FLAGS[isa]), isa
     built = paths.built_pairs(native.kernel_table())
-    assert built <= _everything_built() | {("prefill_attention", "avx512"), ("gemm_pairs", "avx512_bf16")}
+    assert built <= _everything_built() | {("prefill_attention", "avx512")}
     assert {
         ("attention", "portable"),
         ("quant_gemm", "portable"),
