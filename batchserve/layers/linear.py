@@ -148,7 +148,7 @@ class CpuLinear(nn.Module):
         # torch.matmul in that dtype at every M: one path for all.
         self.packed_only = low_precision and kernels.has_matmul_units(weight.dtype)
         # bf16 pairs by AVX512-BF16 at every M: a float32 result in one order per row (deterministic mode, logits),
-        # and the GEMM of every M where it is the bf16 GEMM path (AVX512-BF16 without AMX)
+        # and the GEMM of every M where it is the bf16 GEMM path (forced: BATCHSERVE_GEMM_PATH=avx512_bf16)
         pairs_path = weight.dtype == torch.bfloat16 and kernels.bf16_gemm_path() == "avx512_bf16"
         self.bf16_pairs = (self.deterministic or float_output or pairs_path) and self._bf16_gemm_runs(weight)
         if self.bf16_pairs:

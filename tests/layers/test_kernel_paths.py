@@ -14,7 +14,7 @@ from batchserve.layers.kernels.paths import ISAS, OPERATIONS, select_path, selec
 
 ZEN3 = "flags : fpu sse2 avx f16c fma avx2 bmi2"
 SKYLAKE_SP = ZEN3 + " avx512f avx512bw avx512vl avx512_vnni"
-ZEN4 = SKYLAKE_SP + " avx512_bf16"  # bf16 pairs, no AMX
+ZEN4 = SKYLAKE_SP + " avx512_bf16"  # no AMX
 SAPPHIRE_RAPIDS = ZEN4 + " amx_bf16 amx_tile amx_int8"
 OLD = "flags : fpu sse2 sse4_2"
 
@@ -44,7 +44,7 @@ def _built_on(flags: str) -> frozenset[tuple[str, str]]:
         (SAPPHIRE_RAPIDS, {"attention": "avx512_bf16", "small_gemm": "avx512", "bf16_gemm": "amx",
                            "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512_bf16",
                            "prefill_attention": "amx"}),
-        (ZEN4, {"attention": "avx512_bf16", "small_gemm": "avx512", "bf16_gemm": "avx512_bf16",
+        (ZEN4, {"attention": "avx512_bf16", "small_gemm": "avx512", "bf16_gemm": "onednn",
                 "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512_bf16",
                 "prefill_attention": "avx512"}),
         (SKYLAKE_SP, {"attention": "avx512", "small_gemm": "avx512", "bf16_gemm": "onednn",
@@ -78,6 +78,14 @@ def test_the_emulated_amx_path_is_taken_only_when_forced():
     built = _built_on(ZEN3)
     assert select_path("bf16_gemm", ZEN3, {}, built) == "onednn"
     assert select_path("bf16_gemm", ZEN3, {"BATCHSERVE_GEMM_PATH": "amx_emulated"}, built) == "amx_emulated"
+
+
+def test_the_bf16_pair_gemm_is_taken_only_when_forced():
+    built = _built_on(ZEN4)
+    assert select_path("bf16_gemm", ZEN4, {}, built) == "onednn"
+    assert select_path("bf16_gemm", ZEN4, {"BATCHSERVE_GEMM_PATH": "avx512_bf16"}, built) == "avx512_bf16"
+    with pytest.raises(ValueError):
+        select_path("bf16_gemm", SKYLAKE_SP, {"BATCHSERVE_GEMM_PATH": "avx512_bf16"}, _built_on(SKYLAKE_SP))
 
 
 @pytest.mark.parametrize("op", [op for op in OPERATIONS.values() if op.variable], ids=lambda op: op.name)

@@ -143,8 +143,7 @@ def gemm_path_runs(path: str) -> bool:
 @functools.cache
 def bf16_gemm_path() -> str:
     """The GEMM path of bfloat16 projections on bf16 matmul units, chosen once: BATCHSERVE_GEMM_PATH when set
-    (ValueError when it names no path or one that cannot run here), else AMX where the CPU has it, else bf16 pairs
-    by AVX512-BF16 where it has those."""
+    (ValueError when it names no path or one that cannot run here), else AMX where the CPU has it."""
     return chosen_path("bf16_gemm")
 
 
