@@ -149,8 +149,9 @@ class CpuLinear(nn.Module):
         self.packed_only = low_precision and kernels.has_matmul_units(weight.dtype)
         # bf16 pairs by AVX512-BF16 at every M: a float32 result in one order per row (deterministic mode, logits),
         # and the GEMM of every M where it is the bf16 GEMM path (forced: BATCHSERVE_GEMM_PATH=avx512_bf16)
-        pairs_path = weight.dtype == torch.bfloat16 and kernels.bf16_gemm_path() == "avx512_bf16"
-        self.bf16_pairs = (self.deterministic or float_output or pairs_path) and self._bf16_gemm_runs(weight)
+        one_order = self.deterministic or float_output
+        pairs_forced = not one_order and weight.dtype == torch.bfloat16 and kernels.bf16_gemm_path() == "avx512_bf16"
+        self.bf16_pairs = (one_order or pairs_forced) and self._bf16_gemm_runs(weight)
         if self.bf16_pairs:
             self._init_bf16_pairs(weight, bias)
             return
