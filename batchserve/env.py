@@ -38,7 +38,8 @@ def attention_path() -> str | None:
 def gemm_path() -> str | None:
     """BATCHSERVE_GEMM_PATH (default unset or "auto": the CPU's flags decide): forces the GEMM of bfloat16 models on
     a CPU with bf16 matmul units, "amx" (the native AMX kernel, layers/kernels/amx_gemm.cpp), "amx_emulated" (the
-    same kernel with its tile operations in scalar code: slow, runs on any CPU) or "onednn" (oneDNN's packed GEMM);
+    same kernel with its tile operations in scalar code: slow, runs on any CPU), "avx512_bf16" (bf16 pairs by
+    AVX512-BF16, layers/kernels/bf16_gemm.cpp) or "onednn" (oneDNN's packed GEMM);
     to measure or test one path. A path this build or CPU cannot run is an error, not a silent fallback."""
     value = os.environ.get("BATCHSERVE_GEMM_PATH")
     return None if value in (None, "", "auto") else value

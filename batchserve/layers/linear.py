@@ -147,8 +147,11 @@ class CpuLinear(nn.Module):
         # With bf16/fp16 matmul units (AMX, AVX512-BF16) oneDNN's GEMM on a pre-packed weight runs faster than
         # torch.matmul in that dtype at every M: one path for all.
         self.packed_only = low_precision and kernels.has_matmul_units(weight.dtype)
-        # bf16 pairs by AVX512-BF16 at every M: a float32 result in one order per row (deterministic mode, logits)
-        self.bf16_pairs = (self.deterministic or float_output) and self._bf16_gemm_runs(weight)
+        # bf16 pairs by AVX512-BF16 at every M: a float32 result in one order per row (deterministic mode, logits),
+        # and the GEMM of every M where it is the bf16 GEMM path (forced: BATCHSERVE_GEMM_PATH=avx512_bf16)
+        one_order = self.deterministic or float_output
+        pairs_forced = not one_order and weight.dtype == torch.bfloat16 and kernels.bf16_gemm_path() == "avx512_bf16"
+        self.bf16_pairs = (one_order or pairs_forced) and self._bf16_gemm_runs(weight)
         if self.bf16_pairs:
             self._init_bf16_pairs(weight, bias)
             return
@@ -220,7 +223,7 @@ class CpuLinear(nn.Module):
             return None
         path = kernels.bf16_gemm_path()
         native = kernels.load()
-        if path == "onednn" or native is None or not native.amx_gemm_takes(*weight.shape):
+        if not kernels.bf16_gemm_on_amx() or native is None or not native.amx_gemm_takes(*weight.shape):
             return None
         return path
 
@@ -312,7 +315,9 @@ def gemm_path(dtype: torch.dtype) -> str:
     """The GEMM path CpuLinear takes for a model in `dtype` on this CPU, in words (the start-up log says it)."""
     if dtype in (torch.bfloat16, torch.float16):
         if kernels.has_matmul_units(dtype):
-            amx = dtype == torch.bfloat16 and kernels.bf16_gemm_path() != "onednn"
+            if dtype == torch.bfloat16 and kernels.bf16_gemm_path() == "avx512_bf16" and kernels.load() is not None:
+                return "the native bf16 pair kernel (avx512_bf16) at every M, on weights packed once"
+            amx = dtype == torch.bfloat16 and kernels.bf16_gemm_on_amx()
             first = (
                 f"the native AMX kernel ({kernels.bf16_gemm_path()}) below {CpuLinear.AMX_MAX_M} rows, " if amx else ""
             )

@@ -313,8 +313,9 @@ class QuantizedLinear(CpuLinear):
     def _amx_rows(self) -> dict:
         """From how many rows the GEMM runs on AMX's bf16 tiles (0: never), and whether emulated: a bf16 model whose
         own GEMMs take the AMX path; never in deterministic mode (a row's result would depend on M)."""
-        path = kernels.bf16_gemm_path() if self.bf16_tiles and not self.deterministic else "onednn"
-        return {"amx_min_m": 0 if path == "onednn" else self.AMX_MIN_M, "amx_emulated": path == "amx_emulated"}
+        amx = self.bf16_tiles and not self.deterministic and kernels.bf16_gemm_on_amx()
+        emulated = amx and kernels.bf16_gemm_path() == "amx_emulated"
+        return {"amx_min_m": self.AMX_MIN_M if amx else 0, "amx_emulated": emulated}
 
     def _small_max_m(self) -> int:
         return self.SMALL_MAX_M_BF16_TILES if self.bf16_tiles else self.SMALL_MAX_M

@@ -171,22 +171,30 @@ def test_a_forced_small_gemm_path_must_exist_and_run_here(monkeypatch):
         kernels.small_gemm_path.cache_clear()
 
 
-@pytest.mark.parametrize("units", [False, True], ids=["no-bf16-units", "bf16-units"])
-def test_cpu_linear_bfloat16(units, monkeypatch):
+@pytest.mark.parametrize("path", [None, "onednn", "avx512_bf16"], ids=["no-bf16-units", "onednn", "bf16-pairs"])
+def test_cpu_linear_bfloat16(path, monkeypatch, force_gemm):
     # Without bf16 matmul units the GEMM runs in float32 on widened weights: exactly a bf16 GEMM with float32
-    # accumulation, rounded once. With them the weights stay bf16 for torch's own bf16 GEMM.
+    # accumulation, rounded once. With them the weights stay bf16, for oneDNN's GEMM or the native bf16 pairs.
+    units = path is not None
+    if path == "avx512_bf16" and not kernels.gemm_path_runs(path):
+        pytest.skip("this CPU has no AVX512-BF16")
+    if units:
+        force_gemm(path)
     monkeypatch.setattr(kernels, "has_matmul_units", lambda dtype: units)
     torch.manual_seed(4)
     linear = torch.nn.Linear(64, 96, bias=True, dtype=torch.bfloat16)
     cpu = CpuLinear.from_linear(linear)
     assert cpu.gemm_dtype == (torch.bfloat16 if units else torch.float32)
-    assert (cpu.weight_t is None) == cpu.packed_only  # x @ W's copy only where x @ W can run
+    assert cpu.bf16_pairs == (path == "avx512_bf16")
+    assert (cpu.weight_t is None) == (cpu.packed_only or cpu.bf16_pairs)  # x @ W's copy only where x @ W can run
     for m in (1, 2, 3, 5, 64, 600):
         x = torch.randn(m, 64).to(torch.bfloat16)
         out = cpu(x)
-        if units and m < CpuLinear.PACKED_MIN_M:  # padded with zero rows: each row as in a 4-row GEMM
+        if path == "onednn" and m < CpuLinear.PACKED_MIN_M:  # padded with zero rows: each row as in a 4-row GEMM
             four = torch.cat([x, torch.randn(CpuLinear.PACKED_MIN_M - m, 64).to(torch.bfloat16)])
             assert out.shape == (m, 96) and torch.equal(out, cpu(four)[:m])
+        if path == "avx512_bf16":  # one order per row: a row alone is the same bits as in any batch
+            assert torch.equal(out[:1], cpu(x[:1]))
         assert out.dtype == torch.bfloat16
         exact = (x.float() @ linear.weight.float().t() + linear.bias.float()).to(torch.bfloat16)
         torch.testing.assert_close(out, exact, rtol=1.6e-2, atol=1e-2)
@@ -260,8 +268,9 @@ def test_bf16_rope_and_write_kv(native_kernels):
         native_kernels.write_kv_(key.float(), value.float(), caches[0], caches[1], slots)
 
 
-def test_bf16_linear_on_bf16_units_is_one_packed_gemm(monkeypatch):
+def test_bf16_linear_on_bf16_units_is_one_packed_gemm(monkeypatch, force_gemm):
     # forced on any CPU: oneDNN's packed bf16 GEMM (emulated where the CPU lacks the units)
+    force_gemm("onednn")
     monkeypatch.setattr(kernels, "has_matmul_units", lambda dtype: True)
     torch.manual_seed(2)
     weight, bias = (torch.randn(960, 576) * 0.05).bfloat16(), torch.randn(960).bfloat16()

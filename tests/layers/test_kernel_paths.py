@@ -14,7 +14,7 @@ from batchserve.layers.kernels.paths import ISAS, OPERATIONS, select_path, selec
 
 ZEN3 = "flags : fpu sse2 avx f16c fma avx2 bmi2"
 SKYLAKE_SP = ZEN3 + " avx512f avx512bw avx512vl avx512_vnni"
-ZEN4 = SKYLAKE_SP + " avx512_bf16"
+ZEN4 = SKYLAKE_SP + " avx512_bf16"  # no AMX
 SAPPHIRE_RAPIDS = ZEN4 + " amx_bf16 amx_tile amx_int8"
 OLD = "flags : fpu sse2 sse4_2"
 
@@ -81,6 +81,14 @@ def test_the_emulated_amx_path_is_taken_only_when_forced():
     assert select_path("bf16_gemm", ZEN3, {"BATCHSERVE_GEMM_PATH": "amx_emulated"}, built) == "amx_emulated"
 
 
+def test_the_bf16_pair_gemm_is_taken_only_when_forced():
+    built = _built_on(ZEN4)
+    assert select_path("bf16_gemm", ZEN4, {}, built) == "onednn"
+    assert select_path("bf16_gemm", ZEN4, {"BATCHSERVE_GEMM_PATH": "avx512_bf16"}, built) == "avx512_bf16"
+    with pytest.raises(ValueError):
+        select_path("bf16_gemm", SKYLAKE_SP, {"BATCHSERVE_GEMM_PATH": "avx512_bf16"}, _built_on(SKYLAKE_SP))
+
+
 @pytest.mark.parametrize("op", [op for op in OPERATIONS.values() if op.variable], ids=lambda op: op.name)
 def test_a_forced_path_goes_through_the_table_and_fails_loudly_where_it_cannot_run(op):
     built = _built_on(OLD)
@@ -145,7 +153,7 @@ def test_the_cpp_table_and_cpu_check_agree_with_the_flags(native):
         if isa != "amx":  # AMX also needs the kernel to grant the tiles
             assert native.cpu_runs(native.Isa.__members__[isa]) == all(f in flags for f in paths.ISA_FLAGS[isa]), isa
     built = paths.built_pairs(native.kernel_table())
-    assert built <= _everything_built() | {("prefill_attention", "avx512"), ("gemm_pairs", "avx512_bf16")}
+    assert built <= _everything_built() | {("prefill_attention", "avx512")}
     assert {
         ("attention", "portable"),
         ("quant_gemm", "portable"),

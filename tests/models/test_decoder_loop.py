@@ -71,13 +71,16 @@ def _force_units(monkeypatch, force_gemm, units: str | None) -> None:
     """units: None (the CPU decides), "1"/"0" (bf16 matmul units or not, oneDNN's GEMM on them) or a GEMM path."""
     if units == "amx" and not kernels.gemm_path_runs("amx"):
         pytest.skip("this CPU has no AMX (amx_bf16)")
+    if units == "avx512_bf16" and not kernels.gemm_path_runs("avx512_bf16"):
+        pytest.skip("this CPU has no AVX512-BF16")
     if units in kernels.GEMM_PATHS:
         force_gemm(units)
     elif units is not None:
         monkeypatch.setenv("BATCHSERVE_LOW_PRECISION_UNITS", units)
         if units == "1":
             force_gemm("onednn")  # oneDNN's packed GEMM, as on bf16 units without AMX
-    if units not in (None, "0") and not CpuLinear(torch.zeros(32, 32, dtype=torch.bfloat16)).packed_only:
+    probe = CpuLinear(torch.zeros(32, 32, dtype=torch.bfloat16))
+    if units not in (None, "0") and not (probe.packed_only or probe.bf16_pairs):
         # the bf16-units path stands on oneDNN's packed bf16 GEMM, which this torch has only on AVX-512 CPUs:
         # forced units would leave every layer on the widened float32 path (AVX2-only hosts)
         pytest.skip("this torch build has no oneDNN bf16 linear")
@@ -112,6 +115,7 @@ def native_forward(model, batch, kv, monkeypatch):
         ("llama_tied", torch.bfloat16, "1"),  # oneDNN bf16 GEMMs on packed weights, fewer than 4 rows padded
         ("qwen2", torch.bfloat16, "1"),
         ("qwen2", torch.bfloat16, "amx_emulated"),  # q/k/v biases in the AMX kernel's epilogue
+        ("qwen2", torch.bfloat16, "avx512_bf16"),  # bf16 pairs at every M (AVX512-BF16 without AMX)
         ("llama", torch.bfloat16, "0"),  # no bf16 units: float32 GEMMs on widened weights
         ("llama", torch.bfloat16, "amx_emulated"),  # the AMX kernel's tile operations in scalar code, on any CPU
         ("llama", torch.bfloat16, "amx"),  # on AMX tiles, where the CPU has them

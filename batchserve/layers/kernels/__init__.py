@@ -149,6 +149,11 @@ def bf16_gemm_path() -> str:
     return chosen_path("bf16_gemm")
 
 
+def bf16_gemm_on_amx() -> bool:
+    """Whether bfloat16 projections take the AMX kernel (its tiles real or emulated)."""
+    return bf16_gemm_path() in ("amx", "amx_emulated")
+
+
 def small_gemm_path_runs(path: str) -> bool:
     """Whether the small-M GEMM `path` is built here (built only where this CPU runs it)."""
     return path_runs("small_gemm", path)

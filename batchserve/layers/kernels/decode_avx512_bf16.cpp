@@ -10,7 +10,9 @@ namespace {
 // P.V of HC query heads over a whole sequence's V rows of one kv head (v_head: that head's slice of the pool),
 // pb: the heads' bf16 weights by position, rows `p_stride` apart -> acc (HC * NC vectors, in the permuted order of
 // unpermute_store). Two tokens per vdpbf16ps; a block's odd last token is paired with zeros (the next row may be
-// garbage, NaN, or outside the pool). The accumulators stay in registers for the whole sequence.
+// garbage, NaN, or outside the pool). The accumulators stay in registers for the whole sequence. The next block's
+// rows of this head are asked for at each block's start: the score pass's request for them (into L2) does not keep
+// them there for long contexts, and without it these loads waited on memory for a third of the kernel's time.
 template <int NC, int HC>
 BF16_TARGET void values_bf16(const bf16_t* v_head, const int64_t* table, int64_t len, int64_t block_size,
                              int64_t block_stride, int64_t token_stride, const uint16_t* pb, int64_t p_stride,
@@ -23,6 +25,9 @@ BF16_TARGET void values_bf16(const bf16_t* v_head, const int64_t* table, int64_t
     const int64_t n = std::min(block_size, len - start);
     const bf16_t* v = v_head + table[start / block_size] * block_stride;
     const uint16_t* p = pb + start;
+    if (start + block_size < len)
+      prefetch_rows(v_head + table[start / block_size + 1] * block_stride, std::min(block_size, len - start - block_size),
+                    token_stride * 2, NC * 32);
     for (int64_t t = 0; t < n; t += 2, v += 2 * token_stride, p += 2) {
       const bool pair = t + 1 < n;
       __m512i lo[NP], hi[NP];
@@ -100,9 +105,11 @@ BF16_TARGET void decode_items_bf16(WorkQueue& queue, DecodeSplit& split, const f
       _mm512_storeu_ps(&maxes[h * 16], _mm512_set1_ps(-3.0e38f));
     }
     // (1) scores, a block at a time (its kv heads are one run of memory). The pool's blocks are scattered, which the
-    // hardware prefetchers do not foresee: the next block's K is asked for (into L1) and its V (into L2, for (3)), a
-    // slice per tile and head, spread over the block's work. Asked for all at a block's start, the same lines took
-    // longer (the burst waits on the line-fill buffers the loads need too).
+    // hardware prefetchers do not foresee: the next block's K and V are asked for, a slice per tile and head, spread
+    // over the block's work. Asked for all at a block's start, the same lines took longer (the burst waits on the
+    // line-fill buffers the loads need too). Both go to L2, not L1: on the EPYC an L1 request holds one of the few
+    // L1 miss buffers until its line arrives, and K asked for into L1 left the pass waiting on them (K into L2 took
+    // the kernel from 0.72 to 0.50 ms over 8,000 tokens from memory); the line moves on to L1 at its load.
     const int64_t row_bytes = heads_per_item * D * 2;
     const auto first_row = [&](const bf16_t* pool, int64_t start) {  // of the block holding token `start`
       return pool + table[start / block_size] * block_stride + first_kv * D;
@@ -114,8 +121,8 @@ BF16_TARGET void decode_items_bf16(WorkQueue& queue, DecodeSplit& split, const f
       const int64_t base = table[start / block_size] * block_stride + first_kv * D;
       const int64_t next_rows = std::clamp<int64_t>(len - start - block_size, 0, block_size);
       const int64_t steps = (n + 15) / 16 * item_heads;
-      RowPrefetcher next_k(next_rows ? first_row(k_cache, start + block_size) : k_cache, next_rows, token_stride * 2,
-                           row_bytes, steps);
+      RowPrefetcher<_MM_HINT_T1> next_k(next_rows ? first_row(k_cache, start + block_size) : k_cache, next_rows,
+                                        token_stride * 2, row_bytes, steps);
       RowPrefetcher<_MM_HINT_T1> next_v(next_rows ? first_row(v_cache, start + block_size) : v_cache, next_rows,
                                         token_stride * 2, row_bytes, steps);
       for (int64_t i = 0; i < n; i += 16) {

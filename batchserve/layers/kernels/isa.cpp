@@ -52,7 +52,7 @@ std::vector<std::tuple<std::string, std::string, Isa>> kernel_table() {
 #endif
 #ifdef BATCHSERVE_ISA_AVX512_BF16
     add("attention", {"bfloat16"}, Isa::kAvx512Bf16);
-    add("gemm_pairs", {"bfloat16"}, Isa::kAvx512Bf16);  // bf16_gemm.cpp: one order per row at every M
+    add("bf16_gemm", {"bfloat16"}, Isa::kAvx512Bf16);  // bf16_gemm.cpp: one order per row at every M
 #endif
     // float32 GEMM of decode-sized M (small_gemm.cpp)
 #ifdef BATCHSERVE_ISA_AVX2

@@ -76,11 +76,19 @@ OPERATIONS: dict[str, Operation] = {
         ),
         # float32 GEMM of decode-sized M (small_gemm.cpp); "library": oneDNN or x @ W at every M
         Operation("small_gemm", "BATCHSERVE_SMALL_GEMM_PATH", (*_isa_paths("avx512", "avx2"), Path("library", None))),
-        # bfloat16 GEMM on a CPU with bf16 matmul units: the AMX kernel, its tiles emulated (tests), or oneDNN
+        # bfloat16 GEMM on a CPU with bf16 matmul units: the AMX kernel, its tiles emulated (tests), bf16 pairs by
+        # AVX512-BF16 (bf16_gemm.cpp: on the EPYC without AMX it streams a decode step's weights faster than oneDNN;
+        # only when forced, since under it the default model's greedy answer to the README's chat example changes,
+        # docs/cpu-kernels.md), or oneDNN
         Operation(
             "bf16_gemm",
             "BATCHSERVE_GEMM_PATH",
-            (Path("amx", "amx"), Path("amx_emulated", "portable", auto=False), Path("onednn", None)),
+            (
+                Path("amx", "amx"),
+                Path("amx_emulated", "portable", auto=False),
+                Path("avx512_bf16", "avx512_bf16", auto=False),
+                Path("onednn", None),
+            ),
         ),
         # weights kept quantized (quant_gemm.cpp; avx512_vnni: W8A8, quant_w8a8.cpp)
         Operation("quant_gemm", "BATCHSERVE_QUANT_GEMM_PATH", _isa_paths("avx512_vnni", "avx512", "avx2", "portable")),
