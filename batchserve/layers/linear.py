@@ -103,8 +103,9 @@ class CpuLinear(nn.Module):
     # FMA peak and beats oneDNN and x @ W well into prefill-sized M)
     SMALL_MAX_M = {"avx512": {False: 48, True: 64}, "avx2": {False: 256, True: 384}, "library": {False: 0, True: 0}}
     # on a CPU that runs AVX-512 in two halves (kernels.avx512_in_halves: AMD family 25) oneDNN's packed GEMM beat the
-    # avx512 kernel from 8 rows on every projection, narrow ones too (one thread, CPU clock: docs/cpu-kernels.md);
-    # there the kernel keeps fewer rows and every projection keeps oneDNN's copy
+    # avx512 kernel from 8 rows on every projection, narrow ones too, and x @ W at every M up to 2,048 (one thread, CPU
+    # clock: docs/cpu-kernels.md); there the kernel keeps fewer rows, every projection keeps oneDNN's copy and x @ W
+    # is left only one row
     HALVES_SMALL_MAX_M = 7
     # oneDNN's bf16 GEMM runs fewer than 4 rows slower than 4: zero rows pad up to 4
     PACKED_MIN_M = 4
@@ -121,14 +122,14 @@ class CpuLinear(nn.Module):
     def row_schedule_for(cls, small_path: str, narrow: bool = False, halves: bool = False) -> RowSchedule:
         """The row counts at which a projection on small-M path `small_path` changes GEMM (this class's thresholds,
         read when a layer is built, so that a test may move one); `halves`: the CPU runs AVX-512 in two halves."""
-        small_max_m = cls.SMALL_MAX_M[small_path][narrow]
+        small_max_m, packed_max_m = cls.SMALL_MAX_M[small_path][narrow], cls.PACKED_MAX_M
         if halves and small_path == "avx512":
-            small_max_m = min(small_max_m, cls.HALVES_SMALL_MAX_M)
+            small_max_m, packed_max_m = min(small_max_m, cls.HALVES_SMALL_MAX_M), ALL_ROWS
         return RowSchedule(
             small_min_m=cls.SMALL_MIN_M[small_path],
             small_max_m=small_max_m,
             packed_min_m=cls.PACKED_MIN_M,
-            packed_max_m=cls.PACKED_MAX_M,
+            packed_max_m=packed_max_m,
             amx_max_m=cls.AMX_MAX_M,
             swiglu_tile_m=cls.SWIGLU_TILE_M,
         )

@@ -47,11 +47,11 @@ def test_a_padded_row_is_computed_as_in_the_padded_gemm(wide_float32_projection)
 
 
 @pytest.mark.parametrize("out_features", [576, 3072])  # narrow (o) and wide (gate/up)
-def test_on_avx512_in_halves_onednn_takes_rows_from_8_and_narrow_projections_keep_its_copy(
+def test_on_avx512_in_halves_onednn_takes_every_row_count_from_8_and_narrow_projections_keep_its_copy(
     native_kernels, monkeypatch, out_features
 ):
     # a CPU that runs AVX-512 in two halves (kernels.avx512_in_halves): the small-M kernel up to 7 rows, oneDNN's
-    # packed GEMM from 8 on, narrow projections included; every row count still computes the Linear
+    # packed GEMM from 8 on, at any length (x @ W for one row only), narrow projections included; each M computes the Linear
     if kernels.small_gemm_path() != "avx512":
         pytest.skip("the avx512 small-M kernel is not this host's path")
     monkeypatch.setattr(kernels, "avx512_in_halves", lambda: True)
@@ -62,7 +62,8 @@ def test_on_avx512_in_halves_onednn_takes_rows_from_8_and_narrow_projections_kee
         pytest.skip("this torch build has no oneDNN linear")
     assert cpu.packed is not None and cpu.small_packed is not None
     assert (cpu.rows.small_min_m, cpu.rows.small_max_m) == (2, CpuLinear.HALVES_SMALL_MAX_M) == (2, 7)
-    for m in (1, 2, 7, 8, 16, 64, 65, 600):
+    assert cpu.rows.packed_max_m > 2**40  # oneDNN up to any prefill chunk
+    for m in (1, 2, 7, 8, 16, 64, 65, 600, 2048):
         x = torch.randn(m, 576)
         torch.testing.assert_close(cpu(x), linear(x), rtol=1e-4, atol=1e-4)
 
