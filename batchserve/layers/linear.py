@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchserve.layers import kernels
-from batchserve.layers.kernels.paths import RowSchedule
+from batchserve.layers.kernels.paths import NO_ROW_BOUND, RowSchedule
 
 if TYPE_CHECKING:
     from batchserve.layers.quantization import QuantScheme
 
 logger = logging.getLogger(__name__)
 
-ALL_ROWS = 2**62  # a row-count threshold no batch reaches
+ALL_ROWS = NO_ROW_BOUND  # a row-count threshold no batch reaches
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ def test_on_avx512_in_halves_onednn_takes_every_row_count_from_8_and_narrow_proj
     native_kernels, monkeypatch, out_features
 ):
     # a CPU that runs AVX-512 in two halves (kernels.avx512_in_halves): the small-M kernel up to 7 rows, oneDNN's
-    # packed GEMM from 8 on, at any length (x @ W for one row only), narrow projections included; each M computes the Linear
+    # packed GEMM from 8 on at any length (x @ W for one row only), narrow projections included; each M computes the
+    # Linear
     if kernels.small_gemm_path() != "avx512":
         pytest.skip("the avx512 small-M kernel is not this host's path")
     monkeypatch.setattr(kernels, "avx512_in_halves", lambda: True)

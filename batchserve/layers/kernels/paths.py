@@ -182,6 +182,9 @@ def built_pairs(rows: Collection[tuple[str, str, object]]) -> frozenset[tuple[st
     return frozenset((op, isa if isinstance(isa, str) else isa.name) for op, _format, isa in rows)
 
 
+NO_ROW_BOUND = 2**62  # a row-count threshold no call reaches (layers/linear.py ALL_ROWS)
+
+
 @dataclass(frozen=True)
 class RowSchedule:
     """The row counts at which a projection changes GEMM (kernels/layer_ops.h RowSchedule, to which it is handed):
@@ -198,8 +201,9 @@ class RowSchedule:
     swiglu_tile_m: int = 0
 
     def describe(self) -> str:
+        packed = "at any M" if self.packed_max_m >= NO_ROW_BOUND else f"< {self.packed_max_m}"
         return (
-            f"small-M kernel {self.small_min_m}..{self.small_max_m}, oneDNN packed < {self.packed_max_m} "
+            f"small-M kernel {self.small_min_m}..{self.small_max_m}, oneDNN packed {packed} "
             f"(padded to {self.packed_min_m}), AMX < {self.amx_max_m}"
         )
 
