@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchserve.layers import kernels
-from batchserve.layers.kernels.paths import RowSchedule
+from batchserve.layers.kernels.paths import NO_ROW_BOUND, RowSchedule
 
 if TYPE_CHECKING:
     from batchserve.layers.quantization import QuantScheme
 
 logger = logging.getLogger(__name__)
 
-ALL_ROWS = 2**62  # a row-count threshold no batch reaches
+ALL_ROWS = NO_ROW_BOUND  # a row-count threshold no batch reaches
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,11 @@ class CpuLinear(nn.Module):
     # up to where the native kernel wins, per path: {narrow projection?: M} (on AVX2 the 8-wide kernel runs near the
     # FMA peak and beats oneDNN and x @ W well into prefill-sized M)
     SMALL_MAX_M = {"avx512": {False: 48, True: 64}, "avx2": {False: 256, True: 384}, "library": {False: 0, True: 0}}
+    # on a CPU that runs AVX-512 in two halves (kernels.avx512_in_halves: AMD family 25) oneDNN's packed GEMM beat the
+    # avx512 kernel from 8 rows on every projection, narrow ones too, and x @ W at every M up to 2,048 (one thread, CPU
+    # clock: docs/cpu-kernels.md); there the kernel keeps fewer rows, every projection keeps oneDNN's copy and x @ W
+    # is left only one row
+    HALVES_SMALL_MAX_M = 7
     # oneDNN's bf16 GEMM runs fewer than 4 rows slower than 4: zero rows pad up to 4
     PACKED_MIN_M = 4
     PACKED_MAX_M = 512  # from here on (prefill chunks) x @ W is as fast
@@ -114,14 +119,17 @@ class CpuLinear(nn.Module):
     NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
 
     @classmethod
-    def row_schedule_for(cls, small_path: str, narrow: bool = False) -> RowSchedule:
+    def row_schedule_for(cls, small_path: str, narrow: bool = False, halves: bool = False) -> RowSchedule:
         """The row counts at which a projection on small-M path `small_path` changes GEMM (this class's thresholds,
-        read when a layer is built, so that a test may move one)."""
+        read when a layer is built, so that a test may move one); `halves`: the CPU runs AVX-512 in two halves."""
+        small_max_m, packed_max_m = cls.SMALL_MAX_M[small_path][narrow], cls.PACKED_MAX_M
+        if halves and small_path == "avx512":
+            small_max_m, packed_max_m = min(small_max_m, cls.HALVES_SMALL_MAX_M), ALL_ROWS
         return RowSchedule(
             small_min_m=cls.SMALL_MIN_M[small_path],
-            small_max_m=cls.SMALL_MAX_M[small_path][narrow],
+            small_max_m=small_max_m,
             packed_min_m=cls.PACKED_MIN_M,
-            packed_max_m=cls.PACKED_MAX_M,
+            packed_max_m=packed_max_m,
             amx_max_m=cls.AMX_MAX_M,
             swiglu_tile_m=cls.SWIGLU_TILE_M,
         )
@@ -167,18 +175,19 @@ class CpuLinear(nn.Module):
         self.gemm_dtype = weight.dtype
         self.register_buffer("bias", None if bias is None else bias.detach())
         narrow = self.out_features <= self.NARROW_OUT
+        small_path = kernels.small_gemm_path() if kernels.for_tensors(weight) is not None else "library"
+        halves = small_path == "avx512" and kernels.avx512_in_halves()
         path = self._amx_path(weight)
         # bf16 on AMX hands rows from AMX_MAX_M on to oneDNN's packed copy; where no call carries that many rows
         # the AMX kernel takes every M and that copy (the size of the weight) is not made
         amx_takes_all = path is not None and policy.max_rows is not None and policy.max_rows < self.AMX_MAX_M
-        keep_packed = not (narrow and not self.packed_only) and not amx_takes_all
+        keep_packed = not (narrow and not self.packed_only and not halves) and not amx_takes_all
         self.register_buffer("packed", _mkldnn_pack(weight) if keep_packed else None)
         self.packed_only = self.packed_only and (self.packed is not None or amx_takes_all)
         path = path if self.packed_only else None
         # [in, out] for x @ W, which the packed-only path never runs: not kept there (a whole weight's copy less)
         self.register_buffer("weight_t", None if self.packed_only else weight.t().contiguous())
-        small_path = kernels.small_gemm_path() if kernels.for_tensors(weight) is not None else "library"
-        self.rows = self.row_schedule_for(small_path, narrow)
+        self.rows = self.row_schedule_for(small_path, narrow, halves)
         small = small_path != "library"
         if self.deterministic:
             # the small-M kernel's order is one per row at any M (threads split columns, K runs in one order); without

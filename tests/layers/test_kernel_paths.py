@@ -170,3 +170,17 @@ def test_the_paths_are_logged_once_in_one_line(native, caplog):
         kernels.chosen_path("small_gemm")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("native kernel paths")]
     assert len(lines) == 1 and "GEMM by rows" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "vendor, family, flags, halves",
+    [
+        ("AuthenticAMD", "25", SKYLAKE_SP, True),  # Zen 4: AVX-512 in two 256-bit halves
+        ("AuthenticAMD", "26", SKYLAKE_SP, False),  # Zen 5: full-width AVX-512
+        ("AuthenticAMD", "25", ZEN3, False),  # Zen 3 is family 25 too, without AVX-512
+        ("GenuineIntel", "6", SAPPHIRE_RAPIDS, False),
+        ("", "", SKYLAKE_SP, False),  # no /proc/cpuinfo fields
+    ],
+)
+def test_avx512_in_halves_by_vendor_family_and_flags(vendor, family, flags, halves):
+    assert paths.avx512_in_halves(vendor, family, flags) == halves

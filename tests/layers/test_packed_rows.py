@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from batchserve.host.heap import heap_info
+from batchserve.layers import kernels
 from batchserve.layers.linear import CpuLinear
 
 
@@ -43,3 +44,33 @@ def test_a_padded_row_is_computed_as_in_the_padded_gemm(wide_float32_projection)
     _, cpu = wide_float32_projection
     x = torch.randn(104, 576)
     assert torch.equal(cpu(x[:101]), cpu(x)[:101])
+
+
+@pytest.mark.parametrize("out_features", [576, 3072])  # narrow (o) and wide (gate/up)
+def test_on_avx512_in_halves_onednn_takes_every_row_count_from_8_and_narrow_projections_keep_its_copy(
+    native_kernels, monkeypatch, out_features
+):
+    # a CPU that runs AVX-512 in two halves (kernels.avx512_in_halves): the small-M kernel up to 7 rows, oneDNN's
+    # packed GEMM from 8 on at any length (x @ W for one row only), narrow projections included; each M computes the
+    # Linear
+    if kernels.small_gemm_path() != "avx512":
+        pytest.skip("the avx512 small-M kernel is not this host's path")
+    monkeypatch.setattr(kernels, "avx512_in_halves", lambda: True)
+    torch.manual_seed(7)
+    linear = torch.nn.Linear(576, out_features, bias=True)
+    cpu = CpuLinear.from_linear(linear)
+    if cpu.native is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    assert cpu.packed is not None and cpu.small_packed is not None
+    assert (cpu.rows.small_min_m, cpu.rows.small_max_m) == (2, CpuLinear.HALVES_SMALL_MAX_M) == (2, 7)
+    assert cpu.rows.packed_max_m > 2**40  # oneDNN up to any prefill chunk
+    for m in (1, 2, 7, 8, 16, 64, 65, 600, 2048):
+        x = torch.randn(m, 576)
+        torch.testing.assert_close(cpu(x), linear(x), rtol=1e-4, atol=1e-4)
+
+
+def test_without_halves_narrow_projections_keep_no_onednn_copy(native_kernels, monkeypatch):
+    monkeypatch.setattr(kernels, "avx512_in_halves", lambda: False)
+    cpu = CpuLinear.from_linear(torch.nn.Linear(576, 576))
+    small_path = kernels.small_gemm_path() if cpu.small_packed is not None else "library"
+    assert cpu.packed is None and cpu.rows.small_max_m == CpuLinear.SMALL_MAX_M[small_path][True]

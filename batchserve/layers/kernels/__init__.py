@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from batchserve import env
+from batchserve.layers.kernels import paths
 from batchserve.layers.kernels.build import build_or_load, sources_for
 from batchserve.layers.kernels.paths import (
     OPERATIONS,
@@ -43,6 +44,26 @@ def cpu_flags() -> str:
         return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return platform.processor()
+
+
+def _cpuinfo_field(name: str) -> str:
+    """The first value of field `name` in /proc/cpuinfo ("" where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return ""
+
+
+@functools.cache
+def avx512_in_halves() -> bool:
+    """Whether this CPU runs AVX-512 in two 256-bit halves (paths.avx512_in_halves: AMD family 25), which moves the
+    float32 GEMM's row schedule (layers/linear.py CpuLinear)."""
+    return paths.avx512_in_halves(_cpuinfo_field("vendor_id"), _cpuinfo_field("cpu family"), cpu_flags())
 
 
 def has_matmul_units(dtype: torch.dtype) -> bool:
@@ -193,7 +214,8 @@ def _log_paths_once() -> None:
     except ValueError as exc:
         logger.info("native kernel paths: %s", exc)
         return
-    logger.info(chosen.line(CpuLinear.row_schedule_for(chosen.paths["small_gemm"] or "library").describe()))
+    small_path = chosen.paths["small_gemm"] or "library"
+    logger.info(chosen.line(CpuLinear.row_schedule_for(small_path, halves=avx512_in_halves()).describe()))
 
 
 def for_tensors(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):

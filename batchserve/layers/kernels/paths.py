@@ -110,6 +110,18 @@ SHORT_PREFILL_MAX_ROWS = 128
 # was measured faster than torch's SDPA, one thread, 2k and 8k tokens (benchmarks/prefill_amx.py; docs/cpu-kernels.md).
 AMX_PREFILL_HEAD_DIMS = (64, 128)
 
+# CPUs that run each 512-bit vector operation as two 256-bit halves, by vendor and family (AMD family 25: Zen 4).
+# There oneDNN's packed float32 GEMM beat the AVX-512 small-M kernel from 8 rows on every projection of the default
+# model, narrow ones included (docs/cpu-kernels.md), so the kernel keeps only the fewest rows.
+SPLIT_AVX512_FAMILIES = {"AuthenticAMD": frozenset({"25"})}
+
+
+def avx512_in_halves(vendor: str, family: str, cpu_flags: str) -> bool:
+    """Whether a CPU of this vendor ("vendor_id" in /proc/cpuinfo), family ("cpu family") and flags runs AVX-512
+    in two 256-bit halves (SPLIT_AVX512_FAMILIES)."""
+    return "avx512f" in flag_set(cpu_flags) and family in SPLIT_AVX512_FAMILIES.get(vendor, frozenset())
+
+
 FORCE_OFF = ("", "auto")  # a forcing variable with one of these values forces nothing
 
 
@@ -184,6 +196,9 @@ def built_pairs(rows: Collection[tuple[str, str, object]]) -> frozenset[tuple[st
     return frozenset((op, isa if isinstance(isa, str) else isa.name) for op, _format, isa in rows)
 
 
+NO_ROW_BOUND = 2**62  # a row-count threshold no call reaches (layers/linear.py ALL_ROWS)
+
+
 @dataclass(frozen=True)
 class RowSchedule:
     """The row counts at which a projection changes GEMM (kernels/layer_ops.h RowSchedule, to which it is handed):
@@ -200,8 +215,9 @@ class RowSchedule:
     swiglu_tile_m: int = 0
 
     def describe(self) -> str:
+        packed = "at any M" if self.packed_max_m >= NO_ROW_BOUND else f"< {self.packed_max_m}"
         return (
-            f"small-M kernel {self.small_min_m}..{self.small_max_m}, oneDNN packed < {self.packed_max_m} "
+            f"small-M kernel {self.small_min_m}..{self.small_max_m}, oneDNN packed {packed} "
             f"(padded to {self.packed_min_m}), AMX < {self.amx_max_m}"
         )
 
