@@ -78,8 +78,7 @@ OPERATIONS: dict[str, Operation] = {
         Operation("small_gemm", "BATCHSERVE_SMALL_GEMM_PATH", (*_isa_paths("avx512", "avx2"), Path("library", None))),
         # bfloat16 GEMM on a CPU with bf16 matmul units: the AMX kernel, its tiles emulated (tests), bf16 pairs by
         # AVX512-BF16 (bf16_gemm.cpp: on the EPYC without AMX it streams a decode step's weights faster than oneDNN;
-        # only when forced, since under it the default model's greedy answer to the README's chat example changes,
-        # docs/cpu-kernels.md), or oneDNN
+        # only when forced: peer64 as a whole gains nothing clear from it, docs/cpu-kernels.md), or oneDNN
         Operation(
             "bf16_gemm",
             "BATCHSERVE_GEMM_PATH",
