@@ -343,16 +343,17 @@ def run_soak(options: SoakOptions) -> SoakReport:
 def _settle(url: str, report: SoakReport, timeout_s: float = 120.0) -> None:
     """Wait until the engine holds nothing (aborts land at the next step), then read what is left."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        metrics = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
-        report.leaked_blocks = metrics.get("batchserve:kv_cache_blocks_used", -1)
-        report.left_running = metrics.get("batchserve:num_requests_running", -1)
-        report.left_waiting = metrics.get("batchserve:num_requests_waiting", -1)
-        if (report.leaked_blocks, report.left_running, report.left_waiting) == (0, 0, 0):
-            return
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.5)
+    with httpx.Client(timeout=10) as http:  # one client for the polls (wait_ready says why)
+        while True:
+            metrics = parse_metrics(http.get(url + "/metrics").text)
+            report.leaked_blocks = metrics.get("batchserve:kv_cache_blocks_used", -1)
+            report.left_running = metrics.get("batchserve:num_requests_running", -1)
+            report.left_waiting = metrics.get("batchserve:num_requests_waiting", -1)
+            if (report.leaked_blocks, report.left_running, report.left_waiting) == (0, 0, 0):
+                return
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)  # the aborts land within a step or two: a long poll would be most of the wait
 
 
 def check(report: SoakReport, options: SoakOptions) -> list[str]:

@@ -50,6 +50,13 @@ def alive(pid: int) -> bool:
         return stat.read().split(")")[-1].split()[0] != "Z"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a live process has used (/proc/PID/stat, in clock ticks)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().split(")")[-1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @pytest.fixture(scope="module")
 def server():
     s = start_server(fake_engine(delay_s=0.001))
@@ -181,8 +188,12 @@ def test_sigterm_during_a_compile_exits_within_the_drain_deadline_and_kills_the_
         sender = threading.Thread(
             target=lambda: answer.setdefault("response", httpx.post(url + COMPLETIONS, json=body, timeout=120))
         )
+        idle = cpu_seconds(child)
         sender.start()
-        time.sleep(2.0)  # parsed and compiling in the child by now
+        deadline = time.monotonic() + 60
+        while cpu_seconds(child) < idle + 0.2:  # parsed, and compiling in the child
+            assert time.monotonic() < deadline and sender.is_alive(), answer
+            time.sleep(0.02)
         assert proc.poll() is None and sender.is_alive(), answer["response"].text
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
