@@ -1,9 +1,13 @@
-"""The suite's file order and its tables: tests/cpu_seconds.py counts a file's CPU time (its children's too), and
-tests/file_order.py merges the workers' tables into the one the order reads."""
+"""The suite's file order and its tables: tests/cpu_seconds.py counts a file's CPU time (its children's too),
+tests/file_order.py merges the workers' tables into the one the order reads, and tests/reaped_cpu.py counts a
+command's whole tree, the processes that outlived their parent too."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 from tests import file_order
 
@@ -67,3 +71,19 @@ def test_the_workers_tables_merge_into_one_listing_only_files_that_matter(tmp_pa
     (tmp_path / "gw0.json").write_text(json.dumps({"tests/a.py": 30.04, "tests/quick.py": 0.5}))
     (tmp_path / "gw1.json").write_text(json.dumps({"tests/b.py": 50.0, "tests/quick.py": 0.4}))
     assert file_order.cpu_seconds_per_file(tmp_path) == {"tests/b.py": 50.0, "tests/a.py": 30.0}
+
+
+# a child that outlives its parent: re-parented before it exits, so only a subreaper sees its CPU time
+ORPHAN_BURNS_CPU = """
+import subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time\\nend = time.process_time() + 0.4\\nwhile time.process_time() < end: pass"])
+"""
+
+
+def test_reaped_cpu_counts_a_process_that_outlived_its_parent():
+    """In a process of its own: a test worker that became a subreaper would reap the children of other tests."""
+    command = [sys.executable, "-m", "tests.reaped_cpu", sys.executable, "-c", ORPHAN_BURNS_CPU]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    cpu = float(re.search(r"CPU ([0-9.]+) s", done.stderr).group(1))
+    assert cpu >= 0.4, done.stderr  # the orphan's 0.4 s, counted though its parent had gone
