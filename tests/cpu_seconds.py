@@ -4,7 +4,8 @@ $BATCHSERVE_CPU_SECONDS_DIR/<worker>.json (default: .pytest_cache/cpu_seconds).
 On a host shared with other work the wall seconds of a JUnit report say more about the neighbours than about a file:
 a file's cost here is the user + system time of its setup, call and teardown phases in the test process (all of its
 threads) plus every child process reaped meanwhile (a server or Ray node a file starts is counted when the file stops
-it). A process that outlives the file, or is re-parented away from the test process before it exits, is not counted.
+it). A process that outlives the file, or is re-parented away from the test process before it exits, is not counted
+(Ray's nodes and workers: `python -m tests.reaped_cpu <command>` counts a whole command's tree, those included).
 `python -m tests.file_order --cpu <dir>` turns the folder into file_seconds.json.
 
 Beside it, <dir>/fixtures/<worker>.json: the CPU seconds of each fixture's own set-up (the fixtures it requests are
