@@ -93,7 +93,7 @@ def main_bf16(args) -> None:
     native = kernels.load()
     if native is None or not native.bf16_gemm_available():
         raise SystemExit("--dtype bfloat16 needs the native kernels and a CPU with AVX512-BF16")
-    print(f"CpuLinear here: the pair kernel below {getattr(CpuLinear, 'PAIR_MAX_M', '(none)')} rows, oneDNN from there")
+    print(f"CpuLinear on AVX512-BF16 without AMX: the pair kernel below {CpuLinear.PAIR_MAX_M} rows, oneDNN from there")
     print("GFLOP/s")
     print(f"{'shape':<8} {'M':>5} {'oneDNN':>9} {'pairs':>9} {'pairs/1DNN':>9}")
     for name in args.shapes.split(","):

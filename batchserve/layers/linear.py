@@ -77,9 +77,9 @@ def engine_layouts(deterministic: bool, max_rows: int | None, one_bf16_copy: boo
     """The loading policy of an engine's model: deterministic GEMMs or not (deterministic_gemms), `max_rows`, the
     most rows one forward pass carries (max_num_tokens), past which no layout is kept (LinearPolicy.max_rows), and
     whether bf16 weights on the pair kernel keep one copy (LinearPolicy.one_bf16_copy)."""
-    policy = dataclasses.replace(loading_policy(), max_rows=max_rows, one_bf16_copy=one_bf16_copy)
-    with deterministic_gemms(deterministic), layout_policy(policy):
-        yield loading_policy()
+    with deterministic_gemms(deterministic) as policy:
+        with layout_policy(dataclasses.replace(policy, max_rows=max_rows, one_bf16_copy=one_bf16_copy)):
+            yield loading_policy()
 
 
 # A bf16 model on the pair kernel (no AMX) keeps oneDNN's copy of each projection beside the pairs, for the rows from

@@ -10,7 +10,14 @@ import torch
 
 from batchserve.host.memory import GiB
 from batchserve.layers import kernels
-from batchserve.layers.linear import CpuLinear, LinearPolicy, keeps_one_bf16_copy
+from batchserve.layers.linear import (
+    DEFAULT_POLICY,
+    CpuLinear,
+    LinearPolicy,
+    engine_layouts,
+    keeps_one_bf16_copy,
+    loading_policy,
+)
 
 NO_AMX = "flags\t\t: fpu avx2 fma avx512f avx512_bf16"  # the EPYC of family 25: vdpbf16ps, no AMX tiles
 
@@ -26,7 +33,7 @@ def no_amx_host(native_kernels, force_gemm, monkeypatch):
     return native_kernels
 
 
-def _layer(policy: LinearPolicy = LinearPolicy()) -> tuple[CpuLinear, torch.Tensor]:
+def _layer(policy: LinearPolicy = DEFAULT_POLICY) -> tuple[CpuLinear, torch.Tensor]:
     torch.manual_seed(11)
     bias = torch.randn(96).bfloat16()
     return CpuLinear((torch.randn(96, 64) * 0.1).bfloat16(), bias, policy=policy), bias
@@ -71,3 +78,11 @@ def test_a_model_keeps_one_copy_only_where_two_would_not_fit(no_amx_host, force_
     assert not keeps_one_bf16_copy(16 * GiB, 22 * GiB, torch.float32)  # float32 never takes the pairs
     force_gemm("onednn")
     assert not keeps_one_bf16_copy(16 * GiB, 22 * GiB, torch.bfloat16)  # oneDNN alone: one copy anyway
+
+
+def test_an_engines_layouts_carry_every_choice_at_once():
+    """engine_layouts: deterministic mode, the row bound and the one-copy rule together, none undoing another."""
+    with engine_layouts(True, 19, True):
+        policy = loading_policy()
+        assert policy.deterministic and policy.max_rows == 19 and policy.one_bf16_copy
+    assert loading_policy() == DEFAULT_POLICY
