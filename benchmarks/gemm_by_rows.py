@@ -14,7 +14,7 @@ schedule CpuLinear builds here.
 
 --dtype bfloat16 (a CPU with AVX512-BF16): oneDNN's bf16 GEMM on its packed copy, fewer than 4 rows padded to 4 as
 the Projection pads them (kernels/projection.cpp), against the bf16 pair kernel (kernels/bf16_gemm.cpp) with its
-float32 result rounded to bf16 as a layer's output is: where the row schedule hands rows from one to the other
+float32 result rounded to bf16 as a layer's output is: where a split by rows would hand rows from one to the other
 (CpuLinear.PAIR_MAX_M).
 """
 
@@ -93,7 +93,8 @@ def main_bf16(args) -> None:
     native = kernels.load()
     if native is None or not native.bf16_gemm_available():
         raise SystemExit("--dtype bfloat16 needs the native kernels and a CPU with AVX512-BF16")
-    print(f"CpuLinear on AVX512-BF16 without AMX: the pair kernel below {CpuLinear.PAIR_MAX_M} rows, oneDNN from there")
+    schedule = CpuLinear.row_schedule_for("library", pairs=True)
+    print(f"CpuLinear on AVX512-BF16 without AMX: {schedule.describe().split(', ')[-1]}")
     print("GFLOP/s")
     print(f"{'shape':<8} {'M':>5} {'oneDNN':>9} {'pairs':>9} {'pairs/1DNN':>9}")
     for name in args.shapes.split(","):

@@ -82,18 +82,21 @@ def engine_layouts(deterministic: bool, max_rows: int | None, one_bf16_copy: boo
             yield loading_policy()
 
 
-# A bf16 model on the pair kernel (no AMX) keeps oneDNN's copy of each projection beside the pairs, for the rows from
-# CpuLinear.PAIR_MAX_M on, only where its weights take at most this share of the memory free at load: the second copy
-# then still leaves at least half of that memory to the KV pool. A larger model (Llama-3.1-8B's 16 GB on a 24 GiB
-# host) keeps the pairs alone and runs them at every M: its prefill a few percent slower than oneDNN's
-# (docs/cpu-kernels.md), its decode as fast.
+# Where the pair kernel's rows are split from oneDNN's (CpuLinear.PAIR_MAX_M below ALL_ROWS), a bf16 model keeps
+# oneDNN's copy of each projection beside the pairs only where its weights take at most this share of the memory free
+# at load: the second copy then still leaves at least half of that memory to the KV pool. A larger model
+# (Llama-3.1-8B's 16 GB on a 24 GiB host) keeps the pairs alone and runs them at every M: its prefill a few percent
+# slower than oneDNN's (docs/cpu-kernels.md), its decode as fast.
 SECOND_BF16_COPY_MAX_SHARE = 0.25
 
 
 def keeps_one_bf16_copy(weight_bytes: int, available_bytes: int, dtype: torch.dtype) -> bool:
     """Whether a CPU model of `weight_bytes` in `dtype`, loaded with `available_bytes` free, keeps its projections in
-    the pair kernel's layout alone (LinearPolicy.one_bf16_copy): bf16 on the pair path, and a second copy would take
-    more than SECOND_BF16_COPY_MAX_SHARE of the memory. Said in the log where so."""
+    the pair kernel's layout alone (LinearPolicy.one_bf16_copy): bf16 on the pair path split by rows
+    (CpuLinear.PAIR_MAX_M), and a second copy would take more than SECOND_BF16_COPY_MAX_SHARE of the memory. Said in
+    the log where so."""
+    if CpuLinear.PAIR_MAX_M >= ALL_ROWS:
+        return False  # the pairs take every M: one copy anyway
     if dtype != torch.bfloat16 or kernels.load() is None or not kernels.has_matmul_units(dtype):
         return False
     if kernels.bf16_gemm_path() != "avx512_bf16" or weight_bytes <= available_bytes * SECOND_BF16_COPY_MAX_SHARE:
@@ -144,10 +147,14 @@ class CpuLinear(nn.Module):
     # bf16 on AMX: the native AMX kernel below this M, oneDNN's packed GEMM from here on (where oneDNN's cache blocking
     # starts to win)
     AMX_MAX_M = 1280
-    # bf16 on AVX512-BF16 without AMX: the bf16 pair kernel below this M, oneDNN's packed GEMM from here on. On the
-    # EPYC of family 25 the pairs ran every projection of the default model 1.1-1.7x as fast as oneDNN up to 20 rows,
-    # about even at 24 and gate/up behind from 32 (benchmarks/gemm_by_rows.py --dtype bfloat16; docs/cpu-kernels.md)
-    PAIR_MAX_M = 24
+    # bf16 on AVX512-BF16 without AMX: the bf16 pair kernel below this M, oneDNN's packed GEMM (a second copy of the
+    # weight) from here on. On the EPYC of family 25 the pairs ran every projection of the default model 1.1-1.7x as
+    # fast as oneDNN up to 20 rows, about even at 24, gate/up behind from 32 (benchmarks/gemm_by_rows.py --dtype
+    # bfloat16; docs/cpu-kernels.md). Yet any split by rows makes a row's result depend on how many rows its step
+    # carries: a prefix-cache hit's short tail or a speculative step then rounds otherwise than the plain run, and
+    # greedy speculation in bf16 parted from plain greedy's tokens (tests/engine/test_speculative.py). So the pairs
+    # take every M, one copy, one order per row; the split (24 where measured) is kept for measuring and tests.
+    PAIR_MAX_M = ALL_ROWS
     # bf16 on AMX: the MLP of a longer step in row tiles of this many (kernels/projection.cpp swiglu_mlp); 256 ran it
     # fastest of 128-1024 at 4,096 rows on one core
     SWIGLU_TILE_M = 256
@@ -248,9 +255,10 @@ class CpuLinear(nn.Module):
         self.native = self._native_projection()
 
     def _pairs_alone(self, policy: LinearPolicy) -> bool:
-        """Whether the pair kernel takes every M, no oneDNN copy kept: the policy keeps one copy, or no call carries
-        the rows oneDNN would take."""
-        return policy.one_bf16_copy or (policy.max_rows is not None and policy.max_rows < self.PAIR_MAX_M)
+        """Whether the pair kernel takes every M, no oneDNN copy kept: no split by rows, the policy keeps one copy, or
+        no call carries the rows oneDNN would take."""
+        reach_onednn = self.PAIR_MAX_M < ALL_ROWS and (policy.max_rows is None or policy.max_rows >= self.PAIR_MAX_M)
+        return policy.one_bf16_copy or not reach_onednn
 
     @staticmethod
     def _bf16_gemm_runs(weight: torch.Tensor) -> bool:
@@ -374,6 +382,8 @@ def gemm_path(dtype: torch.dtype) -> str:
     if dtype in (torch.bfloat16, torch.float16):
         if kernels.has_matmul_units(dtype):
             if dtype == torch.bfloat16 and kernels.bf16_gemm_path() == "avx512_bf16" and kernels.load() is not None:
+                if CpuLinear.PAIR_MAX_M >= ALL_ROWS:
+                    return "the native bf16 pair kernel (avx512_bf16) at every M, on weights packed once"
                 return (
                     f"the native bf16 pair kernel (avx512_bf16) below {CpuLinear.PAIR_MAX_M} rows, oneDNN bf16 GEMMs "
                     "from there (the pairs at every M where the model keeps one copy), on weights packed once"

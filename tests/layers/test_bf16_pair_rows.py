@@ -1,7 +1,8 @@
-"""The bf16 pair kernel's share of the row schedule (layers/linear.py CpuLinear.PAIR_MAX_M, kernels/projection.cpp): on
-a CPU with AVX512-BF16 and no AMX a bf16 projection takes the pairs below the threshold and oneDNN's GEMM from it;
-where the model keeps one copy (LinearPolicy.one_bf16_copy, keeps_one_bf16_copy) or no call carries that many rows,
-the pairs take every M and no oneDNN copy is made."""
+"""The bf16 pair kernel in the row schedule (layers/linear.py CpuLinear.PAIR_MAX_M, kernels/projection.cpp): on a CPU
+with AVX512-BF16 and no AMX a bf16 projection takes the pairs at every M, one copy (a row's result never depends on its
+step's other rows). Split by rows (the threshold moved, as a measurement would), the pairs take the rows below it and
+oneDNN's GEMM the others; where the model keeps one copy (LinearPolicy.one_bf16_copy, keeps_one_bf16_copy) or no call
+carries that many rows, the pairs take every M and no oneDNN copy is made."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def no_amx_host(native_kernels, force_gemm, monkeypatch):
     return native_kernels
 
 
+SPLIT = 24  # where the pairs stopped winning on the EPYC of family 25 (docs/cpu-kernels.md)
+
+
+@pytest.fixture
+def split_by_rows(no_amx_host, monkeypatch):
+    """The pair kernel below SPLIT rows, oneDNN from there."""
+    monkeypatch.setattr(CpuLinear, "PAIR_MAX_M", SPLIT)
+    return no_amx_host
+
+
 def _layer(policy: LinearPolicy = DEFAULT_POLICY) -> tuple[CpuLinear, torch.Tensor]:
     torch.manual_seed(11)
     bias = torch.randn(96).bfloat16()
@@ -44,7 +55,18 @@ def _pairs(native, linear: CpuLinear, x: torch.Tensor, bias: torch.Tensor) -> to
     return (native.bf16_gemm(x, linear.bf16_packed, linear.out_features) + bias).bfloat16()
 
 
-def test_decode_rows_take_the_pairs_and_longer_rows_onednn(no_amx_host):
+def test_the_pairs_take_every_m_by_default_in_one_copy(no_amx_host):
+    linear, bias = _layer()
+    assert linear.bf16_pairs and linear.packed is None and linear.weight_t is None and linear.amx_packed is None
+    for m in (1, 8, SPLIT, 70, 600):
+        x = torch.randn(m, 64).bfloat16()
+        out = linear(x)
+        assert torch.equal(out, _pairs(no_amx_host, linear, x, bias)), m
+        assert torch.equal(out[:1], linear(x[:1]))  # one order per row: a row alone is the same bits as in any step
+
+
+def test_decode_rows_take_the_pairs_and_longer_rows_onednn(split_by_rows):
+    no_amx_host = split_by_rows
     linear, bias = _layer()
     if linear.packed is None:
         pytest.skip("this torch build has no oneDNN bf16 linear")
@@ -60,24 +82,29 @@ def test_decode_rows_take_the_pairs_and_longer_rows_onednn(no_amx_host):
 
 @pytest.mark.parametrize(
     "policy",
-    [LinearPolicy(one_bf16_copy=True), LinearPolicy(max_rows=CpuLinear.PAIR_MAX_M - 1)],
+    [LinearPolicy(one_bf16_copy=True), LinearPolicy(max_rows=SPLIT - 1)],
     ids=["one-copy", "no-longer-rows"],
 )
-def test_one_copy_runs_the_pairs_at_every_m(no_amx_host, policy):
+def test_one_copy_runs_the_pairs_at_every_m(split_by_rows, policy):
+    no_amx_host = split_by_rows
     linear, bias = _layer(policy)
     assert linear.bf16_pairs and linear.packed is None and linear.weight_t is None
-    for m in (1, CpuLinear.PAIR_MAX_M, 40):  # a longer call than max_rows (none should come) still computes
+    for m in (1, SPLIT, 40):  # a longer call than max_rows (none should come) still computes
         x = torch.randn(m, 64).bfloat16()
         assert torch.equal(linear(x), _pairs(no_amx_host, linear, x, bias)), m
-    assert _layer(LinearPolicy(max_rows=CpuLinear.PAIR_MAX_M))[0].packed is not None  # those rows reach oneDNN
+    assert _layer(LinearPolicy(max_rows=SPLIT))[0].packed is not None  # those rows reach oneDNN
 
 
-def test_a_model_keeps_one_copy_only_where_two_would_not_fit(no_amx_host, force_gemm):
+def test_a_model_keeps_one_copy_only_where_two_would_not_fit(split_by_rows, force_gemm, monkeypatch):
     assert not keeps_one_bf16_copy(GiB // 4, 20 * GiB, torch.bfloat16)  # the default model: two copies
     assert keeps_one_bf16_copy(16 * GiB, 22 * GiB, torch.bfloat16)  # Llama-3.1-8B on a 24 GiB host: the pairs alone
     assert not keeps_one_bf16_copy(16 * GiB, 22 * GiB, torch.float32)  # float32 never takes the pairs
     force_gemm("onednn")
     assert not keeps_one_bf16_copy(16 * GiB, 22 * GiB, torch.bfloat16)  # oneDNN alone: one copy anyway
+    force_gemm("auto")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: NO_AMX)
+    monkeypatch.setattr(CpuLinear, "PAIR_MAX_M", 2**62)
+    assert not keeps_one_bf16_copy(16 * GiB, 22 * GiB, torch.bfloat16)  # the pairs at every M: one copy anyway
 
 
 def test_an_engines_layouts_carry_every_choice_at_once():
