@@ -64,10 +64,11 @@ def load_runner(
         )
     if config.quantization != "none":
         logger.info("weights kept quantized: %s (docs/quantization.md)", config.quantization)
-    one_bf16_copy = False
+    weights = available = 0  # quantized weights: the memory rule of the bf16 layouts does not count them
     if config.quantization == "none":  # quantized weights are smaller than this count
         weights, available = check_memory_before_loading(config, path, model_config, dtype, device)
-        one_bf16_copy = device.type == "cpu" and keeps_one_bf16_copy(weights, available, dtype)
+    speculating = config.speculative_config is not None
+    one_bf16_copy = device.type == "cpu" and keeps_one_bf16_copy(weights, available, dtype, speculating)
     split = config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
     gemm_path = None if auto is None else auto.quant_gemm_path  # auto's weight-only path; else the table's
     if not split:  # the weights first: a GGUF file's own refusals come before its tokenizer's conversion

@@ -90,16 +90,22 @@ def engine_layouts(deterministic: bool, max_rows: int | None, one_bf16_copy: boo
 SECOND_BF16_COPY_MAX_SHARE = 0.25
 
 
-def keeps_one_bf16_copy(weight_bytes: int, available_bytes: int, dtype: torch.dtype) -> bool:
+def keeps_one_bf16_copy(weight_bytes: int, available_bytes: int, dtype: torch.dtype, speculating: bool = False) -> bool:
     """Whether a CPU model of `weight_bytes` in `dtype`, loaded with `available_bytes` free, keeps its projections in
-    the pair kernel's layout alone (LinearPolicy.one_bf16_copy): bf16 on the pair path split by rows
-    (CpuLinear.PAIR_MAX_M), and a second copy would take more than SECOND_BF16_COPY_MAX_SHARE of the memory. Said in
-    the log where so."""
+    the pair kernel's layout alone, taken at every M (LinearPolicy.one_bf16_copy): bf16 on the pair path split by
+    rows (CpuLinear.PAIR_MAX_M), and a second copy would take more than SECOND_BF16_COPY_MAX_SHARE of the memory, or
+    the engine speculates (a verify step must round each row as the plain decode does, whatever its row count). Said
+    in the log where so."""
     if CpuLinear.PAIR_MAX_M >= ALL_ROWS:
         return False  # the pairs take every M: one copy anyway
     if dtype != torch.bfloat16 or kernels.load() is None or not kernels.has_matmul_units(dtype):
         return False
-    if kernels.bf16_gemm_path() != "avx512_bf16" or weight_bytes <= available_bytes * SECOND_BF16_COPY_MAX_SHARE:
+    if kernels.bf16_gemm_path() != "avx512_bf16":
+        return False
+    if speculating:
+        logger.info("bf16 pair kernel at every M, one copy: speculation's verify steps round each row as plain decodes")
+        return True
+    if weight_bytes <= available_bytes * SECOND_BF16_COPY_MAX_SHARE:
         return False
     logger.info(
         "bf16 weights (%.1f GiB) kept in the pair kernel's layout alone, taken at every M: oneDNN's copy for the "
@@ -150,11 +156,10 @@ class CpuLinear(nn.Module):
     # bf16 on AVX512-BF16 without AMX: the bf16 pair kernel below this M, oneDNN's packed GEMM (a second copy of the
     # weight) from here on. On the EPYC of family 25 the pairs ran every projection of the default model 1.1-1.7x as
     # fast as oneDNN up to 20 rows, about even at 24, gate/up behind from 32 (benchmarks/gemm_by_rows.py --dtype
-    # bfloat16; docs/cpu-kernels.md). Yet any split by rows makes a row's result depend on how many rows its step
-    # carries: a prefix-cache hit's short tail or a speculative step then rounds otherwise than the plain run, and
-    # greedy speculation in bf16 parted from plain greedy's tokens (tests/engine/test_speculative.py). So the pairs
-    # take every M, one copy, one order per row; the split (24 where measured) is kept for measuring and tests.
-    PAIR_MAX_M = ALL_ROWS
+    # bfloat16; docs/cpu-kernels.md); at every M they made prefill and peer64 4-9% slower. A split by rows makes a
+    # row's rounding follow how many rows its step carries, so a speculating engine keeps the pairs alone
+    # (keeps_one_bf16_copy): its verified drafts then round as plain decodes (tests/engine/test_speculative.py).
+    PAIR_MAX_M = 24
     # bf16 on AMX: the MLP of a longer step in row tiles of this many (kernels/projection.cpp swiglu_mlp); 256 ran it
     # fastest of 128-1024 at 4,096 rows on one core
     SWIGLU_TILE_M = 256

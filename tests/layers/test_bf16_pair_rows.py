@@ -1,7 +1,6 @@
 """The bf16 pair kernel in the row schedule (layers/linear.py CpuLinear.PAIR_MAX_M, kernels/projection.cpp): on a CPU
-with AVX512-BF16 and no AMX a bf16 projection takes the pairs at every M, one copy (a row's result never depends on its
-step's other rows). Split by rows (the threshold moved, as a measurement would), the pairs take the rows below it and
-oneDNN's GEMM the others; where the model keeps one copy (LinearPolicy.one_bf16_copy, keeps_one_bf16_copy) or no call
+with AVX512-BF16 and no AMX a bf16 projection takes the pairs below the threshold and oneDNN's GEMM from it; where the
+model keeps one copy (LinearPolicy.one_bf16_copy, keeps_one_bf16_copy: too large for two, or speculating) or no call
 carries that many rows, the pairs take every M and no oneDNN copy is made."""
 
 from __future__ import annotations
@@ -38,9 +37,9 @@ SPLIT = 24  # where the pairs stopped winning on the EPYC of family 25 (docs/cpu
 
 
 @pytest.fixture
-def split_by_rows(no_amx_host, monkeypatch):
-    """The pair kernel below SPLIT rows, oneDNN from there."""
-    monkeypatch.setattr(CpuLinear, "PAIR_MAX_M", SPLIT)
+def split_by_rows(no_amx_host):
+    """The pair kernel below SPLIT rows, oneDNN from there: this host class's default."""
+    assert CpuLinear.PAIR_MAX_M == SPLIT
     return no_amx_host
 
 
@@ -53,16 +52,6 @@ def _layer(policy: LinearPolicy = DEFAULT_POLICY) -> tuple[CpuLinear, torch.Tens
 def _pairs(native, linear: CpuLinear, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """What the pair kernel gives for x: its float32 sum plus the bias, rounded once to bf16."""
     return (native.bf16_gemm(x, linear.bf16_packed, linear.out_features) + bias).bfloat16()
-
-
-def test_the_pairs_take_every_m_by_default_in_one_copy(no_amx_host):
-    linear, bias = _layer()
-    assert linear.bf16_pairs and linear.packed is None and linear.weight_t is None and linear.amx_packed is None
-    for m in (1, 8, SPLIT, 70, 600):
-        x = torch.randn(m, 64).bfloat16()
-        out = linear(x)
-        assert torch.equal(out, _pairs(no_amx_host, linear, x, bias)), m
-        assert torch.equal(out[:1], linear(x[:1]))  # one order per row: a row alone is the same bits as in any step
 
 
 def test_decode_rows_take_the_pairs_and_longer_rows_onednn(split_by_rows):
@@ -99,6 +88,7 @@ def test_a_model_keeps_one_copy_only_where_two_would_not_fit(split_by_rows, forc
     assert not keeps_one_bf16_copy(GiB // 4, 20 * GiB, torch.bfloat16)  # the default model: two copies
     assert keeps_one_bf16_copy(16 * GiB, 22 * GiB, torch.bfloat16)  # Llama-3.1-8B on a 24 GiB host: the pairs alone
     assert not keeps_one_bf16_copy(16 * GiB, 22 * GiB, torch.float32)  # float32 never takes the pairs
+    assert keeps_one_bf16_copy(GiB // 4, 20 * GiB, torch.bfloat16, speculating=True)  # verify steps round as decodes
     force_gemm("onednn")
     assert not keeps_one_bf16_copy(16 * GiB, 22 * GiB, torch.bfloat16)  # oneDNN alone: one copy anyway
     force_gemm("auto")
