@@ -77,8 +77,8 @@ OPERATIONS: dict[str, Operation] = {
         # float32 GEMM of decode-sized M (small_gemm.cpp); "library": oneDNN or x @ W at every M
         Operation("small_gemm", "BATCHSERVE_SMALL_GEMM_PATH", (*_isa_paths("avx512", "avx2"), Path("library", None))),
         # bfloat16 GEMM on a CPU with bf16 matmul units: the AMX kernel, its tiles emulated (tests), bf16 pairs by
-        # AVX512-BF16 (bf16_gemm.cpp: without AMX it streams a decode step's weights faster than oneDNN; at every M,
-        # layers/linear.py CpuLinear.PAIR_MAX_M says why), or oneDNN at every M
+        # AVX512-BF16 for decode-sized rows (bf16_gemm.cpp: without AMX it streams a decode step's weights faster
+        # than oneDNN, which takes the longer rows: layers/linear.py CpuLinear.PAIR_MAX_M), or oneDNN at every M
         Operation(
             "bf16_gemm",
             "BATCHSERVE_GEMM_PATH",
