@@ -38,7 +38,7 @@ class LinearPolicy:
     BATCHSERVE_QUANT_GEMM_PATH wins over either). max_rows: the most rows one call carries (the engine's
     max_num_tokens; None: no bound): a layout that only longer calls would read is not kept, each layout being a whole
     copy of the weight. one_bf16_copy: a bf16 projection on the pair kernel keeps the pairs alone, for every M, and no
-    oneDNN copy for the longer rows (where two copies would not fit: keeps_one_bf16_copy)."""
+    oneDNN copy for the longer rows (a speculating engine, or a model too large for two copies: keeps_one_bf16_copy)."""
 
     deterministic: bool = False
     scheme: QuantScheme | None = None
