@@ -28,7 +28,7 @@ def load_runner(
     """Load `config.model` (default: SmolLM2-135M-Instruct) on the configured device and dtype
     -> (runner, model_config, tokenizer). The KV pool: see ModelRunner (`initial_kv_blocks` for one that grows)."""
     from batchserve.layers import kernels
-    from batchserve.layers.linear import deterministic_gemm_path, engine_layouts, gemm_path
+    from batchserve.layers.linear import deterministic_gemm_path, engine_layouts, gemm_path, keeps_one_bf16_copy
     from batchserve.layers.quantization import quantized_linears
     from batchserve.models.loader import (
         is_gguf,
@@ -64,13 +64,17 @@ def load_runner(
         )
     if config.quantization != "none":
         logger.info("weights kept quantized: %s (docs/quantization.md)", config.quantization)
+    weights = available = 0  # quantized weights: the memory rule of the bf16 layouts does not count them
     if config.quantization == "none":  # quantized weights are smaller than this count
-        check_memory_before_loading(config, path, model_config, dtype, device)
+        weights, available = check_memory_before_loading(config, path, model_config, dtype, device)
+    speculating = config.speculative_config is not None
+    one_bf16_copy = device.type == "cpu" and keeps_one_bf16_copy(weights, available, dtype, speculating)
     split = config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
     gemm_path = None if auto is None else auto.quant_gemm_path  # auto's weight-only path; else the table's
     if not split:  # the weights first: a GGUF file's own refusals come before its tokenizer's conversion
         rows = config.scheduler.max_num_tokens
-        with engine_layouts(config.deterministic, rows), quantized_linears(config.quantization, dtype, gemm_path):
+        layouts = engine_layouts(config.deterministic, rows, one_bf16_copy)
+        with layouts, quantized_linears(config.quantization, dtype, gemm_path):
             model = load_model(path, model_config, dtype, device)
     tokenizer = load_tokenizer(path, config.tokenizer)
     config.tokenizer = str(tokenizer_folder(path, config.tokenizer))  # the effective value, as the logs report it
@@ -133,9 +137,10 @@ def load_draft_model(config: EngineConfig, name: str, target: ModelRunner, token
     return DraftModelProposer(runner, target.model_config.vocab_size)
 
 
-def check_memory_before_loading(config: EngineConfig, path, model_config, dtype, device) -> None:
+def check_memory_before_loading(config: EngineConfig, path, model_config, dtype, device) -> tuple[int, int]:
     """Weights (from the checkpoint's headers, at the load dtype) + the smallest KV pool against the memory free now
-    (host/memory.py): a model that cannot fit is refused before anything is allocated."""
+    (host/memory.py): a model that cannot fit is refused before anything is allocated -> (weight bytes, memory free
+    bytes)."""
     from batchserve.host.memory import available_memory_bytes, min_kv_blocks, require_memory_for
     from batchserve.models.gguf_weights import checkpoint_weight_bytes
     from batchserve.models.loader import gguf_cache_dir, gguf_reader, gguf_to_hf_name, is_gguf
@@ -150,7 +155,9 @@ def check_memory_before_loading(config: EngineConfig, path, model_config, dtype,
     cache = config.cache
     blocks = min_kv_blocks(cache.num_kv_blocks, config.scheduler.max_model_len, cache.block_size)
     kv = blocks * block_bytes(model_config, cache.block_size, pool_dtype(cache, dtype))
-    require_memory_for(weights, kv, available_memory_bytes(device))
+    available = available_memory_bytes(device)
+    require_memory_for(weights, kv, available)
+    return weights, available
 
 
 def pooling_setup(config: EngineConfig, path, model_config: ModelConfig):

@@ -1,4 +1,5 @@
-"""CpuLinear: a projection laid out for this CPU's GEMMs (native small-M or AMX kernel, oneDNN packed, or x @ W)."""
+"""CpuLinear: a projection laid out for this CPU's GEMMs (native small-M, AMX or bf16 pair kernel, oneDNN packed, or
+x @ W)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ class LinearPolicy:
     "avx512_vnni", ...: kernels/paths.py OPERATIONS), None for the kernel table's choice (a forced
     BATCHSERVE_QUANT_GEMM_PATH wins over either). max_rows: the most rows one call carries (the engine's
     max_num_tokens; None: no bound): a layout that only longer calls would read is not kept, each layout being a whole
-    copy of the weight."""
+    copy of the weight. one_bf16_copy: a bf16 projection on the pair kernel keeps the pairs alone, for every M, and no
+    oneDNN copy for the longer rows (a speculating engine, or a model too large for two copies: keeps_one_bf16_copy)."""
 
     deterministic: bool = False
     scheme: QuantScheme | None = None
@@ -44,6 +46,7 @@ class LinearPolicy:
     bf16_tiles: bool = False
     quant_gemm_path: str | None = None
     max_rows: int | None = None
+    one_bf16_copy: bool = False
 
 
 DEFAULT_POLICY = LinearPolicy()
@@ -70,11 +73,48 @@ def layout_policy(policy: LinearPolicy):
 
 
 @contextlib.contextmanager
-def engine_layouts(deterministic: bool, max_rows: int | None):
-    """The loading policy of an engine's model: deterministic GEMMs or not (deterministic_gemms), and `max_rows`, the
-    most rows one forward pass carries (max_num_tokens), past which no layout is kept (LinearPolicy.max_rows)."""
-    with deterministic_gemms(deterministic), layout_policy(dataclasses.replace(loading_policy(), max_rows=max_rows)):
-        yield loading_policy()
+def engine_layouts(deterministic: bool, max_rows: int | None, one_bf16_copy: bool = False):
+    """The loading policy of an engine's model: deterministic GEMMs or not (deterministic_gemms), `max_rows`, the
+    most rows one forward pass carries (max_num_tokens), past which no layout is kept (LinearPolicy.max_rows), and
+    whether bf16 weights on the pair kernel keep one copy (LinearPolicy.one_bf16_copy)."""
+    with deterministic_gemms(deterministic) as policy:
+        with layout_policy(dataclasses.replace(policy, max_rows=max_rows, one_bf16_copy=one_bf16_copy)):
+            yield loading_policy()
+
+
+# Where the pair kernel's rows are split from oneDNN's (CpuLinear.PAIR_MAX_M below ALL_ROWS), a bf16 model keeps
+# oneDNN's copy of each projection beside the pairs only where its weights take at most this share of the memory free
+# at load: the second copy then still leaves at least half of that memory to the KV pool. A larger model
+# (Llama-3.1-8B's 16 GB on a 24 GiB host) keeps the pairs alone and runs them at every M: its prefill a few percent
+# slower than oneDNN's (docs/cpu-kernels.md), its decode as fast.
+SECOND_BF16_COPY_MAX_SHARE = 0.25
+
+
+def keeps_one_bf16_copy(weight_bytes: int, available_bytes: int, dtype: torch.dtype, speculating: bool = False) -> bool:
+    """Whether a CPU model of `weight_bytes` in `dtype`, loaded with `available_bytes` free, keeps its projections in
+    the pair kernel's layout alone, taken at every M (LinearPolicy.one_bf16_copy): bf16 on the pair path split by
+    rows (CpuLinear.PAIR_MAX_M), and a second copy would take more than SECOND_BF16_COPY_MAX_SHARE of the memory, or
+    the engine speculates (a verify step must round each row as the plain decode does, whatever its row count). Said
+    in the log where so."""
+    if CpuLinear.PAIR_MAX_M >= ALL_ROWS:
+        return False  # the pairs take every M: one copy anyway
+    if dtype != torch.bfloat16 or kernels.load() is None or not kernels.has_matmul_units(dtype):
+        return False
+    if kernels.bf16_gemm_path() != "avx512_bf16":
+        return False
+    if speculating:
+        logger.info("bf16 pair kernel at every M, one copy: speculation's verify steps round each row as plain decodes")
+        return True
+    if weight_bytes <= available_bytes * SECOND_BF16_COPY_MAX_SHARE:
+        return False
+    logger.info(
+        "bf16 weights (%.1f GiB) kept in the pair kernel's layout alone, taken at every M: oneDNN's copy for the "
+        "longer rows would take more than %d%% of the memory free (%.1f GiB)",
+        weight_bytes / 2**30,
+        round(SECOND_BF16_COPY_MAX_SHARE * 100),
+        available_bytes / 2**30,
+    )
+    return True
 
 
 @contextlib.contextmanager
@@ -113,15 +153,25 @@ class CpuLinear(nn.Module):
     # bf16 on AMX: the native AMX kernel below this M, oneDNN's packed GEMM from here on (where oneDNN's cache blocking
     # starts to win)
     AMX_MAX_M = 1280
+    # bf16 on AVX512-BF16 without AMX: the bf16 pair kernel below this M, oneDNN's packed GEMM (a second copy of the
+    # weight) from here on. On the EPYC of family 25 the pairs ran every projection of the default model 1.1-1.7x as
+    # fast as oneDNN up to 20 rows, about even at 24, gate/up behind from 32 (benchmarks/gemm_by_rows.py --dtype
+    # bfloat16; docs/cpu-kernels.md); at every M they made prefill and peer64 4-9% slower. A split by rows makes a
+    # row's rounding follow how many rows its step carries, so a speculating engine keeps the pairs alone
+    # (keeps_one_bf16_copy): its verified drafts then round as plain decodes (tests/engine/test_speculative.py).
+    PAIR_MAX_M = 24
     # bf16 on AMX: the MLP of a longer step in row tiles of this many (kernels/projection.cpp swiglu_mlp); 256 ran it
     # fastest of 128-1024 at 4,096 rows on one core
     SWIGLU_TILE_M = 256
     NARROW_OUT = 1024  # qkv, o and down: x @ W is as fast as oneDNN's packed kernel
 
     @classmethod
-    def row_schedule_for(cls, small_path: str, narrow: bool = False, halves: bool = False) -> RowSchedule:
+    def row_schedule_for(
+        cls, small_path: str, narrow: bool = False, halves: bool = False, pairs: bool = False
+    ) -> RowSchedule:
         """The row counts at which a projection on small-M path `small_path` changes GEMM (this class's thresholds,
-        read when a layer is built, so that a test may move one); `halves`: the CPU runs AVX-512 in two halves."""
+        read when a layer is built, so that a test may move one); `halves`: the CPU runs AVX-512 in two halves;
+        `pairs`: a bf16 projection that keeps the pair kernel's layout beside oneDNN's."""
         small_max_m, packed_max_m = cls.SMALL_MAX_M[small_path][narrow], cls.PACKED_MAX_M
         if halves and small_path == "avx512":
             small_max_m, packed_max_m = min(small_max_m, cls.HALVES_SMALL_MAX_M), ALL_ROWS
@@ -132,6 +182,7 @@ class CpuLinear(nn.Module):
             packed_max_m=packed_max_m,
             amx_max_m=cls.AMX_MAX_M,
             swiglu_tile_m=cls.SWIGLU_TILE_M,
+            pair_max_m=cls.PAIR_MAX_M if pairs else 0,
         )
 
     def __init__(
@@ -155,12 +206,13 @@ class CpuLinear(nn.Module):
         # With bf16/fp16 matmul units (AMX, AVX512-BF16) oneDNN's GEMM on a pre-packed weight runs faster than
         # torch.matmul in that dtype at every M: one path for all.
         self.packed_only = low_precision and kernels.has_matmul_units(weight.dtype)
-        # bf16 pairs by AVX512-BF16 at every M: a float32 result in one order per row (deterministic mode, logits),
-        # and the GEMM of every M where it is the bf16 GEMM path (forced: BATCHSERVE_GEMM_PATH=avx512_bf16)
+        # bf16 pairs by AVX512-BF16: at every M for a float32 result in one order per row (deterministic mode,
+        # logits) or where the policy keeps one copy; where they are the bf16 GEMM path (AVX512-BF16 without AMX),
+        # for the rows below PAIR_MAX_M, beside oneDNN's copy for the longer ones
         one_order = self.deterministic or float_output
-        pairs_forced = not one_order and weight.dtype == torch.bfloat16 and kernels.bf16_gemm_path() == "avx512_bf16"
-        self.bf16_pairs = (one_order or pairs_forced) and self._bf16_gemm_runs(weight)
-        if self.bf16_pairs:
+        pairs_path = weight.dtype == torch.bfloat16 and kernels.bf16_gemm_path() == "avx512_bf16"
+        self.bf16_pairs = (one_order or pairs_path) and self._bf16_gemm_runs(weight)
+        if self.bf16_pairs and (one_order or self._pairs_alone(policy)):
             self._init_bf16_pairs(weight, bias)
             return
         if low_precision and (self.deterministic or float_output):
@@ -201,7 +253,17 @@ class CpuLinear(nn.Module):
         self.amx_emulated = path == "amx_emulated"
         self.swiglu = swiglu and path is not None and bias is None
         self.register_buffer("amx_packed", self._amx_layout(weight) if path is not None else None)
+        pairs = kernels.load().bf16_gemm_pack(weight.contiguous()) if self.bf16_pairs else None
+        self.register_buffer("bf16_packed", pairs)
+        if self.bf16_pairs:
+            self.rows = dataclasses.replace(self.rows, pair_max_m=self.PAIR_MAX_M)
         self.native = self._native_projection()
+
+    def _pairs_alone(self, policy: LinearPolicy) -> bool:
+        """Whether the pair kernel takes every M, no oneDNN copy kept: no split by rows, the policy keeps one copy, or
+        no call carries the rows oneDNN would take."""
+        reach_onednn = self.PAIR_MAX_M < ALL_ROWS and (policy.max_rows is None or policy.max_rows >= self.PAIR_MAX_M)
+        return policy.one_bf16_copy or not reach_onednn
 
     @staticmethod
     def _bf16_gemm_runs(weight: torch.Tensor) -> bool:
@@ -294,7 +356,7 @@ class CpuLinear(nn.Module):
             amx_packed=self.amx_packed,
             amx_emulated=self.amx_emulated,
             swiglu=self.swiglu,
-            bf16_packed=getattr(self, "bf16_packed", None),
+            bf16_packed=self.bf16_packed,
             float_output=self.float_output,
         )
 
@@ -325,7 +387,12 @@ def gemm_path(dtype: torch.dtype) -> str:
     if dtype in (torch.bfloat16, torch.float16):
         if kernels.has_matmul_units(dtype):
             if dtype == torch.bfloat16 and kernels.bf16_gemm_path() == "avx512_bf16" and kernels.load() is not None:
-                return "the native bf16 pair kernel (avx512_bf16) at every M, on weights packed once"
+                if CpuLinear.PAIR_MAX_M >= ALL_ROWS:
+                    return "the native bf16 pair kernel (avx512_bf16) at every M, on weights packed once"
+                return (
+                    f"the native bf16 pair kernel (avx512_bf16) below {CpuLinear.PAIR_MAX_M} rows, oneDNN bf16 GEMMs "
+                    "from there (the pairs at every M where the model keeps one copy), on weights packed once"
+                )
             amx = dtype == torch.bfloat16 and kernels.bf16_gemm_on_amx()
             first = (
                 f"the native AMX kernel ({kernels.bf16_gemm_path()}) below {CpuLinear.AMX_MAX_M} rows, " if amx else ""

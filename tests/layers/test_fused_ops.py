@@ -193,7 +193,7 @@ def test_cpu_linear_bfloat16(path, monkeypatch, force_gemm):
         if path == "onednn" and m < CpuLinear.PACKED_MIN_M:  # padded with zero rows: each row as in a 4-row GEMM
             four = torch.cat([x, torch.randn(CpuLinear.PACKED_MIN_M - m, 64).to(torch.bfloat16)])
             assert out.shape == (m, 96) and torch.equal(out, cpu(four)[:m])
-        if path == "avx512_bf16":  # one order per row: a row alone is the same bits as in any batch
+        if path == "avx512_bf16" and m < CpuLinear.PAIR_MAX_M:  # one order per row: a row alone is the same bits
             assert torch.equal(out[:1], cpu(x[:1]))
         assert out.dtype == torch.bfloat16
         exact = (x.float() @ linear.weight.float().t() + linear.bias.float()).to(torch.bfloat16)

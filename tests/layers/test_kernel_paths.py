@@ -45,7 +45,7 @@ def _built_on(flags: str) -> frozenset[tuple[str, str]]:
         (SAPPHIRE_RAPIDS, {"attention": "avx512_bf16", "small_gemm": "avx512", "bf16_gemm": "amx",
                            "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512_bf16",
                            "prefill_attention": "amx"}),
-        (ZEN4, {"attention": "avx512_bf16", "small_gemm": "avx512", "bf16_gemm": "onednn",
+        (ZEN4, {"attention": "avx512_bf16", "small_gemm": "avx512", "bf16_gemm": "avx512_bf16",
                 "quant_gemm": "avx512_vnni", "kv_codec": "avx512", "lora": "avx512_bf16",
                 "prefill_attention": "avx512_bf16"}),
         (SKYLAKE_SP, {"attention": "avx512", "small_gemm": "avx512", "bf16_gemm": "onednn",
@@ -81,10 +81,12 @@ def test_the_emulated_amx_path_is_taken_only_when_forced():
     assert select_path("bf16_gemm", ZEN3, {"BATCHSERVE_GEMM_PATH": "amx_emulated"}, built) == "amx_emulated"
 
 
-def test_the_bf16_pair_gemm_is_taken_only_when_forced():
+def test_the_bf16_pair_gemm_is_taken_with_avx512_bf16_and_no_amx():
     built = _built_on(ZEN4)
-    assert select_path("bf16_gemm", ZEN4, {}, built) == "onednn"
-    assert select_path("bf16_gemm", ZEN4, {"BATCHSERVE_GEMM_PATH": "avx512_bf16"}, built) == "avx512_bf16"
+    assert select_path("bf16_gemm", ZEN4, {}, built) == "avx512_bf16"
+    assert select_path("bf16_gemm", ZEN4, {"BATCHSERVE_GEMM_PATH": "onednn"}, built) == "onednn"
+    assert select_path("bf16_gemm", SAPPHIRE_RAPIDS, {}, _built_on(SAPPHIRE_RAPIDS)) == "amx"  # AMX first
+    assert select_path("bf16_gemm", SKYLAKE_SP, {}, _built_on(SKYLAKE_SP)) == "onednn"  # no vdpbf16ps
     with pytest.raises(ValueError):
         select_path("bf16_gemm", SKYLAKE_SP, {"BATCHSERVE_GEMM_PATH": "avx512_bf16"}, _built_on(SKYLAKE_SP))
 

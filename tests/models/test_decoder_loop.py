@@ -115,7 +115,7 @@ def native_forward(model, batch, kv, monkeypatch):
         ("llama_tied", torch.bfloat16, "1"),  # oneDNN bf16 GEMMs on packed weights, fewer than 4 rows padded
         ("qwen2", torch.bfloat16, "1"),
         ("qwen2", torch.bfloat16, "amx_emulated"),  # q/k/v biases in the AMX kernel's epilogue
-        ("qwen2", torch.bfloat16, "avx512_bf16"),  # bf16 pairs at every M (AVX512-BF16 without AMX)
+        ("qwen2", torch.bfloat16, "avx512_bf16"),  # bf16 pairs for decode-sized rows, oneDNN above (no AMX)
         ("llama", torch.bfloat16, "0"),  # no bf16 units: float32 GEMMs on widened weights
         ("llama", torch.bfloat16, "amx_emulated"),  # the AMX kernel's tile operations in scalar code, on any CPU
         ("llama", torch.bfloat16, "amx"),  # on AMX tiles, where the CPU has them

@@ -81,8 +81,9 @@ def has_matmul_units(dtype: torch.dtype) -> bool:
 # vdpbf16ps (float32 K/V as "avx512"), K/V widened to float32 under AVX-512, 8-wide AVX2 + FMA, the plain loop; a path
 # takes the next one down for what it does not cover (a head size other than 32/64/128 runs the plain loop); prefill
 # has a kernel on the AVX-512 paths only. bf16 GEMM on bf16 matmul units: the native AMX kernel (amx_gemm.cpp), its
-# tile operations emulated in scalar code (tests; never chosen by itself), oneDNN's packed GEMM. Float32 GEMM of
-# decode-sized M: the native small-M kernel in AVX-512 or AVX2 + FMA (small_gemm.cpp), the libraries' GEMMs.
+# tile operations emulated in scalar code (tests; never chosen by itself), bf16 pairs by AVX512-BF16 for decode-sized
+# rows (bf16_gemm.cpp), oneDNN's packed GEMM. Float32 GEMM of decode-sized M: the native small-M kernel in AVX-512 or
+# AVX2 + FMA (small_gemm.cpp), the libraries' GEMMs.
 ATTENTION_PATHS = OPERATIONS["attention"].names
 GEMM_PATHS = OPERATIONS["bf16_gemm"].names
 SMALL_GEMM_PATHS = OPERATIONS["small_gemm"].names
@@ -166,7 +167,8 @@ def gemm_path_runs(path: str) -> bool:
 @functools.cache
 def bf16_gemm_path() -> str:
     """The GEMM path of bfloat16 projections on bf16 matmul units, chosen once: BATCHSERVE_GEMM_PATH when set
-    (ValueError when it names no path or one that cannot run here), else AMX where the CPU has it."""
+    (ValueError when it names no path or one that cannot run here), else AMX where the CPU has it, else the bf16 pairs
+    (decode-sized rows) where it has AVX512-BF16, else oneDNN."""
     return chosen_path("bf16_gemm")
 
 
@@ -215,7 +217,8 @@ def _log_paths_once() -> None:
         logger.info("native kernel paths: %s", exc)
         return
     small_path = chosen.paths["small_gemm"] or "library"
-    logger.info(chosen.line(CpuLinear.row_schedule_for(small_path, halves=avx512_in_halves()).describe()))
+    pairs = chosen.paths["bf16_gemm"] == "avx512_bf16"
+    logger.info(chosen.line(CpuLinear.row_schedule_for(small_path, halves=avx512_in_halves(), pairs=pairs).describe()))
 
 
 def for_tensors(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):

@@ -99,17 +99,19 @@ void register_projection(pybind11::module& m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   py::class_<RowSchedule>(m, "RowSchedule", "the row counts at which a Projection changes GEMM (layer_ops.h)")
       .def(py::init([](int64_t small_min_m, int64_t small_max_m, int64_t packed_min_m, int64_t packed_max_m,
-                       int64_t amx_max_m, int64_t swiglu_tile_m) {
-             return RowSchedule{small_min_m, small_max_m, packed_min_m, packed_max_m, amx_max_m, swiglu_tile_m};
+                       int64_t amx_max_m, int64_t swiglu_tile_m, int64_t pair_max_m) {
+             return RowSchedule{small_min_m, small_max_m, packed_min_m, packed_max_m, amx_max_m, swiglu_tile_m,
+                                pair_max_m};
            }),
            py::arg("small_min_m"), py::arg("small_max_m"), py::arg("packed_min_m"), py::arg("packed_max_m"),
-           py::arg("amx_max_m"), py::arg("swiglu_tile_m") = 0)
+           py::arg("amx_max_m"), py::arg("swiglu_tile_m") = 0, py::arg("pair_max_m") = 0)
       .def_readonly("small_min_m", &RowSchedule::small_min_m)
       .def_readonly("small_max_m", &RowSchedule::small_max_m)
       .def_readonly("packed_min_m", &RowSchedule::packed_min_m)
       .def_readonly("packed_max_m", &RowSchedule::packed_max_m)
       .def_readonly("amx_max_m", &RowSchedule::amx_max_m)
-      .def_readonly("swiglu_tile_m", &RowSchedule::swiglu_tile_m);
+      .def_readonly("swiglu_tile_m", &RowSchedule::swiglu_tile_m)
+      .def_readonly("pair_max_m", &RowSchedule::pair_max_m);
   py::class_<Projection>(m, "Projection")
       .def(py::init([](at::Tensor weight_t, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> packed,
                        c10::optional<at::Tensor> small_packed, int64_t out_features, RowSchedule rows,

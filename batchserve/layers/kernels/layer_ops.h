@@ -17,10 +17,13 @@
 
 // The row counts at which a Projection changes GEMM, one object (layers/linear.py RowSchedule builds it): x @ W below
 // small_min_m, the native small-M kernel up to small_max_m, oneDNN's packed GEMM below packed_max_m (bf16 rows padded
-// up to packed_min_m), x @ W from there; bf16 on AMX: the AMX kernel below amx_max_m, oneDNN from there.
+// up to packed_min_m), x @ W from there; bf16 on AMX: the AMX kernel below amx_max_m, oneDNN from there; bf16 on
+// AVX512-BF16 without AMX: the bf16 pair kernel below pair_max_m, oneDNN from there (a projection with pairs and no
+// oneDNN copy takes the pairs at every M).
 // swiglu_tile_m: a gate/up projection fused with silu_and_mul runs its MLP in row tiles of this many (0: never).
 struct RowSchedule {
   int64_t small_min_m = 0, small_max_m = 0, packed_min_m = 0, packed_max_m = 0, amx_max_m = 0, swiglu_tile_m = 0;
+  int64_t pair_max_m = 0;
 };
 
 // A projection laid out for this CPU's GEMMs (layers/linear.py CpuLinear makes the layouts and the RowSchedule), which
@@ -34,7 +37,8 @@ struct Projection {
   RowSchedule rows;
   bool packed_only, amx_emulated;
   bool swiglu = false;  // a gate/up projection whose AMX panels are in swiglu order (columns put back by gemm)
-  // bf16 pairs for bf16_gemm (bf16_gemm.cpp): when set, every M takes it (one reduction order per row, float32 out)
+  // bf16 pairs for bf16_gemm (bf16_gemm.cpp): when set, M below rows.pair_max_m takes it, and every M where there is
+  // no oneDNN copy (deterministic mode, logits: one reduction order per row); float32 out
   c10::optional<at::Tensor> bf16_packed;
   bool float_output = false;  // the result stays in the GEMM's float32 (the output projection: logits), else x's dtype
   // a weight kept quantized (quant_gemm.h): when set, every M takes quant_gemm (weight_t is an empty float32)

@@ -77,15 +77,15 @@ OPERATIONS: dict[str, Operation] = {
         # float32 GEMM of decode-sized M (small_gemm.cpp); "library": oneDNN or x @ W at every M
         Operation("small_gemm", "BATCHSERVE_SMALL_GEMM_PATH", (*_isa_paths("avx512", "avx2"), Path("library", None))),
         # bfloat16 GEMM on a CPU with bf16 matmul units: the AMX kernel, its tiles emulated (tests), bf16 pairs by
-        # AVX512-BF16 (bf16_gemm.cpp: on the EPYC without AMX it streams a decode step's weights faster than oneDNN;
-        # only when forced: peer64 as a whole gains nothing clear from it, docs/cpu-kernels.md), or oneDNN
+        # AVX512-BF16 for decode-sized rows (bf16_gemm.cpp: without AMX it streams a decode step's weights faster
+        # than oneDNN, which takes the longer rows: layers/linear.py CpuLinear.PAIR_MAX_M), or oneDNN at every M
         Operation(
             "bf16_gemm",
             "BATCHSERVE_GEMM_PATH",
             (
                 Path("amx", "amx"),
                 Path("amx_emulated", "portable", auto=False),
-                Path("avx512_bf16", "avx512_bf16", auto=False),
+                Path("avx512_bf16", "avx512_bf16"),
                 Path("onednn", None),
             ),
         ),
@@ -202,7 +202,8 @@ NO_ROW_BOUND = 2**62  # a row-count threshold no call reaches (layers/linear.py 
 class RowSchedule:
     """The row counts at which a projection changes GEMM (kernels/layer_ops.h RowSchedule, to which it is handed):
     x @ W below small_min_m, the native small-M kernel up to small_max_m, oneDNN's packed GEMM below packed_max_m
-    (bf16 rows padded up to packed_min_m), x @ W from there; bf16 on AMX: the AMX kernel below amx_max_m, then oneDNN.
+    (bf16 rows padded up to packed_min_m), x @ W from there; bf16 on AMX: the AMX kernel below amx_max_m, then oneDNN;
+    bf16 on AVX512-BF16 without AMX: the bf16 pair kernel below pair_max_m, then oneDNN (0: no pairs kept).
     swiglu_tile_m: a gate/up projection fused with silu_and_mul (AMX) runs its MLP in row tiles of this many.
     """
 
@@ -212,12 +213,16 @@ class RowSchedule:
     packed_max_m: int
     amx_max_m: int
     swiglu_tile_m: int = 0
+    pair_max_m: int = 0
 
     def describe(self) -> str:
         packed = "at any M" if self.packed_max_m >= NO_ROW_BOUND else f"< {self.packed_max_m}"
+        pairs = ""
+        if self.pair_max_m:
+            pairs = ", bf16 pairs at any M" if self.pair_max_m >= NO_ROW_BOUND else f", bf16 pairs < {self.pair_max_m}"
         return (
             f"small-M kernel {self.small_min_m}..{self.small_max_m}, oneDNN packed {packed} "
-            f"(padded to {self.packed_min_m}), AMX < {self.amx_max_m}"
+            f"(padded to {self.packed_min_m}), AMX < {self.amx_max_m}{pairs}"
         )
 
 

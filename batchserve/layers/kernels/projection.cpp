@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <string>
 
-
 #include "layer_ops.h"
 
 namespace {
@@ -97,7 +96,7 @@ at::Tensor Projection::quantized(const at::Tensor& x, at::ScalarType wanted) con
 
 at::Tensor Projection::gemm(const at::Tensor& x) const {
   const int64_t m = x.size(0);
-  if (bf16_packed.has_value()) {
+  if (bf16_packed.has_value() && (m < rows.pair_max_m || !packed.has_value())) {
     const auto out = bf16_gemm(x, *bf16_packed, out_features);
     return bias.has_value() ? out + *bias : out;
   }
