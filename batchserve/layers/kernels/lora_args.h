@@ -1,4 +1,4 @@
-// The LoRA kernel's arguments as raw pointers (lora_kernels.cpp includes no ATen; lora_op.cpp fills these from
+// The LoRA kernel's arguments as raw pointers (lora_tiles.h includes no ATen; lora_op.cpp fills these from
 // tensors, checked). One projection's adapter slots and one step's grouping of tokens by adapter.
 #pragma once
 
