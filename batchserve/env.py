@@ -56,7 +56,7 @@ def small_gemm_path() -> str | None:
 
 def lora_path() -> str | None:
     """BATCHSERVE_LORA_PATH (default unset or "auto": the CPU's flags decide): forces the path of the LoRA kernel
-    (layers/kernels/lora_kernels.cpp), "avx512", "avx2" or "portable"; to measure or test one path. A path this build
+    (layers/kernels/lora_tiles.h), "avx512", "avx2" or "portable"; to measure or test one path. A path this build
     or CPU cannot run is an error. Read once, when the first step with adapters runs."""
     value = os.environ.get("BATCHSERVE_LORA_PATH")
     return None if value in (None, "", "auto") else value

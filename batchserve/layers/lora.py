@@ -6,7 +6,7 @@ argument: the model hands it to `project` with the input, nothing is read from a
 (x_g @ A_s^T over every slice at once) and one expand per slice into that slice's output columns, scaled as PEFT does
 after the expand. A fused projection's slices get their deltas before any fused activation (SwiGLU reads the sum).
 
-On the CPU with the native kernels the deltas are the native LoRA kernel's (kernels/lora_kernels.cpp), which the
+On the CPU with the native kernels the deltas are the native LoRA kernel's (kernels/lora_tiles.h), which the
 native decoder loop calls after each projection too, so both ways of running a step add the same deltas; the torch
 code here (`torch_delta`) is the reference it is tested against and what runs elsewhere (a GPU).
 """

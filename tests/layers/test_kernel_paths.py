@@ -5,6 +5,7 @@ C++ side has them."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -126,10 +127,24 @@ def test_the_start_up_line_names_every_operation_and_the_forced_ones():
 
 
 def test_only_the_instruction_sets_this_cpu_runs_are_compiled(tmp_path):
-    sources = [tmp_path / n for n in ("decode_avx512.cpp", "decode_avx2.cpp", "bindings.cpp", "fused_ops.cpp")]
+    names = ("decode_avx512.cpp", "decode_avx2.cpp", "bindings.cpp", "fused_ops.cpp", "lora_kernels_avx512.cpp")
+    sources = [tmp_path / n for n in names]
     assert [p.name for p in build.sources_for(sources, ZEN3)] == ["bindings.cpp", "decode_avx2.cpp", "fused_ops.cpp"]
     kept = build.sources_for(sources, SKYLAKE_SP)
     assert kept[0].name == "bindings.cpp" and {p.name for p in kept} == {p.name for p in sources}
+
+
+def test_the_costliest_sources_are_handed_to_the_build_tool_first_then_the_rest_by_name(tmp_path):
+    names = ("amx_gemm.cpp", "decode_avx2.cpp", "zz_new.cpp", "lora_kernels_portable.cpp", "bindings.cpp")
+    ordered = [p.name for p in build.sources_for([tmp_path / n for n in names], SKYLAKE_SP)]
+    assert ordered == ["bindings.cpp", "lora_kernels_portable.cpp", "decode_avx2.cpp", "amx_gemm.cpp", "zz_new.cpp"]
+
+
+def test_every_source_named_by_the_build_exists():
+    """A renamed or split kernel file must not leave the build's lists naming a file no longer there (it would then
+    compile on every CPU, or lose its place at the front)."""
+    here = {p.name for p in Path(kernels.__file__).parent.glob("*.cpp")}
+    assert set(build.ISA_ONLY_SOURCES) <= here and set(build.COSTLIEST_FIRST) <= here
 
 
 # ---- the C++ side: the same enum, the same table -----------------------------------------------------------------

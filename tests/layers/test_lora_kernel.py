@@ -1,4 +1,4 @@
-"""The native LoRA kernel (kernels/lora_kernels.cpp, through LoRASlots.add_delta) against the torch code it stands in
+"""The native LoRA kernel (kernels/lora_tiles.h, through LoRASlots.add_delta) against the torch code it stands in
 for (LoRASlots.torch_delta), on every path this host runs, float32 and bfloat16: fused projections of slices of
 different widths, groups of contiguous and of scattered rows, ranks below the slots' maximum, a slot whose adapter
 does not target the projection, input widths that are no multiple of a vector, slices whose packed B ends in a

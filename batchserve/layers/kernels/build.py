@@ -9,12 +9,13 @@ a non-activated venv build once between them.
 
 Only the sources this CPU runs are compiled (sources_for: the AVX-512 attention files where the CPU has AVX-512), and
 while a build runs each finished object is logged with its count ("[5/21] decode_avx2.o, 41 s"), so a first build shows
-its progress. Torch's headers are most of a file's compile time: one file includes <torch/extension.h> (pybind11,
-bindings.cpp), the files that use ATen include aten_pch.h first, which is compiled once into a precompiled header
-by an edge of the build itself (header_precompiled_in_build: the files that wait for it are those that include it),
-and the attention kernels include neither, so they compile while the header does (it was a step before the build, a
-quarter of a minute of one core with the other idle). The torch build tool runs (CPU count + 2) compilers at once;
-the slowest file (the bindings) is handed to it first.
+its progress. Torch's headers are most of a file's compile time: one file includes pybind11 with torch's tensor
+casters (bindings.cpp; not <torch/extension.h>, whose C++ front end nothing here uses), the files that use ATen
+include aten_pch.h first, which is compiled once into a precompiled header by an edge of the build itself
+(header_precompiled_in_build: the files that wait for it are those that include it), and the attention and LoRA
+kernels include neither, so they compile while the header does (it was a step before the build, a quarter of a minute
+of one core with the other idle). The torch build tool runs CPU count + 2 compilers at once (3 on two cores); the
+slowest files are handed to it first (COSTLIEST_FIRST).
 """
 
 from __future__ import annotations
@@ -49,19 +50,33 @@ ISA_ONLY_SOURCES = {
     "prefill_avx512.cpp": "avx512f",
     "prefill_amx.cpp": "avx512f",
     "prefill_avx512_bf16.cpp": "avx512_bf16",
+    "lora_kernels_avx512.cpp": "avx512f",
 }
-# The translation unit that includes pybind11: the slowest to compile, handed to the build tool first
-BINDING_SOURCES = ("bindings.cpp",)
+# The sources that take longest to compile, longest first (CPU-seconds of one compile each on the AVX-512 EPYC, the
+# header precompiled: bindings 21, the plain C++ LoRA kernel 15, W8A8 11, the AVX-512 LoRA kernels 10, the AVX-512
+# and AVX2 decode attention 9 and 8; the others 1-5). Handed to the build tool first, in this order, so that no long
+# compile starts last and runs alone on one core at the end; bindings.cpp waits for the precompiled header, and is
+# the first to start when it is done.
+COSTLIEST_FIRST = (
+    "bindings.cpp",
+    "lora_kernels_portable.cpp",
+    "quant_w8a8.cpp",
+    "lora_kernels_avx512.cpp",
+    "decode_avx512.cpp",
+    "decode_avx2.cpp",
+)
 # The header of torch's headers that the ATen-using files include first, precompiled once per build
 # (header_precompiled_in_build)
 PCH_HEADER = "aten_pch.h"
 
 
 def sources_for(sources: list[Path], cpu_flags: str) -> list[Path]:
-    """The sources this CPU runs (ISA_ONLY_SOURCES dropped where it lacks their flag), the binding ones first."""
+    """The sources this CPU runs (ISA_ONLY_SOURCES dropped where it lacks their flag), COSTLIEST_FIRST first in its
+    order, then the others by name: the build tool starts ready compiles in the order of its build file."""
     flags = set(cpu_flags.split())
     kept = [p for p in sources if ISA_ONLY_SOURCES.get(p.name, "") in flags | {""}]
-    return sorted(kept, key=lambda p: (p.name not in BINDING_SOURCES, p.name))
+    rank = {name: i for i, name in enumerate(COSTLIEST_FIRST)}
+    return sorted(kept, key=lambda p: (rank.get(p.name, len(rank)), p.name))
 
 
 def tool_version(command: str) -> str:

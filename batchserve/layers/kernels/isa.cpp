@@ -80,7 +80,7 @@ std::vector<std::tuple<std::string, std::string, Isa>> kernel_table() {
 #ifdef BATCHSERVE_ISA_AVX512
     add("kv_codec", {"int8", "fp8_e4m3"}, Isa::kAvx512);
 #endif
-    // LoRA's shrink and expand of a step's adapter groups (lora_kernels.cpp)
+    // LoRA's shrink and expand of a step's adapter groups (lora_tiles.h)
     add("lora", {"float32", "bfloat16"}, Isa::kPortable);
 #ifdef BATCHSERVE_ISA_AVX2
     add("lora", {"float32", "bfloat16"}, Isa::kAvx2);

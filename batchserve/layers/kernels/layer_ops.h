@@ -135,7 +135,7 @@ at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const std::vec
 // layers/activation.py gelu_tanh_and_mul: gelu_tanh(gate) * up of a gate/up projection's output [T, 2I]
 at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up);
 
-// lora_op.cpp: LoRA deltas on a projection's output (layers/lora.py), the kernel of lora_kernels.cpp.
+// lora_op.cpp: LoRA deltas on a projection's output (layers/lora.py), the kernel of lora_tiles.h.
 // One projection's adapter slots (layers/lora.py LoRASlots): a [S, R, in], b [S, packed values] (lora_args.h),
 // present [S] uint8, the slices of its fused output. Default-constructed (a undefined): the projection serves no adapters.
 struct LoraWeights {

@@ -1,4 +1,4 @@
-// The LoRA kernel's arguments as raw pointers (lora_kernels.cpp includes no ATen; lora_op.cpp fills these from
+// The LoRA kernel's arguments as raw pointers (lora_tiles.h includes no ATen; lora_op.cpp fills these from
 // tensors, checked). One projection's adapter slots and one step's grouping of tokens by adapter.
 #pragma once
 
@@ -51,3 +51,10 @@ struct LoraArgs {
 // y[rows of g] += scale_g * (x[rows of g] @ A_slot^T) @ B_slot for every group whose slot is present, on `path`
 // (portable, avx2, avx512): float32 accumulation, one rounding to y's type at the end.
 void lora_add(const LoraArgs& args, Isa path);
+
+// Each instruction set's kernel (lora_kernels_<isa>.cpp), those of the build's instruction sets (isa.h): what lora_add
+// calls for `path`.
+void lora_add_portable(const LoraArgs& args);
+void lora_add_avx2(const LoraArgs& args);
+void lora_add_avx512(const LoraArgs& args);
+void lora_add_avx512_bf16(const LoraArgs& args);

@@ -1,5 +1,5 @@
 // LoRA deltas on a projection's output (layer_ops.h lora_add_): the tensors the Python layers and the native decoder
-// loop hand over, checked, as the raw arguments of the kernel (lora_kernels.cpp). Python's LoRASlots.add_delta calls
+// loop hand over, checked, as the raw arguments of the kernel (lora_tiles.h). Python's LoRASlots.add_delta calls
 // this on the CPU, and the loop calls it after each projection that serves adapters, so the two ways of running a
 // step add the same deltas, bit for bit.
 #include "aten_pch.h"  // first: the precompiled torch headers (build.py)

@@ -1,4 +1,4 @@
-// The LoRA kernel's bfloat16 shrink and expand by AVX512-BF16's pair dot products (lora_kernels.cpp's Avx512Bf16
+// The LoRA kernel's bfloat16 shrink and expand by AVX512-BF16's pair dot products (lora_tiles.h's Avx512Bf16
 // path): 32 products an instruction, x, A and B read as stored, nothing widened.
 #pragma once
 

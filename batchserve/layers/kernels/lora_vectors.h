@@ -1,4 +1,4 @@
-// The LoRA kernel's vectors (lora_kernels.cpp): one struct per instruction set with the few operations the shrink
+// The LoRA kernel's vectors (lora_tiles.h): one struct per instruction set with the few operations the shrink
 // and expand use, and the helpers they share (short loads and stores, prefetches, a block's sums, register blocking).
 #pragma once
 

@@ -93,7 +93,7 @@ OPERATIONS: dict[str, Operation] = {
         Operation("quant_gemm", "BATCHSERVE_QUANT_GEMM_PATH", _isa_paths("avx512_vnni", "avx512", "avx2", "portable")),
         # a quantized KV pool's quantize-on-store and dequantize (kv_quantized.cpp)
         Operation("kv_codec", None, _isa_paths("avx512", "portable")),
-        # LoRA's shrink and expand of a step's adapter groups (lora_kernels.cpp)
+        # LoRA's shrink and expand of a step's adapter groups (lora_tiles.h)
         Operation("lora", "BATCHSERVE_LORA_PATH", _isa_paths("avx512_bf16", "avx512", "avx2", "portable")),
     )
 }
