@@ -16,6 +16,7 @@ still in cache from the call before.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import torch
@@ -75,8 +76,10 @@ def main() -> None:
     ap.add_argument("--flops", type=float, default=3e9, help="FLOPs of calls per measurement")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"machine: {describe(machine_info(args.threads, 'float32'))}; load average {os.getloadavg()[0]:.2f}; "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+    print(
+        f"machine: {describe(machine_info(args.threads, 'float32'))}; load average {os.getloadavg()[0]:.2f}; "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+    )
     print(f"{'shape':8} {'M':>5} {'GEMM':8} {'busiest us':>11} {'total us':>9} {'share':>6} {'GFLOP/s of CPU':>15}")
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
@@ -86,9 +89,12 @@ def main() -> None:
             x = torch.randn(m, k)
             calls = max(4, int(args.flops / (2 * m * k * n)))
             for gemm, call in found.items():
-                busiest, total = split_cost(lambda c: call(x, c), copies, calls)
-                print(f"{name:8} {m:5d} {gemm:8} {busiest:11.1f} {total:9.1f} {busiest / total:6.2f} "
-                      f"{2 * m * k * n / total / 1e3:15.1f}", flush=True)
+                busiest, total = split_cost(functools.partial(call, x), copies, calls)
+                print(
+                    f"{name:8} {m:5d} {gemm:8} {busiest:11.1f} {total:9.1f} {busiest / total:6.2f} "
+                    f"{2 * m * k * n / total / 1e3:15.1f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
