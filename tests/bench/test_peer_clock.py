@@ -76,3 +76,10 @@ def test_each_step_takes_the_larger_of_its_matmuls_and_its_bytes(benchmark):
     assert matmul_big > 0.01  # the first step is matmul-bound, the second bandwidth-bound
     assert bound["bound_s"] == pytest.approx(matmul_big + 0.01 + 50_000 * per_kv_token)
     assert bound["compute_bound_steps"] == 1 and bound["steps"] == 2
+
+
+def test_the_cpu_clock_rates_two_threads_only_when_waiting_threads_sleep(benchmark):
+    refusal = benchmark("peer_compare").clock_refusal
+    assert refusal("cpu", 1, "") is None and refusal("wall", 2, "") is None
+    assert refusal("cpu", 2, "PASSIVE") is None
+    assert "OMP_WAIT_POLICY=passive" in refusal("cpu", 2, "") and refusal("cpu", 2, "active")
