@@ -164,7 +164,7 @@ def with_precompiled_header(build_file: str, header: Path, users: set[str]) -> b
     include neither torch header compile beside it instead of after it. The compile rule's own flags, so that the
     compiler takes the header. A failed precompile only leaves no .gch (the users then parse the header as text: the
     same objects, slower). The GLUE_OPTIMISATION sources get their level on their own edges. False, and the file as it
-was, where it has no compile rule to copy."""
+    was, where it has no compile rule to copy."""
     path = Path(build_file)
     lines = path.read_text().splitlines()
     first_edge = next((i for i, line in enumerate(lines) if line.startswith("build ")), None)
