@@ -76,13 +76,15 @@ def q4_rates(args) -> None:
 
     native = kernels.load()
     torch.set_num_threads(1)
-    layers = [[(name, k, n, q4_projection(native, n, k, False)) for name, n, k in PROJECTIONS] for _ in range(args.layers)]
+    layers = [
+        [(name, k, n, q4_projection(native, n, k, False)) for name, n, k in PROJECTIONS] for _ in range(args.layers)
+    ]
     head = (LM_HEAD[0], LM_HEAD[2], LM_HEAD[1], q4_projection(native, LM_HEAD[1], LM_HEAD[2], True))
     calls = [c for layer in layers for c in layer] + [head]
     inputs = {k: torch.randn(1, k).bfloat16() for _, k, _, _ in calls}
     seconds: dict[str, list[float]] = {}
     for step in range(args.steps + 1):
-        for name, k, n, proj in calls:
+        for name, k, _, proj in calls:
             t0 = time.thread_time()
             proj(inputs[k])
             if step:  # the first step faults the packed weights' pages in
@@ -98,7 +100,8 @@ def q4_rates(args) -> None:
         total_bytes += packed * per_step
         print(f"  {name:8} {n:>6}x{k:<6} {packed / 1e6:7.1f} MB  {1e3 * s:6.2f} ms "
               f"({1e3 * spread[0]:.2f}-{1e3 * spread[1]:.2f})  {packed / s / 1e9:5.2f} GB/s", flush=True)  # fmt: skip
-    print(f"  a step's projections: {1e3 * total_s:.2f} ms for {total_bytes / 1e6:.0f} MB, {total_bytes / total_s / 1e9:.2f} GB/s")
+    rate = total_bytes / total_s / 1e9
+    print(f"  a step's projections: {1e3 * total_s:.2f} ms for {total_bytes / 1e6:.0f} MB, {rate:.2f} GB/s")
 
 
 def main() -> None:
