@@ -49,12 +49,27 @@ using namespace w8a8;
 constexpr int64_t kChunkBytes = 192 * 1024;
 constexpr int64_t kChunkRows = 96;  // a multiple of every tile's rows (6 and 4)
 // Tiles of up to kPrefetchRows rows (a decode batch of one or two) stream the weight from memory: they ask for the
-// bytes kPrefetchAhead along the pairs' stream, which runs on from pair to pair, into L2 (the hardware prefetcher
-// alone left a thread at about two thirds of what this draws). 3 KiB into L2 streamed a batch-1 Q4_0 weight at the
-// rate of a plain read on the AMX host; 8 KiB into L1 (what this was) at three quarters of it (docs/quantization.md).
-// Larger tiles spend their time multiplying and read each weight line from cache for their other row tiles.
+// bytes some way along the pairs' stream, which runs on from pair to pair (the hardware prefetcher alone left a thread
+// at about two thirds of what this draws). How far and into which cache is the CPU maker's: on the Intel AMX host 3
+// KiB ahead into L2 streamed a batch-1 Q4_0 weight at the rate of a plain read, 8 KiB into L1 at three quarters of it;
+// on AMD (families 25 and 26) 8 KiB into L1 is the best measured and 3 KiB into L2 draws a fifth less
+// (docs/quantization.md). Larger tiles spend their time multiplying and read each weight line from cache for their
+// other row tiles.
 constexpr int kPrefetchRows = 2;
-constexpr int64_t kPrefetchAhead = 3072;
+
+struct StreamPrefetch {
+  int64_t ahead;  // bytes along the stream
+  bool into_l1;   // prefetcht0, else prefetcht1 (L2)
+};
+
+StreamPrefetch stream_prefetch_of_this_cpu() {
+  __builtin_cpu_init();  // this runs at load, maybe before the runtime's own initialisation of what cpu_is reads
+  if (__builtin_cpu_is("amd")) return {8192, true};
+  return {3072, false};
+}
+
+const StreamPrefetch kStreamPrefetch = stream_prefetch_of_this_cpu();
+
 constexpr int kMostRows = 6;                  // a tile's int32 sums and float sums: 24 of the 32 registers
 
 // The activations quantized: int8 codes [M, K], a scale per row and block of k [M, K / block], per row and span
@@ -141,12 +156,20 @@ inline __m512i broadcast_quad(const int8_t* p) {
   return _mm512_set1_epi32(quad);
 }
 
-// a pair's vectors at w (one per block), asking for the bytes kPrefetchAhead along its stream where R rows stream it
+// a pair's vectors at w (one per block), asking for the bytes kStreamPrefetch.ahead along its stream where R rows
+// stream it
 template <int R>
 inline void load_pair(const uint8_t* w, __m512i (&v)[kBlocks]) {
   for (int c = 0; c < kBlocks; ++c) {
     v[c] = _mm512_loadu_si512(w + c * kVector);
-    if constexpr (R <= kPrefetchRows) prefetch_line<_MM_HINT_T1>(w + c * kVector + kPrefetchAhead);
+    if constexpr (R <= kPrefetchRows) {
+      const uint8_t* ahead = w + c * kVector + kStreamPrefetch.ahead;
+      if (kStreamPrefetch.into_l1) {
+        prefetch_line<_MM_HINT_T0>(ahead);
+      } else {
+        prefetch_line<_MM_HINT_T1>(ahead);
+      }
+    }
   }
 }
 
