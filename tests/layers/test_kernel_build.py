@@ -80,16 +80,12 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_process():
     assert not (directory / "lock").exists()
 
 
-@pytest.mark.parametrize("glue_level", [None, "-O1"])
-def test_the_precompiled_header_is_the_one_the_build_tool_compiles_with(tmp_path, monkeypatch, glue_level):
+def test_the_precompiled_header_is_the_one_the_build_tool_compiles_with(tmp_path):
     """The build's own edge compiles aten_pch.h with the flags the sources are then compiled with, so the compiler
     takes it: the header asserts that it is compiled on its own (__BASE_FILE__ names it), which fails wherever a
     source parses it as text, and -Werror=invalid-pch fails a precompiled header the compiler refuses instead of
-    skipping it. The build must pass, with the .gch made beside the header; a glue source (GLUE_OPTIMISATION) is
-    compiled at its own level, last on its command line, and still takes the header."""
+    skipping it. The build must pass, with the .gch made beside the header."""
     from torch.utils import cpp_extension
-
-    monkeypatch.setattr(build, "GLUE_OPTIMISATION", {"probe.cpp": glue_level} if glue_level else {})
 
     if shutil.which(os.environ.get("CXX", "c++")) is None or not cpp_extension.is_ninja_available():
         pytest.skip("no C++ compiler or ninja here")
@@ -107,15 +103,8 @@ def test_the_precompiled_header_is_the_one_the_build_tool_compiles_with(tmp_path
             name="probe", sources=[str(source)], extra_cflags=list(cflags), extra_ldflags=build.LDFLAGS,
             build_directory=str(tmp_path), is_python_module=False, verbose=False,
         )  # fmt: skip
-    assert list(tmp_path.glob("probe*.so"))  # torch names a second build of one name in a process probe_v1.so
+    assert (tmp_path / "probe.so").exists()
     assert header.with_name(f"{build.PCH_HEADER}.gch").exists()
-    with build.interpreter_tools_first():
-        commands = subprocess.run(
-            ["ninja", "-C", str(tmp_path), "-t", "commands", "probe.o"], capture_output=True, text=True, check=True
-        ).stdout.splitlines()
-    compile_line = next(line for line in commands if " -c " in line)
-    levels = [word for word in compile_line.split() if word.startswith("-O")]
-    assert levels[-1] == (glue_level or "-O3")  # the compiler takes the last -O
 
 
 def test_only_the_files_that_include_the_header_wait_for_its_precompile(tmp_path):

@@ -65,10 +65,6 @@ COSTLIEST_FIRST = (
     "decode_avx512.cpp",
     "decode_avx2.cpp",
 )
-# Sources compiled at a lower optimisation level than the kernels (appended after CFLAGS' -O3, which the last -O
-# overrides): pybind11's registration glue, run once per call into a kernel, whose templates take most of the build's
-# longest compile (bindings.cpp: 21 CPU-s at -O3, 14 at -O1)
-GLUE_OPTIMISATION = {"bindings.cpp": "-O1"}
 # The header of torch's headers that the ATen-using files include first, precompiled once per build
 # (header_precompiled_in_build)
 PCH_HEADER = "aten_pch.h"
@@ -112,7 +108,6 @@ def build_key(files: list[Path], cflags: list[str], cpu_flags: str) -> str:
     parts = [
         cpu_flags,
         " ".join(cflags + LDFLAGS),
-        repr(sorted(GLUE_OPTIMISATION.items())),
         *(p.read_text() for p in files),
         torch.__version__,
         torch.__file__,  # a symlinked venv spells torch's include path two ways: one folder per spelling
@@ -163,8 +158,7 @@ def with_precompiled_header(build_file: str, header: Path, users: set[str]) -> b
     in the file, and the objects of the sources in `users` (their names) waiting for it (order-only): the sources that
     include neither torch header compile beside it instead of after it. The compile rule's own flags, so that the
     compiler takes the header. A failed precompile only leaves no .gch (the users then parse the header as text: the
-    same objects, slower). The GLUE_OPTIMISATION sources get their level on their own edges. False, and the file as it
-    was, where it has no compile rule to copy."""
+    same objects, slower). False, and the file as it was, where it has no compile rule to copy."""
     path = Path(build_file)
     lines = path.read_text().splitlines()
     first_edge = next((i for i, line in enumerate(lines) if line.startswith("build ")), None)
@@ -172,12 +166,9 @@ def with_precompiled_header(build_file: str, header: Path, users: set[str]) -> b
         return False
     target = _ninja_path(header.with_name(f"{header.name}.gch"))
     for i, line in enumerate(lines):
-        source = Path(line.partition(": compile ")[2].strip()).name
-        if line.startswith("build ") and source in users:
+        source = line.partition(": compile ")[2]
+        if line.startswith("build ") and Path(source.strip()).name in users:
             lines[i] = f"{line} || {target}"
-        if line.startswith("build ") and source in GLUE_OPTIMISATION:
-            # an edge's own binding, its value read in the file's scope: the rule's flags with the level appended
-            lines[i] += f"\n  post_cflags = $post_cflags {GLUE_OPTIMISATION[source]}"
     edge = [
         "rule precompile_header",
         "  command = $cxx $cflags -x c++-header $in -o $out.partial $post_cflags && mv $out.partial $out"
