@@ -428,15 +428,6 @@ def driver_main(args, forward: list[str]) -> None:
     print(f"saved {out}")
 
 
-def clock_refusal(clock: str, threads: int, wait_policy: str) -> str | None:
-    """Why `clock` cannot rate engines on `threads` threads under OpenMP's wait policy `wait_policy`; None if it can.
-    Threads that spin while they wait count their waits as CPU seconds, and on a loaded host they spin on while the
-    thread they wait for is preempted: the CPU clock rates more than one thread only when waiting threads sleep."""
-    if clock != "cpu" or threads == 1 or wait_policy.lower() == "passive":
-        return None
-    return "--clock cpu: use it with --threads 1, or with OMP_WAIT_POLICY=passive (waiting threads that spin count their waits)"
-
-
 def parse_args(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -445,9 +436,8 @@ def parse_args(argv: list[str] | None = None):
         "--clock",
         choices=("wall", "cpu"),
         default="wall",
-        help="cpu: rate each engine by the CPU seconds of its processes in the timed part (use with --threads 1, or "
-        "with more threads under OMP_WAIT_POLICY=passive: then the CPU seconds a token costs at N threads, the threads' "
-        "sleeping waits left out), which a loaded host does not inflate",
+        help="cpu: rate each engine by the CPU seconds of its processes in the timed part, which a loaded host does "
+        "not inflate (with --threads 1, or more under OMP_WAIT_POLICY=passive: machine.clock_refusal)",
     )
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
     ap.add_argument("--limit", type=int, default=0, help="only the first N requests of the workload (0: all)")
@@ -491,9 +481,9 @@ def main() -> None:
         worker_main(args)
         return
     from batchserve import env  # the driver runs in batchserve's venv (a worker may not: vLLM's)
+    from batchserve.bench.machine import clock_refusal
 
-    refusal = clock_refusal(args.clock, args.threads, os.environ.get("OMP_WAIT_POLICY", ""))
-    if refusal:
+    if refusal := clock_refusal(args.clock, args.threads, os.environ.get("OMP_WAIT_POLICY", "")):
         raise SystemExit(refusal)
     forward = [a for a in sys.argv[1:] if a not in ("--worker",)]
     args.workload, args.hf_dir = args.workload.resolve(), (args.hf_dir or env.hf_export_dir()).resolve()

@@ -58,3 +58,12 @@ def describe(info: dict[str, Any]) -> str:
     if info.get("gemm_path", "auto") != "auto":
         parts.append(f"bf16 GEMM forced: {info['gemm_path']}")
     return "; ".join(parts)
+
+
+def clock_refusal(clock: str, threads: int, wait_policy: str) -> str | None:
+    """Why `clock` cannot rate engines on `threads` threads under OpenMP's wait policy `wait_policy`; None if it can.
+    Threads that spin while they wait count their waits as CPU seconds, and on a loaded host they spin on while the
+    thread they wait for is preempted: the CPU clock rates more than one thread only when waiting threads sleep."""
+    if clock != "cpu" or threads == 1 or wait_policy.lower() == "passive":
+        return None
+    return "--clock cpu: use it with --threads 1, or with OMP_WAIT_POLICY=passive (waiting threads that spin count their waits)"
