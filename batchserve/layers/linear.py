@@ -239,7 +239,7 @@ class CpuLinear(nn.Module):
         path = path if self.packed_only else None
         # [in, out] for x @ W, which the packed-only path never runs: not kept there (a whole weight's copy less)
         self.register_buffer("weight_t", None if self.packed_only else weight.t().contiguous())
-        self.rows = self.row_schedule_for(small_path, narrow, halves)
+        self.rows = self.row_schedule_for(small_path, narrow, halves, pairs=self.bf16_pairs)
         small = small_path != "library"
         if self.deterministic:
             # the small-M kernel's order is one per row at any M (threads split columns, K runs in one order); without
@@ -255,8 +255,6 @@ class CpuLinear(nn.Module):
         self.register_buffer("amx_packed", self._amx_layout(weight) if path is not None else None)
         pairs = kernels.load().bf16_gemm_pack(weight.contiguous()) if self.bf16_pairs else None
         self.register_buffer("bf16_packed", pairs)
-        if self.bf16_pairs:
-            self.rows = dataclasses.replace(self.rows, pair_max_m=self.PAIR_MAX_M)
         self.native = self._native_projection()
 
     def _pairs_alone(self, policy: LinearPolicy) -> bool:
