@@ -6,7 +6,8 @@
 
 For each of the default model's projection shapes (benchmarks/roofline.py's) and each M: GFLOP/s of `x @ W` (torch's
 GEMM on the [in, out] copy), the native small-M kernel on its packed panels (kernels/small_gemm.cpp, this CPU's
-path) and oneDNN's GEMM on its packed copy (torch.ops.mkldnn._linear_pointwise): the three layouts CpuLinear may keep
+path), oneDNN's brgemm micro-kernel on the same panels (kernels/panel_brgemm.cpp) and oneDNN's GEMM on its packed copy
+(torch.ops.mkldnn._linear_pointwise): the three layouts CpuLinear may keep
 (layers/linear.py row_schedule_for picks among them by M). Layer shapes cycle through 30 weight copies, as the 30
 layers do, so that a weight is not still in cache from the call before; the lm_head has one. One thread, CPU seconds
 of this thread (time.thread_time), so other load on a shared host does not inflate them. Prints a table and the
@@ -64,6 +65,7 @@ def row(name: str, m: int, min_time: float, small_path: str | None) -> str:
     cells = [gflops(lambda c: torch.matmul(x, w_t[c]), copies, flops, min_time)]
     native = kernels.load()
     cells.append(gflops(lambda c: native.small_gemm(x, small[c], n), copies, flops, min_time) if small else None)
+    cells.append(gflops(lambda c: native.panel_brgemm(x, small[c], n), copies, flops, min_time) if small else None)
     onednn = torch.ops.mkldnn._linear_pointwise
     packed_call = lambda c: onednn(x, packed[c], None, "none", [], "")  # noqa: E731
     cells.append(gflops(packed_call, copies, flops, min_time) if packed else None)
@@ -118,7 +120,7 @@ def main() -> None:
     schedule = CpuLinear.row_schedule_for(small_path, halves=kernels.avx512_in_halves())
     print(f"small-M path {small_path}; CpuLinear here (wide projections): {schedule.describe()}")
     print("GFLOP/s")
-    print(f"{'shape':<8} {'M':>5} {'x @ W':>9} {'small-M':>9} {'oneDNN':>9}")
+    print(f"{'shape':<8} {'M':>5} {'x @ W':>9} {'small-M':>9} {'brgemm':>9} {'oneDNN':>9}")
     for name in args.shapes.split(","):
         for m in (int(v) for v in args.ms.split(",")):
             print(row(name, m, args.min_time, None if small_path == "library" else small_path), flush=True)

@@ -1,5 +1,5 @@
 """How a float32 projection's GEMM splits over two threads, per GEMM a projection may take (oneDNN's packed GEMM, the
-native small-M kernel), side by side at each row count.
+native small-M kernel, oneDNN's brgemm micro-kernel on the small-M kernel's panels), side by side at each row count.
 
     OMP_WAIT_POLICY=passive .venv/bin/python benchmarks/gemm_threads.py                  # SmolLM2-135M's shapes
     OMP_WAIT_POLICY=passive .venv/bin/python benchmarks/gemm_threads.py --ms 8,64 --shapes o,down
@@ -65,6 +65,7 @@ def gemms(k: int, n: int, copies: int) -> dict:
     if native is not None and path is not None:
         panels = [native.small_gemm_pack(w, path) for w in weights]
         found["small-M"] = lambda x, c: native.small_gemm(x, panels[c], n)
+        found["brgemm"] = lambda x, c: native.panel_brgemm(x, panels[c], n)
     return found
 
 

@@ -146,7 +146,12 @@ class CpuLinear(nn.Module):
     # avx512 kernel from 8 rows on every projection, narrow ones too, and x @ W at every M up to 2,048 (one thread, CPU
     # clock: docs/cpu-kernels.md); there the kernel keeps fewer rows, every projection keeps oneDNN's copy and x @ W
     # is left only one row
-    HALVES_SMALL_MAX_M = 7
+    HALVES_SMALL_MAX_M = 3
+    # ... and from 4 rows to this many oneDNN's brgemm micro-kernel on the small-M kernel's panels
+    # (kernels/panel_brgemm.cpp) ran every projection of the default model faster than oneDNN's packed GEMM on two
+    # threads (busiest thread, CPU clock: benchmarks/gemm_threads.py, docs/cpu-kernels.md): the same inner code,
+    # panels split evenly over the threads and no per-call set-up
+    HALVES_UKERNEL_MAX_M = 128
     # oneDNN's bf16 GEMM runs fewer than 4 rows slower than 4: zero rows pad up to 4
     PACKED_MIN_M = 4
     PACKED_MAX_M = 512  # from here on (prefill chunks) x @ W is as fast
@@ -173,8 +178,10 @@ class CpuLinear(nn.Module):
         read when a layer is built, so that a test may move one); `halves`: the CPU runs AVX-512 in two halves;
         `pairs`: a bf16 projection that keeps the pair kernel's layout beside oneDNN's."""
         small_max_m, packed_max_m = cls.SMALL_MAX_M[small_path][narrow], cls.PACKED_MAX_M
+        ukernel_max_m = 0
         if halves and small_path == "avx512":
             small_max_m, packed_max_m = min(small_max_m, cls.HALVES_SMALL_MAX_M), ALL_ROWS
+            ukernel_max_m = cls.HALVES_UKERNEL_MAX_M
         return RowSchedule(
             small_min_m=cls.SMALL_MIN_M[small_path],
             small_max_m=small_max_m,
@@ -183,6 +190,7 @@ class CpuLinear(nn.Module):
             amx_max_m=cls.AMX_MAX_M,
             swiglu_tile_m=cls.SWIGLU_TILE_M,
             pair_max_m=cls.PAIR_MAX_M if pairs else 0,
+            ukernel_max_m=ukernel_max_m,
         )
 
     def __init__(

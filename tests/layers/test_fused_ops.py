@@ -130,6 +130,36 @@ def test_small_gemm_partial_depth_slices_and_row_chunks(path, m, n, k, native_ke
     _check_small_gemm(native_kernels, path, m, n, k, 2e-3)
 
 
+@pytest.mark.parametrize("path", SMALL_PATHS)
+@pytest.mark.parametrize("m", [1, 4, 7, 13, 64, 128, 200])
+@pytest.mark.parametrize("n, k", [(576, 576), (70, 33), (96, 1536)])  # 70: a padded last panel; 33: odd K
+def test_panel_brgemm_matches_matmul_and_splits_without_changing_a_bit(path, m, n, k, native_kernels):
+    """oneDNN's brgemm micro-kernel on the small-M kernel's panels (kernels/panel_brgemm.cpp) computes x @ W, and a
+    panel's sums run in one order whichever thread takes it: one thread and two give the same bits."""
+    if path not in native_kernels.small_gemm_paths():
+        pytest.skip(f"the {path} small-M GEMM is not built here (this CPU lacks its ISA)")
+    torch.manual_seed(m * 31 + n + k)
+    w, x = torch.randn(n, k), torch.randn(m, k)
+    packed = native_kernels.small_gemm_pack(w, path)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = native_kernels.panel_brgemm(x, packed, n)
+        torch.set_num_threads(1)
+        alone = native_kernels.panel_brgemm(x, packed, n)
+    finally:
+        torch.set_num_threads(threads)
+    assert out.shape == (m, n) and out.is_contiguous()
+    torch.testing.assert_close(out, x @ w.t(), rtol=1e-4, atol=1e-4 * max(1, k // 256))
+    assert torch.equal(out, alone)
+
+
+def test_panel_brgemm_rejects_a_column_count_its_panels_do_not_hold(native_kernels):
+    packed = native_kernels.small_gemm_pack(torch.randn(64, 8), native_kernels.small_gemm_paths()[0])
+    with pytest.raises(RuntimeError, match="column count"):
+        native_kernels.panel_brgemm(torch.randn(2, 8), packed, 65)
+
+
 def test_small_gemm_rejects_panels_of_no_path(native_kernels):
     with pytest.raises(RuntimeError, match="small_gemm path"):
         native_kernels.small_gemm_pack(torch.randn(8, 8), "avx1024")

@@ -25,34 +25,37 @@ def wide_float32_projection(native_kernels):
 @pytest.mark.skipif(heap_info() is None, reason="reads glibc's heap")
 def test_step_lengths_on_onednn_add_a_bounded_number_of_primitives(wide_float32_projection):
     linear, cpu = wide_float32_projection
-    lengths = range(max(cpu.rows.small_max_m + 1, 65), min(cpu.rows.packed_max_m, 201))  # all on oneDNN's path
+    first = max(cpu.rows.small_max_m, cpu.rows.ukernel_max_m) + 1
+    lengths = range(max(first, 65), min(cpu.rows.packed_max_m, 201))  # all on oneDNN's path
     inputs = {m: torch.randn(m, 576) for m in lengths}
     before = heap_info().in_use_mb
     for m in lengths:
         cpu(inputs[m])
     grown = heap_info().in_use_mb - before
-    # 136 lengths: one primitive each took 81 MB; padded to 16 counts per doubling, 26 counts and ~15 MB
+    # 136 lengths: one primitive each took 81 MB; padded to 16 counts per doubling, 26 counts and ~15 MB (72 lengths
+    # where oneDNN takes rows from 129)
     assert grown < 30, f"{grown:.1f} MB more in use after {len(lengths)} step lengths"
-    for m in (65, 66, 101, 127, 128, 129, 200):  # the zero rows' results are cut off, the rows' own are the Linear's
+    for m in (129, 130, 150, 191, 192, 193, 200):  # the zero rows' results are cut off, the rows' own are the Linear's
         out = cpu(inputs[m])
         assert out.shape == (m, 3072) and out.is_contiguous()
         torch.testing.assert_close(out, linear(inputs[m]), rtol=1e-4, atol=1e-4)
 
 
 def test_a_padded_row_is_computed_as_in_the_padded_gemm(wide_float32_projection):
-    # 101 rows run as 104: each of them exactly as in a 104-row call (other rows do not leak into it)
+    # 201 rows run as 208: each of them exactly as in a 208-row call (other rows do not leak into it)
     _, cpu = wide_float32_projection
-    x = torch.randn(104, 576)
-    assert torch.equal(cpu(x[:101]), cpu(x)[:101])
+    assert cpu.rows.ukernel_max_m < 201 and cpu.rows.small_max_m < 201  # on oneDNN's path
+    x = torch.randn(208, 576)
+    assert torch.equal(cpu(x[:201]), cpu(x)[:201])
 
 
 @pytest.mark.parametrize("out_features", [576, 3072])  # narrow (o) and wide (gate/up)
-def test_on_avx512_in_halves_onednn_takes_every_row_count_from_8_and_narrow_projections_keep_its_copy(
+def test_on_avx512_in_halves_the_brgemm_takes_4_to_128_rows_onednn_the_rest_and_narrow_projections_keep_its_copy(
     native_kernels, monkeypatch, out_features
 ):
-    # a CPU that runs AVX-512 in two halves (kernels.avx512_in_halves): the small-M kernel up to 7 rows, oneDNN's
-    # packed GEMM from 8 on at any length (x @ W for one row only), narrow projections included; each M computes the
-    # Linear
+    # a CPU that runs AVX-512 in two halves (kernels.avx512_in_halves): the small-M kernel up to 3 rows, oneDNN's
+    # brgemm micro-kernel on its panels from 4 to 128, oneDNN's packed GEMM from 129 on at any length (x @ W for one
+    # row only), narrow projections included; each M computes the Linear
     if kernels.small_gemm_path() != "avx512":
         pytest.skip("the avx512 small-M kernel is not this host's path")
     monkeypatch.setattr(kernels, "avx512_in_halves", lambda: True)
@@ -62,9 +65,14 @@ def test_on_avx512_in_halves_onednn_takes_every_row_count_from_8_and_narrow_proj
     if cpu.native is None:
         pytest.skip("this torch build has no oneDNN linear")
     assert cpu.packed is not None and cpu.small_packed is not None
-    assert (cpu.rows.small_min_m, cpu.rows.small_max_m) == (2, CpuLinear.HALVES_SMALL_MAX_M) == (2, 7)
+    assert (cpu.rows.small_min_m, cpu.rows.small_max_m) == (2, CpuLinear.HALVES_SMALL_MAX_M) == (2, 3)
+    assert cpu.rows.ukernel_max_m == CpuLinear.HALVES_UKERNEL_MAX_M == 128
     assert cpu.rows.packed_max_m > 2**40  # oneDNN up to any prefill chunk
-    for m in (1, 2, 7, 8, 16, 64, 65, 600, 2048):
+    for m in (4, 128):  # the Projection hands these rows to the brgemm on the small-M panels
+        x = torch.randn(m, 576)
+        brgemm = native_kernels.panel_brgemm(x, cpu.small_packed, out_features) + linear.bias.detach()
+        assert torch.equal(cpu(x), brgemm)
+    for m in (1, 2, 3, 4, 7, 8, 16, 64, 65, 128, 129, 600, 2048):
         x = torch.randn(m, 576)
         torch.testing.assert_close(cpu(x), linear(x), rtol=1e-4, atol=1e-4)
 

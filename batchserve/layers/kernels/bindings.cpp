@@ -103,19 +103,21 @@ void register_projection(pybind11::module& m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   py::class_<RowSchedule>(m, "RowSchedule", "the row counts at which a Projection changes GEMM (layer_ops.h)")
       .def(py::init([](int64_t small_min_m, int64_t small_max_m, int64_t packed_min_m, int64_t packed_max_m,
-                       int64_t amx_max_m, int64_t swiglu_tile_m, int64_t pair_max_m) {
+                       int64_t amx_max_m, int64_t swiglu_tile_m, int64_t pair_max_m, int64_t ukernel_max_m) {
              return RowSchedule{small_min_m, small_max_m, packed_min_m, packed_max_m, amx_max_m, swiglu_tile_m,
-                                pair_max_m};
+                                pair_max_m, ukernel_max_m};
            }),
            py::arg("small_min_m"), py::arg("small_max_m"), py::arg("packed_min_m"), py::arg("packed_max_m"),
-           py::arg("amx_max_m"), py::arg("swiglu_tile_m") = 0, py::arg("pair_max_m") = 0)
+           py::arg("amx_max_m"), py::arg("swiglu_tile_m") = 0, py::arg("pair_max_m") = 0,
+           py::arg("ukernel_max_m") = 0)
       .def_readonly("small_min_m", &RowSchedule::small_min_m)
       .def_readonly("small_max_m", &RowSchedule::small_max_m)
       .def_readonly("packed_min_m", &RowSchedule::packed_min_m)
       .def_readonly("packed_max_m", &RowSchedule::packed_max_m)
       .def_readonly("amx_max_m", &RowSchedule::amx_max_m)
       .def_readonly("swiglu_tile_m", &RowSchedule::swiglu_tile_m)
-      .def_readonly("pair_max_m", &RowSchedule::pair_max_m);
+      .def_readonly("pair_max_m", &RowSchedule::pair_max_m)
+      .def_readonly("ukernel_max_m", &RowSchedule::ukernel_max_m);
   py::class_<Projection>(m, "Projection")
       .def(py::init([](at::Tensor weight_t, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> packed,
                        c10::optional<at::Tensor> small_packed, int64_t out_features, RowSchedule rows,
@@ -208,6 +210,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_pack", &small_gemm_pack, "[N, K] weight -> [N/P, K, P] panels of `path` for small_gemm", kNoGil,
         pybind11::arg("weight"), pybind11::arg("path"));
   m.def("small_gemm", &small_gemm, "x [M, K] @ packed weight -> [M, n], for small M", kNoGil);
+  m.def("panel_brgemm", &panel_brgemm, "x [M, K] @ small_gemm_pack's panels -> [M, n] by oneDNN's brgemm", kNoGil);
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm was built with AMX and may use the tiles");
   m.def("amx_gemm_takes", &amx_gemm_takes, "whether amx_gemm takes an [N, K] weight (both multiples of 32)");
   m.def("amx_gemm_pack", &amx_gemm_pack, "[N, K] bf16 weight -> [N/32, K/32, 2, 16, 32] AMX panels", kNoGil);

@@ -45,6 +45,8 @@ void write_kv_(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tenso
 std::vector<std::string> small_gemm_paths();
 at::Tensor small_gemm_pack(at::Tensor weight, const std::string& path);
 at::Tensor small_gemm(at::Tensor x, at::Tensor packed, int64_t n);
+// the same panels multiplied by oneDNN's brgemm micro-kernel (panel_brgemm.cpp)
+at::Tensor panel_brgemm(at::Tensor x, at::Tensor packed, int64_t n);
 bool amx_gemm_available();
 bool amx_gemm_takes(int64_t n, int64_t k);
 at::Tensor amx_gemm_pack(at::Tensor weight);

@@ -16,14 +16,15 @@
 #include "quant_gemm.h"
 
 // The row counts at which a Projection changes GEMM, one object (layers/linear.py RowSchedule builds it): x @ W below
-// small_min_m, the native small-M kernel up to small_max_m, oneDNN's packed GEMM below packed_max_m (bf16 rows padded
-// up to packed_min_m), x @ W from there; bf16 on AMX: the AMX kernel below amx_max_m, oneDNN from there; bf16 on
+// small_min_m, the native small-M kernel up to small_max_m, oneDNN's brgemm micro-kernel on the same panels up to
+// ukernel_max_m (0: never), oneDNN's packed GEMM below packed_max_m (bf16 rows padded up to packed_min_m), x @ W from
+// there; bf16 on AMX: the AMX kernel below amx_max_m, oneDNN from there; bf16 on
 // AVX512-BF16 without AMX: the bf16 pair kernel below pair_max_m, oneDNN from there (a projection with pairs and no
 // oneDNN copy takes the pairs at every M).
 // swiglu_tile_m: a gate/up projection fused with silu_and_mul runs its MLP in row tiles of this many (0: never).
 struct RowSchedule {
   int64_t small_min_m = 0, small_max_m = 0, packed_min_m = 0, packed_max_m = 0, amx_max_m = 0, swiglu_tile_m = 0;
-  int64_t pair_max_m = 0;
+  int64_t pair_max_m = 0, ukernel_max_m = 0;
 };
 
 // A projection laid out for this CPU's GEMMs (layers/linear.py CpuLinear makes the layouts and the RowSchedule), which

@@ -201,7 +201,8 @@ NO_ROW_BOUND = 2**62  # a row-count threshold no call reaches (layers/linear.py 
 @dataclass(frozen=True)
 class RowSchedule:
     """The row counts at which a projection changes GEMM (kernels/layer_ops.h RowSchedule, to which it is handed):
-    x @ W below small_min_m, the native small-M kernel up to small_max_m, oneDNN's packed GEMM below packed_max_m
+    x @ W below small_min_m, the native small-M kernel up to small_max_m, oneDNN's brgemm micro-kernel on the same
+    panels up to ukernel_max_m (0: never), oneDNN's packed GEMM below packed_max_m
     (bf16 rows padded up to packed_min_m), x @ W from there; bf16 on AMX: the AMX kernel below amx_max_m, then oneDNN;
     bf16 on AVX512-BF16 without AMX: the bf16 pair kernel below pair_max_m, then oneDNN (0: no pairs kept).
     swiglu_tile_m: a gate/up projection fused with silu_and_mul (AMX) runs its MLP in row tiles of this many.
@@ -214,14 +215,16 @@ class RowSchedule:
     amx_max_m: int
     swiglu_tile_m: int = 0
     pair_max_m: int = 0
+    ukernel_max_m: int = 0
 
     def describe(self) -> str:
         packed = "at any M" if self.packed_max_m >= NO_ROW_BOUND else f"< {self.packed_max_m}"
         pairs = ""
         if self.pair_max_m:
             pairs = ", bf16 pairs at any M" if self.pair_max_m >= NO_ROW_BOUND else f", bf16 pairs < {self.pair_max_m}"
+        ukernel = f", oneDNN brgemm on its panels ..{self.ukernel_max_m}" if self.ukernel_max_m else ""
         return (
-            f"small-M kernel {self.small_min_m}..{self.small_max_m}, oneDNN packed {packed} "
+            f"small-M kernel {self.small_min_m}..{self.small_max_m}{ukernel}, oneDNN packed {packed} "
             f"(padded to {self.packed_min_m}), AMX < {self.amx_max_m}{pairs}"
         )
 

@@ -117,6 +117,8 @@ at::Tensor Projection::gemm(const at::Tensor& x) const {
     out = at::matmul(x, weight_t);
   } else if (small_packed.has_value() && m <= rows.small_max_m) {
     out = small_gemm(x, *small_packed, out_features);
+  } else if (small_packed.has_value() && m <= rows.ukernel_max_m) {
+    out = panel_brgemm(x, *small_packed, out_features);
   } else if (packed.has_value() && m < rows.packed_max_m) {
     return bucketed_packed_linear(x, *packed, bias, 0);
   } else {
