@@ -152,6 +152,9 @@ class CpuLinear(nn.Module):
     # threads (busiest thread, CPU clock: benchmarks/gemm_threads.py, docs/cpu-kernels.md): the same inner code,
     # panels split evenly over the threads and no per-call set-up
     HALVES_UKERNEL_MAX_M = 128
+    # but on a vocabulary-sized output projection (more columns than VOCAB_OUT) oneDNN's blocking won from 40 rows
+    HALVES_VOCAB_UKERNEL_MAX_M = 24
+    VOCAB_OUT = 16384
     # oneDNN's bf16 GEMM runs fewer than 4 rows slower than 4: zero rows pad up to 4
     PACKED_MIN_M = 4
     PACKED_MAX_M = 512  # from here on (prefill chunks) x @ W is as fast
@@ -172,16 +175,17 @@ class CpuLinear(nn.Module):
 
     @classmethod
     def row_schedule_for(
-        cls, small_path: str, narrow: bool = False, halves: bool = False, pairs: bool = False
+        cls, small_path: str, narrow: bool = False, halves: bool = False, pairs: bool = False, vocab: bool = False
     ) -> RowSchedule:
         """The row counts at which a projection on small-M path `small_path` changes GEMM (this class's thresholds,
         read when a layer is built, so that a test may move one); `halves`: the CPU runs AVX-512 in two halves;
-        `pairs`: a bf16 projection that keeps the pair kernel's layout beside oneDNN's."""
+        `pairs`: a bf16 projection that keeps the pair kernel's layout beside oneDNN's; `vocab`: more output columns
+        than VOCAB_OUT."""
         small_max_m, packed_max_m = cls.SMALL_MAX_M[small_path][narrow], cls.PACKED_MAX_M
         ukernel_max_m = 0
         if halves and small_path == "avx512":
             small_max_m, packed_max_m = min(small_max_m, cls.HALVES_SMALL_MAX_M), ALL_ROWS
-            ukernel_max_m = cls.HALVES_UKERNEL_MAX_M
+            ukernel_max_m = cls.HALVES_VOCAB_UKERNEL_MAX_M if vocab else cls.HALVES_UKERNEL_MAX_M
         return RowSchedule(
             small_min_m=cls.SMALL_MIN_M[small_path],
             small_max_m=small_max_m,
@@ -247,7 +251,8 @@ class CpuLinear(nn.Module):
         path = path if self.packed_only else None
         # [in, out] for x @ W, which the packed-only path never runs: not kept there (a whole weight's copy less)
         self.register_buffer("weight_t", None if self.packed_only else weight.t().contiguous())
-        self.rows = self.row_schedule_for(small_path, narrow, halves, pairs=self.bf16_pairs)
+        vocab = self.out_features > self.VOCAB_OUT
+        self.rows = self.row_schedule_for(small_path, narrow, halves, pairs=self.bf16_pairs, vocab=vocab)
         small = small_path != "library"
         if self.deterministic:
             # the small-M kernel's order is one per row at any M (threads split columns, K runs in one order); without

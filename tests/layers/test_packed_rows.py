@@ -82,3 +82,18 @@ def test_without_halves_narrow_projections_keep_no_onednn_copy(native_kernels, m
     cpu = CpuLinear.from_linear(torch.nn.Linear(576, 576))
     small_path = kernels.small_gemm_path() if cpu.small_packed is not None else "library"
     assert cpu.packed is None and cpu.rows.small_max_m == CpuLinear.SMALL_MAX_M[small_path][True]
+
+
+def test_on_avx512_in_halves_a_vocabulary_sized_projection_hands_rows_to_onednn_sooner(native_kernels, monkeypatch):
+    # oneDNN's packed GEMM ran the default model's output projection faster than the brgemm from 40 rows
+    if kernels.small_gemm_path() != "avx512":
+        pytest.skip("the avx512 small-M kernel is not this host's path")
+    monkeypatch.setattr(kernels, "avx512_in_halves", lambda: True)
+    monkeypatch.setattr(CpuLinear, "VOCAB_OUT", 1536)  # a small stand-in for a vocabulary
+    torch.manual_seed(11)
+    linear = torch.nn.Linear(64, 1600, bias=False)
+    cpu = CpuLinear.from_linear(linear)
+    assert cpu.rows.ukernel_max_m == CpuLinear.HALVES_VOCAB_UKERNEL_MAX_M == 24
+    for m in (4, 24, 25, 64):
+        x = torch.randn(m, 64)
+        torch.testing.assert_close(cpu(x), linear(x), rtol=1e-4, atol=1e-4)
