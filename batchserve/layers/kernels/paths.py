@@ -111,7 +111,8 @@ AMX_PREFILL_HEAD_DIMS = (64, 128)
 
 # CPUs that run each 512-bit vector operation as two 256-bit halves, by vendor and family (AMD family 25: Zen 4).
 # There oneDNN's packed float32 GEMM beat the AVX-512 small-M kernel from 8 rows on every projection of the default
-# model, narrow ones included (docs/cpu-kernels.md), so the kernel keeps only the fewest rows.
+# model, narrow ones included (docs/cpu-kernels.md), so the kernel keeps only the fewest rows, and oneDNN's brgemm
+# micro-kernel multiplies its panels from 4 rows (layers/linear.py CpuLinear.HALVES_UKERNEL_MAX_M).
 SPLIT_AVX512_FAMILIES = {"AuthenticAMD": frozenset({"25"})}
 
 
