@@ -143,6 +143,16 @@ def default_model_with_positions(positions: int, folder: Path) -> Path:
     return folder
 
 
+def preset_checkpoint(args, preset: str, folder: Path, dtype) -> tuple[str, str]:
+    """--model preset:<name>: random weights of a model_scale preset's shapes with --layers of its layers."""
+    if preset not in model_scale.PRESETS:
+        raise SystemExit(f"--model preset:{preset}: choose from {', '.join(sorted(model_scale.PRESETS))}")
+    full = model_scale.PRESETS[preset]
+    shapes = dataclasses.replace(full, num_layers=min(args.layers, full.num_layers))
+    model_scale.write_checkpoint(shapes, folder, dtype)
+    return str(folder), f"{full.name} ({shapes.num_layers} of {full.num_layers} layers)"
+
+
 def prompt(vocab: int, length: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (length,), generator=g).tolist()
@@ -402,16 +412,14 @@ def parse_args(argv=None):
         help="add llama.cpp's batch-1 decode (llama-bench, docs/quantization.md) on each gguf:<type> file of the 8B rows",
     )
     ap.add_argument("--eightb-preset", default="llama-3.1-8b", choices=sorted(model_scale.PRESETS))
-    ap.add_argument("--model", default=None, help="the model of prefill and decode (default: the default model)")
+    ap.add_argument("--model", default=None, help="the model of prefill and decode (default: the default model); "
+                    "preset:<name> (e.g. preset:llama-3.1-8b): random weights of that model_scale preset, --layers of it")  # fmt: skip
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-tokens", type=int, default=2048, help="the prefill chunk (engine max_num_tokens)")
     ap.add_argument("--decode-steps", type=int, default=8)
-    ap.add_argument(
-        "--shared-context",
-        action="store_true",
-        help="decode: the sequences share their context but its last 16 tokens (one prefill, cached for the rest)",
-    )
+    ap.add_argument("--shared-context", action="store_true",
+                    help="decode: the sequences share their context but its last 16 tokens (one prefill)")  # fmt: skip
     ap.add_argument("--memory-gib", type=float, default=24.0, help="what a row may need (shared host)")
     ap.add_argument("--workload", type=Path, default=Path(__file__).resolve().parent / "workloads" / "peer64.json")
     ap.add_argument("--peer-limit", type=int, default=0, help="only the first N requests of the workload")
@@ -444,7 +452,10 @@ def main(argv=None) -> dict:
     sections = args.sections.split(",")
     args.model_label = args.model or "default model"
     long_folder = None
-    if not args.model and {"prefill", "decode"} & set(sections) and max(args.contexts) + 64 > DEFAULT_POSITIONS:
+    if args.model and args.model.startswith("preset:"):
+        long_folder = Path(tempfile.mkdtemp(prefix="limits_preset_"))
+        args.model, args.model_label = preset_checkpoint(args, args.model.removeprefix("preset:"), long_folder, dtype)
+    elif not args.model and {"prefill", "decode"} & set(sections) and max(args.contexts) + 64 > DEFAULT_POSITIONS:
         long_folder = Path(tempfile.mkdtemp(prefix="limits_positions_"))
         positions = max(args.contexts) + args.decode_steps + 1024
         args.model = str(default_model_with_positions(positions, long_folder / "model"))

@@ -91,3 +91,11 @@ def test_the_default_model_s_context_is_raised_for_longer_contexts(limits, tmp_p
     assert config["max_position_embeddings"] == 40000 and config["num_hidden_layers"] == 30
     weights = folder / "model.safetensors"
     assert weights.is_symlink() and weights.resolve().parent.name.startswith("SmolLM2-135M-Instruct")
+
+
+def test_a_preset_model_is_written_with_the_layers_asked_for(limits, tmp_path):
+    record = limits.main(["--model", "preset:tiny-llama", "--layers", "1", "--sections", "decode", "--contexts", "64",
+                          "--batches", "1", "--decode-steps", "1", "--threads", "1", "--clock", "cpu",
+                          "--out", str(tmp_path / "l.json")])  # fmt: skip
+    (row,) = record["rows"]
+    assert row["label"].startswith("tiny Llama (1 of 2 layers) decode batch 1") and row["figure"] > 0
