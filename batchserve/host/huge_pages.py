@@ -50,7 +50,7 @@ def _log_fallback_once(reason: str) -> None:
         if reason in _logged:
             return
         _logged.add(reason)
-    logger.info("large CPU tensors stay on 4 KiB pages: %s", reason)
+    logger.info("large tensors stay on ordinary pages: %s", reason)
 
 
 def _huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int] | None:
@@ -99,7 +99,7 @@ def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch
     device = torch.device(device)
     nbytes = _nbytes(shape, dtype)
     if device.type != "cpu":
-        _log_fallback_once(f"a {device.type} tensor")
+        _log_fallback_once(f"{device.type} memory is not the host's")
     elif nbytes >= MIN_OWN_MAPPING_BYTES:
         raw = _mapped_bytes(nbytes)
         if raw is not None:
@@ -146,7 +146,7 @@ class HugePageArena:
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of CPU `tensor` on huge pages (a plain contiguous clone where not possible)."""
         if tensor.device.type != "cpu":
-            _log_fallback_once(f"a {tensor.device.type} tensor")
+            _log_fallback_once(f"{tensor.device.type} memory is not the host's")
             return tensor.clone(memory_format=torch.contiguous_format)
         raw = self._take(tensor.numel() * tensor.element_size())
         if raw is None:

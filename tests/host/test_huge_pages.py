@@ -61,7 +61,7 @@ def test_without_huge_pages_it_is_torch_zeros_and_says_so_once(monkeypatch, capl
     assert all(not t.any() and not on_huge_pages(t) for t in tensors)
     assert torch.equal(copy, torch.ones(8, 8))
     assert [r.getMessage() for r in caplog.records].count(
-        "large CPU tensors stay on 4 KiB pages: transparent huge pages are off ([never])"
+        "large tensors stay on ordinary pages: transparent huge pages are off ([never])"
     ) == 1
 
 
