@@ -202,12 +202,16 @@ def decode_prompts(args, vocab: int, context: int, batch: int) -> list[list[int]
     return [common + prompt(vocab, 16, 100 + i) for i in range(batch)]
 
 
+def probe_model(args):
+    """The shapes and config of the rows' model, from an engine closed and dropped at once (its pool freed)."""
+    probe = new_engine(args, args.model, num_kv_blocks=8)
+    probe.close()
+    return shapes_of(probe.model_config, args.model_label), probe.model_config
+
+
 def section_prefill(args, dtype, element) -> list[Row]:
     rows = []
-    probe = new_engine(args, args.model, num_kv_blocks=8)
-    s = shapes_of(probe.model_config, args.model_label)
-    probe.close()
-    config = probe.model_config
+    s, config = probe_model(args)
     seconds, flops = gemm_rate(s, args.max_num_tokens, dtype, args.min_time, False, args.clock)
     rate = flops / seconds
     print(f"prefill: matmuls at M={args.max_num_tokens} run at {rate / 1e9:.0f} GFLOP/s on these shapes", flush=True)
@@ -238,10 +242,7 @@ def section_prefill(args, dtype, element) -> list[Row]:
 
 def section_decode(args, element, bandwidth) -> list[Row]:
     rows = []
-    probe = new_engine(args, args.model, num_kv_blocks=8)
-    s = shapes_of(probe.model_config, args.model_label)
-    probe.close()
-    config = probe.model_config
+    s, config = probe_model(args)
     for context in args.contexts:
         for batch in args.batches:
             label = f"{s.name} decode batch {batch} context {context}"
