@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/attention_kernel.py                      # 64 seqs x ~300 tokens, SmolLM2-135M heads
     .venv/bin/python benchmarks/attention_kernel.py --copies 12          # K/V from DRAM, as in a 30-layer model
     .venv/bin/python benchmarks/attention_kernel.py --paths avx512_bf16,avx512 --layout contiguous
+    .venv/bin/python benchmarks/attention_kernel.py --seqs 1 --context 8000 --copies 30 --pages 4k,2m
 
 One call = one layer's decode attention of the whole batch: `--seqs` sequences of `--context` tokens (+-10%, so tiles
 end at different places), 9 query heads over 3 kv heads of dim 64, blocks of 16 tokens (the engine's default) dealt
@@ -10,9 +11,10 @@ from a shuffled pool as a long-running engine leaves them (`--layout contiguous`
 right after prefill). `--copies N` cycles the calls through N copies of the pool, so that with N x the pool (7 MB in
 bf16 at the defaults) beyond the last-level cache each call reads its K/V from memory, as each layer does in a
 running engine. Each path runs on the same pools (bfloat16 and float32) in turns, so a change of the host's load hits
-every path alike; prints the median and best ms per call (CPU time of this process with 1 thread: a shared host's
-other jobs count less; wall time with more) and the max difference from the float32-pool result, with the CPU, its
-path flags and the load average.
+every path alike; `--pages 4k,2m` does the same with pools on 4 KiB pages and on 2 MiB ones (the default, as the
+engine's pool lies where the host has transparent huge pages: host/huge_pages.py). Prints the median and best ms per
+call (CPU time of this process with 1 thread: a shared host's other jobs count less; wall time with more) and the
+max difference from the float32-pool result, with the CPU, its path flags and the load average.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 import torch
 
 from batchserve.bench.machine import describe, machine_info
+from batchserve.host import huge_pages
 from batchserve.layers import kernels
 
 
@@ -56,6 +59,17 @@ def make_batch(
     return query, key, value, tables, torch.tensor(lens)
 
 
+def on_pages(values: torch.Tensor, dtype: torch.dtype, pages: str) -> torch.Tensor:
+    """A copy of `values` in `dtype` on 4 KiB pages ("4k": an ordinary tensor) or 2 MiB ones ("2m")."""
+    if pages == "4k":
+        return values.to(dtype, copy=True)
+    assert pages == "2m", pages
+    assert huge_pages.huge_pages_unavailable() is None, huge_pages.huge_pages_unavailable()
+    out = huge_pages.zeros(values.shape, dtype)
+    assert huge_pages.on_huge_pages(out), "the pool is too small for a mapping of its own"
+    return out.copy_(values)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, default=64)
@@ -67,6 +81,7 @@ def main() -> None:
     ap.add_argument("--layout", choices=("shuffled", "contiguous"), default="shuffled")
     ap.add_argument("--copies", type=int, default=1, help="pool copies the calls cycle through (default: %(default)s)")
     ap.add_argument("--paths", default=None, help="comma-separated; default: every path built and runnable here")
+    ap.add_argument("--pages", default="2m", help="4k, 2m or both, comma-separated: the pools' pages (%(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     native = kernels.load()
@@ -92,10 +107,13 @@ def main() -> None:
         return native.paged_decode_attention(query, k, v, tables, lens, scale, native.AttentionPath.__members__[path])
 
     pools = {
-        "bfloat16": [(key.bfloat16(), value.bfloat16()) for _ in range(args.copies)],
-        "float32": [(key.clone(), value.clone()) for _ in range(args.copies)],
+        f"{dtype_name}/{pages}": [
+            (on_pages(key, dtype, pages), on_pages(value, dtype, pages)) for _ in range(args.copies)
+        ]
+        for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
+        for pages in args.pages.split(",")
     }
-    exact = call(paths[-1] if "portable" in paths else paths[0], *pools["float32"][0])
+    exact = call(paths[-1] if "portable" in paths else paths[0], key, value)
     times: dict[tuple[str, str], list[float]] = {(d, p): [] for d in pools for p in paths}
     error: dict[tuple[str, str], float] = {}
     for dtype, path in times:  # warm-up, and each path's distance from the float32 result
@@ -115,10 +133,10 @@ def main() -> None:
         f"block {args.block_size} ({args.layout}), {args.copies} pool copies, {args.rounds} rounds, "
         f"{'CPU' if args.threads == 1 else 'wall'} time"
     )
-    print(f"{'pool':9s} {'path':12s} {'ms/call':>8s} {'min ms':>8s} {'max |diff| vs f32 pool':>24s}")
+    print(f"{'pool':12s} {'path':12s} {'ms/call':>8s} {'min ms':>8s} {'max |diff| vs f32 pool':>24s}")
     for (dtype, path), samples in times.items():
         print(
-            f"{dtype:9s} {path:12s} {statistics.median(samples) * 1e3:8.3f} {min(samples) * 1e3:8.3f} "
+            f"{dtype:12s} {path:12s} {statistics.median(samples) * 1e3:8.3f} {min(samples) * 1e3:8.3f} "
             f"{error[dtype, path]:24.2e}"
         )
 

@@ -12,7 +12,8 @@ Sections (--sections, comma-separated):
   decode   --batches sequences, each with --contexts tokens of its own context, decode together; the step time is
            the median of --decode-steps steps once every sequence is decoding; bound: (the weights one step reads +
            every sequence's K/V) / the memory bandwidth measured here (benchmarks/model_scale.py's best pass over a
-           1 GiB buffer).
+           1 GiB buffer). --shared-context: the sequences share all but the last 16 tokens of their context (one
+           prefill instead of --batches; each still reads its K/V every step, from the shared blocks).
   8b       Llama-3.1-8B shapes (random bf16 weights, --layers of its 32 layers, the embedding and lm_head whole),
            --eightb-batches sequences of 32-token prompts decoding; batch 1 against the bandwidth bound, larger
            batches against the compute bound (the GEMM rate measured at that M on the 8B shapes, the lm_head
@@ -24,6 +25,8 @@ Sections (--sections, comma-separated):
            (64 sequences at once), its time against the step roofline of the steps it ran (roofline.step_roofline):
            per step the larger of its matmul time at torch's GEMM rates measured now at M = --peer-ms (interpolated
            between them) and the weights + K/V it reads at the measured bandwidth.
+  Contexts past the default model's 8,192 positions run it with its config's max_position_embeddings raised (the
+  same weights and shapes; positions reach only RoPE, whose cost does not depend on them).
 Before anything is allocated the memory a row needs (weights + its K/V pool) is checked against --memory-gib; a row
 that does not fit is printed as skipped with the sizes. Prints the host (CPU family, model, flags), a table and saves
 JSON under bench_results/. Wall times on a loaded host are pessimistic; the load average is recorded.
@@ -49,6 +52,7 @@ from batchserve.bench.machine import describe, machine_info
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench_results"
 GIB = 1024**3
+DEFAULT_POSITIONS = 8192  # the default model's context (SmolLM2-135M-Instruct)
 
 
 @dataclasses.dataclass
@@ -119,8 +123,34 @@ def new_engine(args, model: str | None, **options):
 
     if model:
         options["model"] = model
-    return LLMEngine.from_options(device="cpu", dtype=args.dtype, num_threads=args.threads,
-                                  enable_prefix_caching=False, **options)  # fmt: skip
+    options.setdefault("enable_prefix_caching", False)
+    return LLMEngine.from_options(device="cpu", dtype=args.dtype, num_threads=args.threads, **options)
+
+
+def default_model_with_positions(positions: int, folder: Path) -> Path:
+    """The default model with its context raised to `positions`, for contexts past its 8,192: links to its converted
+    files and a config.json whose max_position_embeddings is raised. Positions reach only RoPE, whose cost does not
+    depend on them, so the speed is the default model's (its answers past 8,192 tokens are not the point)."""
+    from batchserve.models.loader import default_model_path, ensure_gguf_cache
+
+    converted = ensure_gguf_cache(default_model_path())
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in converted.iterdir():
+        if item.name != "config.json":
+            (folder / item.name).symlink_to(item)
+    config = json.loads((converted / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}, indent=1))
+    return folder
+
+
+def preset_checkpoint(args, preset: str, folder: Path, dtype) -> tuple[str, str]:
+    """--model preset:<name>: random weights of a model_scale preset's shapes with --layers of its layers."""
+    if preset not in model_scale.PRESETS:
+        raise SystemExit(f"--model preset:{preset}: choose from {', '.join(sorted(model_scale.PRESETS))}")
+    full = model_scale.PRESETS[preset]
+    shapes = dataclasses.replace(full, num_layers=min(args.layers, full.num_layers))
+    model_scale.write_checkpoint(shapes, folder, dtype)
+    return str(folder), f"{full.name} ({shapes.num_layers} of {full.num_layers} layers)"
 
 
 def prompt(vocab: int, length: int, seed: int) -> list[int]:
@@ -140,16 +170,18 @@ def run_prefill(engine, tokens: list[int], clock) -> float:
 
 
 def decode_step_s(engine, prompts: list[list[int]], steps: int, clock) -> float:
-    """Median seconds of a step in which every sequence decodes (after all prompts have produced a token)."""
+    """Median seconds of a step in which every sequence decodes (after all prompts have produced a token). The first
+    prompt runs alone until its first token, so that prompts sharing its prefix find it cached."""
     from batchserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     ids = [f"d{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        engine.add_prompt(rid, p, params)
     started: set[str] = set()
-    while len(started) < len(ids):
-        started.update(o.request_id for o in engine.step() if o.delta_token_ids)
+    for group in (ids[:1], ids[1:]):
+        for rid in group:
+            engine.add_prompt(rid, prompts[ids.index(rid)], params)
+        while not started.issuperset(group):
+            started.update(o.request_id for o in engine.step() if o.delta_token_ids)
     samples = []
     for _ in range(steps):
         t0 = clock()
@@ -161,12 +193,25 @@ def decode_step_s(engine, prompts: list[list[int]], steps: int, clock) -> float:
     return statistics.median(samples)
 
 
+def decode_prompts(args, vocab: int, context: int, batch: int) -> list[list[int]]:
+    """Each sequence's own context; with --shared-context, one context whose last 16 tokens differ per sequence (a
+    prefill of each 32k context takes minutes): the step reads each sequence's K/V as before, from shared blocks."""
+    if not args.shared_context:
+        return [prompt(vocab, context, 10 + i) for i in range(batch)]
+    common = prompt(vocab, context - 16, 10)
+    return [common + prompt(vocab, 16, 100 + i) for i in range(batch)]
+
+
+def probe_model(args):
+    """The shapes and config of the rows' model, from an engine closed and dropped at once (its pool freed)."""
+    probe = new_engine(args, args.model, num_kv_blocks=8)
+    probe.close()
+    return shapes_of(probe.model_config, args.model_label), probe.model_config
+
+
 def section_prefill(args, dtype, element) -> list[Row]:
     rows = []
-    probe = new_engine(args, args.model, num_kv_blocks=8)
-    s = shapes_of(probe.model_config, "default model" if not args.model else args.model)
-    probe.close()
-    config = probe.model_config
+    s, config = probe_model(args)
     seconds, flops = gemm_rate(s, args.max_num_tokens, dtype, args.min_time, False, args.clock)
     rate = flops / seconds
     print(f"prefill: matmuls at M={args.max_num_tokens} run at {rate / 1e9:.0f} GFLOP/s on these shapes", flush=True)
@@ -197,28 +242,30 @@ def section_prefill(args, dtype, element) -> list[Row]:
 
 def section_decode(args, element, bandwidth) -> list[Row]:
     rows = []
-    probe = new_engine(args, args.model, num_kv_blocks=8)
-    s = shapes_of(probe.model_config, "default model" if not args.model else args.model)
-    probe.close()
-    config = probe.model_config
+    s, config = probe_model(args)
     for context in args.contexts:
         for batch in args.batches:
             label = f"{s.name} decode batch {batch} context {context}"
-            kv = kv_bytes(s, batch * (context + args.decode_steps + 16), element)
+            kv = kv_bytes(
+                s, (1 if args.shared_context else batch) * context + batch * (args.decode_steps + 16), element
+            )
             skip = fits(weight_bytes(s, element) + kv, args) or beyond_context(config, context + args.decode_steps + 8)
             if skip:
                 rows.append(Row("decode", label, note=skip))
                 continue
             bound = (s.step_params(batch) * element + kv_bytes(s, batch * context, element)) / bandwidth
-            blocks = batch * ((context + args.decode_steps + 24) // 16 + 1)
+            own = batch if not args.shared_context else 1  # copies of the context in the pool
+            blocks = own * (context // 16 + 1) + batch * ((args.decode_steps + 40) // 16 + 2)
             try:
                 engine = new_engine(args, args.model, num_kv_blocks=blocks, max_batch_size=batch,
-                                    max_num_tokens=args.max_num_tokens, max_model_len=max(context + 64, 2048))  # fmt: skip
+                                    max_num_tokens=args.max_num_tokens, max_model_len=max(context + 64, 2048),
+                                    enable_prefix_caching=args.shared_context)  # fmt: skip
             except ValueError as e:
                 rows.append(Row("decode", label, bound=bound, note=f"refused: {e}"))
                 continue
-            prompts = [prompt(s.vocab_size, context, 10 + i) for i in range(batch)]
-            step = decode_step_s(engine, prompts, args.decode_steps, args.clock)
+            step = decode_step_s(
+                engine, decode_prompts(args, s.vocab_size, context, batch), args.decode_steps, args.clock
+            )
             engine.close()
             rows.append(Row("decode", label, step, bound, f"K/V {kv_bytes(s, batch * context, element) / GIB:.2f} GiB"))
             report(rows[-1])
@@ -366,11 +413,14 @@ def parse_args(argv=None):
         help="add llama.cpp's batch-1 decode (llama-bench, docs/quantization.md) on each gguf:<type> file of the 8B rows",
     )
     ap.add_argument("--eightb-preset", default="llama-3.1-8b", choices=sorted(model_scale.PRESETS))
-    ap.add_argument("--model", default=None, help="the model of prefill and decode (default: the default model)")
+    ap.add_argument("--model", default=None, help="the model of prefill and decode (default: the default model); "
+                    "preset:<name> (e.g. preset:llama-3.1-8b): random weights of that model_scale preset, --layers of it")  # fmt: skip
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-tokens", type=int, default=2048, help="the prefill chunk (engine max_num_tokens)")
     ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--shared-context", action="store_true",
+                    help="decode: the sequences share their context but its last 16 tokens (one prefill)")  # fmt: skip
     ap.add_argument("--memory-gib", type=float, default=24.0, help="what a row may need (shared host)")
     ap.add_argument("--workload", type=Path, default=Path(__file__).resolve().parent / "workloads" / "peer64.json")
     ap.add_argument("--peer-limit", type=int, default=0, help="only the first N requests of the workload")
@@ -401,6 +451,16 @@ def main(argv=None) -> dict:
     dtype = getattr(torch, args.dtype)
     element = torch.empty((), dtype=dtype).element_size()
     sections = args.sections.split(",")
+    args.model_label = args.model or "default model"
+    long_folder = None
+    if args.model and args.model.startswith("preset:"):
+        long_folder = Path(tempfile.mkdtemp(prefix="limits_preset_"))
+        args.model, args.model_label = preset_checkpoint(args, args.model.removeprefix("preset:"), long_folder, dtype)
+    elif not args.model and {"prefill", "decode"} & set(sections) and max(args.contexts) + 64 > DEFAULT_POSITIONS:
+        long_folder = Path(tempfile.mkdtemp(prefix="limits_positions_"))
+        positions = max(args.contexts) + args.decode_steps + 1024
+        args.model = str(default_model_with_positions(positions, long_folder / "model"))
+        args.model_label = f"default model ({positions} positions)"
     info = machine_info(args.threads, args.dtype)
     load_before = os.getloadavg()[0]
     print(f"machine: {describe(info)}; load average {load_before:.2f}; clock {clock_name}", flush=True)
@@ -412,10 +472,14 @@ def main(argv=None) -> dict:
     runners = {"prefill": lambda: section_prefill(args, dtype, element),
                "decode": lambda: section_decode(args, element, bandwidth),
                "8b": lambda: section_8b(args, dtype, element, bandwidth), "peer64": lambda: section_peer64(args, bandwidth)}  # fmt: skip
-    for name in sections:
-        if name not in runners:
-            raise SystemExit(f"--sections: unknown section {name!r}; choose from {', '.join(runners)}")
-        rows += runners[name]()
+    try:
+        for name in sections:
+            if name not in runners:
+                raise SystemExit(f"--sections: unknown section {name!r}; choose from {', '.join(runners)}")
+            rows += runners[name]()
+    finally:
+        if long_folder:
+            shutil.rmtree(long_folder, ignore_errors=True)
     print("\n" + "\n".join(format_row(r) for r in rows))
     record = {"machine": info, "bandwidth_gb_s": bandwidth / 1e9, "loadavg_before": load_before,
               "loadavg_after": os.getloadavg()[0], "clock": clock_name,

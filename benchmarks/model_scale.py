@@ -142,8 +142,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 LLAMA_3_1_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                     num_kv_heads=8, head_dim=128)  # fmt: skip
-LLAMA3_ROPE = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}  # fmt: skip
+LLAMA3_ROPE = {"max_position_embeddings": 131072, "rope_theta": 500000.0,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192}}  # fmt: skip
 # Qwen3-30B-A3B's layer shapes (hidden 2048, 32 q / 4 kv heads of 128, experts of 768, top-8 routing) with 32 of its
 # 128 experts and 24 of its 48 layers: 4.7B parameters (9.4 GB in bf16), 1.7B read per token
 QWEN3_30B_A3B_E32_L24 = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=24, num_heads=32,

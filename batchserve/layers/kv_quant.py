@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from batchserve.host import huge_pages
 from batchserve.layers import kernels
 
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -38,9 +39,12 @@ class QuantizedKV(tuple):
     ) -> QuantizedKV:
         """A pool of `shape` (num_blocks, block_size, Hkv, D) of `dtype` codes: zeros dequantize to zeros (never
         NaN)."""
-        kw = {"device": device} if not pin else {"pin_memory": True}
-        data = [torch.zeros(shape, dtype=dtype, **kw) for _ in range(2)]
-        scales = [torch.zeros(shape[:-1], dtype=SCALE_DTYPE, **kw) for _ in range(2)]
+        if pin:
+            data = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(2)]
+            scales = [torch.zeros(shape[:-1], dtype=SCALE_DTYPE, pin_memory=True) for _ in range(2)]
+        else:  # read whole at every step: on 2 MiB pages where the host allows
+            data = [huge_pages.zeros(shape, dtype, device) for _ in range(2)]
+            scales = [huge_pages.zeros(shape[:-1], SCALE_DTYPE, device) for _ in range(2)]
         return cls(*data, *scales)
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

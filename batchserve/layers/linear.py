@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchserve.host.huge_pages import HugePageArena
 from batchserve.layers import kernels
 from batchserve.layers.kernels.paths import NO_ROW_BOUND, RowSchedule
 
@@ -250,7 +251,7 @@ class CpuLinear(nn.Module):
         self.packed_only = self.packed_only and (self.packed is not None or amx_takes_all)
         path = path if self.packed_only else None
         # [in, out] for x @ W, which the packed-only path never runs: not kept there (a whole weight's copy less)
-        self.register_buffer("weight_t", None if self.packed_only else weight.t().contiguous())
+        self.register_buffer("weight_t", None if self.packed_only else _streamed(weight.t()))
         vocab = self.out_features > self.VOCAB_OUT
         self.rows = self.row_schedule_for(small_path, narrow, halves, pairs=self.bf16_pairs, vocab=vocab)
         small = small_path != "library"
@@ -262,12 +263,14 @@ class CpuLinear(nn.Module):
             self.register_buffer("packed", None)
         if amx_takes_all:
             self.rows = dataclasses.replace(self.rows, amx_max_m=ALL_ROWS)
-        self.register_buffer("small_packed", kernels.load().small_gemm_pack(weight, small_path) if small else None)
+        self.register_buffer(
+            "small_packed", _streamed(kernels.load().small_gemm_pack(weight, small_path) if small else None)
+        )
         self.amx_emulated = path == "amx_emulated"
         self.swiglu = swiglu and path is not None and bias is None
-        self.register_buffer("amx_packed", self._amx_layout(weight) if path is not None else None)
+        self.register_buffer("amx_packed", _streamed(self._amx_layout(weight) if path is not None else None))
         pairs = kernels.load().bf16_gemm_pack(weight.contiguous()) if self.bf16_pairs else None
-        self.register_buffer("bf16_packed", pairs)
+        self.register_buffer("bf16_packed", _streamed(pairs))
         self.native = self._native_projection()
 
     def _pairs_alone(self, policy: LinearPolicy) -> bool:
@@ -295,7 +298,7 @@ class CpuLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach())
         for name in ("packed", "weight_t", "small_packed", "amx_packed"):
             self.register_buffer(name, None)
-        self.register_buffer("bf16_packed", kernels.load().bf16_gemm_pack(weight.contiguous()))
+        self.register_buffer("bf16_packed", _streamed(kernels.load().bf16_gemm_pack(weight.contiguous())))
         self.native = self._native_projection()
 
     def _amx_path(self, weight: torch.Tensor) -> str | None:
@@ -381,6 +384,16 @@ def swiglu_interleaved(weight: torch.Tensor) -> torch.Tensor:
     inter = weight.shape[0] // 2
     half = kernels.AMX_PANEL // 2
     return weight.reshape(2, inter // half, half, -1).transpose(0, 1).reshape(weight.shape).contiguous()
+
+
+# The layouts our GEMMs stream whole at each decode step, side by side on 2 MiB pages (a projection of the default model
+# is 0.2-3.5 MB: too small for a mapping of its own). oneDNN's packed copy stays where oneDNN puts it.
+_STREAMED_WEIGHTS = HugePageArena()
+
+
+def _streamed(layout: torch.Tensor | None) -> torch.Tensor | None:
+    """`layout` copied onto 2 MiB pages where the host allows (contiguous either way)."""
+    return None if layout is None else _STREAMED_WEIGHTS.copy(layout)
 
 
 def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:

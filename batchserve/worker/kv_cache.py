@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from batchserve.config import CacheConfig, ConfigError, ModelConfig
+from batchserve.host import huge_pages
 from batchserve.host.memory import available_memory_bytes
 from batchserve.host.memory import block_bytes as _element_block_bytes
 from batchserve.layers.kv_quant import CODE_DTYPES, SCALE_DTYPE, QuantizedKV
@@ -162,11 +163,12 @@ def _zeroed_pool(
         return [QuantizedKV.zeros((num_blocks, *shape), device, dtype=dtype) for _ in range(num_layers)]
     # One allocation, every layer's K and V a contiguous view of it at a fixed distance from the last: a block's rows
     # of all of them are then one strided array, which the disk tier fills with one copy (worker/kv_offload.py). The
-    # distance is rounded up to 64 bytes, so each part starts aligned as a tensor of its own would.
+    # distance is rounded up to 64 bytes, so each part starts aligned as a tensor of its own would. On the CPU the
+    # allocation lies on 2 MiB pages: each step reads the whole context's K/V once.
     part = num_blocks * torch.Size(shape).numel()
     per_align = max(1, POOL_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
     stride = -(-part // per_align) * per_align
-    whole = torch.zeros((2 * num_layers, stride), dtype=dtype, device=device)
+    whole = huge_pages.zeros((2 * num_layers, stride), dtype, device)
     views = [whole[i, :part].view(num_blocks, *shape) for i in range(2 * num_layers)]
     return [(views[2 * i], views[2 * i + 1]) for i in range(num_layers)]
 

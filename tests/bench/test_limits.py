@@ -70,3 +70,32 @@ def test_a_context_longer_than_the_model_s_is_refused_by_name(limits, tiny_model
 def test_cpu_time_needs_one_thread(limits):
     with pytest.raises(SystemExit, match="--threads 1"):
         limits.main(["--clock", "cpu", "--threads", "2"])
+
+
+def test_shared_context_prompts_differ_only_in_their_last_tokens(limits, tiny_model, tmp_path):
+    args = limits.parse_args(["--shared-context"])
+    prompts = limits.decode_prompts(args, 512, 96, 3)
+    assert [len(p) for p in prompts] == [96] * 3
+    assert prompts[0][:80] == prompts[1][:80] == prompts[2][:80]
+    assert len({tuple(p[80:]) for p in prompts}) == 3
+    record = limits.main(["--model", str(tiny_model), "--sections", "decode", "--contexts", "96", "--batches", "3",
+                          "--shared-context", "--decode-steps", "2", "--threads", "1", "--clock", "cpu",
+                          "--out", str(tmp_path / "l.json")])  # fmt: skip
+    (row,) = record["rows"]
+    assert row["figure"] > 0 and row["bound"] > 0
+
+
+def test_the_default_model_s_context_is_raised_for_longer_contexts(limits, tmp_path):
+    folder = limits.default_model_with_positions(40000, tmp_path / "long")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["max_position_embeddings"] == 40000 and config["num_hidden_layers"] == 30
+    weights = folder / "model.safetensors"
+    assert weights.is_symlink() and weights.resolve().parent.name.startswith("SmolLM2-135M-Instruct")
+
+
+def test_a_preset_model_is_written_with_the_layers_asked_for(limits, tmp_path):
+    record = limits.main(["--model", "preset:tiny-llama", "--layers", "1", "--sections", "decode", "--contexts", "64",
+                          "--batches", "1", "--decode-steps", "1", "--threads", "1", "--clock", "cpu",
+                          "--out", str(tmp_path / "l.json")])  # fmt: skip
+    (row,) = record["rows"]
+    assert row["label"].startswith("tiny Llama (1 of 2 layers) decode batch 1") and row["figure"] > 0

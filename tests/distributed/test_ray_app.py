@@ -406,7 +406,7 @@ def test_clients_leaving_mid_stream_free_their_engine_requests(ray_app):
 
     async def one(client: httpx.AsyncClient, i: int, leave: bool) -> str:
         # a stream left behind would run for minutes: only its abort ends it within the wait below
-        max_tokens = 2000 if leave else 40
+        max_tokens = 2000 if leave else 16
         body = {"prompt": f"Tale {i}: the river", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             async for line in response.aiter_lines():
@@ -435,8 +435,9 @@ def test_a_killed_replica_loses_no_request_and_the_app_recovers(base_url):
 
     async def one(client: httpx.AsyncClient, i: int, streaming: set[int]) -> str:
         # long enough that every stream is still running when the replica dies (the kill waits for all 16 to have
-        # streamed), short enough that the two rounds of 16 are not most of this module's time
-        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 48, "ignore_eos": True, "stream": True,
+        # streamed, a few of the 32 steps in), short enough that the two rounds of 16 are not most of this module's
+        # time
+        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 32, "ignore_eos": True, "stream": True,
                 "temperature": 0}  # fmt: skip
         async with client.stream("POST", base_url + "/v1/completions", json=body) as response:
             if response.status_code != 200:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from batchserve.config import CacheConfig, ConfigError, ModelConfig
+from batchserve.host import huge_pages
 from batchserve.worker import kv_cache as kv_module
 from batchserve.worker.kv_cache import KVCache, block_bytes, num_blocks_for_budget, num_swap_blocks_for_budget
 
@@ -87,3 +90,35 @@ def test_swap_out_then_in_round_trips_block_contents():
         assert not k[1:5].any()
     cache.swap_out([])
     cache.swap_in([])
+
+
+def _advised_bytes() -> int:
+    """Bytes of this process's mappings advised MADV_HUGEPAGE (/proc/self/smaps)."""
+    total, size = 0, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line.startswith("Size:"):
+                size = int(line.split()[1]) * 1024
+            elif line.startswith("VmFlags:") and "hg" in line.split():
+                total += size
+    return total
+
+
+@pytest.mark.skipif(huge_pages.huge_pages_unavailable() is not None, reason="no transparent huge pages here")
+def test_a_large_pool_lies_on_huge_pages_and_a_resize_unmaps_the_old_one():
+    config = ModelConfig(**{**CONFIG.__dict__, "num_kv_heads": 4, "head_dim": 64})
+    gc.collect()
+    outside = _advised_bytes()
+    cache = KVCache.allocate(config, num_blocks=256, num_swap_blocks=1, block_size=16, dtype=torch.bfloat16, device=CPU)
+    k0 = cache.device_caches[0][0]
+    assert k0.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0 and huge_pages.on_huge_pages(k0)
+    k0[3].fill_(1.0)
+    del k0
+    pool_mb = 2 * 3 * 256 * 16 * 4 * 64 * 2 >> 20  # 6 MiB, mapped with one more huge page for the alignment
+    assert _advised_bytes() - outside == (pool_mb + 2) << 20
+    cache.resize(512, keep_block_ids=[3])
+    gc.collect()
+    k0 = cache.device_caches[0][0]
+    assert cache.num_blocks == 512 and huge_pages.on_huge_pages(k0)
+    assert torch.equal(k0[3], torch.ones_like(k0[3])) and not k0[4:].any()
+    assert _advised_bytes() - outside == (2 * pool_mb + 2) << 20  # the old pool unmapped
