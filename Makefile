@@ -65,9 +65,10 @@ model: $(VENV)/.installed $(VENV)/.model-file
 # package's, as pip's own compile step ignores it), and this checkout's: where the environment sets
 # PYTHONDONTWRITEBYTECODE, every server, engine core and CLI process a test starts compiled batchserve from source.
 # Not the packages' own test folders (tests/, test/: 2,328 modules, about a ninth of the venv's source, of which a day
-# of suites, servers and benchmarks here imported 2). Niced: the kernel build beside it takes the cores first
+# of suites, servers and benchmarks here read the bytecode of 2). Niced: the kernel build beside it takes the cores first
+PACKAGE_TESTS := site-packages/(.+/)?tests?/
 bytecode: $(VENV)/.installed
-	nice -n 10 $(BIN)/python -m compileall -q -j 2 -x 'site-packages/(.+/)?tests?/' $(VENV)/lib >/dev/null 2>&1 || true
+	nice -n 10 $(BIN)/python -m compileall -q -j 2 -x '$(PACKAGE_TESTS)' $(VENV)/lib >/dev/null 2>&1 || true
 	nice -n 10 $(BIN)/python -m compileall -q -j 2 batchserve tests benchmarks >/dev/null
 
 run: setup
