@@ -215,8 +215,9 @@ def test_steps_with_prompts_equal_the_python_layers(
 )
 def test_a_wide_projection_takes_every_gemm_path(tiny_models, monkeypatch, force_gemm, dtype, units, num_seqs):
     """gate/up wider than CpuLinear.NARROW_OUT has oneDNN's packed layout in float32 as well: by rows it takes
-    x @ W (1), the small-M kernel (30, where built), oneDNN packed (100) and x @ W again (520). With the AMX kernel
-    forced, the projections whose shape it takes (qkv, o) run on it and the others (gate/up, down) on oneDNN."""
+    x @ W (1), the small-M kernel (30, where built; on a CPU that runs AVX-512 in two halves, oneDNN's brgemm on the
+    same panels at 30 and 100), oneDNN packed (100 elsewhere) and x @ W again (520). With the AMX kernel forced, the
+    projections whose shape it takes (qkv, o) run on it and the others (gate/up, down) on oneDNN."""
     _force_units(monkeypatch, force_gemm, units)
     _, directory = tiny_models("llama_wide_mlp")
     config, model = load_ours(directory, dtype)
