@@ -177,10 +177,10 @@ def decode_step_s(engine, prompts: list[list[int]], steps: int, clock) -> float:
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     ids = [f"d{i}" for i in range(len(prompts))]
     started: set[str] = set()
-    for group in (ids[:1], ids[1:]):
-        for rid in group:
-            engine.add_prompt(rid, prompts[ids.index(rid)], params)
-        while not started.issuperset(group):
+    for first, last in ((0, 1), (1, len(ids))):
+        for i in range(first, last):
+            engine.add_prompt(ids[i], prompts[i], params)
+        while not started.issuperset(ids[first:last]):
             started.update(o.request_id for o in engine.step() if o.delta_token_ids)
     samples = []
     for _ in range(steps):
