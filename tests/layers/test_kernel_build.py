@@ -128,3 +128,15 @@ def test_only_the_files_that_include_the_header_wait_for_its_precompile(tmp_path
     build_file.write_text("rule link\n  command = $cxx $in -o $out\nbuild probe.so: link a.o\n")
     assert not build.with_precompiled_header(str(build_file), header, {"uses.cpp"})  # no compile rule: unchanged
     assert "precompile_header" not in build_file.read_text()
+
+
+def test_checkouts_that_link_one_venv_share_the_key(tmp_path, monkeypatch):
+    """A worktree whose .venv is a link to another checkout's spells torch's path through the link: the same torch
+    builds the same objects, so it keys the same folder instead of building everything again."""
+    source = tmp_path / "a.cpp"
+    source.write_text("int f() { return 1; }\n")
+    real = Path(build.torch.__file__).parents[1]
+    (tmp_path / "linked").symlink_to(real)
+    direct = build.build_key([source], ["-O3"], "avx2")
+    monkeypatch.setattr(build.torch, "__file__", str(tmp_path / "linked" / "torch" / "__init__.py"))
+    assert build.build_key([source], ["-O3"], "avx2") == direct

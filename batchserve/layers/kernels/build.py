@@ -1,10 +1,10 @@
 """Building the native CPU kernels: once per build key, in a folder of that key's own, said in the log while it runs.
 
 The key holds everything that changes the compiled objects or how the build tool reads its own records: the CPU's
-flags (the code is -march=native), the compile flags, the sources, torch (its headers and how this interpreter spells
-its path), the C++ compiler and the ninja binary. Two ninja versions sharing one folder each read the other's log as
-"command changed" and rebuild everything, silently; with the version in the key they never share one, and the
-ninja installed beside this interpreter (a dependency of ours) is preferred to the one on PATH, so an activated and
+flags (the code is -march=native), the compile flags, the sources, torch (its version and where its files really
+are), the C++ compiler and the ninja binary. Two ninja versions sharing one folder each read the other's log as
+"command changed" and rebuild everything, silently; with the version in the key they never share one, and the ninja
+installed beside this interpreter (a dependency of ours) is preferred to the one on PATH, so an activated and
 a non-activated venv build once between them.
 
 Only the sources this CPU runs are compiled (sources_for: the AVX-512 attention files where the CPU has AVX-512), and
@@ -110,7 +110,9 @@ def build_key(files: list[Path], cflags: list[str], cpu_flags: str) -> str:
         " ".join(cflags + LDFLAGS),
         *(p.read_text() for p in files),
         torch.__version__,
-        torch.__file__,  # a symlinked venv spells torch's include path two ways: one folder per spelling
+        # torch's own files, not how this interpreter spells their path: checkouts that link one venv share a build
+        # (a folder with a library is loaded without the build tool, which is where a spelling would matter)
+        os.path.realpath(torch.__file__),
         tool_version(os.environ.get("CXX", "c++")),
         tool_version("ninja"),
     ]
