@@ -107,6 +107,12 @@ def native_decoder_loop() -> bool:
     return os.environ.get("BATCHSERVE_NATIVE_DECODER_LOOP", "1") != "0"
 
 
+def huge_pages() -> bool:
+    """BATCHSERVE_HUGE_PAGES (default "1"): "0" keeps the KV pool and the weights' layouts on ordinary pages
+    (host/huge_pages.py), for a host where a 2 MiB page's first touch costs more than its TLB saves."""
+    return os.environ.get("BATCHSERVE_HUGE_PAGES", "1") != "0"
+
+
 def start_method() -> str:
     """BATCHSERVE_START_METHOD (default "forkserver"): how batchserve starts its engine core and tensor-parallel rank
     processes, "forkserver" (forked from one interpreter per launching process that imported torch, transformers

@@ -10,6 +10,12 @@ import os
 # suite runs one worker per core and each worker's torch as many threads again, so a spinning waiter takes the core
 # another worker's thread needs (tiny-model tests on a busy 2-core host: half the CPU time, under half the wall time).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The weights' layouts and the KV pool on ordinary pages, in this process and the servers it starts: on the VMs this
+# suite runs on, a 2 MiB page's first touch costs the host's backing of all of it (a float32 default-model load: 3.0
+# CPU-s of system time on 2 MiB pages against 1.1 on 4 KiB), and the suite loads models many times for a few tokens
+# each. What the pages are for, a long decode, is measured by the benchmarks; the tests of the pages themselves turn
+# them on (`huge_pages_on`).
+os.environ.setdefault("BATCHSERVE_HUGE_PAGES", "0")
 
 import functools  # noqa: E402
 
@@ -58,6 +64,17 @@ _share_httpx_tls_context()
 def tokenizer():
     """The byte-level tokenizer: any text, a-z = ids 0-25, ChatML specials and a chat template."""
     return byte_tokenizer()
+
+
+@pytest.fixture
+def huge_pages_on(monkeypatch):
+    """2 MiB pages asked for in this test, as outside the suite (the suite turns them off: the top of this file);
+    skipped where the host cannot give them."""
+    from batchserve.host import huge_pages
+
+    if huge_pages.host_cannot() is not None:
+        pytest.skip(huge_pages.host_cannot())
+    monkeypatch.setenv("BATCHSERVE_HUGE_PAGES", "1")
 
 
 @pytest.fixture(name="make_engine")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from batchserve import env
+
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
@@ -27,9 +29,16 @@ ARENA_ALIGN_BYTES = 64  # where a tensor starts in an arena, as the C allocator 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-@functools.cache
 def huge_pages_unavailable() -> str | None:
-    """Why this process cannot ask for 2 MiB pages, or None when it can."""
+    """Why this process does not ask for 2 MiB pages, or None when it does."""
+    if not env.huge_pages():
+        return "turned off (BATCHSERVE_HUGE_PAGES=0)"
+    return host_cannot()
+
+
+@functools.cache
+def host_cannot() -> str | None:
+    """Why this host cannot give 2 MiB pages on request, or None when it can."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return "no MADV_HUGEPAGE on this platform"
     try:

@@ -12,9 +12,7 @@ import torch
 from batchserve.host import huge_pages
 from batchserve.host.huge_pages import HUGE_PAGE_BYTES, HugePageArena, on_huge_pages
 
-needs_thp = pytest.mark.skipif(
-    huge_pages.huge_pages_unavailable() is not None, reason=f"{huge_pages.huge_pages_unavailable()}"
-)
+needs_thp = pytest.mark.usefixtures("huge_pages_on")
 LARGE = (4, 1 << 19)  # 8 MiB of bfloat16
 
 
@@ -90,3 +88,13 @@ def test_the_arena_gives_a_large_tensor_a_mapping_of_its_own():
     large = arena.copy(torch.ones(HUGE_PAGE_BYTES // 2))  # 4 MiB: over a quarter of a chunk
     assert large.data_ptr() % HUGE_PAGE_BYTES == 0 and on_huge_pages(large)
     assert arena.copy(torch.ones(4)).data_ptr() - small.data_ptr() == 64  # the chunk goes on after the large one
+
+
+def test_batchserve_huge_pages_0_keeps_large_tensors_on_ordinary_pages(monkeypatch, caplog):
+    monkeypatch.setenv("BATCHSERVE_HUGE_PAGES", "0")
+    monkeypatch.setattr(huge_pages, "_logged", set())
+    with caplog.at_level(logging.INFO, logger=huge_pages.__name__):
+        t = huge_pages.zeros(LARGE, torch.bfloat16)
+        copy = HugePageArena().copy(torch.ones(8, 8))
+    assert not on_huge_pages(t) and not t.any() and not on_huge_pages(copy)
+    assert "BATCHSERVE_HUGE_PAGES=0" in caplog.text

@@ -104,7 +104,7 @@ def _advised_bytes() -> int:
     return total
 
 
-@pytest.mark.skipif(huge_pages.huge_pages_unavailable() is not None, reason="no transparent huge pages here")
+@pytest.mark.usefixtures("huge_pages_on")
 def test_a_large_pool_lies_on_huge_pages_and_a_resize_unmaps_the_old_one():
     config = ModelConfig(**{**CONFIG.__dict__, "num_kv_heads": 4, "head_dim": 64})
     gc.collect()
