@@ -163,7 +163,7 @@ def _build_or_load(sources: tuple[Path, ...], headers: tuple[Path, ...], cflags:
 def _copied_sources(directory: Path, sources: tuple[Path, ...], headers: tuple[Path, ...]) -> tuple[Path, ...]:
     """The sources and headers copied into the key's folder, built from there: the build tool's records then name
     paths inside the folder, so two checkouts with the same sources share one build instead of rebuilding each
-    other's (their own paths differ)."""
+    other's (their own paths differ). What the build tool compiles: the glue files as their unit (glued)."""
     copies = directory / "src"
     copies.mkdir(exist_ok=True)
     for path in (*sources, *headers):
