@@ -186,3 +186,25 @@ def test_the_amx_kernels_are_compiled_only_for_a_cpu_with_amx():
     if not {"amx_tile", "amx_bf16"} <= set(flags):
         assert native.Isa.amx not in isas
     assert ("bf16_gemm", "bfloat16", native.Isa.portable) in set(native.kernel_table())
+
+
+def test_the_build_benchmark_reads_the_compiler_flags_and_sources_torch_wrote(tmp_path):
+    """benchmarks/kernel_build.py compiles each file with what the build file says: its compiler, its flags and its
+    compile edges' sources, in order (the precompiled header's edge and the link are not sources)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "kernel_build_bench", Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_build.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    build_file = tmp_path / "build.ninja"
+    build_file.write_text(
+        "cxx = c++\ncflags = -DX=1 -O3 -march=native\npost_cflags = \nrule compile\n  command = $cxx $cflags\n"
+        f"build {tmp_path}/src/aten_pch.h.gch: precompile_header {tmp_path}/src/aten_pch.h\n"
+        f"build b.o: compile {tmp_path}/src/b.cpp || {tmp_path}/src/aten_pch.h.gch\n"
+        f"build a.o: compile {tmp_path}/src/a.cpp\nbuild m.so: link b.o a.o\n"
+    )
+    compiler, flags, sources = bench.read_build_file(build_file)
+    assert compiler == "c++" and flags == ["-DX=1", "-O3", "-march=native"]
+    assert sources == [tmp_path / "src" / "b.cpp", tmp_path / "src" / "a.cpp"]
