@@ -140,3 +140,71 @@ def test_checkouts_that_link_one_venv_share_the_key(tmp_path, monkeypatch):
     direct = build.build_key([source], ["-O3"], "avx2")
     monkeypatch.setattr(build.torch, "__file__", str(tmp_path / "linked" / "torch" / "__init__.py"))
     assert build.build_key([source], ["-O3"], "avx2") == direct
+
+
+def test_the_glue_files_compile_as_one_unit_where_the_first_of_them_stood(tmp_path):
+    """The build tool gets the glue unit instead of its members: the precompiled header first, then each member in
+    GLUE_SOURCES' order; the other sources keep their order, and a build without the members is left as it is."""
+    names = ["bindings.cpp", build.GLUE_SOURCES[1], "quant_w8a8.cpp", build.GLUE_SOURCES[0], "zz_kernel.cpp"]
+    compiled = build.glued(tuple(tmp_path / n for n in names))
+    assert [p.name for p in compiled] == ["bindings.cpp", build.GLUE_UNIT, "quant_w8a8.cpp", "zz_kernel.cpp"]
+    lines = (tmp_path / build.GLUE_UNIT).read_text().splitlines()
+    assert lines[0].startswith(f'#include "{build.PCH_HEADER}"')
+    assert lines[1:] == [f'#include "{build.GLUE_SOURCES[0]}"', f'#include "{build.GLUE_SOURCES[1]}"']
+    alone = (tmp_path / "bindings.cpp", tmp_path / "zz_kernel.cpp")
+    assert build.glued(alone) == alone
+
+
+def test_every_glue_file_exists_and_leaves_nothing_behind_for_the_next():
+    """A member of the glue unit is a source of this folder that includes the precompiled header first, and has no
+    file-wide `using namespace` or macro of its own, which would change how the members after it compile."""
+    folder = Path(kernels.__file__).parent
+    assert build.GLUE_UNIT not in {p.name for p in folder.glob("*.cpp")}
+    for name in build.GLUE_SOURCES:
+        text = (folder / name).read_text()
+        includes = [line for line in text.splitlines() if line.startswith("#include")]
+        assert includes[0].startswith(f'#include "{build.PCH_HEADER}"'), name
+        assert not any(line.startswith(("using namespace", "#define")) for line in text.splitlines()), name
+
+
+def test_which_files_compile_together_is_part_of_the_key(tmp_path, monkeypatch):
+    source = tmp_path / "a.cpp"
+    source.write_text("int f() { return 1; }\n")
+    before = build.build_key([source], ["-O3"], "avx2")
+    monkeypatch.setattr(build, "GLUE_SOURCES", build.GLUE_SOURCES[1:])
+    assert build.build_key([source], ["-O3"], "avx2") != before
+
+
+def test_the_amx_kernels_are_compiled_only_for_a_cpu_with_amx():
+    """Without AMX the build has no AMX rows (their code would be called by nothing), and the emulated tiles, which
+    the tests force on any CPU, are built all the same."""
+    native = kernels.load()
+    if native is None:
+        pytest.skip("native kernels cannot be built here")
+    isas = {isa for _, _, isa in native.kernel_table()}
+    flags = kernels.cpu_flags().split()
+    if not {"amx_tile", "amx_bf16"} <= set(flags):
+        assert native.Isa.amx not in isas
+    assert ("bf16_gemm", "bfloat16", native.Isa.portable) in set(native.kernel_table())
+
+
+def test_the_build_benchmark_reads_the_compiler_flags_and_sources_torch_wrote(tmp_path):
+    """benchmarks/kernel_build.py compiles each file with what the build file says: its compiler, its flags and its
+    compile edges' sources, in order (the precompiled header's edge and the link are not sources)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "kernel_build_bench", Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_build.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    build_file = tmp_path / "build.ninja"
+    build_file.write_text(
+        "cxx = c++\ncflags = -DX=1 -O3 -march=native\npost_cflags = \nrule compile\n  command = $cxx $cflags\n"
+        f"build {tmp_path}/src/aten_pch.h.gch: precompile_header {tmp_path}/src/aten_pch.h\n"
+        f"build b.o: compile {tmp_path}/src/b.cpp || {tmp_path}/src/aten_pch.h.gch\n"
+        f"build a.o: compile {tmp_path}/src/a.cpp\nbuild m.so: link b.o a.o\n"
+    )
+    compiler, flags, sources = bench.read_build_file(build_file)
+    assert compiler == "c++" and flags == ["-DX=1", "-O3", "-march=native"]
+    assert sources == [tmp_path / "src" / "b.cpp", tmp_path / "src" / "a.cpp"]

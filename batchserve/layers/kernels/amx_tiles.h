@@ -10,8 +10,10 @@
 
 #include "vec_math.h"
 
-#if defined(__x86_64__) && defined(__linux__) && \
-    ((defined(__clang__) && __clang_major__ >= 11) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+// The AMX kernels are compiled where the build's CPU has AMX (-march=native then targets amx-tile and amx-bf16): the
+// build is keyed by this CPU's flags and never runs on another, so elsewhere they would be code no call reaches (the
+// emulated tiles below are compiled everywhere, for the tests).
+#if defined(__x86_64__) && defined(__linux__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define BATCHSERVE_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>

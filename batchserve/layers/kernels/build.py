@@ -14,7 +14,8 @@ casters (bindings.cpp; not <torch/extension.h>, whose C++ front end nothing here
 include aten_pch.h first, which is compiled once into a precompiled header by an edge of the build itself
 (header_precompiled_in_build: the files that wait for it are those that include it), and the attention and LoRA
 kernels include neither, so they compile while the header does (it was a step before the build, a quarter of a minute
-of one core with the other idle). The torch build tool runs CPU count + 2 compilers at once (3 on two cores); the
+of one core with the other idle). The glue files, which call the kernels, compile as one translation unit
+(GLUE_SOURCES): a third of their CPU time apart. The torch build tool runs CPU count + 2 compilers at once (3 on two cores); the
 slowest files are handed to it first (COSTLIEST_FIRST).
 """
 
@@ -53,10 +54,10 @@ ISA_ONLY_SOURCES = {
     "lora_kernels_avx512.cpp": "avx512f",
 }
 # The sources that take longest to compile, longest first (CPU-seconds of one compile each on the AVX-512 EPYC, the
-# header precompiled: bindings 21, the plain C++ LoRA kernel 15, W8A8 11, the AVX-512 LoRA kernels 10, the AVX-512
-# and AVX2 decode attention 9 and 8; the others 1-5). Handed to the build tool first, in this order, so that no long
-# compile starts last and runs alone on one core at the end; bindings.cpp waits for the precompiled header, and is
-# the first to start when it is done.
+# header precompiled, benchmarks/kernel_build.py: bindings 16, the plain C++ LoRA kernel 8, W8A8 7, the AVX-512 LoRA
+# kernels 7, the AVX-512 and AVX2 decode attention 8-10 and 6; the glue unit 6, the others 1-5). Handed to the build
+# tool first, in this order, so that no long compile starts last and runs alone on one core at the end; bindings.cpp
+# waits for the precompiled header, and is the first to start when it is done.
 COSTLIEST_FIRST = (
     "bindings.cpp",
     "lora_kernels_portable.cpp",
@@ -68,6 +69,22 @@ COSTLIEST_FIRST = (
 # The header of torch's headers that the ATen-using files include first, precompiled once per build
 # (header_precompiled_in_build)
 PCH_HEADER = "aten_pch.h"
+# The glue files (shapes checked, ATen calls, a path's kernel called; no vector loop of their own) compiled as one
+# translation unit, GLUE_UNIT, which includes them in this order: alone, each spent most of its 2-4 CPU-seconds
+# loading the precompiled header (1.3 for an empty file) and compiling the same inline ATen functions as the others
+# (20.6 CPU-s apart, 7.6 together). The kernels' own files stay one each, so that their code is compiled as before;
+# a member must not leave a `using namespace` or a macro behind for the next.
+GLUE_UNIT = "glue_unit.cpp"
+GLUE_SOURCES = (
+    "composed_ops.cpp",
+    "decoder_loop.cpp",
+    "lora_op.cpp",
+    "paged_attention.cpp",
+    "panel_brgemm.cpp",
+    "projection.cpp",
+    "quant_projection.cpp",
+    "step_attention.cpp",
+)
 
 
 def sources_for(sources: list[Path], cpu_flags: str) -> list[Path]:
@@ -108,6 +125,7 @@ def build_key(files: list[Path], cflags: list[str], cpu_flags: str) -> str:
     parts = [
         cpu_flags,
         " ".join(cflags + LDFLAGS),
+        " ".join(GLUE_SOURCES),  # which files compile together changes the objects
         *(p.read_text() for p in files),
         torch.__version__,
         # torch's own files, not how this interpreter spells their path: checkouts that link one venv share a build
@@ -145,14 +163,32 @@ def _build_or_load(sources: tuple[Path, ...], headers: tuple[Path, ...], cflags:
 def _copied_sources(directory: Path, sources: tuple[Path, ...], headers: tuple[Path, ...]) -> tuple[Path, ...]:
     """The sources and headers copied into the key's folder, built from there: the build tool's records then name
     paths inside the folder, so two checkouts with the same sources share one build instead of rebuilding each
-    other's (their own paths differ)."""
+    other's (their own paths differ). What the build tool compiles: the glue files as their unit (glued)."""
     copies = directory / "src"
     copies.mkdir(exist_ok=True)
     for path in (*sources, *headers):
         target = copies / path.name
         if not target.exists() or target.read_bytes() != path.read_bytes():
             shutil.copyfile(path, target)
-    return tuple(copies / path.name for path in sources)
+    return glued(tuple(copies / path.name for path in sources))
+
+
+def glued(sources: tuple[Path, ...]) -> tuple[Path, ...]:
+    """`sources` with the GLUE_SOURCES among them replaced by GLUE_UNIT, written beside them (including them, the
+    precompiled header first), where the first of them stood: what the build tool compiles."""
+    members = [p for p in sources if p.name in GLUE_SOURCES]
+    if not members:
+        return sources
+    unit = members[0].with_name(GLUE_UNIT)
+    text = "".join(
+        [f'#include "{PCH_HEADER}"  // first: the precompiled torch headers\n']
+        + [f'#include "{p.name}"\n' for p in sorted(members, key=lambda p: GLUE_SOURCES.index(p.name))]
+    )
+    if not unit.exists() or unit.read_text() != text:
+        unit.write_text(text)
+    first = sources.index(members[0])
+    rest = [p for p in sources if p.name not in GLUE_SOURCES]
+    return (*rest[:first], unit, *rest[first:])
 
 
 def with_precompiled_header(build_file: str, header: Path, users: set[str]) -> bool:

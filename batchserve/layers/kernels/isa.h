@@ -9,8 +9,9 @@
 #include <vector>
 
 // What this build compiles, from the compiler's target (-march=native): the one place these conditions are spelled.
-// avx512_bf16 and AMX code is compiled per function for its target (any AVX-512 build has it, whatever the build's
-// CPU), so that it is asked of the CPU at run time (cpu_runs) before a call.
+// avx512_bf16 code is compiled per function for its target (any AVX-512 build has it, whatever the build's CPU), so
+// that it is asked of the CPU at run time (cpu_runs) before a call; AMX code only where the CPU has AMX (amx_tiles.h),
+// and the kernel must still grant this process the tiles.
 #if defined(__AVX2__) && defined(__FMA__)
 #define BATCHSERVE_ISA_AVX2 1
 #endif
