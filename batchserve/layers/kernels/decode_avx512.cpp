@@ -58,15 +58,17 @@ void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, con
         const int64_t block = table[start / block_size];
         const int64_t offset = block * block_stride + in_block * token_stride, slot0 = block * block_size + in_block;
         // the next tile's K and V asked for during this one's kv heads (the pool's blocks are scattered, which the
-        // hardware prefetchers do not foresee), a few lines a kv head (see RowPrefetcher)
+        // hardware prefetchers do not foresee), a few lines a kv head (see RowPrefetcher), into L2: on the EPYC a
+        // request into L1 holds one of its few miss buffers until the line comes, and the tile's own loads waited
+        // behind them (as in decode_avx512_bf16.cpp); a line moves on to L1 at its load
         const int64_t next = start + n, next_in_block = next % block_size;
         const int64_t next_rows = std::max<int64_t>(0, std::min<int64_t>({16, block_size - next_in_block, len - next}));
         const int64_t next_offset = next_rows ? table[next / block_size] * block_stride +
                                                     next_in_block * token_stride + first_kv * D
                                               : 0;
         const int64_t row_bytes = heads_per_item * D * sizeof(T), steps = 2 * heads_per_item;
-        RowPrefetcher next_k(k_cache + next_offset, next_rows, token_stride * sizeof(T), row_bytes, steps);
-        RowPrefetcher next_v(v_cache + next_offset, next_rows, token_stride * sizeof(T), row_bytes, steps);
+        RowPrefetcher<_MM_HINT_T1> next_k(k_cache + next_offset, next_rows, token_stride * sizeof(T), row_bytes, steps);
+        RowPrefetcher<_MM_HINT_T1> next_v(v_cache + next_offset, next_rows, token_stride * sizeof(T), row_bytes, steps);
         for (int64_t kv_head = first_kv; kv_head < first_kv + heads_per_item && grouped; ++kv_head) {
           next_k.step();
           next_v.step();
