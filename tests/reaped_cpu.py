@@ -7,8 +7,8 @@ to the figure. Here the command runs under a child subreaper (Linux's PR_SET_CHI
 are re-parented to this process, which reaps them all before it reports, so user + system time covers the whole tree.
 A process whose parent ignores SIGCHLD (Ray's raylet does, for its workers: the replicas, actors and idle workers) is
 reaped by the kernel the moment it exits, and its CPU time reaches no one's rusage. So the command's tree is also
-sampled from /proc every SAMPLE_PERIOD_S: such a process, gone while its parent lives on, is counted by its last
-sample (its own time and what it had reaped itself), which misses at most its last period's CPU.
+sampled from /proc every SAMPLE_PERIOD_S: such a process, gone while its parent ignored SIGCHLD, is counted by its
+last sample (its own time and what it had reaped itself), which misses at most its last period's CPU.
 The line it prints on stderr ends with the load average, since on a shared host that says what the wall time means.
 """
 
@@ -34,6 +34,7 @@ class Sample(NamedTuple):
     parent: int
     user_s: float  # its own and its waited-for children's
     system_s: float
+    parent_ignores_sigchld: bool = False
 
 
 def _processes() -> dict[int, Sample]:
@@ -61,14 +62,14 @@ def _ignores_sigchld(pid: int) -> bool:
 
 
 class AutoReapedCounter(threading.Thread):
-    """Samples the processes under this one; `user_s`/`system_s`: the last samples of those the kernel reaped for a
-    parent that ignores SIGCHLD (see the module's docstring)."""
+    """Samples the processes under this one, and keeps the last sample of each that was gone while its parent
+    ignored SIGCHLD (see the module's docstring)."""
 
     def __init__(self) -> None:
         super().__init__(name="auto-reaped-counter", daemon=True)
-        self.user_s = self.system_s = 0.0
         self._done = threading.Event()
         self._last: dict[int, Sample] = {}
+        self._gone: dict[int, Sample] = {}
 
     def run(self) -> None:
         while not self._done.wait(SAMPLE_PERIOD_S):
@@ -81,14 +82,15 @@ class AutoReapedCounter(threading.Thread):
 
     def sample(self) -> None:
         now = _tree(_processes(), os.getpid())
-        ignoring = {pid for pid in {s.parent for s in now.values()} | {s.parent for s in self._last.values()}
-                    if pid in now and _ignores_sigchld(pid)}  # fmt: skip
-        for pid, last in self._last.items():
-            # gone, its parent still here: reaped by that parent (or, ignoring SIGCHLD, by the kernel), never by us
-            if pid not in now and last.parent in ignoring:
-                self.user_s += last.user_s
-                self.system_s += last.system_s
-        self._last = now
+        ignoring = {parent for parent in {s.parent for s in now.values()} if _ignores_sigchld(parent)}
+        self._gone.update((pid, s) for pid, s in self._last.items() if pid not in now and s.parent_ignores_sigchld)
+        self._last = {pid: s._replace(parent_ignores_sigchld=s.parent in ignoring) for pid, s in now.items()}
+
+    def cpu_s(self, reaped_here: set[int]) -> tuple[float, float]:
+        """(user, system) seconds of the processes gone under a parent ignoring SIGCHLD, but those this process
+        reaped itself (re-parented to it when that parent died in the same sampling period): rusage has them."""
+        counted = [s for pid, s in self._gone.items() if pid not in reaped_here]
+        return sum(s.user_s for s in counted), sum(s.system_s for s in counted)
 
 
 def _tree(processes: dict[int, Sample], root: int) -> dict[int, Sample]:
@@ -110,15 +112,17 @@ def run_reaped(command: list[str]) -> tuple[int, float, float, float]:
     started = time.monotonic()
     auto_reaped = AutoReapedCounter()
     auto_reaped.start()
-    status = subprocess.call(command)
+    process = subprocess.Popen(command)
+    status, reaped_here = process.wait(), {process.pid}
     while True:  # the orphans the command left behind are ours now: wait for the last of them
         try:
-            os.wait()
+            reaped_here.add(os.wait()[0])
         except ChildProcessError:
             break
     auto_reaped.finish()
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    user, system = usage.ru_utime + auto_reaped.user_s, usage.ru_stime + auto_reaped.system_s
+    user, system = auto_reaped.cpu_s(reaped_here)
+    user, system = usage.ru_utime + user, usage.ru_stime + system
     return status, user, system, time.monotonic() - started
 
 
