@@ -80,6 +80,18 @@ subprocess.Popen([sys.executable, "-c", "import time\\nend = time.process_time()
 """
 
 
+# a child whose parent ignores SIGCHLD, as Ray's raylet does for its workers: the kernel reaps it at exit, and its CPU
+# time reaches no rusage (the parent outlives it, so no subreaper sees it either)
+CHILD_OF_A_PARENT_IGNORING_SIGCHLD = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time\\nend = time.process_time() + 1.0\\nwhile time.process_time() < end: pass"])
+while os.path.exists(f"/proc/{child.pid}"):
+    time.sleep(0.05)
+time.sleep(1.0)  # the parent lives on a while, as a raylet does
+"""
+
+
 def test_reaped_cpu_counts_a_process_that_outlived_its_parent():
     """In a process of its own: a test worker that became a subreaper would reap the children of other tests."""
     command = [sys.executable, "-m", "tests.reaped_cpu", sys.executable, "-c", ORPHAN_BURNS_CPU]
@@ -87,3 +99,11 @@ def test_reaped_cpu_counts_a_process_that_outlived_its_parent():
     assert done.returncode == 0, done.stderr
     cpu = float(re.search(r"CPU ([0-9.]+) s", done.stderr).group(1))
     assert cpu >= 0.4, done.stderr  # the orphan's 0.4 s, counted though its parent had gone
+
+
+def test_reaped_cpu_counts_a_child_the_kernel_reaped_for_a_parent_ignoring_sigchld():
+    command = [sys.executable, "-m", "tests.reaped_cpu", sys.executable, "-c", CHILD_OF_A_PARENT_IGNORING_SIGCHLD]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    cpu = float(re.search(r"CPU ([0-9.]+) s", done.stderr).group(1))
+    assert cpu >= 0.7, done.stderr  # the child's 1.0 s but its last sampling period, once it was gone

@@ -1,9 +1,9 @@
 """End to end on Ray: one local two-node cluster made with Ray's own test utility (the head, where this process is the
-driver, with one CPU; the other node with two), shared by the tensor-parallel ranks and then the Ray Serve app. Ray
-runs with the environment `batchserve serve --replicas` gives the Ray instance it starts (conftest.py). First, before
-the cluster exists, `batchserve serve --replicas N` as a user runs it (it would join an instance already running
-here): a local Ray instance of its own, the ingress serving HTTP on --port itself (Ray Serve's proxy off), and a clean
-exit on SIGINT. One file, so that the test runner's workers never run two Ray instances side by side.
+driver, with one CPU; the other node with two), shared by the tensor-parallel ranks, then the Ray Serve app, then
+`batchserve serve --replicas N` as a user runs it on a machine where Ray is up: it joins that instance, the ingress
+serves HTTP on --port itself (Ray Serve's proxy not in the path), and it exits cleanly on SIGINT, leaving the
+instance running. Ray runs with the environment `batchserve serve --replicas` gives the Ray instance it starts
+(conftest.py). One file, so that the test runner's workers never run two Ray instances side by side.
 
 Tensor-parallel ranks placed by Ray (distributed_executor_backend ray, worker/ray_ranks.py): greedy float32 tokens at
 TP=2 equal one rank's and transformers', with rank 1 on the other node; a cluster without the CPUs is refused at start
@@ -63,35 +63,6 @@ def placement_group_table() -> dict:
 ENGINE = {"num_threads": 1, "dtype": "float32", "num_kv_blocks": 256, "max_batch_size": 16, "seed": 0}
 START_TIMEOUT_S = 240.0
 PROMPT = "The three primary colors are"
-
-
-def test_serve_replicas_serves_http_from_the_ingress_and_exits_cleanly_on_sigint(tmp_path):
-    port = _quiet_ports(1)[0]
-    url = f"http://127.0.0.1:{port}"
-    command = [
-        sys.executable, "-m", "batchserve.cli", "serve", "--replicas", "1", "--num-threads", "1", "--port", str(port),
-        "--dtype", "float32", "--num-kv-blocks", "64", "--drain-timeout", "5",
-    ]  # fmt: skip
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_ready(server, url, timeout_s=300)
-            body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-            response = httpx.post(url + "/v1/completions", json=body, timeout=120)
-            assert response.status_code == 200, response.text
-            assert response.json()["usage"]["completion_tokens"] == 4
-            server.send_signal(signal.SIGINT)
-            assert server.wait(120) == 0
-        finally:
-            if server.poll() is None:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-    text = log_path.read_text()
-    assert "HTTP served by the ingress" in text, text[-2000:]
-    assert "replicas run: {" in text and "'num_kv_blocks': '64'" in text, text[-2000:]  # the replicas' config
-    assert "ready at" not in text, text[-2000:]  # no address but the one that serves
-    assert "failed" not in text and "Traceback" not in text, text[-2000:]
 
 
 RANK_PROMPTS = [[5, 9, 17, 33, 40, 41, 7, 12, 60, 3, 44], [8, 70], [23, 24, 25, 26, 27, 28]]
@@ -492,3 +463,47 @@ def _running_replicas() -> int:
 
     deployment = serve.status().applications["batchserve"].deployments["EngineReplica"]
     return deployment.replica_states.get("RUNNING", 0)
+
+
+def test_serve_replicas_joins_the_running_instance_serves_http_and_exits_cleanly_on_sigint(cluster, tmp_path):
+    """Last, on the module's cluster once the app above has served: `batchserve serve --replicas` as a user runs it
+    where a Ray instance is already up ($RAY_ADDRESS names it, as `ray start` leaves it for the shells after it). It
+    joins that instance (rather than starting one of its own, which would cost a second Ray instance's start-up on
+    the suite's two cores), deploys its application in place of the one running under the same name, serves HTTP from
+    the ingress on --port itself (not through Serve's proxy, which the module's Serve already runs on another port),
+    exits cleanly on SIGINT and takes only its application away: the cluster and Serve stay up. The Ray instance the
+    command starts when none runs is `launch._connect`'s other branch (tests/distributed/test_options_and_cli.py)."""
+    from ray import serve
+
+    port = _quiet_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        sys.executable, "-m", "batchserve.cli", "serve", "--replicas", "1", "--num-threads", "1", "--port", str(port),
+        "--dtype", "float32", "--num-kv-blocks", "64", "--drain-timeout", "5",
+    ]  # fmt: skip
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "RAY_ADDRESS": cluster.address},
+        )  # fmt: skip
+        try:
+            wait_ready(server, url, timeout_s=300)
+            body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 4
+            server.send_signal(signal.SIGINT)
+            assert server.wait(120) == 0
+        finally:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+    text = log_path.read_text()
+    assert "joined the Ray instance running on this machine" in text, text[-2000:]
+    assert "HTTP served by the ingress" in text, text[-2000:]
+    assert "replicas run: {" in text and "'num_kv_blocks': '64'" in text, text[-2000:]  # the replicas' config
+    assert "ready at" not in text, text[-2000:]  # no address but the one that serves
+    assert "failed" not in text and "Traceback" not in text, text[-2000:]
+    assert "batchserve" not in serve.status().applications  # its application deleted on the way out
+    _wait_all_cpus_free()  # its replica's CPU given back, on a cluster still up
