@@ -145,9 +145,9 @@ class ItemRowsPrefetcher {
 // (a function of its own: a lambda would not carry the target). A decode query sees its whole item (its context, or
 // one partition of it) at once, so its softmax needs no online rescaling: (1) every score of the item, and their
 // max; (2) the weights exp(s - max) in bf16, and their sum; (3) P.V with the accumulators in registers from the
-// first token to the last; a partition's sums go to work_split.h's partials unnormalised. While (3) works from L2,
-// the K of the item the queue hands out next is asked for (ItemRowsPrefetcher), so that memory is read through both
-// passes instead of only the first.
+// first token to the last; a partition's sums go to work_split.h's partials unnormalised. While (2) and (3) work
+// from L2, the K of the item the queue hands out next is asked for (ItemRowsPrefetcher), so that memory is read
+// through the whole item instead of only during (1).
 template <int NC>
 BF16_TARGET void decode_items_bf16(WorkQueue& queue, DecodeSplit& split, const float* q,
                                    const bf16_t* k_cache, const bf16_t* v_cache, const int64_t* tables,
@@ -208,12 +208,24 @@ BF16_TARGET void decode_items_bf16(WorkQueue& queue, DecodeSplit& split, const f
                                &maxes[kv * group * 16], valid, next_k, next_v);
       }
     }
+    // From here on the item's K and V are in L2, and memory would sit idle: the K of the next item in the queue is
+    // asked for into L2, spread over (2) and (3). Another thread may claim that item; the lines then were asked for in
+    // vain (they stay in L3 for the other core).
+    ItemRowsPrefetcher ahead;
+    int64_t upcoming;
+    if (queue.peek(upcoming)) {
+      const DecodeItem& nx = split.items[upcoming];
+      ahead = ItemRowsPrefetcher(k_cache + nx.first_kv * D, tables + nx.seq * max_blocks + nx.first_block, nx.len,
+                                 block_size, block_stride, token_stride, row_bytes,
+                                 item_heads * ((len + 15) / 16) + heads_per_item * ((len + 1) / 2));
+    }
     // (2) weights, rounded to bf16 as (3) uses them; the sum is of the rounded weights
     for (int64_t h = 0; h < item_heads; ++h) {
       head_max[h] = _mm512_reduce_max_ps(_mm512_loadu_ps(&maxes[h * 16]));
       const __m512 mx = _mm512_set1_ps(head_max[h]);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t i = 0; i < len; i += 16) {
+        ahead.step();
         const __mmask16 valid = static_cast<__mmask16>(len - i >= 16 ? 0xFFFFu : (1u << (len - i)) - 1);
         const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(&scores[h * stride + i]), mx)));
         const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
@@ -222,17 +234,7 @@ BF16_TARGET void decode_items_bf16(WorkQueue& queue, DecodeSplit& split, const f
       }
       sums[h] = _mm512_reduce_add_ps(sum);
     }
-    // (3) P.V, one kv head at a time, its V in L2 (asked for by (1)); meanwhile the K of the next item in the queue
-    // is asked for into L2, spread over the pass. Another thread may claim that item: the lines then were asked for
-    // in vain (they stay in L3 for the other core). One layer of an 8,000-token context from memory: 0.44-0.47 ->
-    // 0.35-0.39 ms (benchmarks/attention_kernel.py, docs/cpu-kernels.md).
-    ItemRowsPrefetcher ahead;
-    int64_t upcoming;
-    if (queue.peek(upcoming)) {
-      const DecodeItem& nx = split.items[upcoming];
-      ahead = ItemRowsPrefetcher(k_cache + nx.first_kv * D, tables + nx.seq * max_blocks + nx.first_block, nx.len,
-                                 block_size, block_stride, token_stride, row_bytes, heads_per_item * ((len + 1) / 2));
-    }
+    // (3) P.V, one kv head at a time, its V in L2 (asked for by (1))
     for (int64_t kv = 0; kv < heads_per_item; ++kv)
       values_group_bf16<NC>(v_cache + (first_kv + kv) * D, table, len, block_size, block_stride, token_stride,
                             &pb[kv * group * stride], stride, &acc[kv * group * D], group, ahead);
