@@ -34,60 +34,51 @@ BF16_TARGET inline __m512bh load_bh(const void* p) {
   return v;
 }
 
-// One K row against the query (q: head_dim / 32 vectors of bf16): 16 partial sums.
-template <int NP>
-BF16_TARGET inline __m512 dot_bf16(const __m512bh* q, const bf16_t* k) {
-  __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], load_bh(k));
-  for (int c = 1; c < NP; ++c) d = _mm512_dpbf16_ps(d, q[c], load_bh(k + 32 * c));
-  return d;
-}
-
-// The same for a row that may not be read (valid false: the masked loads touch no memory, and the sums are 0).
-template <int NP>
-BF16_TARGET inline __m512 dot_bf16_masked(const __m512bh* q, const bf16_t* k, bool valid) {
-  const __mmask32 row = valid ? ~__mmask32{0} : __mmask32{0};
-  __m512 d = _mm512_setzero_ps();
-  for (int c = 0; c < NP; ++c) d = _mm512_dpbf16_ps(d, q[c], (__m512bh)_mm512_maskz_loadu_epi16(row, k + 32 * c));
-  return d;
-}
-
-// Four K rows, `rows` of them valid (rows from there on are not read: they may be garbage, or past the pool),
-// reduced as sum16's first two levels.
-template <int NP>
-BF16_TARGET inline __m512 dot4_bf16(const __m512bh* q, const bf16_t* k, int64_t token_stride, int64_t rows) {
-  __m512 d[4];
-  if (rows >= 4) {
-    d[0] = dot_bf16<NP>(q, k);
-    d[1] = dot_bf16<NP>(q, k + token_stride);
-    d[2] = dot_bf16<NP>(q, k + 2 * token_stride);
-    d[3] = dot_bf16<NP>(q, k + 3 * token_stride);
-  } else {
-    d[0] = dot_bf16_masked<NP>(q, k, rows > 0);
-    d[1] = dot_bf16_masked<NP>(q, k + token_stride, rows > 1);
-    d[2] = dot_bf16_masked<NP>(q, k + 2 * token_stride, rows > 2);
-    d[3] = _mm512_setzero_ps();
+// Scores of G query heads that share one kv head's K (qb: their queries in bf16, head_dim values apart) against the
+// first `n` tokens of a tile, times `scale` -> s[g]; lanes >= n are 0. Each K row is loaded once for the G heads. A
+// head's dot product with a row is NP vdpbf16ps (16 partial sums), and 16 rows' sums are reduced as in sum16, four
+// rows at a time; rows from `n` on are not read (they may be garbage, or past the pool).
+template <int NP, int G>
+BF16_TARGET inline void score_tiles_bf16(const uint16_t* qb, const bf16_t* k_tile, int64_t token_stride, int64_t n,
+                                         float scale, __m512* s) {
+  __m512bh q[G][NP];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NP; ++c) q[g][c] = load_bh(qb + g * NP * 32 + 32 * c);
+  __m512 u[G][4];  // each four rows' sums
+  for (int j = 0; j < 4; ++j) {
+    const bf16_t* k = k_tile + 4 * j * token_stride;
+    const int64_t rows = n - 4 * j;
+    __m512 d[G][4];  // sums of the four rows
+    for (int r = 0; r < 4; ++r) {
+      if (rows < 4 && r == 3) {  // a part tile's fourth row of four is never valid
+        for (int g = 0; g < G; ++g) d[g][r] = _mm512_setzero_ps();
+        continue;
+      }
+      __m512bh kv[NP];
+      const __mmask32 row = rows > r ? ~__mmask32{0} : __mmask32{0};  // masked loads touch no memory
+      for (int c = 0; c < NP; ++c)
+        kv[c] = rows >= 4 ? load_bh(k + r * token_stride + 32 * c)
+                          : (__m512bh)_mm512_maskz_loadu_epi16(row, k + r * token_stride + 32 * c);
+      for (int g = 0; g < G; ++g) {
+        d[g][r] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], kv[0]);
+        for (int c = 1; c < NP; ++c) d[g][r] = _mm512_dpbf16_ps(d[g][r], q[g][c], kv[c]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(d[g][0], d[g][1]), _mm512_unpackhi_ps(d[g][0], d[g][1]));
+      const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(d[g][2], d[g][3]), _mm512_unpackhi_ps(d[g][2], d[g][3]));
+      const __m512d a = _mm512_castps_pd(t0), b = _mm512_castps_pd(t1);
+      u[g][j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
   }
-  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(d[0], d[1]), _mm512_unpackhi_ps(d[0], d[1]));
-  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(d[2], d[3]), _mm512_unpackhi_ps(d[2], d[3]));
-  const __m512d a = _mm512_castps_pd(t0), b = _mm512_castps_pd(t1);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-}
-
-// Scores of one query (qb: its head_dim values in bf16) against the first `n` tokens of a tile, times `scale`;
-// lanes >= n are 0. The sums of sum16, four tokens at a time (so that few registers are live).
-template <int NP>
-BF16_TARGET inline __m512 score_tile_bf16(const uint16_t* qb, const bf16_t* k_tile, int64_t token_stride, int64_t n,
-                                          float scale) {
-  __m512bh q[NP];
-  for (int c = 0; c < NP; ++c) q[c] = load_bh(qb + 32 * c);
-  __m512 u[4];
-  for (int j = 0; j < 4; ++j) u[j] = dot4_bf16<NP>(q, k_tile + 4 * j * token_stride, token_stride, n - 4 * j);
-  __m512 w[2];
-  for (int j = 0; j < 2; ++j)
-    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
-  const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-  return _mm512_mul_ps(s, _mm512_set1_ps(scale));
+  for (int g = 0; g < G; ++g) {
+    __m512 w[2];
+    for (int j = 0; j < 2; ++j)
+      w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[g][2 * j], u[g][2 * j + 1], 0x88),
+                           _mm512_shuffle_f32x4(u[g][2 * j], u[g][2 * j + 1], 0xDD));
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    s[g] = _mm512_mul_ps(t, _mm512_set1_ps(scale));
+  }
 }
 
 // The query rounded to bf16: 32 values a vector.

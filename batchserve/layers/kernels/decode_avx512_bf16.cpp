@@ -13,10 +13,10 @@ namespace {
 // garbage, NaN, or outside the pool). The accumulators stay in registers for the whole sequence. The next block's
 // rows of this head are asked for at each block's start: the score pass's request for them (into L2) does not keep
 // them there for long contexts, and without it these loads waited on memory for a third of the kernel's time.
-template <int NC, int HC>
+template <int NC, int HC, typename Ahead>
 BF16_TARGET void values_bf16(const bf16_t* v_head, const int64_t* table, int64_t len, int64_t block_size,
                              int64_t block_stride, int64_t token_stride, const uint16_t* pb, int64_t p_stride,
-                             float* acc_out) {
+                             float* acc_out, Ahead& ahead) {
   constexpr int NP = NC / 2;
   __m512 acc[HC][NC];
   for (int h = 0; h < HC; ++h)
@@ -30,6 +30,7 @@ BF16_TARGET void values_bf16(const bf16_t* v_head, const int64_t* table, int64_t
                     token_stride * 2, NC * 32);
     for (int64_t t = 0; t < n; t += 2, v += 2 * token_stride, p += 2) {
       const bool pair = t + 1 < n;
+      ahead.step();
       __m512i lo[NP], hi[NP];
       for (int c = 0; c < NP; ++c) {
         const __m512i a = _mm512_loadu_si512(v + 32 * c);
@@ -53,14 +54,14 @@ BF16_TARGET void values_bf16(const bf16_t* v_head, const int64_t* table, int64_t
 }
 
 // values_bf16 for `heads` query heads, in chunks of at most 16 accumulator registers.
-template <int NC>
+template <int NC, typename Ahead>
 BF16_TARGET void values_group_bf16(const bf16_t* v_head, const int64_t* table, int64_t len, int64_t block_size,
                                    int64_t block_stride, int64_t token_stride, const uint16_t* pb, int64_t p_stride,
-                                   float* acc_out, int64_t heads) {
+                                   float* acc_out, int64_t heads, Ahead& ahead) {
   constexpr int kChunk = NC <= 4 ? 4 : 2;
   const auto run = [&](auto hc, int64_t h) {
     values_bf16<NC, decltype(hc)::value>(v_head, table, len, block_size, block_stride, token_stride,
-                                         pb + h * p_stride, p_stride, acc_out + h * NC * 16);
+                                         pb + h * p_stride, p_stride, acc_out + h * NC * 16, ahead);
   };
   int64_t h = 0;
   for (; h + kChunk <= heads; h += kChunk) run(std::integral_constant<int, kChunk>{}, h);
@@ -69,11 +70,84 @@ BF16_TARGET void values_group_bf16(const bf16_t* v_head, const int64_t* table, i
   if (heads - h == 1) run(std::integral_constant<int, 1>{}, h);
 }
 
+// One tile's scores for `heads` query heads that share one kv head's K (qb: their bf16 queries in a row), a chunk of
+// heads at a time (score_tiles_bf16: each K row loaded once a chunk, not once a head), into their rows of `scores`
+// (`stride` apart) and their running maxes; the next block's prefetchers step once per head.
+template <int NP, int G, typename Ahead>
+BF16_TARGET void score_chunk_bf16(const uint16_t* qb, const bf16_t* k_tile, int64_t token_stride, int64_t n,
+                                  float scale, float* scores, int64_t stride, float* maxes, __mmask16 valid,
+                                  Ahead& next_k, Ahead& next_v) {
+  for (int g = 0; g < G; ++g) next_k.step(), next_v.step();
+  __m512 s[G];
+  score_tiles_bf16<NP, G>(qb, k_tile, token_stride, n, scale, s);
+  for (int g = 0; g < G; ++g) {
+    _mm512_storeu_ps(scores + g * stride, s[g]);
+    float* mx = maxes + g * 16;
+    _mm512_storeu_ps(mx, _mm512_mask_max_ps(_mm512_loadu_ps(mx), valid, _mm512_loadu_ps(mx), s[g]));
+  }
+}
+
+// score_chunk_bf16 over a group of heads
+template <int NP, typename Ahead>
+BF16_TARGET void score_group_bf16(const uint16_t* qb, const bf16_t* k_tile, int64_t token_stride, int64_t n,
+                                  float scale, int64_t heads, float* scores, int64_t stride, float* maxes,
+                                  __mmask16 valid, Ahead& next_k, Ahead& next_v) {
+  constexpr int kChunk = NP >= 4 ? 2 : 4;  // 2 x 4 queries + 2 x 4 sums + 4 K vectors at head size 128
+  const auto run = [&](auto gc, int64_t h) {
+    score_chunk_bf16<NP, decltype(gc)::value>(qb + h * NP * 32, k_tile, token_stride, n, scale, scores + h * stride,
+                                              stride, maxes + h * 16, valid, next_k, next_v);
+  };
+  int64_t h = 0;
+  for (; h + kChunk <= heads; h += kChunk) run(std::integral_constant<int, kChunk>{}, h);
+  if (heads - h == 3) run(std::integral_constant<int, 3>{}, h);
+  if (heads - h == 2) run(std::integral_constant<int, 2>{}, h);
+  if (heads - h == 1) run(std::integral_constant<int, 1>{}, h);
+}
+
+// The rows of a work item (a head run of each of its tokens, in its scattered blocks) asked for into L2 a few lines at
+// a time over `steps` steps of other work. A block whose rows are one run of memory is asked for as one run.
+class ItemRowsPrefetcher {
+ public:
+  ItemRowsPrefetcher() = default;
+  ItemRowsPrefetcher(const bf16_t* head_pool, const int64_t* table, int64_t len, int64_t block_size,
+                     int64_t block_stride, int64_t token_stride, int64_t row_bytes, int64_t steps)
+      : pool_(reinterpret_cast<const char*>(head_pool)), table_(table), len_(len), block_size_(block_size),
+        block_bytes_(block_stride * 2), token_bytes_(token_stride * 2), row_bytes_(row_bytes),
+        per_step_((len * ((row_bytes + 63) / 64) + steps - 1) / std::max<int64_t>(steps, 1)) {
+    start_block(0);
+  }
+  void step() {
+    for (int64_t k = 0; k < per_step_ && rows_left_ > 0; ++k) {
+      prefetch_line<_MM_HINT_T1>(row_ + offset_);
+      if ((offset_ += 64) < run_bytes_) continue;
+      offset_ = 0, row_ += token_bytes_;
+      if (--rows_left_ == 0) start_block(first_token_ + block_size_);
+    }
+  }
+
+ private:
+  void start_block(int64_t token) {
+    first_token_ = token;
+    rows_left_ = std::clamp<int64_t>(len_ - token, 0, block_size_);
+    if (rows_left_ == 0) return;
+    row_ = pool_ + table_[token / block_size_] * block_bytes_;
+    run_bytes_ = row_bytes_;
+    if (row_bytes_ == token_bytes_) run_bytes_ *= rows_left_, rows_left_ = 1;  // one contiguous run
+  }
+  const char* pool_ = nullptr;
+  const int64_t* table_ = nullptr;
+  int64_t len_ = 0, block_size_ = 1, block_bytes_ = 0, token_bytes_ = 0, row_bytes_ = 0, per_step_ = 0;
+  const char* row_ = nullptr;
+  int64_t first_token_ = 0, rows_left_ = 0, run_bytes_ = 0, offset_ = 0;
+};
+
 // The work items of decode_attention_bf16 this thread claims from `queue` (work_split.h), until none is left
 // (a function of its own: a lambda would not carry the target). A decode query sees its whole item (its context, or
 // one partition of it) at once, so its softmax needs no online rescaling: (1) every score of the item, and their
 // max; (2) the weights exp(s - max) in bf16, and their sum; (3) P.V with the accumulators in registers from the
-// first token to the last; a partition's sums go to work_split.h's partials unnormalised.
+// first token to the last; a partition's sums go to work_split.h's partials unnormalised. While (2) and (3) work
+// from L2, the K of the item the queue hands out next is asked for (ItemRowsPrefetcher), so that memory is read
+// through the whole item instead of only during (1).
 template <int NC>
 BF16_TARGET void decode_items_bf16(WorkQueue& queue, DecodeSplit& split, const float* q,
                                    const bf16_t* k_cache, const bf16_t* v_cache, const int64_t* tables,
@@ -128,16 +202,22 @@ BF16_TARGET void decode_items_bf16(WorkQueue& queue, DecodeSplit& split, const f
       for (int64_t i = 0; i < n; i += 16) {
         const int64_t m = std::min<int64_t>(16, n - i);
         const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
-        for (int64_t h = 0; h < item_heads; ++h) {
-          next_k.step();
-          next_v.step();
-          const __m512 s = score_tile_bf16<NP>(&qb[h * D], k_cache + base + i * token_stride + h / group * D,
-                                               token_stride, m, scale);
-          _mm512_storeu_ps(&scores[h * stride + start + i], s);
-          float* mx = &maxes[h * 16];
-          _mm512_storeu_ps(mx, _mm512_mask_max_ps(_mm512_loadu_ps(mx), valid, _mm512_loadu_ps(mx), s));
-        }
+        for (int64_t kv = 0; kv < heads_per_item; ++kv)
+          score_group_bf16<NP>(&qb[kv * group * D], k_cache + base + i * token_stride + kv * D, token_stride, m,
+                               scale, group, &scores[kv * group * stride + start + i], stride,
+                               &maxes[kv * group * 16], valid, next_k, next_v);
       }
+    }
+    // From here on the item's K and V are in L2, and memory would sit idle: the K of the next item in the queue is
+    // asked for into L2, spread over (2) and (3). Another thread may claim that item; the lines then were asked for in
+    // vain (they stay in L3 for the other core).
+    ItemRowsPrefetcher ahead;
+    int64_t upcoming;
+    if (queue.peek(upcoming)) {
+      const DecodeItem& nx = split.items[upcoming];
+      ahead = ItemRowsPrefetcher(k_cache + nx.first_kv * D, tables + nx.seq * max_blocks + nx.first_block, nx.len,
+                                 block_size, block_stride, token_stride, row_bytes,
+                                 item_heads * ((len + 15) / 16) + heads_per_item * ((len + 1) / 2));
     }
     // (2) weights, rounded to bf16 as (3) uses them; the sum is of the rounded weights
     for (int64_t h = 0; h < item_heads; ++h) {
@@ -145,6 +225,7 @@ BF16_TARGET void decode_items_bf16(WorkQueue& queue, DecodeSplit& split, const f
       const __m512 mx = _mm512_set1_ps(head_max[h]);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t i = 0; i < len; i += 16) {
+        ahead.step();
         const __mmask16 valid = static_cast<__mmask16>(len - i >= 16 ? 0xFFFFu : (1u << (len - i)) - 1);
         const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(&scores[h * stride + i]), mx)));
         const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
@@ -153,10 +234,10 @@ BF16_TARGET void decode_items_bf16(WorkQueue& queue, DecodeSplit& split, const f
       }
       sums[h] = _mm512_reduce_add_ps(sum);
     }
-    // (3) P.V, one kv head at a time
+    // (3) P.V, one kv head at a time, its V in L2 (asked for by (1))
     for (int64_t kv = 0; kv < heads_per_item; ++kv)
       values_group_bf16<NC>(v_cache + (first_kv + kv) * D, table, len, block_size, block_stride, token_stride,
-                            &pb[kv * group * stride], stride, &acc[kv * group * D], group);
+                            &pb[kv * group * stride], stride, &acc[kv * group * D], group, ahead);
     for (int64_t h = 0; h < item_heads; ++h)
       unpermute_store<NC>(&acc[h * D], split.finish(it, first_head + h, head_max[h], sums[h]),
                           split.row(it, first_head + h, out));

@@ -135,6 +135,14 @@ class WorkQueue {
     return true;
   }
 
+  // The item the next claim would get, without claiming it (another thread may take it first); false if none.
+  bool peek(int64_t& item) const {
+    const int64_t claimed = next_.load(std::memory_order_relaxed);
+    if (claimed >= static_cast<int64_t>(order_.size())) return false;
+    item = order_[claimed];
+    return true;
+  }
+
   int64_t size() const { return static_cast<int64_t>(order_.size()); }
 
  private:
