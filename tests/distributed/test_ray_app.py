@@ -1,9 +1,8 @@
 """End to end on Ray: one local two-node cluster made with Ray's own test utility (the head, where this process is the
-driver, with one CPU; the other node with two), shared by the tensor-parallel ranks, then the Ray Serve app, then
-`batchserve serve --replicas N` as a user runs it on a machine where Ray is up: it joins that instance, the ingress
-serves HTTP on --port itself (Ray Serve's proxy not in the path), and it exits cleanly on SIGINT, leaving the
-instance running. Ray runs with the environment `batchserve serve --replicas` gives the Ray instance it starts
-(conftest.py). One file, so that the test runner's workers never run two Ray instances side by side.
+driver, with one CPU; the other node with two), shared by the tensor-parallel ranks, the Ray Serve app and, last,
+`batchserve serve --replicas N` joining it as it joins an instance running on a user's machine. Ray runs with the
+environment `serve --replicas` gives an instance it starts (conftest.py). One file, so that the test runner's workers
+never run two Ray instances side by side (a second would be found by the others' `ray.init()` and joined).
 
 Tensor-parallel ranks placed by Ray (distributed_executor_backend ray, worker/ray_ranks.py): greedy float32 tokens at
 TP=2 equal one rank's and transformers', with rank 1 on the other node; a cluster without the CPUs is refused at start
@@ -12,8 +11,7 @@ pending; a rank killed mid-run ends the engine with an error naming it within se
 
 Then, on the same cluster once the ranks have given every CPU back: 2 engine replicas of SmolLM2-135M-Instruct (1
 thread each) behind the OpenAI ingress and the prefix-aware router; Ray's HTTP proxy (on the head node) on a free
-port, and the ingress's own HTTP server on another. Every Ray instance of the suite starts in this one file: a second
-one on this host at the same time would be found by the others' `ray.init()` and joined."""
+port, and the ingress's own HTTP server on another."""
 
 from __future__ import annotations
 
@@ -190,9 +188,8 @@ def _wait_all_cpus_free() -> None:
 
 
 def _quiet_ports(count: int) -> list[int]:
-    """Free ports below the kernel's ephemeral range (32768-60999) and above Ray's worker ports (10002-19999): a port
-    picked by binding to 0 comes from the ephemeral range, where Ray's own processes, started between the pick and
-    the ingress's bind, take theirs (a fresh-clone run lost its ingress to "Address already in use" that way)."""
+    """Free ports below the kernel's ephemeral range (32768-60999) and above Ray's worker ports (10002-19999): Ray's
+    processes, started between a pick and the ingress's bind, take theirs from the ephemeral range."""
     rng, ports = random.Random(), []
     while len(ports) < count:
         port = rng.randrange(20000, 32000)
@@ -466,13 +463,9 @@ def _running_replicas() -> int:
 
 
 def test_serve_replicas_joins_the_running_instance_serves_http_and_exits_cleanly_on_sigint(cluster, tmp_path):
-    """Last, on the module's cluster once the app above has served: `batchserve serve --replicas` as a user runs it
-    where a Ray instance is already up ($RAY_ADDRESS names it, as `ray start` leaves it for the shells after it). It
-    joins that instance (rather than starting one of its own, which would cost a second Ray instance's start-up on
-    the suite's two cores), deploys its application in place of the one running under the same name, serves HTTP from
-    the ingress on --port itself (not through Serve's proxy, which the module's Serve already runs on another port),
-    exits cleanly on SIGINT and takes only its application away: the cluster and Serve stay up. The Ray instance the
-    command starts when none runs is `launch._connect`'s other branch (tests/distributed/test_options_and_cli.py)."""
+    """Last (it replaces the app above): `serve --replicas` where Ray is up ($RAY_ADDRESS) joins that instance instead
+    of starting its own, serves HTTP from the ingress on --port, exits cleanly on SIGINT and deletes only its app.
+    The start of an instance of its own is `launch._connect`'s other branch (tests/distributed/test_options_and_cli.py)."""
     from ray import serve
 
     port = _quiet_ports(1)[0]
@@ -483,10 +476,8 @@ def test_serve_replicas_joins_the_running_instance_serves_http_and_exits_cleanly
     ]  # fmt: skip
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "RAY_ADDRESS": cluster.address},
-        )  # fmt: skip
+        joining = {**os.environ, "RAY_ADDRESS": cluster.address}
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=joining)
         try:
             wait_ready(server, url, timeout_s=300)
             body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -500,8 +491,7 @@ def test_serve_replicas_joins_the_running_instance_serves_http_and_exits_cleanly
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
     text = log_path.read_text()
-    assert "joined the Ray instance running on this machine" in text, text[-2000:]
-    assert "HTTP served by the ingress" in text, text[-2000:]
+    assert "joined the Ray instance running on this machine" in text and "HTTP served by the ingress" in text, text
     assert "replicas run: {" in text and "'num_kv_blocks': '64'" in text, text[-2000:]  # the replicas' config
     assert "ready at" not in text, text[-2000:]  # no address but the one that serves
     assert "failed" not in text and "Traceback" not in text, text[-2000:]
