@@ -3,6 +3,8 @@
 #include "attention_avx512_bf16.h"
 
 #ifdef BATCHSERVE_BF16_DOT
+#include <optional>
+
 #include "work_split.h"
 
 namespace {
@@ -105,40 +107,37 @@ BF16_TARGET void score_group_bf16(const uint16_t* qb, const bf16_t* k_tile, int6
 }
 
 // The rows of a work item (a head run of each of its tokens, in its scattered blocks) asked for into L2 a few lines at
-// a time over `steps` steps of other work. A block whose rows are one run of memory is asked for as one run.
+// a time over `steps` steps of other work: a RowPrefetcher per block, each at the item's rate.
 class ItemRowsPrefetcher {
  public:
   ItemRowsPrefetcher() = default;
   ItemRowsPrefetcher(const bf16_t* head_pool, const int64_t* table, int64_t len, int64_t block_size,
                      int64_t block_stride, int64_t token_stride, int64_t row_bytes, int64_t steps)
-      : pool_(reinterpret_cast<const char*>(head_pool)), table_(table), len_(len), block_size_(block_size),
-        block_bytes_(block_stride * 2), token_bytes_(token_stride * 2), row_bytes_(row_bytes),
-        per_step_((len * ((row_bytes + 63) / 64) + steps - 1) / std::max<int64_t>(steps, 1)) {
+      : pool_(head_pool), table_(table), len_(len), block_size_(block_size), block_stride_(block_stride),
+        token_bytes_(token_stride * 2), row_bytes_(row_bytes),
+        per_step_((len * lines(row_bytes) + steps - 1) / std::max<int64_t>(steps, 1)) {
     start_block(0);
   }
   void step() {
-    for (int64_t k = 0; k < per_step_ && rows_left_ > 0; ++k) {
-      prefetch_line<_MM_HINT_T1>(row_ + offset_);
-      if ((offset_ += 64) < run_bytes_) continue;
-      offset_ = 0, row_ += token_bytes_;
-      if (--rows_left_ == 0) start_block(first_token_ + block_size_);
-    }
+    if (!block_) return;
+    block_->step();
+    if (block_->done()) start_block(first_token_ + block_size_);
   }
 
  private:
+  static int64_t lines(int64_t bytes) { return (bytes + 63) / 64; }
   void start_block(int64_t token) {
     first_token_ = token;
-    rows_left_ = std::clamp<int64_t>(len_ - token, 0, block_size_);
-    if (rows_left_ == 0) return;
-    row_ = pool_ + table_[token / block_size_] * block_bytes_;
-    run_bytes_ = row_bytes_;
-    if (row_bytes_ == token_bytes_) run_bytes_ *= rows_left_, rows_left_ = 1;  // one contiguous run
+    const int64_t rows = std::clamp<int64_t>(len_ - token, 0, block_size_);
+    if (rows == 0 || per_step_ == 0) return block_.reset();
+    const int64_t steps = (rows * lines(row_bytes_) + per_step_ - 1) / per_step_;
+    block_.emplace(pool_ + table_[token / block_size_] * block_stride_, rows, token_bytes_, row_bytes_, steps);
   }
-  const char* pool_ = nullptr;
+  const bf16_t* pool_ = nullptr;
   const int64_t* table_ = nullptr;
-  int64_t len_ = 0, block_size_ = 1, block_bytes_ = 0, token_bytes_ = 0, row_bytes_ = 0, per_step_ = 0;
-  const char* row_ = nullptr;
-  int64_t first_token_ = 0, rows_left_ = 0, run_bytes_ = 0, offset_ = 0;
+  int64_t len_ = 0, block_size_ = 1, block_stride_ = 0, token_bytes_ = 0, row_bytes_ = 0, per_step_ = 0;
+  int64_t first_token_ = 0;
+  std::optional<RowPrefetcher<_MM_HINT_T1>> block_;
 };
 
 // The work items of decode_attention_bf16 this thread claims from `queue` (work_split.h), until none is left

@@ -59,6 +59,7 @@ class RowPrefetcher {
       if ((offset_ += 64) >= row_bytes_) offset_ = 0, row_ += stride_, --rows_;
     }
   }
+  bool done() const { return rows_ <= 0; }
 
  private:
   const char* row_;
