@@ -27,7 +27,8 @@ from pathlib import Path
 NORMS = "norms, RoPE, SiLU"
 PAGES = "pages touched first (kernel)"
 OPS = (
-    ("decode_items", "decode attention"), ("decode_attention", "decode attention"), ("prefill", "prefill attention"),
+    ("decode_items", "decode attention"), ("decode_attention", "decode attention"), ("decode_heads", "decode attention"),
+    ("score_group", "decode attention"), ("prefill", "prefill attention"),
     ("dot_items", "prefill attention"), ("pack_kv", "prefill attention"), ("panel_block", "GEMMs"),
     ("gemm", "GEMMs"), ("dnnl", "GEMMs"), ("/perf-", "GEMMs"), ("rms_norm", NORMS), ("rope", NORMS),
     ("silu", NORMS), ("argmax", "argmax"), ("clear_page", PAGES), ("page_fault", PAGES),

@@ -70,6 +70,7 @@ def test_samples_land_in_their_step_and_innermost_phase(step_timeline):
         (seen["schedule"], "_PyEval_EvalFrameDefault (libpython3.11.so)"),
         (seen["forward"], "[unknown] (/tmp/perf-1.map)"),
         (seen["forward"], "(anonymous namespace)::decode_items_bf16<4> (kernels.so)"),
+        (seen["forward"], "(anonymous namespace)::score_group<4, float> (kernels.so)"),
         (seen["forward"], "rms_norm (kernels.so)"),
         (seen["forward"], "clear_page_erms ([kernel.kallsyms])"),
         (seen["logits"], "(anonymous namespace)::panel_block<12> (kernels.so)"),
@@ -83,14 +84,17 @@ def test_samples_land_in_their_step_and_innermost_phase(step_timeline):
     assert groups["decode-only steps, 33-48 rows"] == {
         "schedule": 1,
         "layers: GEMMs": 1,
-        "layers: decode attention": 1,
+        "layers: decode attention": 2,
         "layers: norms, RoPE, SiLU": 1,
         "layers: pages touched first (kernel)": 1,
         "lm_head: GEMMs": 1,
         "sampling": 1,
         "outputs": 2,
     }
-    assert symbols["layers: decode attention"] == {"(anonymous namespace)::decode_items_bf16<4> (kernels.so)": 1}
+    assert symbols["layers: decode attention"] == {
+        "(anonymous namespace)::decode_items_bf16<4> (kernels.so)": 1,
+        "(anonymous namespace)::score_group<4, float> (kernels.so)": 1,
+    }
     assert [s.rows for s in timeline.steps] == [40] and timeline.steps[0].cpu_s >= 0
 
 
