@@ -3,16 +3,25 @@ samples this process, and the samples are summed into the step's parts (the weig
 everything else), each as a share of the step and in ms.
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_profile.py --context 8000 --threads 1
+    PYTHONPATH=. .venv/bin/python benchmarks/step_profile.py --workload benchmarks/workloads/peer64.json --dtype bfloat16
 
 The step is timed by this process's CPU clock (with --threads 1) and the wall clock. Needs `perf` (Linux) with
 permission to sample its own process; without it the step times alone are printed.
+
+--workload: the default model runs a workload's requests at once on one thread (as `limits.py --sections peer64`),
+and each step's CPU time is split by phase (scheduling, the runner's inputs, the decoder layers by op, the lm_head,
+sampling, the outputs: step_timeline.py) for the prefill-carrying steps and for the decode-only steps by rows,
+against each group's share of the step roofline (roofline.step_roofline: the layers' and the lm_head's GEMMs at
+torch's rates at the step's M, timed here on the CPU clock, or the bytes at the measured bandwidth).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -24,6 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import limits  # noqa: E402
+import roofline  # noqa: E402
+import step_timeline  # noqa: E402
 
 # symbol substrings -> part of the step (first match wins); the rest is "everything else"
 PARTS = (("gemm", "weights' GEMMs"), ("decode_items", "decode attention"), ("decode_attention", "decode attention"))
@@ -35,6 +46,10 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=120, help="decode steps timed (context + steps <= the model's)")
     ap.add_argument("--perf-seconds", type=float, default=2.5, help="how long perf samples (0: no perf)")
+    ap.add_argument("--workload", type=Path, default=None, help="profile this workload's steps (e.g. peer64.json)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="with --workload")
+    ap.add_argument("--min-time", type=float, default=0.2, help="seconds of samples per GEMM timing (--workload)")
+    ap.add_argument("--symbols", type=int, default=0, help="--workload: each part's N most sampled symbols")
     return ap.parse_args(argv)
 
 
@@ -73,9 +88,66 @@ def perf_parts(data: Path) -> dict[str, float]:
     return shares
 
 
+def profile_workload(args) -> None:
+    """The workload's steps by group and part (step_timeline.py), each group against its step roofline."""
+    from batchserve.entrypoints.llm import LLM
+    from batchserve.sampling_params import SamplingParams
+
+    requests = json.loads(args.workload.read_text())["requests"]
+    llm = LLM(None, dtype=args.dtype, num_threads=1)
+    llm.engine.reserve_kv_blocks(llm.engine.max_kv_blocks)
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["max_tokens"]) for r in requests]
+    llm.generate([{"prompt_token_ids": requests[0]["prompt_token_ids"]}], params[0], use_tqdm=False)  # warm-up
+    timeline = step_timeline.Timeline()
+    timeline.watch(llm.engine)
+    with tempfile.TemporaryDirectory() as folder:
+        data = Path(folder) / "perf.data"
+        perf = subprocess.Popen(["perf", "record", "-q", "-k", "monotonic", "-o", str(data), "-p", str(os.getpid())],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        time.sleep(0.5)  # perf attaches
+        cpu = time.process_time()
+        llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in requests], params, use_tqdm=False)
+        cpu = time.process_time() - cpu
+        perf.send_signal(signal.SIGINT)
+        perf.wait()
+        groups, symbols = step_timeline.breakdown(timeline, step_timeline.samples(data))
+    del llm
+    rates = roofline.measure(args.dtype, limits.parse_args([]).peer_ms, args.min_time, time.process_time)
+    bandwidth = limits.model_scale.memory_bandwidth(1, gib=0.5, clock=time.process_time)
+    print(f"{args.workload.stem}, {args.dtype}, 1 thread, load average {os.getloadavg()[0]:.1f}: "
+          f"{len(timeline.steps)} steps, {cpu:.2f} CPU s (steps {sum(s.cpu_s for s in timeline.steps):.2f})")  # fmt: skip
+    for group in sorted(groups):
+        print_group(group, [s for s in timeline.steps if step_timeline.step_group(s) == group], groups[group],
+                    rates, args.dtype, bandwidth)  # fmt: skip
+    for part in sorted(symbols) if args.symbols else []:
+        total = sum(symbols[part].values())
+        top = sorted(symbols[part].items(), key=lambda kv: -kv[1])[: args.symbols]
+        print(f"\n{part}: {total} samples; the most sampled symbols:")
+        for symbol, n in top:
+            print(f"  {100 * n / total:5.1f}%  {symbol[:150]}")
+
+
+def print_group(group: str, steps, counts: dict[str, int], rates, dtype: str, bandwidth: float) -> None:
+    """One group's CPU seconds by part, its GEMMs beside their share of the bound."""
+    cpu = sum(s.cpu_s for s in steps)
+    shapes = [(s.rows, s.sampled, s.kv_tokens) for s in steps]
+    bound = roofline.step_roofline(rates, dtype, shapes, bandwidth)
+    layers = roofline.step_roofline(rates, dtype, [(r, 0, 0) for r, _, _ in shapes], float("inf"))["matmul_s"]
+    print(f"\n{group}: {len(steps)} steps, {sum(r for r, _, _ in shapes)} rows, {cpu:.2f} CPU s against a bound "
+          f"of {bound['bound_s']:.2f} ({bound['bound_s'] / cpu:.2f}); matmuls {bound['matmul_s']:.2f} s "
+          f"(layers {layers:.2f}, lm_head {bound['matmul_s'] - layers:.2f}), bytes {bound['memory_s']:.2f} s")  # fmt: skip
+    total = sum(counts.values())
+    for part, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        print(f"  {part:<52} {100 * n / total:5.1f}%  {cpu * n / total:7.2f} s")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.workload:
+        if args.threads != 1:
+            raise SystemExit("--workload profiles one thread (its CPU clock)")
+        return profile_workload(args)
     engine = ready_engine(args)
     with tempfile.TemporaryDirectory() as folder:
         data = Path(folder) / "perf.data"

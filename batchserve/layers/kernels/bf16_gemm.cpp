@@ -38,13 +38,16 @@ BF16_GEMM_TARGET inline __m512bh as_bh(__m512i v) {
 }
 
 // One R x 32 block of out (+)= pairs xb [kc][kRows] @ panel [kc][32][2], kept in registers over kc pairs.
-template <int R>
-BF16_GEMM_TARGET void panel_block(const uint32_t* xb, int64_t kc, const uint16_t* panel, float* out, int64_t N,
-                                  bool accumulate) {
+// Whether it adds to out is a template argument, and the loops over the rows outside the k loop are unrolled by
+// pragma: otherwise GCC turned the zeroing of 9 rows or more into two memset calls on a stack copy of the
+// accumulators, copied in and out around the k loop, on every call.
+template <int R, bool Accumulate>
+BF16_GEMM_TARGET void panel_block(const uint32_t* xb, int64_t kc, const uint16_t* panel, float* out, int64_t N) {
   __m512 acc0[R], acc1[R];
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
-    acc0[r] = accumulate ? _mm512_loadu_ps(out + r * N) : _mm512_setzero_ps();
-    acc1[r] = accumulate ? _mm512_loadu_ps(out + r * N + 16) : _mm512_setzero_ps();
+    acc0[r] = Accumulate ? _mm512_loadu_ps(out + r * N) : _mm512_setzero_ps();
+    acc1[r] = Accumulate ? _mm512_loadu_ps(out + r * N + 16) : _mm512_setzero_ps();
   }
   for (int64_t k = 0; k < kc; ++k) {
     const __m512bh w0 = as_bh(_mm512_loadu_si512(panel + k * 2 * kPanel));
@@ -55,6 +58,7 @@ BF16_GEMM_TARGET void panel_block(const uint32_t* xb, int64_t kc, const uint16_t
       acc1[r] = _mm512_dpbf16_ps(acc1[r], x, w1);
     }
   }
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(out + r * N, acc0[r]);
     _mm512_storeu_ps(out + r * N + 16, acc1[r]);
@@ -64,9 +68,10 @@ BF16_GEMM_TARGET void panel_block(const uint32_t* xb, int64_t kc, const uint16_t
 BF16_GEMM_TARGET void rows_block(int64_t rows, const uint32_t* xb, int64_t kc, const uint16_t* panel, float* out,
                                  int64_t N, bool accumulate) {
   switch (rows) {
-#define BLOCK(R) \
-  case R:        \
-    return panel_block<R>(xb, kc, panel, out, N, accumulate);
+#define BLOCK(R)                                                     \
+  case R:                                                            \
+    if (accumulate) return panel_block<R, true>(xb, kc, panel, out, N); \
+    return panel_block<R, false>(xb, kc, panel, out, N);
     BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8) BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
 #undef BLOCK
   }
