@@ -11,8 +11,10 @@
 // and stored back; per key pair, one broadcast of the row's (p[2i], p[2i + 1]) against the packed V's 16 dims of that
 // pair. P is taken to ~16 bits, as two bf16 products: its rounding to bf16, then the remainder's (kSplitsWeights). A
 // single rounding, as AMX's tiles multiply, put the default model's logit at the README question's near-tie (0.08
-// apart in float32) on the other side: "L'Étoile, ..." where float32 weights answer "Paris". Only the rows the lane
-// holds are multiplied (AMX's tiles take all 32).
+// apart in float32) on the other side: "L'Étoile, ..." where float32 weights answer "Paris". A row's block whose
+// weights are all far below its running maximum keeps one rounding (kRestBelow): the remainders are multiplied after
+// every row's rounded weights, by the rows that keep them only. Only the rows the lane holds are multiplied (AMX's
+// tiles take all 32).
 #include "isa.h"
 
 #if defined(BATCHSERVE_ISA_AVX512) && defined(BATCHSERVE_ISA_AVX512_BF16_FILE)
@@ -99,34 +101,58 @@ class ScoreBlocks {
   int row_blocks_, total_, done_ = 0;
 };
 
-// P.V of rows r0..r0 + 3 over a block's first `tiles` key tiles (v: its packed V), dims c0 * 16.. (NV vectors),
-// added to the lane's accumulator after it is rescaled by the block's factor (1 for a row the block leaves alone).
-// Per key pair, the rounded weights' product and then their remainders' (p + kWeights), into the same sums.
+// P.V of 4 rows over a block's first `tiles` key tiles (v: its packed V), dims c0 * 16.. (NV vectors), added to the
+// lane's accumulator (`sums`: each row's, at dim c0 * 16) after it is multiplied by the row's factor: per key pair,
+// the rows' weights (`weights`: each row's, the rounded ones or the remainders) against the packed V.
 template <int D, int NV>
-inline void value_block(LaneState<D>& st, const uint16_t* p, const uint16_t* v, int64_t tiles, int64_t r0,
-                        int64_t c0) {
+__attribute__((always_inline)) inline void value_block(const uint16_t* const* weights, float* const* sums,
+                                                       const float* factors, const uint16_t* v, int64_t tiles) {
   __m512 acc[kValueRows][NV];
   for (int64_t r = 0; r < kValueRows; ++r) {
-    const int64_t row = r0 + r;
-    const __m512 corr = _mm512_set1_ps(st.rows.skip[row] ? 1.f : st.rows.corr[row]);
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(st.acc + row * D + 16 * (c0 + c)), corr);
+    const __m512 factor = _mm512_set1_ps(factors[r]);
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(sums[r] + 16 * c), factor);
   }
   for (int64_t j = 0; j < tiles; ++j) {
-    const uint16_t* v_tile = v + j * kKeys * D + c0 * kTile;
-    const uint16_t* p_tile = p + j * kKeys;
+    const uint16_t* v_tile = v + j * kKeys * D;
     for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
       __m512bh values[NV];
       for (int c = 0; c < NV; ++c) values[c] = load_pairs(v_tile + c * kTile + pair * 32);
       for (int64_t r = 0; r < kValueRows; ++r) {
-        const uint16_t* weights = p_tile + (r0 + r) * kBlock + 2 * pair;
-        const __m512bh rounded = broadcast_pair(weights), rest = broadcast_pair(weights + kWeights);
-        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], rounded, values[c]);
-        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], rest, values[c]);
+        const __m512bh w = broadcast_pair(weights[r] + j * kKeys + 2 * pair);
+        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, values[c]);
       }
     }
   }
   for (int64_t r = 0; r < kValueRows; ++r)
-    for (int c = 0; c < NV; ++c) _mm512_store_ps(st.acc + (r0 + r) * D + 16 * (c0 + c), acc[r][c]);
+    for (int c = 0; c < NV; ++c) _mm512_store_ps(sums[r] + 16 * c, acc[r][c]);
+}
+
+// value_block over the rows `rows` of the lane, the weights at `p` (kBlock a row), the factors the block's rescale
+// where Rescale (1 for a row the block leaves alone), else 1.
+template <int D, int NV, bool Rescale>
+__attribute__((always_inline)) inline void rows_block(LaneState<D>& st, const uint16_t* p, const uint16_t* v,
+                                                      int64_t tiles, const int* rows, int64_t c0) {
+  const uint16_t* weights[kValueRows];
+  float* sums[kValueRows];
+  float factors[kValueRows];
+  for (int64_t r = 0; r < kValueRows; ++r) {
+    weights[r] = p + rows[r] * kBlock;
+    sums[r] = st.acc + rows[r] * D + 16 * c0;
+    factors[r] = Rescale && !st.rows.skip[rows[r]] ? st.rows.corr[rows[r]] : 1.f;
+  }
+  value_block<D, NV>(weights, sums, factors, v + c0 * kTile, tiles);
+}
+
+// The lane's rows that multiply their remainders in this block, then as many others as make the count a multiple of
+// 4: those hold zero remainders here, whose products add exact zeros (a row's sums never depend on its mates').
+// Returns the count.
+inline int rows_with_rest(const Rows& st, int* out) {
+  int n = 0;
+  for (int r = 0; r < kRows; ++r)
+    if (st.rest[r]) out[n++] = r;
+  for (int r = 0; n % kValueRows != 0; ++r)
+    if (!st.rest[r]) out[n++] = r;
+  return n;
 }
 
 // prefill_tiles.h's products on this backend.
@@ -136,12 +162,22 @@ struct TileProducts<DotProducts, D> {
   static ScoreSteps scores(const uint16_t* q, const char* k, int64_t tiles, int64_t rows, Scores* out) {
     return ScoreSteps(q, k, tiles, rows, out);
   }
+  // Every row's rounded weights, 4 rows at a time (rescaling the accumulator first), then the remainders of the rows
+  // that keep them (kRestBelow) in blocks of 4 of those: a row's sum is its rounded products in key order, then its
+  // remainders' in key order, whatever rows share its register blocks.
   __attribute__((always_inline)) static void values(LaneState<D>& st, const uint16_t* p, const char* v,
                                                     int64_t tiles, int64_t rows) {
     constexpr int kVectors = D / 16 < 4 ? D / 16 : 4;
     const auto* packed = reinterpret_cast<const uint16_t*>(v);
-    for (int64_t r0 = 0; r0 < rows; r0 += kValueRows)
-      for (int64_t c0 = 0; c0 < D / 16; c0 += kVectors) value_block<D, kVectors>(st, p, packed, tiles, r0, c0);
+    for (int r0 = 0; r0 < rows; r0 += kValueRows) {
+      const int block[kValueRows] = {r0, r0 + 1, r0 + 2, r0 + 3};
+      for (int64_t c0 = 0; c0 < D / 16; c0 += kVectors) rows_block<D, kVectors, true>(st, p, packed, tiles, block, c0);
+    }
+    int rest[kRows];
+    const int with_rest = rows_with_rest(st.rows, rest);
+    for (int i = 0; i < with_rest; i += kValueRows)
+      for (int64_t c0 = 0; c0 < D / 16; c0 += kVectors)
+        rows_block<D, kVectors, false>(st, p + kWeights, packed, tiles, rest + i, c0);
   }
 };
 
