@@ -12,9 +12,9 @@
 // pair. P is taken to ~16 bits, as two bf16 products: its rounding to bf16, then the remainder's (kSplitsWeights). A
 // single rounding, as AMX's tiles multiply, put the default model's logit at the README question's near-tie (0.08
 // apart in float32) on the other side: "L'Étoile, ..." where float32 weights answer "Paris". A row's block whose
-// weights are all far below its running maximum keeps one rounding (kRestBelow): the remainders are multiplied after
-// every row's rounded weights, by the rows that keep them only. Only the rows the lane holds are multiplied (AMX's
-// tiles take all 32).
+// weights are all far below its running maximum keeps one rounding (kRestBelow): P.V takes the rows that keep their
+// remainders together, 4 to a register block, and the others' blocks multiply P once. Only the rows the lane holds
+// are multiplied (AMX's tiles take all 32).
 #include "isa.h"
 
 #if defined(BATCHSERVE_ISA_AVX512) && defined(BATCHSERVE_ISA_AVX512_BF16_FILE)
@@ -103,8 +103,9 @@ class ScoreBlocks {
 
 // P.V of 4 rows over a block's first `tiles` key tiles (v: its packed V), dims c0 * 16.. (NV vectors), added to the
 // lane's accumulator (`sums`: each row's, at dim c0 * 16) after it is multiplied by the row's factor: per key pair,
-// the rows' weights (`weights`: each row's, the rounded ones or the remainders) against the packed V.
-template <int D, int NV>
+// the rows' rounded weights (`weights`: each row's) against the packed V, then WithRest their remainders' (kWeights
+// further) into the same sums.
+template <int D, int NV, bool WithRest>
 __attribute__((always_inline)) inline void value_block(const uint16_t* const* weights, float* const* sums,
                                                        const float* factors, const uint16_t* v, int64_t tiles) {
   __m512 acc[kValueRows][NV];
@@ -118,8 +119,13 @@ __attribute__((always_inline)) inline void value_block(const uint16_t* const* we
       __m512bh values[NV];
       for (int c = 0; c < NV; ++c) values[c] = load_pairs(v_tile + c * kTile + pair * 32);
       for (int64_t r = 0; r < kValueRows; ++r) {
-        const __m512bh w = broadcast_pair(weights[r] + j * kKeys + 2 * pair);
-        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, values[c]);
+        const uint16_t* w = weights[r] + j * kKeys + 2 * pair;
+        const __m512bh rounded = broadcast_pair(w);
+        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], rounded, values[c]);
+        if constexpr (WithRest) {
+          const __m512bh rest = broadcast_pair(w + kWeights);
+          for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], rest, values[c]);
+        }
       }
     }
   }
@@ -127,9 +133,9 @@ __attribute__((always_inline)) inline void value_block(const uint16_t* const* we
     for (int c = 0; c < NV; ++c) _mm512_store_ps(sums[r] + 16 * c, acc[r][c]);
 }
 
-// value_block over the rows `rows` of the lane, the weights at `p` (kBlock a row), the factors the block's rescale
-// where Rescale (1 for a row the block leaves alone), else 1.
-template <int D, int NV, bool Rescale>
+// value_block over 4 rows of the lane (`rows`), rescaling their accumulators by the block's factors first (1 for a
+// row the block leaves alone).
+template <int D, int NV, bool WithRest>
 __attribute__((always_inline)) inline void rows_block(LaneState<D>& st, const uint16_t* p, const uint16_t* v,
                                                       int64_t tiles, const int* rows, int64_t c0) {
   const uint16_t* weights[kValueRows];
@@ -138,21 +144,23 @@ __attribute__((always_inline)) inline void rows_block(LaneState<D>& st, const ui
   for (int64_t r = 0; r < kValueRows; ++r) {
     weights[r] = p + rows[r] * kBlock;
     sums[r] = st.acc + rows[r] * D + 16 * c0;
-    factors[r] = Rescale && !st.rows.skip[rows[r]] ? st.rows.corr[rows[r]] : 1.f;
+    factors[r] = st.rows.skip[rows[r]] ? 1.f : st.rows.corr[rows[r]];
   }
-  value_block<D, NV>(weights, sums, factors, v + c0 * kTile, tiles);
+  value_block<D, NV, WithRest>(weights, sums, factors, v + c0 * kTile, tiles);
 }
 
-// The lane's rows that multiply their remainders in this block, then as many others as make the count a multiple of
-// 4: those hold zero remainders here, whose products add exact zeros (a row's sums never depend on its mates').
-// Returns the count.
-inline int rows_with_rest(const Rows& st, int* out) {
+// The lane's first `rows` rows (a multiple of 4) in the order P.V takes them, 4 at a time: those that multiply their
+// remainders in this block first, then the others. Returns how many register blocks hold a row of the first kind: they
+// multiply the remainders, which are zeros for their other rows, whose products add exact zeros (so every row's sums
+// are the same bits whatever rows share its register block).
+inline int rows_by_rest(const Rows& st, int rows, int* order) {
   int n = 0;
-  for (int r = 0; r < kRows; ++r)
-    if (st.rest[r]) out[n++] = r;
-  for (int r = 0; n % kValueRows != 0; ++r)
-    if (!st.rest[r]) out[n++] = r;
-  return n;
+  for (int r = 0; r < rows; ++r)
+    if (st.rest[r]) order[n++] = r;
+  const int with_rest = (n + kValueRows - 1) / kValueRows;
+  for (int r = 0; r < rows; ++r)
+    if (!st.rest[r]) order[n++] = r;
+  return with_rest;
 }
 
 // prefill_tiles.h's products on this backend.
@@ -162,22 +170,19 @@ struct TileProducts<DotProducts, D> {
   static ScoreSteps scores(const uint16_t* q, const char* k, int64_t tiles, int64_t rows, Scores* out) {
     return ScoreSteps(q, k, tiles, rows, out);
   }
-  // Every row's rounded weights, 4 rows at a time (rescaling the accumulator first), then the remainders of the rows
-  // that keep them (kRestBelow) in blocks of 4 of those: a row's sum is its rounded products in key order, then its
-  // remainders' in key order, whatever rows share its register blocks.
+  // 4 rows at a time, those that keep their remainders in this block first (rows_by_rest): their register blocks
+  // multiply the rounded weights and the remainders, the others' the rounded weights only.
   __attribute__((always_inline)) static void values(LaneState<D>& st, const uint16_t* p, const char* v,
                                                     int64_t tiles, int64_t rows) {
     constexpr int kVectors = D / 16 < 4 ? D / 16 : 4;
     const auto* packed = reinterpret_cast<const uint16_t*>(v);
-    for (int r0 = 0; r0 < rows; r0 += kValueRows) {
-      const int block[kValueRows] = {r0, r0 + 1, r0 + 2, r0 + 3};
-      for (int64_t c0 = 0; c0 < D / 16; c0 += kVectors) rows_block<D, kVectors, true>(st, p, packed, tiles, block, c0);
-    }
-    int rest[kRows];
-    const int with_rest = rows_with_rest(st.rows, rest);
-    for (int i = 0; i < with_rest; i += kValueRows)
+    const int blocks = static_cast<int>((rows + kValueRows - 1) / kValueRows);
+    int order[kRows];
+    const int with_rest = rows_by_rest(st.rows, blocks * kValueRows, order);
+    for (int b = 0; b < blocks; ++b)
       for (int64_t c0 = 0; c0 < D / 16; c0 += kVectors)
-        rows_block<D, kVectors, false>(st, p + kWeights, packed, tiles, rest + i, c0);
+        b < with_rest ? rows_block<D, kVectors, true>(st, p, packed, tiles, order + b * kValueRows, c0)
+                      : rows_block<D, kVectors, false>(st, p, packed, tiles, order + b * kValueRows, c0);
   }
 };
 
