@@ -11,8 +11,10 @@
 // and stored back; per key pair, one broadcast of the row's (p[2i], p[2i + 1]) against the packed V's 16 dims of that
 // pair. P is taken to ~16 bits, as two bf16 products: its rounding to bf16, then the remainder's (kSplitsWeights). A
 // single rounding, as AMX's tiles multiply, put the default model's logit at the README question's near-tie (0.08
-// apart in float32) on the other side: "L'Étoile, ..." where float32 weights answer "Paris". Only the rows the lane
-// holds are multiplied (AMX's tiles take all 32).
+// apart in float32) on the other side: "L'Étoile, ..." where float32 weights answer "Paris". A row's block whose
+// weights are all far below its running maximum keeps one rounding (kRestBelow): P.V takes the rows that keep their
+// remainders together, 4 to a register block, and the others' blocks multiply P once. Only the rows the lane holds
+// are multiplied (AMX's tiles take all 32).
 #include "isa.h"
 
 #if defined(BATCHSERVE_ISA_AVX512) && defined(BATCHSERVE_ISA_AVX512_BF16_FILE)
@@ -99,34 +101,66 @@ class ScoreBlocks {
   int row_blocks_, total_, done_ = 0;
 };
 
-// P.V of rows r0..r0 + 3 over a block's first `tiles` key tiles (v: its packed V), dims c0 * 16.. (NV vectors),
-// added to the lane's accumulator after it is rescaled by the block's factor (1 for a row the block leaves alone).
-// Per key pair, the rounded weights' product and then their remainders' (p + kWeights), into the same sums.
-template <int D, int NV>
-inline void value_block(LaneState<D>& st, const uint16_t* p, const uint16_t* v, int64_t tiles, int64_t r0,
-                        int64_t c0) {
+// P.V of 4 rows over a block's first `tiles` key tiles (v: its packed V), dims c0 * 16.. (NV vectors), added to the
+// lane's accumulator (`sums`: each row's, at dim c0 * 16) after it is multiplied by the row's factor: per key pair,
+// the rows' rounded weights (`weights`: each row's) against the packed V, then WithRest their remainders' (kWeights
+// further) into the same sums.
+template <int D, int NV, bool WithRest>
+__attribute__((always_inline)) inline void value_block(const uint16_t* const* weights, float* const* sums,
+                                                       const float* factors, const uint16_t* v, int64_t tiles) {
   __m512 acc[kValueRows][NV];
   for (int64_t r = 0; r < kValueRows; ++r) {
-    const int64_t row = r0 + r;
-    const __m512 corr = _mm512_set1_ps(st.rows.skip[row] ? 1.f : st.rows.corr[row]);
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(st.acc + row * D + 16 * (c0 + c)), corr);
+    const __m512 factor = _mm512_set1_ps(factors[r]);
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(sums[r] + 16 * c), factor);
   }
   for (int64_t j = 0; j < tiles; ++j) {
-    const uint16_t* v_tile = v + j * kKeys * D + c0 * kTile;
-    const uint16_t* p_tile = p + j * kKeys;
+    const uint16_t* v_tile = v + j * kKeys * D;
     for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
       __m512bh values[NV];
       for (int c = 0; c < NV; ++c) values[c] = load_pairs(v_tile + c * kTile + pair * 32);
       for (int64_t r = 0; r < kValueRows; ++r) {
-        const uint16_t* weights = p_tile + (r0 + r) * kBlock + 2 * pair;
-        const __m512bh rounded = broadcast_pair(weights), rest = broadcast_pair(weights + kWeights);
+        const uint16_t* w = weights[r] + j * kKeys + 2 * pair;
+        const __m512bh rounded = broadcast_pair(w);
         for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], rounded, values[c]);
-        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], rest, values[c]);
+        if constexpr (WithRest) {
+          const __m512bh rest = broadcast_pair(w + kWeights);
+          for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], rest, values[c]);
+        }
       }
     }
   }
   for (int64_t r = 0; r < kValueRows; ++r)
-    for (int c = 0; c < NV; ++c) _mm512_store_ps(st.acc + (r0 + r) * D + 16 * (c0 + c), acc[r][c]);
+    for (int c = 0; c < NV; ++c) _mm512_store_ps(sums[r] + 16 * c, acc[r][c]);
+}
+
+// value_block over 4 rows of the lane (`rows`), rescaling their accumulators by the block's factors first (1 for a
+// row the block leaves alone).
+template <int D, int NV, bool WithRest>
+__attribute__((always_inline)) inline void rows_block(LaneState<D>& st, const uint16_t* p, const uint16_t* v,
+                                                      int64_t tiles, const int* rows, int64_t c0) {
+  const uint16_t* weights[kValueRows];
+  float* sums[kValueRows];
+  float factors[kValueRows];
+  for (int64_t r = 0; r < kValueRows; ++r) {
+    weights[r] = p + rows[r] * kBlock;
+    sums[r] = st.acc + rows[r] * D + 16 * c0;
+    factors[r] = st.rows.skip[rows[r]] ? 1.f : st.rows.corr[rows[r]];
+  }
+  value_block<D, NV, WithRest>(weights, sums, factors, v + c0 * kTile, tiles);
+}
+
+// The lane's first `rows` rows (a multiple of 4) in the order P.V takes them, 4 at a time: those that multiply their
+// remainders in this block first, then the others. Returns how many register blocks hold a row of the first kind: they
+// multiply the remainders, which are zeros for their other rows, whose products add exact zeros (so every row's sums
+// are the same bits whatever rows share its register block).
+inline int rows_by_rest(const Rows& st, int rows, int* order) {
+  int n = 0;
+  for (int r = 0; r < rows; ++r)
+    if (st.rest[r]) order[n++] = r;
+  const int with_rest = (n + kValueRows - 1) / kValueRows;
+  for (int r = 0; r < rows; ++r)
+    if (!st.rest[r]) order[n++] = r;
+  return with_rest;
 }
 
 // prefill_tiles.h's products on this backend.
@@ -136,12 +170,19 @@ struct TileProducts<DotProducts, D> {
   static ScoreSteps scores(const uint16_t* q, const char* k, int64_t tiles, int64_t rows, Scores* out) {
     return ScoreSteps(q, k, tiles, rows, out);
   }
+  // 4 rows at a time, those that keep their remainders in this block first (rows_by_rest): their register blocks
+  // multiply the rounded weights and the remainders, the others' the rounded weights only.
   __attribute__((always_inline)) static void values(LaneState<D>& st, const uint16_t* p, const char* v,
                                                     int64_t tiles, int64_t rows) {
     constexpr int kVectors = D / 16 < 4 ? D / 16 : 4;
     const auto* packed = reinterpret_cast<const uint16_t*>(v);
-    for (int64_t r0 = 0; r0 < rows; r0 += kValueRows)
-      for (int64_t c0 = 0; c0 < D / 16; c0 += kVectors) value_block<D, kVectors>(st, p, packed, tiles, r0, c0);
+    const int blocks = static_cast<int>((rows + kValueRows - 1) / kValueRows);
+    int order[kRows];
+    const int with_rest = rows_by_rest(st.rows, blocks * kValueRows, order);
+    for (int b = 0; b < blocks; ++b)
+      for (int64_t c0 = 0; c0 < D / 16; c0 += kVectors)
+        b < with_rest ? rows_block<D, kVectors, true>(st, p, packed, tiles, order + b * kValueRows, c0)
+                      : rows_block<D, kVectors, false>(st, p, packed, tiles, order + b * kValueRows, c0);
   }
 };
 
