@@ -244,7 +244,7 @@ def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device
     model_class = registry.model_class(registry.lookup(model_type=model_config.architecture))
     with torch.device("meta"):
         model = model_class(model_config, dtype=dtype)
-    model.to_empty(device=device)
+    materialize(model, device)
     model.rotary.reset(device)
     if quantization.gguf_as_stored():  # the projections from the file's codes (models/gguf_quantized.py)
         weights = _use_stored_codes(path, model, model_config, dtype)
@@ -256,6 +256,14 @@ def load_model(path: Path, model_config: ModelConfig, dtype: torch.dtype, device
     if device.type == "cpu":
         model.use_cpu_linear_layouts()
     return model
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give a model built on the meta device uninitialised storage on `device`, each tensor with its shape, strides
+    and dtype (what nn.Module.to_empty does). to_empty's empty_like of a meta tensor runs torch's Python reference,
+    whose first call imports torch.fx's symbolic shapes (~0.3 CPU-s in each process that loads a model); empty_strided
+    takes no tensor and goes straight to the allocator."""
+    model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
 
 
 def _use_stored_codes(
@@ -428,8 +436,30 @@ def load_tokenizer(path: Path, tokenizer: str | Path | None = None):
     """A transformers fast tokenizer with its chat template set (from the checkpoint, GGUF metadata, or a fallback)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_folder(path, tokenizer)))
+    folder = tokenizer_folder(path, tokenizer)
+    tok = AutoTokenizer.from_pretrained(str(folder), config=_named_class_config(folder))
     if not tok.chat_template:
         logger.warning("%s has no chat template; using a ChatML fallback", tokenizer or path)
         tok.chat_template = FALLBACK_CHAT_TEMPLATE
     return tok
+
+
+def _named_class_config(folder: Path):
+    """The part of the model's config AutoTokenizer reads when the folder's tokenizer_config.json names the tokenizer
+    class and brings no code of its own: the model type (a few model types override a named class) and the folder's
+    name. Without it AutoTokenizer loads the model's config class (LlamaConfig and the like), whose module imports
+    transformers' model-loading stack and torch.distributed.tensor: ~0.9 CPU-s in each process that loads a tokenizer
+    first (an engine process, a Ray replica, a server), for a choice these fields make alone. None (AutoTokenizer
+    reads the config itself) wherever it looks further: no named class, remote code, or no config.json."""
+    from transformers import PreTrainedConfig
+
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text())
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(named, dict) or not named.get("tokenizer_class") or "auto_map" in named or not model_type:
+        return None
+    config = PreTrainedConfig()
+    config.model_type, config.name_or_path = model_type, str(folder)
+    return config

@@ -202,7 +202,7 @@ def load_sharded_model(
     """The model as this rank computes it: built on the meta device at the rank's shapes (its pipeline stage's layers
     only), filled from its slices of the checkpoint, its row-parallel outputs all-reduced and its logits gathered. A
     GGUF file is read through its float conversion (models/loader.py)."""
-    from batchserve.models.loader import ensure_gguf_cache, is_gguf
+    from batchserve.models.loader import ensure_gguf_cache, is_gguf, materialize
     from batchserve.models.pipeline import NotOnThisStage, StageModel
 
     if device.type != "cpu":
@@ -220,7 +220,7 @@ def load_sharded_model(
         if not stage.is_last:
             model.lm_head = None
             model.output_proj = NotOnThisStage()
-    model.to_empty(device=device)
+    materialize(model, device)
     model.rotary.reset(device)
     folder = ensure_gguf_cache(path) if is_gguf(path) else path
     model.load_weights((name, tensor.to(dtype)) for name, tensor in iter_sharded_weights(folder, cutter))

@@ -13,9 +13,11 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from batchserve.models.loader import (
     _complete_hf_folder,
     _hf_config,
+    _named_class_config,
     ensure_gguf_cache,
     hf_config_json,
     load_model_config,
+    load_tokenizer,
     resolve_model_path,
 )
 from tests.tiny_models import build_hf_model, save_word_tokenizer
@@ -121,3 +123,36 @@ def test_set_up_converts_the_default_model_and_says_where_or_why_not(monkeypatch
     out = capsys.readouterr().out
     assert out.startswith("default model: not converted (the default model (SmolLM2-135M-Instruct GGUF) is not")
     assert out.endswith("its first start converts it\n")
+
+
+def _same_tokenizer(ours, theirs) -> None:
+    text = "Hello <|im_start|> world, 12345 caf\u00e9 \n\tend"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert type(ours) is type(theirs)
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    assert ours.all_special_tokens == theirs.all_special_tokens and ours.eos_token_id == theirs.eos_token_id
+    if theirs.chat_template:
+        assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
+
+
+def test_load_tokenizer_gives_autotokenizers_tokenizer_without_the_model_config_class(tmp_path):
+    """load_tokenizer hands AutoTokenizer the model type itself where tokenizer_config.json names the class (so that
+    the model's config class is not imported); the tokenizer is the one AutoTokenizer picks from the folder alone,
+    and a folder whose tokenizer_config.json names no class is left to AutoTokenizer."""
+    try:
+        folder = ensure_gguf_cache(resolve_model_path(None))
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"default model not installed: {exc}")
+    assert _named_class_config(folder).model_type == "llama"
+    _same_tokenizer(load_tokenizer(folder), AutoTokenizer.from_pretrained(folder))
+    tiny = tmp_path / "tiny"
+    build_hf_model("qwen2", tiny)
+    save_tokenizer(tiny)
+    assert _named_class_config(tiny).model_type == "qwen2"
+    _same_tokenizer(load_tokenizer(tiny), AutoTokenizer.from_pretrained(tiny))
+    settings = json.loads((tiny / "tokenizer_config.json").read_text())
+    (tiny / "tokenizer_config.json").write_text(
+        json.dumps({k: v for k, v in settings.items() if k != "tokenizer_class"})
+    )
+    assert _named_class_config(tiny) is None
+    _same_tokenizer(load_tokenizer(tiny), AutoTokenizer.from_pretrained(tiny))
