@@ -36,8 +36,8 @@ import limits  # noqa: E402
 import roofline  # noqa: E402
 import step_timeline  # noqa: E402
 
-# symbol substrings -> part of the step (first match wins); the rest is "everything else"
-PARTS = (("gemm", "weights' GEMMs"), ("decode_items", "decode attention"), ("decode_attention", "decode attention"))
+# step_timeline's ops (one table of symbols) -> the parts of a decode step; the other ops are "everything else"
+PARTS = {"GEMMs": "weights' GEMMs", "decode attention": "decode attention"}
 
 
 def parse_args(argv=None):
@@ -83,7 +83,7 @@ def perf_parts(data: Path) -> dict[str, float]:
         fields = line.split(None, 2)
         if len(fields) < 3 or not fields[0].endswith("%"):
             continue
-        part = next((name for key, name in PARTS if key in fields[2]), "everything else")
+        part = PARTS.get(step_timeline.op_of(fields[2]), "everything else")
         shares[part] = shares.get(part, 0.0) + float(fields[0].rstrip("%")) / 100
     return shares
 
