@@ -130,12 +130,16 @@ def test_static_padding_shares_prefix_blocks_and_matches(tiny):
 def test_step_timings_cover_the_step(tiny):
     _, directory = tiny
     engine = LLMEngine.from_options(model=str(directory), device="cpu", dtype="float32", num_kv_blocks=64)
-    engine.add_prompt("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, **GREEDY))
-    engine.step()
-    timings = engine.last_timings
-    assert timings.forward_s > 0 and timings.prepare_s > 0 and timings.sample_s > 0
-    assert timings.total_s <= engine.last_step_time_s * 1.05 + 1e-4
-    assert timings.total_s >= engine.last_step_time_s * 0.8
+    engine.add_prompt("a", [5, 6, 7, 8], SamplingParams(max_tokens=4, **GREEDY))
+    coverage = []
+    for _ in range(4):  # a prefill and three decodes
+        engine.step()
+        timings = engine.last_timings
+        assert timings.forward_s > 0 and timings.prepare_s > 0 and timings.sample_s > 0
+        assert timings.total_s <= engine.last_step_time_s * 1.05 + 1e-4
+        coverage.append(timings.total_s / engine.last_step_time_s)
+    # A loaded host can preempt the thread between two phases of any one step; it cannot do so in every step.
+    assert max(coverage) >= 0.8, coverage
 
 
 def test_a_padded_request_id_cannot_be_reused_until_its_batch_is_done(tiny):
