@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from batchserve.config import ConfigError
+from batchserve.host import huge_pages
 from batchserve.layers import kernels, quantization
 from batchserve.layers.linear import LinearPolicy
 from batchserve.layers.quantization import (
@@ -177,12 +178,34 @@ def test_w8a8_reads_bf16_rows_and_writes_bf16_over_many_row_chunks(force_quant_g
     assert torch.equal(as_float, torch.cat([layer(x[i : i + 1].float()) for i in range(100)]))
 
 
-def test_a_weight_packed_on_huge_pages_multiplies_as_its_pieces(force_quant_gemm):
+def _mappings_advised_huge() -> int:
+    """How many of this process's mappings carry the huge page hint (`hg` in /proc/self/smaps' VmFlags)."""
+    with open("/proc/self/smaps") as f:
+        return sum(1 for line in f if line.startswith("VmFlags:") and " hg" in line)
+
+
+@pytest.mark.parametrize("knob", ["0", "1"])
+def test_the_packed_weight_asks_for_huge_pages_only_where_the_knob_allows(force_quant_gemm, monkeypatch, knob):
+    """BATCHSERVE_HUGE_PAGES=0 keeps the weights' layouts on ordinary pages, the packed W8A8 codes included."""
+    if huge_pages.host_cannot() is not None:
+        pytest.skip(huge_pages.host_cannot())
+    _native()
+    force_quant_gemm(quantization.W8A8_PATH)
+    monkeypatch.setenv("BATCHSERVE_HUGE_PAGES", knob)
+    codes = torch.randint(0, 256, (8192, 2048), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    before = _mappings_advised_huge()
+    layer = QuantizedLinear.from_codes(codes, torch.full((8192, 128), 1e-3), QuantScheme(4, 32))
+    assert layer(torch.randn(1, 4096)).abs().sum() > 0  # packed at its first call, if not at load
+    assert (_mappings_advised_huge() > before) == (knob == "1")
+
+
+def test_a_weight_packed_on_huge_pages_multiplies_as_its_pieces(force_quant_gemm, monkeypatch):
     """From 8 MiB up a packed weight lies in its own 2 MiB-aligned mapping with the huge page hint
     (quant_w8a8_pack.cpp): 32768 x 4096 int4 in groups of 32 (64 MiB of codes, 8 MiB of float16 scales, both there)
     gives, at the batch-1 and batch-2 tiles that prefetch and at 3 rows, the bits of its 16 slices of 2048 columns,
     each packed in ordinary memory (a column's result does not depend on the others)."""
     _native()
+    monkeypatch.setenv("BATCHSERVE_HUGE_PAGES", "1")  # the suite turns them off (tests/conftest.py)
     force_quant_gemm(quantization.W8A8_PATH)
     g = torch.Generator().manual_seed(0)
     n, k, scheme = 32768, 4096, QuantScheme(4, 32)

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #ifdef __linux__
@@ -24,12 +25,18 @@ namespace {
 constexpr int64_t kHugePageMinBytes = int64_t{8} << 20;
 constexpr size_t kHugePage = size_t{2} << 20;
 
+// The knob batchserve/env.py documents (BATCHSERVE_HUGE_PAGES, default on), read the same way: "0" turns it off.
+bool huge_pages_wanted() {
+  const char* knob = std::getenv("BATCHSERVE_HUGE_PAGES");
+  return knob == nullptr || std::strcmp(knob, "0") != 0;
+}
+
 // `bytes` zeroed bytes as a tensor of `sizes` and `dtype`: on Linux from `kHugePageMinBytes` an anonymous mapping
 // aligned to 2 MiB with the huge page hint (zeroed by the kernel, unmapped with the tensor), else at::zeros.
 at::Tensor zeroed(at::IntArrayRef sizes, at::ScalarType dtype) {
   const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
 #ifdef __linux__
-  if (bytes >= kHugePageMinBytes) {
+  if (bytes >= kHugePageMinBytes && huge_pages_wanted()) {
     const size_t size = (static_cast<size_t>(bytes) + kHugePage - 1) / kHugePage * kHugePage;
     void* raw = mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw != MAP_FAILED) {
