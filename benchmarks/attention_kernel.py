@@ -177,7 +177,9 @@ def main() -> None:
         print_stream_rates(pools, tables, lens, args.rounds)
 
 
-def kernel_runs(pool: tuple[torch.Tensor, torch.Tensor], tables: torch.Tensor, lens: torch.Tensor) -> list[tuple[int, int]]:
+def kernel_runs(
+    pool: tuple[torch.Tensor, torch.Tensor], tables: torch.Tensor, lens: torch.Tensor
+) -> list[tuple[int, int]]:
     """(address, bytes) of each block's live rows a call reads, in the kernel's order: sequences longest first (the
     work queue's), each one's K blocks, then its V blocks."""
     runs = []
@@ -220,6 +222,7 @@ def print_stream_rates(pools: dict, tables: torch.Tensor, lens: torch.Tensor, ro
             }
             print(f"{name:12s} read only: {plain:.1f} GB/s in a row, {blocks[1]:.1f} GB/s block by block in the "
                   f"kernel's order ({blocks[0]:.1f} without asking ahead), {nbytes / len(copies) / 1e6:.2f} MB a call")  # fmt: skip
+
 
 if __name__ == "__main__":
     main()
