@@ -71,3 +71,26 @@ double stream_read(const char* p, size_t bytes, int threads, int passes, size_t 
   }
   return rate;
 }
+
+// GB/s of CPU time (this thread's clock) reading `n` runs of memory in order, run i at address addrs[i], `bytes[i]`
+// long (a multiple of 64), with the same loads as read_share; with `ahead` set, run i + 1's lines are asked for into
+// L2 when run i starts. The access pattern of a decode attention kernel over scattered KV blocks, without its maths.
+double runs_read(const int64_t* addrs, const int64_t* bytes, int64_t n, int ahead) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+  double total = 0.0;
+  const double t0 = thread_seconds();
+  for (int64_t i = 0; i < n; ++i) {
+    const char* q = (const char*)addrs[i];
+    if (ahead && i + 1 < n)
+      for (int64_t b = 0; b < bytes[i + 1]; b += 64) _mm_prefetch((const char*)addrs[i + 1] + b, _MM_HINT_T1);
+    for (int64_t b = 0; b + 128 <= bytes[i]; b += 128) {
+      a0 = _mm512_add_epi32(a0, _mm512_loadu_si512(q + b));
+      a1 = _mm512_add_epi32(a1, _mm512_loadu_si512(q + b + 64));
+    }
+    total += bytes[i];
+  }
+  const double seconds = thread_seconds() - t0;
+  volatile int sink = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+  (void)sink;
+  return total / seconds / 1e9;
+}

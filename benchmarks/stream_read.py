@@ -37,6 +37,8 @@ def stream_library(folder: Path) -> ctypes.CDLL:
     dll.stream_free.argtypes = [ctypes.c_void_p]
     dll.stream_read.restype = ctypes.c_double
     dll.stream_read.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_size_t]
+    dll.runs_read.restype = ctypes.c_double
+    dll.runs_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return dll
 
 

@@ -60,12 +60,19 @@ void decode_heads_avx512(const float* q, const T* k_cache, const T* v_cache, con
         // the next tile's K and V asked for during this one's kv heads (the pool's blocks are scattered, which the
         // hardware prefetchers do not foresee), a few lines a kv head (see RowPrefetcher), into L2: on the EPYC a
         // request into L1 holds one of its few miss buffers until the line comes, and the tile's own loads waited
-        // behind them (as in decode_avx512_bf16.cpp); a line moves on to L1 at its load
+        // behind them (as in decode_avx512_bf16.cpp); a line moves on to L1 at its load. During an item's last tile,
+        // the first tile of the item the queue hands out next, which otherwise began on loads from memory (another
+        // thread may claim it; the lines then wait in L3)
         const int64_t next = start + n, next_in_block = next % block_size;
-        const int64_t next_rows = std::max<int64_t>(0, std::min<int64_t>({16, block_size - next_in_block, len - next}));
-        const int64_t next_offset = next_rows ? table[next / block_size] * block_stride +
-                                                    next_in_block * token_stride + first_kv * D
-                                              : 0;
+        int64_t next_rows = std::max<int64_t>(0, std::min<int64_t>({16, block_size - next_in_block, len - next}));
+        int64_t next_offset = next_rows ? table[next / block_size] * block_stride +
+                                              next_in_block * token_stride + first_kv * D
+                                        : 0;
+        if (int64_t upcoming; next_rows == 0 && queue.peek(upcoming)) {
+          const DecodeItem& up = split.items[upcoming];
+          next_rows = std::min<int64_t>({16, block_size, up.len});
+          next_offset = tables[up.seq * max_blocks + up.first_block] * block_stride + up.first_kv * D;
+        }
         const int64_t row_bytes = heads_per_item * D * sizeof(T), steps = 2 * heads_per_item;
         RowPrefetcher<_MM_HINT_T1> next_k(k_cache + next_offset, next_rows, token_stride * sizeof(T), row_bytes, steps);
         RowPrefetcher<_MM_HINT_T1> next_v(v_cache + next_offset, next_rows, token_stride * sizeof(T), row_bytes, steps);
