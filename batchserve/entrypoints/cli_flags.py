@@ -18,6 +18,8 @@ PARSERS: dict[str, tuple[str, ...]] = {
     "doctor": ("batchserve.doctor.cli:build_parser",),
 }
 
+# the generator's own layout, one wrapped line per run of flags
+# fmt: off
 # BEGIN GENERATED
 COMMAND_FLAGS: dict[str, frozenset[str]] = {
     'generate': frozenset({
@@ -170,6 +172,7 @@ COMMAND_FLAGS: dict[str, frozenset[str]] = {
     }),
 }
 # END GENERATED
+# fmt: on
 
 
 def flags_of_parsers(command: str) -> frozenset[str]:
