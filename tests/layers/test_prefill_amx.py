@@ -18,11 +18,11 @@ TILE_PATHS = ("amx", "amx_emulated", "avx512_bf16")
 # scale. The dot products take P as its bf16 rounding plus the remainder's (~16 bits): float32's order of error,
 # which a single rounding would miss by a hundredfold (measured 1e-5 against 3e-3), plus ONE_ROUNDING's share.
 TOLERANCE = {"avx512_bf16": 5e-5}
-# The dot products leave a row's key tile at one rounding where its largest weight is below 2^REST_BELOW of the row's
+# The dot products leave a row's key block at one rounding where its largest weight is below 2^REST_BELOW of the row's
 # running maximum (kRestBelow in prefill_tiles.h), so below that of the row's final maximum. Rounding to bf16 moves a
-# weight by at most 2^-8 of it, so such tiles move an output by at most 2^-8 sum(p_j |v_j|) over their keys.
+# weight by at most 2^-8 of it, so such blocks move an output by at most 2^-8 sum(p_j |v_j|) over their keys.
 ONE_ROUNDING = {"avx512_bf16": -4.0}
-KEY_TILE = 32  # keys per key tile, aligned to position 0: the remainders are kept or left per row and tile
+KEY_BLOCK = 128  # keys per softmax block, aligned to position 0
 NEEDS = {"amx": "AMX tiles granted to this process", "avx512_bf16": "avx512_bf16 in the CPU and the build"}
 
 
@@ -88,13 +88,13 @@ class Pool:
 
     def one_rounding_bound(self, seq, chunk, below, scale=None):
         """How far one rounding of the weights may move each output [chunk, H, D]: 2^-8 sum(p_j |v_j|) over the keys
-        of the key tiles whose largest weight for the row is below 2^below of the row's largest (1% slack for the
-        kernel's float32 scores and its exp)."""
+        of the key blocks whose largest weight for the row is below 2^below of the row's largest (1% slack for the
+        kernel's float32 scores)."""
         weights, values = self.weights_and_values(seq, chunk, scale)
         n = weights.shape[-1]
-        tiles = torch.nn.functional.pad(weights, (0, -n % KEY_TILE)).unflatten(-1, (-1, KEY_TILE))
-        small = tiles.amax(-1) < 2.0**below * 1.01 * weights.amax(-1, keepdim=True)
-        rounded = weights * small.repeat_interleave(KEY_TILE, -1)[..., :n]
+        blocks = torch.nn.functional.pad(weights, (0, -n % KEY_BLOCK)).unflatten(-1, (-1, KEY_BLOCK))
+        small = blocks.amax(-1) < 2.0**below * 1.01 * weights.amax(-1, keepdim=True)
+        rounded = weights * small.repeat_interleave(KEY_BLOCK, -1)[..., :n]
         return 2.0**-8 * torch.einsum("hqk,khd->qhd", rounded, values.abs())
 
 
@@ -154,16 +154,16 @@ def test_a_maximum_that_grows_block_after_block_rounds_the_same_in_any_chunk(pat
         assert torch.equal(pool.run(native, isa, [chunk]), whole[520 - chunk :]), chunk
 
 
-def test_a_long_row_leaves_its_far_key_tiles_at_one_rounding_within_the_bound(native):
-    # 2,200 keys spread wide (scores' standard deviation ~4): most of a late row's key tiles lie far below its maximum,
+def test_a_long_row_leaves_its_far_blocks_at_one_rounding_within_the_bound(native):
+    # 2,200 keys spread wide (scores' standard deviation ~4): most of a late row's key blocks lie far below its maximum,
     # so the dot products multiply their weights once. The error stays within the derived bound, the skip is in force
     # (past what the remainders everywhere leave, ~1e-5), and the row's bits do not depend on its chunk.
     pool = Pool([2200], 4, 1, 64, 16, seed=7)
     pool.key = (pool.key.float() * 2).to(torch.bfloat16)
     isa = _isa(native, "avx512_bf16")
     weights, _ = pool.weights_and_values(0, 256)
-    tiles = torch.nn.functional.pad(weights, (0, -2200 % KEY_TILE)).unflatten(-1, (-1, KEY_TILE))
-    far = tiles.amax(-1) < 2.0 ** ONE_ROUNDING["avx512_bf16"] * weights.amax(-1, keepdim=True)
+    blocks = torch.nn.functional.pad(weights, (0, -2200 % KEY_BLOCK)).unflatten(-1, (-1, KEY_BLOCK))
+    far = blocks.amax(-1) < 2.0 ** ONE_ROUNDING["avx512_bf16"] * weights.amax(-1, keepdim=True)
     assert far.double().mean() > 0.5
     out = pool.run(native, isa, [256])
     assert_near_float64("avx512_bf16", out, pool, [256])

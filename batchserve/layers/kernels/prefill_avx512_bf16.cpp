@@ -11,11 +11,10 @@
 // and stored back; per key pair, one broadcast of the row's (p[2i], p[2i + 1]) against the packed V's 16 dims of that
 // pair. P is taken to ~16 bits, as two bf16 products: its rounding to bf16, then the remainder's (kSplitsWeights). A
 // single rounding, as AMX's tiles multiply, put the default model's logit at the README question's near-tie (0.08
-// apart in float32) on the other side: "L'Étoile, ..." where float32 weights answer "Paris". A row's key tile whose
+// apart in float32) on the other side: "L'Étoile, ..." where float32 weights answer "Paris". A row's block whose
 // weights are all far below its running maximum keeps one rounding (kRestBelow): P.V takes the rows that keep their
-// remainders in the same tiles together, 4 to a register block, and a register block's key tile multiplies the
-// remainders only where one of its rows keeps them. Only the rows the lane holds are multiplied (AMX's tiles take
-// all 32).
+// remainders together, 4 to a register block, and the others' blocks multiply P once. Only the rows the lane holds
+// are multiplied (AMX's tiles take all 32).
 #include "isa.h"
 
 #if defined(BATCHSERVE_ISA_AVX512) && defined(BATCHSERVE_ISA_AVX512_BF16_FILE)
@@ -102,73 +101,66 @@ class ScoreBlocks {
   int row_blocks_, total_, done_ = 0;
 };
 
-// P.V of 4 rows over one key tile (v_tile: its packed V, dims c0 * 16.., NV vectors) into the register block `acc`:
-// per key pair, the rows' rounded weights (`weights`: each row's, `at` its tile's first key) against the packed V,
-// then with_rest their remainders' (kWeights further) into the same sums. A branch, not a template argument: GCC 12
-// then keeps the pair's V vectors in registers, where two instances of the loop made it reload them for every row.
-template <int NV>
-__attribute__((always_inline)) inline void tile_values(__m512 (&acc)[kValueRows][NV], const uint16_t* const* weights,
-                                                       int64_t at, const uint16_t* v_tile, bool with_rest) {
-  for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
-    __m512bh values[NV];
-    for (int c = 0; c < NV; ++c) values[c] = load_pairs(v_tile + c * kTile + pair * 32);
-    for (int64_t r = 0; r < kValueRows; ++r) {
-      const __m512bh w = broadcast_pair(weights[r] + at + 2 * pair);
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, values[c]);
-      if (with_rest) {
-        const __m512bh rest = broadcast_pair(weights[r] + kWeights + at + 2 * pair);
-        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], rest, values[c]);
-      }
-    }
-  }
-}
-
 // P.V of 4 rows over a block's first `tiles` key tiles (v: its packed V), dims c0 * 16.. (NV vectors), added to the
-// lane's accumulator (`sums`: each row's, at dim c0 * 16) after it is multiplied by the row's factor. Key tile j
-// multiplies the remainders too where one of the 4 rows keeps them there (bit j of `rest`; the others' are zeros
-// there, whose products add exact zeros).
-template <int D, int NV>
+// lane's accumulator (`sums`: each row's, at dim c0 * 16) after it is multiplied by the row's factor: per key pair,
+// the rows' rounded weights (`weights`: each row's) against the packed V, then WithRest their remainders' (kWeights
+// further) into the same sums.
+template <int D, int NV, bool WithRest>
 __attribute__((always_inline)) inline void value_block(const uint16_t* const* weights, float* const* sums,
-                                                       const float* factors, unsigned rest, const uint16_t* v,
-                                                       int64_t tiles) {
+                                                       const float* factors, const uint16_t* v, int64_t tiles) {
   __m512 acc[kValueRows][NV];
   for (int64_t r = 0; r < kValueRows; ++r) {
     const __m512 factor = _mm512_set1_ps(factors[r]);
     for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(sums[r] + 16 * c), factor);
   }
-  for (int64_t j = 0; j < tiles; ++j) tile_values<NV>(acc, weights, j * kKeys, v + j * kKeys * D, rest >> j & 1);
+  for (int64_t j = 0; j < tiles; ++j) {
+    const uint16_t* v_tile = v + j * kKeys * D;
+    for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
+      __m512bh values[NV];
+      for (int c = 0; c < NV; ++c) values[c] = load_pairs(v_tile + c * kTile + pair * 32);
+      for (int64_t r = 0; r < kValueRows; ++r) {
+        const uint16_t* w = weights[r] + j * kKeys + 2 * pair;
+        const __m512bh rounded = broadcast_pair(w);
+        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], rounded, values[c]);
+        if constexpr (WithRest) {
+          const __m512bh rest = broadcast_pair(w + kWeights);
+          for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], rest, values[c]);
+        }
+      }
+    }
+  }
   for (int64_t r = 0; r < kValueRows; ++r)
     for (int c = 0; c < NV; ++c) _mm512_store_ps(sums[r] + 16 * c, acc[r][c]);
 }
 
 // value_block over 4 rows of the lane (`rows`), rescaling their accumulators by the block's factors first (1 for a
 // row the block leaves alone).
-template <int D, int NV>
+template <int D, int NV, bool WithRest>
 __attribute__((always_inline)) inline void rows_block(LaneState<D>& st, const uint16_t* p, const uint16_t* v,
                                                       int64_t tiles, const int* rows, int64_t c0) {
   const uint16_t* weights[kValueRows];
   float* sums[kValueRows];
   float factors[kValueRows];
-  unsigned rest = 0;
   for (int64_t r = 0; r < kValueRows; ++r) {
     weights[r] = p + rows[r] * kBlock;
     sums[r] = st.acc + rows[r] * D + 16 * c0;
     factors[r] = st.rows.skip[rows[r]] ? 1.f : st.rows.corr[rows[r]];
-    rest |= st.rows.rest[rows[r]];
   }
-  value_block<D, NV>(weights, sums, factors, rest, v + c0 * kTile, tiles);
+  value_block<D, NV, WithRest>(weights, sums, factors, v + c0 * kTile, tiles);
 }
 
-// The lane's first `rows` rows (a multiple of 4) in the order P.V takes them, 4 at a time: grouped by which key tiles
-// keep their remainders (Rows::rest), so that a register block's rows mostly share them and its key tiles multiply
-// remainders only where one of its rows keeps them (zeros for the others, whose products add exact zeros: every row's
-// sums are the same bits whatever rows share its register block).
-inline void rows_by_rest(const Rows& st, int rows, int* order) {
-  constexpr int kMasks = 1 << kSub;
-  int first[kMasks + 1] = {};  // where each mask's rows start in `order`, the mask of every tile first
-  for (int r = 0; r < rows; ++r) ++first[kMasks - st.rest[r]];
-  for (int m = 0; m < kMasks; ++m) first[m + 1] += first[m];
-  for (int r = 0; r < rows; ++r) order[first[kMasks - 1 - st.rest[r]]++] = r;
+// The lane's first `rows` rows (a multiple of 4) in the order P.V takes them, 4 at a time: those that multiply their
+// remainders in this block first, then the others. Returns how many register blocks hold a row of the first kind: they
+// multiply the remainders, which are zeros for their other rows, whose products add exact zeros (so every row's sums
+// are the same bits whatever rows share its register block).
+inline int rows_by_rest(const Rows& st, int rows, int* order) {
+  int n = 0;
+  for (int r = 0; r < rows; ++r)
+    if (st.rest[r]) order[n++] = r;
+  const int with_rest = (n + kValueRows - 1) / kValueRows;
+  for (int r = 0; r < rows; ++r)
+    if (!st.rest[r]) order[n++] = r;
+  return with_rest;
 }
 
 // prefill_tiles.h's products on this backend.
@@ -178,18 +170,19 @@ struct TileProducts<DotProducts, D> {
   static ScoreSteps scores(const uint16_t* q, const char* k, int64_t tiles, int64_t rows, Scores* out) {
     return ScoreSteps(q, k, tiles, rows, out);
   }
-  // 4 rows at a time, grouped by the key tiles that keep their remainders (rows_by_rest): a register block's key
-  // tile multiplies the rounded weights, and the remainders where one of its rows keeps them.
+  // 4 rows at a time, those that keep their remainders in this block first (rows_by_rest): their register blocks
+  // multiply the rounded weights and the remainders, the others' the rounded weights only.
   __attribute__((always_inline)) static void values(LaneState<D>& st, const uint16_t* p, const char* v,
                                                     int64_t tiles, int64_t rows) {
     constexpr int kVectors = D / 16 < 4 ? D / 16 : 4;
     const auto* packed = reinterpret_cast<const uint16_t*>(v);
     const int blocks = static_cast<int>((rows + kValueRows - 1) / kValueRows);
     int order[kRows];
-    rows_by_rest(st.rows, blocks * kValueRows, order);
+    const int with_rest = rows_by_rest(st.rows, blocks * kValueRows, order);
     for (int b = 0; b < blocks; ++b)
       for (int64_t c0 = 0; c0 < D / 16; c0 += kVectors)
-        rows_block<D, kVectors>(st, p, packed, tiles, order + b * kValueRows, c0);
+        b < with_rest ? rows_block<D, kVectors, true>(st, p, packed, tiles, order + b * kValueRows, c0)
+                      : rows_block<D, kVectors, false>(st, p, packed, tiles, order + b * kValueRows, c0);
   }
 };
 

@@ -55,18 +55,16 @@ template <class Tiles>
 constexpr bool kSplitsWeights = false;
 constexpr int64_t kWeights = kRows * kBlock;  // bf16 weights of one visit's P
 
-// Where a backend splits the weights, a row's key tile (32 keys) keeps its remainders only if its largest weight is at
-// least 2^kRestBelow of the row's running maximum (the weight itself, relative to that maximum, compared). Rounding a
-// weight e to bf16 moves it by at most 2^-8 e, so the tiles left at one rounding move a row's output by at most 2^-8
-// times their share of the row's softmax mass times the largest |v|, and each of their weights is under 2^kRestBelow
-// of the row's largest. The near-ties that needed the remainder (the README question) sit in a short prompt's keys
-// near the row's maximum, which keep it; a long context's tiles far below the maximum, most of its keys, take P.V's
-// products once. Per tile rather than per 128-key block: a block near the maximum often holds one such tile among
-// three far ones. The choice reads only the row's own weights, which are the same bits in any chunking, so a row's
-// output still never depends on its chunk or its tile mates (a row's tile left at one rounding has zero remainders,
-// whose products add exact zeros where a mate's are multiplied).
+// Where a backend splits the weights, a row's block keeps its remainders only if its largest weight is at least
+// 2^kRestBelow of the row's running maximum (in base 2: its largest scaled score no more than -kRestBelow below).
+// Rounding a weight e to bf16 moves it by at most 2^-8 e, so the blocks left at one rounding move a row's output by
+// at most 2^-8 times their share of the row's softmax mass times the largest |v|, and each of their weights is under
+// 2^kRestBelow of the row's largest. The near-ties that needed the remainder (the README question) sit in a short
+// prompt's one block, which holds the row's maximum and keeps it; a long context's blocks far below the maximum, most
+// of its keys, take P.V's products once. The choice reads only the row's own scores and running maximum, which are
+// the same bits in any chunking, so a row's output still never depends on its chunk or its tile mates (a row left at
+// one rounding has zero remainders, whose products add exact zeros where a mate's are multiplied).
 constexpr float kRestBelow = -4.f;
-constexpr float kRestWeight = 1.f / (1 << -static_cast<int>(kRestBelow));  // 2^kRestBelow
 
 // A backend's P buffer: the rounded weights, and their remainders where it splits them.
 template <class Tiles>
@@ -75,7 +73,7 @@ constexpr int64_t kWeightBuffer = kSplitsWeights<Tiles> ? 2 * kWeights : kWeight
 // 32 softmax weights of one row as bf16 (round to nearest even): vcvtne2ps2bf16 where the backend runs it, the same
 // rounding in integer steps for the emulation (P stays in [0, 1] and normal, where the two agree). Where the backend
 // splits them, e - bf16(e) (exact: the two are within a factor 2) rounded to bf16 as well, kWeights further, or zeros
-// where the row's key tile leaves its remainders out (`rest` false: kRestBelow).
+// where the row's block leaves its remainders out (`rest` false: kRestBelow).
 template <class Tiles>
 inline void weights_to_bf16(__m512 e0, __m512 e1, bool rest, uint16_t* p) {
   if constexpr (kRoundsWithAvx512Bf16<Tiles>) {
@@ -116,7 +114,7 @@ struct Rows {
   __m512 sum[kRows];
   alignas(64) float corr[kRows];  // this key block's rescale factor of what the row accumulated
   bool skip[kRows];               // the key block is wholly in the row's future: the row is left as it was
-  uint8_t rest[kRows];            // bit j: key tile j's remainders are multiplied (kSplitsWeights, kRestBelow)
+  bool rest[kRows];               // the block's weights' remainders are multiplied (kSplitsWeights, kRestBelow)
 };
 
 using Scores = float[kSub][4][16][16];  // a block's scores: per key tile, its four C tiles (amx_tiles.h store_c)
@@ -143,28 +141,23 @@ __attribute__((always_inline)) inline __m512 row_block_max(const Scores& s, int6
   return m;
 }
 
-// Row r's softmax weights in a key block (0 past `visible` where Masked) into P as bf16; returns `sum` plus them, and
-// in `rest` which key tiles keep their remainders (kRestBelow). Two sums, even and odd vectors, so the adds wait on
-// each other half as long. A row whose block is whole always takes the unmasked instance, in any chunk or tile: the
-// same operations in the same order, so the same bits.
+// Row r's softmax weights in a key block (0 past `visible` where Masked) into P as bf16; returns `sum` plus them.
+// Two sums, even and odd vectors, so the adds wait on each other half as long. A row whose block is whole always
+// takes the unmasked instance, in any chunk or tile: the same operations in the same order, so the same bits.
 template <class Tiles, bool Masked>
 __attribute__((always_inline)) inline __m512 row_weights(const Scores& s, int64_t r, int64_t visible, __m512 scale_v,
-                                                         __m512 shift, __m512 sum, uint8_t& rest, uint16_t* p) {
+                                                         __m512 shift, __m512 sum, bool rest, uint16_t* p) {
   const auto weight = [&](int j) {
     if (Masked && 16 * j >= visible) return _mm512_setzero_ps();
     const __m512 e = exp2_weight(_mm512_fmsub_ps(_mm512_loadu_ps(score_row(s, r, j)), scale_v, shift));
     return Masked ? _mm512_maskz_mov_ps(first_lanes(visible - 16 * j), e) : e;
   };
-  const __m512 near = _mm512_set1_ps(kRestWeight);
   __m512 odd = _mm512_setzero_ps();
-  rest = 0;
-  for (int j = 0; j < kVecs; j += 2) {  // a key tile: two vectors
+  for (int j = 0; j < kVecs; j += 2) {
     const __m512 e0 = weight(j), e1 = weight(j + 1);
     sum = _mm512_add_ps(sum, e0);
     odd = _mm512_add_ps(odd, e1);
-    const bool keep = kSplitsWeights<Tiles> && _mm512_cmp_ps_mask(_mm512_max_ps(e0, e1), near, _CMP_GE_OQ) != 0;
-    rest |= static_cast<uint8_t>(keep) << (j / 2);
-    weights_to_bf16<Tiles>(e0, e1, keep, p + 16 * j);
+    weights_to_bf16<Tiles>(e0, e1, rest, p + 16 * j);
   }
   return _mm512_add_ps(sum, odd);
 }
@@ -187,22 +180,26 @@ __attribute__((always_inline)) inline void softmax_block(const Scores& s, int64_
     }
     const __m512 old_max = _mm512_load_ps(st.max + 16 * half), block_max = _mm512_mul_ps(max16(row_max), scale_v);
     const __m512 grown = _mm512_max_ps(old_max, block_max);
+    const __mmask16 rest =
+        _mm512_cmp_ps_mask(_mm512_sub_ps(block_max, grown), _mm512_set1_ps(kRestBelow), _CMP_GE_OQ);
+    for (int i = 0; i < 16; ++i)
+      st.rest[half * 16 + i] = kSplitsWeights<Tiles> && !st.skip[half * 16 + i] && (rest >> i & 1);
     _mm512_store_ps(new_max + 16 * half, grown);
     _mm512_store_ps(st.corr + 16 * half, exp2_weight(_mm512_sub_ps(old_max, grown)));
   }
   for (int r = 0; r < kRows; ++r) {
     between(r);
     if (st.skip[r]) {
-      st.rest[r] = 0;
       std::memset(p + r * kBlock, 0, kBlock * sizeof(uint16_t));
       if constexpr (kSplitsWeights<Tiles>) std::memset(p + kWeights + r * kBlock, 0, kBlock * sizeof(uint16_t));
       continue;
     }
     const __m512 shift = _mm512_set1_ps(new_max[r]);
     const __m512 sum = _mm512_mul_ps(st.sum[r], _mm512_set1_ps(st.corr[r]));
+    const bool rest = st.rest[r];
     st.sum[r] = visible[r] >= kBlock
-                    ? row_weights<Tiles, false>(s, r, kBlock, scale_v, shift, sum, st.rest[r], p + r * kBlock)
-                    : row_weights<Tiles, true>(s, r, visible[r], scale_v, shift, sum, st.rest[r], p + r * kBlock);
+                    ? row_weights<Tiles, false>(s, r, kBlock, scale_v, shift, sum, rest, p + r * kBlock)
+                    : row_weights<Tiles, true>(s, r, visible[r], scale_v, shift, sum, rest, p + r * kBlock);
     st.max[r] = new_max[r];
   }
 }
