@@ -160,7 +160,7 @@ class HugePageArena:
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor`, which its caller has just made and no one else holds, on huge pages: copied there where the
         host allows, else kept as it is when contiguous (a clone would only cost a second pass over its bytes and
-        the first touch of as many new pages: a float32 default-model load spent a third of its layout time so)."""
+        the first touch of as many new pages)."""
         placed = self._on_huge_pages(tensor)
         if placed is not None:
             return placed
