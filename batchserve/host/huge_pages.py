@@ -154,12 +154,26 @@ class HugePageArena:
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of CPU `tensor` on huge pages (a plain contiguous clone where not possible)."""
+        placed = self._on_huge_pages(tensor)
+        return tensor.clone(memory_format=torch.contiguous_format) if placed is None else placed
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`, which its caller has just made and no one else holds, on huge pages: copied there where the
+        host allows, else kept as it is when contiguous (a clone would only cost a second pass over its bytes and
+        the first touch of as many new pages)."""
+        placed = self._on_huge_pages(tensor)
+        if placed is not None:
+            return placed
+        return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+    def _on_huge_pages(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A copy of `tensor` in this arena, or None where the host cannot give one (the reason logged once)."""
         if tensor.device.type != "cpu":
             _log_fallback_once(f"{tensor.device.type} memory is not the host's")
-            return tensor.clone(memory_format=torch.contiguous_format)
+            return None
         raw = self._take(tensor.numel() * tensor.element_size())
         if raw is None:
-            return tensor.clone(memory_format=torch.contiguous_format)
+            return None
         out = raw.view(tensor.dtype).view(tensor.shape)
         out.copy_(tensor)
         return out

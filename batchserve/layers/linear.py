@@ -264,13 +264,16 @@ class CpuLinear(nn.Module):
         if amx_takes_all:
             self.rows = dataclasses.replace(self.rows, amx_max_m=ALL_ROWS)
         self.register_buffer(
-            "small_packed", _streamed(kernels.load().small_gemm_pack(weight, small_path) if small else None)
+            "small_packed",
+            _packed_streamed(kernels.load().small_gemm_pack(weight, small_path) if small else None, weight),
         )
         self.amx_emulated = path == "amx_emulated"
         self.swiglu = swiglu and path is not None and bias is None
-        self.register_buffer("amx_packed", _streamed(self._amx_layout(weight) if path is not None else None))
+        self.register_buffer(
+            "amx_packed", _packed_streamed(self._amx_layout(weight) if path is not None else None, weight)
+        )
         pairs = kernels.load().bf16_gemm_pack(weight.contiguous()) if self.bf16_pairs else None
-        self.register_buffer("bf16_packed", _streamed(pairs))
+        self.register_buffer("bf16_packed", _packed_streamed(pairs, weight))
         self.native = self._native_projection()
 
     def _pairs_alone(self, policy: LinearPolicy) -> bool:
@@ -298,7 +301,9 @@ class CpuLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach())
         for name in ("packed", "weight_t", "small_packed", "amx_packed"):
             self.register_buffer(name, None)
-        self.register_buffer("bf16_packed", _streamed(kernels.load().bf16_gemm_pack(weight.contiguous())))
+        self.register_buffer(
+            "bf16_packed", _packed_streamed(kernels.load().bf16_gemm_pack(weight.contiguous()), weight)
+        )
         self.native = self._native_projection()
 
     def _amx_path(self, weight: torch.Tensor) -> str | None:
@@ -394,6 +399,16 @@ _STREAMED_WEIGHTS = HugePageArena()
 def _streamed(layout: torch.Tensor | None) -> torch.Tensor | None:
     """`layout` copied onto 2 MiB pages where the host allows (contiguous either way)."""
     return None if layout is None else _STREAMED_WEIGHTS.copy(layout)
+
+
+def _packed_streamed(packed: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor | None:
+    """A packer's output for `weight` onto 2 MiB pages where the host allows; elsewhere kept as the packer made it,
+    not cloned, unless it shares the weight's memory (a packing that changed nothing) and so must still be a copy."""
+    if packed is None:
+        return None
+    if packed.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+        return _STREAMED_WEIGHTS.copy(packed)
+    return _STREAMED_WEIGHTS.place(packed)
 
 
 def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -35,3 +35,19 @@ def test_steps_under_the_amx_row_limit_keep_one_layout_of_each_projection(tmp_pa
         assert all((p.packed is None) == (max_num_tokens < CpuLinear.AMX_MAX_M) for p in projections)
         tokens[max_num_tokens] = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].token_ids
     assert tokens[CpuLinear.AMX_MAX_M - 1] == tokens[CpuLinear.AMX_MAX_M]
+
+
+def test_a_packed_layout_is_kept_as_made_unless_it_shares_the_weights_memory(monkeypatch):
+    """Without huge pages a packer's fresh output is the layout itself (no clone); one that is the weight's own
+    memory (a packing that changed nothing) is still copied, so the layout never aliases the weight."""
+    import torch
+
+    from batchserve.layers import linear
+
+    monkeypatch.setenv("BATCHSERVE_HUGE_PAGES", "0")
+    weight = torch.randn(64, 32)
+    fresh = weight.t().contiguous()
+    assert linear._packed_streamed(fresh, weight) is fresh
+    aliasing = linear._packed_streamed(weight.view(64, 32), weight)
+    assert torch.equal(aliasing, weight)
+    assert aliasing.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()

@@ -112,3 +112,19 @@ def test_batchserve_huge_pages_0_keeps_large_tensors_on_ordinary_pages(monkeypat
         copy = HugePageArena().copy(torch.ones(8, 8))
     assert not t.any() and t.untyped_storage().resizable() and copy.untyped_storage().resizable()  # torch's own
     assert "BATCHSERVE_HUGE_PAGES=0" in caplog.text
+
+
+def test_placing_a_fresh_tensor_copies_it_onto_huge_pages_or_keeps_it_as_it_is(monkeypatch):
+    """`place` (a layout its caller just made): on huge pages where the host allows, as `copy` puts it; where not, the
+    same tensor, not a clone, made contiguous only where it was not."""
+    fresh, transposed = torch.randn(33, 7), torch.randn(8, 3).t()
+    monkeypatch.setenv("BATCHSERVE_HUGE_PAGES", "0")
+    kept = HugePageArena().place(fresh)
+    assert kept is fresh
+    made_contiguous = HugePageArena().place(transposed)
+    assert made_contiguous.is_contiguous() and torch.equal(made_contiguous, transposed)
+    if huge_pages.host_cannot() is not None:
+        return
+    monkeypatch.setenv("BATCHSERVE_HUGE_PAGES", "1")
+    placed = HugePageArena(chunk_bytes=4 * HUGE_PAGE_BYTES).place(fresh)
+    assert placed.data_ptr() != fresh.data_ptr() and torch.equal(placed, fresh) and on_huge_pages(placed)
