@@ -111,7 +111,8 @@ def cluster():
     store = 200 * 1024**2
     nodes = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": False, "object_store_memory": store},
+        # no autoscaler monitor: the cluster's nodes are fixed
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "no_monitor": True, "object_store_memory": store},
     )
     nodes.add_node(num_cpus=2, object_store_memory=store)
     ray.init(address=nodes.address, log_to_driver=False)
@@ -456,9 +457,9 @@ def test_a_killed_replica_loses_no_request_and_the_app_recovers(base_url):
 
     async def one(client: httpx.AsyncClient, i: int, streaming: set[int]) -> str:
         # long enough that every stream is still running when the replica dies (the kill waits for all 16 to have
-        # streamed, a few of the 256 steps in: the tiny model's steps take milliseconds), short enough that the two
-        # rounds of 16 are not most of this module's time
-        body = {"prompt": words(i, 20 + i, 40, 41), "max_tokens": 256, "ignore_eos": True, "stream": True,
+        # streamed, a few of the 128 steps in: the tiny model's steps take ~10 ms here, so a second or more is left),
+        # short enough that the two rounds of 16 are not most of this module's time
+        body = {"prompt": words(i, 20 + i, 40, 41), "max_tokens": 128, "ignore_eos": True, "stream": True,
                 "temperature": 0}  # fmt: skip
         async with client.stream("POST", base_url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
