@@ -285,7 +285,7 @@ def _polling_client() -> httpx.Client:
 
 
 def _replica_metric(base_url: str, name: str, label: str = "") -> dict[str, float]:
-    """{replica: value} of one series on the ingress's /metrics (its lines holding `label`, e.g. 'reason="stop"')."""
+    """{replica: value} of one series on the ingress's /metrics (the lines holding `label`, if given)."""
     values: dict[str, float] = {}
     for line in _polling_client().get(base_url + "/metrics").text.splitlines():
         if line.startswith(name + "{") and 'replica="' in line and label in line:
