@@ -9,9 +9,12 @@ TP=2 equal one rank's and transformers', with rank 1 on the other node; a cluste
 naming the CPUs needed and available, and a group the cluster cannot place is refused after the wait, nothing left
 pending; a rank killed mid-run ends the engine with an error naming it within seconds.
 
-Then, on the same cluster once the ranks have given every CPU back: 2 engine replicas of SmolLM2-135M-Instruct (1
-thread each) behind the OpenAI ingress and the prefix-aware router; Ray's HTTP proxy (on the head node) on a free
-port, and the ingress's own HTTP server on another."""
+Then, on the same cluster once the ranks have given every CPU back: 2 engine replicas (1 thread each) behind the
+OpenAI ingress and the prefix-aware router; Ray's HTTP proxy (on the head node) on a free port, and the ingress's own
+HTTP server on another. The replicas serve a tiny random Llama with a word-level tokenizer (prompts are its words,
+w0 ... w47): these tests are about Ray, the ingress and the router, and each replica, ingress and reference engine
+would otherwise load a real checkpoint and its tokenizer, most of the module's CPU time. Its context is widened to
+4096 positions (rotary positions, no table to grow), so a stream can outlive the waits below unless it is aborted."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -60,7 +64,33 @@ def placement_group_table() -> dict:
 
 ENGINE = {"num_threads": 1, "dtype": "float32", "num_kv_blocks": 256, "max_batch_size": 16, "seed": 0}
 START_TIMEOUT_S = 240.0
-PROMPT = "The three primary colors are"
+APP_CONTEXT = 4096  # positions the app's model takes: 256 KV blocks of 16
+
+
+APP_WORDS = 48  # the app tokenizer's words, each twice: alone and after a space (VOCAB 96)
+
+
+def words(*ids: int) -> str:
+    """A prompt in the app model's vocabulary (its tokenizer maps any other word to w0)."""
+    return " ".join(f"w{i % APP_WORDS}" for i in ids)
+
+
+def _save_spaced_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer whose tokens carry the space before them, as byte-level BPE tokens do: a token's text
+    does not depend on the one before it, so a request moved to another replica mid-stream (prompt plus the tokens
+    streamed so far) goes on with the same text."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    space = "\u2581"
+    vocab = {f"w{i}": i for i in range(APP_WORDS)} | {f"{space}w{i}": APP_WORDS + i for i in range(APP_WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=space, prepend_scheme="never")
+    tokenizer.decoder = decoders.Metaspace(replacement=space, prepend_scheme="never")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(directory)
+
+
+PROMPT = words(5, 9, 17, 33, 40)
 
 
 RANK_PROMPTS = [[5, 9, 17, 33, 40, 41, 7, 12, 60, 3, 44], [8, 70], [23, 24, 25, 26, 27, 28]]
@@ -81,7 +111,8 @@ def cluster():
     store = 200 * 1024**2
     nodes = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": False, "object_store_memory": store},
+        # no autoscaler monitor: the cluster's nodes are fixed
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "no_monitor": True, "object_store_memory": store},
     )
     nodes.add_node(num_cpus=2, object_store_memory=store)
     ray.init(address=nodes.address, log_to_driver=False)
@@ -98,6 +129,18 @@ def model(tmp_path_factory):
     hf = build_hf_model("llama_head64", directory)  # 2 query heads, 1 KV head: replicated on both ranks
     save_word_tokenizer(directory)
     return hf, directory
+
+
+@pytest.fixture(scope="module")
+def app_engine(tmp_path_factory) -> dict:
+    """The Ray app's engine options: ENGINE on a tiny Llama saved with its word-level tokenizer."""
+    directory = tmp_path_factory.mktemp("llama_app")
+    build_hf_model("llama", directory)
+    _save_spaced_tokenizer(directory)
+    config_path = Path(directory) / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "max_position_embeddings": APP_CONTEXT}))
+    return {**ENGINE, "model": str(directory)}
 
 
 def _rank_tokens(llm: LLM) -> list[list[int]]:
@@ -204,7 +247,7 @@ def _quiet_ports(count: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def ray_app(cluster):
+def ray_app(cluster, app_engine):
     from ray import serve
 
     from batchserve.distributed.app import build_application
@@ -214,7 +257,7 @@ def ray_app(cluster):
     # one proxy, on the head: the two nodes share this host's loopback address and port
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     options = RayAppOptions(
-        engine=ENGINE, replicas=2, health_check_period_s=1.0, grpc_port=grpc_port, http_port=http_port
+        engine=app_engine, replicas=2, health_check_period_s=1.0, grpc_port=grpc_port, http_port=http_port
     )
     started = threading.Thread(
         target=serve.run, args=(build_application(options),), kwargs={"name": "batchserve", "route_prefix": "/"},
@@ -227,9 +270,9 @@ def ray_app(cluster):
 
 
 @pytest.fixture(scope="module")
-def single_engine_text():
+def single_engine_text(app_engine):
     """What one engine in this process answers greedily, the reference for the Ray app."""
-    llm = LLM(**ENGINE)
+    llm = LLM(**app_engine)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     return out[0].text
 
@@ -241,11 +284,11 @@ def _polling_client() -> httpx.Client:
     return httpx.Client(timeout=30)
 
 
-def _replica_metric(base_url: str, name: str) -> dict[str, float]:
-    """{replica: value} of one series on the ingress's /metrics."""
+def _replica_metric(base_url: str, name: str, label: str = "") -> dict[str, float]:
+    """{replica: value} of one series on the ingress's /metrics (the lines holding `label`, if given)."""
     values: dict[str, float] = {}
     for line in _polling_client().get(base_url + "/metrics").text.splitlines():
-        if line.startswith(name + "{") and 'replica="' in line:
+        if line.startswith(name + "{") and 'replica="' in line and label in line:
             replica = line.split('replica="', 1)[1].split('"', 1)[0]
             values[replica] = values.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
     return values
@@ -313,12 +356,12 @@ def test_bad_requests_get_a_clear_error_through_ray(base_url):
 
 
 def test_requests_sharing_a_prefix_land_on_the_same_replica(base_url):
-    system = "You are a careful assistant who answers questions about the geography of Europe. " * 6
+    system = words(*range(80)) + " "  # 80 tokens: 5 blocks of 16
     before = _replica_metric(base_url, "batchserve:prefix_cache_hits_total")
     decisions_before = parse_metrics(httpx.get(base_url + "/metrics").text).get("batchserve:router_decisions_total", 0)
     cached = []
-    for city in ("Rome", "Paris", "Vienna", "Lisbon", "Oslo"):
-        body = {"prompt": f"{system}Where is {city}?", "max_tokens": 2, "temperature": 0}
+    for question in range(5):
+        body = {"prompt": system + words(40 + question, 1, 2), "max_tokens": 2, "temperature": 0}
         response = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
         assert response.status_code == 200
         cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
@@ -339,7 +382,7 @@ def test_the_ingress_serves_the_dashboard_from_each_replicas_reports(base_url):
     """/dashboard on the Ray ingress: the page, and per replica the steps and finished requests its reports carry."""
     page = httpx.get(base_url + "/dashboard", timeout=30)
     assert page.status_code == 200 and 'id="replica"' in page.text
-    body = {"prompt": "Dashboard check:", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": words(61, 62, 63), "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     # taken before the request is sent: a request of the test before that finished just earlier is not this one
     started = time.time()
     assert httpx.post(base_url + "/v1/completions", json=body, timeout=120).status_code == 200
@@ -369,13 +412,17 @@ def test_the_ingress_serves_the_dashboard_from_each_replicas_reports(base_url):
 
 def test_clients_leaving_mid_stream_free_their_engine_requests(ray_app):
     """Streams dropped after their first chunk, beside streams read to the end, on the ingress's own port: every
-    engine request ends (aborted ones too), so the replicas hold no running request and no KV block afterwards."""
+    engine request ends, the dropped ones by their abort, so the replicas hold no running request and no KV block
+    afterwards."""
     url = ray_app[2]
+    ended = "batchserve:request_success_total"
+    aborted_before = sum(_replica_metric(url, ended, 'finished_reason="abort"').values())
+    completed_before = sum(_replica_metric(url, ended, 'finished_reason="length"').values())
 
     async def one(client: httpx.AsyncClient, i: int, leave: bool) -> str:
         # a stream left behind would run for minutes: only its abort ends it within the wait below
-        max_tokens = 2000 if leave else 16
-        body = {"prompt": f"Tale {i}: the river", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        max_tokens = 3000 if leave else 16
+        body = {"prompt": words(i, 70, 71), "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if leave and line.startswith("data: "):
@@ -396,6 +443,13 @@ def test_clients_leaving_mid_stream_free_their_engine_requests(ray_app):
 
     _wait_for(drained, 20, "the replicas to hold no request and no KV block")
 
+    def counted():  # the replicas' next reports carry the finished requests
+        aborted = sum(_replica_metric(url, ended, 'finished_reason="abort"').values()) - aborted_before
+        completed = sum(_replica_metric(url, ended, 'finished_reason="length"').values()) - completed_before
+        return (aborted, completed) if aborted + completed >= 16 else None
+
+    assert _wait_for(counted, 10, "the replicas' finished-request counts") == (8, 8)  # none of the dropped ran out
+
 
 def test_a_killed_replica_loses_no_request_and_the_app_recovers(base_url):
     """16 greedy streams, a replica killed under them: its requests move to the other replica (retried, or continued
@@ -403,9 +457,9 @@ def test_a_killed_replica_loses_no_request_and_the_app_recovers(base_url):
 
     async def one(client: httpx.AsyncClient, i: int, streaming: set[int]) -> str:
         # long enough that every stream is still running when the replica dies (the kill waits for all 16 to have
-        # streamed, a few of the 32 steps in), short enough that the two rounds of 16 are not most of this module's
-        # time
-        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 32, "ignore_eos": True, "stream": True,
+        # streamed, a few of the 128 steps in: the tiny model's steps take ~10 ms here, so a second or more is left),
+        # short enough that the two rounds of 16 are not most of this module's time
+        body = {"prompt": words(i, 20 + i, 40, 41), "max_tokens": 128, "ignore_eos": True, "stream": True,
                 "temperature": 0}  # fmt: skip
         async with client.stream("POST", base_url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -462,7 +516,9 @@ def _running_replicas() -> int:
     return deployment.replica_states.get("RUNNING", 0)
 
 
-def test_serve_replicas_joins_the_running_instance_serves_http_and_exits_cleanly_on_sigint(cluster, tmp_path):
+def test_serve_replicas_joins_the_running_instance_serves_http_and_exits_cleanly_on_sigint(
+    cluster, app_engine, tmp_path
+):
     """Last (it replaces the app above): `serve --replicas` where Ray is up ($RAY_ADDRESS) joins that instance instead
     of starting its own, serves HTTP from the ingress on --port, exits cleanly on SIGINT and deletes only its app.
     The start of an instance of its own is `launch._connect`'s other branch (tests/distributed/test_options_and_cli.py)."""
@@ -471,7 +527,7 @@ def test_serve_replicas_joins_the_running_instance_serves_http_and_exits_cleanly
     port = _quiet_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     command = [
-        sys.executable, "-m", "batchserve.cli", "serve", "--replicas", "1", "--num-threads", "1", "--port", str(port),
+        sys.executable, "-m", "batchserve.cli", "serve", "--replicas", "1", "--model", app_engine["model"], "--num-threads", "1", "--port", str(port),
         "--dtype", "float32", "--num-kv-blocks", "64", "--drain-timeout", "5",
     ]  # fmt: skip
     log_path = tmp_path / "serve.log"
@@ -480,7 +536,7 @@ def test_serve_replicas_joins_the_running_instance_serves_http_and_exits_cleanly
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=joining)
         try:
             wait_ready(server, url, timeout_s=300)
-            body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            body = {"prompt": words(7, 8, 9), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
             response = httpx.post(url + "/v1/completions", json=body, timeout=120)
             assert response.status_code == 200, response.text
             assert response.json()["usage"]["completion_tokens"] == 4
