@@ -138,6 +138,15 @@ def save_word_tokenizer(directory: Path, word: str = "w") -> None:
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
 
 
+def text_after(tokenizer, prompt: list[int], output: list[int]) -> str:
+    """`output`'s text as the engine streams it: read after the prompt's last tokens (engine/detokenizer.py), so a
+    word tokenizer's first output word keeps the space before it."""
+    from batchserve.engine.detokenizer import CONTEXT_TOKENS
+
+    tail = prompt[-CONTEXT_TOKENS:]
+    return tokenizer.decode(tail + output)[len(tokenizer.decode(tail)) :]
+
+
 def tiny_checkpoint(tmp_path_factory, kind: str, name: str) -> tuple[nn.Module, Path]:
     """A tiny random `kind` model and its word-level tokenizer saved in a fresh folder `name`: (HF model, folder)."""
     directory = tmp_path_factory.mktemp(name)

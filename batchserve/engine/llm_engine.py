@@ -237,7 +237,11 @@ class LLMEngine:
         if limit is not None and self.scheduler.num_waiting >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
         detokenizer = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+            self.tokenizer,
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+            context=request.prompt_token_ids,
         )
         if self.kv_pool_can_grow:  # room for this request at its longest (LLM.generate reserved a whole batch's)
             self.reserve_kv_blocks(self.worst_case_blocks(request.num_prompt_tokens, params.max_tokens))

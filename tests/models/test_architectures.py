@@ -27,7 +27,7 @@ from batchserve.models.hf_config import common_fields, hf_rope
 from tests.models.conftest import CountingLoop, MiniScheduler, load_ours, make_runner, staggered_outputs
 from tests.models.test_gemma import widened_window_greedy
 from tests.models.test_llama import our_prefill_logits, prompt_ids
-from tests.tiny_models import ARCH_KINDS, VOCAB, build_hf_model, hf_greedy
+from tests.tiny_models import ARCH_KINDS, VOCAB, build_hf_model, hf_greedy, text_after
 
 NATIVE = kernels.load() is not None
 
@@ -381,5 +381,5 @@ def test_the_models_own_chat_template_through_chat_completions(tmp_path):
     finally:
         server.stop()
     assert reply["usage"]["prompt_tokens"] == len(prompt)
-    expected = tokenizer.decode(hf_greedy(hf, prompt, 8))
+    expected = text_after(tokenizer, prompt, hf_greedy(hf, prompt, 8))
     assert reply["choices"][0]["message"]["content"] == expected
