@@ -21,7 +21,7 @@ TOLERANCE = {"avx512_bf16": 5e-5}
 # The dot products leave a row's key block at one rounding where its largest weight is below 2^REST_BELOW of the row's
 # running maximum (kRestBelow in prefill_tiles.h), so below that of the row's final maximum. Rounding to bf16 moves a
 # weight by at most 2^-8 of it, so such blocks move an output by at most 2^-8 sum(p_j |v_j|) over their keys.
-ONE_ROUNDING = {"avx512_bf16": -4.0}
+ONE_ROUNDING = {"avx512_bf16": -1.0}
 KEY_BLOCK = 128  # keys per softmax block, aligned to position 0
 NEEDS = {"amx": "AMX tiles granted to this process", "avx512_bf16": "avx512_bf16 in the CPU and the build"}
 

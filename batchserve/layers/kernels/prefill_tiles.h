@@ -64,7 +64,7 @@ constexpr int64_t kWeights = kRows * kBlock;  // bf16 weights of one visit's P
 // of its keys, take P.V's products once. The choice reads only the row's own scores and running maximum, which are
 // the same bits in any chunking, so a row's output still never depends on its chunk or its tile mates (a row left at
 // one rounding has zero remainders, whose products add exact zeros where a mate's are multiplied).
-constexpr float kRestBelow = -4.f;
+constexpr float kRestBelow = -1.f;
 
 // A backend's P buffer: the rounded weights, and their remainders where it splits them.
 template <class Tiles>
