@@ -89,32 +89,17 @@ def bad_bodies() -> list[tuple[str, str, dict[str, str]]]:
     """(path, raw body, extra headers): each must be answered 4xx."""
     ok = {"prompt": "hi", "max_tokens": 2}
     bodies = [
-        {**ok, "top_k": 10**12},
-        {**ok, "temperature": 1e6},
-        {**ok, "logit_bias": {"1_0": 1}},
-        {**ok, "logit_bias": {" 1": 1}},
-        {**ok, "stop_token_ids": list(range(590_000))},
-        {**ok, "stop": ["x"] * 1000},
-        {**ok, "logprobs": 10**6},
-        {**ok, "n": 10**6},
-        {**ok, "max_tokens": -1},
-        {**ok, "prompt": [10**9]},
-        {**ok, "prompt": [[1] * 300_000]},
-        {**ok, "seed": 2**70},
-        {**ok, "min_p": -1},
-        {"prompt": 5},
+        {**ok, "top_k": 10**12}, {**ok, "temperature": 1e6}, {**ok, "logit_bias": {"1_0": 1}},
+        {**ok, "logit_bias": {" 1": 1}}, {**ok, "stop_token_ids": list(range(590_000))}, {**ok, "stop": ["x"] * 1000},
+        {**ok, "logprobs": 10**6}, {**ok, "n": 10**6}, {**ok, "max_tokens": -1}, {**ok, "prompt": [10**9]},
+        {**ok, "prompt": [[1] * 300_000]}, {**ok, "seed": 2**70}, {**ok, "min_p": -1}, {"prompt": 5},
     ]
     raw = [(COMPLETIONS, json.dumps(b), {}) for b in bodies]
     raw += [
-        (COMPLETIONS, '{"prompt": "hi", "max_tokens": NaN}', {}),
-        (COMPLETIONS, "[" * 5000 + "]" * 5000, {}),
-        (COMPLETIONS, '{"prompt": "\\ud800"}', {}),
-        (COMPLETIONS, "{", {}),
-        (
-            "/v1/chat/completions",
-            json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": {"json_schema": {}}}),
-            {},
-        ),
+        (COMPLETIONS, '{"prompt": "hi", "max_tokens": NaN}', {}), (COMPLETIONS, "[" * 5000 + "]" * 5000, {}),
+        (COMPLETIONS, '{"prompt": "\\ud800"}', {}), (COMPLETIONS, "{", {}),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                             "response_format": {"json_schema": {}}}), {}),
         ("/detokenize", json.dumps({"tokens": [1] * 300_000}), {}),
         ("/v2/models/ensemble/generate", '{"text_input": ' + "[" * 900 + '"x"' + "]" * 900 + ', "max_tokens": 2}', {}),
         ("/v2/models/ensemble/generate", '{"text_input": "x", "max_tokens": 2, "top_p": 1e400}', {}),
@@ -126,11 +111,8 @@ def probe_bad_bodies(url: str) -> dict[str, Any]:
     statuses = []
     with httpx.Client(timeout=60) as client:
         for path, body, headers in bad_bodies():
-            statuses.append(
-                client.post(
-                    url + path, content=body, headers={"Content-Type": "application/json", **headers}
-                ).status_code
-            )
+            statuses.append(client.post(url + path, content=body,
+                                        headers={"Content-Type": "application/json", **headers}).status_code)
     return {"bad_bodies": len(statuses), "bad_bodies_5xx": sum(s >= 500 for s in statuses),
             "bad_bodies_2xx": sum(s < 300 for s in statuses)}  # fmt: skip
 
@@ -149,13 +131,8 @@ def probe_stop_ids_attack(url: str, attackers: int = 8, repeats: int = 3) -> dic
     """A victim stream beside `attackers` requests holding the largest stop-id list accepted (min_tokens keeps it
     masked at every step), against the same load without stop ids, alternated `repeats` times (medians): on a
     shared host the load around moves either figure by more than the attack could."""
-    attack = {
-        "prompt": "x",
-        "max_tokens": 64,
-        "min_tokens": 64,
-        "ignore_eos": True,
-        "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS, 0, -1)),
-    }
+    attack = {"prompt": "x", "max_tokens": 64, "min_tokens": 64, "ignore_eos": True,
+              "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS, 0, -1))}
     plain = {**attack, "stop_token_ids": [], "min_tokens": 0}
     refused = httpx.post(url + COMPLETIONS, json={**attack, "stop_token_ids": list(range(590_000))}, timeout=60)
 
@@ -172,12 +149,9 @@ def probe_stop_ids_attack(url: str, attackers: int = 8, repeats: int = 3) -> dic
         beside_plain.append(asyncio.run(victim_beside(plain)))
         beside_attack.append(asyncio.run(victim_beside(attack)))
     loaded, attacked = statistics.median(beside_plain), statistics.median(beside_attack)
-    return {
-        "victim_beside_plain_s": [round(v, 2) for v in beside_plain],
-        "victim_beside_attack_s": [round(v, 2) for v in beside_attack],
-        "attack_slowdown_vs_same_load": round(attacked / loaded, 3),
-        "590k_stop_ids_status": refused.status_code,
-    }
+    return {"victim_beside_plain_s": [round(v, 2) for v in beside_plain],
+            "victim_beside_attack_s": [round(v, 2) for v in beside_attack],
+            "attack_slowdown_vs_same_load": round(attacked / loaded, 3), "590k_stop_ids_status": refused.status_code}
 
 
 # ------------------------------------------------------------------------------------------------ big detokenize
@@ -219,7 +193,6 @@ def _load(url: str, clients: int, duration_s: float, out: multiprocessing.Queue,
         deadline = time.monotonic() + duration_s
         limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-
             async def one_client(i: int) -> None:
                 while time.monotonic() < deadline:
                     body = {"prompt": f"client {i} says", "max_tokens": max_tokens, "ignore_eos": True}
@@ -310,15 +283,11 @@ def _attack(url: str, path: str, body: dict[str, Any], clients: int, started: An
         counts: dict[str, int] = {}
         raw = json.dumps(body)
         async with httpx.AsyncClient(timeout=120) as client:
-
             async def one() -> None:
                 while not stop.is_set():
                     try:  # a server may close the connection on a refused body: counted, and sent again
-                        status = str(
-                            (
-                                await client.post(url + path, content=raw, headers={"content-type": "application/json"})
-                            ).status_code
-                        )
+                        status = str((await client.post(url + path, content=raw,
+                                                        headers={"content-type": "application/json"})).status_code)
                     except httpx.HTTPError as exc:
                         status = type(exc).__name__
                     counts[status] = counts.get(status, 0) + 1
@@ -383,12 +352,8 @@ def probe_tpot_beside_hostile(url: str, server_pid: int, clients: int = 8, repea
     report: dict[str, Any] = {"clients": clients, "tpot_alone_ms": round(1000 * alone, 1)}
     for name in chosen:
         beside = statistics.median(tpot[name])
-        report[name] = {
-            "tpot_ms": round(1000 * beside, 1),
-            "ratio": round(beside / alone, 2),
-            "attacker_statuses": statuses[name],
-            "cores_used": cpu[name],
-        }
+        report[name] = {"tpot_ms": round(1000 * beside, 1), "ratio": round(beside / alone, 2),
+                        "attacker_statuses": statuses[name], "cores_used": cpu[name]}
     return report
 
 
@@ -445,44 +410,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overload-s", type=float, default=20.0)
     parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S)
     parser.add_argument("--load-max-tokens", type=int, default=16, help="max_tokens of the overload's requests")
-    parser.add_argument(
-        "--rounds", default="bad_bodies,stop_ids,detokenize,overload,slow_sockets", help="comma-separated"
-    )
-    parser.add_argument(
-        "--hostile-bodies",
-        default=",".join(HOSTILE_BODIES),
-        help="round tpot: the hostile bodies sent beside the stream, comma-separated",
-    )
+    parser.add_argument("--rounds", default="bad_bodies,stop_ids,detokenize,overload,slow_sockets",
+                        help="comma-separated")
+    parser.add_argument("--hostile-bodies", default=",".join(HOSTILE_BODIES),
+                        help="round tpot: the hostile bodies sent beside the stream, comma-separated")
     parser.add_argument("--tpot-repeats", type=int, default=2, help="round tpot: alternations (medians)")
-    parser.add_argument(
-        "--victim-tokens",
-        type=int,
-        default=24,
-        help="round tpot: the stream's output tokens (fewer: a shorter round on a loaded host)",
-    )
-    parser.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        dest="server_args",
-        help="one more flag of `batchserve serve` (repeat it), e.g. --server-arg=--error-delay-max=0",
-    )
+    parser.add_argument("--victim-tokens", type=int, default=24,
+                        help="round tpot: the stream's output tokens (fewer: a shorter round on a loaded host)")
+    parser.add_argument("--server-arg", action="append", default=[], dest="server_args",
+                        help="one more flag of `batchserve serve` (repeat it), e.g. --server-arg=--error-delay-max=0")
     parser.add_argument("--output", default="bench_results/hostile.json")
-    parser.add_argument(
-        "--in-process",
-        action="store_true",
-        help="the engine core in the server's process (--disable-frontend-multiprocessing)",
-    )
+    parser.add_argument("--in-process", action="store_true",
+                        help="the engine core in the server's process (--disable-frontend-multiprocessing)")
     args = parser.parse_args(argv)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start(args.fake, port, args.header_timeout, args.in_process, args.server_args)
-    report: dict[str, Any] = {
-        "engine": "fake" if args.fake else "default model",
-        "engine_core": "in-process" if args.in_process else "own process",
-        "cpu": cpu_name(),
-        "server_args": args.server_args,
-    }
+    report: dict[str, Any] = {"engine": "fake" if args.fake else "default model",
+                              "engine_core": "in-process" if args.in_process else "own process", "cpu": cpu_name(),
+                              "server_args": args.server_args}
     try:
         wait_ready(proc, url)
         report["rss_mb_start"] = round(rss_mb(proc.pid))

@@ -19,18 +19,14 @@ would otherwise load a real checkpoint and its tokenizer, most of the module's C
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -42,6 +38,14 @@ from batchserve.sampling_params import SamplingParams
 from batchserve.serving.metrics import parse_metrics
 from batchserve.worker import ray_ranks
 from batchserve.worker.parallel_executor import RankDiedError
+from tests.distributed.ray_app_helpers import (
+    polling_client,
+    quiet_ports,
+    replica_metric,
+    save_app_model,
+    wait_for,
+    words,
+)
 from tests.lazy import LazyModule
 from tests.tiny_models import build_hf_model, hf_greedy, save_word_tokenizer
 
@@ -64,30 +68,6 @@ def placement_group_table() -> dict:
 
 ENGINE = {"num_threads": 1, "dtype": "float32", "num_kv_blocks": 256, "max_batch_size": 16, "seed": 0}
 START_TIMEOUT_S = 240.0
-APP_CONTEXT = 4096  # positions the app's model takes: 256 KV blocks of 16
-
-
-APP_WORDS = 48  # the app tokenizer's words, each twice: alone and after a space (VOCAB 96)
-
-
-def words(*ids: int) -> str:
-    """A prompt in the app model's vocabulary (its tokenizer maps any other word to w0)."""
-    return " ".join(f"w{i % APP_WORDS}" for i in ids)
-
-
-def _save_spaced_tokenizer(directory: Path) -> None:
-    """A word-level tokenizer whose tokens carry the space before them, as byte-level BPE tokens do: a token's text
-    does not depend on the one before it, so a request moved to another replica mid-stream (prompt plus the tokens
-    streamed so far) goes on with the same text."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    space = "\u2581"
-    vocab = {f"w{i}": i for i in range(APP_WORDS)} | {f"{space}w{i}": APP_WORDS + i for i in range(APP_WORDS)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=space, prepend_scheme="never")
-    tokenizer.decoder = decoders.Metaspace(replacement=space, prepend_scheme="never")
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(directory)
 
 
 PROMPT = words(5, 9, 17, 33, 40)
@@ -135,11 +115,7 @@ def model(tmp_path_factory):
 def app_engine(tmp_path_factory) -> dict:
     """The Ray app's engine options: ENGINE on a tiny Llama saved with its word-level tokenizer."""
     directory = tmp_path_factory.mktemp("llama_app")
-    build_hf_model("llama", directory)
-    _save_spaced_tokenizer(directory)
-    config_path = Path(directory) / "config.json"
-    config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "max_position_embeddings": APP_CONTEXT}))
+    save_app_model(directory)
     return {**ENGINE, "model": str(directory)}
 
 
@@ -230,22 +206,6 @@ def _wait_all_cpus_free() -> None:
         time.sleep(0.1)
 
 
-def _quiet_ports(count: int) -> list[int]:
-    """Free ports below the kernel's ephemeral range (32768-60999) and above Ray's worker ports (10002-19999): Ray's
-    processes, started between a pick and the ingress's bind, take theirs from the ephemeral range."""
-    rng, ports = random.Random(), []
-    while len(ports) < count:
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
 @pytest.fixture(scope="module")
 def ray_app(cluster, app_engine):
     from ray import serve
@@ -253,7 +213,7 @@ def ray_app(cluster, app_engine):
     from batchserve.distributed.app import build_application
     from batchserve.distributed.options import RayAppOptions
 
-    port, grpc_port, http_port = _quiet_ports(3)
+    port, grpc_port, http_port = quiet_ports(3)
     # one proxy, on the head: the two nodes share this host's loopback address and port
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     options = RayAppOptions(
@@ -275,33 +235,6 @@ def single_engine_text(app_engine):
     llm = LLM(**app_engine)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     return out[0].text
-
-
-@functools.cache
-def _polling_client() -> httpx.Client:
-    """The client of the waits that poll: httpx.get() builds a client (and its TLS context) per call, ~30 ms of CPU,
-    taken from the replicas being waited for."""
-    return httpx.Client(timeout=30)
-
-
-def _replica_metric(base_url: str, name: str, label: str = "") -> dict[str, float]:
-    """{replica: value} of one series on the ingress's /metrics (the lines holding `label`, if given)."""
-    values: dict[str, float] = {}
-    for line in _polling_client().get(base_url + "/metrics").text.splitlines():
-        if line.startswith(name + "{") and 'replica="' in line and label in line:
-            replica = line.split('replica="', 1)[1].split('"', 1)[0]
-            values[replica] = values.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
-
-
-def _wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +290,7 @@ def test_bad_requests_get_a_clear_error_through_ray(base_url):
 
 def test_requests_sharing_a_prefix_land_on_the_same_replica(base_url):
     system = words(*range(80)) + " "  # 80 tokens: 5 blocks of 16
-    before = _replica_metric(base_url, "batchserve:prefix_cache_hits_total")
+    before = replica_metric(base_url, "batchserve:prefix_cache_hits_total")
     decisions_before = parse_metrics(httpx.get(base_url + "/metrics").text).get("batchserve:router_decisions_total", 0)
     cached = []
     for question in range(5):
@@ -368,11 +301,11 @@ def test_requests_sharing_a_prefix_land_on_the_same_replica(base_url):
     assert cached[0] == 0 and min(cached[1:]) >= 64, cached  # each later one reused the system prompt's blocks
 
     def hits_settled():
-        after = _replica_metric(base_url, "batchserve:prefix_cache_hits_total")
+        after = replica_metric(base_url, "batchserve:prefix_cache_hits_total")
         gained = {r: after.get(r, 0) - before.get(r, 0) for r in after}
         return gained if sum(gained.values()) >= 4 * 64 else None  # 4 repeats x >= 4 blocks of the system prompt
 
-    gained = _wait_for(hits_settled, 15, "the replicas' prefix-cache hits")
+    gained = wait_for(hits_settled, 15, "the replicas' prefix-cache hits")
     assert sorted(gained.values())[0] == 0, gained  # every hit on one replica: the other never saw the prefix
     decisions = parse_metrics(httpx.get(base_url + "/metrics").text)["batchserve:router_decisions_total"]
     assert decisions - decisions_before >= 5
@@ -388,19 +321,17 @@ def test_the_ingress_serves_the_dashboard_from_each_replicas_reports(base_url):
     assert httpx.post(base_url + "/v1/completions", json=body, timeout=120).status_code == 200
 
     def reported() -> dict | None:  # a replica's next routing-stats report carries the finished request
-        data = _polling_client().get(base_url + "/dashboard/data", params={"requests": True}).json()
+        data = polling_client().get(base_url + "/dashboard/data", params={"requests": True}).json()
         finished = []
         for replica in data["replicas"]:
             one = (
-                _polling_client()
-                .get(base_url + "/dashboard/data", params={"requests": True, "replica": replica})
-                .json()
+                polling_client().get(base_url + "/dashboard/data", params={"requests": True, "replica": replica}).json()
             )
             assert one["replica"] == replica
             finished += [(one, r) for r in one["requests"] if r["finished_time"] > started]
         return finished[0] if finished else None
 
-    data, request = _wait_for(reported, 15, "a replica's dashboard report")
+    data, request = wait_for(reported, 15, "a replica's dashboard report")
     assert len(data["replicas"]) == 2
     assert request["output_tokens"] == 6 and request["finish_reason"] == "length"
     assert data["steps"] and data["limits"]["num_kv_blocks"] == int(data["config"]["num_kv_blocks"])
@@ -416,8 +347,8 @@ def test_clients_leaving_mid_stream_free_their_engine_requests(ray_app):
     afterwards."""
     url = ray_app[2]
     ended = "batchserve:request_success_total"
-    aborted_before = sum(_replica_metric(url, ended, 'finished_reason="abort"').values())
-    completed_before = sum(_replica_metric(url, ended, 'finished_reason="length"').values())
+    aborted_before = sum(replica_metric(url, ended, 'finished_reason="abort"').values())
+    completed_before = sum(replica_metric(url, ended, 'finished_reason="length"').values())
 
     async def one(client: httpx.AsyncClient, i: int, leave: bool) -> str:
         # a stream left behind would run for minutes: only its abort ends it within the wait below
@@ -437,18 +368,18 @@ def test_clients_leaving_mid_stream_free_their_engine_requests(ray_app):
     assert outcomes.count("left") == 8 and outcomes.count("read") == 8
 
     def drained():
-        running = _replica_metric(url, "batchserve:num_requests_running")
-        usage = _replica_metric(url, "batchserve:kv_cache_usage_perc")
+        running = replica_metric(url, "batchserve:num_requests_running")
+        usage = replica_metric(url, "batchserve:kv_cache_usage_perc")
         return running and sum(running.values()) == 0 and sum(usage.values()) == 0
 
-    _wait_for(drained, 20, "the replicas to hold no request and no KV block")
+    wait_for(drained, 20, "the replicas to hold no request and no KV block")
 
     def counted():  # the replicas' next reports carry the finished requests
-        aborted = sum(_replica_metric(url, ended, 'finished_reason="abort"').values()) - aborted_before
-        completed = sum(_replica_metric(url, ended, 'finished_reason="length"').values()) - completed_before
+        aborted = sum(replica_metric(url, ended, 'finished_reason="abort"').values()) - aborted_before
+        completed = sum(replica_metric(url, ended, 'finished_reason="length"').values()) - completed_before
         return (aborted, completed) if aborted + completed >= 16 else None
 
-    assert _wait_for(counted, 10, "the replicas' finished-request counts") == (8, 8)  # none of the dropped ran out
+    assert wait_for(counted, 10, "the replicas' finished-request counts") == (8, 8)  # none of the dropped ran out
 
 
 def test_a_killed_replica_loses_no_request_and_the_app_recovers(base_url):
@@ -499,7 +430,7 @@ def test_a_killed_replica_loses_no_request_and_the_app_recovers(base_url):
     assert asyncio.run(run(kill=True)) == undisturbed
     assert moved("continue") > continued  # requests that had streamed tokens went on elsewhere
 
-    _wait_for(lambda: len(_engine_replica_names()) == 2 and _running_replicas() == 2, 180, "the replacement replica")
+    wait_for(lambda: len(_engine_replica_names()) == 2 and _running_replicas() == 2, 180, "the replacement replica")
     body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
     for _ in range(4):  # both replicas serve again
         assert httpx.post(base_url + "/v1/completions", json=body, timeout=120).status_code == 200
@@ -524,7 +455,7 @@ def test_serve_replicas_joins_the_running_instance_serves_http_and_exits_cleanly
     The start of an instance of its own is `launch._connect`'s other branch (tests/distributed/test_options_and_cli.py)."""
     from ray import serve
 
-    port = _quiet_ports(1)[0]
+    port = quiet_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     command = [
         sys.executable, "-m", "batchserve.cli", "serve", "--replicas", "1", "--model", app_engine["model"], "--num-threads", "1", "--port", str(port),
